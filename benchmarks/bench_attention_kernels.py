@@ -1,0 +1,176 @@
+"""Micro-benchmark of the Triton attention kernels (CUDA only).
+
+Decode: time of both stages vs batch size and sequence length, and the KV bandwidth achieved (bytes of K and V read,
+plus the req_to_token entries, over the kernel time). Extend: time and TFLOP/s of a few prefill shapes.
+Each case is captured in a CUDA graph and replayed, so launch overhead is left out.
+
+    python benchmarks/bench_attention_kernels.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def time_graph(fn: Callable[[], object], iters: int) -> float:
+    """Mean seconds of one call of fn, replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def make_kv(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seq_lens: list[int],
+            shuffled: bool, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k_buf = torch.randn(num_tokens + 1, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    v_buf = torch.randn(num_tokens + 1, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    slots = torch.arange(1, num_tokens + 1, device="cuda", dtype=torch.int32)
+    if shuffled:
+        slots = slots[torch.randperm(num_tokens, device="cuda")]
+    req_to_token = torch.zeros(len(seq_lens), context, dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(seq_lens):
+        req_to_token[i, :n] = slots[start:start + n]
+        start += n
+    return k_buf, v_buf, req_to_token
+
+
+def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
+    from radixserve.layers.attention.triton_ops.decode_attention import decode_attention_fwd, decode_partial_shapes
+
+    h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for bs in parse_ints(args.batch_sizes):
+        for seq_len in parse_ints(args.seq_lens):
+            if bs * seq_len > args.max_tokens:
+                continue
+            seq_lens = [seq_len] * bs
+            k_buf, v_buf, req_to_token = make_kv(bs * seq_len, hkv, d, dtype, seq_lens, not args.contiguous,
+                                                 seq_len)
+            q = torch.randn(bs, h, d, device="cuda", dtype=dtype)
+            o = torch.empty_like(q)
+            rpi = torch.arange(bs, device="cuda", dtype=torch.int64)
+            sl = torch.tensor(seq_lens, device="cuda", dtype=torch.int64)
+            for max_splits in parse_ints(args.max_kv_splits):
+                shape_o, shape_lse = decode_partial_shapes(bs, h, d, max_splits)
+                mid_o = torch.empty(shape_o, device="cuda", dtype=torch.float32)
+                mid_lse = torch.empty(shape_lse, device="cuda", dtype=torch.float32)
+                group = h // hkv
+                head_blocks = 1 if group == 1 else -(-group // min(64, max(16, 1 << (group - 1).bit_length())))
+                cap = max(1, min(max_splits, -(-4 * sms // (bs * hkv * head_blocks))))
+
+                run = functools.partial(decode_attention_fwd, q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o,
+                                        mid_lse, d ** -0.5, num_kv_splits=cap, min_split_len=args.min_split_len)
+                secs = time_graph(run, args.iters)
+                kv_bytes = bs * seq_len * hkv * d * 2 * k_buf.element_size() + bs * seq_len * 4
+                row = {"kernel": "decode", "batch_size": bs, "seq_len": seq_len, "heads": h, "kv_heads": hkv,
+                       "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "max_kv_splits": max_splits,
+                       "split_cap": cap, "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
+                rows.append(row)
+                print(f"decode  bs={bs:4d} seq={seq_len:6d} splits<={max_splits:2d} (cap {cap:2d})  "
+                      f"{row['time_us']:9.1f} us  {row['kv_read_gb_per_s']:8.0f} GB/s", flush=True)
+            del k_buf, v_buf, req_to_token
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_extend(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
+    from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+
+    h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    rows = []
+    for bs, prefix_len, extend_len in ((1, 0, 4096), (1, 0, 16384), (4, 3072, 1024), (16, 0, 1024),
+                                       (8, 8000, 128)):
+        seq_lens = [prefix_len + extend_len] * bs
+        k_buf, v_buf, req_to_token = make_kv(bs * seq_lens[0], hkv, d, dtype, seq_lens, not args.contiguous,
+                                             seq_lens[0])
+        t = bs * extend_len
+        q = torch.randn(t, h, d, device="cuda", dtype=dtype)
+        k = torch.randn(t, hkv, d, device="cuda", dtype=dtype)
+        v = torch.randn(t, hkv, d, device="cuda", dtype=dtype)
+        o = torch.empty_like(q)
+        dev = dict(device="cuda", dtype=torch.int64)
+        rpi = torch.arange(bs, **dev)
+        pre = torch.full((bs,), prefix_len, **dev)
+        ext = torch.full((bs,), extend_len, **dev)
+        start = torch.arange(bs, **dev) * extend_len
+
+        run = functools.partial(extend_attention_fwd, q, k, v, o, k_buf, v_buf, req_to_token, rpi, pre, ext, start,
+                                extend_len, d ** -0.5)
+        secs = time_graph(run, max(3, args.iters // 10))
+        pairs = bs * (extend_len * prefix_len + extend_len * (extend_len + 1) // 2)
+        flops = 4 * pairs * h * d
+        row = {"kernel": "extend", "batch_size": bs, "prefix_len": prefix_len, "extend_len": extend_len, "heads": h,
+               "kv_heads": hkv, "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "time_us": secs * 1e6,
+               "tflops": flops / secs / 1e12}
+        rows.append(row)
+        print(f"extend  bs={bs:3d} prefix={prefix_len:5d} extend={extend_len:5d}  {row['time_us']:10.1f} us  "
+              f"{row['tflops']:6.1f} TFLOP/s", flush=True)
+        del k_buf, v_buf, req_to_token
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    p.add_argument("--seq-lens", default="512,2048,8192,32768")
+    p.add_argument("--max-tokens", type=int, default=4_000_000, help="skip decode cases with more KV tokens")
+    p.add_argument("--max-kv-splits", default="16", help="comma-separated values to compare")
+    p.add_argument("--min-split-len", type=int, default=64)
+    p.add_argument("--contiguous", action="store_true", help="lay each request's KV out contiguously "
+                                                              "(default: slots shuffled, as after many frees)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--skip-extend", action="store_true")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention_kernels.py needs a CUDA device")
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    t0 = time.time()
+    rows = bench_decode(args, dtype)
+    if not args.skip_extend:
+        rows += bench_extend(args, dtype)
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "args": vars(args), "results": rows,
+              "wall_s": time.time() - t0}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

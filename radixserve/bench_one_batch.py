@@ -1,0 +1,170 @@
+"""Static-batch latency through the ModelRunner directly (no scheduler, no processes).
+
+    python -m radixserve.bench_one_batch --batch-size 1 8 --input-len 64 --output-len 32
+    python -m radixserve.bench_one_batch --correctness-test          # decode real prompts, print the text
+
+Prints prefill latency, median decode step latency and throughput per batch size, and writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+CORRECTNESS_PROMPTS = ["What is the capital of France?", "Name three primary colors.",
+                       "Write a haiku about the sea."]
+
+
+class StaticBatch:
+    """Prefill a fixed set of prompts together, then decode them step by step, all through one ModelRunner."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.vocab = runner.model_config.vocab_size
+
+    def _sync(self) -> None:
+        if self.runner.is_cuda:
+            torch.cuda.synchronize()
+
+    def prefill(self, prompts: list[list[int]], sampling: dict[str, Any] | None = None) -> tuple[ScheduleBatch, list]:
+        reqs = []
+        for i, ids in enumerate(prompts):
+            sp = SamplingParams.from_dict(dict(sampling or {"temperature": 0, "max_new_tokens": 1 << 30}))
+            req = Req(str(i), ids, sp)
+            req.init_next_round_input(None)
+            reqs.append(req)
+        batch = ScheduleBatch(reqs, self.runner.req_to_token_pool, self.runner.token_to_kv_pool, None,
+                              self.runner.device, self.vocab)
+        batch.prepare_for_extend()
+        next_ids = self._run(batch)
+        return batch, next_ids
+
+    def _run(self, batch: ScheduleBatch) -> list[int]:
+        from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+        fb = ForwardBatch.init_new(batch.get_model_worker_batch(), self.runner)
+        logits = self.runner.forward(fb)
+        ids = self.runner.sample(logits, fb)
+        if batch.sampling_info is not None:
+            batch.sampling_info.update_penalties(ids)
+        self.last_logits = logits
+        out = ids.tolist()
+        for req, t in zip(batch.reqs, out, strict=True):
+            req.output_ids.append(t)
+        return out
+
+    def decode(self, batch: ScheduleBatch) -> list[int]:
+        batch.prepare_for_decode()
+        return self._run(batch)
+
+    def release(self, batch: ScheduleBatch) -> None:
+        for r in batch.reqs:
+            self.runner.token_to_kv_pool.free(self.runner.req_to_token_pool.read(r.req_pool_idx, 0,
+                                                                                 r.kv_committed_len))
+            self.runner.req_to_token_pool.free(r.req_pool_idx)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        batch, _ = self.prefill(prompts)
+        for _ in range(max_new_tokens - 1):
+            self.decode(batch)
+        out = [list(r.output_ids) for r in batch.reqs]
+        self.release(batch)
+        return out
+
+
+def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.model_config.vocab_size
+    prompts = torch.randint(0, vocab, (batch_size, input_len), generator=g).tolist()
+    sb = StaticBatch(runner)
+    sb._sync()
+    t0 = time.perf_counter()
+    batch, _ = sb.prefill(prompts)
+    sb._sync()
+    prefill = time.perf_counter() - t0
+    steps = []
+    for _ in range(output_len - 1):
+        t = time.perf_counter()
+        sb.decode(batch)
+        sb._sync()
+        steps.append(time.perf_counter() - t)
+    sb.release(batch)
+    med = statistics.median(steps) if steps else float("nan")
+    return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+            "prefill_latency_s": prefill, "prefill_tok_s": batch_size * input_len / prefill,
+            "median_decode_s": med, "decode_tok_s": batch_size / med if steps else None,
+            "total_latency_s": prefill + sum(steps)}
+
+
+def correctness_test(runner: ModelRunner, tokenizer: Any, output_len: int) -> list[str]:
+    prompts = []
+    for p in CORRECTNESS_PROMPTS:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer.encode(p)
+        prompts.append(list(ids))
+    outs = StaticBatch(runner).generate(prompts, output_len)
+    texts = []
+    for p, o in zip(CORRECTNESS_PROMPTS, outs, strict=True):
+        text = tokenizer.decode(o, skip_special_tokens=True)
+        texts.append(text)
+        print(f"=== {p}\n{text}\n")
+    return texts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--correctness-test", action="store_true")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
+    parser.add_argument("--result-file", default="bench_one_batch.json")
+    args = parser.parse_args(argv)
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    server_args = ServerArgs(**{k: v for k, v in vars(args).items() if k in names})
+    logging.basicConfig(level=server_args.log_level.upper())
+    from radixserve.entrypoints.engine import resolve_model
+
+    model_config = resolve_model(server_args)
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = max(args.batch_size)
+    runner = ModelRunner(model_config, server_args)
+    if args.correctness_test:
+        from radixserve.managers.tokenizer_utils import get_tokenizer
+
+        correctness_test(runner, get_tokenizer(model_config.tokenizer_path), args.output_len)
+        return
+    results = []
+    for bs in args.batch_size:
+        for _ in range(args.warmup):
+            latency_test(runner, bs, args.input_len, min(args.output_len, 4), server_args.random_seed)
+        results.append(latency_test(runner, bs, args.input_len, args.output_len, server_args.random_seed))
+    print(f"\n{'batch':>6} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} {'decode tok/s':>13}")
+    for r in results:
+        print(f"{r['batch_size']:>6} {r['prefill_latency_s'] * 1e3:>11.2f} {r['prefill_tok_s']:>14.1f} "
+              f"{r['median_decode_s'] * 1e3:>10.3f} {r['decode_tok_s'] or 0:>13.1f}")
+    meta = {"model": model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
+            "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes}
+    with open(args.result_file, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    print(f"wrote {args.result_file}")
+
+
+if __name__ == "__main__":
+    main()

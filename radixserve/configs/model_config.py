@@ -1,0 +1,272 @@
+"""ModelConfig: what the engine needs to know about a model, read once from `config.json` or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# Config keys that different model families use for the longest sequence the model was trained for.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+_DEFAULT_CONTEXT_LEN = 2048
+
+
+def to_torch_dtype(value: Any) -> torch.dtype | None:
+    """A torch.dtype from a torch.dtype, a name ("bfloat16", "torch.float16", "fp32") or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        name = value.removeprefix("torch.").lower()
+        if name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+        candidate = getattr(torch, name, None)
+        if isinstance(candidate, torch.dtype):
+            return candidate
+    raise ValueError(f"unknown dtype {value!r}; expected one of {', '.join(DTYPES[1:])}")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"cannot read {path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list | tuple | set):
+        return {int(v) for v in value if v is not None}
+    return set()
+
+
+class ModelConfig:
+    """The model's shape and metadata.
+
+    `path` is a Hugging Face folder holding `config.json`, a `.gguf` file, or None for the embedded
+    SmolLM2-135M-Instruct (converted once to a cached safetensors folder).
+    """
+
+    def __init__(
+        self,
+        path: str | None,
+        *,
+        context_length: int | None = None,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> None:
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
+        self.trust_remote_code = trust_remote_code
+
+        if path is None:
+            from radixserve.model_loader.embedded import ensure_embedded_model
+
+            path = ensure_embedded_model()
+        self.model_path, self.is_gguf = self._resolve_path(path)
+        # A GGUF file carries its own tokenizer; load it with `gguf_file=` (see `tokenizer_gguf_file`).
+        self.tokenizer_path = self.model_path
+
+        if load_format == "auto":
+            load_format = "gguf" if self.is_gguf else "safetensors"
+        elif load_format == "gguf" and not self.is_gguf:
+            raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {self.model_path}")
+        elif load_format == "safetensors" and self.is_gguf:
+            raise ValueError(f"load_format 'safetensors' needs a folder, got the GGUF file {self.model_path}")
+        self.load_format = load_format
+
+        self.hf_config = self._load_hf_config()
+        cfg = self.hf_config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+        archs = list(getattr(cfg, "architectures", None) or [])
+        if not archs:
+            archs = self._architectures_from_model_type(getattr(cfg, "model_type", None))
+            cfg.architectures = archs
+        self.architectures: list[str] = archs
+
+        self.hidden_size: int = self._required(text_cfg, "hidden_size")
+        self.num_hidden_layers: int = self._required(text_cfg, "num_hidden_layers")
+        self.num_attention_heads: int = self._required(text_cfg, "num_attention_heads")
+        kv_heads = getattr(text_cfg, "num_key_value_heads", None)
+        self.num_key_value_heads: int = int(kv_heads) if kv_heads else self.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None)
+        if not head_dim:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"{self._config_source}: hidden_size {self.hidden_size} is not divisible by "
+                                 f"num_attention_heads {self.num_attention_heads} and head_dim is not set")
+            head_dim = self.hidden_size // self.num_attention_heads
+        self.head_dim: int = int(head_dim)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self._config_source}: num_attention_heads {self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
+        self.vocab_size: int = self._required(text_cfg, "vocab_size")
+        self.tie_word_embeddings: bool = bool(getattr(text_cfg, "tie_word_embeddings", False))
+
+        self.rope_theta, self.rope_scaling = self._rope(text_cfg)
+
+        self.context_len: int = self._context_len(text_cfg, context_length)
+
+        # transformers 5 names it `dtype` (reading `torch_dtype` there warns); older releases `torch_dtype`
+        raw_dtype = getattr(cfg, "dtype", None) if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
+        self.torch_dtype: torch.dtype = to_torch_dtype(raw_dtype) or torch.float32
+        self.eos_token_ids: set[int] = self._eos_token_ids(text_cfg)
+
+    # ------------------------------------------------------------------ public helpers
+
+    @property
+    def tokenizer_gguf_file(self) -> str | None:
+        """The GGUF file name to pass as `gguf_file=` when the tokenizer lives in a GGUF, else None."""
+        return os.path.basename(self.model_path) if self.is_gguf else None
+
+    def __repr__(self) -> str:
+        return (f"ModelConfig(model_path={self.model_path!r}, architectures={self.architectures}, "
+                f"layers={self.num_hidden_layers}, hidden={self.hidden_size}, heads={self.num_attention_heads}/"
+                f"{self.num_key_value_heads}x{self.head_dim}, vocab={self.vocab_size}, context_len={self.context_len})")
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _resolve_path(path: str) -> tuple[str, bool]:
+        path = os.path.abspath(os.path.expanduser(str(path)))
+        if not os.path.exists(path):
+            raise ValueError(f"model path does not exist: {path} (expected a local Hugging Face folder with "
+                             f"config.json or a .gguf file; hub ids are not downloaded)")
+        if os.path.isfile(path):
+            if not path.lower().endswith(".gguf"):
+                raise ValueError(f"model path {path} is a file but not a .gguf file; pass the model folder instead")
+            return path, True
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path, False
+        ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+        if len(ggufs) == 1:
+            logger.info("no config.json in %s; loading its only GGUF file %s", path, ggufs[0])
+            return os.path.join(path, ggufs[0]), True
+        hint = f" (it holds several .gguf files: {', '.join(ggufs)}; pass one of them)" if ggufs else ""
+        raise ValueError(f"no config.json in model folder {path}{hint}")
+
+    @property
+    def _config_source(self) -> str:
+        return self.model_path if self.is_gguf else os.path.join(self.model_path, "config.json")
+
+    def _load_hf_config(self) -> Any:
+        from transformers import AutoConfig
+
+        if self.is_gguf:
+            folder, name = os.path.split(self.model_path)
+            try:
+                return AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=self.trust_remote_code)
+            except Exception as e:
+                raise ValueError(f"cannot read the model config from GGUF file {self.model_path}: {e}") from e
+        config_file = os.path.join(self.model_path, "config.json")
+        _read_json(config_file)  # a clear message for a broken file before transformers' own
+        try:
+            return AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        except Exception as e:
+            raise ValueError(f"cannot read the model config {config_file}: {e}") from e
+
+    def _required(self, cfg: Any, name: str) -> int:
+        value = getattr(cfg, name, None)
+        if value is None:
+            raise ValueError(f"{self._config_source}: '{name}' is missing from the model config")
+        try:
+            value = int(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self._config_source}: '{name}' must be an integer, got {value!r}") from e
+        if value <= 0:
+            raise ValueError(f"{self._config_source}: '{name}' must be positive, got {value}")
+        return value
+
+    def _architectures_from_model_type(self, model_type: str | None) -> list[str]:
+        """GGUF-derived configs carry a model_type but no architectures; name the causal-LM class for it."""
+        if not model_type:
+            raise ValueError(f"{self._config_source}: the config names neither 'architectures' nor 'model_type'")
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if arch is None:
+            raise ValueError(f"{self._config_source}: no causal-LM architecture known for model_type {model_type!r}")
+        return [arch]
+
+    @staticmethod
+    def _rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
+        """(rope_theta, rope_scaling) whether the config keeps them flat (transformers 4) or in
+        `rope_parameters` (transformers 5). rope_scaling is None for plain RoPE."""
+        params = getattr(cfg, "rope_parameters", None) or {}
+        if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+            # per-layer-type parameters (e.g. {"full_attention": {...}, "sliding_attention": {...}})
+            params = params.get("full_attention") or next(iter(params.values()))
+        params = dict(params) if isinstance(params, dict) else {}
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+        theta = float(theta) if theta is not None else 10000.0
+        scaling = getattr(cfg, "rope_scaling", None)
+        if not isinstance(scaling, dict) or not scaling:
+            scaling = params
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default" or not rope_type:
+            return theta, None
+        scaling.setdefault("rope_type", rope_type)
+        return theta, scaling
+
+    def _context_len(self, cfg: Any, override: int | None) -> int:
+        model_len = None
+        for key in _CONTEXT_KEYS:
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value > 0:
+                model_len = value
+                break
+        if override is None:
+            if model_len is None:
+                logger.warning("%s names no maximum sequence length; using %d", self._config_source,
+                               _DEFAULT_CONTEXT_LEN)
+                return _DEFAULT_CONTEXT_LEN
+            return model_len
+        if isinstance(override, bool) or not isinstance(override, int) or override <= 0:
+            raise ValueError(f"context_length must be a positive integer, got {override!r}")
+        if model_len is not None and override > model_len:
+            logger.warning("context_length %d is larger than the model's %d (%s); outputs past %d tokens may be "
+                           "poor", override, model_len, self._config_source, model_len)
+        return override
+
+    def _eos_token_ids(self, cfg: Any) -> set[int]:
+        ids = _as_id_set(getattr(cfg, "eos_token_id", None))
+        if not self.is_gguf:
+            gen_file = os.path.join(self.model_path, "generation_config.json")
+            if os.path.isfile(gen_file):
+                try:
+                    ids |= _as_id_set(_read_json(gen_file).get("eos_token_id"))
+                except ValueError as e:
+                    logger.warning("ignoring %s", e)
+        return ids

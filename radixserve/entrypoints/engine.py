@@ -1,0 +1,200 @@
+"""The offline Engine and the process launcher shared with the HTTP server.
+
+launch_subprocesses() starts the scheduler (one per TP rank) and the detokenizer, waits until they are ready, and
+returns a TokenizerManager living in this process. The Engine wraps that manager with a private asyncio loop so
+that plain Python code can call generate()."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.managers import io_struct as io
+from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineProcesses:
+    """The child processes behind one TokenizerManager."""
+
+    def __init__(self, procs: list[mp.Process], ipc_dir: str) -> None:
+        self.procs = procs
+        self.ipc_dir = ipc_dir
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def shutdown(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def resolve_model(server_args: ServerArgs) -> ModelConfig:
+    """Resolve the model once in the parent (this converts the embedded model if needed), so children reuse it."""
+    cfg = ModelConfig(server_args.model_path, context_length=server_args.context_length,
+                      load_format=server_args.load_format, trust_remote_code=server_args.trust_remote_code)
+    server_args.model_path = cfg.model_path
+    if server_args.tokenizer_path is None:
+        server_args.tokenizer_path = cfg.tokenizer_path
+    return cfg
+
+
+def _wait_ready(conn: Any, proc: mp.Process, what: str, timeout: float = 1800.0) -> dict[str, Any]:
+    waited = 0.0
+    while not conn.poll(1.0):
+        waited += 1.0
+        if not proc.is_alive():
+            raise RuntimeError(f"the {what} process died during start-up (exit code {proc.exitcode})")
+        if waited > timeout:
+            raise RuntimeError(f"the {what} process did not start within {timeout:.0f} s")
+    msg = conn.recv()
+    if msg.get("status") != "ready":
+        raise RuntimeError(f"the {what} process failed to start: {msg.get('message')}")
+    return msg
+
+
+def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, EngineProcesses]:
+    from radixserve.managers.detokenizer_manager import run_detokenizer_process
+    from radixserve.managers.scheduler import run_scheduler_process
+    from radixserve.managers.tokenizer_utils import get_tokenizer
+
+    model_config = resolve_model(server_args)
+    ipc_dir = server_args.make_ipc_dir()
+    port_args = {name: f"ipc://{os.path.join(ipc_dir, name)}"
+                 for name in ("scheduler_input", "detokenizer_input", "tokenizer_input")}
+    ctx = mp.get_context("spawn")
+    procs: list[mp.Process] = []
+    tokenizer_path = None if server_args.skip_tokenizer_init else server_args.tokenizer_path
+    try:
+        if server_args.tp_size > 1 or server_args.dp_size > 1:
+            from radixserve.managers.data_parallel_controller import launch_parallel_schedulers
+
+            sched_infos = launch_parallel_schedulers(server_args, port_args, ctx, procs)
+            info = sched_infos[0]
+        else:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, 0, server_args.base_gpu_id,
+                                                                   writer), daemon=True, name="radixserve-scheduler")
+            proc.start()
+            procs.append(proc)
+            info = _wait_ready(reader, proc, "scheduler")["info"]
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args, tokenizer_path, writer),
+                           daemon=True, name="radixserve-detokenizer")
+        proc.start()
+        procs.append(proc)
+        _wait_ready(reader, proc, "detokenizer")
+    except BaseException:
+        EngineProcesses(procs, ipc_dir).shutdown()
+        raise
+    tokenizer = get_tokenizer(tokenizer_path) if tokenizer_path else None
+    tm = TokenizerManager(server_args, port_args, tokenizer, info.context_len, info.vocab_size, info)
+    tm.model_config = model_config
+    return tm, EngineProcesses(procs, ipc_dir)
+
+
+class Engine:
+    """Offline inference with the same processes as the server:
+
+        engine = Engine(model_path=None)           # the embedded SmolLM2-135M-Instruct
+        out = engine.generate("Hi", {"max_new_tokens": 16, "temperature": 0})
+        engine.shutdown()
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        logging.basicConfig(level=self.server_args.log_level.upper(),
+                            format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+        self.tokenizer_manager, self.processes = launch_subprocesses(self.server_args)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="radixserve-engine-loop")
+        self._thread.start()
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    # ---------------------------------------------------------------- generate
+    def _request(self, prompt: Any, sampling_params: Any, input_ids: Any, stream: bool, return_logprob: Any,
+                 logprob_start_len: Any, top_logprobs_num: Any, rid: Any) -> io.GenerateReqInput:
+        return io.GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                                   stream=stream, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                   top_logprobs_num=top_logprobs_num)
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                 return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] = -1,
+                 top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None
+                 ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        obj = self._request(prompt, sampling_params, input_ids, stream, return_logprob, logprob_start_len,
+                            top_logprobs_num, rid)
+        if stream:
+            return self._stream(obj)
+
+        async def collect() -> list[dict[str, Any]]:
+            return [o async for o in self.tokenizer_manager.generate_request(obj)]
+
+        outs = asyncio.run_coroutine_threadsafe(collect(), self.loop).result()
+        single = not obj.is_batch() and len(outs) == 1 and "index" not in outs[0]
+        if single:
+            return outs[0]
+        outs.sort(key=lambda o: o.pop("index"))
+        return outs
+
+    def _stream(self, obj: io.GenerateReqInput) -> Iterator[dict[str, Any]]:
+        agen = self.tokenizer_manager.generate_request(obj)
+        try:
+            while True:
+                try:
+                    yield asyncio.run_coroutine_threadsafe(agen.__anext__(), self.loop).result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            asyncio.run_coroutine_threadsafe(agen.aclose(), self.loop).result()
+
+    # ---------------------------------------------------------------- management
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def abort_request(self, rid: str) -> None:
+        self.tokenizer_manager.abort_request(rid)
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache())
+
+    def get_internal_state(self) -> dict[str, Any]:
+        return self._run(self.tokenizer_manager.get_internal_state())
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.processes.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+__all__ = ["Engine", "RequestError", "launch_subprocesses"]

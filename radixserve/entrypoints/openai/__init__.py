@@ -1,0 +1,2 @@
+"""The OpenAI-compatible API: request/response models (`protocol`), errors, and the serving handlers for
+/v1/completions and /v1/chat/completions."""

@@ -1,0 +1,26 @@
+"""Attention backends, registered by name and imported lazily so optional kernels stay optional."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.base_attn_backend import AttentionBackend
+    from radixserve.model_executor.model_runner import ModelRunner
+
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch_native": "radixserve.layers.attention.torch_native_backend:TorchNativeAttnBackend",
+    "triton": "radixserve.layers.attention.triton_backend:TritonAttnBackend",
+}
+
+
+def create_attention_backend(name: str, model_runner: ModelRunner) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    module, cls = ATTENTION_BACKENDS[name].split(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"attention backend {name!r} is not available: {e}") from e
+    return getattr(mod, cls)(model_runner)

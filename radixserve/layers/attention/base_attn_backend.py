@@ -1,0 +1,50 @@
+"""The interface every attention backend implements. RadixAttention only calls `forward`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Build whatever per-batch metadata the kernels need (called once per forward, before the layers)."""
+
+    # ---------------------------------------------------------------- CUDA graphs (decode)
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """seq_len written into the padded rows of a replayed graph."""
+        return 1
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D]; returns [T, H*D]."""
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...

@@ -1,0 +1,220 @@
+"""Triton attention backend: an extend kernel (cached prefix read through req_to_token + causal new tokens) and a
+split-KV decode kernel, both reading the KV pool in place.
+
+Decode never syncs with the host: the kernels read seq_lens and req_pool_indices on the device and decide there how
+many KV splits each request uses, so the launch grid depends only on the batch size and decode is CUDA-graph ready.
+Extend sizes its grid from the CPU list of extend lengths that the ForwardBatch carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+
+from radixserve.layers.attention.base_attn_backend import AttentionBackend
+from radixserve.layers.attention.triton_ops.decode_attention import decode_attention_fwd, is_interpreted
+from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+    from radixserve.model_executor.model_runner import ModelRunner
+
+
+@dataclass
+class TritonForwardMetadata:
+    # decode
+    req_pool_indices: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    num_kv_splits: int = 1  # cap on the splits one request may use (the kernels lower it for short sequences)
+    mid_o: torch.Tensor | None = None  # flat float32 scratch for the partial outputs
+    mid_lse: torch.Tensor | None = None  # flat float32 scratch for the partial log-sum-exps
+    cuda_graph: bool = False  # the scratch and index buffers are static: never reallocate them
+    # extend
+    max_extend_len: int = 0
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_seq_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 16) -> None:
+        self.device = torch.device(model_runner.device)
+        if self.device.type != "cuda" and not is_interpreted():
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 set before "
+                             "triton kernels are imported, for tests on the CPU)")
+        if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
+            raise ValueError(f"max_kv_splits must be a power of two; got {max_kv_splits}")
+        cfg = model_runner.model_config
+        tp_size = getattr(model_runner, "tp_size", 1) or 1
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp_size)  # KV heads are replicated past tp_size
+        self.head_dim = cfg.head_dim
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.max_kv_splits = max_kv_splits
+        # Tunables (plain attributes so tests can force many small splits).
+        self.min_split_len = 64  # a request uses at most cdiv(seq_len, min_split_len) splits
+        self.decode_block_n: int | None = None  # None: the kernel's default
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = 64
+        self.forward_metadata: TritonForwardMetadata | None = None
+        self._mid_o: torch.Tensor | None = None
+        self._mid_lse: torch.Tensor | None = None
+        self._cg_max_bs = 0
+        self._cg_req_pool_indices: torch.Tensor | None = None
+        self._cg_seq_lens: torch.Tensor | None = None
+        self._cg_mid_o: torch.Tensor | None = None
+        self._cg_mid_lse: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- metadata
+    def _kv_split_cap(self, bs: int) -> int:
+        """Splits per request worth launching: enough programs to cover the GPU about four times over."""
+        group = max(1, self.num_heads // self.num_kv_heads)
+        head_blocks = 1 if group == 1 else triton.cdiv(group, min(64, max(16, triton.next_power_of_2(group))))
+        programs = max(1, bs * self.num_kv_heads * head_blocks)
+        return max(1, min(self.max_kv_splits, triton.cdiv(4 * self.num_sms, programs)))
+
+    def _scratch_numel(self, bs: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+        return bs * num_heads * self.max_kv_splits * head_dim, bs * num_heads * self.max_kv_splits
+
+    def _ensure_eager_scratch(self, bs: int, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim)
+        mid_o, mid_lse = self._mid_o, self._mid_lse
+        if mid_o is None or mid_o.numel() < n_o or mid_lse is None or mid_lse.numel() < n_lse:
+            # round the batch up so that a slowly growing batch does not reallocate every step
+            n_o, n_lse = self._scratch_numel(triton.next_power_of_2(max(bs, 1)), num_heads, head_dim)
+            mid_o = self._mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
+            mid_lse = self._mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
+        return mid_o, mid_lse
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        bs = forward_batch.batch_size
+        if mode.is_decode():
+            mid_o, mid_lse = self._ensure_eager_scratch(bs, self.num_heads, self.head_dim)
+            self.forward_metadata = TritonForwardMetadata(
+                req_pool_indices=forward_batch.req_pool_indices, seq_lens=forward_batch.seq_lens,
+                num_kv_splits=self._kv_split_cap(bs), mid_o=mid_o, mid_lse=mid_lse)
+            return
+        if bs == 0 or not mode.is_extend():
+            self.forward_metadata = TritonForwardMetadata()
+            return
+        if forward_batch.extend_seq_lens_cpu is None or forward_batch.extend_seq_lens is None \
+                or forward_batch.extend_prefix_lens is None or forward_batch.extend_start_loc is None:
+            raise ValueError("an extend ForwardBatch needs extend_seq_lens(_cpu), extend_prefix_lens and "
+                             "extend_start_loc")
+        self.forward_metadata = TritonForwardMetadata(
+            req_pool_indices=forward_batch.req_pool_indices, seq_lens=forward_batch.seq_lens,
+            max_extend_len=max(forward_batch.extend_seq_lens_cpu, default=0),
+            extend_prefix_lens=forward_batch.extend_prefix_lens, extend_seq_lens=forward_batch.extend_seq_lens,
+            extend_start_loc=forward_batch.extend_start_loc)
+
+    # ---------------------------------------------------------------- CUDA graphs (decode)
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be positive; got {max_bs}")
+        self._cg_max_bs = max_bs
+        self._cg_req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self._cg_seq_lens = torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64,
+                                       device=self.device)
+        n_o, n_lse = self._scratch_numel(max_bs, self.num_heads, self.head_dim)
+        self._cg_mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
+        self._cg_mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
+
+    def _load_cuda_graph_inputs(self, bs: int, req_pool_indices: torch.Tensor,
+                                seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rpi, sl = self._cg_req_pool_indices, self._cg_seq_lens
+        if rpi is None or sl is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a CUDA graph")
+        if not 1 <= bs <= self._cg_max_bs:
+            raise ValueError(f"CUDA-graph batch size {bs} is outside 1..{self._cg_max_bs}")
+        # Copy into buffers this backend owns, so the captured kernels read the same addresses at every replay
+        # whatever tensors the caller hands in. Rows the caller does not give are padding.
+        n = min(bs, req_pool_indices.shape[0], seq_lens.shape[0])
+        rpi[:n].copy_(req_pool_indices[:n], non_blocking=True)
+        sl[:n].copy_(seq_lens[:n], non_blocking=True)
+        if n < bs:
+            rpi[n:bs].zero_()
+            sl[n:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
+        return rpi, sl
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        rpi, sl = self._load_cuda_graph_inputs(bs, req_pool_indices, seq_lens)
+        self.forward_metadata = TritonForwardMetadata(
+            req_pool_indices=rpi[:bs], seq_lens=sl[:bs],
+            num_kv_splits=self._kv_split_cap(bs), mid_o=self._cg_mid_o, mid_lse=self._cg_mid_lse, cuda_graph=True)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        """`bs` is the captured graph's (padded) batch size; the graph itself reads the buffers filled here."""
+        self._load_cuda_graph_inputs(bs, req_pool_indices, seq_lens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ---------------------------------------------------------------- forward
+    def _metadata(self) -> TritonForwardMetadata:
+        if self.forward_metadata is None:
+            raise RuntimeError("init_forward_metadata must run before the attention layers")
+        return self.forward_metadata
+
+    @staticmethod
+    def _heads(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+        t = t.reshape(-1, num_heads, head_dim)
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    def _save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                 forward_batch: ForwardBatch) -> None:
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, forward_batch.out_cache_loc,
+            k.reshape(-1, layer.tp_k_head_num, layer.head_dim), v.reshape(-1, layer.tp_v_head_num, layer.head_dim))
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        meta = self._metadata()
+        num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        if save_kv_cache:
+            self._save_kv(k, v, layer, forward_batch)
+        q3 = self._heads(q, num_heads, head_dim)
+        o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+        if q3.shape[0] == 0 or meta.max_extend_len == 0:
+            return o.view(-1, num_heads * head_dim)
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        extend_attention_fwd(
+            q3, self._heads(k, layer.tp_k_head_num, head_dim), self._heads(v, layer.tp_v_head_num, head_dim), o,
+            k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens,
+            meta.extend_start_loc, meta.max_extend_len, layer.scaling)
+        return o.view(-1, num_heads * head_dim)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        meta = self._metadata()
+        if meta.seq_lens is None or meta.req_pool_indices is None:
+            raise RuntimeError("decode metadata missing: was init_forward_metadata called for a decode batch?")
+        num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        if save_kv_cache:
+            self._save_kv(k, v, layer, forward_batch)
+        q3 = self._heads(q, num_heads, head_dim)
+        bs = q3.shape[0]
+        if bs != meta.seq_lens.shape[0]:
+            raise ValueError(f"decode got {bs} query rows for a batch of {meta.seq_lens.shape[0]}")
+        o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim)
+        if meta.mid_o is None or meta.mid_lse is None or meta.mid_o.numel() < n_o or meta.mid_lse.numel() < n_lse:
+            if meta.cuda_graph:
+                raise RuntimeError("decode scratch of the CUDA-graph state is too small for this layer")
+            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, head_dim)
+        mid_o = meta.mid_o[:n_o].view(bs, num_heads, self.max_kv_splits, head_dim)
+        mid_lse = meta.mid_lse[:n_lse].view(bs, num_heads, self.max_kv_splits)
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        decode_attention_fwd(
+            q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
+            layer.scaling, num_kv_splits=meta.num_kv_splits, min_split_len=self.min_split_len,
+            block_n=self.decode_block_n)
+        return o.view(-1, num_heads * head_dim)

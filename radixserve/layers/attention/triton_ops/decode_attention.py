@@ -1,0 +1,263 @@
+"""Split-KV ("flash decoding") attention for one new token per request, reading the KV cache through req_to_token.
+
+Stage 1 launches one program per (request, block of query heads that share a KV head, KV split). Each program walks
+its chunk of the request's KV slots, keeps an online softmax, and writes a partial output (already divided by its
+own softmax sum) plus the base-2 log-sum-exp of its scores. Stage 2 launches one program per (request, query head)
+and merges the partials of the non-empty splits.
+
+The grid is static for a given batch size (its split axis is always `max_kv_splits`), so both launches can be
+captured in a CUDA graph. How many splits a request really uses is decided inside the kernels from its seq_len:
+`min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of BLOCK_N tokens; programs whose split
+is empty do nothing, and stage 2 recomputes the same split boundaries, so no split count is ever stored.
+
+Query heads of one KV head (GQA) are processed together: the K/V tile is loaded once for the group. Groups larger
+than one go through `tl.dot`, padded to at least 16 rows (tensor cores want M >= 16); plain multi-head attention
+uses an elementwise product, which avoids wasting 15 of 16 rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mma(a, b, FP32: tl.constexpr):
+    """a @ b with float32 accumulation; FP32 runs it on float32 operands at full (IEEE) precision."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE,
+    sm_scale_log2, num_kv_splits, min_split_len,
+    stride_qb, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_r2t,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = pid_h // HEAD_BLOCKS
+    offs_g = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
+    chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    if start < end:
+        row = tl.load(Req_pool_indices + b).to(tl.int64)
+        q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        if not USE_DOT:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
+            if USE_DOT:
+                qk = _mma(q, tl.trans(k), DOT_FP32)
+            else:
+                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
+            if USE_DOT:
+                acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            m_i = m_new
+
+        out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
+                    + offs_d[None, :])
+        tl.store(out_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
+                 mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Mid_O, Mid_LSE, Out, Seq_lens,
+    num_kv_splits, min_split_len,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, MAX_SPLITS)
+
+    # the same split boundaries as stage 1
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
+    chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    valid = offs_s * chunk < seq_len
+
+    lse = tl.load(Mid_LSE + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s, mask=valid, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty request (seq_len 0) writes zeros
+    w = tl.exp2(lse - m)
+    parts = tl.load(Mid_O + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
+                    + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
+    denom = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def is_interpreted() -> bool:
+    """True when these kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+    return not isinstance(_decode_stage1_kernel, triton.runtime.JITFunction)
+
+
+def decode_partial_shapes(batch_size: int, num_heads: int, head_dim: int,
+                          max_kv_splits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the float32 partial-output and log-sum-exp buffers `decode_attention_fwd` needs."""
+    return (batch_size, num_heads, max_kv_splits, head_dim), (batch_size, num_heads, max_kv_splits)
+
+
+def _check_decode_inputs(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
+                         mid_o: torch.Tensor, mid_lse: torch.Tensor, max_kv_splits: int) -> None:
+    if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
+        raise ValueError(f"q [bs, H, D] and k/v buffers [slots, Hkv, D] expected; got {tuple(q.shape)}, "
+                         f"{tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}")
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if k_buffer.shape[2] != head_dim or v_buffer.shape[1:] != k_buffer.shape[1:]:
+        raise ValueError(f"head sizes differ: q {tuple(q.shape)}, k {tuple(k_buffer.shape)}, v {tuple(v_buffer.shape)}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if o.shape != q.shape:
+        raise ValueError(f"output shape {tuple(o.shape)} != q shape {tuple(q.shape)}")
+    if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
+        raise ValueError(f"max_kv_splits must be a power of two; got {max_kv_splits}")
+    want_o, want_lse = decode_partial_shapes(bs, num_heads, head_dim, max_kv_splits)
+    if tuple(mid_o.shape) != want_o or tuple(mid_lse.shape) != want_lse:
+        raise ValueError(f"partial buffers must be {want_o} and {want_lse}; got {tuple(mid_o.shape)}, "
+                         f"{tuple(mid_lse.shape)}")
+    if mid_o.dtype != torch.float32 or mid_lse.dtype != torch.float32:
+        raise ValueError("partial buffers must be float32")
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("mid_o", mid_o),
+                    ("mid_lse", mid_lse)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last dimension")
+    if not (mid_o.is_contiguous() and mid_lse.is_contiguous()):
+        raise ValueError("partial buffers must be contiguous")
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int | None = None,
+    min_split_len: int = 64,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> None:
+    """Attention of one query token per request over its first seq_len KV slots; writes `o` in place.
+
+    q, o: [bs, H, D]; k_buffer, v_buffer: [slots, Hkv, D]; req_to_token: [rows, max_ctx] int32;
+    req_pool_indices, seq_lens: [bs] (int32 or int64, on the device); mid_o [bs, H, S, D] and mid_lse [bs, H, S]
+    float32 scratch buffers, S = max_kv_splits, a power of two. `num_kv_splits` (<= S, default S) caps the splits
+    one request may use; a request of seq_len L uses min(num_kv_splits, cdiv(L, min_split_len)) of them.
+    """
+    max_kv_splits = mid_lse.shape[-1] if mid_lse.dim() == 3 else 0
+    _check_decode_inputs(q, k_buffer, v_buffer, o, mid_o, mid_lse, max_kv_splits)
+    bs, num_heads, head_dim = q.shape
+    if bs == 0:
+        return
+    num_kv_heads = k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    num_kv_splits = max_kv_splits if num_kv_splits is None else num_kv_splits
+    if not 1 <= num_kv_splits <= max_kv_splits:
+        raise ValueError(f"num_kv_splits must be in 1..{max_kv_splits}; got {num_kv_splits}")
+    if min_split_len < 1:
+        raise ValueError(f"min_split_len must be positive; got {min_split_len}")
+
+    interp = is_interpreted()
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    use_dot = group > 1
+    if use_dot:
+        block_h = min(64, max(16, triton.next_power_of_2(group)))
+    else:
+        block_h = 1
+    head_blocks = triton.cdiv(group, block_h)
+    if block_n is None:
+        block_n = 32 if interp else 64
+    if num_warps is None:
+        num_warps = 4 if head_dim <= 128 else 8
+    # fp32 inputs (tests) keep full precision in tl.dot; the interpreter's dot mishandles bfloat16, so upcast there.
+    dot_fp32 = use_dot and (interp or q.dtype == torch.float32)
+
+    grid1 = (bs, num_kv_heads * head_blocks, max_kv_splits)
+    _decode_stage1_kernel[grid1](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale * _LOG2E, num_kv_splits, min_split_len,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    grid2 = (bs, num_heads)
+    _decode_stage2_kernel[grid2](
+        mid_o, mid_lse, o, seq_lens,
+        num_kv_splits, min_split_len,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=max_kv_splits,
+        num_warps=4 if block_d * max_kv_splits <= 4096 else 8, num_stages=1,
+    )

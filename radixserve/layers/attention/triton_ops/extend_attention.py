@@ -1,0 +1,196 @@
+"""Extend (prefill on top of a cached prefix) attention.
+
+For request b, its extend_len new tokens (rows extend_start .. extend_start + extend_len - 1 of q, k, v) attend to
+  1. the cached prefix: positions 0 .. prefix_len - 1, whose K/V are read from the pool through
+     req_to_token[req_pool_indices[b], :prefix_len] (no mask: every new token sees the whole prefix), and
+  2. the new tokens themselves, causally, read from the contiguous k/v inputs (not from the pool).
+One program handles BLOCK_M new tokens of one query head; both phases share one online softmax. Query heads map to
+KV heads by integer division (GQA). Lengths vary per request; programs past a request's end exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mma(a, b, FP32: tl.constexpr):
+    """a @ b with float32 accumulation; FP32 runs it on float32 operands at full (IEEE) precision."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K_Ext, V_Ext, Out, K_Buf, V_Buf,
+    Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
+    sm_scale_log2,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_kbt, stride_kbh,
+    stride_vbt, stride_vbh,
+    stride_r2t,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    q_len = tl.load(Extend_lens + b).to(tl.int32)
+    m0 = mblk * BLOCK_M
+    if m0 < q_len:
+        prefix_len = tl.load(Prefix_lens + b).to(tl.int32)
+        q_start = tl.load(Extend_start + b).to(tl.int64)
+        row = tl.load(Req_pool_indices + b).to(tl.int64)
+        kv_head = h // GROUP
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < q_len
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # 1. the cached prefix, through req_to_token
+        for n0 in range(0, prefix_len, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix_len
+            loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K_Buf + loc[:, None] * stride_kbt + kv_head * stride_kbh + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
+            qk = _mma(q, tl.trans(k), DOT_FP32)
+            qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V_Buf + loc[:, None] * stride_vbt + kv_head * stride_vbh + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
+            acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
+            m_i = m_new
+
+        # 2. the new tokens, causally (key j is visible to query i when j <= i)
+        end_new = tl.minimum(m0 + BLOCK_M, q_len)
+        for n0 in range(0, end_new, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < q_len
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K_Ext + (q_start + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
+            qk = _mma(q, tl.trans(k), DOT_FP32)
+            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V_Ext + (q_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
+            acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _interpreted() -> bool:
+    return not isinstance(_extend_kernel, triton.runtime.JITFunction)
+
+
+def _default_blocks(head_dim: int, interp: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps)."""
+    if interp:
+        return 32, 32, 4
+    if head_dim <= 64:
+        return 128, 64, 4
+    if head_dim <= 128:
+        return 128, 64, 8
+    return 64, 32, 8
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 1,
+) -> None:
+    """Writes `o` in place. q, o: [T, H, D]; k, v: [T, Hkv, D] (the new tokens, in q's order); k_buffer, v_buffer:
+    [slots, Hkv, D]; req_to_token [rows, max_ctx] int32; the per-request tensors [bs] on the device;
+    max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so no device sync)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
+        raise ValueError("q/o [T, H, D], k/v [T, Hkv, D] and k/v buffers [slots, Hkv, D] expected")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if k_buffer.shape[1:] != k.shape[1:] or v_buffer.shape[1:] != k.shape[1:]:
+        raise ValueError(f"KV buffers {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} do not match k "
+                         f"{tuple(k.shape)}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if o.shape != q.shape:
+        raise ValueError(f"output shape {tuple(o.shape)} != q shape {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last dimension")
+    if max_extend_len < 0:
+        raise ValueError(f"max_extend_len must be >= 0; got {max_extend_len}")
+    bs = extend_seq_lens.shape[0]
+    if num_tokens == 0 or bs == 0 or max_extend_len == 0:
+        return
+
+    interp = _interpreted()
+    dm, dn, dw = _default_blocks(head_dim, interp)
+    block_m = block_m or dm
+    block_n = block_n or dn
+    num_warps = num_warps or dw
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    dot_fp32 = interp or q.dtype == torch.float32
+
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k, v, o, k_buffer, v_buffer,
+        req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_FP32=dot_fp32,
+        num_warps=num_warps, num_stages=num_stages,
+    )

@@ -1,0 +1,74 @@
+"""LogitsProcessor: logits of the last token of each request (plus prompt logprobs when asked)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixserve.distributed.parallel_state import tensor_model_parallel_all_gather
+from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+
+if TYPE_CHECKING:
+    from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+
+class LogitsProcessor(nn.Module):
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
+        logits = torch.matmul(hidden, lm_head.weight.T)
+        if lm_head.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[:, : self.vocab_size].float()
+
+    def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
+                forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        mode = forward_batch.forward_mode
+        if mode.is_decode() or mode.is_idle():
+            return LogitsProcessorOutput(next_token_logits=self._logits(hidden, lm_head))
+        last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1
+        out = LogitsProcessorOutput(next_token_logits=self._logits(hidden[last], lm_head))
+        starts = forward_batch.extend_logprob_start_lens_cpu
+        if forward_batch.return_logprob and starts is not None and any(s is not None for s in starts):
+            self._input_logprobs(hidden, lm_head, forward_batch, out)
+        return out
+
+    def _input_logprobs(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch: ForwardBatch,
+                        out: LogitsProcessorOutput) -> None:
+        """Prompt logprobs: for each request, the log-probability of each of its extend tokens after the first
+        `start` given what precedes it. Row i of the result covers tokens from `start` (relative to the extend) on;
+        the logprob of the token at position p is read from the logits at p - 1."""
+        ids = forward_batch.input_ids
+        vals, top_vals, top_idx = [], [], []
+        offset = 0
+        for ext_len, start, top_n in zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_logprob_start_lens_cpu,
+                                         forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size,
+                                         strict=True):
+            if start is None or start >= ext_len:
+                vals.append(None)
+                top_vals.append(None)
+                top_idx.append(None)
+                offset += ext_len
+                continue
+            # positions (within the extend) start..ext_len-1 whose logits predict the tokens start+1..ext_len-1
+            h = hidden[offset + start: offset + ext_len - 1]
+            targets = ids[offset + start + 1: offset + ext_len]
+            if h.shape[0] == 0:
+                lp = torch.empty(0, device=hidden.device)
+                tv, ti = None, None
+            else:
+                logp = torch.log_softmax(self._logits(h, lm_head), dim=-1)
+                lp = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+                tv, ti = (logp.topk(top_n, dim=-1) if top_n else (None, None))
+            vals.append(lp)
+            top_vals.append(tv)
+            top_idx.append(ti)
+            offset += ext_len
+        out.input_token_logprobs = vals
+        out.input_top_logprobs_val = top_vals
+        out.input_top_logprobs_idx = top_idx

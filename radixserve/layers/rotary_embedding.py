@@ -1,0 +1,58 @@
+"""Rotary position embedding (neox layout, as HF Llama/Qwen use), with Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        attention_factor = 1.0
+        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / rope_scaling["factor"]
+        elif kind not in ("default", None):
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        # Kept in fp32; computed on the CPU at construction, moved with the module.
+        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache[positions].unsqueeze(1)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            shape, dtype = x.shape, x.dtype
+            x = x.view(shape[0], -1, self.head_dim).float()
+            x1, x2 = x.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            return out.to(dtype).view(shape)
+
+        return rotate(q), rotate(k)

@@ -1,0 +1,43 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.shard_size = -(-num_embeddings // tp_size)  # ceil: the last shard is zero-padded
+        self.start = tp_rank * self.shard_size
+        self.end = min(self.start + self.shard_size, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"embedding shape mismatch: expected ({self.num_embeddings}, {param.shape[1]}), "
+                             f"got {tuple(loaded.shape)}")
+        param.data.zero_()
+        param.data[: self.end - self.start].copy_(loaded[self.start:self.end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(mask, input_ids - self.start, 0)
+        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Holds the output projection; the LogitsProcessor multiplies by it and gathers the vocabulary shards."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never used as an embedding
+        raise RuntimeError("ParallelLMHead is applied by LogitsProcessor")

@@ -1,0 +1,111 @@
+"""Messages between the processes (pickled over ZMQ). One dataclass per message kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """TokenizerManager → Scheduler: one request, already tokenized and validated."""
+
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class AbortReq:
+    rid: str
+    message: str = "aborted"
+
+
+@dataclass
+class BatchTokenIDOut:
+    """Scheduler → Detokenizer: what each request produced since the last message."""
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    meta_infos: list[dict[str, Any]]  # prompt/completion/cached token counts and logprob deltas
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOut:
+    """Detokenizer → TokenizerManager: new text per request."""
+
+    rids: list[str]
+    text_deltas: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    meta_infos: list[dict[str, Any]]
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HealthCheckReq:
+    pass
+
+
+@dataclass
+class SchedulerInfo:
+    """Sent by the scheduler once at start-up, through the readiness pipe."""
+
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    vocab_size: int
+    device: str
+    dtype: str
+    attention_backend: str
+
+
+@dataclass
+class GenerateReqInput:
+    """What a caller (HTTP or Engine) asks for; normalised into one or many TokenizedGenerateReqInputs."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)

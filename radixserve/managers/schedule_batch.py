@@ -1,0 +1,353 @@
+"""Req, ScheduleBatch and ModelWorkerBatch.
+
+ScheduleBatch is the scheduler's view: Python Req objects, prefix matches, memory decisions. get_model_worker_batch()
+copies out only what a forward pass needs (ModelWorkerBatch: plain tensors and lists, safe to hand to another
+thread); the model runner then turns that into a ForwardBatch on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.model_executor.forward_batch_info import ForwardMode
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from radixserve.mem_cache.radix_cache import RadixCache
+    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+    from radixserve.sampling.sampling_params import SamplingParams
+
+
+class Req:
+    """One request's life in the scheduler."""
+
+    def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int] | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0, stream: bool = False) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.output_ids: list[int] = []
+        self.eos_token_ids = set(eos_token_ids or ())
+        self.stream = stream
+        self.finished_reason: dict[str, Any] | None = None
+        self.to_abort: str | None = None
+        # memory
+        self.req_pool_idx: int | None = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None
+        self.fill_ids: list[int] = []
+        self.extend_input_len = 0
+        self.kv_committed_len: int | None = None  # tokens whose KV is written (set after each forward)
+        self.is_chunked = 0  # > 0 while the prompt is being prefilled in chunks
+        self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
+        self._admitted = False
+        self.num_retractions = 0
+        # logprobs
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_logprobs: list[tuple[float | None, int]] | None = None
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+        self.sent_offset = 0  # output tokens already streamed out
+        self.sent_logprob_offset = 0
+        # stop strings are checked on decoded text (the scheduler holds a tokenizer for that)
+        self.stop_strs: list[str] = list(sampling_params.stop or [])
+
+    # ---------------------------------------------------------------- prefix and fill
+    def init_next_round_input(self, tree_cache: RadixCache | None) -> None:
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            # at least one token must run through the model, and prompt logprobs need their tokens computed
+            max_prefix = len(self.fill_ids) - 1
+            if self.return_logprob and self.logprob_start_len >= 0:
+                max_prefix = min(max_prefix, self.logprob_start_len)
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:max(0, max_prefix)])
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    # ---------------------------------------------------------------- finishing
+    def check_finished(self, tokenizer: Any = None) -> None:
+        if self.finished():
+            return
+        if self.to_abort is not None:
+            self.finished_reason = {"type": "abort", "message": self.to_abort}
+            return
+        sp = self.sampling_params
+        if len(self.output_ids) >= sp.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+            return
+        if not self.output_ids:
+            return
+        last = self.output_ids[-1]
+        if len(self.output_ids) >= sp.min_new_tokens:
+            if (not sp.ignore_eos and last in self.eos_token_ids) or last in (sp.stop_token_ids or ()):
+                self.finished_reason = {"type": "stop", "matched": last}
+                return
+            if self.stop_strs and tokenizer is not None:
+                n = max(1, getattr(sp, "stop_str_max_len", 8)) + 2
+                tail = tokenizer.decode(self.output_ids[-n:], skip_special_tokens=sp.skip_special_tokens)
+                for s in self.stop_strs:
+                    if s in tail:
+                        self.finished_reason = {"type": "stop", "matched": s}
+                        return
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+@dataclass
+class ModelWorkerBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor
+    seq_lens_sum: int
+    extend_seq_lens: list[int] | None
+    extend_prefix_lens: list[int] | None
+    return_logprob: bool
+    top_logprobs_nums: list[int] | None
+    extend_logprob_start_lens_cpu: list[int | None] | None
+    sampling_info: SamplingBatchInfo | None
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
+                 tree_cache: Any, device: str, vocab_size: int) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.tree_cache = tree_cache
+        self.device = device
+        self.vocab_size = vocab_size
+        self.forward_mode = ForwardMode.EXTEND
+        self.input_ids = torch.empty(0, dtype=torch.int64)
+        self.req_pool_indices = torch.empty(0, dtype=torch.int64)
+        self.seq_lens = torch.empty(0, dtype=torch.int64)
+        self.out_cache_loc = torch.empty(0, dtype=torch.int64)
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        self.decoding_reqs: list[Req] | None = None  # for MIXED: the running requests riding along
+        self.sampling_info: SamplingBatchInfo | None = None
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    @property
+    def return_logprob(self) -> bool:
+        return any(r.return_logprob for r in self.reqs)
+
+    # ---------------------------------------------------------------- memory
+    def alloc_token_slots(self, n: int) -> torch.Tensor:
+        out = self.token_to_kv_pool.alloc(n)
+        if out is None and self.tree_cache is not None:
+            self.tree_cache.evict(n - self.token_to_kv_pool.available_size())
+            out = self.token_to_kv_pool.alloc(n)
+        if out is None:
+            raise RuntimeError(f"out of KV memory: need {n} slots, {self.token_to_kv_pool.available_size()} free "
+                               f"(admission should have prevented this)")
+        return out
+
+    def _write_req_to_token(self, rows: list[int], starts: list[int], lens: list[int], values: torch.Tensor) -> None:
+        """One batched write of new KV slots into the request table (mirror and device)."""
+        if not rows:
+            return
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lens_t)
+        offs = torch.arange(int(lens_t.sum()), dtype=torch.int64)
+        seg_start = torch.cumsum(lens_t, 0) - lens_t
+        col_idx = offs - torch.repeat_interleave(seg_start, lens_t) + torch.repeat_interleave(
+            torch.tensor(starts, dtype=torch.int64), lens_t)
+        pool = self.req_to_token_pool
+        vals = values.to(torch.int32)
+        pool.req_to_token_cpu[row_idx, col_idx] = vals
+        if pool.req_to_token_cpu is not pool.req_to_token:
+            dev = pool.req_to_token.device
+            pool.req_to_token[row_idx.to(dev, non_blocking=True), col_idx.to(dev, non_blocking=True)] = vals.to(
+                dev, non_blocking=True)
+
+    # ---------------------------------------------------------------- prefill
+    def prepare_for_extend(self) -> None:
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        new_rows = [r for r in reqs if r.req_pool_idx is None]
+        if new_rows:
+            slots = self.req_to_token_pool.alloc(len(new_rows))
+            if slots is None:
+                raise RuntimeError("out of request slots (admission should have prevented this)")
+            for r, s in zip(new_rows, slots, strict=True):
+                r.req_pool_idx = s
+        self.prefix_lens = [len(r.prefix_indices) for r in reqs]
+        self.extend_lens = [r.extend_input_len for r in reqs]
+        input_ids = [tok for r, pre in zip(reqs, self.prefix_lens, strict=True) for tok in r.fill_ids[pre:]]
+        self.out_cache_loc = self.alloc_token_slots(sum(self.extend_lens))
+        # rows: the cached prefix (from the tree) then the newly allocated slots
+        pre_rows = [(r.req_pool_idx, r.prefix_indices) for r in reqs if len(r.prefix_indices)]
+        if pre_rows:
+            self._write_req_to_token([p[0] for p in pre_rows], [0] * len(pre_rows), [len(p[1]) for p in pre_rows],
+                                     torch.cat([p[1] for p in pre_rows]))
+        self._write_req_to_token([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens,
+                                 self.out_cache_loc)
+        for r in reqs:
+            r.kv_committed_len = len(r.fill_ids)
+            if not r._admitted:
+                r.cached_tokens = len(r.prefix_indices)
+                r._admitted = True
+        self.input_ids = torch.tensor(input_ids, dtype=torch.int64)
+        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.seq_lens = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64)
+        from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+        self.sampling_info = SamplingBatchInfo.from_schedule_batch(self, self.vocab_size)
+
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Append the running decode requests to this prefill batch as one-token extends (ForwardMode.MIXED)."""
+        running.prepare_for_decode(write_only=True)
+        n_prefill = len(self.reqs)
+        self.input_ids = torch.cat([self.input_ids, running.input_ids])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+        self.req_pool_indices = torch.cat([self.req_pool_indices, running.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens, running.seq_lens])
+        self.prefix_lens += [len(r.fill_ids) - 1 for r in running.reqs]
+        self.extend_lens += [1] * len(running.reqs)
+        self.reqs = self.reqs + running.reqs
+        self.decoding_reqs = running.reqs
+        self.sampling_info.merge_batch(running.sampling_info)
+        self.forward_mode = ForwardMode.MIXED
+        self.n_prefill = n_prefill
+
+    # ---------------------------------------------------------------- decode
+    def prepare_for_decode(self, write_only: bool = False) -> None:
+        """One new token per request: its input is the last sampled token."""
+        self.forward_mode = ForwardMode.DECODE
+        reqs = self.reqs
+        self.input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+        self.out_cache_loc = self.alloc_token_slots(len(reqs))
+        for r in reqs:
+            r.fill_ids = r.origin_input_ids + r.output_ids
+        pos = [len(r.fill_ids) - 1 for r in reqs]
+        self._write_req_to_token([r.req_pool_idx for r in reqs], pos, [1] * len(reqs), self.out_cache_loc)
+        for r in reqs:
+            r.kv_committed_len = len(r.fill_ids)
+        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.seq_lens = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64)
+
+    def check_decode_mem(self) -> bool:
+        need = len(self.reqs)
+        cache = self.tree_cache
+        avail = self.token_to_kv_pool.available_size() + (cache.evictable_size() if cache is not None else 0)
+        return avail >= need
+
+    def retract_decode(self) -> tuple[list[Req], float]:
+        """Free requests (fewest decoded tokens first) until the rest can decode a while; return them and a new
+        new_token_ratio estimate."""
+        order = sorted(range(len(self.reqs)), key=lambda i: (len(self.reqs[i].output_ids),
+                                                             -len(self.reqs[i].origin_input_ids)))
+        retracted: list[Req] = []
+        keep = set(range(len(self.reqs)))
+        cache = self.tree_cache
+
+        def avail() -> int:
+            return self.token_to_kv_pool.available_size() + (cache.evictable_size() if cache is not None else 0)
+
+        while order and (avail() < len(keep) * 4 or not retracted):
+            if len(keep) == 1:
+                break
+            i = order.pop(0)
+            req = self.reqs[i]
+            keep.discard(i)
+            retracted.append(req)
+            self._release(req)
+        self.filter_batch(keep_indices=sorted(keep))
+        total_decoded = sum(len(r.output_ids) for r in self.reqs)
+        total_max = sum(r.sampling_params.max_new_tokens for r in self.reqs)
+        ratio = (total_decoded + 0.03 * len(self.reqs) * 10) / max(total_max, 1)
+        return retracted, min(1.0, ratio)
+
+    def _release(self, req: Req) -> None:
+        """Give a request's memory back (its prefix stays shareable in the tree); it will be prefilled again."""
+        n = req.kv_committed_len or 0
+        indices = self.req_to_token_pool.read(req.req_pool_idx, 0, n)
+        cache = self.tree_cache
+        from radixserve.mem_cache.chunk_cache import ChunkCache
+
+        if cache is not None and not isinstance(cache, ChunkCache):
+            # keep what the tree already holds, free the request's own slots past it
+            n_pre = len(req.prefix_indices)
+            self.token_to_kv_pool.free(indices[n_pre:])
+            cache.dec_lock_ref(req.last_node)
+        else:
+            self.token_to_kv_pool.free(indices)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.last_node = None
+        req.kv_committed_len = None
+        req.num_retractions += 1
+
+    # ---------------------------------------------------------------- batch surgery
+    def filter_batch(self, keep_indices: list[int] | None = None, chunked_req: Req | None = None) -> None:
+        if keep_indices is None:
+            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished() and r is not chunked_req]
+        if len(keep_indices) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        idx = torch.tensor(keep_indices, dtype=torch.int64)
+        if len(self.req_pool_indices):
+            self.req_pool_indices = self.req_pool_indices[idx]
+            self.seq_lens = self.seq_lens[idx]
+        if self.sampling_info is not None:
+            self.sampling_info.filter_batch(keep_indices)
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        if self.sampling_info is not None and other.sampling_info is not None:
+            self.sampling_info.merge_batch(other.sampling_info)
+        self.reqs = self.reqs + other.reqs
+        self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
+
+    # ---------------------------------------------------------------- hand-off to the worker
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        extend = self.forward_mode.is_extend()
+        logprob_starts = None
+        if extend and self.return_logprob:
+            logprob_starts = []
+            for r, pre in zip(self.reqs, self.prefix_lens, strict=False):
+                if r.return_logprob and r.logprob_start_len >= 0 and r.input_token_logprobs is None \
+                        and r.is_chunked == 0 and not r.output_ids:
+                    logprob_starts.append(max(0, r.logprob_start_len - pre))
+                else:
+                    logprob_starts.append(None)
+            logprob_starts += [None] * (len(self.reqs) - len(logprob_starts))
+        seq_lens_cpu = self.seq_lens.tolist()
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=self.out_cache_loc,
+            seq_lens_sum=sum(seq_lens_cpu),
+            extend_seq_lens=list(self.extend_lens) if extend else None,
+            extend_prefix_lens=list(self.prefix_lens) if extend else None,
+            return_logprob=self.return_logprob,
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
+            extend_logprob_start_lens_cpu=logprob_starts,
+            sampling_info=self.sampling_info,
+        )

@@ -1,0 +1,139 @@
+"""Which waiting requests to prefill next (SchedulePolicy) and how many fit (PrefillAdder)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.managers.schedule_batch import Req
+
+# Above this many waiting requests, prefix matching for every one of them costs more than it saves.
+LPM_MAX_QUEUE = 128
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: Any, seed: int = 0) -> None:
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.rng = random.Random(seed)
+
+    def calc_priority(self, waiting: list[Req]) -> None:
+        """Order `waiting` in place; prefix-aware policies also refresh each request's prefix match."""
+        policy = self.policy
+        if policy in ("lpm", "dfs-weight") and (len(waiting) > LPM_MAX_QUEUE or self.tree_cache is None
+                                                or not hasattr(self.tree_cache, "root_node")):
+            policy = "fcfs"
+        if policy == "fcfs":
+            return
+        if policy == "lof":
+            waiting.sort(key=lambda r: -r.sampling_params.max_new_tokens)
+            return
+        if policy == "random":
+            self.rng.shuffle(waiting)
+            return
+        for r in waiting:
+            r.init_next_round_input(self.tree_cache)
+        if policy == "lpm":
+            waiting.sort(key=lambda r: -len(r.prefix_indices))
+            return
+        # dfs-weight: walk the radix tree depth first, heaviest subtrees (most waiting requests) first
+        by_node: dict[int, list[Req]] = defaultdict(list)
+        for r in waiting:
+            by_node[id(r.last_node)].append(r)
+        weight: dict[int, int] = defaultdict(int)
+        for r in waiting:
+            node = r.last_node
+            while node is not None:
+                weight[id(node)] += 1
+                node = node.parent
+        ordered: list[Req] = []
+
+        def visit(node: Any) -> None:
+            ordered.extend(by_node.get(id(node), []))
+            for child in sorted(node.children.values(), key=lambda c: -weight.get(id(c), 0)):
+                if weight.get(id(child), 0):
+                    visit(child)
+
+        visit(self.tree_cache.root_node)
+        seen = {id(r) for r in ordered}
+        ordered += [r for r in waiting if id(r) not in seen]
+        waiting[:] = ordered
+
+
+class PrefillAdder:
+    """Admits requests into one prefill batch under the token budgets and the memory left.
+
+    rem_total: KV slots we may still promise (free + evictable - what running requests will still decode, scaled by
+    new_token_ratio). rem_input: --max-prefill-tokens left. rem_chunk: --chunked-prefill-size left (None = off).
+    """
+
+    def __init__(self, tree_cache: Any, token_to_kv_pool: Any, running_reqs: list[Req], new_token_ratio: float,
+                 max_prefill_tokens: int, chunk_size: int | None, mixed_decode_tokens: int = 0) -> None:
+        self.tree_cache = tree_cache
+        evictable = tree_cache.evictable_size() if tree_cache is not None else 0
+        reserved = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), 4096) * new_token_ratio
+                       for r in running_reqs)
+        self.rem_total = token_to_kv_pool.available_size() + evictable - reserved - mixed_decode_tokens
+        self.rem_input = max_prefill_tokens - mixed_decode_tokens
+        self.rem_chunk = None if chunk_size is None else chunk_size - mixed_decode_tokens
+        self.new_token_ratio = new_token_ratio
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def budget_left(self) -> bool:
+        return self.rem_total > 0 and self.rem_input > 0 and (self.rem_chunk is None or self.rem_chunk > 0)
+
+    def _take(self, ext: int, max_new: int) -> None:
+        self.rem_total -= ext + max_new
+        self.rem_input -= ext
+        if self.rem_chunk is not None:
+            self.rem_chunk -= ext
+
+    def add_chunked_req(self, req: Req) -> Req | None:
+        """Continue a request being prefilled in chunks; returns it if it still has more chunks after this one."""
+        ext = req.extend_input_len
+        if self.rem_chunk is not None and ext > self.rem_chunk:
+            ext = max(1, self.rem_chunk)
+        ext = min(ext, max(1, int(self.rem_input)))
+        truncated = ext < req.extend_input_len
+        req.extend_input_len = ext
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + ext]
+        self.can_run.append(req)
+        self._take(ext, 0 if truncated else self._reserve(req))
+        return req if truncated else None
+
+    def _reserve(self, req: Req) -> int:
+        return int(min(req.sampling_params.max_new_tokens - len(req.output_ids), 4096) * self.new_token_ratio)
+
+    def add_one_req(self, req: Req) -> bool:
+        """Try to admit `req`; returns False when it does not fit (the caller stops adding)."""
+        ext = req.extend_input_len
+        reserve = self._reserve(req)
+        if ext + reserve > self.rem_total and self.can_run:
+            return False
+        if ext > self.rem_total:  # not even the prompt fits, and nothing else is in the batch
+            return False
+        lock = self.tree_cache is not None and req.last_node is not None
+        if self.rem_chunk is None or ext <= self.rem_chunk:
+            if ext > self.rem_input and self.can_run:
+                return False
+            if lock:
+                self.tree_cache.inc_lock_ref(req.last_node)
+            self.can_run.append(req)
+            self._take(ext, reserve)
+            return True
+        # chunk it: only the first rem_chunk tokens this round
+        if self.rem_chunk <= 0:
+            return False
+        if lock:
+            self.tree_cache.inc_lock_ref(req.last_node)
+        ext = self.rem_chunk
+        req.extend_input_len = ext
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + ext]
+        req.is_chunked += 1
+        self.can_run.append(req)
+        self.new_chunked_req = req
+        self._take(ext, 0)
+        return True

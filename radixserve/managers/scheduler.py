@@ -1,0 +1,451 @@
+"""The scheduler: one process per TP rank. Receives tokenized requests, forms batches (prefill first, then decode),
+runs them on the TpModelWorker, and sends new token ids to the detokenizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.managers import io_struct as io
+from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
+from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.model_executor.forward_batch_info import ForwardMode
+from radixserve.server_args import ServerArgs
+from radixserve.utils import get_zmq_socket, kill_itself_when_parent_died
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tp_rank: int = 0, gpu_id: int = 0) -> None:
+        self.server_args = server_args
+        self.tp_rank = tp_rank
+        self.model_config = ModelConfig(server_args.model_path, context_length=server_args.context_length,
+                                        load_format=server_args.load_format,
+                                        trust_remote_code=server_args.trust_remote_code)
+        self.worker = TpModelWorker(server_args, self.model_config, tp_rank=tp_rank, gpu_id=gpu_id)
+        self.device = self.worker.device
+        self.req_to_token_pool, self.token_to_kv_pool = self.worker.get_memory_pool()
+        self.max_running_requests = self.worker.max_running_requests
+        self.vocab_size = self.model_config.vocab_size
+        self.context_len = self.model_config.context_len
+        if server_args.disable_radix_cache:
+            self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool)
+        else:
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
+        self.chunk_size = server_args.chunk_size
+        self.tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            from radixserve.managers.tokenizer_utils import get_tokenizer
+
+            self.tokenizer = get_tokenizer(self.model_config.tokenizer_path)
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch: ScheduleBatch | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness
+        self.forward_ct = 0
+        self.invariant_violations = 0
+        self.num_retractions = 0
+        self.cache_hit_tokens = 0
+        self.prompt_tokens_total = 0
+        self.last_step_time = time.monotonic()
+
+        self.outbox: list[Any] = []  # messages kept in-process when there is no detokenizer socket (tests)
+        self.recv_from_tokenizer = None
+        self.send_to_detokenizer = None
+        if tp_rank == 0 and port_args:
+            ctx = zmq.Context(2)
+            self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args["scheduler_input"], bind=True)
+            self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args["detokenizer_input"], bind=False)
+
+    # ================================================================= the loop
+    def event_loop_normal(self) -> None:
+        while True:
+            self.process_input_requests(self.recv_requests())
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                result = self.run_batch(batch)
+                self.process_batch_result(batch, result)
+            else:
+                self.on_idle()
+            self.last_batch = batch
+
+    def recv_requests(self) -> list[Any]:
+        if self.recv_from_tokenizer is None:
+            return []
+        out = []
+        busy = self.running_batch is not None or self.waiting_queue or self.chunked_req is not None
+        if not busy and self.recv_from_tokenizer.poll(timeout=1000) == 0:
+            return out
+        while True:
+            try:
+                out.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                break
+        return out
+
+    def step(self) -> bool:
+        """One iteration without receiving (for tests and the offline harness); False when idle."""
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            self.process_batch_result(batch, self.run_batch(batch))
+        self.last_batch = batch
+        return batch is not None
+
+    # ================================================================= requests
+    def process_input_requests(self, reqs: list[Any]) -> None:
+        for obj in reqs:
+            try:
+                if isinstance(obj, io.TokenizedGenerateReqInput):
+                    self.handle_generate_request(obj)
+                elif isinstance(obj, io.AbortReq):
+                    self.abort_request(obj.rid, obj.message)
+                elif isinstance(obj, io.FlushCacheReq):
+                    self.send_out(io.FlushCacheReqOutput(success=self.flush_cache()))
+                elif isinstance(obj, io.GetInternalStateReq):
+                    self.send_out(io.GetInternalStateReqOutput(state=self.get_internal_state()))
+                else:
+                    logger.error("scheduler got an unknown message %r", type(obj))
+            except Exception as e:  # one bad message never takes the scheduler down
+                logger.exception("error handling %s", type(obj).__name__)
+                rid = getattr(obj, "rid", None)
+                if rid is not None:
+                    self.send_abort(rid, f"internal error: {e}")
+
+    def handle_generate_request(self, recv: io.TokenizedGenerateReqInput) -> None:
+        ids = recv.input_ids
+        error = None
+        if not ids:
+            error = "the prompt is empty"
+        elif len(ids) >= self.context_len:
+            error = f"the prompt has {len(ids)} tokens, at least the context length {self.context_len}"
+        elif min(ids) < 0 or max(ids) >= self.vocab_size:
+            error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
+        elif len(ids) + 1 > self.token_to_kv_pool.size:
+            error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
+        if error is not None:
+            self.send_abort(recv.rid, error, status=400)
+            return
+        sp = recv.sampling_params
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids))
+        req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
+                  return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
+                  top_logprobs_num=recv.top_logprobs_num, stream=recv.stream)
+        self.waiting_queue.append(req)
+
+    def abort_request(self, rid: str, message: str = "aborted") -> None:
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == rid:
+                del self.waiting_queue[i]
+                req.finished_reason = {"type": "abort", "message": message}
+                self.stream_output([req])
+                return
+        # running (or being prefilled in chunks): finished at the next result processing
+        candidates = list(self.running_batch.reqs) if self.running_batch else []
+        if self.chunked_req is not None:
+            candidates.append(self.chunked_req)
+        if self.last_batch is not None:
+            candidates += self.last_batch.reqs
+        for req in candidates:
+            if req.rid == rid and not req.finished():
+                req.to_abort = message
+
+    def send_abort(self, rid: str, message: str, status: int = 400) -> None:
+        out = io.BatchTokenIDOut(rids=[rid], new_token_ids=[[]],
+                                 finished_reasons=[{"type": "abort", "message": message, "status_code": status}],
+                                 meta_infos=[{"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}],
+                                 skip_special_tokens=[True], spaces_between_special_tokens=[True], no_stop_trim=[False],
+                                 stop_strs=[[]])
+        self.send_out(out)
+
+    def send_out(self, obj: Any) -> None:
+        if self.send_to_detokenizer is not None:
+            self.send_to_detokenizer.send_pyobj(obj)
+        else:
+            self.outbox.append(obj)
+
+    # ================================================================= batching
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            # the prefill that just ran joins the running batch (minus finished and still-chunking requests)
+            if last.forward_mode.is_mixed():
+                last.reqs = last.reqs[: last.n_prefill]
+                last.req_pool_indices = last.req_pool_indices[: last.n_prefill]
+                last.seq_lens = last.seq_lens[: last.n_prefill]
+                if last.sampling_info is not None:
+                    last.sampling_info.filter_batch(list(range(last.n_prefill)))
+            last.filter_batch(chunked_req=self.chunked_req)
+            if not last.is_empty():
+                last.forward_mode = ForwardMode.DECODE
+                if self.running_batch is None or self.running_batch.is_empty():
+                    self.running_batch = last
+                else:
+                    self.running_batch.merge_batch(last)
+            self.last_batch = None
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if self.running_batch is None or self.running_batch.is_empty():
+            self.running_batch = None
+            return None
+        self.update_running_batch(self.running_batch)
+        if self.running_batch.is_empty():
+            self.running_batch = None
+            return None
+        return self.running_batch
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        running = self.running_batch.reqs if self.running_batch is not None else []
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        if len(running) >= self.max_running_requests and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        mixed = self.server_args.enable_mixed_chunk and bool(running)
+        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool, running, self.new_token_ratio,
+                             self.server_args.max_prefill_tokens, self.chunk_size,
+                             mixed_decode_tokens=len(running) if mixed else 0)
+        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
+            req, self.chunked_req = self.chunked_req, None
+            req.finished_reason = {"type": "abort", "message": req.to_abort}
+            self.tree_cache.cache_finished_req(req)
+            self.stream_output([req])
+        if self.chunked_req is not None:
+            # the part already prefilled sits in the tree (or the chunk cache) as this request's prefix
+            self.chunked_req.fill_ids = self.chunked_req.origin_input_ids + self.chunked_req.output_ids
+            self.chunked_req.extend_input_len = len(self.chunked_req.fill_ids) - len(self.chunked_req.prefix_indices)
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        slots_left = self.max_running_requests - len(running) - len(adder.can_run)
+        admitted = []
+        for req in self.waiting_queue:
+            if slots_left <= 0 or not adder.budget_left() or adder.new_chunked_req is not None:
+                break
+            if self.policy.policy not in ("lpm", "dfs-weight") or req.last_node is None:
+                req.init_next_round_input(self.tree_cache)
+            if not adder.add_one_req(req):
+                break
+            admitted.append(req)
+            slots_left -= 1
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if not adder.can_run:
+            return None
+        ids = {id(r) for r in admitted}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
+        batch = ScheduleBatch(adder.can_run, self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
+                              self.device, self.vocab_size)
+        batch.prepare_for_extend()
+        for r in admitted:
+            self.prompt_tokens_total += len(r.origin_input_ids)
+            self.cache_hit_tokens += len(r.prefix_indices)
+        if mixed and self.running_batch is not None and not self.running_batch.is_empty():
+            if self.running_batch.check_decode_mem():
+                batch.mix_with_running(self.running_batch)
+                self.running_batch = None
+        return batch
+
+    def update_running_batch(self, batch: ScheduleBatch) -> None:
+        if not batch.check_decode_mem():
+            retracted, ratio = batch.retract_decode()
+            self.new_token_ratio = max(self.new_token_ratio, ratio)
+            self.num_retractions += len(retracted)
+            logger.info("KV cache full: retracted %d request(s); new_token_ratio=%.3f", len(retracted),
+                        self.new_token_ratio)
+            self.waiting_queue = retracted + self.waiting_queue
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY,
+                                       MIN_NEW_TOKEN_RATIO * self.server_args.schedule_conservativeness)
+        if not batch.is_empty():
+            batch.prepare_for_decode()
+
+    # ================================================================= running
+    def run_batch(self, batch: ScheduleBatch) -> tuple[Any, torch.Tensor]:
+        self.forward_ct += 1
+        self.last_step_time = time.monotonic()
+        return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+
+    def process_batch_result(self, batch: ScheduleBatch, result: tuple[Any, torch.Tensor]) -> None:
+        logits_output, next_token_ids = result
+        if batch.sampling_info is not None:
+            batch.sampling_info.update_penalties(next_token_ids)
+        next_ids = next_token_ids.tolist()
+        want_lp = batch.return_logprob
+        lp = logits_output.next_token_logprobs.tolist() if want_lp and logits_output.next_token_logprobs is not None \
+            else None
+        for i, req in enumerate(batch.reqs):
+            if req is self.chunked_req:
+                # a middle chunk: cache what was prefilled so far, no token is sampled
+                self.tree_cache.cache_unfinished_req(req)
+                self._record_input_logprobs(req, logits_output, i)
+                continue
+            if req.finished():
+                continue
+            if batch.forward_mode.is_extend():
+                self._record_input_logprobs(req, logits_output, i)
+            if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
+                req.finished_reason = {"type": "length", "length": 0}
+            else:
+                req.output_ids.append(next_ids[i])
+                if req.return_logprob and lp is not None:
+                    req.output_token_logprobs.append((lp[i], next_ids[i]))
+                    if req.top_logprobs_num:
+                        vals = logits_output.next_token_top_logprobs_val[i]
+                        idx = logits_output.next_token_top_logprobs_idx[i]
+                        req.output_top_logprobs.append(list(zip(_tolist(vals), _tolist(idx), strict=True)))
+                req.check_finished(self.tokenizer)
+            if req.to_abort is not None and not req.finished():
+                req.finished_reason = {"type": "abort", "message": req.to_abort}
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            elif batch.forward_mode.is_extend() and (not batch.forward_mode.is_mixed() or i < batch.n_prefill):
+                self.tree_cache.cache_unfinished_req(req)
+        self.stream_output(batch.reqs)
+        if batch.forward_mode.is_decode():
+            batch.filter_batch()
+
+    def _record_input_logprobs(self, req: Req, logits_output: Any, i: int) -> None:
+        vals = logits_output.input_token_logprobs
+        if vals is None or i >= len(vals) or vals[i] is None:
+            return
+        start = req.logprob_start_len
+        ids = req.origin_input_ids
+        lps = _tolist(vals[i])
+        # the first token at logprob_start_len has no logprob (nothing precedes it within the computed range)
+        entries: list[tuple[float | None, int]] = [(None, ids[start])] if start < len(ids) else []
+        entries += [(v, ids[start + 1 + j]) for j, v in enumerate(lps)]
+        req.input_token_logprobs = entries
+        if req.top_logprobs_num and logits_output.input_top_logprobs_val[i] is not None:
+            tv = _tolist(logits_output.input_top_logprobs_val[i])
+            ti = _tolist(logits_output.input_top_logprobs_idx[i])
+            req.input_top_logprobs = [None] + [list(zip(a, b, strict=True)) for a, b in zip(tv, ti, strict=True)]
+
+    # ================================================================= output
+    def stream_output(self, reqs: list[Req]) -> None:
+        out = io.BatchTokenIDOut([], [], [], [], [], [], [], [])
+        interval = self.server_args.stream_interval
+        for req in reqs:
+            if not req.finished() and not (req.stream and (len(req.output_ids) - req.sent_offset) >= interval):
+                continue
+            if req.finished() and req.sent_offset < 0:  # already sent its end
+                continue
+            new_ids = req.output_ids[req.sent_offset:]
+            meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids),
+                                    "completion_tokens": len(req.output_ids),
+                                    "cached_tokens": req.cached_tokens}
+            if req.return_logprob:
+                meta["output_token_logprobs"] = req.output_token_logprobs[req.sent_logprob_offset:]
+                meta["output_top_logprobs"] = req.output_top_logprobs[req.sent_logprob_offset:]
+                if req.sent_logprob_offset == 0 and req.input_token_logprobs is not None:
+                    meta["input_token_logprobs"] = req.input_token_logprobs
+                    meta["input_top_logprobs"] = req.input_top_logprobs
+                req.sent_logprob_offset = len(req.output_token_logprobs)
+            out.rids.append(req.rid)
+            out.new_token_ids.append(new_ids)
+            out.finished_reasons.append(req.finished_reason)
+            out.meta_infos.append(meta)
+            sp = req.sampling_params
+            out.skip_special_tokens.append(sp.skip_special_tokens)
+            out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
+            out.no_stop_trim.append(sp.no_stop_trim)
+            out.stop_strs.append(req.stop_strs)
+            req.sent_offset = len(req.output_ids) if not req.finished() else -1
+        if out.rids:
+            self.send_out(out)
+
+    # ================================================================= idle, state, cache
+    def on_idle(self) -> None:
+        self.check_memory()
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self.server_args.schedule_conservativeness
+
+    def is_idle(self) -> bool:
+        return not self.waiting_queue and self.running_batch is None and self.chunked_req is None
+
+    def check_memory(self) -> bool:
+        """free + evictable + protected == pool size, and every request slot free. Logged and counted if not."""
+        cache = self.tree_cache
+        free = self.token_to_kv_pool.available_size()
+        total = free + cache.evictable_size() + cache.protected_size()
+        ok = total == self.token_to_kv_pool.size and cache.protected_size() == 0
+        ok = ok and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
+        if not ok:
+            self.invariant_violations += 1
+            logger.error("memory leak: free=%d evictable=%d protected=%d pool=%d free_req_slots=%d/%d", free,
+                         cache.evictable_size(), cache.protected_size(), self.token_to_kv_pool.size,
+                         self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
+        return ok
+
+    def flush_cache(self) -> bool:
+        if not self.is_idle():
+            return False
+        self.tree_cache.reset()
+        return True
+
+    def get_internal_state(self) -> dict[str, Any]:
+        cache = self.tree_cache
+        return {
+            "idle": self.is_idle(),
+            "memory_ok": self.check_memory() if self.is_idle() else None,
+            "invariant_violations": self.invariant_violations,
+            "free_tokens": self.token_to_kv_pool.available_size(),
+            "evictable_tokens": cache.evictable_size(),
+            "protected_tokens": cache.protected_size(),
+            "max_total_num_tokens": self.token_to_kv_pool.size,
+            "num_running_reqs": len(self.running_batch.reqs) if self.running_batch else 0,
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_retractions": self.num_retractions,
+            "cache_hit_tokens": self.cache_hit_tokens,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "forward_ct": self.forward_ct,
+            "new_token_ratio": self.new_token_ratio,
+            "last_step_time": self.last_step_time,
+            "pid": os.getpid(),
+        }
+
+    def scheduler_info(self) -> io.SchedulerInfo:
+        mr = self.worker.model_runner
+        return io.SchedulerInfo(max_total_num_tokens=self.token_to_kv_pool.size,
+                                max_running_requests=self.max_running_requests, context_len=self.context_len,
+                                vocab_size=self.vocab_size, device=str(self.device), dtype=str(mr.dtype),
+                                attention_backend=type(mr.attn_backend).__name__)
+
+
+def _tolist(x: Any) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp_rank: int, gpu_id: int,
+                          pipe_writer: Any) -> None:
+    """Entry point of the scheduler process."""
+    kill_itself_when_parent_died()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format=f"[%(asctime)s scheduler TP{tp_rank}] %(levelname)s %(message)s")
+    try:
+        scheduler = Scheduler(server_args, port_args, tp_rank, gpu_id)
+        pipe_writer.send({"status": "ready", "info": scheduler.scheduler_info()})
+    except Exception as e:
+        logger.exception("scheduler failed to start")
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    if server_args.use_overlap and hasattr(scheduler, "event_loop_overlap"):
+        scheduler.event_loop_overlap()
+    else:
+        scheduler.event_loop_normal()

@@ -1,0 +1,307 @@
+"""TokenizerManager: lives in the caller's process (HTTP server or Engine). Tokenizes and validates requests, sends
+them to the scheduler, and gathers the detokenizer's text back into per-request state, on asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve.managers import io_struct as io
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+from radixserve.utils import get_zmq_socket
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `status_code` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.param = param
+
+
+@dataclasses.dataclass
+class ReqState:
+    text: str = ""
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    created: float = dataclasses.field(default_factory=time.time)
+    first_token_time: float | None = None
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tokenizer: Any, context_len: int,
+                 vocab_size: int, scheduler_info: io.SchedulerInfo | None = None) -> None:
+        self.server_args = server_args
+        self.port_args = port_args
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.scheduler_info = scheduler_info
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.pending_control: dict[type, asyncio.Future] = {}
+        self.ctx = zmq.asyncio.Context(2)
+        self.send_to_scheduler = get_zmq_socket(self.ctx, zmq.PUSH, port_args["scheduler_input"], bind=False)
+        self.recv_from_detokenizer = get_zmq_socket(self.ctx, zmq.PULL, port_args["tokenizer_input"], bind=True)
+        self._loop_task: asyncio.Task | None = None
+        self.metrics: Any = None  # set by the HTTP server when --enable-metrics
+        self.num_queued = 0
+
+    # ---------------------------------------------------------------- receive loop
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+
+    async def _handle_loop(self) -> None:
+        while True:
+            obj = await self.recv_from_detokenizer.recv_pyobj()
+            try:
+                if isinstance(obj, io.BatchStrOut):
+                    self._handle_batch_out(obj)
+                else:
+                    fut = self.pending_control.pop(type(obj), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(obj)
+            except Exception:
+                logger.exception("tokenizer manager failed to handle %s", type(obj).__name__)
+
+    def _handle_batch_out(self, out: io.BatchStrOut) -> None:
+        now = time.time()
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue
+            state.text += out.text_deltas[i]
+            state.output_ids.extend(out.new_token_ids[i])
+            meta = out.meta_infos[i]
+            for key in ("output_token_logprobs", "output_top_logprobs"):
+                if key in meta:
+                    state.meta.setdefault(key, []).extend(meta[key])
+            for key, val in meta.items():
+                if key not in ("output_token_logprobs", "output_top_logprobs"):
+                    state.meta[key] = val
+            if state.first_token_time is None and out.new_token_ids[i]:
+                state.first_token_time = now
+                if self.metrics is not None:
+                    self.metrics.observe_ttft(now - state.created)
+            if out.finished_reasons[i] is not None:
+                state.finished = True
+                state.meta["finish_reason"] = out.finished_reasons[i]
+            state.event.set()
+
+    # ---------------------------------------------------------------- requests
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this server was started with --skip-tokenizer-init: send input_ids", 400, "text")
+        return self.tokenizer.encode(text)
+
+    def _validate_ids(self, ids: list[int], param: str = "input_ids") -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", 400, param)
+        if any((not isinstance(t, int)) or isinstance(t, bool) for t in ids):
+            raise RequestError("input_ids must be a list of integers", 400, param)
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise RequestError(f"input_ids must be in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}", 400,
+                               param)
+        if len(ids) >= self.context_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens, at least the model's context length "
+                               f"{self.context_len}", 400, param)
+
+    def make_sampling_params(self, d: dict[str, Any] | None) -> SamplingParams:
+        try:
+            sp = SamplingParams.from_dict(dict(d or {}))
+            sp.normalize(self.tokenizer)
+            sp.verify(self.vocab_size)
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), 400, "sampling_params") from e
+        return sp
+
+    def normalize(self, obj: io.GenerateReqInput) -> list[io.TokenizedGenerateReqInput]:
+        """Split a (possibly batched) request into tokenized single requests, all validated before any is sent."""
+        if (obj.text is None) == (obj.input_ids is None):
+            raise RequestError("give exactly one of text and input_ids", 400, "text")
+        batch = obj.is_batch()
+        prompts: list[Any] = (obj.text if obj.text is not None else obj.input_ids) if batch else \
+            [obj.text if obj.text is not None else obj.input_ids]
+        if batch and not prompts:
+            raise RequestError("the batch is empty", 400, "text")
+        n_prompts = len(prompts)
+
+        def per(value: Any, name: str) -> list[Any]:
+            if isinstance(value, list):
+                if not batch or len(value) != n_prompts:
+                    raise RequestError(f"{name} is a list of {len(value)} but there are {n_prompts} prompts", 400,
+                                       name)
+                return value
+            return [value] * n_prompts
+
+        sps = per(obj.sampling_params, "sampling_params") if isinstance(obj.sampling_params, list) \
+            else [obj.sampling_params] * n_prompts
+        rids = per(obj.rid, "rid") if obj.rid is not None else [None] * n_prompts
+        out = []
+        for i, p in enumerate(prompts):
+            if obj.text is not None:
+                if not isinstance(p, str):
+                    raise RequestError("text must be a string or a list of strings", 400, "text")
+                if not p:
+                    raise RequestError("the prompt is empty", 400, "text")
+                ids = self.tokenize(p)
+                text = p
+            else:
+                if not isinstance(p, list):
+                    raise RequestError("input_ids must be a list of integers or a list of such lists", 400,
+                                       "input_ids")
+                ids, text = p, None
+            self._validate_ids(ids)
+            sp = self.make_sampling_params(sps[i])
+            if len(ids) + sp.max_new_tokens > self.context_len:
+                sp.max_new_tokens = self.context_len - len(ids)
+            logprob_start = per(obj.logprob_start_len, "logprob_start_len")[i]
+            top_n = per(obj.top_logprobs_num, "top_logprobs_num")[i]
+            ret_lp = per(obj.return_logprob, "return_logprob")[i]
+            if not isinstance(top_n, int) or not 0 <= top_n <= 20:
+                raise RequestError("top_logprobs_num must be an integer in [0, 20]", 400, "top_logprobs_num")
+            if not isinstance(logprob_start, int) or logprob_start >= len(ids):
+                raise RequestError(f"logprob_start_len must be an integer < the prompt length {len(ids)}", 400,
+                                   "logprob_start_len")
+            base_rid = rids[i] or uuid.uuid4().hex
+            for j in range(sp.n):
+                sp_j = sp if sp.n == 1 else copy.copy(sp)
+                if sp.n > 1 and sp.seed is not None:
+                    sp_j.seed = sp.seed + j
+                out.append(io.TokenizedGenerateReqInput(
+                    rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_text=text, input_ids=list(ids),
+                    sampling_params=sp_j, stream=obj.stream, return_logprob=bool(ret_lp),
+                    logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0))
+        return out
+
+    def _check_capacity(self, n: int) -> None:
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.rid_to_state) + n > limit:
+            raise RequestError(f"the server is overloaded: {len(self.rid_to_state)} requests in flight "
+                               f"(--max-queued-requests {limit}); retry later", 503)
+
+    async def _prefill_shared_prompt(self, req: io.TokenizedGenerateReqInput) -> None:
+        """For n > 1: prefill the prompt once (max_new_tokens=0) so the n samples share it through the radix
+        cache."""
+        sp = copy.copy(req.sampling_params)
+        sp.max_new_tokens, sp.n = 0, 1
+        warm = dataclasses.replace(req, rid=f"{req.rid}-prefill", stream=False, return_logprob=False,
+                                   logprob_start_len=-1, top_logprobs_num=0, sampling_params=sp)
+        async for _ in self._run_one(warm):
+            pass
+
+    async def _run_one(self, req: io.TokenizedGenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        self._ensure_loop()
+        state = ReqState()
+        self.rid_to_state[req.rid] = state
+        try:
+            self.send_to_scheduler.send_pyobj(req)
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                out = self._make_output(req, state)
+                if state.finished:
+                    reason = state.meta.get("finish_reason") or {}
+                    if reason.get("type") == "abort" and reason.get("status_code"):
+                        raise RequestError(reason.get("message", "aborted"), reason["status_code"])
+                    if self.metrics is not None:
+                        self.metrics.observe_finished(state, req)
+                    yield out
+                    return
+                if req.stream:
+                    yield out
+        finally:
+            if not state.finished:
+                self.abort_request(req.rid, "the client went away")
+            self.rid_to_state.pop(req.rid, None)
+
+    def _make_output(self, req: io.TokenizedGenerateReqInput, state: ReqState) -> dict[str, Any]:
+        meta = {"id": req.rid, "prompt_tokens": state.meta.get("prompt_tokens", len(req.input_ids)),
+                "completion_tokens": state.meta.get("completion_tokens", len(state.output_ids)),
+                "cached_tokens": state.meta.get("cached_tokens", 0),
+                "finish_reason": state.meta.get("finish_reason")}
+        if req.return_logprob:
+            for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
+                        "input_top_logprobs"):
+                if key in state.meta:
+                    meta[key] = state.meta[key]
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    async def generate_request(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        """Yields one dict per finished request (in order) or, when streaming, cumulative chunks tagged with
+        `index` (the request's position in the batch)."""
+        reqs = self.normalize(obj)
+        self._check_capacity(len(reqs))
+        if len(reqs) == 1:
+            async for out in self._run_one(reqs[0]):
+                yield out
+            return
+        # n > 1 or a batch: prefill each distinct prompt once, then run all concurrently
+        seen: set[tuple[int, ...]] = set()
+        warmups = []
+        for r in reqs:
+            key = tuple(r.input_ids)
+            if r.sampling_params.n > 1 and key not in seen:
+                seen.add(key)
+                warmups.append(self._prefill_shared_prompt(r))
+        if warmups:
+            await asyncio.gather(*warmups)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, r: io.TokenizedGenerateReqInput) -> None:
+            try:
+                async for out in self._run_one(r):
+                    out["index"] = i
+                    await queue.put(out)
+            except Exception as e:  # surfaced to the caller in order
+                await queue.put(e)
+            finally:
+                await queue.put(("done", i))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            done = 0
+            while done < len(reqs):
+                item = await queue.get()
+                if isinstance(item, tuple):
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def abort_request(self, rid: str, message: str = "aborted") -> None:
+        self.send_to_scheduler.send_pyobj(io.AbortReq(rid=rid, message=message))
+
+    async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
+        self._ensure_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self.pending_control[reply_type] = fut
+        self.send_to_scheduler.send_pyobj(req)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> bool:
+        out = await self._control(io.FlushCacheReq(), io.FlushCacheReqOutput)
+        return out.success
+
+    async def get_internal_state(self, timeout: float = 30.0) -> dict[str, Any]:
+        out = await self._control(io.GetInternalStateReq(), io.GetInternalStateReqOutput, timeout)
+        return out.state

@@ -1,0 +1,135 @@
+"""The two memory pools.
+
+ReqToTokenPool: a [max_requests, max_context_len] int32 table on the device; row = request slot, entries = the
+KV slot of each of that request's tokens. Free rows are a Python list.
+
+TokenToKVPool: per-layer K and V buffers [size + 1, num_kv_heads, head_dim]; slot 0 is padding (writes of padded
+tokens land there). The free slots are an int64 tensor on the CPU: alloc is a slice, free a concatenation, so the
+scheduler never waits for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhaustedError(RuntimeError):
+    """Raised by callers that need slots the pool cannot give (alloc itself returns None)."""
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str) -> None:
+        if size <= 0 or max_context_len <= 0:
+            raise ValueError(f"ReqToTokenPool needs positive sizes; got size={size}, context={max_context_len}")
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        # A CPU mirror: the scheduler and the radix cache read KV slots from it without touching the device.
+        self.req_to_token_cpu = torch.zeros((size, max_context_len), dtype=torch.int32) if device != "cpu" \
+            else self.req_to_token
+        self.free_slots: list[int] = list(range(size))
+        self._is_free = [True] * size
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need: int = 1) -> list[int] | None:
+        if need > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:need], self.free_slots[need:]
+        for i in out:
+            self._is_free[i] = False
+        return out
+
+    def free(self, idx: int | list[int]) -> None:
+        for i in [idx] if isinstance(idx, int) else idx:
+            if not 0 <= i < self.size:
+                raise ValueError(f"request slot {i} is out of range 0..{self.size - 1}")
+            if self._is_free[i]:
+                raise ValueError(f"request slot {i} is freed twice")
+            self._is_free[i] = True
+            self.free_slots.append(i)
+
+    def write(self, row: int, start: int, values: torch.Tensor) -> None:
+        """Record KV slots (a CPU tensor) for tokens start.. of request slot `row`, on the device and the mirror."""
+        end = start + len(values)
+        if end > self.max_context_len:
+            raise ValueError(f"request needs {end} tokens, more than the context length {self.max_context_len}")
+        self.req_to_token_cpu[row, start:end] = values
+        if self.req_to_token_cpu is not self.req_to_token:
+            self.req_to_token[row, start:end] = values.to(self.device, torch.int32, non_blocking=True)
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """KV slots of tokens start..end-1 of request slot `row`, as a CPU int64 tensor (no device sync)."""
+        return self.req_to_token_cpu[row, start:end].to(torch.int64)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+        self._is_free = [True] * self.size
+
+
+class TokenToKVPool:
+    def __init__(self, size: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int, num_layers: int,
+                 device: str, debug_checks: bool = True) -> None:
+        if size <= 0:
+            raise ValueError(f"TokenToKVPool needs a positive size; got {size}")
+        self.size = size
+        self.dtype = dtype
+        self.device = device
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.k_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+                         for _ in range(num_layers)]
+        # Double-free / range checks keep a CPU bitmap; it costs O(n) CPU work per call, never a device sync.
+        self.debug_checks = debug_checks
+        self.clear()
+
+    # ---------------------------------------------------------------- allocator (CPU only)
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._is_free = torch.ones(self.size + 1, dtype=torch.bool)
+        self._is_free[0] = False
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        """`need` free slots as a CPU int64 tensor, or None if there are not enough."""
+        if need < 0:
+            raise ValueError(f"cannot allocate {need} slots")
+        if need > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:need], self.free_slots[need:]
+        if self.debug_checks:
+            self._is_free[out] = False
+        return out
+
+    def free(self, idx: torch.Tensor) -> None:
+        if idx.numel() == 0:
+            return
+        idx = idx.to("cpu", torch.int64).flatten()
+        if self.debug_checks:
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 1 or hi > self.size:
+                raise ValueError(f"KV slot out of range 1..{self.size}: min={lo} max={hi}")
+            if bool(self._is_free[idx].any()) or idx.unique().numel() != idx.numel():
+                raise ValueError("KV slot freed twice")
+            self._is_free[idx] = True
+        self.free_slots = torch.cat([self.free_slots, idx])
+
+    # ---------------------------------------------------------------- KV data (device)
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = k
+        self.v_buffer[layer_id][loc] = v
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8

@@ -1,0 +1,111 @@
+"""ForwardMode and ForwardBatch: the device tensors of one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.base_attn_backend import AttentionBackend
+    from radixserve.managers.schedule_batch import ModelWorkerBatch
+    from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill, possibly on top of a cached prefix
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # a prefill chunk together with decode requests (all run as extend)
+    IDLE = auto()  # a rank with no work keeps step with the others
+    DUMMY_FIRST = auto()  # primes the overlap pipeline
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_dummy_first(self) -> bool:
+        return self == ForwardMode.DUMMY_FIRST
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64 — total length after this forward (prefix + new)
+    out_cache_loc: torch.Tensor  # [num_tokens] int64 — KV slots written by this forward
+    seq_lens_sum: int
+    positions: torch.Tensor  # [num_tokens] int64
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    attn_backend: AttentionBackend
+    # extend only (device tensors and their CPU lists)
+    extend_seq_lens: torch.Tensor | None = None  # [bs] new tokens per request
+    extend_prefix_lens: torch.Tensor | None = None  # [bs] cached tokens per request
+    extend_start_loc: torch.Tensor | None = None  # [bs] offset of each request in input_ids
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+    # logits of more than the last token (prompt logprobs): positions in input_ids, per request start
+    extend_logprob_start_lens_cpu: list[int] | None = None
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+    sampling_info: SamplingBatchInfo | None = None
+
+    @classmethod
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> ForwardBatch:
+        device = model_runner.device
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        mode = batch.forward_mode
+        seq_lens = dev(batch.seq_lens)
+        fb = cls(
+            forward_mode=mode,
+            batch_size=len(batch.seq_lens),
+            input_ids=dev(batch.input_ids),
+            req_pool_indices=dev(batch.req_pool_indices),
+            seq_lens=seq_lens,
+            out_cache_loc=dev(batch.out_cache_loc),
+            seq_lens_sum=batch.seq_lens_sum,
+            positions=None,  # type: ignore[arg-type]
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            return_logprob=batch.return_logprob,
+            top_logprobs_nums=batch.top_logprobs_nums,
+            extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens_cpu,
+            sampling_info=batch.sampling_info,
+        )
+        if mode.is_decode() or mode.is_idle():
+            fb.positions = (seq_lens - 1).clamp(min=0)
+        elif mode.is_extend():
+            ext = torch.tensor(batch.extend_seq_lens, dtype=torch.int64)
+            pre = torch.tensor(batch.extend_prefix_lens, dtype=torch.int64)
+            start = torch.zeros_like(ext)
+            if len(ext) > 1:
+                start[1:] = torch.cumsum(ext[:-1], 0)
+            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(ext), dev(pre), dev(start)
+            fb.extend_seq_lens_cpu = list(batch.extend_seq_lens)
+            fb.extend_prefix_lens_cpu = list(batch.extend_prefix_lens)
+            # positions: prefix_len .. prefix_len + extend_len - 1 for each request
+            total = int(ext.sum())
+            offs = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(start, ext)
+            fb.positions = dev(offs + torch.repeat_interleave(pre, ext))
+        model_runner.attn_backend.init_forward_metadata(fb)
+        return fb

@@ -1,0 +1,113 @@
+"""ModelRunner: loads the model, sizes the memory pools, owns the attention backend, runs forward and sampling."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.layers.attention import create_attention_backend
+from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+from radixserve.layers.sampler import Sampler
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixserve.model_executor.forward_batch_info import ForwardBatch
+from radixserve.model_loader import get_model
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+def resolve_dtype(name: str, device: str, config_dtype: torch.dtype | None = None) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device == "cpu":
+        return torch.float32
+    # On a GPU: the checkpoint's half type, bf16 when the checkpoint is fp32 or says nothing.
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
+                 gpu_id: int = 0) -> None:
+        self.model_config = model_config
+        self.server_args = server_args
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        device = server_args.resolved_device()
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda was asked for but no CUDA device is available")
+            torch.cuda.set_device(gpu_id)
+            self.device = f"cuda:{gpu_id}"
+        else:
+            self.device = "cpu"
+        self.is_cuda = device == "cuda"
+        self.dtype = resolve_dtype(server_args.dtype, device, model_config.torch_dtype)
+        self.kv_dtype = self.dtype if server_args.kv_cache_dtype == "auto" else _DTYPES[server_args.kv_cache_dtype]
+        torch.manual_seed(server_args.random_seed)
+
+        self.model = self._load_model()
+        self._init_memory_pool()
+        backend = server_args.attention_backend or ("triton" if self.is_cuda else "torch_native")
+        self.attn_backend = create_attention_backend(backend, self)
+        self.sampler = Sampler()
+        self.cuda_graph_runner = None
+        if self.is_cuda and not server_args.disable_cuda_graph:
+            from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
+
+            self.cuda_graph_runner = CudaGraphRunner(self)
+
+    # ---------------------------------------------------------------- setup
+    def _load_model(self) -> torch.nn.Module:
+        model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
+                          device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                          seed=self.server_args.random_seed)
+        model.eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return model
+
+    def _init_memory_pool(self) -> None:
+        cfg, args = self.model_config, self.server_args
+        num_kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
+        cell = 2 * cfg.num_hidden_layers * num_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        if self.is_cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            frac = args.mem_fraction_static or 0.85
+            # Keep (1 - frac) of the card for activations, CUDA graphs and the sampler.
+            rest = free - total * (1 - frac)
+            if rest <= cell * 64:
+                raise ValueError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
+                                 f"loading {self.weight_bytes / 2**30:.1f} GiB of weights; raise "
+                                 f"--mem-fraction-static (now {frac}) or use a smaller model / --tp-size")
+            size = int(rest // cell)
+            if args.max_total_tokens is not None:
+                size = min(size, args.max_total_tokens)
+        else:
+            size = args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+        self.max_total_num_tokens = size
+        self.context_len = cfg.context_len
+        max_reqs = args.max_running_requests or max(1, min(1024 if self.is_cuda else 256, size // 2))
+        self.max_running_requests = max_reqs
+        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
+        self.token_to_kv_pool = TokenToKVPool(size, self.kv_dtype, num_kv_heads, cfg.head_dim,
+                                              cfg.num_hidden_layers, self.device)
+        logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
+
+    # ---------------------------------------------------------------- run
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
+        return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
+        info = forward_batch.sampling_info
+        return self.sampler(logits_output, info, forward_batch.return_logprob,
+                            forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)

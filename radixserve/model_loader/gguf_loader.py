@@ -1,0 +1,156 @@
+"""Reading llama.cpp GGUF checkpoints as Hugging Face tensors.
+
+Every tensor is dequantized to float32 and renamed from llama.cpp's names (`blk.3.attn_q.weight`) to Hugging
+Face's (`model.layers.3.self_attn.q_proj.weight`). llama.cpp's converter reorders the rows of q_proj and k_proj of
+llama-architecture models (rotary halves interleaved per head); that reordering is undone here so that the tensors
+equal the original Hugging Face ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+# llama.cpp per-block tensor name -> Hugging Face name inside `model.layers.N.`
+_BLOCK_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp stores that Hugging Face derives from the config (Llama-3 RoPE frequency factors).
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# Architectures whose q/k rows llama.cpp's converter permutes (Mistral is written as "llama").
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor, None for tensors that have none (RoPE factors).
+
+    Raises ValueError for a name it does not know."""
+    if name in _SKIPPED:
+        return None
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    m = _TOP_RE.match(name)
+    if m and m.group(1) in _TOP_NAMES:
+        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"unsupported GGUF tensor {name!r}")
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    For each head, llama.cpp stores the rows as pairs (i, i + head_dim/2) interleaved; Hugging Face keeps the first
+    half of the rotary dimensions, then the second half. `n_head` is the number of heads the rows belong to (the
+    query heads for q_proj, the key/value heads for k_proj). Works for weights [rows, cols] and biases [rows]."""
+    rows = weight.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ValueError(f"cannot unpermute a tensor with {rows} rows into {n_head} heads")
+    half = rows // n_head // 2
+    rest = tuple(weight.shape[1:])
+    return weight.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's q/k row permutation (the inverse of `unpermute_qk`), for writing test checkpoints."""
+    rows = weight.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ValueError(f"cannot permute a tensor with {rows} rows into {n_head} heads")
+    half = rows // n_head // 2
+    rest = tuple(weight.shape[1:])
+    return weight.reshape(n_head, 2, half, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def open_gguf(path: str) -> Any:
+    """A `gguf.GGUFReader` over the file, with a clear ValueError when the file is missing or unreadable."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file does not exist: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """The value of a GGUF metadata field (a scalar, string or list), or `default` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _head_count(reader: Any, key: str, path: str) -> int | None:
+    value = gguf_field(reader, key)
+    if isinstance(value, list):  # per-layer counts; llama-arch models use one value for all layers
+        values = set(value)
+        if len(values) != 1:
+            raise ValueError(f"GGUF file {path}: per-layer {key} {sorted(values)} are not supported")
+        value = values.pop()
+    return int(value) if value is not None else None
+
+
+def count_gguf_tensors(reader: Any) -> int:
+    """How many tensors `gguf_weights_iterator` yields for this reader."""
+    return sum(1 for t in reader.tensors if t.name not in _SKIPPED)
+
+
+def gguf_weights_iterator(path: str, reader: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 cpu tensor) for every weight of a GGUF file, q/k rows restored to HF order."""
+    from gguf.quants import dequantize
+
+    if reader is None:
+        reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"GGUF file {path} has no general.architecture")
+    n_head = _head_count(reader, f"{arch}.attention.head_count", path)
+    n_head_kv = _head_count(reader, f"{arch}.attention.head_count_kv", path) or n_head
+    permuted = arch in _PERMUTED_ARCHS
+    if permuted and n_head is None:
+        raise ValueError(f"GGUF file {path} has no {arch}.attention.head_count")
+
+    for t in reader.tensors:
+        try:
+            hf_name = gguf_to_hf_name(t.name)
+        except ValueError as e:
+            raise ValueError(f"GGUF file {path}: {e}") from e
+        if hf_name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+        try:
+            array = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF file {path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from e
+        array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+        if not array.flags.writeable:  # an unquantized tensor is a view of the read-only memory map
+            array = array.copy()
+        tensor = torch.from_numpy(array)
+        if permuted and ".self_attn.q_proj." in hf_name:
+            tensor = unpermute_qk(tensor, n_head)
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            tensor = unpermute_qk(tensor, n_head_kv)
+        yield hf_name, tensor

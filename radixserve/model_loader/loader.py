@@ -1,0 +1,103 @@
+"""get_model: build the model class for a ModelConfig on a device and fill its weights."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from radixserve.model_loader.dummy import initialize_dummy_weights
+from radixserve.model_loader.gguf_loader import count_gguf_tensors, gguf_weights_iterator, open_gguf
+from radixserve.model_loader.weight_utils import (
+    count_safetensors_tensors,
+    list_safetensors_files,
+    safetensors_weights_iterator,
+)
+
+if TYPE_CHECKING:
+    from radixserve.configs.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
+    """"auto" becomes "gguf" for a GGUF file and "safetensors" for a folder; mismatches raise ValueError."""
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "auto":
+        return "gguf" if model_config.is_gguf else "safetensors"
+    if load_format == "gguf" and not model_config.is_gguf:
+        raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {model_config.model_path}")
+    if load_format == "safetensors" and model_config.is_gguf:
+        raise ValueError(f"load_format 'safetensors' needs a folder, got the GGUF file {model_config.model_path}")
+    return load_format
+
+
+def _weights(model_config: ModelConfig, load_format: str) -> tuple[Iterable[tuple[str, torch.Tensor]], int]:
+    if load_format == "gguf":
+        reader = open_gguf(model_config.model_path)
+        return gguf_weights_iterator(model_config.model_path, reader), count_gguf_tensors(reader)
+    files = list_safetensors_files(model_config.model_path)
+    return safetensors_weights_iterator(files), count_safetensors_tensors(files)
+
+
+def get_model(
+    model_config: ModelConfig,
+    *,
+    load_format: str,
+    dtype: torch.dtype,
+    device: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    seed: int = 42,
+) -> nn.Module:
+    """The model of `model_config`, built on `device` in `dtype`, with weights from safetensors, GGUF or random
+    ("dummy"). Raises ValueError for an unsupported architecture or unreadable weights."""
+    from radixserve.models.registry import get_model_class
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size}")
+    load_format = resolve_load_format(model_config, load_format)
+    model_class = get_model_class(model_config.architectures)
+    torch_device = torch.device(device)
+
+    start = time.perf_counter()
+    with _default_dtype(dtype), torch_device:
+        model = model_class(model_config.hf_config, tp_rank=tp_rank, tp_size=tp_size)
+
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        weights, total = _weights(model_config, load_format)
+        bar = tqdm(weights, total=total, desc=f"Loading {load_format} weights", unit="tensor",
+                   disable=tp_rank != 0, dynamic_ncols=True)
+        with torch.no_grad():
+            model.load_weights(bar)
+        bar.close()
+    model.eval()
+    if torch_device.type == "cuda":
+        torch.cuda.synchronize(torch_device)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%s, %.1fM params/rank, %s, %s) in %.1fs", type(model).__name__, load_format,
+                n_params / 1e6, dtype, torch_device, time.perf_counter() - start)
+    return model

@@ -1,0 +1,184 @@
+"""Llama family (Llama 2/3, Mistral, SmolLM2). Qwen2 and Qwen3 reuse these blocks with bias / q-k norm switched on.
+Parameter names follow Hugging Face, except that q/k/v and gate/up are stacked; `load_weights` maps them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.radix_attention import RadixAttention
+from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+
+def rope_params(config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) whether the config keeps them flat (transformers 4) or in rope_parameters (5)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or (params if params.get("rope_type", "default") != "default"
+                                                        else None)
+    return float(theta), scaling
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp_rank, tp_size)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # Llama's attention_bias puts a bias on o_proj too; Qwen2's q/k/v bias does not.
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, o_bias, tp_rank, tp_size)
+        theta, scaling = rope_params(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.contiguous(), forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, qkv_bias, qk_norm)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, qkv_bias, qk_norm)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # HF name fragment -> (our stacked parameter fragment, shard id)
+    stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+                      ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
+
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, tp_rank, tp_size, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        hidden = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for hf_part, our_part, shard in self.stacked_params:
+                if f".{hf_part}." in name:
+                    target = name.replace(f".{hf_part}.", f".{our_part}.")
+                    if target not in params:
+                        raise ValueError(f"weight {name!r} has no parameter {target!r} in {type(self).__name__}")
+                    params[target].weight_loader(params[target], tensor, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+                param = params[name]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"weight shape mismatch for {name}: expected {tuple(param.shape)}, "
+                                         f"got {tuple(tensor.shape)}")
+                    param.data.copy_(tensor)
+                else:
+                    loader(param, tensor)
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {', '.join(missing[:5])}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+EntryClass = [LlamaForCausalLM, MistralForCausalLM]

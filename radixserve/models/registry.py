@@ -1,0 +1,24 @@
+"""Model classes by the `architectures` name of config.json, imported only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "radixserve.models.llama",
+    "MistralForCausalLM": "radixserve.models.llama",
+    "Qwen2ForCausalLM": "radixserve.models.qwen2",
+    "Qwen3ForCausalLM": "radixserve.models.qwen3",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str]) -> type:
+    for arch in architectures or []:
+        if arch in _MODELS:
+            return getattr(importlib.import_module(_MODELS[arch]), arch)
+    raise ValueError(f"model architecture(s) {architectures} not supported; supported: "
+                     f"{', '.join(supported_architectures())}")

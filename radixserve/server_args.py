@@ -1,0 +1,205 @@
+"""ServerArgs: every flag of the engine in one dataclass, parsed by argparse and validated once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("torch_native", "triton")
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+
+
+def _flag(help: str, **kw: Any) -> Any:
+    """A dataclass field carrying its argparse help (and choices)."""
+    default = kw.pop("default", None)
+    factory = kw.pop("default_factory", None)
+    meta = {"help": help, **kw}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ServerArgs:
+    # model and tokenizer
+    model_path: str | None = _flag("HF folder, .gguf file, or none for the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _flag("Tokenizer folder (defaults to the model folder)")
+    load_format: str = _flag("How to load weights", default="auto", choices=LOAD_FORMATS)
+    dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA, fp32 on CPU)", default="auto",
+                       choices=DTYPES)
+    kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
+    context_length: int | None = _flag("Override the model's context length")
+    trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
+    served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
+    chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's")
+    revision: str | None = _flag("Unused placeholder for API compatibility; must be empty")
+    # device and memory
+    device: str = _flag("Where to run", default="auto", choices=DEVICES)
+    mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
+    max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
+    max_running_requests: int | None = _flag("Most requests decoding at once (default from pool size)")
+    max_queued_requests: int | None = _flag("Most requests waiting; more get HTTP 503")
+    max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
+    chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
+                                             "4096 on CPU)")
+    enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
+    schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
+    disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
+    attention_backend: str | None = _flag("Attention backend (default triton on CUDA, torch_native on CPU)",
+                                          choices=ATTENTION_BACKENDS)
+    sampling_backend: str = _flag("Sampler implementation", default="pytorch", choices=("pytorch",))
+    grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
+    disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
+    cuda_graph_max_bs: int = _flag("Largest captured decode batch", default=160)
+    disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
+    enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
+    random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
+    # server
+    host: str = _flag("Address to bind", default="127.0.0.1")
+    port: int = _flag("Port to bind", default=30000)
+    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health")
+    enable_metrics: bool = _flag("Expose Prometheus metrics on /metrics", default=False)
+    log_level: str = _flag("Logging level", default="info", choices=("debug", "info", "warning", "error"))
+    log_requests: bool = _flag("Log every request", default=False)
+    watchdog_timeout: float = _flag("Seconds a busy scheduler may take one step before /health says 503",
+                                    default=300.0)
+    stream_interval: int = _flag("Send streamed tokens every N steps", default=1)
+    skip_tokenizer_init: bool = _flag("Take and return token ids only", default=False)
+    # parallelism
+    tp_size: int = _flag("Tensor parallel ranks", default=1)
+    dp_size: int = _flag("Data parallel replicas", default=1)
+    load_balance_method: str = _flag("DP routing", default="round_robin", choices=LOAD_BALANCE_METHODS)
+    nnodes: int = _flag("Number of nodes", default=1)
+    node_rank: int = _flag("This node's rank", default=0)
+    dist_init_addr: str | None = _flag("host:port of node 0 for torch.distributed")
+    base_gpu_id: int = _flag("First GPU index to use", default=0)
+    # internal
+    ipc_dir: str | None = _flag("Folder for ZMQ ipc:// sockets (default: a private temp dir)")
+
+    # ------------------------------------------------------------------ resolution and validation
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def validate(self) -> None:
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            v = getattr(self, name)
+            if v is not None and v not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {v!r}")
+
+        for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", DTYPES),
+                              ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
+                              ("load_balance_method", LOAD_BALANCE_METHODS)]:
+            choice(name, allowed)
+
+        def positive(name: str, allow_none: bool = True) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
+
+        for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
+                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "dp_size", "nnodes", "stream_interval"):
+            positive(name)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
+            positive("chunked_prefill_size")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535; got {self.port}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--dist-init-addr host:port is required with --nnodes > 1")
+        if self.tp_size % self.nnodes != 0:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError("--schedule-conservativeness must be > 0")
+        if self.model_path is not None and self.load_format != "dummy" and not os.path.exists(self.model_path):
+            raise ValueError(f"--model-path {self.model_path!r} does not exist")
+        if self.revision:
+            raise ValueError("--revision is not supported: models are loaded from local folders only")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def chunk_size(self) -> int | None:
+        """Prefill chunk size in tokens, or None when chunking is off."""
+        if self.chunked_prefill_size == -1:
+            return None
+        if self.chunked_prefill_size is None:
+            return 8192 if self.resolved_device() == "cuda" else 4096
+        return self.chunked_prefill_size
+
+    @property
+    def use_overlap(self) -> bool:
+        if self.disable_overlap_schedule:
+            return False
+        return self.enable_overlap_schedule or self.resolved_device() == "cuda"
+
+    def make_ipc_dir(self) -> str:
+        if self.ipc_dir is None:
+            self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")
+        return self.ipc_dir
+
+    # ------------------------------------------------------------------ argparse
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            if f.name == "ipc_dir":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            help_text = meta.pop("help", "")
+            tp = _base_type(f.type)
+            if tp is bool:
+                parser.add_argument(flag, action="store_true", help=help_text)
+            else:
+                parser.add_argument(flag, type=tp, default=f.default, help=help_text, **meta)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def _base_type(annotation: Any) -> type:
+    """Turn 'int | None' (possibly a string under postponed annotations) into int."""
+    if isinstance(annotation, str):
+        annotation = annotation.replace(" ", "").replace("|None", "")
+        return {"int": int, "float": float, "str": str, "bool": bool}[annotation]
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is not None and args:
+        return args[0]
+    return annotation
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(description="radixserve server")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))

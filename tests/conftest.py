@@ -1,0 +1,148 @@
+"""Shared fixtures: the embedded model (converted once per machine, cached in ~/.cache/radixserve) and a writer of
+tiny llama.cpp-style GGUF files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def embedded_model_path() -> str:
+    """Folder of the converted embedded SmolLM2-135M-Instruct (converted on the first run, reused after)."""
+    from radixserve.model_loader.embedded import ensure_embedded_model
+
+    try:
+        return ensure_embedded_model()
+    except ValueError as e:
+        if "pip install" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
+# A tiny Llama shape: GQA (4 query heads, 2 kv heads), head_dim 16.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  rope_theta=10000.0)
+
+
+def random_llama_tensors(seed: int = 0, *, tied: bool = False, **shape: int) -> dict[str, torch.Tensor]:
+    """HF-named float32 tensors of a random Llama with the TINY_LLAMA shape (or `shape` overrides)."""
+    s = {**TINY_LLAMA, **shape}
+    h, inter, vocab = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
+    hd = h // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * hd
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*dims: int) -> torch.Tensor:
+        return torch.randn(*dims, generator=g)
+
+    out = {"model.embed_tokens.weight": rnd(vocab, h), "model.norm.weight": 1 + 0.1 * rnd(h)}
+    if not tied:
+        out["lm_head.weight"] = rnd(vocab, h)
+    for i in range(s["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+            p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+            p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+            p + "mlp.down_proj.weight": rnd(h, inter), p + "input_layernorm.weight": 1 + 0.1 * rnd(h),
+            p + "post_attention_layernorm.weight": 1 + 0.1 * rnd(h),
+        })
+    return out
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp convert_hf_to_gguf's q/k row order, written here from its definition (rows of each head: the
+    first and second rotary halves interleaved) so that the loader's inverse is checked independently."""
+    hd = w.shape[0] // n_head
+    out = torch.empty_like(w)
+    for head in range(n_head):
+        for i in range(hd // 2):
+            out[head * hd + 2 * i] = w[head * hd + i]
+            out[head * hd + 2 * i + 1] = w[head * hd + hd // 2 + i]
+    return out
+
+
+_HF_TO_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+_HF_TO_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def hf_to_gguf_name(name: str) -> str:
+    stem, kind = name.rsplit(".", 1)
+    if stem in _HF_TO_GGUF_TOP:
+        return f"{_HF_TO_GGUF_TOP[stem]}.{kind}"
+    parts = stem.split(".", 3)  # model, layers, N, rest
+    return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK[parts[3]]}.{kind}"
+
+
+def write_llama_gguf(path: str, tensors: dict[str, torch.Tensor], *, arch: str = "llama", permute: bool = True,
+                     quantize: dict[str, object] | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
+                     **shape: int) -> None:
+    """Write HF-named tensors as a llama.cpp GGUF: llama.cpp names, q/k rows permuted (when `permute`), metadata
+    for `arch`. `quantize` maps HF names to a GGMLQuantizationType to store them quantized."""
+    import gguf
+
+    s = {**TINY_LLAMA, **shape}
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name("tiny-test")
+    w.add_block_count(s["num_hidden_layers"])
+    w.add_context_length(s["max_position_embeddings"])
+    w.add_embedding_length(s["hidden_size"])
+    w.add_feed_forward_length(s["intermediate_size"])
+    w.add_head_count(s["num_attention_heads"])
+    w.add_head_count_kv(s["num_key_value_heads"])
+    w.add_rope_freq_base(float(s["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(s["rms_norm_eps"]))
+    w.add_vocab_size(s["vocab_size"])
+    w.add_rope_dimension_count(s["hidden_size"] // s["num_attention_heads"])
+    w.add_file_type(0)
+    for name, t in tensors.items():
+        if permute and name.endswith("self_attn.q_proj.weight"):
+            t = llama_cpp_permute(t, s["num_attention_heads"])
+        elif permute and name.endswith("self_attn.k_proj.weight"):
+            t = llama_cpp_permute(t, s["num_key_value_heads"])
+        array = t.numpy().astype(np.float32)
+        qtype = (quantize or {}).get(name)
+        if qtype is not None:
+            w.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(hf_to_gguf_name(name), array)
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture
+def gguf_writer() -> Callable[..., None]:
+    return write_llama_gguf
+
+
+@pytest.fixture(name="llama_cpp_permute")
+def llama_cpp_permute_fixture() -> Callable[[torch.Tensor, int], torch.Tensor]:
+    return llama_cpp_permute
+
+
+@pytest.fixture
+def tiny_llama_tensors() -> Callable[..., dict[str, torch.Tensor]]:
+    return random_llama_tensors
+
+
+@pytest.fixture
+def clean_cache_env(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> str:
+    """RADIXSERVE_CACHE_DIR pointed at an empty temporary folder."""
+    root = os.path.join(str(tmp_path), "cache")
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", root)
+    return root

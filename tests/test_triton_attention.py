@@ -1,0 +1,248 @@
+"""Triton attention backend vs the torch_native reference, through real pools and a ForwardBatch.
+
+Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before the kernel modules are
+imported (Triton reads it when it decorates a kernel). With CUDA the same tests run on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from radixserve.layers.attention.triton_ops import decode_attention, extend_attention  # noqa: E402
+
+if not torch.cuda.is_available() and not decode_attention.is_interpreted():
+    # another test module imported the kernels before TRITON_INTERPRET was set: decorate them again
+    importlib.reload(decode_attention)
+    importlib.reload(extend_attention)
+
+from types import SimpleNamespace  # noqa: E402
+
+from radixserve.layers.attention import create_attention_backend  # noqa: E402
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LAYER_ID = 1  # not 0, so a wrong layer index shows
+
+
+def make_runner(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, pool_size: int = 2048,
+                rows: int = 16, context: int = 1024) -> SimpleNamespace:
+    cfg = SimpleNamespace(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)
+    kv_pool = TokenToKVPool(pool_size, dtype, num_kv_heads, head_dim, num_layers=2, device=DEVICE)
+    for buf in kv_pool.k_buffer + kv_pool.v_buffer:
+        buf.fill_(float("nan"))  # any read of a slot the kernels should not touch poisons the output
+    return SimpleNamespace(device=DEVICE, model_config=cfg, tp_size=1, dtype=dtype,
+                           req_to_token_pool=ReqToTokenPool(rows, context, DEVICE), token_to_kv_pool=kv_pool)
+
+
+def make_layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
+    return SimpleNamespace(tp_q_head_num=num_heads, tp_k_head_num=num_kv_heads, tp_v_head_num=num_kv_heads,
+                           head_dim=head_dim, scaling=head_dim ** -0.5, layer_id=LAYER_ID)
+
+
+def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
+               mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
+    """Requests whose prefix KV sits in the pool at scattered slots; returns the batch and the new q, k, v."""
+    cfg, dtype = runner.model_config, runner.dtype
+    r2t, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+    totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    rows = r2t.alloc(len(totals))
+    slots = kv.alloc(sum(totals))
+    slots = slots[torch.randperm(len(slots), generator=gen)]
+    k_buf, v_buf = kv.get_kv_buffer(LAYER_ID)
+    out_locs, start = [], 0
+    for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
+        mine = slots[start:start + total]
+        start += total
+        r2t.write(row, 0, mine)
+        shape = (pre, cfg.num_key_value_heads, cfg.head_dim)
+        k_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        v_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        out_locs.append(mine[pre:])
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, cfg.num_attention_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
+
+    def dev(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=DEVICE)
+
+    fb = ForwardBatch(
+        forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(num_tokens, dtype=torch.int64,
+                                                                         device=DEVICE),
+        req_pool_indices=dev(rows), seq_lens=dev(totals), out_cache_loc=torch.cat(out_locs).to(DEVICE),
+        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=kv,
+        attn_backend=backend, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
+    if mode.is_extend():
+        starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+        fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(extend_lens), dev(prefix_lens), \
+            dev(starts)
+        fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
+    return fb, q, k, v
+
+
+def run_both(num_heads: int, num_kv_heads: int, head_dim: int, prefix_lens: list[int], extend_lens: list[int],
+             mode: ForwardMode, dtype: torch.dtype = torch.float32, tune: dict | None = None,
+             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    runner = make_runner(num_heads, num_kv_heads, head_dim, dtype)
+    backend = TritonAttnBackend(runner)
+    for name, value in (tune or {}).items():
+        setattr(backend, name, value)
+    layer = make_layer(num_heads, num_kv_heads, head_dim)
+    fb, q, k, v = make_batch(runner, backend, prefix_lens, extend_lens, mode, gen)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb)
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+    torch.testing.assert_close(k_buf[fb.out_cache_loc], k.view(-1, num_kv_heads, head_dim), rtol=0, atol=0)
+    torch.testing.assert_close(v_buf[fb.out_cache_loc], v.view(-1, num_kv_heads, head_dim), rtol=0, atol=0)
+    ref_backend = TorchNativeAttnBackend(runner)
+    ref_backend.init_forward_metadata(fb)
+    ref = ref_backend.forward(q, k, v, layer, fb)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    return out, ref
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return {"rtol": 2e-2, "atol": 2e-2} if dtype != torch.float32 else {"rtol": 1e-4, "atol": 1e-4}
+
+
+# ---------------------------------------------------------------- extend
+EXTEND_CASES = [
+    # (H, Hkv, D, prefix_lens, extend_lens, dtype)
+    (4, 4, 64, [0, 5, 33, 64], [7, 1, 30, 17], torch.float32),  # MHA, no prefix / prefix, a 1-token extend
+    (8, 2, 32, [1, 0, 2, 19], [70, 3, 1, 40], torch.float32),  # GQA 4, several query blocks per request
+    (8, 1, 64, [31, 0], [9, 33], torch.bfloat16),  # GQA 8, bf16
+    (2, 1, 96, [13], [21], torch.float32),  # head_dim that is not a power of two
+]
+
+
+@pytest.mark.parametrize("case", EXTEND_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[5])[6:]}")
+def test_extend_matches_torch_native(case: tuple) -> None:
+    h, hkv, d, prefix_lens, extend_lens, dtype = case
+    out, ref = run_both(h, hkv, d, prefix_lens, extend_lens, ForwardMode.EXTEND, dtype)
+    torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+def test_mixed_mode_runs_as_extend() -> None:
+    out, ref = run_both(4, 2, 32, [10, 25, 3], [1, 12, 1], ForwardMode.MIXED)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+def test_extend_skips_empty_requests() -> None:
+    out, ref = run_both(4, 2, 32, [6, 4, 9], [5, 0, 2], ForwardMode.EXTEND)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+# ---------------------------------------------------------------- decode
+SMALL_SPLITS = {"min_split_len": 16, "decode_block_n": 16}
+DECODE_CASES = [
+    # (H, Hkv, D, seq_lens, dtype, tunables)
+    (4, 4, 64, [1, 2, 17, 64, 100, 257], torch.float32, SMALL_SPLITS),  # MHA, elementwise path, many splits
+    (8, 2, 32, [1, 33, 48, 129, 7], torch.float32, SMALL_SPLITS),  # GQA 4 through tl.dot
+    (8, 1, 64, [1, 90, 300], torch.bfloat16, SMALL_SPLITS),  # GQA 8, bf16
+    (4, 2, 96, [5, 77], torch.float32, SMALL_SPLITS),  # padded head_dim
+    (128, 1, 16, [3, 40], torch.float32, SMALL_SPLITS),  # group of 128: two head blocks per KV head
+    (8, 2, 64, [1, 63, 64, 65, 200], torch.float32, {}),  # the default tunables
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}")
+def test_decode_matches_torch_native(case: tuple) -> None:
+    h, hkv, d, seq_lens, dtype, tune = case
+    out, ref = run_both(h, hkv, d, [s - 1 for s in seq_lens], [1] * len(seq_lens), ForwardMode.DECODE, dtype,
+                        tune)
+    torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+def test_decode_split_cap_of_one() -> None:
+    """A large batch on a small GPU caps every request at one split: stage 2 then copies."""
+    h, hkv, d, seq_lens = 4, 2, 32, [1, 50, 130]
+    gen = torch.Generator().manual_seed(3)
+    runner = make_runner(h, hkv, d, torch.float32)
+    backend = TritonAttnBackend(runner)
+    backend.num_sms = 1
+    backend.min_split_len = 16
+    layer = make_layer(h, hkv, d)
+    fb, q, k, v = make_batch(runner, backend, [s - 1 for s in seq_lens], [1] * 3, ForwardMode.DECODE, gen)
+    backend.init_forward_metadata(fb)
+    assert backend.forward_metadata is not None and backend.forward_metadata.num_kv_splits == 1
+    out = backend.forward(q, k, v, layer, fb)
+    ref_backend = TorchNativeAttnBackend(runner)
+    ref_backend.init_forward_metadata(fb)
+    torch.testing.assert_close(out, ref_backend.forward(q, k, v, layer, fb), **tol(torch.float32))
+
+
+def test_cuda_graph_metadata_path_matches_eager() -> None:
+    """capture/replay metadata (without a real graph on the CPU): static buffers, padded rows, new seq_lens."""
+    h, hkv, d = 8, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    runner = make_runner(h, hkv, d, torch.float32)
+    backend = TritonAttnBackend(runner)
+    backend.min_split_len, backend.decode_block_n = 16, 16
+    layer = make_layer(h, hkv, d)
+    seq_lens = [1, 40, 77]
+    fb, q, k, v = make_batch(runner, backend, [s - 1 for s in seq_lens], [1] * 3, ForwardMode.DECODE, gen)
+    backend.init_forward_metadata(fb)
+    eager = backend.forward(q, k, v, layer, fb)
+
+    graph_bs = 4  # one padded row
+    backend.init_cuda_graph_state(max_bs=8)
+    pad = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    fill = torch.full((1,), backend.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64, device=DEVICE)
+    rpi = torch.cat([fb.req_pool_indices, pad])
+    sl = torch.cat([fb.seq_lens, fill])
+    backend.init_forward_metadata_capture_cuda_graph(graph_bs, rpi, sl)
+    qp = torch.cat([q, torch.zeros(1, q.shape[1], device=DEVICE)])
+    out = backend.forward_decode(qp, k, v, layer, fb, save_kv_cache=False)
+    torch.testing.assert_close(out[:3], eager, rtol=1e-5, atol=1e-5)
+
+    # the next step: one more token per request, passed without padding (the backend pads)
+    fb2, q2, k2, v2 = make_batch(runner, backend, [5, 60, 100], [1] * 3, ForwardMode.DECODE, gen)
+    backend.init_forward_metadata(fb2)
+    eager2 = backend.forward(q2, k2, v2, layer, fb2)
+    backend.init_forward_metadata_capture_cuda_graph(graph_bs, rpi, sl)  # the graph was "captured" on these
+    backend.init_forward_metadata_replay_cuda_graph(graph_bs, fb2.req_pool_indices, fb2.seq_lens,
+                                                    int(fb2.seq_lens.sum()))
+    q2p = torch.cat([q2, torch.zeros(1, q2.shape[1], device=DEVICE)])
+    out2 = backend.forward_decode(q2p, k2, v2, layer, fb2, save_kv_cache=False)
+    torch.testing.assert_close(out2[:3], eager2, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out2).all()  # the padded row reads slot req_to_token[0, 0] and stays finite
+
+
+# ---------------------------------------------------------------- interface
+def test_registry_builds_the_backend() -> None:
+    runner = make_runner(4, 2, 32, torch.float32)
+    assert isinstance(create_attention_backend("triton", runner), TritonAttnBackend)
+
+
+def test_bad_input_raises_value_error() -> None:
+    runner = make_runner(4, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        TritonAttnBackend(runner, max_kv_splits=12)
+    q = torch.zeros(2, 4, 32, device=DEVICE)
+    kb = torch.zeros(10, 3, 32, device=DEVICE)  # 4 heads over 3 KV heads
+    mid_o, mid_lse = torch.zeros(2, 4, 8, 32, device=DEVICE), torch.zeros(2, 4, 8, device=DEVICE)
+    idx = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention.decode_attention_fwd(q, kb, kb, q.clone(), runner.req_to_token_pool.req_to_token, idx,
+                                              idx + 1, mid_o, mid_lse, 1.0)
+    with pytest.raises(ValueError, match="match"):
+        extend_attention.extend_attention_fwd(q, kb[:2], kb[:3], q.clone(), kb, kb,
+                                              runner.req_to_token_pool.req_to_token, idx, idx, idx, idx, 1, 1.0)
+    backend = TritonAttnBackend(runner)
+    with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
+        backend.init_forward_metadata_replay_cuda_graph(1, idx, idx, 0)
