@@ -372,7 +372,7 @@ def test_filter_and_merge_keep_rows_aligned(seed: int) -> None:
 
 def test_orchestrator_directly_and_tensor_keep_indices() -> None:
     reqs = [req(output=[1, 1], frequency_penalty=1.0), req(output=[2], frequency_penalty=2.0), req()]
-    orch = BatchedPenalizerOrchestrator(V, "cpu", reqs)
+    orch = BatchedPenalizerOrchestrator(V, DEVICE, reqs)
     assert orch.is_required
     orch.cumulate_output_tokens(torch.tensor([1, 2, 3], dtype=torch.int32))
     orch.filter(torch.tensor([1, 0]))
@@ -383,7 +383,7 @@ def test_orchestrator_directly_and_tensor_keep_indices() -> None:
         orch.filter([5])
     with pytest.raises(ValueError, match="logits"):
         orch.apply(torch.zeros(3, V))
-    pres = BatchedPenalizerOrchestrator(V, "cpu", [req(output=[9], presence_penalty=1.0)])
+    pres = BatchedPenalizerOrchestrator(V, DEVICE, [req(output=[9], presence_penalty=1.0)])
     orch.merge(pres)
     x = torch.zeros(3, V)
     orch.apply(x)
@@ -494,7 +494,10 @@ def run_steps(rows: list[FakeReq], logits_fn, steps: int) -> list[list[int]]:
 
 def test_seeded_rows_reproducible_across_batch_compositions_and_orders() -> None:
     gen = torch.Generator().manual_seed(6)
-    table = torch.randn(20, V, generator=gen)  # the same logits for every row at a given step
+    # The same logits for every row at a given step, with ties (as bf16 logits have) at every cut.
+    table = torch.randn(20, V, generator=gen, device="cpu").to(torch.bfloat16).float()
+    table[:, 8:16] = table[:, 0:1]
+    table = table.to(torch.get_default_device())
     fn = lambda s, bs: table[s].repeat(bs, 1)
     target = dict(seed=1234, temperature=0.9)
     alone = run_steps([req(**target)], fn, 20)[0]
@@ -503,6 +506,10 @@ def test_seeded_rows_reproducible_across_batch_compositions_and_orders() -> None
                        req(top_k=3, frequency_penalty=1.0, logit_bias={2: 3.0})], fn, 20)
     torch.manual_seed(200)
     reversed_ = run_steps([req(min_p=0.3, seed=99), req(**target), req(repetition_penalty=1.5, top_k=5)], fn, 20)
+    cut = dict(seed=77, top_k=10, top_p=0.9, min_p=0.05)
+    cut_alone = run_steps([req(**cut)], fn, 20)[0]
+    cut_mixed = run_steps([req(top_k=3), req(temperature=0), req(**cut), req(top_p=0.5)], fn, 20)[2]
+    assert cut_mixed == cut_alone
     assert mixed[2] == alone
     assert reversed_[1] == alone
     assert len(set(alone)) > 3  # it really sampled

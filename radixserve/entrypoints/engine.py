@@ -187,6 +187,16 @@ class Engine:
             return
         self._closed = True
         self.processes.shutdown()
+
+        async def cancel_tasks() -> None:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_tasks(), self.loop).result(timeout=5)
+        except Exception:  # the loop may already be gone at interpreter exit
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
 

@@ -29,14 +29,15 @@ from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 _M32 = 0xFFFFFFFF
-_M16 = 0xFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), without ever overflowing int64."""
-    lo = (x & _M16) * c
-    hi = (((x >> 16) * c) & _M16) << 16
-    return (lo + hi) & _M32
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) and a 32-bit constant c, without overflowing int64.
+
+    c is taken as its signed 32-bit value (c - 2**32 when c >= 2**31): congruent mod 2**32, and |x * c| < 2**63.
+    The mask of a negative product still gives its low 32 bits (two's complement)."""
+    signed = c - (1 << 32) if c >= (1 << 31) else c
+    return (x * signed) & _M32
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,8 @@ def _removed_mask(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor 
     if not (info.need_top_k or info.need_top_p or info.need_min_p_sampling):
         return None
     vocab_size = probs.shape[-1]
-    probs_sort, order = probs.sort(dim=-1, descending=True)
+    # Stable: ties keep vocabulary order, so which of equal tokens survive a cut depends on the row alone.
+    probs_sort, order = probs.sort(dim=-1, descending=True, stable=True)
     remove = torch.zeros_like(probs_sort, dtype=torch.bool)
     if info.need_top_k:
         ranks = torch.arange(vocab_size, device=probs.device).view(1, -1)

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -25,7 +26,8 @@ def flatten_token_lists(token_lists: Sequence[Sequence[int]], vocab_size: int,
 
     Ids outside [0, vocab_size) are dropped (they cannot index the vocabulary)."""
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
-    toks = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lengths.sum()))
+    toks = torch.from_numpy(flat)
     rows = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64), lengths)
     valid = (toks >= 0) & (toks < vocab_size)
     if not bool(valid.all()):

@@ -1,0 +1,111 @@
+"""HTTP plumbing shared by the native and OpenAI handlers: JSON bodies, JSON/SSE responses, and aborting work when
+the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from radixserve.entrypoints.openai.errors import APIError, from_validation_error
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status_code,
+                     media_type="application/json")
+
+
+def error_response(err: APIError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
+    resp = json_response(err.body(), err.status_code)
+    if headers:
+        resp.headers.update(headers)
+    return resp
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; malformed JSON or another JSON type is a 400."""
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError("the request body is empty: send a JSON object", 400, None, "invalid_json")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(f"malformed JSON in the request body: {e}", 400, None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(f"the request body must be a JSON object, got a JSON {type(data).__name__}", 400, None,
+                       "invalid_json")
+    return data
+
+
+def parse_model(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`; if the client disconnects first, cancel it (which aborts its requests in the engine) and
+    raise ClientDisconnected. The request body must have been read already."""
+    task: asyncio.Future[T] = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected()
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its body iterator, so the engine-side generator's clean-up
+    (aborting unfinished requests) runs as soon as the response ends, however it ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], status_code: int = 200) -> None:
+        super().__init__(content, status_code=status_code, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()

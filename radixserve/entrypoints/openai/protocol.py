@@ -1,0 +1,117 @@
+"""Request models of the HTTP API (OpenAI-compatible and native), as strict pydantic models.
+
+Every model forbids unknown fields (a 400 that names them: nothing is silently ignored) and validates types
+strictly ("1" is not an integer; 1 is a valid float). Ranges that OpenAI documents are checked here so the error
+names the OpenAI field; the engine's `SamplingParams.verify` checks the rest. Responses are built as plain dicts
+(see the serving modules) and serialised with orjson."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # usage in every chunk (vLLM extension)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = None
+    # SGLang / vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    rid: str | None = None  # request id, usable with /abort_request
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1, le=1)
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+    # other part kinds are recognised so the error can say they are unsupported
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+
+class GenerateRequest(_Strict):
+    """POST /generate (native API)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+
+
+class AbortRequest(_Strict):
+    """POST /abort_request."""
+
+    rid: str | None = None
+    abort_all: bool = False

@@ -1,0 +1,225 @@
+"""What /v1/completions and /v1/chat/completions share: model-name checks, OpenAI fields -> engine sampling
+parameters, context-length checks, logprob formatting, usage, and running a request (collected or streamed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from functools import lru_cache
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from radixserve.entrypoints.http_utils import (
+    SSE_DONE,
+    SSEResponse,
+    json_response,
+    sse_event,
+    until_disconnected,
+)
+from radixserve.entrypoints.openai.errors import APIError, from_request_error
+from radixserve.entrypoints.openai.protocol import _SamplingFields
+from radixserve.managers import io_struct as io
+from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+# OpenAI field (or extension) -> SamplingParams field, copied when the request sets it.
+_DIRECT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                  "spaces_between_special_tokens", "no_stop_trim", "seed", "regex", "json_schema", "ebnf", "n")
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+def structured_output_available(grammar_backend: str) -> bool:
+    """True once a grammar backend is registered in radixserve.constrained (and not disabled by flag)."""
+    if grammar_backend == "none":
+        return False
+    try:
+        import radixserve.constrained as constrained
+    except ImportError:
+        return False
+    return callable(getattr(constrained, "create_grammar_backend", None))
+
+
+def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
+    if not reason:
+        return None
+    kind = reason.get("type")
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, str(kind))
+
+
+def matched_stop(reason: dict[str, Any] | None) -> Any:
+    if not reason or reason.get("type") != "stop":
+        return None
+    return reason.get("matched")
+
+
+class OpenAIServingBase:
+    """State and helpers of one OpenAI endpoint family; one instance per server."""
+
+    object_prefix = "cmpl"
+
+    def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str, model_aliases: tuple[str, ...],
+                 grammar_ok: bool) -> None:
+        self.tm = tokenizer_manager
+        self.model_name = served_model_name
+        self.accepted_models = {served_model_name, *model_aliases}
+        self.grammar_ok = grammar_ok
+        tok = tokenizer_manager.tokenizer
+
+        @lru_cache(maxsize=1 << 16)
+        def token_text(tid: int) -> str:
+            if tok is None:
+                return f"<{tid}>"
+            return tok.decode([tid], skip_special_tokens=False)
+
+        self.token_text: Callable[[int], str] = token_text
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted_models:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.", 404,
+                           "model", "model_not_found")
+
+    def check_common(self, req: _SamplingFields) -> None:
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options is only allowed when stream is true", 400, "stream_options")
+        if not self.grammar_ok:
+            for name in GRAMMAR_FIELDS:
+                if getattr(req, name) is not None:
+                    raise APIError(f"{name}: structured output is not available on this server (no grammar "
+                                   "backend)", 400, name, "unsupported_parameter")
+
+    def check_length(self, prompt_len: int, max_new_tokens: int, param: str) -> None:
+        ctx = self.tm.context_len
+        if prompt_len >= ctx or prompt_len + max_new_tokens > ctx:
+            raise APIError(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                           f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the {param}, {max_new_tokens} in "
+                           f"the completion). Please reduce the length of the {param} or completion.", 400, param,
+                           "context_length_exceeded")
+
+    def sampling_params(self, req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
+        sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        for name in _DIRECT_FIELDS:
+            value = getattr(req, name)
+            if value is not None:
+                sp[name] = value
+        if req.min_tokens is not None:
+            sp["min_new_tokens"] = req.min_tokens
+        return sp
+
+    def make_rid(self, req: _SamplingFields, n_prompts: int) -> str | list[str]:
+        base = req.rid or uuid.uuid4().hex
+        return base if n_prompts == 1 else [f"{base}-p{i}" for i in range(n_prompts)]
+
+    def tokenize(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tm.tokenize(text)
+        except RequestError as e:
+            raise from_request_error(e, prompt_param=param, openai=True) from None
+
+    # ------------------------------------------------------------------ output helpers
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def chat_logprob_entries(self, token_lps: list[Any], top_lps: list[Any] | None) -> list[dict[str, Any]]:
+        out = []
+        for k, (lp, tid) in enumerate((e[0], e[1]) for e in token_lps):
+            text = self.token_text(int(tid))
+            entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+                                     "top_logprobs": []}
+            if top_lps is not None and k < len(top_lps) and top_lps[k]:
+                for tlp, ttid in top_lps[k]:
+                    ttext = self.token_text(int(ttid))
+                    entry["top_logprobs"].append({"token": ttext, "logprob": tlp,
+                                                  "bytes": list(ttext.encode("utf-8"))})
+            out.append(entry)
+        return out
+
+    def completion_logprobs(self, token_lps: list[Any], top_lps: list[Any] | None, want_top: bool,
+                            text_offset_start: int) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = text_offset_start
+        for k, e in enumerate(token_lps):
+            lp, tid = e[0], e[1]
+            text = self.token_text(int(tid))
+            tokens.append(text)
+            token_logprobs.append(lp)
+            offsets.append(offset)
+            offset += len(text)
+            if want_top:
+                top = top_lps[k] if top_lps is not None and k < len(top_lps) else None
+                tops.append({self.token_text(int(t)): v for v, t in top} if top else None)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops if want_top else None,
+                "text_offset": offsets}
+
+    # ------------------------------------------------------------------ running
+    async def collect(self, request: Request, obj: io.GenerateReqInput, prompt_param: str) -> list[dict[str, Any]]:
+        async def run() -> list[dict[str, Any]]:
+            return [o async for o in self.tm.generate_request(obj)]
+
+        try:
+            outs = await until_disconnected(request, run())
+        except RequestError as e:
+            raise from_request_error(e, prompt_param=prompt_param, openai=True) from None
+        outs.sort(key=lambda o: o.get("index", 0))
+        return outs
+
+    async def stream(self, request: Request, obj: io.GenerateReqInput, prompt_param: str,
+                     render: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]]) -> Response:
+        """Start the request and wait for its first output (so bad input and overload are plain HTTP errors),
+        then stream `render(outputs)` as server-sent events ending in [DONE]; a later error is an error event."""
+        agen = self.tm.generate_request(obj)
+        try:
+            first = await until_disconnected(request, agen.__anext__())
+        except StopAsyncIteration:
+            first = None
+        except RequestError as e:
+            await agen.aclose()
+            raise from_request_error(e, prompt_param=prompt_param, openai=True) from None
+        except BaseException:
+            await agen.aclose()
+            raise
+
+        async def outputs() -> AsyncIterator[dict[str, Any]]:
+            if first is not None:
+                yield first
+                async for o in agen:
+                    yield o
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in render(outputs()):
+                    yield chunk
+            except RequestError as e:
+                yield sse_event(from_request_error(e, prompt_param=prompt_param, openai=True).body())
+            except APIError as e:
+                yield sse_event(e.body())
+            except Exception as e:  # an engine bug must still end the stream cleanly
+                logger.exception("error while streaming %s", obj.rid)
+                yield sse_event(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
+            finally:
+                await agen.aclose()
+            yield SSE_DONE
+
+        return SSEResponse(body())
+
+    def base_response(self, rid: str, obj_type: str) -> dict[str, Any]:
+        return {"id": f"{self.object_prefix}-{rid}", "object": obj_type, "created": int(time.time()),
+                "model": self.model_name}
+
+
+def json_schema_text(schema: dict[str, Any] | None) -> str:
+    return json.dumps(schema if schema is not None else {"type": "object"})
+
+
+__all__ = ["OpenAIServingBase", "finish_reason_str", "json_response", "matched_stop", "structured_output_available"]

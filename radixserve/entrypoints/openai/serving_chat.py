@@ -1,0 +1,192 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, `n`, `logprobs`/`top_logprobs`,
+`response_format`, streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from radixserve.entrypoints.http_utils import json_response, parse_model, sse_event
+from radixserve.entrypoints.openai.errors import APIError
+from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from radixserve.entrypoints.openai.serving_base import (
+    OpenAIServingBase,
+    finish_reason_str,
+    json_schema_text,
+    matched_stop,
+)
+from radixserve.managers import io_struct as io
+
+
+def _flatten_content(msg: ChatMessage, i: int) -> str:
+    content = msg.content
+    if content is None:
+        if msg.role in ("assistant", "tool"):
+            return ""
+        raise APIError(f"messages[{i}].content: required for role '{msg.role}'", 400, f"messages[{i}].content",
+                       "invalid_value")
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise APIError(f"messages[{i}].content[{j}].type: only 'text' content parts are supported, got "
+                           f"{part.type!r}", 400, f"messages[{i}].content[{j}].type", "unsupported_parameter")
+        if part.text is None:
+            raise APIError(f"messages[{i}].content[{j}].text: required for a text part", 400,
+                           f"messages[{i}].content[{j}].text", "invalid_value")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+class OpenAIServingChat(OpenAIServingBase):
+    object_prefix = "chatcmpl"
+
+    def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.tm.tokenizer
+        if tok is None:
+            raise APIError("chat completions need a tokenizer; this server runs with --skip-tokenizer-init", 400,
+                           "messages")
+        if not getattr(tok, "chat_template", None):
+            raise APIError("this model has no chat template: start the server with --chat-template FILE, or use "
+                           "/v1/completions", 400, "messages", "no_chat_template")
+        messages = []
+        for i, m in enumerate(req.messages):
+            entry = {"role": "system" if m.role == "developer" else m.role, "content": _flatten_content(m, i)}
+            if m.name is not None:
+                entry["name"] = m.name
+            messages.append(entry)
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors raised by the template itself ("roles must alternate", ...)
+            raise APIError(f"messages: the chat template rejected them: {e}", 400, "messages", "invalid_value") \
+                from None
+        try:
+            return tok.encode(text, add_special_tokens=False)
+        except TypeError:
+            return tok.encode(text)
+
+    def _sampling(self, req: ChatCompletionRequest, max_new: int) -> dict[str, Any]:
+        sp = self.sampling_params(req, max_new)
+        rf = req.response_format
+        if rf is not None and rf.type != "text":
+            if not self.grammar_ok:
+                raise APIError(f"response_format: type {rf.type!r} needs structured output, which is not available "
+                               "on this server (no grammar backend)", 400, "response_format",
+                               "unsupported_parameter")
+            if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+                raise APIError("response_format.json_schema.schema: required when type is 'json_schema'", 400,
+                               "response_format.json_schema.schema", "missing_required_parameter")
+            schema = rf.json_schema.schema_ if rf.type == "json_schema" and rf.json_schema else None
+            if any(k in sp for k in ("regex", "json_schema", "ebnf")):
+                raise APIError("response_format: give at most one of response_format, regex, json_schema, ebnf", 400,
+                               "response_format")
+            sp["json_schema"] = json_schema_text(schema)
+        return sp
+
+    async def create(self, request: Request, body: dict[str, Any]) -> Response:
+        req = parse_model(ChatCompletionRequest, body)
+        self.check_common(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs", "invalid_value")
+        ids = self.apply_chat_template(req)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if requested is None:
+            if len(ids) >= self.tm.context_len:
+                self.check_length(len(ids), 0, "messages")
+            max_new = self.tm.context_len - len(ids)
+        else:
+            max_new = requested
+            self.check_length(len(ids), max_new, "messages")
+        sp = self._sampling(req, max_new)
+        want_lp = bool(req.logprobs)
+        top_n = req.top_logprobs or 0
+        obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=self.make_rid(req, 1), stream=req.stream,
+                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n)
+        rid = str(obj.rid)
+        if req.stream:
+            return await self.stream(request, obj, "messages",
+                                     lambda outs: self._render_stream(req, outs, len(ids), rid))
+        outs = await self.collect(request, obj, "messages")
+        choices = []
+        completion_tokens = 0
+        for k, out in enumerate(outs):
+            meta = out["meta_info"]
+            logprobs = None
+            if want_lp:
+                logprobs = {"content": self.chat_logprob_entries(list(meta.get("output_token_logprobs") or []),
+                                                                 list(meta.get("output_top_logprobs") or [])),
+                            "refusal": None}
+            reason = meta.get("finish_reason")
+            choices.append({"index": k, "message": {"role": "assistant", "content": out["text"], "refusal": None},
+                            "logprobs": logprobs, "finish_reason": finish_reason_str(reason),
+                            "matched_stop": matched_stop(reason)})
+            completion_tokens += meta.get("completion_tokens", 0)
+        resp = self.base_response(rid, "chat.completion")
+        resp["choices"] = choices
+        resp["usage"] = self.usage(len(ids), completion_tokens, outs[0]["meta_info"].get("cached_tokens", 0)
+                                   if outs else 0)
+        resp["system_fingerprint"] = None
+        return json_response(resp)
+
+    async def _render_stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict[str, Any]], prompt_len: int,
+                             rid: str) -> AsyncIterator[bytes]:
+        base = self.base_response(rid, "chat.completion.chunk")
+        base["system_fingerprint"] = None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        want_lp = bool(req.logprobs)
+        sent_text: dict[int, int] = {}
+        sent_lp: dict[int, int] = {}
+        completion: dict[int, int] = {}
+        cached = 0
+        async for out in outs:
+            k = out.get("index", 0)
+            meta = out["meta_info"]
+            first = k not in sent_text
+            text = out["text"]
+            delta_text = text[sent_text.get(k, 0):]
+            sent_text[k] = len(text)
+            completion[k] = meta.get("completion_tokens", 0)
+            if k == 0:
+                cached = meta.get("cached_tokens", 0)
+            logprobs = None
+            if want_lp:
+                token_lps = list(meta.get("output_token_logprobs") or [])
+                top_lps = list(meta.get("output_top_logprobs") or [])
+                start = sent_lp.get(k, 0)
+                sent_lp[k] = len(token_lps)
+                if len(token_lps) > start:
+                    logprobs = {"content": self.chat_logprob_entries(token_lps[start:], top_lps[start:]),
+                                "refusal": None}
+            reason = meta.get("finish_reason")
+            usage = self.usage(prompt_len, sum(completion.values()), cached) if continuous else None
+            if first:
+                chunk = dict(base)
+                chunk["choices"] = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]
+                if include_usage or continuous:
+                    chunk["usage"] = usage
+                yield sse_event(chunk)
+            if delta_text or logprobs is not None:
+                chunk = dict(base)
+                chunk["choices"] = [{"index": k, "delta": {"content": delta_text}, "logprobs": logprobs,
+                                     "finish_reason": None}]
+                if include_usage or continuous:
+                    chunk["usage"] = usage
+                yield sse_event(chunk)
+            if reason is not None:
+                chunk = dict(base)
+                chunk["choices"] = [{"index": k, "delta": {}, "logprobs": None,
+                                     "finish_reason": finish_reason_str(reason), "matched_stop": matched_stop(reason)}]
+                if include_usage or continuous:
+                    chunk["usage"] = usage
+                yield sse_event(chunk)
+        if include_usage:
+            chunk = dict(base)
+            chunk["choices"] = []
+            chunk["usage"] = self.usage(prompt_len, sum(completion.values()), cached)
+            yield sse_event(chunk)
