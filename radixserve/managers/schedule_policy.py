@@ -62,6 +62,16 @@ class SchedulePolicy:
         waiting[:] = ordered
 
 
+def _unlocked_path_size(node: Any) -> int:
+    """Tokens on the path from `node` to the root that are evictable now (unlocked)."""
+    size = 0
+    while node is not None and getattr(node, "parent", None) is not None:
+        if node.lock_ref == 0:
+            size += len(node.key)
+        node = node.parent
+    return size
+
+
 class PrefillAdder:
     """Admits requests into one prefill batch under the token budgets and the memory left.
 
@@ -116,11 +126,15 @@ class PrefillAdder:
         if ext > self.rem_total:  # not even the prompt fits, and nothing else is in the batch
             return False
         lock = self.tree_cache is not None and req.last_node is not None
+        # locking the matched prefix takes it out of the evictable pool we counted on
+        lock_cost = _unlocked_path_size(req.last_node) if lock else 0
+        if ext + lock_cost > self.rem_total:
+            return False
         if self.rem_chunk is None or ext <= self.rem_chunk:
             if ext > self.rem_input and self.can_run:
                 return False
             if lock:
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self.rem_total -= self.tree_cache.inc_lock_ref(req.last_node) or 0
             self.can_run.append(req)
             self._take(ext, reserve)
             return True
@@ -128,7 +142,7 @@ class PrefillAdder:
         if self.rem_chunk <= 0:
             return False
         if lock:
-            self.tree_cache.inc_lock_ref(req.last_node)
+            self.rem_total -= self.tree_cache.inc_lock_ref(req.last_node) or 0
         ext = self.rem_chunk
         req.extend_input_len = ext
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + ext]

@@ -185,13 +185,8 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
-            # the prefill that just ran joins the running batch (minus finished and still-chunking requests)
-            if last.forward_mode.is_mixed():
-                last.reqs = last.reqs[: last.n_prefill]
-                last.req_pool_indices = last.req_pool_indices[: last.n_prefill]
-                last.seq_lens = last.seq_lens[: last.n_prefill]
-                if last.sampling_info is not None:
-                    last.sampling_info.filter_batch(list(range(last.n_prefill)))
+            # the prefill that just ran (with its decode riders, if MIXED) becomes or joins the running batch,
+            # minus finished and still-chunking requests
             last.filter_batch(chunked_req=self.chunked_req)
             if not last.is_empty():
                 last.forward_mode = ForwardMode.DECODE

@@ -4,6 +4,7 @@ them to the scheduler, and gathers the detokenizer's text back into per-request 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import dataclasses
 import logging
@@ -53,7 +54,8 @@ class TokenizerManager:
         self.vocab_size = vocab_size
         self.scheduler_info = scheduler_info
         self.rid_to_state: dict[str, ReqState] = {}
-        self.pending_control: dict[type, asyncio.Future] = {}
+        # control replies come back in request order: one FIFO of waiting futures per reply type
+        self.pending_control: dict[type, collections.deque[asyncio.Future]] = {}
         self.ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = get_zmq_socket(self.ctx, zmq.PUSH, port_args["scheduler_input"], bind=False)
         self.recv_from_detokenizer = get_zmq_socket(self.ctx, zmq.PULL, port_args["tokenizer_input"], bind=True)
@@ -73,9 +75,12 @@ class TokenizerManager:
                 if isinstance(obj, io.BatchStrOut):
                     self._handle_batch_out(obj)
                 else:
-                    fut = self.pending_control.pop(type(obj), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(obj)
+                    waiters = self.pending_control.get(type(obj))
+                    while waiters:
+                        fut = waiters.popleft()
+                        if not fut.done():  # skip waiters that timed out
+                            fut.set_result(obj)
+                            break
             except Exception:
                 logger.exception("tokenizer manager failed to handle %s", type(obj).__name__)
 
@@ -98,6 +103,8 @@ class TokenizerManager:
                 state.first_token_time = now
                 if self.metrics is not None:
                     self.metrics.observe_ttft(now - state.created)
+            elif self.metrics is not None and out.new_token_ids[i]:
+                self.metrics.observe_decode(state, now, len(out.new_token_ids[i]))
             if out.finished_reasons[i] is not None:
                 state.finished = True
                 state.meta["finish_reason"] = out.finished_reasons[i]
@@ -294,7 +301,7 @@ class TokenizerManager:
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
         self._ensure_loop()
         fut = asyncio.get_running_loop().create_future()
-        self.pending_control[reply_type] = fut
+        self.pending_control.setdefault(reply_type, collections.deque()).append(fut)
         self.send_to_scheduler.send_pyobj(req)
         return await asyncio.wait_for(fut, timeout)
 

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import triton
 
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
-from radixserve.layers.attention.triton_ops.decode_attention import decode_attention_fwd, is_interpreted
+from radixserve.layers.attention.triton_ops.decode_attention import decode_attention_fwd, is_interpreted, kv_split_cap
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
 if TYPE_CHECKING:
@@ -29,7 +28,7 @@ class TritonForwardMetadata:
     # decode
     req_pool_indices: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
-    num_kv_splits: int = 1  # cap on the splits one request may use (the kernels lower it for short sequences)
+    num_kv_splits: int = 1  # splits launched per request (the kernels use fewer for short sequences)
     mid_o: torch.Tensor | None = None  # flat float32 scratch for the partial outputs
     mid_lse: torch.Tensor | None = None  # flat float32 scratch for the partial log-sum-exps
     cuda_graph: bool = False  # the scratch and index buffers are static: never reallocate them
@@ -41,13 +40,13 @@ class TritonForwardMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
-    def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 16) -> None:
+    def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 32) -> None:
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda" and not is_interpreted():
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 set before "
                              "triton kernels are imported, for tests on the CPU)")
-        if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
-            raise ValueError(f"max_kv_splits must be a power of two; got {max_kv_splits}")
+        if max_kv_splits < 1:
+            raise ValueError(f"max_kv_splits must be positive; got {max_kv_splits}")
         cfg = model_runner.model_config
         tp_size = getattr(model_runner, "tp_size", 1) or 1
         self.num_heads = cfg.num_attention_heads // tp_size
@@ -55,8 +54,9 @@ class TritonAttnBackend(AttentionBackend):
         self.head_dim = cfg.head_dim
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.max_kv_splits = max_kv_splits
-        # Tunables (plain attributes so tests can force many small splits).
+        # Tunables (plain attributes so tests can force many small splits; set them before init_cuda_graph_state).
         self.min_split_len = 64  # a request uses at most cdiv(seq_len, min_split_len) splits
+        self.programs_per_sm = 8  # split a small batch until stage 1 has this many programs per SM
         self.decode_block_n: int | None = None  # None: the kernel's default
         if self.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -73,21 +73,20 @@ class TritonAttnBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- metadata
     def _kv_split_cap(self, bs: int) -> int:
-        """Splits per request worth launching: enough programs to cover the GPU about four times over."""
-        group = max(1, self.num_heads // self.num_kv_heads)
-        head_blocks = 1 if group == 1 else triton.cdiv(group, min(64, max(16, triton.next_power_of_2(group))))
-        programs = max(1, bs * self.num_kv_heads * head_blocks)
-        return max(1, min(self.max_kv_splits, triton.cdiv(4 * self.num_sms, programs)))
+        return kv_split_cap(bs, self.num_heads, self.num_kv_heads, self.num_sms, self.max_kv_splits,
+                            self.programs_per_sm)
 
-    def _scratch_numel(self, bs: int, num_heads: int, head_dim: int) -> tuple[int, int]:
-        return bs * num_heads * self.max_kv_splits * head_dim, bs * num_heads * self.max_kv_splits
+    @staticmethod
+    def _scratch_numel(bs: int, num_heads: int, head_dim: int, splits: int) -> tuple[int, int]:
+        return bs * num_heads * splits * head_dim, bs * num_heads * splits
 
-    def _ensure_eager_scratch(self, bs: int, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim)
+    def _ensure_eager_scratch(self, bs: int, num_heads: int, head_dim: int,
+                              splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim, splits)
         mid_o, mid_lse = self._mid_o, self._mid_lse
         if mid_o is None or mid_o.numel() < n_o or mid_lse is None or mid_lse.numel() < n_lse:
-            # round the batch up so that a slowly growing batch does not reallocate every step
-            n_o, n_lse = self._scratch_numel(triton.next_power_of_2(max(bs, 1)), num_heads, head_dim)
+            # headroom, so that a slowly growing batch does not reallocate every step
+            n_o, n_lse = 2 * n_o, 2 * n_lse
             mid_o = self._mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
             mid_lse = self._mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
         return mid_o, mid_lse
@@ -96,10 +95,11 @@ class TritonAttnBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         bs = forward_batch.batch_size
         if mode.is_decode():
-            mid_o, mid_lse = self._ensure_eager_scratch(bs, self.num_heads, self.head_dim)
+            splits = self._kv_split_cap(bs)
+            mid_o, mid_lse = self._ensure_eager_scratch(bs, self.num_heads, self.head_dim, splits)
             self.forward_metadata = TritonForwardMetadata(
                 req_pool_indices=forward_batch.req_pool_indices, seq_lens=forward_batch.seq_lens,
-                num_kv_splits=self._kv_split_cap(bs), mid_o=mid_o, mid_lse=mid_lse)
+                num_kv_splits=splits, mid_o=mid_o, mid_lse=mid_lse)
             return
         if bs == 0 or not mode.is_extend():
             self.forward_metadata = TritonForwardMetadata()
@@ -122,7 +122,9 @@ class TritonAttnBackend(AttentionBackend):
         self._cg_req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         self._cg_seq_lens = torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64,
                                        device=self.device)
-        n_o, n_lse = self._scratch_numel(max_bs, self.num_heads, self.head_dim)
+        # every captured batch size shares one scratch, sized for the largest bs * splits among them
+        worst = max(bs * self._kv_split_cap(bs) for bs in range(1, max_bs + 1))
+        n_o, n_lse = self._scratch_numel(worst, self.num_heads, self.head_dim, 1)
         self._cg_mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
         self._cg_mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
 
@@ -205,16 +207,16 @@ class TritonAttnBackend(AttentionBackend):
         if bs != meta.seq_lens.shape[0]:
             raise ValueError(f"decode got {bs} query rows for a batch of {meta.seq_lens.shape[0]}")
         o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
-        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim)
+        splits = meta.num_kv_splits
+        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim, splits)
         if meta.mid_o is None or meta.mid_lse is None or meta.mid_o.numel() < n_o or meta.mid_lse.numel() < n_lse:
             if meta.cuda_graph:
                 raise RuntimeError("decode scratch of the CUDA-graph state is too small for this layer")
-            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, head_dim)
-        mid_o = meta.mid_o[:n_o].view(bs, num_heads, self.max_kv_splits, head_dim)
-        mid_lse = meta.mid_lse[:n_lse].view(bs, num_heads, self.max_kv_splits)
+            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, head_dim, splits)
+        mid_o = meta.mid_o[:n_o].view(bs, num_heads, splits, head_dim)
+        mid_lse = meta.mid_lse[:n_lse].view(bs, num_heads, splits)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         decode_attention_fwd(
             q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
-            layer.scaling, num_kv_splits=meta.num_kv_splits, min_split_len=self.min_split_len,
-            block_n=self.decode_block_n)
+            layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n)
         return o.view(-1, num_heads * head_dim)

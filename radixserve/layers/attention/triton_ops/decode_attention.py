@@ -5,10 +5,11 @@ its chunk of the request's KV slots, keeps an online softmax, and writes a parti
 own softmax sum) plus the base-2 log-sum-exp of its scores. Stage 2 launches one program per (request, query head)
 and merges the partials of the non-empty splits.
 
-The grid is static for a given batch size (its split axis is always `max_kv_splits`), so both launches can be
-captured in a CUDA graph. How many splits a request really uses is decided inside the kernels from its seq_len:
-`min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of BLOCK_N tokens; programs whose split
-is empty do nothing, and stage 2 recomputes the same split boundaries, so no split count is ever stored.
+The grid depends only on the batch size (its split axis is `num_kv_splits`, which the caller picks from the batch
+size alone), so both launches can be captured in a CUDA graph. How many splits a request really uses is decided
+inside the kernels from its seq_len: `min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of
+BLOCK_N tokens; programs whose split is empty do nothing, and stage 2 recomputes the same split boundaries, so no
+split count is ever stored.
 
 Query heads of one KV head (GQA) are processed together: the K/V tile is loaded once for the group. Groups larger
 than one go through `tl.dot`, padded to at least 16 rows (tensor cores want M >= 16); plain multi-head attention
@@ -132,7 +133,7 @@ def _decode_stage2_kernel(
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
     chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    valid = offs_s * chunk < seq_len
+    valid = (offs_s < num_kv_splits) & (offs_s * chunk < seq_len)
 
     lse = tl.load(Mid_LSE + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s, mask=valid, other=float("-inf"))
     m = tl.max(lse, axis=0)
@@ -151,13 +152,27 @@ def is_interpreted() -> bool:
 
 
 def decode_partial_shapes(batch_size: int, num_heads: int, head_dim: int,
-                          max_kv_splits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                          num_kv_splits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the float32 partial-output and log-sum-exp buffers `decode_attention_fwd` needs."""
-    return (batch_size, num_heads, max_kv_splits, head_dim), (batch_size, num_heads, max_kv_splits)
+    return (batch_size, num_heads, num_kv_splits, head_dim), (batch_size, num_heads, num_kv_splits)
+
+
+def kv_split_cap(batch_size: int, num_heads: int, num_kv_heads: int, num_sms: int, max_kv_splits: int,
+                 programs_per_sm: int = 8) -> int:
+    """How many KV splits per request to launch for a batch: enough stage-1 programs to fill the GPU
+    `programs_per_sm` times over, at most max_kv_splits. Depends on the batch size only (CUDA-graph safe)."""
+    group = max(1, num_heads // max(1, num_kv_heads))
+    head_blocks = 1 if group == 1 else triton.cdiv(group, _block_h(group))
+    programs = max(1, batch_size * num_kv_heads * head_blocks)
+    return max(1, min(max_kv_splits, triton.cdiv(programs_per_sm * num_sms, programs)))
+
+
+def _block_h(group: int) -> int:
+    return 1 if group == 1 else min(64, max(16, triton.next_power_of_2(group)))
 
 
 def _check_decode_inputs(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
-                         mid_o: torch.Tensor, mid_lse: torch.Tensor, max_kv_splits: int) -> None:
+                         mid_o: torch.Tensor, mid_lse: torch.Tensor, num_kv_splits: int) -> None:
     if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError(f"q [bs, H, D] and k/v buffers [slots, Hkv, D] expected; got {tuple(q.shape)}, "
                          f"{tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}")
@@ -169,9 +184,9 @@ def _check_decode_inputs(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if o.shape != q.shape:
         raise ValueError(f"output shape {tuple(o.shape)} != q shape {tuple(q.shape)}")
-    if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
-        raise ValueError(f"max_kv_splits must be a power of two; got {max_kv_splits}")
-    want_o, want_lse = decode_partial_shapes(bs, num_heads, head_dim, max_kv_splits)
+    if num_kv_splits < 1:
+        raise ValueError(f"partial buffers need at least one split; got {num_kv_splits}")
+    want_o, want_lse = decode_partial_shapes(bs, num_heads, head_dim, num_kv_splits)
     if tuple(mid_o.shape) != want_o or tuple(mid_lse.shape) != want_lse:
         raise ValueError(f"partial buffers must be {want_o} and {want_lse}; got {tuple(mid_o.shape)}, "
                          f"{tuple(mid_lse.shape)}")
@@ -196,7 +211,6 @@ def decode_attention_fwd(
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
     sm_scale: float,
-    num_kv_splits: int | None = None,
     min_split_len: int = 64,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -206,29 +220,23 @@ def decode_attention_fwd(
 
     q, o: [bs, H, D]; k_buffer, v_buffer: [slots, Hkv, D]; req_to_token: [rows, max_ctx] int32;
     req_pool_indices, seq_lens: [bs] (int32 or int64, on the device); mid_o [bs, H, S, D] and mid_lse [bs, H, S]
-    float32 scratch buffers, S = max_kv_splits, a power of two. `num_kv_splits` (<= S, default S) caps the splits
-    one request may use; a request of seq_len L uses min(num_kv_splits, cdiv(L, min_split_len)) of them.
+    float32 scratch buffers (`decode_partial_shapes`). S, the number of splits launched per request, is the cap: a
+    request of seq_len L uses min(S, cdiv(L, min_split_len)) of them (`kv_split_cap` picks S for a batch size).
     """
-    max_kv_splits = mid_lse.shape[-1] if mid_lse.dim() == 3 else 0
-    _check_decode_inputs(q, k_buffer, v_buffer, o, mid_o, mid_lse, max_kv_splits)
+    num_kv_splits = mid_lse.shape[-1] if mid_lse.dim() == 3 else 0
+    _check_decode_inputs(q, k_buffer, v_buffer, o, mid_o, mid_lse, num_kv_splits)
     bs, num_heads, head_dim = q.shape
     if bs == 0:
         return
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
-    num_kv_splits = max_kv_splits if num_kv_splits is None else num_kv_splits
-    if not 1 <= num_kv_splits <= max_kv_splits:
-        raise ValueError(f"num_kv_splits must be in 1..{max_kv_splits}; got {num_kv_splits}")
     if min_split_len < 1:
         raise ValueError(f"min_split_len must be positive; got {min_split_len}")
 
     interp = is_interpreted()
     block_d = max(16, triton.next_power_of_2(head_dim))
     use_dot = group > 1
-    if use_dot:
-        block_h = min(64, max(16, triton.next_power_of_2(group)))
-    else:
-        block_h = 1
+    block_h = _block_h(group)
     head_blocks = triton.cdiv(group, block_h)
     if block_n is None:
         block_n = 32 if interp else 64
@@ -237,7 +245,7 @@ def decode_attention_fwd(
     # fp32 inputs (tests) keep full precision in tl.dot; the interpreter's dot mishandles bfloat16, so upcast there.
     dot_fp32 = use_dot and (interp or q.dtype == torch.float32)
 
-    grid1 = (bs, num_kv_heads * head_blocks, max_kv_splits)
+    grid1 = (bs, num_kv_heads * head_blocks, num_kv_splits)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale * _LOG2E, num_kv_splits, min_split_len,
@@ -258,6 +266,6 @@ def decode_attention_fwd(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=max_kv_splits,
-        num_warps=4 if block_d * max_kv_splits <= 4096 else 8, num_stages=1,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_kv_splits),
+        num_warps=4 if block_d * num_kv_splits <= 4096 else 8, num_stages=1,
     )
