@@ -62,7 +62,11 @@ def make_kv(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 
 def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
-    from radixserve.layers.attention.triton_ops.decode_attention import decode_attention_fwd, decode_partial_shapes
+    from radixserve.layers.attention.triton_ops.decode_attention import (
+        decode_attention_fwd,
+        decode_partial_shapes,
+        kv_split_cap,
+    )
 
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -78,23 +82,23 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
             o = torch.empty_like(q)
             rpi = torch.arange(bs, device="cuda", dtype=torch.int64)
             sl = torch.tensor(seq_lens, device="cuda", dtype=torch.int64)
-            for max_splits in parse_ints(args.max_kv_splits):
-                shape_o, shape_lse = decode_partial_shapes(bs, h, d, max_splits)
+            caps = sorted({kv_split_cap(bs, h, hkv, sms, m, pps) for m in parse_ints(args.max_kv_splits)
+                           for pps in parse_ints(args.programs_per_sm)})
+            for cap in caps:
+                shape_o, shape_lse = decode_partial_shapes(bs, h, d, cap)
                 mid_o = torch.empty(shape_o, device="cuda", dtype=torch.float32)
                 mid_lse = torch.empty(shape_lse, device="cuda", dtype=torch.float32)
-                group = h // hkv
-                head_blocks = 1 if group == 1 else -(-group // min(64, max(16, 1 << (group - 1).bit_length())))
-                cap = max(1, min(max_splits, -(-4 * sms // (bs * hkv * head_blocks))))
 
                 run = functools.partial(decode_attention_fwd, q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o,
-                                        mid_lse, d ** -0.5, num_kv_splits=cap, min_split_len=args.min_split_len)
+                                        mid_lse, d ** -0.5, min_split_len=args.min_split_len,
+                                        use_dot={"auto": None, "on": True, "off": False}[args.decode_dot])
                 secs = time_graph(run, args.iters)
                 kv_bytes = bs * seq_len * hkv * d * 2 * k_buf.element_size() + bs * seq_len * 4
                 row = {"kernel": "decode", "batch_size": bs, "seq_len": seq_len, "heads": h, "kv_heads": hkv,
-                       "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "max_kv_splits": max_splits,
-                       "split_cap": cap, "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
+                       "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "kv_splits": cap,
+                       "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
                 rows.append(row)
-                print(f"decode  bs={bs:4d} seq={seq_len:6d} splits<={max_splits:2d} (cap {cap:2d})  "
+                print(f"decode  bs={bs:4d} seq={seq_len:6d} splits={cap:3d}  "
                       f"{row['time_us']:9.1f} us  {row['kv_read_gb_per_s']:8.0f} GB/s", flush=True)
             del k_buf, v_buf, req_to_token
             torch.cuda.empty_cache()
@@ -105,6 +109,9 @@ def bench_extend(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
     from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    configs: list[tuple[int, ...] | None] = [None]
+    if args.extend_configs:
+        configs = [tuple(parse_ints(c)) for c in args.extend_configs.split(";")]
     rows = []
     for bs, prefix_len, extend_len in ((1, 0, 4096), (1, 0, 16384), (4, 3072, 1024), (16, 0, 1024),
                                        (8, 8000, 128)):
@@ -122,17 +129,19 @@ def bench_extend(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
         ext = torch.full((bs,), extend_len, **dev)
         start = torch.arange(bs, **dev) * extend_len
 
-        run = functools.partial(extend_attention_fwd, q, k, v, o, k_buf, v_buf, req_to_token, rpi, pre, ext, start,
-                                extend_len, d ** -0.5)
-        secs = time_graph(run, max(3, args.iters // 10))
         pairs = bs * (extend_len * prefix_len + extend_len * (extend_len + 1) // 2)
         flops = 4 * pairs * h * d
-        row = {"kernel": "extend", "batch_size": bs, "prefix_len": prefix_len, "extend_len": extend_len, "heads": h,
-               "kv_heads": hkv, "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "time_us": secs * 1e6,
-               "tflops": flops / secs / 1e12}
-        rows.append(row)
-        print(f"extend  bs={bs:3d} prefix={prefix_len:5d} extend={extend_len:5d}  {row['time_us']:10.1f} us  "
-              f"{row['tflops']:6.1f} TFLOP/s", flush=True)
+        for config in configs:
+            tiles = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), config, strict=True)) if config else {}
+            run = functools.partial(extend_attention_fwd, q, k, v, o, k_buf, v_buf, req_to_token, rpi, pre, ext,
+                                    start, extend_len, d ** -0.5, **tiles)
+            secs = time_graph(run, max(3, args.iters // 10))
+            row = {"kernel": "extend", "batch_size": bs, "prefix_len": prefix_len, "extend_len": extend_len,
+                   "heads": h, "kv_heads": hkv, "head_dim": d, "dtype": str(dtype).removeprefix("torch."),
+                   "tiles": tiles or "default", "time_us": secs * 1e6, "tflops": flops / secs / 1e12}
+            rows.append(row)
+            print(f"extend  bs={bs:3d} prefix={prefix_len:5d} extend={extend_len:5d} tiles={config or 'default'}  "
+                  f"{row['time_us']:10.1f} us  {row['tflops']:6.1f} TFLOP/s", flush=True)
         del k_buf, v_buf, req_to_token
         torch.cuda.empty_cache()
     return rows
@@ -148,8 +157,13 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     p.add_argument("--seq-lens", default="512,2048,8192,32768")
     p.add_argument("--max-tokens", type=int, default=4_000_000, help="skip decode cases with more KV tokens")
-    p.add_argument("--max-kv-splits", default="16", help="comma-separated values to compare")
+    p.add_argument("--max-kv-splits", default="64", help="comma-separated ceilings on the splits to compare")
+    p.add_argument("--programs-per-sm", default="8", help="comma-separated split targets to compare")
+    p.add_argument("--extend-configs", default="", help="'BLOCK_M,BLOCK_N,WARPS,STAGES;...' to compare "
+                                                        "(default: the kernel's own choice)")
     p.add_argument("--min-split-len", type=int, default=64)
+    p.add_argument("--decode-dot", choices=["auto", "on", "off"], default="auto",
+                   help="force the tl.dot (on) or elementwise (off, MHA only) decode path")
     p.add_argument("--contiguous", action="store_true", help="lay each request's KV out contiguously "
                                                               "(default: slots shuffled, as after many frees)")
     p.add_argument("--iters", type=int, default=50)

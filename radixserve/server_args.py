@@ -81,7 +81,14 @@ class ServerArgs:
     load_balance_method: str = _flag("DP routing", default="round_robin", choices=LOAD_BALANCE_METHODS)
     nnodes: int = _flag("Number of nodes", default=1)
     node_rank: int = _flag("This node's rank", default=0)
-    dist_init_addr: str | None = _flag("host:port of node 0 for torch.distributed")
+    dist_init_addr: str | None = _flag("host:port of node 0 for torch.distributed (DP replica i uses port + i)")
+    dist_timeout: float = _flag("Seconds a TP collective may wait for the other ranks before this rank reports "
+                                "them dead and exits", default=600.0)
+    balance_abs_threshold: int = _flag("cache_aware: leave the replica holding the prefix when its queue is this many "
+                                       "requests longer than the shortest one (and see --balance-rel-threshold)",
+                                       default=8)
+    balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
+                                         default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
     # internal
     ipc_dir: str | None = _flag("Folder for ZMQ ipc:// sockets (default: a private temp dir)")
@@ -129,6 +136,12 @@ class ServerArgs:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--dist-init-addr host:port is required with --nnodes > 1")
+        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
+            raise ValueError(f"--dist-init-addr must be host:port; got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout must be > 0; got {self.dist_timeout}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:
@@ -186,6 +199,11 @@ class ServerArgs:
         if unknown:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _base_type(annotation: Any) -> type:

@@ -202,6 +202,14 @@ class CharTokenizer:
         return [ord(c) for c in text] + ([1] if add_special_tokens else [])
 
 
+@pytest.mark.parametrize(("name", "value"), [("logit_bias", [1, 2]), ("stop", ["a", 3]), ("stop", 5),
+                                           ("stop_token_ids", 3), ("stop_token_ids", ["x"]), ("top_p", 2.0)])
+def test_normalize_before_verify_raises_value_error_naming_field(name: str, value: object) -> None:
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**{name: value}).normalize(CharTokenizer())
+    assert str(exc.value).startswith(name)
+
+
 def test_normalize() -> None:
     p = SamplingParams(stop="END", logit_bias={"3": 1, 4: -2.5}, stop_token_ids=None)
     p.verify(V)

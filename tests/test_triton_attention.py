@@ -151,7 +151,8 @@ def test_extend_skips_empty_requests() -> None:
 SMALL_SPLITS = {"min_split_len": 16, "decode_block_n": 16}
 DECODE_CASES = [
     # (H, Hkv, D, seq_lens, dtype, tunables)
-    (4, 4, 64, [1, 2, 17, 64, 100, 257], torch.float32, SMALL_SPLITS),  # MHA, elementwise path, many splits
+    (4, 4, 64, [1, 2, 17, 64, 100, 257], torch.float32, SMALL_SPLITS),  # MHA through a padded tl.dot
+    (4, 4, 32, [1, 30, 131], torch.float32, {**SMALL_SPLITS, "decode_use_dot": False}),  # MHA, elementwise
     (8, 2, 32, [1, 33, 48, 129, 7], torch.float32, SMALL_SPLITS),  # GQA 4 through tl.dot
     (8, 1, 64, [1, 90, 300], torch.bfloat16, SMALL_SPLITS),  # GQA 8, bf16
     (4, 2, 96, [5, 77], torch.float32, SMALL_SPLITS),  # padded head_dim
@@ -160,7 +161,12 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}")
+def _decode_id(c: tuple) -> str:
+    path = "elementwise" if c[5].get("decode_use_dot") is False else "dot"
+    return f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-{path}"
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_decode_id)
 def test_decode_matches_torch_native(case: tuple) -> None:
     h, hkv, d, seq_lens, dtype, tune = case
     out, ref = run_both(h, hkv, d, [s - 1 for s in seq_lens], [1] * len(seq_lens), ForwardMode.DECODE, dtype,
@@ -206,6 +212,7 @@ def test_cuda_graph_metadata_path_matches_eager() -> None:
     rpi = torch.cat([fb.req_pool_indices, pad])
     sl = torch.cat([fb.seq_lens, fill])
     backend.init_forward_metadata_capture_cuda_graph(graph_bs, rpi, sl)
+    assert backend.forward_metadata is not None and backend.forward_metadata.num_kv_splits > 1
     qp = torch.cat([q, torch.zeros(1, q.shape[1], device=DEVICE)])
     out = backend.forward_decode(qp, k, v, layer, fb, save_kv_cache=False)
     torch.testing.assert_close(out[:3], eager, rtol=1e-5, atol=1e-5)
@@ -240,6 +247,10 @@ def test_bad_input_raises_value_error() -> None:
     with pytest.raises(ValueError, match="multiple"):
         decode_attention.decode_attention_fwd(q, kb, kb, q.clone(), runner.req_to_token_pool.req_to_token, idx,
                                               idx + 1, mid_o, mid_lse, 1.0)
+    with pytest.raises(ValueError, match="elementwise"):
+        decode_attention.decode_attention_fwd(q, kb[:, :2], kb[:, :2], q.clone(),
+                                              runner.req_to_token_pool.req_to_token, idx, idx + 1, mid_o, mid_lse,
+                                              1.0, use_dot=False)
     with pytest.raises(ValueError, match="match"):
         extend_attention.extend_attention_fwd(q, kb[:2], kb[:3], q.clone(), kb, kb,
                                               runner.req_to_token_pool.req_to_token, idx, idx, idx, idx, 1, 1.0)

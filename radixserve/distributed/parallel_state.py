@@ -1,27 +1,53 @@
-"""Process groups for tensor parallelism (torch.distributed: NCCL on CUDA, gloo on the CPU)."""
+"""Process groups for tensor parallelism (torch.distributed: NCCL on CUDA, gloo on the CPU).
+
+Each data-parallel replica is its own torch.distributed world whose ranks are that replica's TP ranks, so the TP
+group is the whole world. Next to it every rank joins a gloo group on the CPU (even on CUDA): the scheduler
+broadcasts the requests rank 0 received as pickled Python objects over it, off the device stream.
+
+Every group carries a timeout: a rank that died makes the next collective of the others raise at once (the
+socket closes), and a rank that is alive but stuck makes it raise after the timeout — never a silent hang.
+"""
 
 from __future__ import annotations
+
+import datetime
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+DEFAULT_TIMEOUT_S = 600.0
+
 _TP_GROUP: dist.ProcessGroup | None = None
+_TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK = 0
 _TP_SIZE = 1
 
 
 def initialize_model_parallel(tp_rank: int, tp_size: int, init_method: str, backend: str,
-                              world_rank: int | None = None, world_size: int | None = None) -> None:
-    """Join the world and make the TP group (the whole world: DP replicas run in their own worlds)."""
-    global _TP_GROUP, _TP_RANK, _TP_SIZE
+                              world_rank: int | None = None, world_size: int | None = None,
+                              timeout_s: float | None = None) -> None:
+    """Join the world and make the TP group (the whole world: DP replicas run in their own worlds) and its CPU
+    twin for object broadcasts. `init_method` is "tcp://host:port" of rank 0 (its TCP store)."""
+    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is out of range for tp_size {tp_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     _TP_RANK, _TP_SIZE = tp_rank, tp_size
     if tp_size == 1:
         return
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method=init_method,
                                 rank=tp_rank if world_rank is None else world_rank,
-                                world_size=tp_size if world_size is None else world_size)
+                                world_size=tp_size if world_size is None else world_size, timeout=timeout)
     _TP_GROUP = dist.group.WORLD
+    _TP_CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TP_GROUP is not None
 
 
 def get_tp_rank() -> int:
@@ -34,6 +60,10 @@ def get_tp_size() -> int:
 
 def get_tp_group() -> dist.ProcessGroup | None:
     return _TP_GROUP
+
+
+def get_tp_cpu_group() -> dist.ProcessGroup | None:
+    return _TP_CPU_GROUP
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +81,25 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
+def broadcast_tensor_from_first_rank(x: torch.Tensor) -> torch.Tensor:
+    """Overwrite `x` on every TP rank with TP rank 0's `x` (in place; same shape and dtype on all ranks)."""
+    if _TP_SIZE == 1:
+        return x
+    dist.broadcast(x, src=dist.get_global_rank(_TP_GROUP, 0), group=_TP_GROUP)
+    return x
+
+
+def broadcast_pyobj(obj: Any) -> Any:
+    """TP rank 0's `obj` (any picklable value) on every TP rank, over the CPU group; other ranks pass None."""
+    if _TP_SIZE == 1:
+        return obj
+    box = [obj if _TP_RANK == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(_TP_CPU_GROUP, 0), group=_TP_CPU_GROUP)
+    return box[0]
+
+
 def destroy_model_parallel() -> None:
-    global _TP_GROUP, _TP_RANK, _TP_SIZE
+    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_GROUP, _TP_RANK, _TP_SIZE = None, 0, 1
+    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE = None, None, 0, 1

@@ -152,8 +152,7 @@ class Engine:
             return [o async for o in self.tokenizer_manager.generate_request(obj)]
 
         outs = asyncio.run_coroutine_threadsafe(collect(), self.loop).result()
-        single = not obj.is_batch() and len(outs) == 1 and "index" not in outs[0]
-        if single:
+        if outs and "index" not in outs[0]:
             return outs[0]
         outs.sort(key=lambda o: o.pop("index"))
         return outs

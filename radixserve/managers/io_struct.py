@@ -80,6 +80,15 @@ class HealthCheckReq:
 
 
 @dataclass
+class SchedulerLoadReport:
+    """A DP replica's scheduler (rank 0) → the data-parallel controller, when it changed: the requests it holds
+    (waiting, running, being prefilled) after taking in `num_received` generate requests in all."""
+
+    num_reqs: int
+    num_received: int
+
+
+@dataclass
 class SchedulerInfo:
     """Sent by the scheduler once at start-up, through the readiness pipe."""
 

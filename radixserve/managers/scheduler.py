@@ -70,10 +70,18 @@ class Scheduler:
         self.outbox: list[Any] = []  # messages kept in-process when there is no detokenizer socket (tests)
         self.recv_from_tokenizer = None
         self.send_to_detokenizer = None
+        # tensor parallelism: rank 0 receives and broadcasts to the other ranks, which run the same batches
+        self.tp_size = server_args.tp_size
+        # data parallelism: control replies and load reports go to the controller (when it set this socket)
+        self.send_to_controller = None
+        self.num_generate_received = 0
+        self.last_load_report: tuple[int, int] | None = None
         if tp_rank == 0 and port_args:
             ctx = zmq.Context(2)
             self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args["scheduler_input"], bind=True)
             self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args["detokenizer_input"], bind=False)
+            if port_args.get("controller_input"):
+                self.send_to_controller = get_zmq_socket(ctx, zmq.PUSH, port_args["controller_input"], bind=False)
 
     # ================================================================= the loop
     def event_loop_normal(self) -> None:
@@ -88,10 +96,21 @@ class Scheduler:
             self.last_batch = batch
 
     def recv_requests(self) -> list[Any]:
+        """The messages that arrived since the last call. With --tp-size > 1 rank 0 receives them and broadcasts
+        the list to the other ranks (over the CPU group), so that every rank runs the same batches."""
+        if self.tp_size > 1:
+            from radixserve.distributed.parallel_state import broadcast_pyobj
+
+            return broadcast_pyobj(self._recv_from_tokenizer() if self.tp_rank == 0 else None)
+        return self._recv_from_tokenizer()
+
+    def _recv_from_tokenizer(self) -> list[Any]:
         if self.recv_from_tokenizer is None:
             return []
+        self.report_load()
         out = []
-        busy = self.running_batch is not None or self.waiting_queue or self.chunked_req is not None
+        busy = (self.running_batch is not None or self.waiting_queue or self.chunked_req is not None
+                or self.last_batch is not None)  # a prefill that just ran becomes the running batch next
         if not busy and self.recv_from_tokenizer.poll(timeout=1000) == 0:
             return out
         while True:
@@ -99,7 +118,21 @@ class Scheduler:
                 out.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
             except zmq.ZMQError:
                 break
+        self.num_generate_received += sum(isinstance(o, io.TokenizedGenerateReqInput) for o in out)
         return out
+
+    def report_load(self) -> None:
+        """Tell the data-parallel controller how many requests this replica holds, and how many it has taken in so
+        far (so the controller can count the ones still on their way). Sent only when it changed."""
+        if self.send_to_controller is None:
+            return
+        num_reqs = len(self.waiting_queue) + (len(self.running_batch.reqs) if self.running_batch else 0)
+        num_reqs += self.chunked_req is not None
+        report = (num_reqs, self.num_generate_received)
+        if report != self.last_load_report:
+            self.last_load_report = report
+            self.send_to_controller.send_pyobj(io.SchedulerLoadReport(num_reqs=num_reqs,
+                                                                      num_received=self.num_generate_received))
 
     def step(self) -> bool:
         """One iteration without receiving (for tests and the offline harness); False when idle."""
@@ -176,7 +209,12 @@ class Scheduler:
         self.send_out(out)
 
     def send_out(self, obj: Any) -> None:
-        if self.send_to_detokenizer is not None:
+        if self.tp_rank != 0:
+            return  # every rank computes the outputs; rank 0 alone sends them
+        if self.send_to_controller is not None and isinstance(obj, io.FlushCacheReqOutput |
+                                                              io.GetInternalStateReqOutput):
+            self.send_to_controller.send_pyobj(obj)  # the DP controller merges the replicas' replies
+        elif self.send_to_detokenizer is not None:
             self.send_to_detokenizer.send_pyobj(obj)
         else:
             self.outbox.append(obj)
@@ -371,7 +409,11 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self.server_args.schedule_conservativeness
 
     def is_idle(self) -> bool:
-        return not self.waiting_queue and self.running_batch is None and self.chunked_req is None
+        def empty(b: ScheduleBatch | None) -> bool:
+            return b is None or all(r.finished() for r in b.reqs)
+
+        return not self.waiting_queue and self.chunked_req is None and empty(self.running_batch) \
+            and empty(self.last_batch)
 
     def check_memory(self) -> bool:
         """free + evictable + protected == pool size, and every request slot free. Logged and counted if not."""
@@ -440,7 +482,28 @@ def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp
         logger.exception("scheduler failed to start")
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         return
-    if server_args.use_overlap and hasattr(scheduler, "event_loop_overlap"):
-        scheduler.event_loop_overlap()
-    else:
-        scheduler.event_loop_normal()
+    try:
+        if server_args.use_overlap and hasattr(scheduler, "event_loop_overlap"):
+            scheduler.event_loop_overlap()
+        else:
+            scheduler.event_loop_normal()
+    except Exception as e:
+        # With TP a collective fails when another rank died (at once) or hangs (after --dist-timeout): exit, so
+        # that the engine sees a dead process (/health 503) and the other ranks' collectives fail in turn.
+        if server_args.tp_size > 1 and _is_collective_error(e):
+            logger.critical("TP rank %d of %d is exiting: another TP rank died or hung for more than --dist-timeout "
+                            "%g s (%s: %s)", tp_rank, server_args.tp_size, server_args.dist_timeout,
+                            type(e).__name__, e)
+        elif server_args.tp_size > 1:
+            logger.critical("TP rank %d of %d is exiting on an error: %s: %s", tp_rank, server_args.tp_size,
+                            type(e).__name__, e, exc_info=True)
+        else:
+            logger.critical("the scheduler is exiting: %s: %s", type(e).__name__, e, exc_info=True)
+        logging.shutdown()
+        os._exit(1)
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    text = str(e)
+    return any(k in text for k in ("Connection closed by peer", "Connection reset", "Timed out", "timed out",
+                                   "NCCL", "gloo"))

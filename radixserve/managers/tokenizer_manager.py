@@ -254,7 +254,7 @@ class TokenizerManager:
         `index` (the request's position in the batch)."""
         reqs = self.normalize(obj)
         self._check_capacity(len(reqs))
-        if len(reqs) == 1:
+        if len(reqs) == 1 and not obj.is_batch():
             async for out in self._run_one(reqs[0]):
                 yield out
             return

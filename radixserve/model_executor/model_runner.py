@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 import torch
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.distributed.parallel_state import broadcast_tensor_from_first_rank, initialize_model_parallel
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
@@ -50,6 +52,7 @@ class ModelRunner:
         self.kv_dtype = self.dtype if server_args.kv_cache_dtype == "auto" else _DTYPES[server_args.kv_cache_dtype]
         torch.manual_seed(server_args.random_seed)
 
+        self._init_distributed()
         self.model = self._load_model()
         self._init_memory_pool()
         backend = server_args.attention_backend or ("triton" if self.is_cuda else "torch_native")
@@ -62,6 +65,25 @@ class ModelRunner:
             self.cuda_graph_runner = CudaGraphRunner(self)
 
     # ---------------------------------------------------------------- setup
+    def _init_distributed(self) -> None:
+        """Join this replica's TP world (gloo on the CPU, NCCL on CUDA) at tcp://--dist-init-addr, which the
+        launcher fills with a free local port when it was not given."""
+        args = self.server_args
+        local_procs = args.dp_size * args.tp_size // args.nnodes
+        if not self.is_cuda and local_procs > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # ranks on one CPU share its cores; oversubscribed OpenMP threads make every collective wait
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
+        if self.tp_size == 1:
+            initialize_model_parallel(0, 1, "", "gloo")
+            return
+        addr = self.server_args.dist_init_addr
+        if not addr:
+            raise ValueError("--tp-size > 1 needs --dist-init-addr host:port (the launcher picks a free local port "
+                             "when it is not given)")
+        initialize_model_parallel(self.tp_rank, self.tp_size, f"tcp://{addr}", "nccl" if self.is_cuda else "gloo",
+                                  timeout_s=self.server_args.dist_timeout)
+        logger.info("joined the TP group at %s as rank %d of %d", addr, self.tp_rank, self.tp_size)
+
     def _load_model(self) -> torch.nn.Module:
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -109,5 +131,9 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
         info = forward_batch.sampling_info
-        return self.sampler(logits_output, info, forward_batch.return_logprob,
-                            forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)
+        next_ids = self.sampler(logits_output, info, forward_batch.return_logprob,
+                                forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)
+        if self.tp_size > 1 and not info.is_all_greedy:
+            # every rank saw the same (all-gathered) logits, but a random draw is rank 0's to make
+            broadcast_tensor_from_first_rank(next_ids)
+        return next_ids

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from radixserve.sampling.penaltylib.base import host_to_device
 from radixserve.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator, as_index_list
 
 
@@ -108,13 +109,13 @@ class SamplingBatchInfo:
             ints[0].append(top_k)
             ints[1].append(-1 if p.seed is None else int(p.seed))
             ints[2].append(len(req.output_ids))
-        float_t = torch.tensor(floats, dtype=torch.float32).to(device)
-        int_t = torch.tensor(ints, dtype=torch.int64).to(device)
+        float_t = host_to_device(floats, torch.float32, device)
+        int_t = host_to_device(ints, torch.int64, device)
         logit_bias = None
         if bias_rows:
             logit_bias = torch.zeros((len(reqs), vocab_size), dtype=torch.float32, device=device)
-            index = torch.tensor([bias_rows, bias_cols], dtype=torch.int64).to(device)
-            logit_bias[index[0], index[1]] = torch.tensor(bias_vals, dtype=torch.float32).to(device)
+            index = host_to_device([bias_rows, bias_cols], torch.int64, device)
+            logit_bias[index[0], index[1]] = host_to_device(bias_vals, torch.float32, device)
         return cls(
             temperatures=float_t[0].contiguous().view(-1, 1),
             top_ps=float_t[1].contiguous(),
@@ -139,7 +140,7 @@ class SamplingBatchInfo:
         self.need_min_p_sampling = any(r.min_p > 0.0 for r in sampled)
         seeded = [i for i, r in enumerate(rows) if r.seeded and not r.greedy]
         self.has_seeded = bool(seeded)
-        self.seeded_indices = torch.tensor(seeded, dtype=torch.int64).to(self.device) if seeded else None
+        self.seeded_indices = host_to_device(seeded, torch.int64, self.device) if seeded else None
         if self.logit_bias is not None and not any(r.has_logit_bias for r in rows):
             self.logit_bias = None
 
@@ -147,7 +148,7 @@ class SamplingBatchInfo:
     def filter_batch(self, keep_indices: Sequence[int] | torch.Tensor) -> None:
         """Keep these rows, in this order (a CPU list; a tensor costs one device sync)."""
         keep = as_index_list(keep_indices, self.batch_size)
-        index = torch.tensor(keep, dtype=torch.int64).to(self.device)
+        index = host_to_device(keep, torch.int64, self.device)
         for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "sampling_steps"):
             setattr(self, name, getattr(self, name)[index])
         if self.logit_bias is not None:

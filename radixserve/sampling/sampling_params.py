@@ -241,8 +241,12 @@ class SamplingParams:
 
     # ------------------------------------------------------------------ normalisation
     def normalize(self, tokenizer: Any | None) -> None:
-        """Uniform shapes after verify(): stop -> list[str], stop_token_ids -> list[int], logit_bias keys -> int,
-        stop_str_max_len = longest stop string in tokens (UTF-8 bytes, an upper bound, without a tokenizer)."""
+        """Uniform shapes: stop -> list[str], stop_token_ids -> list[int], logit_bias keys -> int,
+        stop_str_max_len = longest stop string in tokens (UTF-8 bytes, an upper bound, without a tokenizer).
+
+        Runs the vocabulary-independent checks of verify() first, so a bad value is a ValueError naming its field
+        whichever of the two is called first; verify(vocab_size) still checks token ids against the vocabulary."""
+        self.verify(None)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

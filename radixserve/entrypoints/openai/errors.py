@@ -95,8 +95,10 @@ def from_request_error(err: Exception, *, prompt_param: str | None = None, opena
     param = getattr(err, "param", None)
     message = str(err)
     if param == "sampling_params":
-        first = message.split(" ", 1)[0].split("[", 1)[0]
-        if first.isidentifier():
+        from radixserve.sampling.sampling_params import SamplingParams
+
+        first = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
+        if first in SamplingParams.field_names():
             param = first
             if openai and first in _OPENAI_NAMES:
                 param = _OPENAI_NAMES[first]

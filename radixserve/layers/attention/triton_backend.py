@@ -40,7 +40,7 @@ class TritonForwardMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
-    def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 32) -> None:
+    def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 64) -> None:
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda" and not is_interpreted():
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 set before "
@@ -58,10 +58,11 @@ class TritonAttnBackend(AttentionBackend):
         self.min_split_len = 64  # a request uses at most cdiv(seq_len, min_split_len) splits
         self.programs_per_sm = 8  # split a small batch until stage 1 has this many programs per SM
         self.decode_block_n: int | None = None  # None: the kernel's default
+        self.decode_use_dot: bool | None = None  # None: tl.dot; False: elementwise (MHA only, slower on GPUs)
         if self.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
-            self.num_sms = 64
+            self.num_sms = 8  # the interpreter: a few splits, so tests exercise them without crawling
         self.forward_metadata: TritonForwardMetadata | None = None
         self._mid_o: torch.Tensor | None = None
         self._mid_lse: torch.Tensor | None = None
@@ -74,7 +75,7 @@ class TritonAttnBackend(AttentionBackend):
     # ---------------------------------------------------------------- metadata
     def _kv_split_cap(self, bs: int) -> int:
         return kv_split_cap(bs, self.num_heads, self.num_kv_heads, self.num_sms, self.max_kv_splits,
-                            self.programs_per_sm)
+                            self.programs_per_sm, self.decode_use_dot)
 
     @staticmethod
     def _scratch_numel(bs: int, num_heads: int, head_dim: int, splits: int) -> tuple[int, int]:
@@ -218,5 +219,6 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         decode_attention_fwd(
             q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
-            layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n)
+            layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
+            use_dot=self.decode_use_dot)
         return o.view(-1, num_heads * head_dim)

@@ -20,19 +20,28 @@ if TYPE_CHECKING:
     from radixserve.sampling.sampling_params import SamplingParams
 
 
+def host_to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of Python values, built on the CPU and copied to `device` without waiting on the device's stream
+    (a pageable-memory async copy is staged at once), so a scheduler thread never blocks on a running forward."""
+    cpu = torch.tensor(values, dtype=dtype, device="cpu")
+    return cpu if device.type == "cpu" else cpu.to(device, non_blocking=True)
+
+
 def flatten_token_lists(token_lists: Sequence[Sequence[int]], vocab_size: int,
                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs of ragged per-row token lists, as int64 device tensors.
 
     Ids outside [0, vocab_size) are dropped (they cannot index the vocabulary)."""
-    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device="cpu")
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lengths.sum()))
     toks = torch.from_numpy(flat)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64), lengths)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64, device="cpu"), lengths)
     valid = (toks >= 0) & (toks < vocab_size)
     if not bool(valid.all()):
         rows, toks = rows[valid], toks[valid]
-    pairs = torch.stack([rows, toks]).to(device)
+    pairs = torch.stack([rows, toks])
+    if device.type != "cpu":
+        pairs = pairs.to(device, non_blocking=True)
     return pairs[0], pairs[1]
 
 

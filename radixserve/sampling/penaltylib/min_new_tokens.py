@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from radixserve.sampling.penaltylib.base import BatchedPenalizer, flatten_token_lists
+from radixserve.sampling.penaltylib.base import BatchedPenalizer, flatten_token_lists, host_to_device
 from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -29,7 +29,7 @@ class BatchedMinNewTokensPenalizer(BatchedPenalizer):
 
     def _fill(self, reqs: Sequence[Any]) -> None:
         pairs = [[int(r.sampling_params.min_new_tokens), len(r.output_ids)] for r in reqs]
-        state = torch.tensor(pairs, dtype=torch.int64).view(-1, 2).to(self.device)
+        state = host_to_device(pairs, torch.int64, self.device).view(-1, 2)
         self.min_new_tokens = state[:, 0:1].contiguous()
         self.generated = state[:, 1:2].contiguous()
         stop_ids: list[list[int]] = []

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from radixserve.sampling.penaltylib.base import BatchedPenalizer
+from radixserve.sampling.penaltylib.base import BatchedPenalizer, host_to_device
 from radixserve.sampling.penaltylib.frequency_penalty import BatchedFrequencyPenalizer
 from radixserve.sampling.penaltylib.min_new_tokens import BatchedMinNewTokensPenalizer
 from radixserve.sampling.penaltylib.presence_penalty import BatchedPresencePenalizer
@@ -83,7 +83,7 @@ class BatchedPenalizerOrchestrator:
     def filter(self, keep_indices: Sequence[int] | torch.Tensor) -> None:
         """Keep these rows, in this order."""
         keep = as_index_list(keep_indices, self.batch_size)
-        keep_tensor = torch.tensor(keep, dtype=torch.int64, device=self.device) if self.is_required else None
+        keep_tensor = host_to_device(keep, torch.int64, self.device) if self.is_required else None
         for p in self.penalizers.values():
             p.filter(keep, keep_tensor)
         self.batch_size = len(keep)

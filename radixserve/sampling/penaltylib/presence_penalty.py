@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from radixserve.sampling.penaltylib.base import BatchedPenalizer, flatten_token_lists
+from radixserve.sampling.penaltylib.base import BatchedPenalizer, flatten_token_lists, host_to_device
 from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -28,7 +28,7 @@ class BatchedPresencePenalizer(BatchedPenalizer):
 
     def _fill(self, reqs: Sequence[Any]) -> None:
         values = [float(r.sampling_params.presence_penalty) for r in reqs]
-        self.penalties = torch.tensor(values, dtype=torch.float32).view(-1, 1).to(self.device)
+        self.penalties = host_to_device(values, torch.float32, self.device).view(-1, 1)
         history = [r.output_ids if self.is_required_for(r.sampling_params) else [] for r in reqs]
         rows, toks = flatten_token_lists(history, self.vocab_size, self.device)
         self.present[rows, toks] = 1.0

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from radixserve.sampling.penaltylib.base import BatchedPenalizer, flatten_token_lists
+from radixserve.sampling.penaltylib.base import BatchedPenalizer, flatten_token_lists, host_to_device
 from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -27,7 +27,7 @@ class BatchedRepetitionPenalizer(BatchedPenalizer):
 
     def _fill(self, reqs: Sequence[Any]) -> None:
         values = [float(r.sampling_params.repetition_penalty) for r in reqs]
-        self.factors = torch.tensor(values, dtype=torch.float32).view(-1, 1).to(self.device)
+        self.factors = host_to_device(values, torch.float32, self.device).view(-1, 1)
         # Neutral rows need no history: their factor is 1 wherever they have seen a token.
         history = [list(r.origin_input_ids) + list(r.output_ids) if self.is_required_for(r.sampling_params) else []
                    for r in reqs]

@@ -27,6 +27,20 @@ def _mma(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.constexpr, MASKED: tl.constexpr):
+    """One KV block of the online softmax; `visible` [BLOCK_M, BLOCK_N] is only read when MASKED."""
+    qk = _mma(q, tl.trans(k), DOT_FP32) * sm_scale_log2
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     Q, K_Ext, V_Ext, Out, K_Buf, V_Buf,
     Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
@@ -59,52 +73,55 @@ def _extend_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < q_len
         offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
+        if BLOCK_D == HEAD_DIM:
+            mask_d = tl.full([BLOCK_D], 1, dtype=tl.int1)  # constant: keeps loads vectorized
+        else:
+            mask_d = offs_d < HEAD_DIM
+        offs_nb = tl.arange(0, BLOCK_N)
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        r2t_row = Req_to_token + row * stride_r2t
+        kb_head = K_Buf + kv_head * stride_kbh + offs_d[None, :]
+        vb_head = V_Buf + kv_head * stride_vbh + offs_d[None, :]
 
-        # 1. the cached prefix, through req_to_token
-        for n0 in range(0, prefix_len, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+        # 1. the cached prefix, read through req_to_token: full blocks, then the ragged tail
+        full_end = (prefix_len // BLOCK_N) * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            loc = tl.load(r2t_row + n0 + offs_nb).to(tl.int64)
+            k = tl.load(kb_head + loc[:, None] * stride_kbt, mask=mask_d[None, :], other=0.0)
+            v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_d[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, sm_scale_log2, DOT_FP32, False)
+        if full_end < prefix_len:
+            offs_n = full_end + offs_nb
             mask_n = offs_n < prefix_len
-            loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            loc = tl.load(r2t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             mask_kv = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K_Buf + loc[:, None] * stride_kbt + kv_head * stride_kbh + offs_d[None, :],
-                        mask=mask_kv, other=0.0)
-            qk = _mma(q, tl.trans(k), DOT_FP32)
-            qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V_Buf + loc[:, None] * stride_vbt + kv_head * stride_vbh + offs_d[None, :],
-                        mask=mask_kv, other=0.0)
-            acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
-            m_i = m_new
+            k = tl.load(kb_head + loc[:, None] * stride_kbt, mask=mask_kv, other=0.0)
+            v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_kv, other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale_log2, DOT_FP32, True)
 
-        # 2. the new tokens, causally (key j is visible to query i when j <= i)
+        # 2. the new tokens (from the k/v inputs), causally: key j is visible to query i when j <= i.
+        # Blocks wholly before this query block (BLOCK_M is a multiple of BLOCK_N) need no mask.
+        ke_head = K_Ext + q_start * stride_kt + kv_head * stride_kh + offs_d[None, :]
+        ve_head = V_Ext + q_start * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        for n0 in range(0, m0, BLOCK_N):
+            offs_n = n0 + offs_nb
+            k = tl.load(ke_head + offs_n[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
+            v = tl.load(ve_head + offs_n[:, None] * stride_vt, mask=mask_d[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, sm_scale_log2, DOT_FP32, False)
         end_new = tl.minimum(m0 + BLOCK_M, q_len)
-        for n0 in range(0, end_new, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(m0, end_new, BLOCK_N):
+            offs_n = n0 + offs_nb
             mask_n = offs_n < q_len
             mask_kv = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K_Ext + (q_start + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                        mask=mask_kv, other=0.0)
-            qk = _mma(q, tl.trans(k), DOT_FP32)
+            k = tl.load(ke_head + offs_n[:, None] * stride_kt, mask=mask_kv, other=0.0)
+            v = tl.load(ve_head + offs_n[:, None] * stride_vt, mask=mask_kv, other=0.0)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-            qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V_Ext + (q_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_kv, other=0.0)
-            acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32, True)
 
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -115,15 +132,15 @@ def _interpreted() -> bool:
     return not isinstance(_extend_kernel, triton.runtime.JITFunction)
 
 
-def _default_blocks(head_dim: int, interp: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps)."""
+def _default_blocks(head_dim: int, interp: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), picked from sweeps on an H200 (bf16; benchmarks/)."""
     if interp:
-        return 32, 32, 4
+        return 32, 32, 4, 1
     if head_dim <= 64:
-        return 128, 64, 4
+        return 128, 64, 4, 3
     if head_dim <= 128:
-        return 128, 64, 8
-    return 64, 32, 8
+        return 64, 64, 4, 3
+    return 64, 32, 4, 2
 
 
 def extend_attention_fwd(
@@ -143,7 +160,7 @@ def extend_attention_fwd(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 1,
+    num_stages: int | None = None,
 ) -> None:
     """Writes `o` in place. q, o: [T, H, D]; k, v: [T, Hkv, D] (the new tokens, in q's order); k_buffer, v_buffer:
     [slots, Hkv, D]; req_to_token [rows, max_ctx] int32; the per-request tensors [bs] on the device;
@@ -171,10 +188,13 @@ def extend_attention_fwd(
         return
 
     interp = _interpreted()
-    dm, dn, dw = _default_blocks(head_dim, interp)
+    dm, dn, dw, ds = _default_blocks(head_dim, interp)
     block_m = block_m or dm
     block_n = block_n or dn
     num_warps = num_warps or dw
+    num_stages = num_stages or ds
+    if block_m % block_n != 0:
+        raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     block_d = max(16, triton.next_power_of_2(head_dim))
     dot_fp32 = interp or q.dtype == torch.float32
 

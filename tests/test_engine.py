@@ -1,0 +1,105 @@
+"""The offline Engine over the real three processes (ZMQ), on the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from radixserve import Engine
+from radixserve.managers.tokenizer_manager import RequestError
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_model_path):
+    with Engine(model_path=embedded_model_path, max_total_tokens=3000, log_level="warning") as e:
+        yield e
+
+
+def children() -> list[psutil.Process]:
+    return psutil.Process(os.getpid()).children(recursive=True)
+
+
+def test_generate_single_batch_and_ids(engine) -> None:
+    one = engine.generate("The capital of France is", GREEDY)
+    assert set(one) == {"text", "output_ids", "meta_info"}
+    meta = one["meta_info"]
+    assert meta["completion_tokens"] == len(one["output_ids"]) == 12
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert "Paris" in one["text"]
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Hello"]
+    many = engine.generate(prompts, GREEDY)
+    assert [m["text"] for m in many][0] == one["text"]  # order kept, batching does not change greedy output
+    alone = [engine.generate(p, GREEDY)["text"] for p in prompts]
+    assert [m["text"] for m in many] == alone
+    tok = engine.tokenizer_manager.tokenizer
+    by_ids = engine.generate(input_ids=[tok.encode(prompts[1])], sampling_params=GREEDY)
+    assert by_ids[0]["output_ids"] == many[1]["output_ids"]
+
+
+def test_stream_concatenates_to_full_text(engine) -> None:
+    full = engine.generate("Write a list of fruits:", {**GREEDY, "max_new_tokens": 20})
+    chunks = list(engine.generate("Write a list of fruits:", {**GREEDY, "max_new_tokens": 20}, stream=True))
+    assert len(chunks) > 1
+    assert chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:], strict=False))
+
+
+def test_cached_tokens_on_repeated_prompt(engine) -> None:
+    p = "A long shared system prompt about the history of the Roman empire and its many emperors. Question:"
+    engine.generate(p + " who was first?", GREEDY)
+    again = engine.generate(p + " who was last?", GREEDY)
+    assert again["meta_info"]["cached_tokens"] > 10
+
+
+def test_n_samples_share_the_prompt(engine) -> None:
+    outs = engine.generate("Tell me a story:", {"max_new_tokens": 8, "temperature": 1.0, "n": 3, "seed": 7})
+    assert len(outs) == 3
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+
+
+def test_bad_requests_fail_alone_and_engine_keeps_serving(engine) -> None:
+    with pytest.raises(RequestError, match="empty"):
+        engine.generate("", GREEDY)
+    with pytest.raises(RequestError, match="context length"):
+        engine.generate(input_ids=[[5] * 9000], sampling_params=GREEDY)
+    with pytest.raises(RequestError, match=r"\[0, 49152\)"):
+        engine.generate(input_ids=[[5, 10**7]], sampling_params=GREEDY)
+    with pytest.raises(RequestError, match="temperature"):
+        engine.generate("hi", {"temperature": -1})
+    with pytest.raises(RequestError, match="unknown"):
+        engine.generate("hi", {"max_tokens": 3})
+    assert engine.generate("The capital of France is", GREEDY)["meta_info"]["completion_tokens"] == 12
+    state = engine.get_internal_state()
+    assert state["memory_ok"] and state["invariant_violations"] == 0
+
+
+def test_abort_running_request_frees_memory(engine) -> None:
+    stream = engine.generate("Count to one thousand:", {"max_new_tokens": 400, "temperature": 0}, stream=True)
+    first = next(stream)
+    engine.abort_request(first["meta_info"]["id"])
+    last = list(stream)[-1] if True else None
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    state = engine.get_internal_state()
+    assert state["idle"] and state["memory_ok"]
+
+
+def test_flush_cache(engine) -> None:
+    engine.generate("Some text to cache", GREEDY)
+    assert engine.flush_cache()
+    state = engine.get_internal_state()
+    assert state["evictable_tokens"] == 0 and state["free_tokens"] == state["max_total_num_tokens"]
+
+
+def test_shutdown_leaves_no_child(embedded_model_path) -> None:
+    before = {p.pid for p in children()}
+    e = Engine(model_path=embedded_model_path, max_total_tokens=512, log_level="warning")
+    mine = [p for p in children() if p.pid not in before]
+    assert len(mine) >= 2  # scheduler and detokenizer
+    e.shutdown()
+    gone, alive = psutil.wait_procs(mine, timeout=10)
+    assert not alive

@@ -1,0 +1,541 @@
+"""The HTTP server as users see it: a real `python -m radixserve.launch_server` process on a free loopback port
+(the embedded SmolLM2, a small KV pool), driven with the official `openai` client, httpx and raw SSE.
+
+Order matters only at the end: the last test stops the server with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.utils import free_port, kill_process_tree
+
+API_KEY = "sk-test-radixserve"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_QUEUED = 100
+MODEL = "SmolLM2-135M-Instruct"
+COUNT_PROMPT = "1, 2, 3, 4, 5,"
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base: str
+    log_path: str
+
+    def log_tail(self, n: int = 40) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f.read().splitlines() if "Loading" not in ln]
+        return "\n".join(lines[-n:])
+
+
+@pytest.fixture(scope="module")
+def server(embedded_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
+           "--max-total-tokens", "4096", "--enable-metrics", "--api-key", API_KEY,
+           "--max-queued-requests", str(MAX_QUEUED), "--watchdog-timeout", "5"]
+    log = open(log_path, "w")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode} during start-up:\n{srv.log_tail()}")
+            try:
+                if httpx.get(srv.base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after 240 s:\n{srv.log_tail()}")
+            time.sleep(0.5)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            kill_process_tree(proc.pid)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def internal_state(http: httpx.Client) -> dict[str, Any]:
+    r = http.get("/get_internal_state")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = internal_state(http)
+        if st["idle"] and st["num_inflight_requests"] == 0:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout} s: {st}")
+        time.sleep(0.1)
+
+
+def assert_no_leak(http: httpx.Client) -> None:
+    st = wait_idle(http)
+    assert st["memory_ok"] is True, st
+    assert st["protected_tokens"] == 0, st
+    assert st["free_tokens"] + st["evictable_tokens"] == st["max_total_num_tokens"], st
+
+
+def sse_payloads(lines: Iterator[str]) -> list[Any]:
+    """The data payloads of an SSE stream; the last one must be [DONE]."""
+    out: list[Any] = []
+    for line in lines:
+        if not line.startswith("data: "):
+            assert line == "", line
+            continue
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ====================================================================== basics
+def test_health_models_and_info(server: Server, http: httpx.Client) -> None:
+    assert httpx.get(server.base + "/health").status_code == 200  # no key needed
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["context_length"] == 8192 and info["vocab_size"] == 49152
+    sinfo = http.get("/get_server_info").json()
+    assert sinfo["api_key"] == "***" and sinfo["max_total_tokens"] == 4096
+    assert http.get("/version").json()["version"]
+    hg = http.get("/health_generate")
+    assert hg.status_code == 200 and len(hg.json()["output_ids"]) == 1
+
+
+def concurrently(*calls: Callable[[], Any]) -> list[Any]:
+    """Run independent requests at once (the engine batches them; greedy output does not depend on batching)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def test_completions_openai_client(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    r, chunks = concurrently(
+        lambda: client.completions.create(**kw),
+        lambda: list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True})))
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert "Paris" in r.choices[0].text and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 13
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    # greedy streaming concatenates to exactly the non-streamed text; include_usage adds a final usage chunk
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == r.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == 5
+    # a second identical request hits the radix cache
+    again = client.completions.create(**{**kw, "max_tokens": 1})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_openai_client(client: openai.OpenAI) -> None:
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
+    parts = [msgs[0], {"role": "user", "content": [{"type": "text", "text": "What is "},
+                                                   {"type": "text", "text": "2+2?"}]}]
+    kw = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    r, chunks, r2 = concurrently(
+        lambda: client.chat.completions.create(messages=msgs, **kw),
+        lambda: list(client.chat.completions.create(messages=msgs, **kw, stream=True,
+                                                    stream_options={"include_usage": True})),
+        lambda: client.chat.completions.create(messages=parts, **kw))
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 10
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert r2.choices[0].message.content == msg.content  # content as a list of text parts means the same
+
+
+def test_n2_sampling(client: openai.OpenAI) -> None:
+    r, rc, chunks = concurrently(
+        lambda: client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=5,
+                                          temperature=1.0, n=2, seed=7),
+        lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                               max_tokens=5, temperature=1.0, n=2, seed=3),
+        lambda: list(client.completions.create(model=MODEL, prompt="My favourite pet is", max_tokens=4, n=2,
+                                               temperature=0, stream=True)))
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 10 and r.usage.prompt_tokens == 4
+    assert [c.index for c in rc.choices] == [0, 1] and all(c.message.content is not None for c in rc.choices)
+    # streamed n=2: every index gets its own finish reason
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts[0] == texts[1] and texts[0]  # greedy: both samples agree
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    kw = {"model": MODEL, "prompt": COUNT_PROMPT, "max_tokens": 10, "temperature": 0}
+    full, r, chunks, chat = concurrently(
+        lambda: client.completions.create(**kw),
+        lambda: client.completions.create(**kw, stop=[" 8"]),
+        lambda: list(client.completions.create(**kw, stop=" 8", stream=True)),
+        lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count: 1, 2, 3"}],
+                                               max_tokens=10, temperature=0, stop=["4"]))
+    assert full.choices[0].text.startswith(" 6, 7, 8"), full.choices[0].text
+    assert r.choices[0].text == " 6, 7," and r.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in chunks) == " 6, 7,"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "4" not in chat.choices[0].message.content
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    hi = [{"role": "user", "content": "Hi"}]
+    r, echo, chat, streamed = concurrently(
+        lambda: client.completions.create(model=MODEL, prompt=COUNT_PROMPT, max_tokens=5, temperature=0, logprobs=2),
+        lambda: client.completions.create(model=MODEL, prompt=COUNT_PROMPT, max_tokens=2, temperature=0, logprobs=1,
+                                          echo=True),
+        lambda: client.chat.completions.create(model=MODEL, messages=hi, max_tokens=4, temperature=0, logprobs=True,
+                                               top_logprobs=3),
+        lambda: list(client.chat.completions.create(model=MODEL, messages=hi, max_tokens=4, temperature=0,
+                                                    logprobs=True, stream=True)))
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert val <= 0 and len(top) <= 2
+        assert abs(max(top.values()) - val) < 1e-4 and tok in top  # greedy picks the top token
+    assert echo.choices[0].text.startswith(COUNT_PROMPT)
+    elp = echo.choices[0].logprobs
+    assert elp.token_logprobs[0] is None and len(elp.tokens) == echo.usage.prompt_tokens + 2
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-4 for c in content)
+    toks = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert toks == [c.token for c in content]
+
+
+# ====================================================================== native API
+def test_native_generate(http: httpx.Client) -> None:
+    greedy = {"max_new_tokens": 6, "temperature": 0}
+
+    def stream() -> list[Any]:
+        with http.stream("POST", "/generate", json={"text": COUNT_PROMPT, "sampling_params": greedy,
+                                                    "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            return sse_payloads(r.iter_lines())
+
+    one, batch, by_ids, lp, payloads = concurrently(
+        lambda: http.post("/generate", json={"text": COUNT_PROMPT, "sampling_params": greedy}).json(),
+        lambda: http.post("/generate", json={"text": [COUNT_PROMPT, "Hello"], "sampling_params": greedy}).json(),
+        lambda: http.post("/generate", json={"input_ids": [[16, 28, 216, 17, 28]], "sampling_params": greedy}),
+        lambda: http.post("/generate", json={"text": COUNT_PROMPT, "sampling_params": greedy, "return_logprob": True,
+                                             "top_logprobs_num": 2, "return_text_in_logprobs": True}).json(),
+        stream)
+    assert one["meta_info"]["completion_tokens"] == 6 and one["meta_info"]["finish_reason"]["type"] == "length"
+    assert isinstance(batch, list) and batch[0]["text"] == one["text"] and batch[1]["index"] == 1
+    assert by_ids.status_code == 200 and by_ids.json()[0]["meta_info"]["prompt_tokens"] == 5
+    entries = lp["meta_info"]["output_token_logprobs"]
+    assert len(entries) == 6 and "".join(e[2] for e in entries) == one["text"]
+    assert payloads[-1] == "[DONE]" and len(payloads) > 2
+    assert payloads[-2]["text"] == one["text"]  # cumulative chunks
+    assert payloads[-2]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_request_endpoint(http: httpx.Client) -> None:
+    body = {"text": "Tell me a long story.", "rid": "abort-me", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    start = time.monotonic()
+    with http.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+        assert http.post("/abort_request", json={"rid": "abort-me"}).json()["success"] is True
+        payloads = sse_payloads(lines)
+    assert payloads[-1] == "[DONE]"
+    assert payloads[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert time.monotonic() - start < 30
+    assert_no_leak(http)
+
+
+def test_nonstream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
+    """A client that goes away before a (long) non-streamed answer aborts its request."""
+    body = {"model": MODEL, "prompt": "Write an essay.", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, headers=AUTH, timeout=1.5)
+    st = wait_idle(http, timeout=20)  # 3000 tokens would take minutes on the CPU
+    assert st["memory_ok"] is True
+
+
+# ====================================================================== bad requests
+_LONG = "hello " * 9000
+C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
+OK_MSGS = [{"role": "user", "content": "hi"}]
+BAD: list[tuple[str, str, str, Any, int, str]] = [
+    # (id, method, path, body, status, substring of the message)
+    ("max_tokens-string", "POST", C, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("temperature-high", "POST", C, {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ("temperature-negative", "POST", C, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p-zero", "POST", C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p-high", "POST", C, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("n-zero", "POST", C, {"prompt": "x", "n": 0}, 400, "n:"),
+    ("n-huge", "POST", C, {"prompt": "x", "n": 1000}, 400, "n:"),
+    ("presence-range", "POST", C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("frequency-type", "POST", C, {"prompt": "x", "frequency_penalty": "a"}, 400, "frequency_penalty"),
+    ("logprobs-range", "POST", C, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("unknown-field", "POST", C, {"prompt": "x", "foo": 1}, 400, "foo"),
+    ("suffix-unsupported", "POST", C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("prompt-empty", "POST", C, {"prompt": ""}, 400, "prompt"),
+    ("prompt-empty-list", "POST", C, {"prompt": []}, 400, "prompt"),
+    ("prompt-int", "POST", C, {"prompt": 5}, 400, "prompt"),
+    ("prompt-missing", "POST", C, {"max_tokens": 3}, 400, "prompt"),
+    ("token-out-of-range", "POST", C, {"prompt": [1, 99999999]}, 400, "input_ids"),
+    ("prompt-too-long", "POST", C, {"prompt": _LONG, "max_tokens": 1}, 400, "maximum context length"),
+    ("completion-too-long", "POST", C, {"prompt": "x", "max_tokens": 100000}, 400, "maximum context length"),
+    ("unknown-model", "POST", C, {"prompt": "x", "model": "gpt-9"}, 404, "does not exist"),
+    ("stop-type", "POST", C, {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("stop-token-ids", "POST", C, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("logit-bias-key", "POST", C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit-bias-value", "POST", C, {"prompt": "x", "logit_bias": {"5": 1000}}, 400, "logit_bias"),
+    ("seed-negative", "POST", C, {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("top_k-zero", "POST", C, {"prompt": "x", "top_k": 0}, 400, "top_k"),
+    ("min-above-max", "POST", C, {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, 400, "min_tokens"),
+    ("stream-options-no-stream", "POST", C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("best_of", "POST", C, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("stream-type", "POST", C, {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("repetition-zero", "POST", C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("regex-no-backend", "POST", C, {"prompt": "x", "regex": "a+"}, 400, "structured output"),
+    ("chat-empty-messages", "POST", CH, {"messages": []}, 400, "messages"),
+    ("chat-missing-messages", "POST", CH, {"max_tokens": 3}, 400, "messages"),
+    ("chat-bad-role", "POST", CH, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("chat-content-int", "POST", CH, {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("chat-content-none", "POST", CH, {"messages": [{"role": "user"}]}, 400, "content"),
+    ("chat-image", "POST", CH, {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                          "image_url": {"url": "x"}}]}]}, 400,
+     "only 'text'"),
+    ("chat-top-logprobs-alone", "POST", CH, {"messages": OK_MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat-max-completion-zero", "POST", CH, {"messages": OK_MSGS, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("chat-response-format", "POST", CH, {"messages": OK_MSGS, "response_format": {"type": "xml"}}, 400,
+     "response_format"),
+    ("chat-tools", "POST", CH, {"messages": OK_MSGS, "tools": []}, 400, "tools"),
+    ("chat-too-long", "POST", CH, {"messages": [{"role": "user", "content": _LONG}]}, 400, "maximum context length"),
+    ("native-text-and-ids", "POST", G, {"text": "x", "input_ids": [1]}, 400, "exactly one"),
+    ("native-unknown-sampling", "POST", G, {"text": "x", "sampling_params": {"bogus": 1}}, 400, "bogus"),
+    ("native-negative-max", "POST", G, {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400,
+     "max_new_tokens"),
+    ("native-batch-one-rid", "POST", G, {"text": ["a", "b"], "rid": "r"}, 400, "rid"),
+    ("native-top-logprobs", "POST", G, {"text": "x", "return_logprob": True, "top_logprobs_num": 50}, 400,
+     "top_logprobs_num"),
+    ("native-empty-ids", "POST", G, {"input_ids": []}, 400, "empty"),
+    ("native-unknown-field", "POST", G, {"text": "x", "max_tokens": 3}, 400, "max_tokens"),
+    ("malformed-json", "POST", C, b'{"prompt": "x",', 400, "malformed JSON"),
+    ("json-array", "POST", C, b'[1, 2]', 400, "JSON object"),
+    ("empty-body", "POST", CH, b"", 400, "empty"),
+    ("unknown-route", "POST", "/v1/nope", {}, 404, "Invalid URL"),
+    ("wrong-method", "GET", C, None, 405, "not allowed"),
+    ("unknown-model-card", "GET", "/v1/models/gpt-9", None, 404, "does not exist"),
+    ("abort-without-rid", "POST", "/abort_request", {}, 400, "rid"),
+    ("overloaded-n", "POST", C, {"prompt": "x", "n": MAX_QUEUED + 1, "max_tokens": 1}, 503, "overloaded"),
+    ("overloaded-batch", "POST", G, {"text": ["x"] * (MAX_QUEUED + 1)}, 503, "overloaded"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,needle", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_request(http: httpx.Client, method: str, path: str, body: Any, status: int, needle: str) -> None:
+    if isinstance(body, bytes):
+        r = http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = http.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle in err["message"], err
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}],
+                         ids=["missing-key", "wrong-key", "no-bearer"])
+def test_bad_api_key(server: Server, headers: dict[str, str]) -> None:
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=headers)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server.base + "/get_model_info", headers=headers).status_code == 401
+    assert httpx.get(server.base + "/health", headers=headers).status_code == 200
+
+
+def test_bad_requests_leave_server_healthy(server: Server, http: httpx.Client, client: openai.OpenAI) -> None:
+    assert len(BAD) + 3 >= 30
+    assert httpx.get(server.base + "/health").status_code == 200
+    r = client.completions.create(model=MODEL, prompt=COUNT_PROMPT, max_tokens=3, temperature=0)
+    assert r.choices[0].text.startswith(" 6")
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=3)
+    assert ei.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert_no_leak(http)
+
+
+def test_scheduler_rejection_while_streaming(http: httpx.Client) -> None:
+    # input ids that only the scheduler rejects (the KV pool is 4096 tokens, the context 8192). The server waits
+    # for the first output before answering, so this is a plain 400; were it later, an SSE error event + [DONE]
+    ids = [16] * 5000
+    with http.stream("POST", "/generate", json={"input_ids": ids, "stream": True,
+                                                "sampling_params": {"max_new_tokens": 1}}) as r:
+        if r.status_code == 200:
+            payloads = sse_payloads(r.iter_lines())
+            assert payloads[-1] == "[DONE]" and "error" in payloads[-2]
+        else:
+            r.read()
+            assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
+
+
+# ====================================================================== load
+async def _stream_client(ac: httpx.AsyncClient, i: int, prompt: str, rng: random.Random) -> tuple[str, str | None]:
+    """One streaming client; returns (text, finish_reason) or (partial, None) when it hung up on purpose."""
+    hang_up_after = rng.choice([None, None, 1, 2, 3])
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+    text, reason, n = "", None, 0
+    async with ac.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return text, reason
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            reason = chunk["choices"][0]["finish_reason"] or reason
+            n += 1
+            if hang_up_after is not None and n >= hang_up_after:
+                return text, None  # leaving the block closes the connection mid-stream
+    raise AssertionError(f"client {i}: stream ended without [DONE]")
+
+
+def test_64_concurrent_streams_with_disconnects(client: openai.OpenAI, http: httpx.Client) -> None:
+    prompts = [COUNT_PROMPT, "The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    ref = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    expected = {p: c.text for p, c in zip(prompts, ref.choices, strict=True)}
+    http.post("/flush_cache")
+    rng = random.Random(1234)
+
+    async def run() -> list[tuple[str, str, str | None]]:
+        limits = httpx.Limits(max_connections=80, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=str(http.base_url), headers=AUTH, timeout=120, limits=limits) as ac:
+            order = [prompts[i % len(prompts)] for i in range(64)]
+            results = await asyncio.gather(*(_stream_client(ac, i, p, rng) for i, p in enumerate(order)))
+        return [(p, t, r) for p, (t, r) in zip(order, results, strict=True)]
+
+    results = asyncio.run(run())
+    completed = [(p, t, r) for p, t, r in results if r is not None]
+    hung_up = len(results) - len(completed)
+    assert 10 <= hung_up <= 54 and completed
+    for p, text, reason in completed:
+        assert reason in ("length", "stop")
+        assert text == expected[p], (p, text, expected[p])
+    assert_no_leak(http)
+    assert http.post("/flush_cache").json()["success"] is True
+    st = internal_state(http)
+    assert st["free_tokens"] == st["max_total_num_tokens"], st
+
+
+# ====================================================================== metrics, cache, health
+def _scrape(http: httpx.Client) -> dict[str, float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_metrics_move(client: openai.OpenAI, http: httpx.Client) -> None:
+    before = _scrape(http)
+    for name in ("radixserve:num_running_reqs", "radixserve:num_queue_reqs", "radixserve:token_usage",
+                 "radixserve:cache_hit_rate", "radixserve:time_to_first_token_seconds_count",
+                 "radixserve:inter_token_latency_seconds_count", "radixserve:e2e_request_latency_seconds_count"):
+        assert name in before, name
+    chunks = list(client.completions.create(model=MODEL, prompt="Metrics test prompt", max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    client.completions.create(model=MODEL, prompt="Metrics test prompt", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = _scrape(http)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("radixserve:generation_tokens_total") == 8
+    assert delta("radixserve:prompt_tokens_total") == 2 * prompt_tokens
+    assert delta("radixserve:num_requests_total") == 2
+    assert delta("radixserve:time_to_first_token_seconds_count") == 2
+    assert delta("radixserve:e2e_request_latency_seconds_count") == 2
+    assert delta("radixserve:inter_token_latency_seconds_count") >= 4  # the streamed request's 4 gaps
+    assert delta("radixserve:cached_tokens_total") > 0  # the second request reused the first's prompt
+    assert 0.0 <= after["radixserve:cache_hit_rate"] <= 1.0
+
+
+def test_health_reports_a_stuck_scheduler(server: Server, http: httpx.Client) -> None:
+    sched = psutil.Process(internal_state(http)["pid"])
+    sched.suspend()  # SIGSTOP: alive but not answering
+    try:
+        r = httpx.get(server.base + "/health", timeout=30)
+        assert r.status_code == 503 and "did not answer" in r.json()["error"]["message"]
+    finally:
+        sched.resume()
+    deadline = time.monotonic() + 15
+    while httpx.get(server.base + "/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_zz_sigterm_graceful_shutdown(server: Server, http: httpx.Client) -> None:
+    """SIGTERM: in-flight streams end (finish_reason abort, then [DONE]), the process exits 0, no child is left."""
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert children
+    body = {"text": "Tell me a long story.", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    with http.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        os.kill(server.proc.pid, signal.SIGTERM)
+        payloads = sse_payloads(lines)
+    assert payloads[-1] == "[DONE]"
+    assert payloads[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert server.proc.wait(timeout=30) == 0, server.log_tail()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive
+    assert "is ready on http://127.0.0.1:" in server.log_tail(400)
