@@ -51,15 +51,11 @@ class StaticBatch:
         return batch, next_ids
 
     def _run(self, batch: ScheduleBatch) -> list[int]:
-        from radixserve.model_executor.forward_batch_info import ForwardBatch
+        from radixserve.managers.tp_worker import run_model_worker_batch
 
-        fb = ForwardBatch.init_new(batch.get_model_worker_batch(), self.runner)
-        logits = self.runner.forward(fb)
-        ids = self.runner.sample(logits, fb)
-        if batch.sampling_info is not None:
-            batch.sampling_info.update_penalties(ids)
-        self.last_logits = logits
-        out = ids.tolist()
+        result = run_model_worker_batch(self.runner, batch.get_model_worker_batch())
+        self.last_logits = result.logits_output
+        out = result.next_token_ids.tolist()
         for req, t in zip(batch.reqs, out, strict=True):
             req.output_ids.append(t)
         return out

@@ -522,6 +522,36 @@ def test_health_reports_a_stuck_scheduler(server: Server, http: httpx.Client) ->
         time.sleep(0.2)
 
 
+def test_bench_serving_against_the_server(server: Server, tmp_path: Any) -> None:
+    from radixserve import bench_serving
+
+    common = ["--base-url", server.base, "--api-key", API_KEY, "--num-prompts", "4", "--max-concurrency", "4",
+              "--disable-tqdm"]
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = bench_serving.main(common + ["--backend", "openai", "--dataset", "random", "--random-input-len", "16",
+                                      "--random-output-len", "4", "--random-range-ratio", "1.0",
+                                      "--output-file", str(out), "--plot", str(png)])
+    assert rc == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 4 and summary["failed"] == 0 and summary["total_output_tokens"] == 16
+    assert summary["ttft_ms"]["p99"] > 0 and summary["output_throughput"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out2 = tmp_path / "bench2.json"
+    rc = bench_serving.main(common + ["--backend", "radixserve", "--dataset", "shared-prefix",
+                                      "--shared-prefix-groups", "1", "--shared-prefix-len", "24",
+                                      "--shared-question-len", "4", "--shared-output-len", "3",
+                                      "--request-rate", "50", "--output-file", str(out2)])
+    assert rc == 0
+    assert json.loads(out2.read_text())["summary"]["total_output_tokens"] == 12
+
+
+def test_launch_refuses_a_busy_port(server: Server) -> None:
+    from radixserve.launch_server import main
+
+    port = int(server.base.rsplit(":", 1)[1])
+    assert main(["--port", str(port)]) == 1  # fails before loading the model
+
+
 def test_zz_sigterm_graceful_shutdown(server: Server, http: httpx.Client) -> None:
     """SIGTERM: in-flight streams end (finish_reason abort, then [DONE]), the process exits 0, no child is left."""
     children = psutil.Process(server.proc.pid).children(recursive=True)

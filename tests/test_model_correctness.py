@@ -58,7 +58,7 @@ def test_extend_on_cached_prefix_equals_full_prefill(tmp_path) -> None:
     b2 = ScheduleBatch([r2], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
                        runner.model_config.vocab_size)
     b2.prepare_for_extend()
-    assert b2.get_model_worker_batch().extend_prefix_lens == [8]
+    assert b2.prefix_lens == [8] and b2.extend_lens == [len(tail)]
     sb._run(b2)
     torch.testing.assert_close(sb.last_logits.next_token_logits[0], ref, atol=1e-5, rtol=1e-5)
 

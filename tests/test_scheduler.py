@@ -96,6 +96,10 @@ def reference(tiny_path) -> dict[str, list[int]]:
     {"schedule_policy": "dfs-weight"},
     {"schedule_policy": "lof"},
     {"schedule_policy": "random"},
+    {"enable_overlap_schedule": True},
+    {"enable_overlap_schedule": True, "chunked_prefill_size": 16},
+    {"enable_overlap_schedule": True, "enable_mixed_chunk": True, "chunked_prefill_size": 16},
+    {"enable_overlap_schedule": True, "disable_radix_cache": True, "chunked_prefill_size": 16},
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
 def test_configs_give_identical_tokens(tiny_path, reference, kw) -> None:
     assert run(tiny_path, workload(), **kw) == reference
@@ -112,9 +116,11 @@ def test_cached_tokens_reported_for_repeated_prefix(tiny_path) -> None:
     assert second["meta"]["cached_tokens"] >= len(prompt)
 
 
-def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, reference) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, reference, overlap) -> None:
     # a low reservation ratio admits more than fits, so decoding must retract
-    s = make_scheduler(tiny_path, max_total_tokens=200, chunked_prefill_size=-1, schedule_conservativeness=0.05)
+    s = make_scheduler(tiny_path, max_total_tokens=200, chunked_prefill_size=-1, schedule_conservativeness=0.05,
+                       enable_overlap_schedule=overlap)
     for rid, prompt, n in workload():
         submit(s, rid, prompt, n)
     res = drain(s)
@@ -123,8 +129,9 @@ def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, refer
     assert s.invariant_violations == 0
 
 
-def test_abort_queued_and_running_frees_everything(tiny_path) -> None:
-    s = make_scheduler(tiny_path, max_running_requests=2)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_queued_and_running_frees_everything(tiny_path, overlap) -> None:
+    s = make_scheduler(tiny_path, max_running_requests=2, enable_overlap_schedule=overlap)
     for i in range(5):
         submit(s, f"x{i}", list(range(5, 30 + i)), 50)
     s.step()  # x0, x1 prefilled; the rest wait
@@ -137,8 +144,9 @@ def test_abort_queued_and_running_frees_everything(tiny_path) -> None:
         assert res[rid]["finish"]["type"] == "length" and len(res[rid]["ids"]) == 50
 
 
-def test_abort_while_chunked_prefill(tiny_path) -> None:
-    s = make_scheduler(tiny_path, chunked_prefill_size=8)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_while_chunked_prefill(tiny_path, overlap) -> None:
+    s = make_scheduler(tiny_path, chunked_prefill_size=8, enable_overlap_schedule=overlap)
     submit(s, "long", list(range(3, 100)), 5)
     s.step()
     assert s.chunked_req is not None

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.managers.deferred_sampling import DeferredSamplingInfo
 from radixserve.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
     from radixserve.mem_cache.radix_cache import RadixCache
-    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
     from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -42,6 +42,9 @@ class Req:
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self.kv_committed_len: int | None = None  # tokens whose KV is written (set after each forward)
+        # Overlap scheduling: (batch id, future slot) of a sampled token not yet copied back to the CPU.
+        # Its id is referred to as -(future slot) in the next batch's input_ids and resolved on the device.
+        self.pending_token: tuple[int, int] | None = None
         self.is_chunked = 0  # > 0 while the prompt is being prefilled in chunks
         self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
         self._admitted = False
@@ -72,7 +75,14 @@ class Req:
 
     @property
     def seqlen(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        """Tokens in the sequence, counting a sampled token still in flight."""
+        return len(self.origin_input_ids) + len(self.output_ids) + (self.pending_token is not None)
+
+    def last_token_ref(self) -> int:
+        """The id to feed the next decode step: the last token, or -(future slot) while it is in flight."""
+        if self.pending_token is not None:
+            return -self.pending_token[1]
+        return self.output_ids[-1]
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -121,7 +131,9 @@ class ModelWorkerBatch:
     return_logprob: bool
     top_logprobs_nums: list[int] | None
     extend_logprob_start_lens_cpu: list[int | None] | None
-    sampling_info: SamplingBatchInfo | None
+    sampling_info: DeferredSamplingInfo | None
+    sampling_ops: list  # operations on sampling_info recorded since the last batch (replayed by the worker)
+    req_to_token_writes: list  # queued writes to the device request table (applied by the worker)
 
 
 class ScheduleBatch:
@@ -141,7 +153,7 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
         self.decoding_reqs: list[Req] | None = None  # for MIXED: the running requests riding along
-        self.sampling_info: SamplingBatchInfo | None = None
+        self.sampling_info: DeferredSamplingInfo | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -165,7 +177,7 @@ class ScheduleBatch:
         return out
 
     def _write_req_to_token(self, rows: list[int], starts: list[int], lens: list[int], values: torch.Tensor) -> None:
-        """One batched write of new KV slots into the request table (mirror and device)."""
+        """One batched write of new KV slots into the request table (the mirror now, the device at the forward)."""
         if not rows:
             return
         lens_t = torch.tensor(lens, dtype=torch.int64)
@@ -174,13 +186,7 @@ class ScheduleBatch:
         seg_start = torch.cumsum(lens_t, 0) - lens_t
         col_idx = offs - torch.repeat_interleave(seg_start, lens_t) + torch.repeat_interleave(
             torch.tensor(starts, dtype=torch.int64), lens_t)
-        pool = self.req_to_token_pool
-        vals = values.to(torch.int32)
-        pool.req_to_token_cpu[row_idx, col_idx] = vals
-        if pool.req_to_token_cpu is not pool.req_to_token:
-            dev = pool.req_to_token.device
-            pool.req_to_token[row_idx.to(dev, non_blocking=True), col_idx.to(dev, non_blocking=True)] = vals.to(
-                dev, non_blocking=True)
+        self.req_to_token_pool.write_batch(row_idx, col_idx, values)
 
     # ---------------------------------------------------------------- prefill
     def prepare_for_extend(self) -> None:
@@ -212,9 +218,7 @@ class ScheduleBatch:
         self.input_ids = torch.tensor(input_ids, dtype=torch.int64)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         self.seq_lens = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64)
-        from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
-
-        self.sampling_info = SamplingBatchInfo.from_schedule_batch(self, self.vocab_size)
+        self.sampling_info = DeferredSamplingInfo(reqs, self.device, self.vocab_size)
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
         """Append the running decode requests to this prefill batch as one-token extends (ForwardMode.MIXED)."""
@@ -224,7 +228,7 @@ class ScheduleBatch:
         self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
         self.req_pool_indices = torch.cat([self.req_pool_indices, running.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, running.seq_lens])
-        self.prefix_lens += [len(r.fill_ids) - 1 for r in running.reqs]
+        self.prefix_lens += [r.seqlen - 1 for r in running.reqs]
         self.extend_lens += [1] * len(running.reqs)
         self.reqs = self.reqs + running.reqs
         self.decoding_reqs = running.reqs
@@ -237,16 +241,15 @@ class ScheduleBatch:
         """One new token per request: its input is the last sampled token."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
-        self.input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+        self.input_ids = torch.tensor([r.last_token_ref() for r in reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(len(reqs))
-        for r in reqs:
-            r.fill_ids = r.origin_input_ids + r.output_ids
-        pos = [len(r.fill_ids) - 1 for r in reqs]
-        self._write_req_to_token([r.req_pool_idx for r in reqs], pos, [1] * len(reqs), self.out_cache_loc)
-        for r in reqs:
-            r.kv_committed_len = len(r.fill_ids)
+        seq_lens = [r.seqlen for r in reqs]
+        self._write_req_to_token([r.req_pool_idx for r in reqs], [n - 1 for n in seq_lens], [1] * len(reqs),
+                                 self.out_cache_loc)
+        for r, n in zip(reqs, seq_lens, strict=True):
+            r.kv_committed_len = n
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        self.seq_lens = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
 
     def check_decode_mem(self) -> bool:
         need = len(self.reqs)
@@ -350,4 +353,6 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
             extend_logprob_start_lens_cpu=logprob_starts,
             sampling_info=self.sampling_info,
+            sampling_ops=self.sampling_info.take_ops() if self.sampling_info is not None else [],
+            req_to_token_writes=self.req_to_token_pool.take_pending_writes(),
         )

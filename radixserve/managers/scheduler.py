@@ -7,6 +7,8 @@ import logging
 import os
 import signal
 import time
+from collections import deque
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -16,7 +18,8 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.managers import io_struct as io
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
-from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch_info import ForwardMode
@@ -38,6 +41,9 @@ class Scheduler:
                                         load_format=server_args.load_format,
                                         trust_remote_code=server_args.trust_remote_code)
         self.worker = TpModelWorker(server_args, self.model_config, tp_rank=tp_rank, gpu_id=gpu_id)
+        self.enable_overlap = server_args.use_overlap
+        self.worker_client = TpModelWorkerClient(self.worker) if self.enable_overlap else None
+        self.result_queue: deque[tuple[SimpleNamespace, int]] = deque()
         self.device = self.worker.device
         self.req_to_token_pool, self.token_to_kv_pool = self.worker.get_memory_pool()
         self.max_running_requests = self.worker.max_running_requests
@@ -85,15 +91,34 @@ class Scheduler:
 
     # ================================================================= the loop
     def event_loop_normal(self) -> None:
+        """receive → schedule → run → process, one batch at a time."""
         while True:
             self.process_input_requests(self.recv_requests())
             batch = self.get_next_batch_to_run()
             if batch is not None:
-                result = self.run_batch(batch)
-                self.process_batch_result(batch, result)
+                self.process_batch_result(*self.run_batch(batch))
             else:
                 self.on_idle()
             self.last_batch = batch
+
+    def event_loop_overlap(self) -> None:
+        """Like the normal loop, but batch N's results are processed after batch N+1 is launched, so the device
+        never waits for the scheduler. Tokens still in flight are referred to by future ids."""
+        while True:
+            self.process_input_requests(self.recv_requests())
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                self.result_queue.append(self.run_batch(batch))
+                if len(self.result_queue) > 1:
+                    self.process_batch_result(*self.result_queue.popleft())
+            else:
+                self.flush_results()
+                self.on_idle()
+            self.last_batch = batch
+
+    def flush_results(self) -> None:
+        while self.result_queue:
+            self.process_batch_result(*self.result_queue.popleft())
 
     def recv_requests(self) -> list[Any]:
         """The messages that arrived since the last call. With --tp-size > 1 rank 0 receives them and broadcasts
@@ -135,10 +160,17 @@ class Scheduler:
                                                                       num_received=self.num_generate_received))
 
     def step(self) -> bool:
-        """One iteration without receiving (for tests and the offline harness); False when idle."""
+        """One iteration of the active loop without receiving (for tests); False when there was nothing to run."""
         batch = self.get_next_batch_to_run()
         if batch is not None:
-            self.process_batch_result(batch, self.run_batch(batch))
+            if self.enable_overlap:
+                self.result_queue.append(self.run_batch(batch))
+                if len(self.result_queue) > 1:
+                    self.process_batch_result(*self.result_queue.popleft())
+            else:
+                self.process_batch_result(*self.run_batch(batch))
+        else:
+            self.flush_results()
         self.last_batch = batch
         return batch is not None
 
@@ -262,6 +294,9 @@ class Scheduler:
             self.tree_cache.cache_finished_req(req)
             self.stream_output([req])
         if self.chunked_req is not None:
+            # the chunk that just ran (or is running) goes into the cache and becomes this request's prefix;
+            # only CPU state is touched, so this need not wait for the device
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
             # the part already prefilled sits in the tree (or the chunk cache) as this request's prefix
             self.chunked_req.fill_ids = self.chunked_req.origin_input_ids + self.chunked_req.output_ids
             self.chunked_req.extend_input_len = len(self.chunked_req.fill_ids) - len(self.chunked_req.prefix_indices)
@@ -296,6 +331,13 @@ class Scheduler:
         return batch
 
     def update_running_batch(self, batch: ScheduleBatch) -> None:
+        batch.filter_batch()  # drop requests that finished (known since the last result was processed)
+        if not batch.is_empty() and not batch.check_decode_mem() and self.result_queue:
+            # out of memory under overlap: settle what is in flight before deciding whom to retract
+            self.flush_results()
+            batch.filter_batch()
+        if batch.is_empty():
+            return
         if not batch.check_decode_mem():
             retracted, ratio = batch.retract_decode()
             self.new_token_ratio = max(self.new_token_ratio, ratio)
@@ -310,25 +352,38 @@ class Scheduler:
             batch.prepare_for_decode()
 
     # ================================================================= running
-    def run_batch(self, batch: ScheduleBatch) -> tuple[Any, torch.Tensor]:
+    def run_batch(self, batch: ScheduleBatch) -> tuple[SimpleNamespace, Any]:
+        """Launch `batch`; returns (a snapshot of what the batch was, its result or, under overlap, its id)."""
         self.forward_ct += 1
         self.last_step_time = time.monotonic()
-        return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+        bid = self.forward_ct
+        view = SimpleNamespace(reqs=list(batch.reqs), forward_mode=batch.forward_mode, bid=bid,
+                               n_prefill=getattr(batch, "n_prefill", len(batch.reqs)),
+                               return_logprob=batch.return_logprob,
+                               chunked_req=self.chunked_req if self.chunked_req in batch.reqs else None)
+        mwb = batch.get_model_worker_batch()
+        if self.worker_client is None:
+            return view, self.worker.forward_batch_generation(mwb)
+        slots = self.worker_client.forward_batch_generation(mwb).tolist()
+        for req, slot in zip(batch.reqs, slots, strict=True):
+            if req is not self.chunked_req and not req.finished():
+                req.pending_token = (bid, slot)
+        return view, bid
 
-    def process_batch_result(self, batch: ScheduleBatch, result: tuple[Any, torch.Tensor]) -> None:
-        logits_output, next_token_ids = result
-        if batch.sampling_info is not None:
-            batch.sampling_info.update_penalties(next_token_ids)
+    def process_batch_result(self, batch: SimpleNamespace, result: GenerationBatchResult | int) -> None:
+        if not isinstance(result, GenerationBatchResult):
+            result = self.worker_client.resolve_batch_result()
+        logits_output, next_token_ids = result.logits_output, result.next_token_ids
+        for req in batch.reqs:
+            if req.pending_token is not None and req.pending_token[0] == batch.bid:
+                req.pending_token = None
         next_ids = next_token_ids.tolist()
         want_lp = batch.return_logprob
         lp = logits_output.next_token_logprobs.tolist() if want_lp and logits_output.next_token_logprobs is not None \
             else None
         for i, req in enumerate(batch.reqs):
-            if req is self.chunked_req:
-                # a middle chunk: cache what was prefilled so far, no token is sampled
-                self.tree_cache.cache_unfinished_req(req)
-                self._record_input_logprobs(req, logits_output, i)
-                continue
+            if req is batch.chunked_req:
+                continue  # a middle chunk: no token is sampled (it is cached when its next chunk is scheduled)
             if req.finished():
                 continue
             if batch.forward_mode.is_extend():
@@ -351,8 +406,6 @@ class Scheduler:
             elif batch.forward_mode.is_extend() and (not batch.forward_mode.is_mixed() or i < batch.n_prefill):
                 self.tree_cache.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
-        if batch.forward_mode.is_decode():
-            batch.filter_batch()
 
     def _record_input_logprobs(self, req: Req, logits_output: Any, i: int) -> None:
         vals = logits_output.input_token_logprobs
@@ -405,7 +458,8 @@ class Scheduler:
 
     # ================================================================= idle, state, cache
     def on_idle(self) -> None:
-        self.check_memory()
+        if self.is_idle():
+            self.check_memory()
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self.server_args.schedule_conservativeness
 
     def is_idle(self) -> bool:
@@ -413,7 +467,7 @@ class Scheduler:
             return b is None or all(r.finished() for r in b.reqs)
 
         return not self.waiting_queue and self.chunked_req is None and empty(self.running_batch) \
-            and empty(self.last_batch)
+            and empty(self.last_batch) and not self.result_queue
 
     def check_memory(self) -> bool:
         """free + evictable + protected == pool size, and every request slot free. Logged and counted if not."""
@@ -504,6 +558,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp
 
 
 def _is_collective_error(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch.distributed, "DistError", ())):
+        return True
     text = str(e)
     return any(k in text for k in ("Connection closed by peer", "Connection reset", "Timed out", "timed out",
                                    "NCCL", "gloo"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from radixserve.configs.model_config import ModelConfig
@@ -12,6 +15,27 @@ from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 
 
+@dataclass
+class GenerationBatchResult:
+    logits_output: LogitsProcessorOutput
+    next_token_ids: torch.Tensor  # on the device
+    bid: int = 0
+
+
+def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
+                           future_map: torch.Tensor | None = None) -> GenerationBatchResult:
+    """Apply the queued request-table writes and sampling operations, resolve in-flight token ids, forward, sample
+    and update the penalties: everything a batch does on the device, in order."""
+    runner.req_to_token_pool.apply_writes(batch.req_to_token_writes)
+    info = batch.sampling_info.apply(batch.sampling_ops) if batch.sampling_info is not None else None
+    forward_batch = ForwardBatch.init_new(batch, runner, sampling_info=info, future_map=future_map)
+    logits_output = runner.forward(forward_batch)
+    next_token_ids = runner.sample(logits_output, forward_batch)
+    if info is not None:
+        info.update_penalties(next_token_ids)
+    return GenerationBatchResult(logits_output, next_token_ids)
+
+
 class TpModelWorker:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig, tp_rank: int = 0, gpu_id: int = 0) -> None:
         self.model_runner = ModelRunner(model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size,
@@ -19,12 +43,44 @@ class TpModelWorker:
         self.device = self.model_runner.device
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens
         self.max_running_requests = self.model_runner.max_running_requests
+        # Device table of sampled token ids that the scheduler refers to (as negative ids) before it has seen them.
+        self.future_token_ids_map = torch.zeros(4 * (self.max_running_requests + 8), dtype=torch.int64,
+                                                device=self.device)
 
     def get_memory_pool(self) -> tuple:
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> tuple[LogitsProcessorOutput, torch.Tensor]:
-        forward_batch = ForwardBatch.init_new(batch, self.model_runner)
-        logits_output = self.model_runner.forward(forward_batch)
-        next_token_ids = self.model_runner.sample(logits_output, forward_batch)
-        return logits_output, next_token_ids
+    def forward_batch_generation(self, batch: ModelWorkerBatch,
+                                 future_slots: torch.Tensor | None = None) -> GenerationBatchResult:
+        """Run one batch and, under overlap, publish its sampled ids into the future map."""
+        result = run_model_worker_batch(self.model_runner, batch, self.future_token_ids_map)
+        if future_slots is not None:
+            self.future_token_ids_map[future_slots.to(self.device, non_blocking=True)] = result.next_token_ids
+        return result
+
+    def copy_result_to_host(self, result: GenerationBatchResult) -> Any:
+        """Start the device-to-host copies of what the scheduler reads; returns an event to wait on (or None)."""
+        out = result.logits_output
+        pin = self.model_runner.is_cuda
+
+        def host(t: Any) -> Any:
+            if isinstance(t, torch.Tensor):
+                if not pin:
+                    return t
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                return buf
+            if isinstance(t, list):
+                return [host(x) for x in t]
+            return t
+
+        result.next_token_ids = host(result.next_token_ids)
+        out.next_token_logits = None  # not needed on the host; free it early
+        for name in ("next_token_logprobs", "next_token_top_logprobs_val", "next_token_top_logprobs_idx",
+                     "input_token_logprobs", "input_top_logprobs_val", "input_top_logprobs_idx"):
+            setattr(out, name, host(getattr(out, name)))
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return None

@@ -30,6 +30,9 @@ class ReqToTokenPool:
             else self.req_to_token
         self.free_slots: list[int] = list(range(size))
         self._is_free = [True] * size
+        # Device writes are queued and applied by whoever runs the next forward (the worker thread under overlap
+        # scheduling), so the scheduler thread never touches the device. The CPU mirror is updated at once.
+        self.pending_writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def available_size(self) -> int:
         return len(self.free_slots)
@@ -56,9 +59,42 @@ class ReqToTokenPool:
         end = start + len(values)
         if end > self.max_context_len:
             raise ValueError(f"request needs {end} tokens, more than the context length {self.max_context_len}")
-        self.req_to_token_cpu[row, start:end] = values
+        self.write_batch(torch.full((end - start,), row, dtype=torch.int64), torch.arange(start, end),
+                         values.to(torch.int32))
+
+    def write_batch(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = values[i] (CPU tensors): the mirror now, the device at the next forward."""
+        values = values.to(torch.int32)
+        self.req_to_token_cpu[rows, cols] = values
         if self.req_to_token_cpu is not self.req_to_token:
-            self.req_to_token[row, start:end] = values.to(self.device, torch.int32, non_blocking=True)
+            self.pending_writes.append((rows, cols, values))
+
+    def take_pending_writes(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        writes, self.pending_writes = self.pending_writes, []
+        return writes
+
+    def apply_writes(self, writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Apply queued writes to the device table, in order, as one indexed copy."""
+        if not writes:
+            return
+        rows = torch.cat([w[0] for w in writes])
+        cols = torch.cat([w[1] for w in writes])
+        vals = torch.cat([w[2] for w in writes])
+        if len(writes) > 1:
+            # later writes to the same cell win: keep only the last occurrence of each cell
+            key = rows * self.max_context_len + cols
+            order = torch.arange(len(key))
+            last = torch.full((int(key.max()) + 1,), -1, dtype=torch.int64).scatter_reduce(
+                0, key, order, reduce="amax")
+            keep = last[key] == order
+            rows, cols, vals = rows[keep], cols[keep], vals[keep]
+        dev = self.req_to_token.device
+        pin = dev.type == "cuda"
+
+        def to_dev(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
+
+        self.req_to_token[to_dev(rows), to_dev(cols)] = to_dev(vals)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """KV slots of tokens start..end-1 of request slot `row`, as a CPU int64 tensor (no device sync)."""
@@ -67,6 +103,7 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
         self._is_free = [True] * self.size
+        self.pending_writes = []
 
 
 class TokenToKVPool:

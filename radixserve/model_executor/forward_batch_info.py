@@ -66,18 +66,26 @@ class ForwardBatch:
     sampling_info: SamplingBatchInfo | None = None
 
     @classmethod
-    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> ForwardBatch:
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
+                 sampling_info: SamplingBatchInfo | None = None,
+                 future_map: torch.Tensor | None = None) -> ForwardBatch:
         device = model_runner.device
+        pin = model_runner.is_cuda
 
         def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
+            # pinned host memory makes the copy truly asynchronous (a pageable copy waits for the stream)
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
         mode = batch.forward_mode
         seq_lens = dev(batch.seq_lens)
+        input_ids = dev(batch.input_ids)
+        if future_map is not None and (mode.is_decode() or mode.is_mixed()):
+            # ids of tokens still in flight are -(slot in the future map): resolve them on the device
+            input_ids = torch.where(input_ids < 0, future_map[(-input_ids).clamp(min=0)], input_ids)
         fb = cls(
             forward_mode=mode,
             batch_size=len(batch.seq_lens),
-            input_ids=dev(batch.input_ids),
+            input_ids=input_ids,
             req_pool_indices=dev(batch.req_pool_indices),
             seq_lens=seq_lens,
             out_cache_loc=dev(batch.out_cache_loc),
@@ -90,7 +98,7 @@ class ForwardBatch:
             return_logprob=batch.return_logprob,
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens_cpu,
-            sampling_info=batch.sampling_info,
+            sampling_info=sampling_info,
         )
         if mode.is_decode() or mode.is_idle():
             fb.positions = (seq_lens - 1).clamp(min=0)

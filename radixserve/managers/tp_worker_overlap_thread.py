@@ -1,0 +1,85 @@
+"""TpModelWorkerClient: runs the TpModelWorker on a forward thread so that the scheduler can prepare batch N+1
+while batch N is on the device.
+
+The scheduler calls forward_batch_generation(batch): the batch is queued and the call returns at once with the
+future slots where its sampled ids will appear; later batches refer to those ids as -(slot). resolve_batch_result
+waits only for that batch's device-to-host copy."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from radixserve.managers.schedule_batch import ModelWorkerBatch
+from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
+
+logger = logging.getLogger(__name__)
+
+
+class TpModelWorkerClient:
+    def __init__(self, worker: TpModelWorker) -> None:
+        self.worker = worker
+        self.device = worker.device
+        self.max_total_num_tokens = worker.max_total_num_tokens
+        self.max_running_requests = worker.max_running_requests
+        self.model_runner = worker.model_runner
+        self.future_size = worker.future_token_ids_map.shape[0]
+        self.future_ct = 0
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="radixserve-forward")
+        self.thread.start()
+
+    def get_memory_pool(self) -> tuple:
+        return self.worker.get_memory_pool()
+
+    def _alloc_future_slots(self, n: int) -> torch.Tensor:
+        """Slots 1..size-1 of the ring (0 is never used, so -slot is always negative)."""
+        if self.future_ct + n >= self.future_size:
+            self.future_ct = 0
+        start = self.future_ct + 1
+        self.future_ct += n
+        return torch.arange(start, start + n, dtype=torch.int64)
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """Queue `batch`; returns its future slots (CPU int64 [bs])."""
+        slots = self._alloc_future_slots(len(batch.seq_lens))
+        self.input_queue.put((batch, slots))
+        return slots
+
+    def resolve_batch_result(self) -> GenerationBatchResult:
+        """The oldest unresolved batch's result, with its tensors on the host."""
+        item = self.output_queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        result, event = item
+        if event is not None:
+            event.synchronize()
+        return result
+
+    def _loop(self) -> None:
+        if self.worker.model_runner.is_cuda:
+            torch.cuda.set_device(self.worker.model_runner.device)
+        with torch.inference_mode():
+            while True:
+                batch, slots = self.input_queue.get()
+                if batch is None:
+                    return
+                try:
+                    result = self.worker.forward_batch_generation(batch, future_slots=slots)
+                    event = self.worker.copy_result_to_host(result)
+                    self.output_queue.put((result, event))
+                except BaseException as e:  # surfaced in the scheduler thread
+                    logger.exception("forward thread failed")
+                    self.output_queue.put(e)
+
+    def shutdown(self) -> None:
+        self.input_queue.put((None, None))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
