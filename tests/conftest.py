@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+# Triton kernels run on the CPU through its interpreter; it must be chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def embedded_model_path() -> str:

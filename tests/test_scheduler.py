@@ -165,3 +165,72 @@ def test_bad_requests_fail_alone(tiny_path, prompt, msg) -> None:
     res = drain(s)
     assert res["bad"]["finish"]["type"] == "abort" and msg in res["bad"]["finish"]["message"]
     assert len(res["good"]["ids"]) == 6
+
+
+def sampled_workload() -> list[tuple[str, list[int], dict]]:
+    """Requests mixing greedy, seeded sampling, every penalty, logit bias, stop ids and logprobs."""
+    rng = random.Random(5)
+    kinds = [
+        {"temperature": 0},
+        {"temperature": 0.9, "seed": 11, "top_p": 0.9},
+        {"temperature": 0.7, "seed": 3, "top_k": 20, "min_p": 0.05},
+        {"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"temperature": 0, "repetition_penalty": 1.8},
+        {"temperature": 0, "min_new_tokens": 6, "stop_token_ids": [2, 3, 4, 5, 6, 7]},
+        {"temperature": 0, "logit_bias": {"17": 5.0, "33": -100}},
+        {"temperature": 1.2, "seed": 99, "frequency_penalty": 0.8},
+        {"temperature": 0, "stop_token_ids": [100, 101, 102, 103, 104, 105, 106, 107]},
+    ]
+    out = []
+    for i in range(18):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(4, 50))]
+        out.append((f"s{i}", prompt, {**kinds[i % len(kinds)], "max_new_tokens": rng.randrange(8, 30)}))
+    return out
+
+
+def run_sampled(path: str, **kw) -> dict[str, dict]:
+    s = make_scheduler(path, **kw)
+    for rid, prompt, sp in sampled_workload():
+        s.process_input_requests([io.TokenizedGenerateReqInput(
+            rid=rid, input_text=None, input_ids=prompt, sampling_params=SamplingParams.from_dict(sp),
+            return_logprob=True, top_logprobs_num=2, logprob_start_len=0 if rid == "s0" else -1)])
+    return drain(s)
+
+
+@pytest.mark.parametrize("kw", [{}, {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
+                                {"max_total_tokens": 400, "schedule_conservativeness": 0.05}],
+                         ids=["plain", "chunked-mixed", "retracting"])
+def test_overlap_gives_identical_outputs_with_sampling_features(tiny_path, kw) -> None:
+    off = run_sampled(tiny_path, **kw)
+    on = run_sampled(tiny_path, enable_overlap_schedule=True, **kw)
+    assert off.keys() == on.keys()
+    for rid in off:
+        assert on[rid]["ids"] == off[rid]["ids"], rid
+        assert on[rid]["finish"] == off[rid]["finish"], rid
+    # stops, min_new_tokens and logprobs really were exercised
+    assert any(r["finish"]["type"] == "stop" for r in off.values())
+    min_new = [r for rid, r in off.items() if int(rid[1:]) % 9 == 5]
+    assert all(len(r["ids"]) >= 6 for r in min_new)
+
+
+def test_logprobs_identical_under_overlap(tiny_path) -> None:
+    def collect(overlap: bool) -> dict[str, list]:
+        s = make_scheduler(tiny_path, enable_overlap_schedule=overlap)
+        for rid, prompt, sp in sampled_workload()[:9]:
+            s.process_input_requests([io.TokenizedGenerateReqInput(
+                rid=rid, input_text=None, input_ids=prompt, sampling_params=SamplingParams.from_dict(sp),
+                return_logprob=True, top_logprobs_num=2)])
+        lps: dict[str, list] = {}
+        for _ in range(2000):
+            if not s.step() and s.is_idle():
+                break
+        for msg in s.outbox:
+            for rid, meta in zip(msg.rids, msg.meta_infos, strict=True):
+                lps.setdefault(rid, []).extend(meta.get("output_token_logprobs", []))
+        return lps
+
+    off, on = collect(False), collect(True)
+    for rid in off:
+        assert len(off[rid]) == len(on[rid]) > 0
+        for (a, ta), (b, tb) in zip(off[rid], on[rid], strict=True):
+            assert ta == tb and a == pytest.approx(b, abs=1e-5)

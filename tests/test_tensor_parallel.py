@@ -106,7 +106,7 @@ def _check_engine_matches(path: str, engine: Engine) -> None:
 def llama_tp2(tmp_path_factory: pytest.TempPathFactory):
     path = make_model("llama", str(tmp_path_factory.mktemp("llama_tp")), seed=1, attention_bias=True,
                       mlp_bias=True)
-    engine = Engine(model_path=path, tp_size=2, **SERVER_KW)
+    engine = Engine(model_path=path, tp_size=2, dist_timeout=10, **SERVER_KW)
     try:
         yield path, engine
     finally:
@@ -141,17 +141,22 @@ def test_fewer_kv_heads_than_ranks_tp2_matches_tp1(tmp_path) -> None:
         _check_engine_matches(path, engine)
 
 
-def test_killed_rank_is_detected(llama_tp2) -> None:
-    """Kill TP rank 1: rank 0's next collective fails at once, it logs why and exits, and the engine reports a
-    dead process (what /health turns into a 503), no hang."""
+def test_hung_rank_is_detected(llama_tp2) -> None:
+    """Freeze TP rank 1 (SIGSTOP): rank 0's next collective times out after --dist-timeout, it exits, and the
+    engine reports a dead process (what /health turns into a 503), no silent hang. (A killed rank is noticed at
+    once: test_multinode.)"""
     _, engine = llama_tp2
     procs = {p.name: p for p in engine.processes.procs}
     rank0, rank1 = procs["radixserve-scheduler-tp0"], procs["radixserve-scheduler-tp1"]
     assert engine.processes.alive()
-    os.kill(rank1.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while rank0.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not rank0.is_alive(), "rank 0 did not notice that rank 1 died"
-    assert rank0.exitcode == 1
-    assert not engine.processes.alive()  # (test_multinode checks the log line)
+    os.kill(rank1.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        while rank0.is_alive() and time.monotonic() - start < 40:
+            time.sleep(0.1)
+        assert not rank0.is_alive(), "rank 0 did not give up on the frozen rank 1"
+        assert 9 < time.monotonic() - start  # it waited for the timeout (10 s), not less
+        assert rank0.exitcode == 1
+        assert not engine.processes.alive()
+    finally:
+        os.kill(rank1.pid, signal.SIGKILL)
