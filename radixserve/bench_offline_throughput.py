@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--fixed-output", action="store_true", help="every request generates --random-output-len")
     parser.add_argument("--peer", choices=["none", "transformers"], default="none")
     parser.add_argument("--peer-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1)
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         reqs = shared_prefix_requests(args.num_prompts, args.num_groups, args.prefix_len, args.suffix_len,
                                       args.random_output_len, cfg.vocab_size, args.seed)
+    if args.fixed_output:
+        reqs = [(p, args.random_output_len) for p, _ in reqs]
     results = [run_radixserve(server_args, reqs)]
     if args.peer == "transformers":
         device = server_args.resolved_device()

@@ -103,6 +103,34 @@ def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_le
             "total_latency_s": prefill + sum(steps)}
 
 
+def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the bytes read plus the bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    return 2 * nbytes / seconds
+
+
+def add_bandwidth(result: dict[str, Any], runner: ModelRunner, copy_bw: float) -> None:
+    """Bytes a decode step must read (all weights + the KV of every token attended to) over step time."""
+    kv_per_token = runner.token_to_kv_pool.bytes_per_token()
+    avg_len = result["input_len"] + result["output_len"] / 2
+    step_bytes = runner.weight_bytes + result["batch_size"] * avg_len * kv_per_token
+    achieved = step_bytes / result["median_decode_s"]
+    result.update(step_bytes=step_bytes, achieved_bw_gbs=achieved / 1e9, copy_bw_gbs=copy_bw / 1e9,
+                  bandwidth_util=achieved / copy_bw)
+
+
 def correctness_test(runner: ModelRunner, tokenizer: Any, output_len: int) -> list[str]:
     prompts = []
     for p in CORRECTNESS_PROMPTS:
@@ -147,14 +175,22 @@ def main(argv: list[str] | None = None) -> None:
         correctness_test(runner, get_tokenizer(model_config.tokenizer_path), args.output_len)
         return
     results = []
+    copy_bw = measure_copy_bandwidth(runner.device) if runner.is_cuda else None
     for bs in args.batch_size:
         for _ in range(args.warmup):
             latency_test(runner, bs, args.input_len, min(args.output_len, 4), server_args.random_seed)
-        results.append(latency_test(runner, bs, args.input_len, args.output_len, server_args.random_seed))
-    print(f"\n{'batch':>6} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} {'decode tok/s':>13}")
+        r = latency_test(runner, bs, args.input_len, args.output_len, server_args.random_seed)
+        if copy_bw is not None and r["decode_tok_s"]:
+            add_bandwidth(r, runner, copy_bw)
+        results.append(r)
+    if copy_bw is not None:
+        print(f"measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s; weights: {runner.weight_bytes / 1e9:.2f} GB")
+    print(f"\n{'batch':>6} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} {'decode tok/s':>13} "
+          f"{'BW util':>8}")
     for r in results:
+        util = f"{r['bandwidth_util']:.1%}" if "bandwidth_util" in r else "-"
         print(f"{r['batch_size']:>6} {r['prefill_latency_s'] * 1e3:>11.2f} {r['prefill_tok_s']:>14.1f} "
-              f"{r['median_decode_s'] * 1e3:>10.3f} {r['decode_tok_s'] or 0:>13.1f}")
+              f"{r['median_decode_s'] * 1e3:>10.3f} {r['decode_tok_s'] or 0:>13.1f} {util:>8}")
     meta = {"model": model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes}
     with open(args.result_file, "w") as f:

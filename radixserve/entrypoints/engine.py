@@ -53,7 +53,21 @@ def resolve_model(server_args: ServerArgs) -> ModelConfig:
     server_args.model_path = cfg.model_path
     if server_args.tokenizer_path is None:
         server_args.tokenizer_path = cfg.tokenizer_path
+    if not server_args.skip_tokenizer_init and not _has_tokenizer(server_args.tokenizer_path):
+        # e.g. a config-only folder served with --load-format dummy: token ids in, token ids out
+        logger.warning("no tokenizer in %s: serving token ids only (as with --skip-tokenizer-init)",
+                       server_args.tokenizer_path)
+        server_args.skip_tokenizer_init = True
     return cfg
+
+
+def _has_tokenizer(path: str | None) -> bool:
+    if path is None:
+        return False
+    if path.endswith(".gguf"):
+        return True
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.exists(os.path.join(path, n)) for n in names)
 
 
 def _wait_ready(conn: Any, proc: mp.Process, what: str, timeout: float = 1800.0) -> dict[str, Any]:

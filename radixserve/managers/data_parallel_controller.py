@@ -452,12 +452,20 @@ def run_worker_node(server_args: ServerArgs) -> int:
     resolve_model(server_args)
     ctx = mp.get_context("spawn")
     procs: list[mp.Process] = []
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    stop: list[bool] = []
+    started: list[bool] = []
+
+    def on_signal(*_: Any) -> None:
+        stop.append(True)
+        if not started:  # still waiting for the ranks (and the other nodes): give up now
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     code = 0
     try:
         launch_parallel_schedulers(server_args, {}, ctx, procs, serving=False)
+        started.append(True)
         logger.info("node %d of %d: %d rank(s) running; stop with SIGTERM", server_args.node_rank,
                     server_args.nnodes, len(procs))
         while not stop:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Everything we measure on the H200 in one run (device time is scarce): GPU tests, bench_one_batch on the 8B shape
+# with bandwidth utilisation, transformers peers, offline throughput, overlap on/off. Logs and JSON go to $OUT.
+# Usage (on the GPU machine, from the repo root, with .whl carried):  bash benchmarks/gpu_suite.sh
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} || exit 1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+L8=radixserve/configs/shapes/llama-3.1-8b
+Q05=radixserve/configs/shapes/qwen2.5-0.5b
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo "$name rc=$rc $(( $(date +%s) - t ))s" | tee -a "$OUT/steps.txt"
+  tail -n 12 "$OUT/$name.log"; }
+step one_batch_8b 150 python3 -m radixserve.bench_one_batch --model-path $L8 --load-format dummy \
+  --batch-size 1 8 32 64 128 160 --input-len 512 --output-len 32 --result-file "$OUT/one_batch_8b.json"
+step hf_generate_bs1 90 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate --batch-size 1 \
+  --input-len 512 --output-len 64 --result-file "$OUT/hf_generate_bs1.json"
+step offline_subset_ours 120 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
+  --num-prompts 64 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
+  --log-level warning --result-file "$OUT/offline_subset_ours.json"
+step offline_subset_hf 120 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate_batch \
+  --num-prompts 64 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
+  --result-file "$OUT/offline_subset_hf.json"
+step offline_full_ours 200 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
+  --num-prompts 1000 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5 \
+  --log-level warning --result-file "$OUT/offline_full_ours.json"
+step overlap_05b 120 python3 benchmarks/bench_overlap.py --model-path $Q05 --batch-size 64 128 \
+  --result-file "$OUT/overlap_05b.json"
+step gpu_tests 120 python3 -m pytest -q -x tests/gpu tests/test_triton_attention.py -p no:cacheprovider
+echo "=== summary"; cat "$OUT/steps.txt"

@@ -1,0 +1,111 @@
+"""The peer: the same workload through Hugging Face transformers on the same device, random weights of the same
+config (initialised on the device, so an 8B shape starts in seconds).
+
+    python benchmarks/peers/hf_peer.py --model-path radixserve/configs/shapes/llama-3.1-8b --mode generate \\
+        --batch-size 1 --input-len 256 --output-len 128
+    python benchmarks/peers/hf_peer.py --model-path ... --mode generate_batch --num-prompts 256 \\
+        --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5
+
+generate: static batch through `model.generate` (sdpa), reports decode tok/s.
+generate_batch: continuous batching (`model.generate_batch`, paged sdpa, CUDA graphs when the installed version has
+them), reports output tok/s over the same random prompts as radixserve's bench_offline_throughput."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+
+def load_model(path: str, attn: str, dtype: torch.dtype, device: str) -> Any:
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(path)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+    return model.eval()
+
+
+def run_generate(model: Any, batch_size: int, input_len: int, output_len: int, device: str) -> dict[str, Any]:
+    vocab = model.config.vocab_size
+    ids = torch.randint(100, vocab - 100, (batch_size, input_len), device=device)
+
+    def once(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    once(4)
+    short, full = once(1), once(output_len)
+    decode_s = (full - short) / (output_len - 1)
+    return {"mode": "generate", "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+            "prefill_latency_s": short, "median_decode_s": decode_s, "decode_tok_s": batch_size / decode_s}
+
+
+def run_generate_batch(model: Any, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+    from transformers.generation import GenerationConfig
+
+    max_new = max(lo for _, lo in reqs)
+    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    kwargs: dict[str, Any] = {"progress_bar": False}
+    try:
+        from transformers.generation import ContinuousBatchingConfig
+
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True)
+    except Exception:  # older versions: no separate config
+        pass
+    # each request asks for its own length: generate_batch takes one config, so cap per request afterwards
+    model.generate_batch(inputs=[p for p, _ in reqs[:4]], generation_config=gen, **kwargs)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = model.generate_batch(inputs=[p for p, _ in reqs], generation_config=gen, **kwargs)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.generated_tokens) for o in outs.values())
+    return {"mode": "generate_batch", "num_prompts": len(reqs), "elapsed_s": elapsed,
+            "output_tokens": produced, "output_tok_s": produced / elapsed,
+            "input_tok_s": sum(len(p) for p, _ in reqs) / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--mode", choices=["generate", "generate_batch"], default="generate")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=256)
+    parser.add_argument("--random-range-ratio", type=float, default=0.5)
+    parser.add_argument("--fixed-output", action="store_true", help="every request generates --random-output-len")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--result-file", default="hf_peer.json")
+    args = parser.parse_args()
+    device = "cuda"
+    if args.mode == "generate":
+        model = load_model(args.model_path, "sdpa", torch.bfloat16, device)
+        res = run_generate(model, args.batch_size, args.input_len, args.output_len, device)
+    else:
+        from radixserve.bench_offline_throughput import random_requests
+
+        model = load_model(args.model_path, "sdpa_paged", torch.bfloat16, device)
+        vocab = model.config.vocab_size
+        reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, vocab, args.seed)
+        if args.fixed_output:
+            reqs = [(p, args.random_output_len) for p, _ in reqs]
+        res = run_generate_batch(model, reqs)
+    print(json.dumps(res, indent=2))
+    with open(args.result_file, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""CudaGraphRunner: decode forward passes captured as CUDA graphs, one per batch size in 1, 2, 4, 8, 16, 24, …
+up to --cuda-graph-max-bs, sharing one memory pool. A batch is padded up to the next captured size: padded rows
+read request row 0 with seq_len = the backend's fill value and write their KV into padding slot 0."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, max_bs + 1, 8))
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: ModelRunner) -> None:
+        self.model_runner = model_runner
+        self.max_bs = min(model_runner.server_args.cuda_graph_max_bs, model_runner.max_running_requests)
+        self.capture_bs = capture_batch_sizes(self.max_bs)
+        dev = model_runner.device
+        self.backend = model_runner.attn_backend
+        self.fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.backend.init_cuda_graph_state(self.max_bs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.capture()
+
+    def _forward_batch(self, bs: int) -> ForwardBatch:
+        mr = self.model_runner
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+                            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+                            out_cache_loc=self.out_cache_loc[:bs], seq_lens_sum=bs * self.fill,
+                            positions=self.positions[:bs], req_to_token_pool=mr.req_to_token_pool,
+                            token_to_kv_pool=mr.token_to_kv_pool, attn_backend=self.backend)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        model = self.model_runner.model
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        bar = tqdm(reversed(self.capture_bs), total=len(self.capture_bs), desc="Capturing CUDA graphs",
+                   disable=self.model_runner.tp_rank != 0)
+        with torch.cuda.stream(stream):
+            for bs in bar:
+                fb = self._forward_batch(bs)
+                self.backend.init_forward_metadata_capture_cuda_graph(bs, self.req_pool_indices[:bs],
+                                                                      self.seq_lens[:bs])
+                for _ in range(2):  # compile kernels and settle allocations outside the capture
+                    model.forward(fb.input_ids, fb.positions, fb)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = model.forward(fb.input_ids, fb.positions, fb)
+                self.graphs[bs] = graph
+                self.outputs[bs] = out.next_token_logits
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.capture_bs)
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs
+
+    def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        raw = forward_batch.batch_size
+        bs = self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]
+        if bs != raw:  # padding rows: row 0 of the request table, the fill length, KV written to slot 0
+            self.req_pool_indices[raw:bs].zero_()
+            self.seq_lens[raw:bs].fill_(self.fill)
+            self.out_cache_loc[raw:bs].zero_()
+            self.input_ids[raw:bs].zero_()
+            self.positions[raw:bs].zero_()
+        self.input_ids[:raw].copy_(forward_batch.input_ids)
+        self.req_pool_indices[:raw].copy_(forward_batch.req_pool_indices)
+        self.seq_lens[:raw].copy_(forward_batch.seq_lens)
+        self.out_cache_loc[:raw].copy_(forward_batch.out_cache_loc)
+        self.positions[:raw].copy_(forward_batch.positions)
+        self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
+                                                             forward_batch.seq_lens_sum + (bs - raw) * self.fill)
+        self.graphs[bs].replay()
+        return LogitsProcessorOutput(next_token_logits=self.outputs[bs][:raw])
