@@ -265,6 +265,8 @@ class Scheduler:
                 else:
                     self.running_batch.merge_batch(last)
             self.last_batch = None
+        if self.running_batch is not None:
+            self.running_batch.filter_batch()  # requests whose finish is already known
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch

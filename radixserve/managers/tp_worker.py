@@ -55,7 +55,8 @@ class TpModelWorker:
         """Run one batch and, under overlap, publish its sampled ids into the future map."""
         result = run_model_worker_batch(self.model_runner, batch, self.future_token_ids_map)
         if future_slots is not None:
-            self.future_token_ids_map[future_slots.to(self.device, non_blocking=True)] = result.next_token_ids
+            slots = future_slots.pin_memory() if self.model_runner.is_cuda else future_slots
+            self.future_token_ids_map[slots.to(self.device, non_blocking=True)] = result.next_token_ids
         return result
 
     def copy_result_to_host(self, result: GenerationBatchResult) -> Any:

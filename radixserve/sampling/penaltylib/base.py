@@ -24,7 +24,8 @@ def host_to_device(values: Any, dtype: torch.dtype, device: torch.device) -> tor
     """A tensor of Python values, built on the CPU and copied to `device` without waiting on the device's stream
     (a pageable-memory async copy is staged at once), so a scheduler thread never blocks on a running forward."""
     cpu = torch.tensor(values, dtype=dtype, device="cpu")
-    return cpu if device.type == "cpu" else cpu.to(device, non_blocking=True)
+    # pinned: an async copy from pageable memory would wait for the device's stream to drain
+    return cpu if device.type == "cpu" else cpu.pin_memory().to(device, non_blocking=True)
 
 
 def flatten_token_lists(token_lists: Sequence[Sequence[int]], vocab_size: int,
@@ -41,7 +42,7 @@ def flatten_token_lists(token_lists: Sequence[Sequence[int]], vocab_size: int,
         rows, toks = rows[valid], toks[valid]
     pairs = torch.stack([rows, toks])
     if device.type != "cpu":
-        pairs = pairs.to(device, non_blocking=True)
+        pairs = pairs.pin_memory().to(device, non_blocking=True)
     return pairs[0], pairs[1]
 
 
