@@ -9,10 +9,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 L8=radixserve/configs/shapes/llama-3.1-8b
 Q05=radixserve/configs/shapes/qwen2.5-0.5b
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo "$name rc=$rc $(( $(date +%s) - t ))s" | tee -a "$OUT/steps.txt"
-  tail -n 12 "$OUT/$name.log"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+LOGS=${LOGS:-/tmp/radixserve-logs}; mkdir -p "$LOGS"  # logs stay there; only the JSON results go to $OUT
+step() { local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": run just those steps
+  echo "=== $name"; local t=$(date +%s)
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t ))s" | tee -a "$LOGS/steps.txt"
+  tr '\r' '\n' < "$LOGS/$name.log" | grep -v 'it/s\]\|req/s\]\|tensor/s\]\|s/it\]\|^\s*$' | tail -n 14 | cut -c1-220; }
 step one_batch_8b 150 python3 -m radixserve.bench_one_batch --model-path $L8 --load-format dummy \
   --batch-size 1 8 32 64 128 160 --input-len 512 --output-len 32 --result-file "$OUT/one_batch_8b.json"
 step hf_generate_bs1 90 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate --batch-size 1 \
@@ -29,4 +33,4 @@ step offline_full_ours 200 python3 -m radixserve.bench_offline_throughput --mode
 step overlap_05b 120 python3 benchmarks/bench_overlap.py --model-path $Q05 --batch-size 64 128 \
   --result-file "$OUT/overlap_05b.json"
 step gpu_tests 120 python3 -m pytest -q -x tests/gpu tests/test_triton_attention.py -p no:cacheprovider
-echo "=== summary"; cat "$OUT/steps.txt"
+echo "=== summary"; cat "$LOGS/steps.txt"

@@ -18,6 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from radixserve.managers import io_struct as io
 from radixserve.server_args import ServerArgs
 
 
@@ -53,13 +54,18 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
         engine.flush_cache()
         before = engine.get_internal_state()
         params = [{"max_new_tokens": lo, "temperature": 0, "ignore_eos": True} for _, lo in reqs]
+        obj = io.GenerateReqInput(input_ids=[p for p, _ in reqs], sampling_params=params)
         bar = tqdm(total=len(reqs), desc="radixserve", unit="req")
-        t0 = time.perf_counter()
-        outs = []
-        for chunk in engine.generate(input_ids=[p for p, _ in reqs], sampling_params=params, stream=True):
-            if chunk["meta_info"]["finish_reason"] is not None:
-                outs.append(chunk)
+
+        async def collect() -> list[dict[str, Any]]:
+            outs = []
+            async for out in engine.tokenizer_manager.generate_request(obj):  # each as it finishes, no streaming
+                outs.append(out)
                 bar.update(1)
+            return outs
+
+        t0 = time.perf_counter()
+        outs = engine._run(collect())
         elapsed = time.perf_counter() - t0
         bar.close()
         after = engine.get_internal_state()

@@ -418,6 +418,16 @@ def test_scheduler_rejection_while_streaming(http: httpx.Client) -> None:
         else:
             r.read()
             assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
+    # in a batch, the good prompt may already be streaming when the bad one fails: then the error is an event
+    with http.stream("POST", "/generate", json={"input_ids": [[16, 17, 18], ids], "stream": True,
+                                                "sampling_params": {"max_new_tokens": 4}}) as r:
+        if r.status_code == 200:
+            payloads = sse_payloads(r.iter_lines())
+            assert payloads[-1] == "[DONE]" and "KV pool" in payloads[-2]["error"]["message"]
+        else:
+            r.read()
+            assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
+    assert_no_leak(http)
 
 
 # ====================================================================== load
@@ -506,6 +516,7 @@ def test_metrics_move(client: openai.OpenAI, http: httpx.Client) -> None:
     assert delta("radixserve:inter_token_latency_seconds_count") >= 4  # the streamed request's 4 gaps
     assert delta("radixserve:cached_tokens_total") > 0  # the second request reused the first's prompt
     assert 0.0 <= after["radixserve:cache_hit_rate"] <= 1.0
+    assert after["radixserve:num_aborted_requests_total"] > 0  # earlier tests hung up and aborted requests
 
 
 def test_health_reports_a_stuck_scheduler(server: Server, http: httpx.Client) -> None:

@@ -7,8 +7,8 @@ config (initialised on the device, so an 8B shape starts in seconds).
         --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5
 
 generate: static batch through `model.generate` (sdpa), reports decode tok/s.
-generate_batch: continuous batching (`model.generate_batch`, paged sdpa, CUDA graphs when the installed version has
-them), reports output tok/s over the same random prompts as radixserve's bench_offline_throughput."""
+generate_batch: continuous batching (`model.generate_batch`, "paged|sdpa" attention, CUDA graphs when the
+installed version has them), reports output tok/s over the same random prompts as bench_offline_throughput."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def main() -> None:
     else:
         from radixserve.bench_offline_throughput import random_requests
 
-        model = load_model(args.model_path, "sdpa_paged", torch.bfloat16, device)
+        model = load_model(args.model_path, "paged|sdpa", torch.bfloat16, device)
         vocab = model.config.vocab_size
         reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, vocab, args.seed)

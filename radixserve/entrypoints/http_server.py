@@ -172,7 +172,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        metrics = request.app.state.server.metrics
+        if metrics is not None:
+            metrics.observe_abort()
         return Response(status_code=499)  # nobody reads it; the requests were aborted
+
+    @app.exception_handler(TimeoutError)
+    async def _timeout(request: Request, exc: TimeoutError) -> Response:
+        return error_response(APIError("the scheduler did not answer in time (busy or stuck); retry later", 503, None,
+                                       "engine_timeout"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -398,18 +406,24 @@ async def _native_stream(request: Request, obj: io.GenerateReqInput, with_text: 
         raise
 
     async def body() -> AsyncIterator[bytes]:
+        ended = False
         try:
             if first is not None:
                 yield sse_event(_native_output(first, with_text, tm))
                 async for out in agen:
                     yield sse_event(_native_output(out, with_text, tm))
+            ended = True
         except RequestError as e:
+            ended = True
             yield sse_event(from_request_error(e).body())
         except Exception as e:
+            ended = True
             logger.exception("error while streaming /generate")
             yield sse_event(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
         finally:
             await agen.aclose()
+            if not ended and tm.metrics is not None:  # the client went away mid-stream
+                tm.metrics.observe_abort()
         yield SSE_DONE
 
     return SSEResponse(body())

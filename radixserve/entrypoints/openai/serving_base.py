@@ -88,6 +88,8 @@ class OpenAIServingBase:
 
     def check_common(self, req: _SamplingFields) -> None:
         self.check_model(req.model)
+        if req.rid is not None and any(k == req.rid or k.startswith(req.rid + "-") for k in self.tm.rid_to_state):
+            raise APIError(f"rid: {req.rid!r} is already in use by a running request", 400, "rid", "invalid_value")
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true", 400, "stream_options")
         if not self.grammar_ok:
@@ -114,9 +116,10 @@ class OpenAIServingBase:
             sp["min_new_tokens"] = req.min_tokens
         return sp
 
-    def make_rid(self, req: _SamplingFields, n_prompts: int) -> str | list[str]:
+    def make_rid(self, req: _SamplingFields, n_prompts: int) -> tuple[str, str | list[str]]:
+        """(the response id, the engine rid(s)): one rid per prompt of a batch."""
         base = req.rid or uuid.uuid4().hex
-        return base if n_prompts == 1 else [f"{base}-p{i}" for i in range(n_prompts)]
+        return base, (base if n_prompts == 1 else [f"{base}-p{i}" for i in range(n_prompts)])
 
     def tokenize(self, text: str, param: str) -> list[int]:
         try:
@@ -197,18 +200,25 @@ class OpenAIServingBase:
                     yield o
 
         async def body() -> AsyncIterator[bytes]:
+            ended = False
             try:
                 async for chunk in render(outputs()):
                     yield chunk
+                ended = True
             except RequestError as e:
+                ended = True
                 yield sse_event(from_request_error(e, prompt_param=prompt_param, openai=True).body())
             except APIError as e:
+                ended = True
                 yield sse_event(e.body())
             except Exception as e:  # an engine bug must still end the stream cleanly
+                ended = True
                 logger.exception("error while streaming %s", obj.rid)
                 yield sse_event(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
             finally:
                 await agen.aclose()
+                if not ended and self.tm.metrics is not None:  # the client went away mid-stream
+                    self.tm.metrics.observe_abort()
             yield SSE_DONE
 
         return SSEResponse(body())

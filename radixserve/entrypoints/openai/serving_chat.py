@@ -104,9 +104,9 @@ class OpenAIServingChat(OpenAIServingBase):
         sp = self._sampling(req, max_new)
         want_lp = bool(req.logprobs)
         top_n = req.top_logprobs or 0
-        obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=self.make_rid(req, 1), stream=req.stream,
+        rid, _ = self.make_rid(req, 1)
+        obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
                                   return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n)
-        rid = str(obj.rid)
         if req.stream:
             return await self.stream(request, obj, "messages",
                                      lambda outs: self._render_stream(req, outs, len(ids), rid))

@@ -60,12 +60,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
         for ids in ids_list:
             self.check_length(len(ids), max_new, "prompt")
         want_lp = req.logprobs is not None
+        rid, rids = self.make_rid(req, len(ids_list))
         obj = io.GenerateReqInput(
             input_ids=ids_list[0] if len(ids_list) == 1 else ids_list,
-            sampling_params=self.sampling_params(req, max_new), rid=self.make_rid(req, len(ids_list)),
+            sampling_params=self.sampling_params(req, max_new), rid=rids,
             stream=req.stream, return_logprob=want_lp,
             logprob_start_len=0 if (want_lp and req.echo) else -1, top_logprobs_num=req.logprobs or 0)
-        rid = obj.rid if isinstance(obj.rid, str) else obj.rid[0]
         n = req.n
         if req.stream:
             return await self.stream(request, obj, "prompt",
