@@ -29,7 +29,7 @@ step offline_subset_hf 120 python3 benchmarks/peers/hf_peer.py --model-path $L8 
   --result-file "$OUT/offline_subset_hf.json"
 step offline_full_ours 200 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
   --num-prompts 1000 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5 \
-  --log-level warning --result-file "$OUT/offline_full_ours.json"
+  --log-level warning --result-file "$OUT/offline_full_ours.json" ${FULL_ARGS:-}
 step overlap_05b 120 python3 benchmarks/bench_overlap.py --model-path $Q05 --batch-size 64 128 \
   --result-file "$OUT/overlap_05b.json"
 step gpu_tests 120 python3 -m pytest -q -x tests/gpu tests/test_triton_attention.py -p no:cacheprovider

@@ -33,16 +33,20 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_agrees_with_transformers_bf16(kind: str, tmp_path) -> None:
-    hf = make_tiny_model(kind, str(tmp_path), hidden_size=256, intermediate_size=512, num_attention_heads=8,
+def peaky_tiny_model(kind: str, path: str):
+    """A small random model whose next token is decided by a margin, as in a trained model: random init gives
+    nearly flat logits, where bf16 rounding alone flips the argmax, so the output layer is scaled up."""
+    hf = make_tiny_model(kind, path, hidden_size=256, intermediate_size=512, num_attention_heads=8,
                          num_key_value_heads=2, num_hidden_layers=4, vocab_size=2048)
-    # Random init gives nearly flat logits, where bf16 rounding alone flips the argmax. Scale the output layer so
-    # the next token is decided by a margin, as in a trained model; then disagreement means a real difference.
     with torch.no_grad():
         hf.get_output_embeddings().weight.mul_(30.0)
-    hf.save_pretrained(str(tmp_path))
-    hf = hf.to("cuda", torch.bfloat16)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_agrees_with_transformers_bf16(kind: str, tmp_path) -> None:
+    hf = peaky_tiny_model(kind, str(tmp_path)).to("cuda", torch.bfloat16)
     runner = gpu_runner(str(tmp_path))
     ps = prompts(64, 2048)
     ours = StaticBatch(runner).generate(ps, 64)
@@ -59,8 +63,7 @@ def test_greedy_agrees_with_transformers_bf16(kind: str, tmp_path) -> None:
 
 
 def test_cuda_graph_decode_equals_eager(tmp_path) -> None:
-    make_tiny_model("llama", str(tmp_path), hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                    num_key_value_heads=2, num_hidden_layers=4, vocab_size=2048)
+    peaky_tiny_model("llama", str(tmp_path))
     ps = prompts(37, 2048, seed=3)  # 37: padded up to a captured size
     graph = gpu_runner(str(tmp_path))
     assert graph.cuda_graph_runner is not None
