@@ -37,7 +37,7 @@ def _start_node(rank: int, model: str, dist_port: int, http_port: int, log_dir: 
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--model-path", model, "--skip-tokenizer-init",
            "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "2048", "--tp-size", "2", "--nnodes", "2",
            "--node-rank", str(rank), "--dist-init-addr", f"127.0.0.1:{dist_port}", "--host", "127.0.0.1",
-           "--port", str(http_port), "--log-level", "info"]
+           "--port", str(http_port), "--log-level", "info", "--watchdog-timeout", "5"]
     log_path = os.path.join(log_dir, f"node{rank}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -96,10 +96,12 @@ def test_killed_remote_rank_turns_health_503(cluster) -> None:
     (rank1,) = _workers(node1)
     os.kill(rank1.pid, signal.SIGKILL)
     assert node1.proc.wait(timeout=30) == 1  # the worker node notices its dead rank and stops
+    # a /health that reaches rank 0 just before it exits waits out its state query (--watchdog-timeout 5 s), then
+    # says 503 too; once rank 0 is gone it says 503 at once
     deadline = time.monotonic() + 30
     status = 200
     while time.monotonic() < deadline:
-        status = httpx.get(base + "/health", timeout=10).status_code
+        status = httpx.get(base + "/health", timeout=20).status_code
         if status == 503:
             break
         time.sleep(0.3)
