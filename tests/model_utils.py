@@ -43,11 +43,58 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def make_runner(path: str, **server_kw: Any) -> Any:
+def make_runner(path: str, dtype_override: str = "float32", **server_kw: Any) -> Any:
     from radixserve.configs.model_config import ModelConfig
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 
-    args = ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=4096,
+    args = ServerArgs(model_path=path, device="cpu", dtype=dtype_override, max_total_tokens=4096,
                       max_running_requests=16, **server_kw)
     return ModelRunner(ModelConfig(path), args)
+
+
+def peaky_tiny_model(kind: str, path: str) -> Any:
+    """A small random model whose next token is usually decided by a margin, as in a trained model: random init
+    gives nearly flat logits, so the output layer is scaled up before saving."""
+    hf = make_tiny_model(kind, path, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                         num_key_value_heads=2, num_hidden_layers=4, vocab_size=2048)
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(30.0)
+    hf.save_pretrained(path)
+    return hf
+
+
+def teacher_forced_agreement(hf: Any, runner: Any, prompts: list[list[int]], steps: int) -> tuple[int, int, int]:
+    """Greedy agreement with transformers in low precision, free of compounding: HF generates `steps` tokens per
+    prompt; radixserve prefills prompt + those tokens once and reports its top-1 prediction at every position (prompt
+    logprobs). Returns (exact matches, near-ties, total): a near-tie is a mismatch where HF's own logits rank the
+    two tokens within 1% of the largest |logit| — rounding decides those, not the model."""
+    from radixserve.managers.schedule_batch import Req, ScheduleBatch
+    from radixserve.managers.tp_worker import run_model_worker_batch
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    device = next(hf.parameters()).device
+    exact = near = total = 0
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=steps, min_new_tokens=steps,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            seq = prompt + ref
+            hf_logits = hf(torch.tensor([seq], device=device)).logits[0, len(prompt) - 1:-1].float().cpu()
+        req = Req("t", seq, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1}), return_logprob=True,
+                  logprob_start_len=len(prompt) - 1, top_logprobs_num=1)
+        req.init_next_round_input(None)
+        batch = ScheduleBatch([req], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
+                              runner.model_config.vocab_size)
+        batch.prepare_for_extend()
+        result = run_model_worker_batch(runner, batch.get_model_worker_batch())
+        ours = result.logits_output.input_top_logprobs_idx[0][:, 0].tolist()
+        for j, (got, want) in enumerate(zip(ours, ref, strict=True)):
+            total += 1
+            if got == want:
+                exact += 1
+            elif hf_logits[j, want] - hf_logits[j, got] < 0.01 * hf_logits[j].abs().max():
+                near += 1
+        runner.token_to_kv_pool.free(runner.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_committed_len))
+        runner.req_to_token_pool.free(req.req_pool_idx)
+    return exact, near, total

@@ -86,3 +86,19 @@ def test_embedded_smollm2_matches_transformers_and_knows_paris(embedded_model_pa
     for prompt, got in zip(prompts, ours, strict=True):
         assert got == hf_greedy(hf, prompt, 16)
     assert "Paris" in tok.decode(ours[0])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_greedy_agrees_with_transformers_teacher_forced(kind: str, tmp_path) -> None:
+    """bf16 on the CPU: every position's greedy choice matches transformers', or the two are a near-tie in
+    transformers' own logits (the same check runs on CUDA in tests/gpu)."""
+    from model_utils import peaky_tiny_model, teacher_forced_agreement
+
+    hf = peaky_tiny_model(kind, str(tmp_path)).to(torch.bfloat16)
+    runner = make_runner(str(tmp_path), dtype_override="bfloat16")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 2048, (int(torch.randint(4, 40, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(12)]
+    exact, near, total = teacher_forced_agreement(hf, runner, prompts, 24)
+    assert (exact + near) / total >= 0.99, f"{exact} exact + {near} near-ties of {total}"
+    assert exact / total >= 0.95

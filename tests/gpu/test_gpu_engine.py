@@ -12,7 +12,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model_utils import make_tiny_model  # noqa: E402
+from model_utils import make_tiny_model, peaky_tiny_model, teacher_forced_agreement  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
 
@@ -33,38 +33,19 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def peaky_tiny_model(kind: str, path: str):
-    """A small random model whose next token is decided by a margin, as in a trained model: random init gives
-    nearly flat logits, where bf16 rounding alone flips the argmax, so the output layer is scaled up."""
-    hf = make_tiny_model(kind, path, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                         num_key_value_heads=2, num_hidden_layers=4, vocab_size=2048)
-    with torch.no_grad():
-        hf.get_output_embeddings().weight.mul_(30.0)
-    hf.save_pretrained(path)
-    return hf
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_greedy_agrees_with_transformers_bf16(kind: str, tmp_path) -> None:
+    """64 prompts × 64 greedy steps, bf16 on both sides, compared position by position with the same context."""
     hf = peaky_tiny_model(kind, str(tmp_path)).to("cuda", torch.bfloat16)
     runner = gpu_runner(str(tmp_path))
-    ps = prompts(64, 2048)
-    ours = StaticBatch(runner).generate(ps, 64)
-    agree = total = 0
-    for p, got in zip(ps, ours, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=64, min_new_tokens=64,
-                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        # compare up to the first divergence (after it the contexts differ), count the rest as disagreeing
-        same = next((i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), len(ref))
-        agree += same
-        total += len(ref)
-    assert agree / total >= 0.99, f"{kind}: {agree}/{total} tokens agree"
+    exact, near, total = teacher_forced_agreement(hf, runner, prompts(64, 2048), 64)
+    assert (exact + near) / total >= 0.99, f"{kind}: {exact} exact + {near} near-ties of {total}"
+    assert exact / total >= 0.95, f"{kind}: only {exact}/{total} exact"
 
 
 def test_cuda_graph_decode_equals_eager(tmp_path) -> None:
     peaky_tiny_model("llama", str(tmp_path))
-    ps = prompts(37, 2048, seed=3)  # 37: padded up to a captured size
+    ps = prompts(37, 2048, seed=3)  # 37: padded up to a captured size (same kernels, so identical tokens)
     graph = gpu_runner(str(tmp_path))
     assert graph.cuda_graph_runner is not None
     eager = gpu_runner(str(tmp_path), disable_cuda_graph=True)
