@@ -234,3 +234,21 @@ def test_logprobs_identical_under_overlap(tiny_path) -> None:
         assert len(off[rid]) == len(on[rid]) > 0
         for (a, ta), (b, tb) in zip(off[rid], on[rid], strict=True):
             assert ta == tb and a == pytest.approx(b, abs=1e-5)
+
+
+def test_requests_sharing_a_new_prefix_in_one_round_share_it(tiny_path) -> None:
+    """Two requests arriving together with the same uncached 40-token head: the second waits one round and then
+    reuses the first one's KV instead of computing the head twice (and disable-radix-cache does not wait)."""
+    head = list(range(100, 140))
+    s = make_scheduler(tiny_path)
+    submit(s, "first", head + [1, 2], 3)
+    submit(s, "second", head + [3, 4], 3)
+    res = drain(s)
+    assert res["first"]["meta"]["cached_tokens"] == 0
+    assert res["second"]["meta"]["cached_tokens"] >= len(head)
+    plain = make_scheduler(tiny_path, disable_radix_cache=True)
+    submit(plain, "first", head + [1, 2], 3)
+    submit(plain, "second", head + [3, 4], 3)
+    plain.step()
+    assert plain.running_batch is None and len(plain.last_batch.reqs) == 2
+    drain(plain)

@@ -61,6 +61,10 @@ class Req:
         self.sent_logprob_offset = 0
         # stop strings are checked on decoded text (the scheduler holds a tokenizer for that)
         self.stop_strs: list[str] = list(sampling_params.stop or [])
+        # structured output: the compile future while in the grammar queue, then this request's own matcher
+        # (a radixserve.constrained BaseGrammarObject that has accepted exactly output_ids)
+        self.grammar_future: Any = None
+        self.grammar: Any = None
 
     # ---------------------------------------------------------------- prefix and fill
     def init_next_round_input(self, tree_cache: RadixCache | None) -> None:
@@ -134,6 +138,9 @@ class ModelWorkerBatch:
     sampling_info: DeferredSamplingInfo | None
     sampling_ops: list  # operations on sampling_info recorded since the last batch (replayed by the worker)
     req_to_token_writes: list  # queued writes to the device request table (applied by the worker)
+    # structured output: packed int32 token bitmask [bs, ceil(vocab/32)] (bit set = allowed), rows in batch order;
+    # set by the scheduler for batches with constrained requests, unpacked into sampling_info.vocab_mask
+    grammar_bitmask: torch.Tensor | None = None
 
 
 class ScheduleBatch:

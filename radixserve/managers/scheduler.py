@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
+IN_BATCH_PREFIX_LEN = 32  # prompt head length compared for in-batch prefix sharing
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
@@ -60,6 +61,18 @@ class Scheduler:
             from radixserve.managers.tokenizer_utils import get_tokenizer
 
             self.tokenizer = get_tokenizer(self.model_config.tokenizer_path)
+        # structured output: constrained requests wait in grammar_queue until their grammar is compiled
+        self.grammar_backend: Any = None
+        if server_args.grammar_backend != "none" and self.tokenizer is not None:
+            from radixserve.constrained import create_grammar_backend
+
+            try:
+                self.grammar_backend = create_grammar_backend(server_args, self.tokenizer, self.vocab_size,
+                                                              eos_token_ids=self.model_config.eos_token_ids)
+            except Exception as e:  # the server still serves everything else
+                logger.warning("structured output is off: the grammar backend failed to start: %s: %s",
+                               type(e).__name__, e)
+        self.grammar_queue: list[Req] = []
 
         self.waiting_queue: list[Req] = []
         self.running_batch: ScheduleBatch | None = None
@@ -136,7 +149,8 @@ class Scheduler:
         out = []
         busy = (self.running_batch is not None or self.waiting_queue or self.chunked_req is not None
                 or self.last_batch is not None)  # a prefill that just ran becomes the running batch next
-        if not busy and self.recv_from_tokenizer.poll(timeout=1000) == 0:
+        # requests waiting only for their grammar: poll briefly, so they start as soon as it is compiled
+        if not busy and self.recv_from_tokenizer.poll(timeout=5 if self.grammar_queue else 1000) == 0:
             return out
         while True:
             try:
@@ -152,7 +166,7 @@ class Scheduler:
         if self.send_to_controller is None:
             return
         num_reqs = len(self.waiting_queue) + (len(self.running_batch.reqs) if self.running_batch else 0)
-        num_reqs += self.chunked_req is not None
+        num_reqs += (self.chunked_req is not None) + len(self.grammar_queue)
         report = (num_reqs, self.num_generate_received)
         if report != self.last_load_report:
             self.last_load_report = report
@@ -213,9 +227,57 @@ class Scheduler:
         req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
                   top_logprobs_num=recv.top_logprobs_num, stream=recv.stream)
+        grammar = sp.grammar
+        if grammar is not None:
+            if self.grammar_backend is None:
+                self.send_abort(recv.rid, f"{grammar[0]}: structured output is not available on this server "
+                                "(no grammar backend: --grammar-backend none, --skip-tokenizer-init, or xgrammar "
+                                "is not installed)", status=400)
+                return
+            req.grammar_future = self.grammar_backend.get_future(*grammar)
+            self.grammar_queue.append(req)
+            return
         self.waiting_queue.append(req)
 
+    def move_ready_grammar_reqs(self) -> None:
+        """Requests whose grammar is compiled go to the waiting queue (in arrival order); an invalid grammar is a
+        400 for its request alone. With --tp-size > 1 rank 0 decides which are ready (the compile threads of the
+        ranks finish at different times) and the other ranks wait for those, so every rank admits the same."""
+        if not self.grammar_queue:
+            return
+        ready = {id(r) for r in self.grammar_queue if r.grammar_future.done()}
+        if self.tp_size > 1:
+            from radixserve.distributed.parallel_state import broadcast_pyobj
+
+            ready_rids = broadcast_pyobj([r.rid for r in self.grammar_queue if id(r) in ready]
+                                         if self.tp_rank == 0 else None)
+            ready = {id(r) for r in self.grammar_queue if r.rid in set(ready_rids)}
+        if not ready:
+            return
+        keep = []
+        for req in self.grammar_queue:
+            if id(req) not in ready:
+                keep.append(req)
+                continue
+            try:
+                template = req.grammar_future.result()
+            except Exception as e:  # GrammarError: a bad schema / regex / EBNF
+                self.send_abort(req.rid, str(e), status=400)
+                continue
+            finally:
+                req.grammar_future = None
+            req.grammar = template.copy()
+            self.waiting_queue.append(req)
+        self.grammar_queue = keep
+
     def abort_request(self, rid: str, message: str = "aborted") -> None:
+        for i, req in enumerate(self.grammar_queue):
+            if req.rid == rid:
+                del self.grammar_queue[i]
+                req.grammar_future = None
+                req.finished_reason = {"type": "abort", "message": message}
+                self.stream_output([req])
+                return
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 del self.waiting_queue[i]
@@ -253,6 +315,7 @@ class Scheduler:
 
     # ================================================================= batching
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        self.move_ready_grammar_reqs()
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
             # the prefill that just ran (with its decode riders, if MIXED) becomes or joins the running batch,
@@ -305,11 +368,20 @@ class Scheduler:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         slots_left = self.max_running_requests - len(running) - len(adder.can_run)
         admitted = []
+        uncached_heads: set[tuple[int, ...]] = set()  # prompt heads this batch will put into the cache
+        sharing = isinstance(self.tree_cache, RadixCache)
         for req in self.waiting_queue:
             if slots_left <= 0 or not adder.budget_left() or adder.new_chunked_req is not None:
                 break
             if self.policy.policy not in ("lpm", "dfs-weight") or req.last_node is None:
                 req.init_next_round_input(self.tree_cache)
+            if sharing and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN <= len(req.fill_ids):
+                # In-batch prefix sharing: a request whose uncached head repeats one already admitted this round
+                # waits one round, and then finds that head in the cache instead of computing it again.
+                head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
+                if head in uncached_heads:
+                    continue
+                uncached_heads.add(head)
             if not adder.add_one_req(req):
                 break
             admitted.append(req)
@@ -364,6 +436,11 @@ class Scheduler:
                                return_logprob=batch.return_logprob,
                                chunked_req=self.chunked_req if self.chunked_req in batch.reqs else None)
         mwb = batch.get_model_worker_batch()
+        if self.grammar_backend is not None and any(r.grammar is not None for r in batch.reqs):
+            if self.result_queue and any(r.grammar is not None and r.pending_token is not None for r in batch.reqs):
+                # overlap: this step's mask needs the in-flight tokens accepted first (only such batches wait)
+                self.flush_results()
+            mwb.grammar_bitmask = self.build_grammar_bitmask(batch.reqs)
         if self.worker_client is None:
             return view, self.worker.forward_batch_generation(mwb)
         slots = self.worker_client.forward_batch_generation(mwb).tolist()
@@ -371,6 +448,34 @@ class Scheduler:
             if req is not self.chunked_req and not req.finished():
                 req.pending_token = (bid, slot)
         return view, bid
+
+    def build_grammar_bitmask(self, reqs: list[Req]) -> torch.Tensor | None:
+        """The packed token bitmask of one step: a row per request, filled by the matchers of unfinished
+        constrained requests, every token allowed in the other rows. None when no row is constrained."""
+        rows = [(i, r) for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()]
+        if not rows:
+            return None
+        mask = self.grammar_backend.allocate_vocab_mask(len(reqs))
+        for i, req in rows:
+            grammar = req.grammar
+            if grammar.num_accepted != len(req.output_ids) and not grammar.sync_to(req.output_ids):
+                req.to_abort = "the output no longer matches the request's grammar"
+                continue
+            if not grammar.is_terminated():
+                grammar.fill_vocab_mask(mask, i)
+        return mask
+
+    def _advance_grammar(self, req: Req, token: int) -> None:
+        """Feed the sampled token (already in output_ids) to the request's matcher; a complete grammar ends it."""
+        grammar = req.grammar
+        if grammar.num_accepted != len(req.output_ids) - 1:
+            grammar.sync_to(req.output_ids[:-1])
+        if not grammar.accept_token(token):
+            logger.warning("request %s: sampled token %d does not match its grammar", req.rid, token)
+            req.finished_reason = {"type": "abort", "message": f"the sampled token {token} does not match the "
+                                   "request's grammar"}
+        elif grammar.is_terminated():
+            req.finished_reason = {"type": "stop", "matched": token if token in req.eos_token_ids else None}
 
     def process_batch_result(self, batch: SimpleNamespace, result: GenerationBatchResult | int) -> None:
         if not isinstance(result, GenerationBatchResult):
@@ -400,6 +505,8 @@ class Scheduler:
                         vals = logits_output.next_token_top_logprobs_val[i]
                         idx = logits_output.next_token_top_logprobs_idx[i]
                         req.output_top_logprobs.append(list(zip(_tolist(vals), _tolist(idx), strict=True)))
+                if req.grammar is not None:
+                    self._advance_grammar(req, next_ids[i])
                 req.check_finished(self.tokenizer)
             if req.to_abort is not None and not req.finished():
                 req.finished_reason = {"type": "abort", "message": req.to_abort}
@@ -469,7 +576,7 @@ class Scheduler:
             return b is None or all(r.finished() for r in b.reqs)
 
         return not self.waiting_queue and self.chunked_req is None and empty(self.running_batch) \
-            and empty(self.last_batch) and not self.result_queue
+            and empty(self.last_batch) and not self.result_queue and not self.grammar_queue
 
     def check_memory(self) -> bool:
         """free + evictable + protected == pool size, and every request slot free. Logged and counted if not."""
@@ -503,6 +610,8 @@ class Scheduler:
             "max_total_num_tokens": self.token_to_kv_pool.size,
             "num_running_reqs": len(self.running_batch.reqs) if self.running_batch else 0,
             "num_waiting_reqs": len(self.waiting_queue),
+            "num_grammar_queue_reqs": len(self.grammar_queue),
+            **(self.grammar_backend.stats() if self.grammar_backend is not None else {}),
             "num_retractions": self.num_retractions,
             "cache_hit_tokens": self.cache_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,

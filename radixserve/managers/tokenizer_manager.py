@@ -7,6 +7,7 @@ import asyncio
 import collections
 import copy
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -129,13 +130,37 @@ class TokenizerManager:
                                f"{self.context_len}", 400, param)
 
     def make_sampling_params(self, d: dict[str, Any] | None) -> SamplingParams:
+        d = dict(d or {})
+        if isinstance(d.get("json_schema"), dict | bool):  # a schema given as a JSON object, not as text
+            d["json_schema"] = json.dumps(d["json_schema"])
         try:
-            sp = SamplingParams.from_dict(dict(d or {}))
+            sp = SamplingParams.from_dict(d)
             sp.normalize(self.tokenizer)
             sp.verify(self.vocab_size)
         except (ValueError, TypeError) as e:
             raise RequestError(str(e), 400, "sampling_params") from e
+        self.check_grammar(sp)
         return sp
+
+    def check_grammar(self, sp: SamplingParams) -> None:
+        """A constrained request is checked here (parsed, not compiled) so that a bad schema, regex or EBNF is a
+        400 before anything is queued or streamed; the scheduler compiles it."""
+        grammar = sp.grammar
+        if grammar is None:
+            return
+        kind, text = grammar
+        backend = self.server_args.grammar_backend
+        from radixserve.constrained import GrammarError, is_backend_available, validate_grammar
+
+        if backend == "none" or self.tokenizer is None or not is_backend_available(backend):
+            why = "--grammar-backend none" if backend == "none" else (
+                "--skip-tokenizer-init" if self.tokenizer is None else f"{backend} is not installed")
+            raise RequestError(f"{kind}: structured output is not available on this server ({why})", 400,
+                               "sampling_params")
+        try:
+            validate_grammar(backend, kind, text)
+        except GrammarError as e:
+            raise RequestError(str(e), 400, "sampling_params") from None
 
     def normalize(self, obj: io.GenerateReqInput) -> list[io.TokenizedGenerateReqInput]:
         """Split a (possibly batched) request into tokenized single requests, all validated before any is sent."""

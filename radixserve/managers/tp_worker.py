@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.constrained.base_grammar_backend import bitmask_to_vocab_mask
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.managers.schedule_batch import ModelWorkerBatch
 from radixserve.model_executor.forward_batch_info import ForwardBatch
@@ -28,10 +29,19 @@ def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
     and update the penalties: everything a batch does on the device, in order."""
     runner.req_to_token_pool.apply_writes(batch.req_to_token_writes)
     info = batch.sampling_info.apply(batch.sampling_ops) if batch.sampling_info is not None else None
+    if info is not None:
+        # the grammar mask of this step only (rows line up with the batch: the ops above were replayed first)
+        info.vocab_mask = None
+        if batch.grammar_bitmask is not None:
+            if batch.grammar_bitmask.shape[0] != info.batch_size:
+                raise ValueError(f"grammar bitmask has {batch.grammar_bitmask.shape[0]} rows for a batch of "
+                                 f"{info.batch_size}")
+            info.vocab_mask = bitmask_to_vocab_mask(batch.grammar_bitmask, info.vocab_size, runner.device)
     forward_batch = ForwardBatch.init_new(batch, runner, sampling_info=info, future_map=future_map)
     logits_output = runner.forward(forward_batch)
     next_token_ids = runner.sample(logits_output, forward_batch)
     if info is not None:
+        info.vocab_mask = None  # never carried into later steps (filter/merge would drag it along)
         info.update_penalties(next_token_ids)
     return GenerationBatchResult(logits_output, next_token_ids)
 

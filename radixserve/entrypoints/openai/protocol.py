@@ -59,9 +59,10 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     regex: str | None = None
-    json_schema: str | None = None
+    json_schema: str | dict[str, Any] | None = None  # the schema as text (SGLang) or as an object
     ebnf: str | None = None
     rid: str | None = None  # request id, usable with /abort_request
+    response_format: ResponseFormat | None = None  # OpenAI: chat; also accepted on completions
 
 
 class CompletionRequest(_SamplingFields):
@@ -93,7 +94,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
 
 
 class GenerateRequest(_Strict):

@@ -43,7 +43,10 @@ def structured_output_available(grammar_backend: str) -> bool:
         import radixserve.constrained as constrained
     except ImportError:
         return False
-    return callable(getattr(constrained, "create_grammar_backend", None))
+    if not callable(getattr(constrained, "create_grammar_backend", None)):
+        return False
+    available = getattr(constrained, "is_backend_available", None)
+    return bool(available(grammar_backend)) if callable(available) else True
 
 
 def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
@@ -114,6 +117,20 @@ class OpenAIServingBase:
                 sp[name] = value
         if req.min_tokens is not None:
             sp["min_new_tokens"] = req.min_tokens
+        rf = getattr(req, "response_format", None)
+        if rf is not None and rf.type != "text":
+            if not self.grammar_ok:
+                raise APIError(f"response_format: type {rf.type!r} needs structured output, which is not available "
+                               "on this server (no grammar backend)", 400, "response_format",
+                               "unsupported_parameter")
+            if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+                raise APIError("response_format.json_schema.schema: required when type is 'json_schema'", 400,
+                               "response_format.json_schema.schema", "missing_required_parameter")
+            schema = rf.json_schema.schema_ if rf.type == "json_schema" and rf.json_schema else None
+            if any(k in sp for k in GRAMMAR_FIELDS):
+                raise APIError("response_format: give at most one of response_format, regex, json_schema, ebnf", 400,
+                               "response_format")
+            sp["json_schema"] = json_schema_text(schema)
         return sp
 
     def make_rid(self, req: _SamplingFields, n_prompts: int) -> tuple[str, str | list[str]]:

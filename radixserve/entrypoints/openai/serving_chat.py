@@ -15,7 +15,6 @@ from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMe
 from radixserve.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     finish_reason_str,
-    json_schema_text,
     matched_stop,
 )
 from radixserve.managers import io_struct as io
@@ -70,22 +69,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return tok.encode(text)
 
     def _sampling(self, req: ChatCompletionRequest, max_new: int) -> dict[str, Any]:
-        sp = self.sampling_params(req, max_new)
-        rf = req.response_format
-        if rf is not None and rf.type != "text":
-            if not self.grammar_ok:
-                raise APIError(f"response_format: type {rf.type!r} needs structured output, which is not available "
-                               "on this server (no grammar backend)", 400, "response_format",
-                               "unsupported_parameter")
-            if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
-                raise APIError("response_format.json_schema.schema: required when type is 'json_schema'", 400,
-                               "response_format.json_schema.schema", "missing_required_parameter")
-            schema = rf.json_schema.schema_ if rf.type == "json_schema" and rf.json_schema else None
-            if any(k in sp for k in ("regex", "json_schema", "ebnf")):
-                raise APIError("response_format: give at most one of response_format, regex, json_schema, ebnf", 400,
-                               "response_format")
-            sp["json_schema"] = json_schema_text(schema)
-        return sp
+        return self.sampling_params(req, max_new)  # response_format is handled there (chat and completions)
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(ChatCompletionRequest, body)
