@@ -103,3 +103,33 @@ def test_shutdown_leaves_no_child(embedded_model_path) -> None:
     e.shutdown()
     gone, alive = psutil.wait_procs(mine, timeout=10)
     assert not alive
+
+
+def test_children_die_when_the_parent_is_killed(embedded_model_path, tmp_path) -> None:
+    """A parent killed with SIGKILL (no chance to clean up) takes its scheduler and detokenizer with it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from radixserve import Engine\n"
+        "if __name__ == '__main__':\n"
+        f"    e = Engine(model_path={embedded_model_path!r}, max_total_tokens=512, log_level='warning')\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        kids = psutil.Process(parent.pid).children(recursive=True)
+        assert len(kids) >= 2
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        gone, alive = psutil.wait_procs(kids, timeout=15)
+        assert not alive, f"orphans left: {[p.pid for p in alive]}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        time.sleep(0)

@@ -1,0 +1,45 @@
+"""ServerArgs: one dataclass, argparse built from it, validated once with messages that name the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.server_args import ServerArgs, prepare_server_args
+
+
+def test_cli_round_trip() -> None:
+    args = prepare_server_args(["--port", "31000", "--max-total-tokens", "2048", "--disable-radix-cache",
+                                "--schedule-policy", "lpm", "--dtype", "bfloat16", "--chunked-prefill-size", "-1"])
+    assert (args.port, args.max_total_tokens, args.disable_radix_cache) == (31000, 2048, True)
+    assert args.schedule_policy == "lpm" and args.dtype == "bfloat16" and args.chunk_size is None
+    assert args.host == "127.0.0.1"  # never binds every interface unless told to
+
+
+@pytest.mark.parametrize("kw,flag", [
+    ({"load_format": "pickle"}, "--load-format"),
+    ({"device": "tpu"}, "--device"),
+    ({"max_total_tokens": 0}, "--max-total-tokens"),
+    ({"max_running_requests": -3}, "--max-running-requests"),
+    ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
+    ({"port": 70000}, "--port"),
+    ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
+    ({"tp_size": 0}, "--tp-size"),
+    ({"nnodes": 2}, "--dist-init-addr"),
+    ({"node_rank": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:5000"}, "--node-rank"),
+    ({"model_path": "/definitely/not/here"}, "--model-path"),
+    ({"schedule_policy": "sjf"}, "--schedule-policy"),
+])
+def test_invalid_values_name_the_flag(kw, flag) -> None:
+    with pytest.raises(ValueError, match=flag):
+        ServerArgs(**kw)
+
+
+def test_unknown_keyword_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown server argument"):
+        ServerArgs.from_kwargs(max_tokens=5)
+
+
+def test_argparse_rejects_bad_choice(capsys) -> None:
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--attention-backend", "flash"])
+    assert "--attention-backend" in capsys.readouterr().err
