@@ -133,3 +133,16 @@ def test_children_die_when_the_parent_is_killed(embedded_model_path, tmp_path) -
         if parent.poll() is None:
             parent.kill()
         time.sleep(0)
+
+
+def test_requests_fail_instead_of_hanging_when_the_scheduler_dies(embedded_model_path) -> None:
+    e = Engine(model_path=embedded_model_path, max_total_tokens=512, log_level="warning")
+    try:
+        stream = e.generate("Count to one thousand:", {"max_new_tokens": 400, "temperature": 0}, stream=True)
+        next(stream)
+        e.processes.procs[0].kill()  # the scheduler
+        with pytest.raises(RequestError, match="not running") as info:
+            list(stream)
+        assert info.value.status_code == 503
+    finally:
+        e.shutdown()

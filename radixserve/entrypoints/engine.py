@@ -121,7 +121,8 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
     tokenizer = get_tokenizer(tokenizer_path) if tokenizer_path else None
     tm = TokenizerManager(server_args, port_args, tokenizer, info.context_len, info.vocab_size, info)
     tm.model_config = model_config
-    return tm, EngineProcesses(procs, ipc_dir)
+    tm.processes = EngineProcesses(procs, ipc_dir)
+    return tm, tm.processes
 
 
 class Engine:

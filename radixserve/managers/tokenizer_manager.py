@@ -62,6 +62,7 @@ class TokenizerManager:
         self.recv_from_detokenizer = get_zmq_socket(self.ctx, zmq.PULL, port_args["tokenizer_input"], bind=True)
         self._loop_task: asyncio.Task | None = None
         self.metrics: Any = None  # set by the HTTP server when --enable-metrics
+        self.processes: Any = None  # the EngineProcesses behind this manager (checked while requests wait)
         self.num_queued = 0
 
     # ---------------------------------------------------------------- receive loop
@@ -244,7 +245,7 @@ class TokenizerManager:
         try:
             self.send_to_scheduler.send_pyobj(req)
             while True:
-                await state.event.wait()
+                await self._wait_for_output(state)
                 state.event.clear()
                 out = self._make_output(req, state)
                 if state.finished:
@@ -261,6 +262,17 @@ class TokenizerManager:
             if not state.finished:
                 self.abort_request(req.rid, "the client went away")
             self.rid_to_state.pop(req.rid, None)
+
+    async def _wait_for_output(self, state: ReqState) -> None:
+        """Wait for news of a request; fail it (503) rather than hang if the engine's processes have died."""
+        while True:
+            try:
+                await asyncio.wait_for(state.event.wait(), timeout=1.0)
+                return
+            except TimeoutError:
+                if self.processes is not None and not self.processes.alive():
+                    raise RequestError("the engine is not running: a scheduler or detokenizer process died",
+                                       503) from None
 
     def _make_output(self, req: io.TokenizedGenerateReqInput, state: ReqState) -> dict[str, Any]:
         meta = {"id": req.rid, "prompt_tokens": state.meta.get("prompt_tokens", len(req.input_ids)),
