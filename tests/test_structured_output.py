@@ -447,8 +447,9 @@ def test_tiny_pool_retraction_and_chunked_prefill_keep_grammars_exact(embedded_m
                                                                       mixed_normal) -> None:
     """Overlap on, a KV pool too small for the batch (retraction) and 16-token prefill chunks mixed into decode:
     every matcher stays in step with its output (checked after every step) and every output is valid."""
-    s = make_scheduler(embedded_model_path, max_total_tokens=420, chunked_prefill_size=16, enable_mixed_chunk=True,
-                       disable_overlap_schedule=False, enable_overlap_schedule=True)
+    # a low reservation ratio admits more than fits, so decoding must retract
+    s = make_scheduler(embedded_model_path, max_total_tokens=480, chunked_prefill_size=16, enable_mixed_chunk=True,
+                       schedule_conservativeness=0.05, disable_overlap_schedule=False, enable_overlap_schedule=True)
     res = mixed_workload(s, "m")
     assert s.num_retractions > 0, s.get_internal_state()
     eos = s.model_config.eos_token_ids
