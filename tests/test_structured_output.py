@@ -89,14 +89,17 @@ def all_live_reqs(s: Scheduler) -> list[Any]:
     return reqs
 
 
-def drain(s: Scheduler, timeout_s: float = 600.0) -> dict[str, dict[str, Any]]:
-    """Step until idle; checks after every step that each matcher has accepted exactly its request's output."""
+def drain(s: Scheduler, timeout_s: float = 600.0, retracted: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Step until idle; checks after every step that each matcher has accepted exactly its request's output
+    (and collects the constrained requests that were retracted into `retracted`)."""
     deadline = time.monotonic() + timeout_s
     while True:
         busy = s.step()
         for r in all_live_reqs(s):
             if r.grammar is not None and not r.finished():
                 assert r.grammar.num_accepted == len(r.output_ids), (r, r.grammar.num_accepted)
+                if r.num_retractions and retracted is not None:
+                    retracted.add(r.rid)
         if not busy and s.is_idle():
             break
         if not busy:
@@ -205,7 +208,7 @@ def sched_overlap(embedded_model_path: str) -> Scheduler:
     return make_scheduler(embedded_model_path, disable_overlap_schedule=False, enable_overlap_schedule=True)
 
 
-def mixed_workload(s: Scheduler, tag: str) -> dict[str, dict[str, Any]]:
+def mixed_workload(s: Scheduler, tag: str, retracted: set[str] | None = None) -> dict[str, dict[str, Any]]:
     """JSON, regex and EBNF requests (sampled, seeded) plus greedy plain ones, all in one batch."""
     tok = s.tokenizer
     for k, (schema, text) in enumerate(SCHEMAS):
@@ -216,7 +219,7 @@ def mixed_workload(s: Scheduler, tag: str) -> dict[str, dict[str, Any]]:
            temperature=0.8, seed=20)
     for k, text in enumerate(PLAIN_PROMPTS[:2]):
         submit(s, f"{tag}-plain{k}", chat_ids(tok, text), temperature=0, max_new_tokens=24, ignore_eos=True)
-    return drain(s)
+    return drain(s, retracted=retracted)
 
 
 @pytest.fixture(scope="module")
@@ -448,10 +451,15 @@ def test_tiny_pool_retraction_and_chunked_prefill_keep_grammars_exact(embedded_m
     """Overlap on, a KV pool too small for the batch (retraction) and 16-token prefill chunks mixed into decode:
     every matcher stays in step with its output (checked after every step) and every output is valid."""
     # a low reservation ratio admits more than fits, so decoding must retract
-    s = make_scheduler(embedded_model_path, max_total_tokens=480, chunked_prefill_size=16, enable_mixed_chunk=True,
+    s = make_scheduler(embedded_model_path, max_total_tokens=256, chunked_prefill_size=16, enable_mixed_chunk=True,
                        schedule_conservativeness=0.05, disable_overlap_schedule=False, enable_overlap_schedule=True)
-    res = mixed_workload(s, "m")
-    assert s.num_retractions > 0, s.get_internal_state()
+    for k in range(4):  # long plain neighbours: decoding outgrows the pool
+        submit(s, f"long{k}", chat_ids(s.tokenizer, PLAIN_PROMPTS[k % 3]), temperature=0.8, seed=k,
+               ignore_eos=True)
+    retracted: set[str] = set()
+    res = mixed_workload(s, "m", retracted)
+    assert s.num_retractions > 0 and retracted, s.get_internal_state()
+    assert all(len(res[f"long{k}"]["ids"]) == MAX_NEW for k in range(4))
     eos = s.model_config.eos_token_ids
     for k, (schema, _) in enumerate(SCHEMAS):
         r = res[f"m-json{k}"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from radixserve.managers.deferred_sampling import DeferredSamplingInfo
@@ -187,12 +188,15 @@ class ScheduleBatch:
         """One batched write of new KV slots into the request table (the mirror now, the device at the forward)."""
         if not rows:
             return
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lens_t)
-        offs = torch.arange(int(lens_t.sum()), dtype=torch.int64)
-        seg_start = torch.cumsum(lens_t, 0) - lens_t
-        col_idx = offs - torch.repeat_interleave(seg_start, lens_t) + torch.repeat_interleave(
-            torch.tensor(starts, dtype=torch.int64), lens_t)
+        if all(n == 1 for n in lens):  # decode: one slot per request
+            row_idx, col_idx = torch.tensor(rows, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64)
+        else:
+            lens_np = np.asarray(lens, dtype=np.int64)
+            row_np = np.repeat(np.asarray(rows, dtype=np.int64), lens_np)
+            seg_start = np.cumsum(lens_np) - lens_np
+            col_np = np.arange(int(lens_np.sum()), dtype=np.int64) - np.repeat(seg_start - np.asarray(
+                starts, dtype=np.int64), lens_np)
+            row_idx, col_idx = torch.from_numpy(row_np), torch.from_numpy(col_np)
         self.req_to_token_pool.write_batch(row_idx, col_idx, values)
 
     # ---------------------------------------------------------------- prefill

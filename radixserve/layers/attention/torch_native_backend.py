@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
 
 
+DECODE_GROUP_ELEMENTS = 1 << 22  # padded key positions × KV heads gathered per decode SDPA call
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, model_runner: ModelRunner) -> None:
         self.device = model_runner.device
@@ -66,7 +69,39 @@ class TorchNativeAttnBackend(AttentionBackend):
                             forward_batch.extend_prefix_lens_cpu)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
+        """One query per request: requests are attended in groups, each group as one padded SDPA call with a
+        key mask (a group holds at most DECODE_GROUP_ELEMENTS padded key positions × heads)."""
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)
-        bs = forward_batch.batch_size
-        return self._attend(q, layer, forward_batch, [1] * bs, [s - 1 for s in forward_batch.seq_lens_cpu])
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        h, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        q = q.view(-1, h, d)
+        out = torch.empty_like(q)
+        lens = forward_batch.seq_lens_cpu
+        rows = forward_batch.req_pool_indices
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        start = 0
+        while start < len(lens):
+            end, longest = start, 0
+            while end < len(lens) and max(longest, lens[end]) * (end + 1 - start) * hkv <= DECODE_GROUP_ELEMENTS \
+                    or end == start:
+                longest = max(longest, lens[end])
+                end += 1
+            n = end - start
+            slots = req_to_token[rows[start:end], :longest].long()  # [n, L]; columns past a length are ignored
+            seq = torch.tensor(lens[start:end], device=q.device)
+            mask = torch.arange(longest, device=q.device)[None, :] < seq[:, None]  # [n, L]
+            pad = ~mask
+            kk, vv = k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype)  # [n, L, Hkv, D]
+            if bool(pad.any()):  # whatever sits in the slots past a request's end must not leak in (0 × NaN)
+                kk[pad] = 0
+                vv[pad] = 0
+            kk, vv = kk.permute(0, 2, 1, 3), vv.permute(0, 2, 1, 3)  # [n, Hkv, L, D]
+            if h != hkv:
+                kk = kk.repeat_interleave(h // hkv, dim=1)
+                vv = vv.repeat_interleave(h // hkv, dim=1)
+            o = F.scaled_dot_product_attention(q[start:end].unsqueeze(2), kk, vv, attn_mask=mask[:, None, None, :],
+                                               scale=layer.scaling)  # [n, H, 1, D]
+            out[start:end] = o.squeeze(2)
+            start = end
+        return out.view(-1, h * d)
