@@ -87,7 +87,6 @@ class TorchNativeAttnBackend(AttentionBackend):
                     or end == start:
                 longest = max(longest, lens[end])
                 end += 1
-            n = end - start
             slots = req_to_token[rows[start:end], :longest].long()  # [n, L]; columns past a length are ignored
             seq = torch.tensor(lens[start:end], device=q.device)
             mask = torch.arange(longest, device=q.device)[None, :] < seq[:, None]  # [n, L]
