@@ -188,7 +188,8 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def abort_request(self, rid: str) -> None:
-        self.tokenizer_manager.abort_request(rid)
+        # the manager's sockets belong to the engine's event loop thread
+        self.loop.call_soon_threadsafe(self.tokenizer_manager.abort_request, rid)
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache())
