@@ -23,6 +23,7 @@ import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_utils import wait_healthy
 
 from radixserve.utils import free_port, kill_process_tree
 
@@ -56,18 +57,7 @@ def server(embedded_model_path: str, tmp_path_factory: pytest.TempPathFactory) -
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode} during start-up:\n{srv.log_tail()}")
-            try:
-                if httpx.get(srv.base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 240 s:\n{srv.log_tail()}")
-            time.sleep(0.5)
+        wait_healthy(srv.base, [proc], srv.log_tail)
         yield srv
     finally:
         if proc.poll() is None:

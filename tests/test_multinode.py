@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 from parallel_utils import make_model, reference_outputs
+from server_utils import wait_healthy
 
 from radixserve.utils import free_port, kill_process_tree
 
@@ -59,19 +60,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Nod
     node0 = _start_node(0, model, dist_port, http_port, log_dir)
     base = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            for n in (node0, node1):
-                if n.proc.poll() is not None:
-                    pytest.fail(f"a node exited with {n.proc.returncode} during start-up:\n{n.log()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"not healthy after 180 s:\n{node0.log()[-3000:]}\n{node1.log()[-3000:]}")
-            time.sleep(0.5)
+        wait_healthy(base, [node0.proc, node1.proc], lambda: f"{node0.log()[-3000:]}\n{node1.log()[-3000:]}",
+                     timeout=180)
         yield model, node0, node1, base
     finally:
         for n in (node0, node1):

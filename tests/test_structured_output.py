@@ -21,6 +21,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from server_utils import wait_healthy
 
 from radixserve.constrained import GrammarError, bitmask_to_vocab_mask, create_grammar_backend, validate_grammar
 from radixserve.managers import io_struct as io
@@ -487,18 +488,7 @@ def server(embedded_model_path: str, tmp_path_factory: pytest.TempPathFactory) -
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{open(log_path).read()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server not healthy after 240 s")
-            time.sleep(0.5)
+        wait_healthy(base, [proc], lambda: open(log_path).read()[-3000:])
         yield base
     finally:
         if proc.poll() is None:
