@@ -252,3 +252,21 @@ def test_requests_sharing_a_new_prefix_in_one_round_share_it(tiny_path) -> None:
     plain.step()
     assert plain.running_batch is None and len(plain.last_batch.reqs) == 2
     drain(plain)
+
+
+def test_prompt_logprobs_with_chunked_prefill(tiny_path) -> None:
+    """A request asking for prompt logprobs is prefilled whole even when chunking is on, so none are missing."""
+    prompt = list(range(50, 90))
+
+    def run_one(**kw) -> dict:
+        s = make_scheduler(tiny_path, **kw)
+        s.process_input_requests([io.TokenizedGenerateReqInput(
+            rid="p", input_text=None, input_ids=prompt,
+            sampling_params=SamplingParams.from_dict({"max_new_tokens": 3, "temperature": 0}),
+            return_logprob=True, logprob_start_len=0, top_logprobs_num=1)])
+        return drain(s)["p"]["meta"]
+
+    whole, chunked = run_one(), run_one(chunked_prefill_size=8)
+    assert len(chunked["input_token_logprobs"]) == len(prompt)
+    for (a, ta), (b, tb) in zip(whole["input_token_logprobs"], chunked["input_token_logprobs"], strict=True):
+        assert ta == tb and (a is None) == (b is None) and (a is None or abs(a - b) < 1e-5)

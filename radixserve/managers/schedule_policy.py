@@ -130,7 +130,9 @@ class PrefillAdder:
         lock_cost = _unlocked_path_size(req.last_node) if lock else 0
         if ext + lock_cost > self.rem_total:
             return False
-        if self.rem_chunk is None or ext <= self.rem_chunk:
+        # prompt logprobs need the whole prompt in one extend, so such a request is never chunked
+        whole = req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
+        if self.rem_chunk is None or ext <= self.rem_chunk or whole:
             if ext > self.rem_input and self.can_run:
                 return False
             if lock:
