@@ -161,3 +161,29 @@ def test_scheduler_finishes_on_stop_string_spanning_tokens(embedded_model_path) 
     out = drain(s)["c"]
     assert out["finish"] == {"type": "stop", "matched": "nine,"}
     assert "nine," in tok.decode(out["ids"]) and len(out["ids"]) < 30
+
+
+def test_grammar_complete_before_min_new_tokens_ends_as_stop(embedded_model_path) -> None:
+    """min_new_tokens holds EOS back while a regex is already complete: the request ends with the complete text
+    (finish_reason stop), not with an abort."""
+    import re
+    import time
+
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.managers.tokenizer_utils import get_tokenizer
+    from radixserve.server_args import ServerArgs
+
+    tok = get_tokenizer(embedded_model_path)
+    s = Scheduler(ServerArgs(model_path=embedded_model_path, max_total_tokens=2048), port_args={})
+    sp = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 12, "min_new_tokens": 6,
+                                   "regex": "(yes|no)"})
+    sp.normalize(tok)
+    s.process_input_requests([io.TokenizedGenerateReqInput(
+        rid="g", input_text=None, input_ids=tok.encode("Is the sky blue? Answer:"), sampling_params=sp)])
+    deadline = time.monotonic() + 60
+    while s.grammar_queue and time.monotonic() < deadline:  # the grammar compiles on a worker thread
+        s.step()
+        time.sleep(0.01)
+    out = drain(s)["g"]
+    assert out["finish"]["type"] == "stop", out["finish"]
+    assert re.fullmatch("(yes|no)", tok.decode(out["ids"], skip_special_tokens=True))

@@ -471,6 +471,16 @@ class Scheduler:
         if grammar.num_accepted != len(req.output_ids) - 1:
             grammar.sync_to(req.output_ids[:-1])
         if not grammar.accept_token(token):
+            if any(grammar.accept_token(e) for e in sorted(req.eos_token_ids)):
+                # The grammar was complete (only its end allowed) while min_new_tokens still held the end back,
+                # so nothing was allowed: drop the forced token and end with the complete output.
+                req.output_ids.pop()
+                if req.return_logprob and len(req.output_token_logprobs) > len(req.output_ids):
+                    req.output_token_logprobs.pop()
+                    if len(req.output_top_logprobs) > len(req.output_ids):
+                        req.output_top_logprobs.pop()
+                req.finished_reason = {"type": "stop", "matched": None}
+                return
             logger.warning("request %s: sampled token %d does not match its grammar", req.rid, token)
             req.finished_reason = {"type": "abort", "message": f"the sampled token {token} does not match the "
                                    "request's grammar"}
