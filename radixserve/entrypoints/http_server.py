@@ -35,14 +35,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import radixserve
 from radixserve.entrypoints.http_utils import (
-    SSE_DONE,
     ClientDisconnected,
-    SSEResponse,
     error_response,
     json_response,
     parse_model,
     read_json,
     sse_event,
+    stream_as_sse,
     until_disconnected,
 )
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
@@ -393,40 +392,11 @@ def _ensure_alive(state: ServerState) -> None:
 
 async def _native_stream(request: Request, obj: io.GenerateReqInput, with_text: bool,
                          tm: TokenizerManager) -> Response:
-    agen = tm.generate_request(obj)
-    try:
-        first = await until_disconnected(request, agen.__anext__())
-    except StopAsyncIteration:
-        first = None
-    except RequestError as e:
-        await agen.aclose()
-        raise from_request_error(e) from None
-    except BaseException:
-        await agen.aclose()
-        raise
+    async def render(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+        async for out in outputs:
+            yield sse_event(_native_output(out, with_text, tm))
 
-    async def body() -> AsyncIterator[bytes]:
-        ended = False
-        try:
-            if first is not None:
-                yield sse_event(_native_output(first, with_text, tm))
-                async for out in agen:
-                    yield sse_event(_native_output(out, with_text, tm))
-            ended = True
-        except RequestError as e:
-            ended = True
-            yield sse_event(from_request_error(e).body())
-        except Exception as e:
-            ended = True
-            logger.exception("error while streaming /generate")
-            yield sse_event(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
-        finally:
-            await agen.aclose()
-            if not ended and tm.metrics is not None:  # the client went away mid-stream
-                tm.metrics.observe_abort()
-        yield SSE_DONE
-
-    return SSEResponse(body())
+    return await stream_as_sse(request, tm, obj, render, from_request_error)
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -109,3 +110,60 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+
+def stream_as_sse(request: Request, tm: Any, obj: Any,
+                  render: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
+                  to_error: Callable[[Exception], APIError]) -> Awaitable[Response]:
+    """Start `obj` on the tokenizer manager and wait for its first output (so bad input and overload are plain HTTP
+    errors), then stream `render(outputs)` as server-sent events ending in [DONE]; a later error is an error event.
+    A client that leaves mid-stream closes the generator, which aborts the request."""
+    from radixserve.managers.tokenizer_manager import RequestError
+
+    async def start() -> Response:
+        agen = tm.generate_request(obj)
+        try:
+            first = await until_disconnected(request, agen.__anext__())
+        except StopAsyncIteration:
+            first = None
+        except RequestError as e:
+            await agen.aclose()
+            raise to_error(e) from None
+        except BaseException:
+            await agen.aclose()
+            raise
+
+        async def outputs() -> AsyncIterator[dict[str, Any]]:
+            if first is not None:
+                yield first
+                async for o in agen:
+                    yield o
+
+        async def body() -> AsyncIterator[bytes]:
+            ended = False
+            try:
+                async for chunk in render(outputs()):
+                    yield chunk
+                ended = True
+            except RequestError as e:
+                ended = True
+                yield sse_event(to_error(e).body())
+            except APIError as e:
+                ended = True
+                yield sse_event(e.body())
+            except Exception as e:  # an engine bug must still end the stream cleanly
+                ended = True
+                _logger.exception("error while streaming request %s", getattr(obj, "rid", None))
+                yield sse_event(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
+            finally:
+                await agen.aclose()
+                if not ended and tm.metrics is not None:  # the client went away mid-stream
+                    tm.metrics.observe_abort()
+            yield SSE_DONE
+
+        return SSEResponse(body())
+
+    return start()
+
+
+_logger = logging.getLogger(__name__)

@@ -15,10 +15,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import (
-    SSE_DONE,
-    SSEResponse,
     json_response,
-    sse_event,
+    stream_as_sse,
     until_disconnected,
 )
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
@@ -198,47 +196,8 @@ class OpenAIServingBase:
                      render: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]]) -> Response:
         """Start the request and wait for its first output (so bad input and overload are plain HTTP errors),
         then stream `render(outputs)` as server-sent events ending in [DONE]; a later error is an error event."""
-        agen = self.tm.generate_request(obj)
-        try:
-            first = await until_disconnected(request, agen.__anext__())
-        except StopAsyncIteration:
-            first = None
-        except RequestError as e:
-            await agen.aclose()
-            raise from_request_error(e, prompt_param=prompt_param, openai=True) from None
-        except BaseException:
-            await agen.aclose()
-            raise
-
-        async def outputs() -> AsyncIterator[dict[str, Any]]:
-            if first is not None:
-                yield first
-                async for o in agen:
-                    yield o
-
-        async def body() -> AsyncIterator[bytes]:
-            ended = False
-            try:
-                async for chunk in render(outputs()):
-                    yield chunk
-                ended = True
-            except RequestError as e:
-                ended = True
-                yield sse_event(from_request_error(e, prompt_param=prompt_param, openai=True).body())
-            except APIError as e:
-                ended = True
-                yield sse_event(e.body())
-            except Exception as e:  # an engine bug must still end the stream cleanly
-                ended = True
-                logger.exception("error while streaming %s", obj.rid)
-                yield sse_event(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
-            finally:
-                await agen.aclose()
-                if not ended and self.tm.metrics is not None:  # the client went away mid-stream
-                    self.tm.metrics.observe_abort()
-            yield SSE_DONE
-
-        return SSEResponse(body())
+        return await stream_as_sse(request, self.tm, obj, render,
+                                   lambda e: from_request_error(e, prompt_param=prompt_param, openai=True))
 
     def base_response(self, rid: str, obj_type: str) -> dict[str, Any]:
         return {"id": f"{self.object_prefix}-{rid}", "object": obj_type, "created": int(time.time()),
