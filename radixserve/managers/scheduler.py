@@ -18,7 +18,9 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.managers import io_struct as io
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
-from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.managers.scheduler_grammar import SchedulerGrammarMixin
+from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -34,7 +36,7 @@ IN_BATCH_PREFIX_LEN = 32  # prompt head length compared for in-batch prefix shar
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler:
+class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
     def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tp_rank: int = 0, gpu_id: int = 0) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
@@ -239,37 +241,6 @@ class Scheduler:
             return
         self.waiting_queue.append(req)
 
-    def move_ready_grammar_reqs(self) -> None:
-        """Requests whose grammar is compiled go to the waiting queue (in arrival order); an invalid grammar is a
-        400 for its request alone. With --tp-size > 1 rank 0 decides which are ready (the compile threads of the
-        ranks finish at different times) and the other ranks wait for those, so every rank admits the same."""
-        if not self.grammar_queue:
-            return
-        ready = {id(r) for r in self.grammar_queue if r.grammar_future.done()}
-        if self.tp_size > 1:
-            from radixserve.distributed.parallel_state import broadcast_pyobj
-
-            ready_rids = broadcast_pyobj([r.rid for r in self.grammar_queue if id(r) in ready]
-                                         if self.tp_rank == 0 else None)
-            ready = {id(r) for r in self.grammar_queue if r.rid in set(ready_rids)}
-        if not ready:
-            return
-        keep = []
-        for req in self.grammar_queue:
-            if id(req) not in ready:
-                keep.append(req)
-                continue
-            try:
-                template = req.grammar_future.result()
-            except Exception as e:  # GrammarError: a bad schema / regex / EBNF
-                self.send_abort(req.rid, str(e), status=400)
-                continue
-            finally:
-                req.grammar_future = None
-            req.grammar = template.copy()
-            self.waiting_queue.append(req)
-        self.grammar_queue = keep
-
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         for i, req in enumerate(self.grammar_queue):
             if req.rid == rid:
@@ -449,132 +420,6 @@ class Scheduler:
                 req.pending_token = (bid, slot)
         return view, bid
 
-    def build_grammar_bitmask(self, reqs: list[Req]) -> torch.Tensor | None:
-        """The packed token bitmask of one step: a row per request, filled by the matchers of unfinished
-        constrained requests, every token allowed in the other rows. None when no row is constrained."""
-        rows = [(i, r) for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()]
-        if not rows:
-            return None
-        mask = self.grammar_backend.allocate_vocab_mask(len(reqs))
-        for i, req in rows:
-            grammar = req.grammar
-            if grammar.num_accepted != len(req.output_ids) and not grammar.sync_to(req.output_ids):
-                req.to_abort = "the output no longer matches the request's grammar"
-                continue
-            if not grammar.is_terminated():
-                grammar.fill_vocab_mask(mask, i)
-        return mask
-
-    def _advance_grammar(self, req: Req, token: int) -> None:
-        """Feed the sampled token (already in output_ids) to the request's matcher; a complete grammar ends it."""
-        grammar = req.grammar
-        if grammar.num_accepted != len(req.output_ids) - 1:
-            grammar.sync_to(req.output_ids[:-1])
-        if not grammar.accept_token(token):
-            if any(grammar.accept_token(e) for e in sorted(req.eos_token_ids)):
-                # The grammar was complete (only its end allowed) while min_new_tokens still held the end back,
-                # so nothing was allowed: drop the forced token and end with the complete output.
-                req.output_ids.pop()
-                if req.return_logprob and len(req.output_token_logprobs) > len(req.output_ids):
-                    req.output_token_logprobs.pop()
-                    if len(req.output_top_logprobs) > len(req.output_ids):
-                        req.output_top_logprobs.pop()
-                req.finished_reason = {"type": "stop", "matched": None}
-                return
-            logger.warning("request %s: sampled token %d does not match its grammar", req.rid, token)
-            req.finished_reason = {"type": "abort", "message": f"the sampled token {token} does not match the "
-                                   "request's grammar"}
-        elif grammar.is_terminated():
-            req.finished_reason = {"type": "stop", "matched": token if token in req.eos_token_ids else None}
-
-    def process_batch_result(self, batch: SimpleNamespace, result: GenerationBatchResult | int) -> None:
-        if not isinstance(result, GenerationBatchResult):
-            result = self.worker_client.resolve_batch_result()
-        logits_output, next_token_ids = result.logits_output, result.next_token_ids
-        for req in batch.reqs:
-            if req.pending_token is not None and req.pending_token[0] == batch.bid:
-                req.pending_token = None
-        next_ids = next_token_ids.tolist()
-        want_lp = batch.return_logprob
-        lp = logits_output.next_token_logprobs.tolist() if want_lp and logits_output.next_token_logprobs is not None \
-            else None
-        for i, req in enumerate(batch.reqs):
-            if req is batch.chunked_req:
-                continue  # a middle chunk: no token is sampled (it is cached when its next chunk is scheduled)
-            if req.finished():
-                continue
-            if batch.forward_mode.is_extend():
-                self._record_input_logprobs(req, logits_output, i)
-            if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
-                req.finished_reason = {"type": "length", "length": 0}
-            else:
-                req.output_ids.append(next_ids[i])
-                if req.return_logprob and lp is not None:
-                    req.output_token_logprobs.append((lp[i], next_ids[i]))
-                    if req.top_logprobs_num:
-                        vals = logits_output.next_token_top_logprobs_val[i]
-                        idx = logits_output.next_token_top_logprobs_idx[i]
-                        req.output_top_logprobs.append(list(zip(_tolist(vals), _tolist(idx), strict=True)))
-                if req.grammar is not None:
-                    self._advance_grammar(req, next_ids[i])
-                req.check_finished(self.tokenizer)
-            if req.to_abort is not None and not req.finished():
-                req.finished_reason = {"type": "abort", "message": req.to_abort}
-            if req.finished():
-                self.tree_cache.cache_finished_req(req)
-            elif batch.forward_mode.is_extend() and (not batch.forward_mode.is_mixed() or i < batch.n_prefill):
-                self.tree_cache.cache_unfinished_req(req)
-        self.stream_output(batch.reqs)
-
-    def _record_input_logprobs(self, req: Req, logits_output: Any, i: int) -> None:
-        vals = logits_output.input_token_logprobs
-        if vals is None or i >= len(vals) or vals[i] is None:
-            return
-        start = req.logprob_start_len
-        ids = req.origin_input_ids
-        lps = _tolist(vals[i])
-        # the first token at logprob_start_len has no logprob (nothing precedes it within the computed range)
-        entries: list[tuple[float | None, int]] = [(None, ids[start])] if start < len(ids) else []
-        entries += [(v, ids[start + 1 + j]) for j, v in enumerate(lps)]
-        req.input_token_logprobs = entries
-        if req.top_logprobs_num and logits_output.input_top_logprobs_val[i] is not None:
-            tv = _tolist(logits_output.input_top_logprobs_val[i])
-            ti = _tolist(logits_output.input_top_logprobs_idx[i])
-            req.input_top_logprobs = [None] + [list(zip(a, b, strict=True)) for a, b in zip(tv, ti, strict=True)]
-
-    # ================================================================= output
-    def stream_output(self, reqs: list[Req]) -> None:
-        out = io.BatchTokenIDOut([], [], [], [], [], [], [], [])
-        interval = self.server_args.stream_interval
-        for req in reqs:
-            if not req.finished() and not (req.stream and (len(req.output_ids) - req.sent_offset) >= interval):
-                continue
-            if req.finished() and req.sent_offset < 0:  # already sent its end
-                continue
-            new_ids = req.output_ids[req.sent_offset:]
-            meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids),
-                                    "completion_tokens": len(req.output_ids),
-                                    "cached_tokens": req.cached_tokens}
-            if req.return_logprob:
-                meta["output_token_logprobs"] = req.output_token_logprobs[req.sent_logprob_offset:]
-                meta["output_top_logprobs"] = req.output_top_logprobs[req.sent_logprob_offset:]
-                if req.sent_logprob_offset == 0 and req.input_token_logprobs is not None:
-                    meta["input_token_logprobs"] = req.input_token_logprobs
-                    meta["input_top_logprobs"] = req.input_top_logprobs
-                req.sent_logprob_offset = len(req.output_token_logprobs)
-            out.rids.append(req.rid)
-            out.new_token_ids.append(new_ids)
-            out.finished_reasons.append(req.finished_reason)
-            out.meta_infos.append(meta)
-            sp = req.sampling_params
-            out.skip_special_tokens.append(sp.skip_special_tokens)
-            out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
-            out.no_stop_trim.append(sp.no_stop_trim)
-            out.stop_strs.append(req.stop_strs)
-            req.sent_offset = len(req.output_ids) if not req.finished() else -1
-        if out.rids:
-            self.send_out(out)
-
     # ================================================================= idle, state, cache
     def on_idle(self) -> None:
         if self.is_idle():
@@ -637,10 +482,6 @@ class Scheduler:
                                 max_running_requests=self.max_running_requests, context_len=self.context_len,
                                 vocab_size=self.vocab_size, device=str(self.device), dtype=str(mr.dtype),
                                 attention_backend=type(mr.attn_backend).__name__)
-
-
-def _tolist(x: Any) -> list:
-    return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp_rank: int, gpu_id: int,
