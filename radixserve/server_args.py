@@ -57,7 +57,6 @@ class ServerArgs:
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
     attention_backend: str | None = _flag("Attention backend (default triton on CUDA, torch_native on CPU)",
                                           choices=ATTENTION_BACKENDS)
-    sampling_backend: str = _flag("Sampler implementation", default="pytorch", choices=("pytorch",))
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int = _flag("Largest captured decode batch", default=160)
@@ -148,6 +147,8 @@ class ServerArgs:
             raise ValueError("--schedule-conservativeness must be > 0")
         if self.model_path is not None and self.load_format != "dummy" and not os.path.exists(self.model_path):
             raise ValueError(f"--model-path {self.model_path!r} does not exist")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         if self.revision:
             raise ValueError("--revision is not supported: models are loaded from local folders only")
 

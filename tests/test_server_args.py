@@ -43,3 +43,18 @@ def test_argparse_rejects_bad_choice(capsys) -> None:
     with pytest.raises(SystemExit):
         prepare_server_args(["--attention-backend", "flash"])
     assert "--attention-backend" in capsys.readouterr().err
+
+
+def test_chat_template_file_overrides_the_tokenizers(embedded_model_path, tmp_path) -> None:
+    from radixserve import Engine
+
+    bad = tmp_path / "missing.jinja"
+    with pytest.raises(ValueError, match="--chat-template"):
+        ServerArgs(chat_template=str(bad))
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    with Engine(model_path=embedded_model_path, max_total_tokens=512, chat_template=str(template),
+                log_requests=True, log_level="warning") as e:
+        tok = e.tokenizer_manager.tokenizer
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<<hi>>"
+        assert e.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2

@@ -119,6 +119,9 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
         EngineProcesses(procs, ipc_dir).shutdown()
         raise
     tokenizer = get_tokenizer(tokenizer_path) if tokenizer_path else None
+    if tokenizer is not None and server_args.chat_template is not None:
+        with open(server_args.chat_template, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()  # used by /v1/chat/completions
     tm = TokenizerManager(server_args, port_args, tokenizer, info.context_len, info.vocab_size, info)
     tm.model_config = model_config
     tm.processes = EngineProcesses(procs, ipc_dir)

@@ -242,6 +242,9 @@ class TokenizerManager:
         self._ensure_loop()
         state = ReqState()
         self.rid_to_state[req.rid] = state
+        if self.server_args.log_requests:
+            logger.info("request %s: %d prompt tokens, max_new_tokens=%d", req.rid, len(req.input_ids),
+                        req.sampling_params.max_new_tokens)
         try:
             self.send_to_scheduler.send_pyobj(req)
             while True:
@@ -250,6 +253,8 @@ class TokenizerManager:
                 out = self._make_output(req, state)
                 if state.finished:
                     reason = state.meta.get("finish_reason") or {}
+                    if self.server_args.log_requests:
+                        logger.info("request %s finished: %d tokens, %s", req.rid, len(state.output_ids), reason)
                     if reason.get("type") == "abort" and reason.get("status_code"):
                         raise RequestError(reason.get("message", "aborted"), reason["status_code"])
                     if self.metrics is not None:
