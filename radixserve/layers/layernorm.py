@@ -1,9 +1,11 @@
-"""RMSNorm, optionally fused with the residual add."""
+"""RMSNorm, optionally fused with the residual add (one Triton kernel on CUDA, torch ops elsewhere)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from radixserve.layers.triton_ops import use_fused
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +22,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_fused(x) and x.dim() == 2 and x.stride(-1) == 1:
+            from radixserve.layers.triton_ops.norm import fused_add_rmsnorm, rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.layers.triton_ops import use_fused
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
@@ -44,7 +46,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes."""
+        """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes. On CUDA q and k are rotated in place
+        (they may be views into the qkv projection) and returned."""
+        if use_fused(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from radixserve.layers.triton_ops.rotary import apply_rotary_inplace
+
+            apply_rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1)
 

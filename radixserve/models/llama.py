@@ -73,7 +73,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v.contiguous(), forward_batch)
+        out = self.attn(q, k, v, forward_batch)
         return self.o_proj(out)
 
 

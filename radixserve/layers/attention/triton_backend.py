@@ -16,6 +16,8 @@ import torch
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
 from radixserve.layers.attention.triton_ops.decode_attention import decode_attention_fwd, is_interpreted, kv_split_cap
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+from radixserve.layers.triton_ops import use_fused
+from radixserve.layers.triton_ops.kv_store import store_kv
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -174,6 +176,10 @@ class TritonAttnBackend(AttentionBackend):
 
     def _save_kv(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                  forward_batch: ForwardBatch) -> None:
+        if use_fused(k):  # one kernel for K and V, reading them through their strides
+            k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+            return
         forward_batch.token_to_kv_pool.set_kv_buffer(
             layer.layer_id, forward_batch.out_cache_loc,
             k.reshape(-1, layer.tp_k_head_num, layer.head_dim), v.reshape(-1, layer.tp_v_head_num, layer.head_dim))
