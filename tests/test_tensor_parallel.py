@@ -160,3 +160,59 @@ def test_hung_rank_is_detected(llama_tp2) -> None:
         assert not engine.processes.alive()
     finally:
         os.kill(rank1.pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------- dummy weights under TP
+def _dummy_model(path: str, tp_rank: int, tp_size: int) -> torch.nn.Module:
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.model_loader import get_model
+
+    return get_model(ModelConfig(path, load_format="dummy"), load_format="dummy", dtype=torch.float32, device="cpu",
+                     tp_rank=tp_rank, tp_size=tp_size, seed=5)
+
+
+@pytest.mark.parametrize("kind,over", [("llama", dict(attention_bias=True, mlp_bias=True)),
+                                       ("qwen2", dict(num_key_value_heads=1, vocab_size=251))])
+def test_dummy_weights_do_not_depend_on_tp(kind: str, over: dict, tmp_path) -> None:
+    """Each TP=2 rank's dummy parameter is exactly its shard of the TP=1 dummy parameter: the full tensors are
+    generated whole (seeded by name) and narrowed by the weight loaders, as a checkpoint would be."""
+    from radixserve.model_loader.dummy import full_shards
+
+    path = make_model(kind, str(tmp_path), seed=4, **over)
+    full = dict(_dummy_model(path, 0, 1).named_parameters())
+    for rank in range(2):
+        sharded = _dummy_model(path, rank, 2)
+        modules = dict(sharded.named_modules())
+        for name, param in sharded.named_parameters():
+            mod_name, _, leaf = name.rpartition(".")
+            shards = full_shards(modules[mod_name], leaf, param)
+            want = torch.empty_like(param)
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                want.copy_(full[name])
+            else:  # the TP=1 parameter is the full tensors stacked (q/k/v, gate/up): split it, load each piece
+                pieces = full[name].split([shape[0] for _, shape in shards])
+                for (shard_id, _), piece in zip(shards, pieces, strict=True):
+                    loader(want, piece, shard_id)
+            assert torch.equal(param, want), (rank, name)
+
+
+def test_dummy_weights_tp2_logits_match_tp1(tmp_path) -> None:
+    """The same --load-format dummy model at TP=2 (gloo) and TP=1: prompt logprobs equal to float32 rounding and
+    the same greedy tokens (before the fix each rank drew its own random shard: a different model)."""
+    path = make_model("llama", str(tmp_path), seed=6)
+    prompts = [[1, 5, 9, 33, 2], list(range(40, 90))]
+    kw = dict(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 8}, return_logprob=True,
+              logprob_start_len=0, top_logprobs_num=3)
+    outs = []
+    for tp in (1, 2):
+        with Engine(model_path=path, tp_size=tp, load_format="dummy", random_seed=11, **SERVER_KW) as engine:
+            outs.append(engine.generate(**kw))
+    for one, two in zip(*outs, strict=True):
+        assert two["output_ids"] == one["output_ids"]
+        lp1 = [lp for lp, _ in one["meta_info"]["input_token_logprobs"][1:]]
+        lp2 = [lp for lp, _ in two["meta_info"]["input_token_logprobs"][1:]]
+        assert lp2 == pytest.approx(lp1, abs=1e-4)
+        out1 = [lp for lp, _ in one["meta_info"]["output_token_logprobs"]]
+        out2 = [lp for lp, _ in two["meta_info"]["output_token_logprobs"]]
+        assert out2 == pytest.approx(out1, abs=1e-4)
