@@ -2,6 +2,7 @@
 
     python -m radixserve.bench_one_batch --batch-size 1 8 --input-len 64 --output-len 32
     python -m radixserve.bench_one_batch --correctness-test          # decode real prompts, print the text
+    python -m radixserve.bench_one_batch --tp-size 2 --batch-size 1  # one process per rank; rank 0 reports
 
 Prints prefill latency, median decode step latency and throughput per batch size, and writes JSON."""
 
@@ -11,7 +12,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -100,7 +103,7 @@ def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_le
     return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
             "prefill_latency_s": prefill, "prefill_tok_s": batch_size * input_len / prefill,
             "median_decode_s": med, "decode_tok_s": batch_size / med if steps else None,
-            "total_latency_s": prefill + sum(steps)}
+            "total_latency_s": prefill + sum(steps), "tp_size": runner.tp_size}
 
 
 def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) -> float:
@@ -150,7 +153,30 @@ def correctness_test(runner: ModelRunner, tokenizer: Any, output_len: int) -> li
     return texts
 
 
-def main(argv: list[str] | None = None) -> None:
+def _rank_main(tp_rank: int, argv: list[str]) -> None:
+    from radixserve.distributed import parallel_state
+
+    main(argv, tp_rank)
+    if parallel_state.model_parallel_is_initialized():  # leave together: a rank gone early aborts the others
+        torch.distributed.barrier(group=parallel_state.get_tp_cpu_group())
+        parallel_state.destroy_model_parallel()
+
+
+def spawn_ranks(argv: list[str] | None, server_args: ServerArgs) -> None:
+    """Run this benchmark in one process per TP rank (torch.multiprocessing, spawn): every rank runs the same
+    batches (same seeded prompts, greedy), rank 0 prints and writes the JSON. Raises if a rank fails."""
+    import torch.multiprocessing as torch_mp
+
+    from radixserve.utils import free_port
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv += ["--model-path", str(server_args.model_path)]  # resolved once, here
+    if not server_args.dist_init_addr:
+        argv += ["--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    torch_mp.spawn(_rank_main, args=(argv,), nprocs=server_args.tp_size, join=True)
+
+
+def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
@@ -166,9 +192,17 @@ def main(argv: list[str] | None = None) -> None:
     from radixserve.entrypoints.engine import resolve_model
 
     model_config = resolve_model(server_args)
+    if server_args.tp_size > 1 and tp_rank is None:
+        spawn_ranks(argv, server_args)
+        return
+    tp_rank = tp_rank or 0
+    if tp_rank > 0:  # the other ranks run the same batches silently
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        args.result_file = os.devnull
     if server_args.max_running_requests is None:
         server_args.max_running_requests = max(args.batch_size)
-    runner = ModelRunner(model_config, server_args)
+    runner = ModelRunner(model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size,
+                         gpu_id=server_args.base_gpu_id + tp_rank)
     if args.correctness_test:
         from radixserve.managers.tokenizer_utils import get_tokenizer
 

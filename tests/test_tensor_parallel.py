@@ -216,3 +216,19 @@ def test_dummy_weights_tp2_logits_match_tp1(tmp_path) -> None:
         out1 = [lp for lp, _ in one["meta_info"]["output_token_logprobs"]]
         out2 = [lp for lp, _ in two["meta_info"]["output_token_logprobs"]]
         assert out2 == pytest.approx(out1, abs=1e-4)
+
+
+def test_bench_one_batch_tp2(tmp_path) -> None:
+    """bench_one_batch --tp-size 2 spawns one process per rank (gloo here); rank 0 alone writes the JSON."""
+    import json
+
+    from radixserve import bench_one_batch
+
+    path = make_model("llama", str(tmp_path / "model"), seed=7)
+    out = tmp_path / "one_batch.json"
+    bench_one_batch.main(["--model-path", path, "--load-format", "dummy", "--tp-size", "2", "--device", "cpu",
+                          "--batch-size", "1", "3", "--input-len", "8", "--output-len", "4", "--log-level", "warning",
+                          "--result-file", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in results] == [1, 3] and all(r["tp_size"] == 2 for r in results)
+    assert all(r["decode_tok_s"] > 0 for r in results)
