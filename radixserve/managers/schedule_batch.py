@@ -94,29 +94,30 @@ class Req:
 
     # ---------------------------------------------------------------- finishing
     def check_finished(self, tokenizer: Any = None) -> None:
-        if self.finished():
+        if self.finished_reason is not None:
             return
         if self.to_abort is not None:
             self.finished_reason = {"type": "abort", "message": self.to_abort}
             return
         sp = self.sampling_params
-        if len(self.output_ids) >= sp.max_new_tokens:
+        out = self.output_ids
+        n = len(out)
+        if n >= sp.max_new_tokens:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
             return
-        if not self.output_ids:
+        if not n or n < sp.min_new_tokens:
             return
-        last = self.output_ids[-1]
-        if len(self.output_ids) >= sp.min_new_tokens:
-            if (not sp.ignore_eos and last in self.eos_token_ids) or last in (sp.stop_token_ids or ()):
-                self.finished_reason = {"type": "stop", "matched": last}
-                return
-            if self.stop_strs and tokenizer is not None:
-                n = max(1, getattr(sp, "stop_str_max_len", 8)) + 2
-                tail = tokenizer.decode(self.output_ids[-n:], skip_special_tokens=sp.skip_special_tokens)
-                for s in self.stop_strs:
-                    if s in tail:
-                        self.finished_reason = {"type": "stop", "matched": s}
-                        return
+        last = out[-1]
+        if (not sp.ignore_eos and last in self.eos_token_ids) or (sp.stop_token_ids and last in sp.stop_token_ids):
+            self.finished_reason = {"type": "stop", "matched": last}
+            return
+        if self.stop_strs and tokenizer is not None:
+            m = max(1, getattr(sp, "stop_str_max_len", 8)) + 2
+            tail = tokenizer.decode(out[-m:], skip_special_tokens=sp.skip_special_tokens)
+            for s in self.stop_strs:
+                if s in tail:
+                    self.finished_reason = {"type": "stop", "matched": s}
+                    return
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
@@ -139,6 +140,8 @@ class ModelWorkerBatch:
     sampling_info: DeferredSamplingInfo | None
     sampling_ops: list  # operations on sampling_info recorded since the last batch (replayed by the worker)
     req_to_token_writes: list  # queued writes to the device request table (applied by the worker)
+    # decode: the positions (seq_lens - 1) when the scheduler already has them (the worker computes them otherwise)
+    positions: torch.Tensor | None = None
     # structured output: packed int32 token bitmask [bs, ceil(vocab/32)] (bit set = allowed), rows in batch order;
     # set by the scheduler for batches with constrained requests, unpacked into sampling_info.vocab_mask
     grammar_bitmask: torch.Tensor | None = None
@@ -162,6 +165,9 @@ class ScheduleBatch:
         self.extend_lens: list[int] = []
         self.decoding_reqs: list[Req] | None = None  # for MIXED: the running requests riding along
         self.sampling_info: DeferredSamplingInfo | None = None
+        # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
+        self.seq_lens_list: list[int] | None = None
+        self.positions: torch.Tensor | None = None  # decode only
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -228,7 +234,9 @@ class ScheduleBatch:
                 r._admitted = True
         self.input_ids = torch.tensor(input_ids, dtype=torch.int64)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        self.seq_lens = torch.tensor([len(r.fill_ids) for r in reqs], dtype=torch.int64)
+        self.seq_lens_list = [len(r.fill_ids) for r in reqs]
+        self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int64)
+        self.positions = None
         self.sampling_info = DeferredSamplingInfo(reqs, self.device, self.vocab_size)
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
@@ -242,6 +250,8 @@ class ScheduleBatch:
         self.prefix_lens += [r.seqlen - 1 for r in running.reqs]
         self.extend_lens += [1] * len(running.reqs)
         self.reqs = self.reqs + running.reqs
+        self.seq_lens_list = None
+        self.positions = None
         self.decoding_reqs = running.reqs
         self.sampling_info.merge_batch(running.sampling_info)
         self.forward_mode = ForwardMode.MIXED
@@ -249,18 +259,32 @@ class ScheduleBatch:
 
     # ---------------------------------------------------------------- decode
     def prepare_for_decode(self, write_only: bool = False) -> None:
-        """One new token per request: its input is the last sampled token."""
+        """One new token per request: its input is the last sampled token (or -(future slot) while in flight)."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
-        self.input_ids = torch.tensor([r.last_token_ref() for r in reqs], dtype=torch.int64)
         self.out_cache_loc = self.alloc_token_slots(len(reqs))
-        seq_lens = [r.seqlen for r in reqs]
-        self._write_req_to_token([r.req_pool_idx for r in reqs], [n - 1 for n in seq_lens], [1] * len(reqs),
-                                 self.out_cache_loc)
-        for r, n in zip(reqs, seq_lens, strict=True):
+        # one pass over the requests, one tensor for the three per-request columns (this runs every step)
+        ids: list[int] = []
+        rows: list[int] = []
+        lens: list[int] = []
+        for r in reqs:
+            out = r.output_ids
+            n = len(r.origin_input_ids) + len(out)  # == r.seqlen
+            pending = r.pending_token
+            if pending is None:
+                ids.append(out[-1])
+            else:
+                ids.append(-pending[1])
+                n += 1
+            rows.append(r.req_pool_idx)
+            lens.append(n)
             r.kv_committed_len = n
-        self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        host = torch.tensor([ids, rows, lens], dtype=torch.int64)
+        self.input_ids, self.req_pool_indices, self.seq_lens = host[0], host[1], host[2]
+        self.seq_lens_list = lens
+        # the new token's KV slot goes at position seq_len - 1 of each row; that is also its position
+        self.positions = self.seq_lens - 1
+        self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc)
 
     def check_decode_mem(self) -> bool:
         need = len(self.reqs)
@@ -318,10 +342,13 @@ class ScheduleBatch:
     # ---------------------------------------------------------------- batch surgery
     def filter_batch(self, keep_indices: list[int] | None = None, chunked_req: Req | None = None) -> None:
         if keep_indices is None:
-            keep_indices = [i for i, r in enumerate(self.reqs) if not r.finished() and r is not chunked_req]
+            keep_indices = [i for i, r in enumerate(self.reqs)
+                            if r.finished_reason is None and r is not chunked_req]  # not r.finished()
         if len(keep_indices) == len(self.reqs):
             return
         self.reqs = [self.reqs[i] for i in keep_indices]
+        self.seq_lens_list = None
+        self.positions = None
         idx = torch.tensor(keep_indices, dtype=torch.int64)
         if len(self.req_pool_indices):
             self.req_pool_indices = self.req_pool_indices[idx]
@@ -333,14 +360,17 @@ class ScheduleBatch:
         if self.sampling_info is not None and other.sampling_info is not None:
             self.sampling_info.merge_batch(other.sampling_info)
         self.reqs = self.reqs + other.reqs
+        self.seq_lens_list = None
+        self.positions = None
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
 
     # ---------------------------------------------------------------- hand-off to the worker
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         extend = self.forward_mode.is_extend()
+        return_logprob = self.return_logprob
         logprob_starts = None
-        if extend and self.return_logprob:
+        if extend and return_logprob:
             logprob_starts = []
             for r, pre in zip(self.reqs, self.prefix_lens, strict=False):
                 if r.return_logprob and r.logprob_start_len >= 0 and r.input_token_logprobs is None \
@@ -349,7 +379,7 @@ class ScheduleBatch:
                 else:
                     logprob_starts.append(None)
             logprob_starts += [None] * (len(self.reqs) - len(logprob_starts))
-        seq_lens_cpu = self.seq_lens.tolist()
+        seq_lens_cpu = self.seq_lens_list if self.seq_lens_list is not None else self.seq_lens.tolist()
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -360,10 +390,13 @@ class ScheduleBatch:
             seq_lens_sum=sum(seq_lens_cpu),
             extend_seq_lens=list(self.extend_lens) if extend else None,
             extend_prefix_lens=list(self.prefix_lens) if extend else None,
-            return_logprob=self.return_logprob,
-            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
+            return_logprob=return_logprob,
+            # only read when logprobs are asked for (None: zeros)
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs] if return_logprob
+            else None,
             extend_logprob_start_lens_cpu=logprob_starts,
             sampling_info=self.sampling_info,
             sampling_ops=self.sampling_info.take_ops() if self.sampling_info is not None else [],
             req_to_token_writes=self.req_to_token_pool.take_pending_writes(),
+            positions=self.positions if self.forward_mode.is_decode() else None,
         )

@@ -402,21 +402,23 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
         self.forward_ct += 1
         self.last_step_time = time.monotonic()
         bid = self.forward_ct
-        view = SimpleNamespace(reqs=list(batch.reqs), forward_mode=batch.forward_mode, bid=bid,
-                               n_prefill=getattr(batch, "n_prefill", len(batch.reqs)),
-                               return_logprob=batch.return_logprob,
-                               chunked_req=self.chunked_req if self.chunked_req in batch.reqs else None)
         mwb = batch.get_model_worker_batch()
-        if self.grammar_backend is not None and any(r.grammar is not None for r in batch.reqs):
-            if self.result_queue and any(r.grammar is not None and r.pending_token is not None for r in batch.reqs):
+        reqs = batch.reqs
+        chunked_req = self.chunked_req
+        view = SimpleNamespace(reqs=list(reqs), forward_mode=batch.forward_mode, bid=bid,
+                               n_prefill=getattr(batch, "n_prefill", len(reqs)),
+                               return_logprob=mwb.return_logprob,
+                               chunked_req=chunked_req if chunked_req is not None and chunked_req in reqs else None)
+        if self.grammar_backend is not None and any(r.grammar is not None for r in reqs):
+            if self.result_queue and any(r.grammar is not None and r.pending_token is not None for r in reqs):
                 # overlap: this step's mask needs the in-flight tokens accepted first (only such batches wait)
                 self.flush_results()
-            mwb.grammar_bitmask = self.build_grammar_bitmask(batch.reqs)
+            mwb.grammar_bitmask = self.build_grammar_bitmask(reqs)
         if self.worker_client is None:
             return view, self.worker.forward_batch_generation(mwb)
-        slots = self.worker_client.forward_batch_generation(mwb).tolist()
-        for req, slot in zip(batch.reqs, slots, strict=True):
-            if req is not self.chunked_req and not req.finished():
+        slots = self.worker_client.forward_batch_generation(mwb)  # a range of future slots
+        for req, slot in zip(reqs, slots, strict=True):
+            if req is not chunked_req and req.finished_reason is None:  # not req.finished()
                 req.pending_token = (bid, slot)
         return view, bid
 

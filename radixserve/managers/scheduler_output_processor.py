@@ -16,39 +16,50 @@ class SchedulerOutputProcessorMixin:
         if not isinstance(result, GenerationBatchResult):
             result = self.worker_client.resolve_batch_result()
         logits_output, next_token_ids = result.logits_output, result.next_token_ids
+        bid = batch.bid
         for req in batch.reqs:
-            if req.pending_token is not None and req.pending_token[0] == batch.bid:
+            pending = req.pending_token
+            if pending is not None and pending[0] == bid:
                 req.pending_token = None
         next_ids = next_token_ids.tolist()
         want_lp = batch.return_logprob
         lp = logits_output.next_token_logprobs.tolist() if want_lp and logits_output.next_token_logprobs is not None \
             else None
+        # loop invariants hoisted: this loop runs once per request per step
+        mode = batch.forward_mode
+        extend = mode.is_extend()
+        mixed = mode.is_mixed()
+        n_prefill = batch.n_prefill
+        chunked_req = batch.chunked_req
+        tokenizer = self.tokenizer
+        tree_cache = self.tree_cache
         for i, req in enumerate(batch.reqs):
-            if req is batch.chunked_req:
+            if req is chunked_req:
                 continue  # a middle chunk: no token is sampled (it is cached when its next chunk is scheduled)
-            if req.finished():
+            if req.finished_reason is not None:  # req.finished()
                 continue
-            if batch.forward_mode.is_extend():
+            if extend:
                 self._record_input_logprobs(req, logits_output, i)
             if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
                 req.finished_reason = {"type": "length", "length": 0}
             else:
-                req.output_ids.append(next_ids[i])
-                if req.return_logprob and lp is not None:
-                    req.output_token_logprobs.append((lp[i], next_ids[i]))
+                tok = next_ids[i]
+                req.output_ids.append(tok)
+                if lp is not None and req.return_logprob:
+                    req.output_token_logprobs.append((lp[i], tok))
                     if req.top_logprobs_num:
                         vals = logits_output.next_token_top_logprobs_val[i]
                         idx = logits_output.next_token_top_logprobs_idx[i]
                         req.output_top_logprobs.append(list(zip(_tolist(vals), _tolist(idx), strict=True)))
                 if req.grammar is not None:
-                    self._advance_grammar(req, next_ids[i])
-                req.check_finished(self.tokenizer)
-            if req.to_abort is not None and not req.finished():
+                    self._advance_grammar(req, tok)
+                req.check_finished(tokenizer)
+            if req.to_abort is not None and req.finished_reason is None:
                 req.finished_reason = {"type": "abort", "message": req.to_abort}
-            if req.finished():
-                self.tree_cache.cache_finished_req(req)
-            elif batch.forward_mode.is_extend() and (not batch.forward_mode.is_mixed() or i < batch.n_prefill):
-                self.tree_cache.cache_unfinished_req(req)
+            if req.finished_reason is not None:
+                tree_cache.cache_finished_req(req)
+            elif extend and (not mixed or i < n_prefill):
+                tree_cache.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
 
     def _record_input_logprobs(self, req: Req, logits_output: Any, i: int) -> None:
@@ -69,16 +80,26 @@ class SchedulerOutputProcessorMixin:
 
     # ================================================================= output
     def stream_output(self, reqs: list[Req]) -> None:
-        out = io.BatchTokenIDOut([], [], [], [], [], [], [], [])
         interval = self.server_args.stream_interval
+        rids: list[str] = []
+        new_token_ids: list[list[int]] = []
+        finished_reasons: list[dict[str, Any] | None] = []
+        meta_infos: list[dict[str, Any]] = []
+        skip_special_tokens: list[bool] = []
+        spaces_between_special_tokens: list[bool] = []
+        no_stop_trim: list[bool] = []
+        stop_strs: list[list[str]] = []
         for req in reqs:
-            if not req.finished() and not (req.stream and (len(req.output_ids) - req.sent_offset) >= interval):
+            finished_reason = req.finished_reason
+            output_ids = req.output_ids
+            sent = req.sent_offset
+            if finished_reason is None:
+                if not (req.stream and (len(output_ids) - sent) >= interval):
+                    continue
+            elif sent < 0:  # already sent its end
                 continue
-            if req.finished() and req.sent_offset < 0:  # already sent its end
-                continue
-            new_ids = req.output_ids[req.sent_offset:]
             meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids),
-                                    "completion_tokens": len(req.output_ids),
+                                    "completion_tokens": len(output_ids),
                                     "cached_tokens": req.cached_tokens}
             if req.return_logprob:
                 meta["output_token_logprobs"] = req.output_token_logprobs[req.sent_logprob_offset:]
@@ -87,18 +108,19 @@ class SchedulerOutputProcessorMixin:
                     meta["input_token_logprobs"] = req.input_token_logprobs
                     meta["input_top_logprobs"] = req.input_top_logprobs
                 req.sent_logprob_offset = len(req.output_token_logprobs)
-            out.rids.append(req.rid)
-            out.new_token_ids.append(new_ids)
-            out.finished_reasons.append(req.finished_reason)
-            out.meta_infos.append(meta)
+            rids.append(req.rid)
+            new_token_ids.append(output_ids[sent:])
+            finished_reasons.append(finished_reason)
+            meta_infos.append(meta)
             sp = req.sampling_params
-            out.skip_special_tokens.append(sp.skip_special_tokens)
-            out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
-            out.no_stop_trim.append(sp.no_stop_trim)
-            out.stop_strs.append(req.stop_strs)
-            req.sent_offset = len(req.output_ids) if not req.finished() else -1
-        if out.rids:
-            self.send_out(out)
+            skip_special_tokens.append(sp.skip_special_tokens)
+            spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
+            no_stop_trim.append(sp.no_stop_trim)
+            stop_strs.append(req.stop_strs)
+            req.sent_offset = len(output_ids) if finished_reason is None else -1
+        if rids:
+            self.send_out(io.BatchTokenIDOut(rids, new_token_ids, finished_reasons, meta_infos, skip_special_tokens,
+                                             spaces_between_special_tokens, no_stop_trim, stop_strs))
 
 
 def _tolist(x: Any) -> list:

@@ -61,10 +61,13 @@ class TpModelWorker:
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool
 
     def forward_batch_generation(self, batch: ModelWorkerBatch,
-                                 future_slots: torch.Tensor | None = None) -> GenerationBatchResult:
+                                 future_slots: range | torch.Tensor | None = None) -> GenerationBatchResult:
         """Run one batch and, under overlap, publish its sampled ids into the future map."""
         result = run_model_worker_batch(self.model_runner, batch, self.future_token_ids_map)
-        if future_slots is not None:
+        if isinstance(future_slots, range) and future_slots.step == 1:
+            # consecutive slots: one slice copy on the device, no index tensor to build and upload
+            self.future_token_ids_map[future_slots.start:future_slots.stop] = result.next_token_ids
+        elif future_slots is not None:
             slots = future_slots.pin_memory() if self.model_runner.is_cuda else future_slots
             self.future_token_ids_map[slots.to(self.device, non_blocking=True)] = result.next_token_ids
         return result

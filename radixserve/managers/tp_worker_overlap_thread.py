@@ -2,8 +2,8 @@
 while batch N is on the device.
 
 The scheduler calls forward_batch_generation(batch): the batch is queued and the call returns at once with the
-future slots where its sampled ids will appear; later batches refer to those ids as -(slot). resolve_batch_result
-waits only for that batch's device-to-host copy."""
+future slots where its sampled ids will appear (a range: one batch's slots are consecutive); later batches refer to
+those ids as -(slot). resolve_batch_result waits only for that batch's device-to-host copy."""
 
 from __future__ import annotations
 
@@ -38,16 +38,16 @@ class TpModelWorkerClient:
     def get_memory_pool(self) -> tuple:
         return self.worker.get_memory_pool()
 
-    def _alloc_future_slots(self, n: int) -> torch.Tensor:
-        """Slots 1..size-1 of the ring (0 is never used, so -slot is always negative)."""
+    def _alloc_future_slots(self, n: int) -> range:
+        """n consecutive slots among 1..size-1 of the ring (0 is never used, so -slot is always negative)."""
         if self.future_ct + n >= self.future_size:
             self.future_ct = 0
         start = self.future_ct + 1
         self.future_ct += n
-        return torch.arange(start, start + n, dtype=torch.int64)
+        return range(start, start + n)
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> torch.Tensor:
-        """Queue `batch`; returns its future slots (CPU int64 [bs])."""
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> range:
+        """Queue `batch`; returns its future slots (consecutive, one per request)."""
         slots = self._alloc_future_slots(len(batch.seq_lens))
         self.input_queue.put((batch, slots))
         return slots

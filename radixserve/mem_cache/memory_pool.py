@@ -77,10 +77,12 @@ class ReqToTokenPool:
         """Apply queued writes to the device table, in order, as one indexed copy."""
         if not writes:
             return
-        rows = torch.cat([w[0] for w in writes])
-        cols = torch.cat([w[1] for w in writes])
-        vals = torch.cat([w[2] for w in writes])
-        if len(writes) > 1:
+        if len(writes) == 1:  # the usual case (one decode step): nothing to concatenate or de-duplicate
+            rows, cols, vals = writes[0]
+        else:
+            rows = torch.cat([w[0] for w in writes])
+            cols = torch.cat([w[1] for w in writes])
+            vals = torch.cat([w[2] for w in writes])
             # later writes to the same cell win: keep only the last occurrence of each cell
             key = rows * self.max_context_len + cols
             order = torch.arange(len(key))
@@ -89,12 +91,14 @@ class ReqToTokenPool:
             keep = last[key] == order
             rows, cols, vals = rows[keep], cols[keep], vals[keep]
         dev = self.req_to_token.device
-        pin = dev.type == "cuda"
-
-        def to_dev(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
-
-        self.req_to_token[to_dev(rows), to_dev(cols)] = to_dev(vals)
+        if dev.type == "cuda":
+            # one pinned buffer and one copy for the three columns (pinned: the copy is truly asynchronous)
+            n = len(rows)
+            host = torch.cat([rows, cols, vals.to(torch.int64)])
+            d = host.pin_memory().to(dev, non_blocking=True)
+            self.req_to_token[d[:n], d[n:2 * n]] = d[2 * n:].to(torch.int32)
+        else:
+            self.req_to_token[rows.to(dev), cols.to(dev)] = vals.to(dev)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """KV slots of tokens start..end-1 of request slot `row`, as a CPU int64 tensor (no device sync)."""

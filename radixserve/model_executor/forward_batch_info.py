@@ -70,27 +70,60 @@ class ForwardBatch:
                  sampling_info: SamplingBatchInfo | None = None,
                  future_map: torch.Tensor | None = None) -> ForwardBatch:
         device = model_runner.device
-        pin = model_runner.is_cuda
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            # pinned host memory makes the copy truly asynchronous (a pageable copy waits for the stream)
-            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
-
         mode = batch.forward_mode
-        seq_lens = dev(batch.seq_lens)
-        input_ids = dev(batch.input_ids)
-        if future_map is not None and (mode.is_decode() or mode.is_mixed()):
+        is_decode = mode.is_decode()
+        input_ids = batch.input_ids
+        # Every host tensor this batch needs on the device, in one list: on CUDA they travel as one pinned buffer
+        # and one copy (then split into views), instead of a pinned buffer and a copy each.
+        parts = [input_ids, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc]
+        n_refs = 0
+        if future_map is not None and (is_decode or mode.is_mixed()):
             # ids of tokens still in flight are -(slot in the future map): resolve them on the device
-            input_ids = torch.where(input_ids < 0, future_map[(-input_ids).clamp(min=0)], input_ids)
+            refs = input_ids.neg().clamp_(min=0)  # the slot, 0 for ids already known
+            n_refs = int(refs.count_nonzero())
+            if n_refs:
+                parts.append(refs)
+        positions = None
+        ext = pre = start = None
+        if is_decode or mode.is_idle():
+            positions = batch.positions
+            if positions is None:
+                positions = (batch.seq_lens - 1).clamp_(min=0)
+            parts.append(positions)
+        elif mode.is_extend():
+            ext = torch.tensor(batch.extend_seq_lens, dtype=torch.int64)
+            pre = torch.tensor(batch.extend_prefix_lens, dtype=torch.int64)
+            start = torch.zeros_like(ext)
+            if len(ext) > 1:
+                start[1:] = torch.cumsum(ext[:-1], 0)
+            # positions: prefix_len .. prefix_len + extend_len - 1 for each request
+            total = int(ext.sum())
+            offs = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(start, ext)
+            positions = offs + torch.repeat_interleave(pre, ext)
+            parts += [ext, pre, start, positions]
+        if model_runner.is_cuda:
+            host = torch.cat(parts)
+            # pinned host memory makes the copy truly asynchronous (a pageable copy waits for the stream)
+            on_dev = host.pin_memory().to(device, non_blocking=True).split([len(t) for t in parts])
+        else:
+            on_dev = parts
+        d_ids, d_rpi, d_seq_lens, d_out_loc = on_dev[:4]
+        rest = list(on_dev[4:])
+        if n_refs:
+            d_refs = rest.pop(0)
+            if n_refs == len(input_ids):  # every id is in flight (steady-state decode under overlap)
+                d_ids = future_map[d_refs]
+            else:
+                d_ids = torch.where(d_ids < 0, future_map[d_refs], d_ids)
         fb = cls(
             forward_mode=mode,
             batch_size=len(batch.seq_lens),
-            input_ids=input_ids,
-            req_pool_indices=dev(batch.req_pool_indices),
-            seq_lens=seq_lens,
-            out_cache_loc=dev(batch.out_cache_loc),
+            input_ids=d_ids,
+            req_pool_indices=d_rpi,
+            seq_lens=d_seq_lens,
+            out_cache_loc=d_out_loc,
             seq_lens_sum=batch.seq_lens_sum,
-            positions=None,  # type: ignore[arg-type]
+            positions=rest[-1] if positions is not None else None,  # type: ignore[arg-type]
             req_to_token_pool=model_runner.req_to_token_pool,
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,
@@ -100,20 +133,9 @@ class ForwardBatch:
             extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens_cpu,
             sampling_info=sampling_info,
         )
-        if mode.is_decode() or mode.is_idle():
-            fb.positions = (seq_lens - 1).clamp(min=0)
-        elif mode.is_extend():
-            ext = torch.tensor(batch.extend_seq_lens, dtype=torch.int64)
-            pre = torch.tensor(batch.extend_prefix_lens, dtype=torch.int64)
-            start = torch.zeros_like(ext)
-            if len(ext) > 1:
-                start[1:] = torch.cumsum(ext[:-1], 0)
-            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(ext), dev(pre), dev(start)
+        if ext is not None:
+            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[0], rest[1], rest[2]
             fb.extend_seq_lens_cpu = list(batch.extend_seq_lens)
             fb.extend_prefix_lens_cpu = list(batch.extend_prefix_lens)
-            # positions: prefix_len .. prefix_len + extend_len - 1 for each request
-            total = int(ext.sum())
-            offs = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(start, ext)
-            fb.positions = dev(offs + torch.repeat_interleave(pre, ext))
         model_runner.attn_backend.init_forward_metadata(fb)
         return fb
