@@ -71,8 +71,17 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
         after = engine.get_internal_state()
     hit = after["cache_hit_tokens"] - before["cache_hit_tokens"]
     prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
+    extra: dict[str, Any] = {"tp_size": server_args.tp_size, "dp_size": server_args.dp_size}
+    if "dp_routed" in after:  # DP: where the controller sent the timed requests, and each replica's hit rate
+        extra["load_balance_method"] = server_args.load_balance_method
+        extra["dp_routed"] = [a - b for a, b in zip(after["dp_routed"], before["dp_routed"], strict=True)]
+        extra["dp_cache_routed"] = after.get("dp_cache_routed", 0) - before.get("dp_cache_routed", 0)
+        extra["dp_cache_hit_rate"] = [
+            (a["cache_hit_tokens"] - b["cache_hit_tokens"])
+            / max(a["prompt_tokens_total"] - b["prompt_tokens_total"], 1)
+            for a, b in zip(after.get("dp_states", []), before.get("dp_states", []), strict=True)]
     return summarize("radixserve", reqs, [o["meta_info"]["completion_tokens"] for o in outs], elapsed,
-                     cache_hit_rate=hit / max(prompt, 1), retractions=after["num_retractions"])
+                     cache_hit_rate=hit / max(prompt, 1), retractions=after["num_retractions"], **extra)
 
 
 def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device: str, dtype: str,
@@ -158,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
         hit = f"{r['cache_hit_rate']:.3f}" if "cache_hit_rate" in r else "-"
         print(f"{r['engine']:<14} {r['requests_per_s']:>8.2f} {r['input_tok_s']:>10.1f} {r['output_tok_s']:>10.1f} "
               f"{r['elapsed_s']:>10.2f} {hit:>9}")
+    if "dp_routed" in results[0]:
+        r = results[0]
+        print(f"dp {r['dp_size']} x tp {r['tp_size']}, {r['load_balance_method']}: routed {r['dp_routed']} "
+              f"({r['dp_cache_routed']} to the replica holding their prefix), replica hit rates "
+              f"{', '.join(f'{h:.3f}' for h in r['dp_cache_hit_rate'])}")
     if len(results) == 2:
         print(f"output throughput ratio radixserve / transformers: "
               f"{results[0]['output_tok_s'] / results[1]['output_tok_s']:.2f}x")
