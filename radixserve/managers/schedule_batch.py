@@ -142,6 +142,8 @@ class ModelWorkerBatch:
     req_to_token_writes: list  # queued writes to the device request table (applied by the worker)
     # decode: the positions (seq_lens - 1) when the scheduler already has them (the worker computes them otherwise)
     positions: torch.Tensor | None = None
+    # decode: how many input ids are -(future slot) (None: unknown, the worker counts them)
+    num_future_refs: int | None = None
     # structured output: packed int32 token bitmask [bs, ceil(vocab/32)] (bit set = allowed), rows in batch order;
     # set by the scheduler for batches with constrained requests, unpacked into sampling_info.vocab_mask
     grammar_bitmask: torch.Tensor | None = None
@@ -168,6 +170,7 @@ class ScheduleBatch:
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
         self.seq_lens_list: list[int] | None = None
         self.positions: torch.Tensor | None = None  # decode only
+        self.num_future_refs: int | None = None  # decode only: input ids that refer to a token still in flight
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -252,6 +255,7 @@ class ScheduleBatch:
         self.reqs = self.reqs + running.reqs
         self.seq_lens_list = None
         self.positions = None
+        self.num_future_refs = None
         self.decoding_reqs = running.reqs
         self.sampling_info.merge_batch(running.sampling_info)
         self.forward_mode = ForwardMode.MIXED
@@ -267,6 +271,7 @@ class ScheduleBatch:
         ids: list[int] = []
         rows: list[int] = []
         lens: list[int] = []
+        num_pending = 0
         for r in reqs:
             out = r.output_ids
             n = len(r.origin_input_ids) + len(out)  # == r.seqlen
@@ -276,12 +281,15 @@ class ScheduleBatch:
             else:
                 ids.append(-pending[1])
                 n += 1
+                num_pending += 1
             rows.append(r.req_pool_idx)
             lens.append(n)
             r.kv_committed_len = n
-        host = torch.tensor([ids, rows, lens], dtype=torch.int64)
+        # numpy turns nested lists into an array several times faster than torch.tensor does
+        host = torch.from_numpy(np.array([ids, rows, lens], dtype=np.int64))
         self.input_ids, self.req_pool_indices, self.seq_lens = host[0], host[1], host[2]
         self.seq_lens_list = lens
+        self.num_future_refs = num_pending
         # the new token's KV slot goes at position seq_len - 1 of each row; that is also its position
         self.positions = self.seq_lens - 1
         self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc)
@@ -349,6 +357,7 @@ class ScheduleBatch:
         self.reqs = [self.reqs[i] for i in keep_indices]
         self.seq_lens_list = None
         self.positions = None
+        self.num_future_refs = None
         idx = torch.tensor(keep_indices, dtype=torch.int64)
         if len(self.req_pool_indices):
             self.req_pool_indices = self.req_pool_indices[idx]
@@ -362,6 +371,7 @@ class ScheduleBatch:
         self.reqs = self.reqs + other.reqs
         self.seq_lens_list = None
         self.positions = None
+        self.num_future_refs = None
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
 
@@ -399,4 +409,5 @@ class ScheduleBatch:
             sampling_ops=self.sampling_info.take_ops() if self.sampling_info is not None else [],
             req_to_token_writes=self.req_to_token_pool.take_pending_writes(),
             positions=self.positions if self.forward_mode.is_decode() else None,
+            num_future_refs=self.num_future_refs if self.forward_mode.is_decode() else None,
         )

@@ -79,8 +79,14 @@ class ForwardBatch:
         n_refs = 0
         if future_map is not None and (is_decode or mode.is_mixed()):
             # ids of tokens still in flight are -(slot in the future map): resolve them on the device
-            refs = input_ids.neg().clamp_(min=0)  # the slot, 0 for ids already known
-            n_refs = int(refs.count_nonzero())
+            n_refs = batch.num_future_refs
+            if n_refs is None:  # unknown: count them
+                refs = input_ids.neg().clamp_(min=0)  # the slot, 0 for ids already known
+                n_refs = int(refs.count_nonzero())
+            elif n_refs == len(input_ids):
+                refs = input_ids.neg()
+            elif n_refs:
+                refs = input_ids.neg().clamp_(min=0)
             if n_refs:
                 parts.append(refs)
         positions = None
