@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -39,6 +41,25 @@ def gpu_idle_fraction(prof: Any) -> float:
     return 1.0 - busy / window
 
 
+def count_host_syncs(s: Scheduler, steps: int) -> dict[str, int]:
+    """Run `steps` more steps with torch's CUDA sync debug mode on and count, per source line, the operations that
+    made the host wait for the device (each one stalls the pipeline the overlap scheduler builds)."""
+    counts: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                s.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{os.path.relpath(w.filename)}:{w.lineno}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int, profile_steps: int
         ) -> dict[str, Any]:
     args = ServerArgs(model_path=model_path, load_format="dummy", skip_tokenizer_init=True,
@@ -62,6 +83,7 @@ def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int
             s.step()
         torch.cuda.synchronize()
     idle = gpu_idle_fraction(prof)
+    syncs = count_host_syncs(s, profile_steps)
     ct1, t1 = s.forward_ct, time.perf_counter()
     while s.step() or not s.is_idle():  # unprofiled remainder
         pass
@@ -72,7 +94,7 @@ def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int
         s.worker_client.shutdown()
     return {"batch_size": bs, "overlap": overlap, "decode_tok_s": bs * steps_unprofiled / (t2 - t1),
             "decode_tok_s_profiled": bs * (ct1 - ct0) / (t1 - t0), "gpu_idle_fraction": idle,
-            "steps": s.forward_ct}
+            "steps": s.forward_ct, "host_syncs": syncs}
 
 
 def main() -> None:
@@ -96,6 +118,9 @@ def main() -> None:
         off = next(r for r in results if r["batch_size"] == bs and not r["overlap"])
         on = next(r for r in results if r["batch_size"] == bs and r["overlap"])
         print(f"batch {bs}: overlap speed-up {on['decode_tok_s'] / off['decode_tok_s']:.2f}x")
+    for r in results:
+        if r["host_syncs"]:
+            print(f"host syncs (bs {r['batch_size']}, overlap {r['overlap']}): {r['host_syncs']}")
     with open(args.result_file, "w") as f:
         json.dump({"model": args.model_path, "results": results}, f, indent=2)
 

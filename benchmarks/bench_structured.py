@@ -48,7 +48,8 @@ COMPILE_CASES = {
 
 
 def make_scheduler(args: argparse.Namespace, overlap: bool, bs: int) -> Scheduler:
-    sa = ServerArgs(model_path=args.model_path, device=args.device, random_seed=0,
+    sa = ServerArgs(model_path=args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
+                    device=args.device, random_seed=0,
                     max_total_tokens=args.max_total_tokens, max_running_requests=max(bs, 8),
                     disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap, chunked_prefill_size=-1)
     return Scheduler(sa, port_args={})
@@ -56,6 +57,8 @@ def make_scheduler(args: argparse.Namespace, overlap: bool, bs: int) -> Schedule
 
 def chat_ids(s: Scheduler) -> list[int]:
     tok = s.tokenizer
+    if not getattr(tok, "chat_template", None):  # a bare tokenizer (benchmark shapes): the plain prompt
+        return tok.encode(PROMPT, add_special_tokens=False)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     return tok.encode(text, add_special_tokens=False)
 
@@ -92,9 +95,12 @@ def run_batch(s: Scheduler, bs: int, output_len: int, constrained: bool, timer: 
                                                                input_text=None, input_ids=ids,
                                                                sampling_params=params)])
     # compile (or cache hit) and prefill, then two decode steps, outside the timed window
+    deadline = time.monotonic() + 300
     while s.forward_ct == 0 or s.grammar_queue or s.waiting_queue:
         if not s.step():
             time.sleep(0.0005)
+        if time.monotonic() > deadline or (s.forward_ct == 0 and not s.waiting_queue and not s.grammar_queue):
+            raise RuntimeError(f"the requests never started (rejected?): {s.outbox[-1:]}")
     for _ in range(2):
         s.step()
     if torch.cuda.is_available():
@@ -170,6 +176,8 @@ def hardware() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--tokenizer-path", default=None, help="default: the model folder")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (benchmark shapes)")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, nargs="+", default=[8])
     p.add_argument("--output-len", type=int, default=64)

@@ -17,8 +17,11 @@ step() { local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
   echo "$name rc=$rc $(( $(date +%s) - t ))s" | tee -a "$LOGS/steps.txt"
   tr '\r' '\n' < "$LOGS/$name.log" | grep -v 'it/s\]\|req/s\]\|tensor/s\]\|s/it\]\|^\s*$' | tail -n 14 | cut -c1-220; }
-step one_batch_8b 150 python3 -m radixserve.bench_one_batch --model-path $L8 --load-format dummy \
-  --batch-size 1 8 32 64 128 160 --input-len 512 --output-len 32 --result-file "$OUT/one_batch_8b.json"
+step one_batch_8b 220 python3 -m radixserve.bench_one_batch --model-path $L8 --load-format dummy \
+  --batch-size 1 8 32 64 128 160 --input-len 512 --output-len 32 --profile --result-file "$OUT/one_batch_8b.json"
+step one_batch_8b_unfused 120 env RADIXSERVE_DISABLE_FUSED_KERNELS=1 python3 -m radixserve.bench_one_batch \
+  --model-path $L8 --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 --profile \
+  --result-file "$OUT/one_batch_8b_unfused.json"
 step hf_generate_bs1 90 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate --batch-size 1 \
   --input-len 512 --output-len 64 --result-file "$OUT/hf_generate_bs1.json"
 step offline_subset_ours 120 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
@@ -32,5 +35,12 @@ step offline_full_ours 200 python3 -m radixserve.bench_offline_throughput --mode
   --log-level warning --result-file "$OUT/offline_full_ours.json" ${FULL_ARGS:-}
 step overlap_05b 120 python3 benchmarks/bench_overlap.py --model-path $Q05 --batch-size 64 128 \
   --result-file "$OUT/overlap_05b.json"
-step gpu_tests 120 python3 -m pytest -q -x tests/gpu tests/test_triton_attention.py -p no:cacheprovider
+step overlap_8b 200 python3 benchmarks/bench_overlap.py --model-path $L8 --batch-size 64 128 --output-len 128 \
+  --result-file "$OUT/overlap_8b.json"
+# Structured output on the 8B shape (random weights; the grammar forces valid JSON whatever the logits), with a
+# carried tokenizer folder (.bench_tok: SmolLM2's tokenizer files; the shape folders hold config.json only).
+step structured_8b 200 python3 benchmarks/bench_structured.py --model-path $L8 --tokenizer-path .bench_tok \
+  --load-format dummy --device cuda --batch-size 32 --output-len 128 --repeats 2 --output "$OUT/structured_8b.json"
+step gpu_tests 180 python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
+  -p no:cacheprovider
 echo "=== summary"; cat "$LOGS/steps.txt"

@@ -134,6 +134,54 @@ def add_bandwidth(result: dict[str, Any], runner: ModelRunner, copy_bw: float) -
                   bandwidth_util=achieved / copy_bw)
 
 
+def profile_decode(runner: ModelRunner, batch_size: int, input_len: int, steps: int, seed: int,
+                   top: int = 15) -> dict[str, Any]:
+    """Decode `steps` steps under the torch profiler: wall time per step, GPU-busy time per step (union of kernel
+    intervals), kernels per step, and the kernels that take the most GPU time."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, runner.model_config.vocab_size, (batch_size, input_len), generator=g).tolist()
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(prompts)
+    for _ in range(3):
+        sb.decode(batch)
+    sb._sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            sb.decode(batch)
+            sb._sync()
+        wall = time.perf_counter() - t0
+    sb.release(batch)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.time_range.end > e.time_range.start]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s_, e_ in spans:
+        if cur_e is None or s_ > cur_e:
+            busy += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s_, e_
+        else:
+            cur_e = max(cur_e, e_)
+    busy += 0 if cur_e is None else cur_e - cur_s
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    table = [{"kernel": name[:90], "calls_per_step": len(ts) / steps, "us_per_step": sum(ts) / steps,
+              "share": sum(ts) / max(busy, 1e-9)} for name, ts in ranked]
+    return {"batch_size": batch_size, "input_len": input_len, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+            "gpu_busy_ms_per_step": busy / steps / 1e3, "kernels_per_step": len(kernels) / steps,
+            "top_kernels": table}
+
+
+def print_profile(p: dict[str, Any]) -> None:
+    print(f"\nprofile, batch {p['batch_size']}: wall {p['wall_ms_per_step']:.3f} ms/step, GPU busy "
+          f"{p['gpu_busy_ms_per_step']:.3f} ms/step, {p['kernels_per_step']:.0f} kernels/step")
+    print(f"{'us/step':>9} {'calls':>6} {'share':>6}  kernel")
+    for k in p["top_kernels"]:
+        print(f"{k['us_per_step']:>9.1f} {k['calls_per_step']:>6.0f} {k['share']:>6.1%}  {k['kernel']}")
+
+
 def correctness_test(runner: ModelRunner, tokenizer: Any, output_len: int) -> list[str]:
     prompts = []
     for p in CORRECTNESS_PROMPTS:
@@ -184,6 +232,9 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--correctness-test", action="store_true")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile decode (CUDA only): GPU-busy time per step and the top kernels")
+    parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--result-file", default="bench_one_batch.json")
     args = parser.parse_args(argv)
     names = {f.name for f in dataclasses.fields(ServerArgs)}
@@ -225,10 +276,15 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
         util = f"{r['bandwidth_util']:.1%}" if "bandwidth_util" in r else "-"
         print(f"{r['batch_size']:>6} {r['prefill_latency_s'] * 1e3:>11.2f} {r['prefill_tok_s']:>14.1f} "
               f"{r['median_decode_s'] * 1e3:>10.3f} {r['decode_tok_s'] or 0:>13.1f} {util:>8}")
+    profiles = []
+    if args.profile and runner.is_cuda:
+        for bs in args.batch_size:
+            profiles.append(profile_decode(runner, bs, args.input_len, args.profile_steps, server_args.random_seed))
+            print_profile(profiles[-1])
     meta = {"model": model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes}
     with open(args.result_file, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+        json.dump({"meta": meta, "results": results, "profiles": profiles}, f, indent=2)
     print(f"wrote {args.result_file}")
 
 

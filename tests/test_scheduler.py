@@ -270,3 +270,13 @@ def test_prompt_logprobs_with_chunked_prefill(tiny_path) -> None:
     assert len(chunked["input_token_logprobs"]) == len(prompt)
     for (a, ta), (b, tb) in zip(whole["input_token_logprobs"], chunked["input_token_logprobs"], strict=True):
         assert ta == tb and (a is None) == (b is None) and (a is None or abs(a - b) < 1e-5)
+
+
+def test_scheduler_uses_the_tokenizer_path_flag(tiny_path, embedded_model_path) -> None:
+    """--tokenizer-path names where the scheduler's tokenizer (stop strings, grammars) comes from, not the model
+    folder (which here has no tokenizer at all)."""
+    s = Scheduler(ServerArgs(model_path=tiny_path, tokenizer_path=embedded_model_path, device="cpu",
+                             max_total_tokens=512, max_running_requests=4), port_args={})
+    assert s.tokenizer is not None
+    assert s.tokenizer.encode("The capital of France", add_special_tokens=False)  # a real vocabulary
+    assert s.tokenizer.name_or_path == embedded_model_path
