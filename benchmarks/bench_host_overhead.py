@@ -91,9 +91,12 @@ class Meter:
 
 
 def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: int, vocab: int,
-        profile: bool) -> dict[str, Any]:
+        profile: bool, device: str = "cpu") -> dict[str, Any]:
     output_len = warmup + steps + 16  # every measured step is a full decode batch
-    args = ServerArgs(model_path=path, device="cpu", dtype="float32", skip_tokenizer_init=True, random_seed=0,
+    real = device != "cpu"  # a real (dummy-weight) model on the GPU: device time and launches included
+    extra: dict[str, Any] = dict(load_format="dummy", cuda_graph_max_bs=max(bs, 8)) if real else \
+        dict(dtype="float32")
+    args = ServerArgs(model_path=path, device=device, **extra, skip_tokenizer_init=True, random_seed=0,
                       max_running_requests=bs, disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap,
                       max_total_tokens=bs * (input_len + output_len + 8), chunked_prefill_size=-1,
                       max_prefill_tokens=bs * input_len + 1)
@@ -103,6 +106,7 @@ def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: i
     meter = Meter()
     meter.wrap_worker(s.worker)
     rng = random.Random(0)
+    vocab = s.vocab_size
     for i in range(bs):
         sp = SamplingParams.from_dict({"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True})
         s.process_input_requests([io.TokenizedGenerateReqInput(
@@ -122,6 +126,8 @@ def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: i
         s.step()
     if main_prof is not None:
         main_prof.disable()
+    if real:
+        torch.cuda.synchronize()
     c1, t1 = time.thread_time(), time.perf_counter()
     fwd = meter.fwd - fwd0  # overlap: forward-thread CPU; off: the part of the main thread's CPU spent there
     n = s.forward_ct - ct0
@@ -161,20 +167,26 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5,
                         help="runs per configuration; the minimum is reported (other load only adds time)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--model-path", default=None,
+                        help="a real model folder (e.g. a shape config) run with dummy weights on --device instead "
+                             "of the stubbed tiny model: measures the host cost with real launches on the GPU")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--result-file", default="bench_host_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny tensors: intra-op threads would only add noise
     from model_utils import make_tiny_model  # tests/model_utils.py (on sys.path below)
 
     results = []
-    with tempfile.TemporaryDirectory() as path:
-        make_tiny_model("qwen2", path, seed=0, num_hidden_layers=1, vocab_size=args.vocab_size)
-        table = torch.randn(args.vocab_size, args.vocab_size, generator=torch.Generator().manual_seed(0))
-        ModelRunner.forward = stub_forward(table)  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model_path or tmp
+        if args.model_path is None:
+            make_tiny_model("qwen2", path, seed=0, num_hidden_layers=1, vocab_size=args.vocab_size)
+            table = torch.randn(args.vocab_size, args.vocab_size, generator=torch.Generator().manual_seed(0))
+            ModelRunner.forward = stub_forward(table)  # type: ignore[method-assign]
         for bs in args.batch_size:
             for overlap in (False, True):
                 runs = [run(path, bs, overlap, args.input_len, args.steps, args.warmup, args.vocab_size,
-                            args.profile and i == 0) for i in range(args.repeat)]
+                            args.profile and i == 0, args.device) for i in range(args.repeat)]
                 best = {k: min(r[k] for r in runs) for k in ("sched_ms", "fwd_ms", "wall_ms")}
                 results.append({**runs[0], **best, "runs": runs})
     print(f"\n{'batch':>6} {'overlap':>8} {'sched ms':>9} {'fwd ms':>8} {'wall ms':>8}")

@@ -4,8 +4,11 @@
 # Usage (on the GPU machine, from the repo root, with .whl carried):  bash benchmarks/gpu_suite.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} || exit 1
+if [ -z "${SKIP_PIP:-}" ]; then  # SKIP_PIP=1: the wheels are already in /tmp/site (parallel runs on several GPUs)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 L8=radixserve/configs/shapes/llama-3.1-8b
 Q05=radixserve/configs/shapes/qwen2.5-0.5b
@@ -25,22 +28,27 @@ step one_batch_8b_unfused 120 env RADIXSERVE_DISABLE_FUSED_KERNELS=1 python3 -m 
 step hf_generate_bs1 90 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate --batch-size 1 \
   --input-len 512 --output-len 64 --result-file "$OUT/hf_generate_bs1.json"
 step offline_subset_ours 120 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
-  --num-prompts 64 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
+  --num-prompts 256 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
   --log-level warning --result-file "$OUT/offline_subset_ours.json"
-step offline_subset_hf 120 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate_batch \
-  --num-prompts 64 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
+step offline_subset_hf 240 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate_batch \
+  --num-prompts 256 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
   --result-file "$OUT/offline_subset_hf.json"
 step offline_full_ours 200 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
   --num-prompts 1000 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5 \
   --log-level warning --result-file "$OUT/offline_full_ours.json" ${FULL_ARGS:-}
+step offline_full_ours_bs512 200 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
+  --num-prompts 1000 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5 \
+  --log-level warning --result-file "$OUT/offline_full_ours_bs512.json" --cuda-graph-max-bs 512 --max-running-requests 512
 step overlap_05b 120 python3 benchmarks/bench_overlap.py --model-path $Q05 --batch-size 64 128 \
   --result-file "$OUT/overlap_05b.json"
+step host_overhead_05b 120 python3 benchmarks/bench_host_overhead.py --model-path $Q05 --device cuda \
+  --batch-size 128 --steps 100 --repeat 1 --profile --result-file "$OUT/host_overhead_05b.json"
 step overlap_8b 200 python3 benchmarks/bench_overlap.py --model-path $L8 --batch-size 64 128 --output-len 128 \
   --result-file "$OUT/overlap_8b.json"
 # Structured output on the 8B shape (random weights; the grammar forces valid JSON whatever the logits), with a
 # carried tokenizer folder (.bench_tok: SmolLM2's tokenizer files; the shape folders hold config.json only).
 step structured_8b 200 python3 benchmarks/bench_structured.py --model-path $L8 --tokenizer-path .bench_tok \
   --load-format dummy --device cuda --batch-size 32 --output-len 128 --repeats 2 --output "$OUT/structured_8b.json"
-step gpu_tests 180 python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
+step gpu_tests 240 python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
   -p no:cacheprovider
 echo "=== summary"; cat "$LOGS/steps.txt"

@@ -60,6 +60,7 @@ def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int],
         k_buf[idx] = torch.randn(pre, cfg.num_key_value_heads, cfg.head_dim, device=DEVICE, dtype=dtype)
         v_buf[idx] = torch.randn(pre, cfg.num_key_value_heads, cfg.head_dim, device=DEVICE, dtype=dtype)
         out_locs.append(mine[pre:])
+    r2t.apply_writes(r2t.take_pending_writes())  # request-table writes are queued for the next forward
     n = sum(extend_lens)
     q = torch.randn(n, cfg.num_attention_heads * cfg.head_dim, device=DEVICE, dtype=dtype)
     k = torch.randn(n, cfg.num_key_value_heads * cfg.head_dim, device=DEVICE, dtype=dtype)
