@@ -28,10 +28,10 @@ step one_batch_8b_unfused 120 env RADIXSERVE_DISABLE_FUSED_KERNELS=1 python3 -m 
 step hf_generate_bs1 90 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate --batch-size 1 \
   --input-len 512 --output-len 64 --result-file "$OUT/hf_generate_bs1.json"
 step offline_subset_ours 120 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
-  --num-prompts 256 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
+  --num-prompts 128 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
   --log-level warning --result-file "$OUT/offline_subset_ours.json"
 step offline_subset_hf 240 python3 benchmarks/peers/hf_peer.py --model-path $L8 --mode generate_batch \
-  --num-prompts 256 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
+  --num-prompts 128 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 --fixed-output \
   --result-file "$OUT/offline_subset_hf.json"
 step offline_full_ours 200 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
   --num-prompts 1000 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5 \
