@@ -73,6 +73,8 @@ class ServerArgs:
     watchdog_timeout: float = _flag("Seconds a busy scheduler may take one step before /health says 503",
                                     default=300.0)
     stream_interval: int = _flag("Send streamed tokens every N steps", default=1)
+    decode_log_interval: int = _flag("Log decode batch stats (running, tokens, throughput) every N decode steps",
+                                     default=40)
     skip_tokenizer_init: bool = _flag("Take and return token ids only", default=False)
     # parallelism
     tp_size: int = _flag("Tensor parallel ranks", default=1)
@@ -123,7 +125,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "dp_size", "nnodes", "stream_interval"):
+                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "dp_size", "nnodes", "stream_interval",
+                     "decode_log_interval"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")

@@ -280,3 +280,21 @@ def test_scheduler_uses_the_tokenizer_path_flag(tiny_path, embedded_model_path) 
     assert s.tokenizer is not None
     assert s.tokenizer.encode("The capital of France", add_special_tokens=False)  # a real vocabulary
     assert s.tokenizer.name_or_path == embedded_model_path
+
+
+def test_batch_stats_are_logged(tiny_path, caplog) -> None:
+    """A prefill line per prefill batch and a decode line every --decode-log-interval decode steps."""
+    import logging
+
+    s = make_scheduler(tiny_path, decode_log_interval=5)
+    for i in range(3):
+        submit(s, f"r{i}", [5 + i, 6, 7, 8], 12)
+    with caplog.at_level(logging.INFO, logger="radixserve.managers.scheduler"):
+        drain(s)
+    prefill = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch")]
+    decode = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch")]
+    assert prefill and "#new-seq 3, #new-token 12" in prefill[0]
+    assert len(decode) == 2  # 11 decode steps at an interval of 5
+    assert "#running-req 3" in decode[0] and "gen throughput (token/s)" in decode[0]
+    with pytest.raises(ValueError, match="decode-log-interval"):
+        ServerArgs(model_path=tiny_path, decode_log_interval=0)

@@ -87,6 +87,9 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
         self.cache_hit_tokens = 0
         self.prompt_tokens_total = 0
         self.last_step_time = time.monotonic()
+        self._log_decode_steps = 0  # decode steps and tokens since the last decode stats line
+        self._log_decode_tokens = 0
+        self._log_decode_since = time.monotonic()
 
         self.outbox: list[Any] = []  # messages kept in-process when there is no detokenizer socket (tests)
         self.recv_from_tokenizer = None
@@ -402,6 +405,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
         self.forward_ct += 1
         self.last_step_time = time.monotonic()
         bid = self.forward_ct
+        if self.tp_rank == 0 and logger.isEnabledFor(logging.INFO):
+            self.log_batch_stats(batch)
         mwb = batch.get_model_worker_batch()
         reqs = batch.reqs
         chunked_req = self.chunked_req
@@ -421,6 +426,28 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
             if req is not chunked_req and req.finished_reason is None:  # not req.finished()
                 req.pending_token = (bid, slot)
         return view, bid
+
+    def log_batch_stats(self, batch: ScheduleBatch) -> None:
+        """One line per prefill batch, and one per --decode-log-interval decode steps (with the throughput)."""
+        pool = self.token_to_kv_pool
+        used = pool.size - pool.available_size()
+        running = len(self.running_batch.reqs) if self.running_batch is not None else 0
+        if batch.forward_mode.is_extend():
+            new_tokens = sum(r.extend_input_len for r in batch.reqs)
+            cached = sum(len(r.prefix_indices) for r in batch.reqs)
+            logger.info("Prefill batch: #new-seq %d, #new-token %d, #cached-token %d, token usage %.2f, "
+                        "#running-req %d, #queue-req %d", len(batch.reqs), new_tokens, cached, used / pool.size,
+                        running, len(self.waiting_queue))
+            return
+        self._log_decode_steps += 1
+        self._log_decode_tokens += len(batch.reqs)
+        if self._log_decode_steps < self.server_args.decode_log_interval:
+            return
+        now = time.monotonic()
+        rate = self._log_decode_tokens / max(now - self._log_decode_since, 1e-9)
+        logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
+                    "#queue-req %d", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue))
+        self._log_decode_steps, self._log_decode_tokens, self._log_decode_since = 0, 0, now
 
     # ================================================================= idle, state, cache
     def on_idle(self) -> None:
