@@ -48,8 +48,8 @@ def make_runner(path: str, dtype_override: str = "float32", **server_kw: Any) ->
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 
-    args = ServerArgs(model_path=path, device="cpu", dtype=dtype_override, max_total_tokens=4096,
-                      max_running_requests=16, **server_kw)
+    kw: dict[str, Any] = dict(device="cpu", dtype=dtype_override, max_total_tokens=4096, max_running_requests=16)
+    args = ServerArgs(model_path=path, **{**kw, **server_kw})
     return ModelRunner(ModelConfig(path), args)
 
 

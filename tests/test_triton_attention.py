@@ -85,6 +85,7 @@ def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int],
         k_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
         v_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
         out_locs.append(mine[pre:])
+    r2t.apply_writes(r2t.take_pending_writes())  # on a GPU, request-table writes wait for the next forward
     num_tokens = sum(extend_lens)
     q = torch.randn(num_tokens, cfg.num_attention_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
     k = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
