@@ -207,7 +207,11 @@ def _rank_main(tp_rank: int, argv: list[str]) -> None:
     main(argv, tp_rank)
     if parallel_state.model_parallel_is_initialized():  # leave together: a rank gone early aborts the others
         torch.distributed.barrier(group=parallel_state.get_tp_cpu_group())
-        parallel_state.destroy_model_parallel()
+    # Tearing down NCCL communicators that captured CUDA graphs used can hang at exit (seen on 2 x H200: the
+    # results were written, then the ranks sat until killed); everything is written and flushed, so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(argv: list[str] | None, server_args: ServerArgs) -> None:
