@@ -441,7 +441,20 @@ def test_grammar_request_without_backend_is_a_400(embedded_model_path: str) -> N
 def test_overlap_gives_identical_constrained_outputs(sched: Scheduler, sched_overlap: Scheduler,
                                                      mixed_normal) -> None:
     assert sched_overlap.enable_overlap
-    res = mixed_workload(sched_overlap, "m")
+    deferred = []  # masks handed to the forward thread after launch (the overlap path, no flush before a batch)
+    inner = sched_overlap.fulfill_grammar_masks
+
+    def counting(bid: int) -> None:
+        deferred.extend(f for b, _, f in sched_overlap.pending_grammar_masks if b <= bid)
+        inner(bid)
+
+    sched_overlap.fulfill_grammar_masks = counting
+    try:
+        res = mixed_workload(sched_overlap, "m")
+    finally:
+        sched_overlap.fulfill_grammar_masks = inner
+    assert len(deferred) > 10 and all(f.done() and f.exception() is None for f in deferred)
+    assert not sched_overlap.pending_grammar_masks
     assert set(res) == set(mixed_normal)
     for rid in res:
         assert res[rid]["ids"] == mixed_normal[rid]["ids"], rid
@@ -577,3 +590,22 @@ def test_http_invalid_grammar_is_400_and_server_stays_healthy(http: httpx.Client
     assert http.get("/health").status_code == 200
     ok = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200
+
+
+def test_deferred_mask_failure_reaches_the_forward_thread(sched: Scheduler) -> None:
+    """Under overlap a batch's mask is built after launch; if building it fails, the waiting forward thread gets
+    the error (and fails that batch) instead of waiting for ever; masks of later batches stay queued."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    broken = SimpleNamespace(grammar=object(), finished=lambda: False, output_ids=[1])  # no matcher API
+    first, later = Future(), Future()
+    sched.pending_grammar_masks.extend([(5, [broken], first), (6, [], later)])
+    try:
+        sched.fulfill_grammar_masks(5)
+        assert first.done() and isinstance(first.exception(), AttributeError)
+        assert not later.done() and len(sched.pending_grammar_masks) == 1
+        sched.fulfill_grammar_masks(6)
+        assert later.result() is None  # no constrained row: no mask
+    finally:
+        sched.pending_grammar_masks.clear()

@@ -7,6 +7,7 @@ thread); the model runner then turns that into a ForwardBatch on the device.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -146,7 +147,8 @@ class ModelWorkerBatch:
     num_future_refs: int | None = None
     # structured output: packed int32 token bitmask [bs, ceil(vocab/32)] (bit set = allowed), rows in batch order;
     # set by the scheduler for batches with constrained requests, unpacked into sampling_info.vocab_mask
-    grammar_bitmask: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | Future | None = None  # a Future under overlap (set once the batch in flight
+    # before it has been processed; the worker waits for it after the forward, before sampling)
 
 
 class ScheduleBatch:

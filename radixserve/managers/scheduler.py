@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections import deque
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,6 +48,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
         self.enable_overlap = server_args.use_overlap
         self.worker_client = TpModelWorkerClient(self.worker) if self.enable_overlap else None
         self.result_queue: deque[tuple[SimpleNamespace, int]] = deque()
+        # (bid of the batch whose results the mask waits for, the batch's requests, the mask's future)
+        self.pending_grammar_masks: deque[tuple[int, list[Req], Future]] = deque()
         self.device = self.worker.device
         self.req_to_token_pool, self.token_to_kv_pool = self.worker.get_memory_pool()
         self.max_running_requests = self.worker.max_running_requests
@@ -416,9 +419,13 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
                                chunked_req=chunked_req if chunked_req is not None and chunked_req in reqs else None)
         if self.grammar_backend is not None and any(r.grammar is not None for r in reqs):
             if self.result_queue and any(r.grammar is not None and r.pending_token is not None for r in reqs):
-                # overlap: this step's mask needs the in-flight tokens accepted first (only such batches wait)
-                self.flush_results()
-            mwb.grammar_bitmask = self.build_grammar_bitmask(reqs)
+                # Overlap: this step's mask needs the tokens still in flight accepted by the matchers first. The
+                # mask is needed only at sampling, after this batch's forward, so launch now and hand it over when
+                # the batch in flight has been processed (`fulfill_grammar_masks`); the device keeps working.
+                mwb.grammar_bitmask = Future()
+                self.pending_grammar_masks.append((self.result_queue[-1][0].bid, view.reqs, mwb.grammar_bitmask))
+            else:
+                mwb.grammar_bitmask = self.build_grammar_bitmask(reqs)
         if self.worker_client is None:
             return view, self.worker.forward_batch_generation(mwb)
         slots = self.worker_client.forward_batch_generation(mwb)  # a range of future slots

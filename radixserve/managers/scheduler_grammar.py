@@ -62,6 +62,17 @@ class SchedulerGrammarMixin:
                 grammar.fill_vocab_mask(mask, i)
         return mask
 
+    def fulfill_grammar_masks(self, processed_bid: int) -> None:
+        """Build the masks that waited for batch `processed_bid` (or an earlier one) to be processed, and hand
+        them to the forward thread, which waits for them before sampling. An error goes to the forward thread too
+        (it fails that batch), so it never waits for ever."""
+        while self.pending_grammar_masks and self.pending_grammar_masks[0][0] <= processed_bid:
+            _, reqs, future = self.pending_grammar_masks.popleft()
+            try:
+                future.set_result(self.build_grammar_bitmask(reqs))
+            except Exception as e:
+                future.set_exception(e)
+
     def _advance_grammar(self, req: Req, token: int) -> None:
         """Feed the sampled token (already in output_ids) to the request's matcher; a complete grammar ends it."""
         grammar = req.grammar

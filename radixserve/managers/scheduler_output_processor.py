@@ -13,6 +13,13 @@ from radixserve.managers.tp_worker import GenerationBatchResult
 
 class SchedulerOutputProcessorMixin:
     def process_batch_result(self, batch: SimpleNamespace, result: GenerationBatchResult | int) -> None:
+        try:
+            self._process_batch_result(batch, result)
+        finally:
+            if self.pending_grammar_masks:  # masks of the next batch waited for these tokens
+                self.fulfill_grammar_masks(batch.bid)
+
+    def _process_batch_result(self, batch: SimpleNamespace, result: GenerationBatchResult | int) -> None:
         if not isinstance(result, GenerationBatchResult):
             result = self.worker_client.resolve_batch_result()
         logits_output, next_token_ids = result.logits_output, result.next_token_ids

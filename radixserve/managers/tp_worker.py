@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,21 +30,31 @@ def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
     and update the penalties: everything a batch does on the device, in order."""
     runner.req_to_token_pool.apply_writes(batch.req_to_token_writes)
     info = batch.sampling_info.apply(batch.sampling_ops) if batch.sampling_info is not None else None
+    bitmask = batch.grammar_bitmask
     if info is not None:
-        # the grammar mask of this step only (rows line up with the batch: the ops above were replayed first)
-        info.vocab_mask = None
-        if batch.grammar_bitmask is not None:
-            if batch.grammar_bitmask.shape[0] != info.batch_size:
-                raise ValueError(f"grammar bitmask has {batch.grammar_bitmask.shape[0]} rows for a batch of "
-                                 f"{info.batch_size}")
-            info.vocab_mask = bitmask_to_vocab_mask(batch.grammar_bitmask, info.vocab_size, runner.device)
+        info.vocab_mask = None  # the grammar mask is of this step only
+        if isinstance(bitmask, torch.Tensor):
+            info.vocab_mask = _vocab_mask(bitmask, info, runner)
     forward_batch = ForwardBatch.init_new(batch, runner, sampling_info=info, future_map=future_map)
     logits_output = runner.forward(forward_batch)
+    if info is not None and isinstance(bitmask, Future):
+        # Overlap: the scheduler builds this mask once the previous batch's tokens reached the matchers; the
+        # forward above is already queued on the device while we wait. None: no row constrained any more.
+        mask = bitmask.result()
+        info.vocab_mask = _vocab_mask(mask, info, runner) if mask is not None else None
     next_token_ids = runner.sample(logits_output, forward_batch)
     if info is not None:
         info.vocab_mask = None  # never carried into later steps (filter/merge would drag it along)
         info.update_penalties(next_token_ids)
     return GenerationBatchResult(logits_output, next_token_ids)
+
+
+def _vocab_mask(bitmask: torch.Tensor, info: Any, runner: ModelRunner) -> torch.Tensor:
+    """The packed grammar bitmask as a bool [bs, vocab] mask on the device (rows line up with the batch: the
+    sampling ops were replayed first)."""
+    if bitmask.shape[0] != info.batch_size:
+        raise ValueError(f"grammar bitmask has {bitmask.shape[0]} rows for a batch of {info.batch_size}")
+    return bitmask_to_vocab_mask(bitmask, info.vocab_size, runner.device)
 
 
 class TpModelWorker:
