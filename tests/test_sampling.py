@@ -627,3 +627,29 @@ def test_shape_mismatch_is_an_error() -> None:
         info.merge_batch(info_of(req(), vocab=V + 1))
     with pytest.raises(ValueError, match="logit_bias"):
         info_of(FakeReq(SamplingParams(logit_bias={V + 3: 1.0})))
+
+
+def test_in_graph_greedy_ids_used_only_when_nothing_changes_the_logits() -> None:
+    """A decode CUDA graph hands the sampler the argmax of its raw logits; the sampler returns it only for an
+    all-greedy batch without penalties, bias, grammar mask or logprobs, and samples normally otherwise."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    marker = torch.tensor([7, 9], device=DEVICE)  # not the argmax: shows which path ran
+
+    def run(info: SamplingBatchInfo, return_logprob: bool = False) -> torch.Tensor:
+        out = LogitsProcessorOutput(next_token_logits=logits.clone(), greedy_token_ids=marker)
+        return Sampler()(out, info, return_logprob, [0, 0])
+
+    plain = info_of(req(temperature=0), req(temperature=0))
+    assert run(plain) is marker
+    assert torch.equal(run(plain, return_logprob=True), logits.argmax(-1))
+    sampled = info_of(req(temperature=0), req(temperature=1.0, seed=3))
+    assert not torch.equal(run(sampled), marker)
+    penalised = info_of(req(temperature=0, frequency_penalty=1.0, output=[int(logits[0].argmax())]),
+                        req(temperature=0))
+    assert penalised.penalizer_orchestrator.is_required
+    assert not torch.equal(run(penalised), marker)
+    biased = info_of(req(temperature=0, logit_bias={"3": 100.0}), req(temperature=0))
+    assert run(biased)[0].item() == 3
+    masked = info_of(req(temperature=0), req(temperature=0))
+    masked.vocab_mask = torch.zeros(2, V, dtype=torch.bool, device=DEVICE)
+    assert not torch.equal(run(masked), marker)

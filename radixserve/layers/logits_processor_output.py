@@ -11,6 +11,9 @@ import torch
 class LogitsProcessorOutput:
     # [bs, vocab] float32, the last position of each request. The sampler applies penalties/bias/mask in place.
     next_token_logits: torch.Tensor
+    # [bs] int64 argmax of the raw logits, computed inside a decode CUDA graph; the sampler returns it as is when
+    # nothing changes the logits and every row is greedy (no penalties, bias, grammar mask or logprobs).
+    greedy_token_ids: torch.Tensor | None = None
     # Filled by the sampler when logprobs are asked for: [bs] float32 on the device, the chosen token's logprob
     # under the final (processed) distribution.
     next_token_logprobs: torch.Tensor | None = None

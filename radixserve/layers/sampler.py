@@ -98,6 +98,10 @@ class Sampler(nn.Module):
                 return_logprob: bool = False, top_logprobs_nums: Sequence[int] | None = None) -> torch.Tensor:
         """Next token ids [bs] (int64, on the logits' device). Fills logits_output.next_token_logprobs and
         next_token_top_logprobs_val/idx when return_logprob."""
+        if (logits_output.greedy_token_ids is not None and sampling_info.is_all_greedy and not return_logprob
+                and sampling_info.logit_bias is None and sampling_info.vocab_mask is None
+                and not sampling_info.penalizer_orchestrator.is_required):
+            return logits_output.greedy_token_ids  # the argmax the CUDA graph already took of the same logits
         logits = logits_output.next_token_logits
         if logits.dtype != torch.float32:
             logits = logits.float()

@@ -1,6 +1,8 @@
 """CudaGraphRunner: decode forward passes captured as CUDA graphs, one per batch size in 1, 2, 4, 8, 16, 24, …
 up to --cuda-graph-max-bs, sharing one memory pool. A batch is padded up to the next captured size: padded rows
-read request row 0 with seq_len = the backend's fill value and write their KV into padding slot 0."""
+read request row 0 with seq_len = the backend's fill value and write their KV into padding slot 0. Each graph also
+takes the argmax of its logits, which the sampler uses for all-greedy batches with nothing that changes the logits
+(greedy sampling inside the graph)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class CudaGraphRunner:
         self.backend.init_cuda_graph_state(self.max_bs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.greedy_ids: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capture()
 
@@ -69,8 +72,10 @@ class CudaGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = model.forward(fb.input_ids, fb.positions, fb)
+                    greedy = torch.argmax(out.next_token_logits, dim=-1)  # used when the whole batch is greedy
                 self.graphs[bs] = graph
                 self.outputs[bs] = out.next_token_logits
+                self.greedy_ids[bs] = greedy
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.capture_bs)
@@ -95,4 +100,5 @@ class CudaGraphRunner:
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
                                                              forward_batch.seq_lens_sum + (bs - raw) * self.fill)
         self.graphs[bs].replay()
-        return LogitsProcessorOutput(next_token_logits=self.outputs[bs][:raw])
+        return LogitsProcessorOutput(next_token_logits=self.outputs[bs][:raw],
+                                     greedy_token_ids=self.greedy_ids[bs][:raw])
