@@ -2,6 +2,8 @@
 # Everything we measure on the H200 in one run (device time is scarce): GPU tests, bench_one_batch on the 8B shape
 # with bandwidth utilisation, transformers peers, offline throughput, overlap on/off. Logs and JSON go to $OUT.
 # Usage (on the GPU machine, from the repo root, with .whl carried):  bash benchmarks/gpu_suite.sh
+# .bench_tok (carried too; ignored by git): a tokenizer for the shape configs, for structured output and its GPU test:
+#   mkdir -p .bench_tok && cp ~/.cache/radixserve/*/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .bench_tok/
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ -z "${SKIP_PIP:-}" ]; then  # SKIP_PIP=1: the wheels are already in /tmp/site (parallel runs on several GPUs)
