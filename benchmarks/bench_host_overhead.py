@@ -90,7 +90,7 @@ class Meter:
         worker.copy_result_to_host = timed(worker.copy_result_to_host)
 
 
-def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: int, vocab: int,
+def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: int,
         profile: bool, device: str = "cpu") -> dict[str, Any]:
     output_len = warmup + steps + 16  # every measured step is a full decode batch
     real = device != "cpu"  # a real (dummy-weight) model on the GPU: device time and launches included
@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200, help="measured decode steps")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--vocab-size", type=int, default=None, help="the stubbed tiny model's vocabulary (512)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="runs per configuration; the minimum is reported (other load only adds time)")
     parser.add_argument("--profile", action="store_true")
@@ -173,6 +173,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--result-file", default="bench_host_overhead.json")
     args = parser.parse_args()
+    if args.model_path is not None and args.vocab_size is not None:
+        parser.error("--vocab-size sets the stubbed tiny model's vocabulary; a --model-path model has its own")
+    if args.model_path is None:
+        args.vocab_size = args.vocab_size or 512
     torch.set_num_threads(1)  # tiny tensors: intra-op threads would only add noise
     from model_utils import make_tiny_model  # tests/model_utils.py (on sys.path below)
 
@@ -185,7 +189,7 @@ def main() -> None:
             ModelRunner.forward = stub_forward(table)  # type: ignore[method-assign]
         for bs in args.batch_size:
             for overlap in (False, True):
-                runs = [run(path, bs, overlap, args.input_len, args.steps, args.warmup, args.vocab_size,
+                runs = [run(path, bs, overlap, args.input_len, args.steps, args.warmup,
                             args.profile and i == 0, args.device) for i in range(args.repeat)]
                 best = {k: min(r[k] for r in runs) for k in ("sched_ms", "fwd_ms", "wall_ms")}
                 results.append({**runs[0], **best, "runs": runs})

@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--result-file", default="tp_agreement.json")
     args = parser.parse_args(argv)
-    names = {f.name for f in dataclasses.fields(ServerArgs)}
-    base = ServerArgs(**{k: v for k, v in vars(args).items() if k in names})
+    base = ServerArgs.from_cli_args(args)
     from radixserve.configs.model_config import ModelConfig
 
     cfg = ModelConfig(base.model_path, load_format=base.load_format)

@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--result-file", default="bench_offline_throughput.json")
     args = parser.parse_args(argv)
-    names = {f.name for f in dataclasses.fields(ServerArgs)}
-    server_args = ServerArgs(**{k: v for k, v in vars(args).items() if k in names})
+    server_args = ServerArgs.from_cli_args(args)
     from radixserve.configs.model_config import ModelConfig
 
     cfg = ModelConfig(server_args.model_path, load_format=server_args.load_format)

@@ -9,7 +9,6 @@ Prints prefill latency, median decode step latency and throughput per batch size
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -241,8 +240,7 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--result-file", default="bench_one_batch.json")
     args = parser.parse_args(argv)
-    names = {f.name for f in dataclasses.fields(ServerArgs)}
-    server_args = ServerArgs(**{k: v for k, v in vars(args).items() if k in names})
+    server_args = ServerArgs.from_cli_args(args)
     logging.basicConfig(level=server_args.log_level.upper())
     from radixserve.entrypoints.engine import resolve_model
 

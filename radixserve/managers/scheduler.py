@@ -437,9 +437,9 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
     def log_batch_stats(self, batch: ScheduleBatch) -> None:
         """One line per prefill batch, and one per --decode-log-interval decode steps (with the throughput)."""
         pool = self.token_to_kv_pool
-        used = pool.size - pool.available_size()
-        running = len(self.running_batch.reqs) if self.running_batch is not None else 0
         if batch.forward_mode.is_extend():
+            used = pool.size - pool.available_size()
+            running = len(self.running_batch.reqs) if self.running_batch is not None else 0
             new_tokens = sum(r.extend_input_len for r in batch.reqs)
             cached = sum(len(r.prefix_indices) for r in batch.reqs)
             logger.info("Prefill batch: #new-seq %d, #new-token %d, #cached-token %d, token usage %.2f, "
@@ -451,6 +451,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
         if self._log_decode_steps < self.server_args.decode_log_interval:
             return
         now = time.monotonic()
+        used = pool.size - pool.available_size()
         rate = self._log_decode_tokens / max(now - self._log_decode_since, 1e-9)
         logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
                     "#queue-req %d", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue))
