@@ -41,6 +41,9 @@ step offline_full_ours 200 python3 -m radixserve.bench_offline_throughput --mode
 step offline_full_ours_bs512 200 python3 -m radixserve.bench_offline_throughput --model-path $L8 --load-format dummy \
   --num-prompts 1000 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5 \
   --log-level warning --result-file "$OUT/offline_full_ours_bs512.json" --cuda-graph-max-bs 512 --max-running-requests 512
+# where an offline run's time goes, phase by phase (profile, Python stacks, Triton compiles while serving)
+step admission_8b 300 python3 benchmarks/bench_admission.py --model-path $L8 --load-format dummy --max-seconds 90 \
+  --log-level warning --out-dir "$OUT" --result-file "$OUT/admission_8b.json"
 step overlap_05b 120 python3 benchmarks/bench_overlap.py --model-path $Q05 --batch-size 64 128 \
   --result-file "$OUT/overlap_05b.json"
 step host_overhead_05b 120 python3 benchmarks/bench_host_overhead.py --model-path $Q05 --device cuda \

@@ -67,3 +67,33 @@ def test_req_to_token_pool() -> None:
     with pytest.raises(ValueError, match="out of range"):
         pool.free(9)
     assert pool.available_size() == 4
+
+
+def test_req_to_token_queued_writes_apply_in_order() -> None:
+    """On a GPU the request table's writes are queued and applied by the next forward: a later write to the same
+    cell wins, and the device table ends equal to the CPU mirror (simulated here with a separate mirror)."""
+    pool = ReqToTokenPool(8, 131072, "cpu")
+    pool.req_to_token_cpu = pool.req_to_token.clone()  # as on a GPU: a mirror distinct from the device table
+    pool.write(7, 0, torch.tensor([1, 2, 3, 4]))
+    pool.write_batch(torch.tensor([7, 7, 3]), torch.tensor([1, 2, 131071]), torch.tensor([9, 8, 5]))
+    pool.write(7, 2, torch.tensor([6]))
+    writes = pool.take_pending_writes()
+    assert len(writes) == 3 and pool.take_pending_writes() == []
+    assert pool.req_to_token[7, :4].tolist() == [0, 0, 0, 0]  # nothing reached the "device" yet
+    pool.apply_writes(writes)
+    assert pool.req_to_token[7, :4].tolist() == [1, 9, 6, 4]
+    assert int(pool.req_to_token[3, 131071]) == 5
+    assert torch.equal(pool.req_to_token, pool.req_to_token_cpu)
+
+
+def test_pack_to_device_views_are_aligned() -> None:
+    """The batch's host tensors travel as one buffer; each view must start 16-byte aligned whatever the lengths
+    (Triton compiles a kernel variant per pointer alignment)."""
+    from radixserve.model_executor.forward_batch_info import pack_to_device
+
+    parts = [torch.arange(n, dtype=torch.int64) * (i + 1) for i, n in enumerate([3, 1, 4, 0, 5, 2])]
+    views = pack_to_device(parts, "cpu", pin=False)
+    assert [len(v) for v in views] == [3, 1, 4, 0, 5, 2]
+    for p, v in zip(parts, views, strict=True):
+        assert torch.equal(p, v)
+        assert v.data_ptr() % 16 == 0

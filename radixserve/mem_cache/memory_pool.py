@@ -74,31 +74,24 @@ class ReqToTokenPool:
         return writes
 
     def apply_writes(self, writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """Apply queued writes to the device table, in order, as one indexed copy."""
+        """Apply queued writes to the device table, in the order they were made (a later write to a cell wins).
+
+        No write holds the same cell twice (each covers distinct (row, col) pairs), so one indexed store per write,
+        issued in order on the stream, is exact. On CUDA all of them travel in one pinned buffer and one copy."""
         if not writes:
             return
-        if len(writes) == 1:  # the usual case (one decode step): nothing to concatenate or de-duplicate
-            rows, cols, vals = writes[0]
-        else:
-            rows = torch.cat([w[0] for w in writes])
-            cols = torch.cat([w[1] for w in writes])
-            vals = torch.cat([w[2] for w in writes])
-            # later writes to the same cell win: keep only the last occurrence of each cell
-            key = rows * self.max_context_len + cols
-            order = torch.arange(len(key))
-            last = torch.full((int(key.max()) + 1,), -1, dtype=torch.int64).scatter_reduce(
-                0, key, order, reduce="amax")
-            keep = last[key] == order
-            rows, cols, vals = rows[keep], cols[keep], vals[keep]
         dev = self.req_to_token.device
-        if dev.type == "cuda":
-            # one pinned buffer and one copy for the three columns (pinned: the copy is truly asynchronous)
+        if dev.type != "cuda":
+            for rows, cols, vals in writes:
+                self.req_to_token[rows.to(dev), cols.to(dev)] = vals.to(dev, torch.int32)
+            return
+        host = torch.cat([t.to(torch.int64) for w in writes for t in w])
+        d = host.pin_memory().to(dev, non_blocking=True)
+        off = 0
+        for rows, _, _ in writes:
             n = len(rows)
-            host = torch.cat([rows, cols, vals.to(torch.int64)])
-            d = host.pin_memory().to(dev, non_blocking=True)
-            self.req_to_token[d[:n], d[n:2 * n]] = d[2 * n:].to(torch.int32)
-        else:
-            self.req_to_token[rows.to(dev), cols.to(dev)] = vals.to(dev)
+            self.req_to_token[d[off:off + n], d[off + n:off + 2 * n]] = d[off + 2 * n:off + 3 * n].to(torch.int32)
+            off += 3 * n
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """KV slots of tokens start..end-1 of request slot `row`, as a CPU int64 tensor (no device sync)."""

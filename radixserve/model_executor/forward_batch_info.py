@@ -15,6 +15,27 @@ if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
+_PAD = torch.zeros(1, dtype=torch.int64)  # one int64: pads a part of the host buffer to 16 bytes
+
+
+def pack_to_device(parts: list[torch.Tensor], device: torch.device | str, pin: bool = True) -> list[torch.Tensor]:
+    """Move 1-D int64 host tensors to `device` as one (pinned, asynchronous) copy; returns views, one per part.
+
+    Each view starts 16-byte aligned (parts of odd length are padded by one): Triton specialises kernels on the
+    alignment of their pointer arguments, so unaligned views would compile a new variant of a kernel the first time
+    a batch size or token count of the other parity comes (seconds, in the middle of serving)."""
+    sizes = [len(t) for t in parts]
+    padded: list[torch.Tensor] = []
+    for t, n in zip(parts, sizes, strict=True):
+        padded.append(t)
+        if n % 2:
+            padded.append(_PAD)
+    host = torch.cat(padded)
+    if pin:  # a pageable copy would wait for the stream
+        host = host.pin_memory()
+    chunks = host.to(device, non_blocking=pin).split([n + n % 2 for n in sizes])
+    return [c[:n] if n % 2 else c for c, n in zip(chunks, sizes, strict=True)]
+
 
 class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
@@ -108,9 +129,7 @@ class ForwardBatch:
             positions = offs + torch.repeat_interleave(pre, ext)
             parts += [ext, pre, start, positions]
         if model_runner.is_cuda:
-            host = torch.cat(parts)
-            # pinned host memory makes the copy truly asynchronous (a pageable copy waits for the stream)
-            on_dev = host.pin_memory().to(device, non_blocking=True).split([len(t) for t in parts])
+            on_dev = pack_to_device(parts, device)
         else:
             on_dev = parts
         d_ids, d_rpi, d_seq_lens, d_out_loc = on_dev[:4]
