@@ -15,7 +15,9 @@ the other thread is not counted):
           runs on the scheduler thread and is counted here instead of in sched
   wall    elapsed time per step
 On a GPU the loop keeps the device busy only while max(sched, fwd) (plus GIL contention) stays below the device's
-step time. --profile prints the cProfile top functions of both threads."""
+step time. --profile prints the cProfile top functions of the scheduler thread (overlap off, where it also runs
+the forward) and of the forward thread (overlap on): one profiler at a time, as Python 3.12's cProfile is
+process-wide."""
 
 from __future__ import annotations
 
@@ -114,8 +116,10 @@ def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: i
             sampling_params=sp, stream=True)])
     for _ in range(warmup):  # the prefill and the first decode steps
         s.step()
-    main_prof = cProfile.Profile() if profile else None
-    if profile:
+    # One profiler at a time (Python 3.12's cProfile is process-wide): with overlap off the scheduler thread (which
+    # then also runs the forward), with overlap on the forward thread.
+    main_prof = cProfile.Profile() if profile and not overlap else None
+    if profile and overlap:
         meter.profile = cProfile.Profile()
         meter.profile_on = True
     fwd0, ct0 = meter.fwd, s.forward_ct
@@ -147,9 +151,9 @@ def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: i
            "tokens_digest": hash(tuple((rid, tuple(tokens[rid])) for rid in sorted(tokens)))}
     if profile:
         for name, prof in (("scheduler thread", main_prof), ("forward thread", meter.profile)):
-            prof.create_stats()
-            if not prof.stats:  # overlap off: no forward thread
+            if prof is None:
                 continue
+            prof.create_stats()
             buf = _io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             print(f"===== bs={bs} overlap={overlap}: {name} (cProfile, tottime) =====")

@@ -54,6 +54,6 @@ step overlap_8b 200 python3 benchmarks/bench_overlap.py --model-path $L8 --batch
 # carried tokenizer folder (.bench_tok: SmolLM2's tokenizer files; the shape folders hold config.json only).
 step structured_8b 200 python3 benchmarks/bench_structured.py --model-path $L8 --tokenizer-path .bench_tok \
   --load-format dummy --device cuda --batch-size 32 --output-len 128 --repeats 2 --output "$OUT/structured_8b.json"
-step gpu_tests 240 python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
+step gpu_tests 480 python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
   -p no:cacheprovider
 echo "=== summary"; cat "$LOGS/steps.txt"
