@@ -302,6 +302,8 @@ def main() -> None:
     server_args = ServerArgs.from_cli_args(args)
     server_args.skip_tokenizer_init = True
     s = Scheduler(server_args, port_args={})
+    if s.device != "cpu" and not server_args.skip_server_warmup:
+        s.warmup()  # as a server does before it reports ready
     print(f"KV pool {s.token_to_kv_pool.size} tokens, max running {s.max_running_requests}, "
           f"overlap {s.enable_overlap}")
     compiles = CompileLog()  # from here on: the compilations while serving (startup and capture are done)

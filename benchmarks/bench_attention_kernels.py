@@ -91,7 +91,8 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
 
                 run = functools.partial(decode_attention_fwd, q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o,
                                         mid_lse, d ** -0.5, min_split_len=args.min_split_len,
-                                        use_dot={"auto": None, "on": True, "off": False}[args.decode_dot])
+                                        use_dot={"auto": None, "on": True, "off": False}[args.decode_dot],
+                                        num_kv_splits=cap)
                 secs = time_graph(run, args.iters)
                 kv_bytes = bs * seq_len * hkv * d * 2 * k_buf.element_size() + bs * seq_len * 4
                 row = {"kernel": "decode", "batch_size": bs, "seq_len": seq_len, "heads": h, "kv_heads": hkv,

@@ -3,8 +3,11 @@
     python benchmarks/bench_overlap.py --model-path radixserve/configs/shapes/qwen2.5-0.5b --batch-size 64 128
 
 Runs the scheduler in-process (no ZMQ) on dummy weights: `bs` requests with fixed input and output lengths, so
-every decode step is full. Throughput is measured after the prefill; the idle fraction comes from the torch
-profiler's CUDA kernel timeline over a window of decode steps: 1 - (union of kernel intervals) / window."""
+every decode step is full. Throughput is measured after the prefill. Two idle measures over windows of decode
+steps: "GPU idle" from the torch profiler's CUDA kernel timeline, 1 - (union of kernel intervals) / window, which
+also counts the bubbles between consecutive kernels inside a step (launch latency, ~1 us each, hundreds per step);
+and "between steps" from CUDA events recorded on the stream around each step: the sum of the gaps between one
+step's end and the next step's start / window, i.e. the time the GPU waited for the host."""
 
 from __future__ import annotations
 
@@ -39,6 +42,48 @@ def gpu_idle_fraction(prof: Any) -> float:
     busy += cur_e - cur_s
     window = spans[-1][1] - spans[0][0]
     return 1.0 - busy / window
+
+
+class StepEvents:
+    """CUDA events recorded on the stream right before each batch's first device work and right after its last
+    (the device-to-host copy of its results), in the thread that runs the worker. Stream order makes each event's
+    time the moment the GPU reached it, so start(N+1) - end(N) is the GPU's idle time between two steps (zero when
+    step N+1 was queued before step N finished); kernel-to-kernel bubbles inside a step are not counted."""
+
+    def __init__(self, worker: Any) -> None:
+        self.on = False
+        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        fwd, copy = worker.forward_batch_generation, worker.copy_result_to_host
+
+        def forward(*a: Any, **k: Any) -> Any:
+            if not self.on:
+                return fwd(*a, **k)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fwd(*a, **k)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pairs.append((start, end))
+            return out
+
+        def copy_to_host(*a: Any, **k: Any) -> Any:  # overlap only: the step ends after its copies
+            out = copy(*a, **k)
+            if self.on and self.pairs:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.pairs[-1] = (self.pairs[-1][0], end)
+            return out
+
+        worker.forward_batch_generation = forward
+        worker.copy_result_to_host = copy_to_host
+
+    def idle_fraction(self) -> float:
+        torch.cuda.synchronize()
+        pairs = self.pairs
+        if len(pairs) < 2:
+            return float("nan")
+        gaps = sum(max(0.0, pairs[i][1].elapsed_time(pairs[i + 1][0])) for i in range(len(pairs) - 1))
+        return gaps / pairs[0][0].elapsed_time(pairs[-1][1])
 
 
 def count_host_syncs(s: Scheduler, steps: int) -> dict[str, int]:
@@ -77,6 +122,11 @@ def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int
     for _ in range(8):  # prefill and the first decode steps
         s.step()
     torch.cuda.synchronize()
+    events = StepEvents(s.worker)  # the worker the forward thread (overlap) or the scheduler (normal) drives
+    events.on = True
+    for _ in range(profile_steps):
+        s.step()
+    events.on = False
     ct0, t0 = s.forward_ct, time.perf_counter()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(profile_steps):
@@ -90,10 +140,12 @@ def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     steps_unprofiled = s.forward_ct - ct1
+    step_idle = events.idle_fraction()  # every step of the event window has finished by now
     if s.worker_client is not None:
         s.worker_client.shutdown()
     return {"batch_size": bs, "overlap": overlap, "decode_tok_s": bs * steps_unprofiled / (t2 - t1),
             "decode_tok_s_profiled": bs * (ct1 - ct0) / (t1 - t0), "gpu_idle_fraction": idle,
+            "gpu_idle_between_steps": step_idle,
             "steps": s.forward_ct, "host_syncs": syncs}
 
 
@@ -111,9 +163,10 @@ def main() -> None:
         for overlap in (False, True):
             results.append(run(args.model_path, bs, overlap, args.input_len, args.output_len, args.profile_steps))
             torch.cuda.empty_cache()
-    print(f"\n{'batch':>6} {'overlap':>8} {'decode tok/s':>13} {'GPU idle':>9}")
+    print(f"\n{'batch':>6} {'overlap':>8} {'decode tok/s':>13} {'GPU idle':>9} {'between steps':>14}")
     for r in results:
-        print(f"{r['batch_size']:>6} {str(r['overlap']):>8} {r['decode_tok_s']:>13.1f} {r['gpu_idle_fraction']:>9.2%}")
+        print(f"{r['batch_size']:>6} {str(r['overlap']):>8} {r['decode_tok_s']:>13.1f} {r['gpu_idle_fraction']:>9.2%} "
+              f"{r['gpu_idle_between_steps']:>14.2%}")
     for bs in args.batch_size:
         off = next(r for r in results if r["batch_size"] == bs and not r["overlap"])
         on = next(r for r in results if r["batch_size"] == bs and r["overlap"])

@@ -76,6 +76,8 @@ class ServerArgs:
     decode_log_interval: int = _flag("Log decode batch stats (running, tokens, throughput) every N decode steps",
                                      default=40)
     skip_tokenizer_init: bool = _flag("Take and return token ids only", default=False)
+    skip_server_warmup: bool = _flag("Serve without first running a short warm-up request (on CUDA the warm-up "
+                                     "compiles the Triton kernels before the first user request)", default=False)
     # parallelism
     tp_size: int = _flag("Tensor parallel ranks", default=1)
     dp_size: int = _flag("Data parallel replicas", default=1)

@@ -4,6 +4,7 @@ retraction, aborts and bad requests — every configuration gives the same greed
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from model_utils import make_tiny_model
@@ -298,3 +299,34 @@ def test_batch_stats_are_logged(tiny_path, caplog) -> None:
     assert "#running-req 3" in decode[0] and "gen throughput (token/s)" in decode[0]
     with pytest.raises(ValueError, match="decode-log-interval"):
         ServerArgs(model_path=tiny_path, decode_log_interval=0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_warmup_leaves_no_trace(tiny_path, reference, overlap) -> None:
+    """The start-up warm-up (run on CUDA before the scheduler reports ready) sends nothing, frees every slot, resets
+    the counters and the cache, and later requests give the same tokens as without it."""
+    s = make_scheduler(tiny_path, enable_overlap_schedule=overlap)
+    sent: list = []
+    s.send_to_detokenizer = SimpleNamespace(send_pyobj=sent.append)  # a socket: the warm-up must not use it
+    s.warmup()
+    assert sent == [] and s.outbox == []
+    state = s.get_internal_state()
+    assert state["idle"] and state["memory_ok"] and state["invariant_violations"] == 0
+    assert state["forward_ct"] == 0 and state["prompt_tokens_total"] == 0 and state["cache_hit_tokens"] == 0
+    assert state["evictable_tokens"] == 0 and state["free_tokens"] == s.token_to_kv_pool.size
+    s.send_to_detokenizer = None
+    for rid, prompt, n in workload():
+        submit(s, rid, prompt, n)
+    assert {rid: r["ids"] for rid, r in drain(s).items()} == reference
+    s.warmup()  # again, after serving: still clean
+    assert s.is_idle() and s.check_memory()
+    if s.worker_client is not None:
+        s.worker_client.shutdown()
+
+
+def test_warmup_refuses_a_busy_scheduler(tiny_path) -> None:
+    s = make_scheduler(tiny_path)
+    submit(s, "busy", [5, 6, 7], 3)
+    with pytest.raises(RuntimeError, match="idle"):
+        s.warmup()
+    drain(s)

@@ -261,6 +261,10 @@ def test_bad_input_raises_value_error() -> None:
     with pytest.raises(ValueError, match="multiple"):
         decode_attention.decode_attention_fwd(q, kb, kb, q.clone(), runner.req_to_token_pool.req_to_token, idx,
                                               idx + 1, mid_o, mid_lse, 1.0)
+    with pytest.raises(ValueError, match="S >= 9 splits"):  # more splits than the partial buffers hold
+        decode_attention.decode_attention_fwd(q, kb[:, :2], kb[:, :2], q.clone(),
+                                              runner.req_to_token_pool.req_to_token, idx, idx + 1, mid_o, mid_lse,
+                                              1.0, num_kv_splits=9)
     with pytest.raises(ValueError, match="elementwise"):
         decode_attention.decode_attention_fwd(q, kb[:, :2], kb[:, :2], q.clone(),
                                               runner.req_to_token_pool.req_to_token, idx, idx + 1, mid_o, mid_lse,

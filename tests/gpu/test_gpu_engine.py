@@ -77,3 +77,45 @@ def test_overlap_equals_normal_on_cuda(tmp_path) -> None:
     off, on = run(False), run(True)
     for rid in off:
         assert on[rid]["ids"] == off[rid]["ids"], rid
+
+
+def test_no_triton_compilation_after_warmup(tmp_path) -> None:
+    """After the start-up warm-up, serving compiles no new Triton kernel specialisation: batches of odd and even
+    sizes and token counts (device views are 16-byte aligned), eager decode above the captured sizes, prefix hits,
+    chunked and mixed prefill all reuse the kernels compiled by the warm-up and the graph capture."""
+    from test_scheduler import drain
+    from triton import knobs
+
+    from radixserve.managers import io_struct as io
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.sampling.sampling_params import SamplingParams
+    from radixserve.server_args import ServerArgs
+
+    make_tiny_model("llama", str(tmp_path), vocab_size=512)
+    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=8192,
+                             skip_tokenizer_init=True, cuda_graph_max_bs=4, chunked_prefill_size=32,
+                             enable_mixed_chunk=True), port_args={})
+    s.warmup()
+    compiled: list[str] = []
+
+    def on_compile(**kw) -> bool:
+        compiled.append(str(kw.get("repr", ""))[:160])
+        return False  # compile as usual
+
+    knobs.runtime.jit_cache_hook = on_compile
+    try:
+        g = torch.Generator().manual_seed(7)
+        shared = torch.randint(3, 512, (21,), generator=g).tolist()
+        for wave, n in enumerate([1, 3, 2, 7, 12, 5]):  # eager decode above the captured batch size 4
+            for i in range(n):
+                tail = torch.randint(3, 512, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+                prompt = shared + tail if i % 2 else tail
+                s.process_input_requests([io.TokenizedGenerateReqInput(
+                    rid=f"w{wave}r{i}", input_text=None, input_ids=prompt, sampling_params=SamplingParams.from_dict(
+                        {"max_new_tokens": 3 + i, "temperature": 0, "ignore_eos": True}))])
+            drain(s)
+    finally:
+        knobs.runtime.jit_cache_hook = None
+        if s.worker_client is not None:
+            s.worker_client.shutdown()
+    assert compiled == [], compiled

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.layers.attention.base_attn_backend import AttentionBackend
-from radixserve.layers.attention.triton_ops.decode_attention import decode_attention_fwd, is_interpreted, kv_split_cap
+from radixserve.layers.attention.triton_ops.decode_attention import (
+    decode_attention_fwd,
+    is_interpreted,
+    kv_split_cap,
+    split_capacity,
+)
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.triton_ops.kv_store import store_kv
@@ -31,7 +36,7 @@ class TritonForwardMetadata:
     req_pool_indices: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     num_kv_splits: int = 1  # splits launched per request (the kernels use fewer for short sequences)
-    mid_o: torch.Tensor | None = None  # flat float32 scratch for the partial outputs
+    mid_o: torch.Tensor | None = None  # flat float32 scratch for the partial outputs (split_capacity slots each)
     mid_lse: torch.Tensor | None = None  # flat float32 scratch for the partial log-sum-exps
     cuda_graph: bool = False  # the scratch and index buffers are static: never reallocate them
     # extend
@@ -81,7 +86,8 @@ class TritonAttnBackend(AttentionBackend):
 
     @staticmethod
     def _scratch_numel(bs: int, num_heads: int, head_dim: int, splits: int) -> tuple[int, int]:
-        return bs * num_heads * splits * head_dim, bs * num_heads * splits
+        cap = split_capacity(splits)  # padded: the same strides for every split count (no kernel recompiles)
+        return bs * num_heads * cap * head_dim, bs * num_heads * cap
 
     def _ensure_eager_scratch(self, bs: int, num_heads: int, head_dim: int,
                               splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +132,8 @@ class TritonAttnBackend(AttentionBackend):
         self._cg_seq_lens = torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64,
                                        device=self.device)
         # every captured batch size shares one scratch, sized for the largest bs * splits among them
-        worst = max(bs * self._kv_split_cap(bs) for bs in range(1, max_bs + 1))
-        n_o, n_lse = self._scratch_numel(worst, self.num_heads, self.head_dim, 1)
+        worst = max(bs * split_capacity(self._kv_split_cap(bs)) for bs in range(1, max_bs + 1))
+        n_o, n_lse = worst * self.num_heads * self.head_dim, worst * self.num_heads
         self._cg_mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
         self._cg_mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
 
@@ -220,11 +226,12 @@ class TritonAttnBackend(AttentionBackend):
             if meta.cuda_graph:
                 raise RuntimeError("decode scratch of the CUDA-graph state is too small for this layer")
             meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, head_dim, splits)
-        mid_o = meta.mid_o[:n_o].view(bs, num_heads, splits, head_dim)
-        mid_lse = meta.mid_lse[:n_lse].view(bs, num_heads, splits)
+        cap = split_capacity(splits)
+        mid_o = meta.mid_o[:n_o].view(bs, num_heads, cap, head_dim)
+        mid_lse = meta.mid_lse[:n_lse].view(bs, num_heads, cap)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         decode_attention_fwd(
             q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
-            use_dot=self.decode_use_dot)
+            use_dot=self.decode_use_dot, num_kv_splits=splits)
         return o.view(-1, num_heads * head_dim)

@@ -35,7 +35,9 @@ def _mma(a, b, FP32: tl.constexpr):
         return tl.dot(a, b.to(a.dtype))
 
 
-@triton.jit
+# The split count and length are plain runtime values (not specialised: a value of 1 or a multiple of 16 would
+# otherwise compile its own variant the first time some batch size produced it, in the middle of serving).
+@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
 def _decode_stage1_kernel(
     Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE,
     sm_scale_log2, num_kv_splits, min_split_len,
@@ -115,7 +117,7 @@ def _decode_stage1_kernel(
                  mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, Out, Seq_lens,
     num_kv_splits, min_split_len,
@@ -160,8 +162,17 @@ def is_interpreted() -> bool:
 
 def decode_partial_shapes(batch_size: int, num_heads: int, head_dim: int,
                           num_kv_splits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the float32 partial-output and log-sum-exp buffers `decode_attention_fwd` needs."""
-    return (batch_size, num_heads, num_kv_splits, head_dim), (batch_size, num_heads, num_kv_splits)
+    """Shapes of the float32 partial-output and log-sum-exp buffers `decode_attention_fwd` needs for up to
+    `num_kv_splits` splits (padded to `split_capacity`)."""
+    cap = split_capacity(num_kv_splits)
+    return (batch_size, num_heads, cap, head_dim), (batch_size, num_heads, cap)
+
+
+def split_capacity(num_kv_splits: int) -> int:
+    """Split slots of the partial buffers for `num_kv_splits` splits: a multiple of 16, so that their strides (and
+    stage 2's MAX_SPLITS) are the same whatever the split count of a batch, and no batch size compiles its own kernel
+    variant (Triton specialises on integer arguments divisible by 16)."""
+    return max(16, triton.cdiv(num_kv_splits, 16) * 16)
 
 
 def kv_split_cap(batch_size: int, num_heads: int, num_kv_heads: int, num_sms: int, max_kv_splits: int,
@@ -200,11 +211,12 @@ def _check_decode_inputs(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     if o.shape != q.shape:
         raise ValueError(f"output shape {tuple(o.shape)} != q shape {tuple(q.shape)}")
     if num_kv_splits < 1:
-        raise ValueError(f"partial buffers need at least one split; got {num_kv_splits}")
-    want_o, want_lse = decode_partial_shapes(bs, num_heads, head_dim, num_kv_splits)
-    if tuple(mid_o.shape) != want_o or tuple(mid_lse.shape) != want_lse:
-        raise ValueError(f"partial buffers must be {want_o} and {want_lse}; got {tuple(mid_o.shape)}, "
-                         f"{tuple(mid_lse.shape)}")
+        raise ValueError(f"at least one split is needed; got {num_kv_splits}")
+    if mid_o.dim() != 4 or mid_lse.dim() != 3 or tuple(mid_o.shape[:3]) != tuple(mid_lse.shape) \
+            or tuple(mid_o.shape[:2]) != (bs, num_heads) or mid_o.shape[3] != head_dim \
+            or mid_lse.shape[2] < num_kv_splits:
+        raise ValueError(f"partial buffers must be [{bs}, {num_heads}, S, {head_dim}] and [{bs}, {num_heads}, S] with "
+                         f"S >= {num_kv_splits} splits; got {tuple(mid_o.shape)}, {tuple(mid_lse.shape)}")
     if mid_o.dtype != torch.float32 or mid_lse.dtype != torch.float32:
         raise ValueError("partial buffers must be float32")
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("mid_o", mid_o),
@@ -231,15 +243,21 @@ def decode_attention_fwd(
     num_warps: int | None = None,
     num_stages: int = 2,
     use_dot: bool | None = None,
+    num_kv_splits: int | None = None,
 ) -> None:
     """Attention of one query token per request over its first seq_len KV slots; writes `o` in place.
 
     q, o: [bs, H, D]; k_buffer, v_buffer: [slots, Hkv, D]; req_to_token: [rows, max_ctx] int32;
     req_pool_indices, seq_lens: [bs] (int32 or int64, on the device); mid_o [bs, H, S, D] and mid_lse [bs, H, S]
-    float32 scratch buffers (`decode_partial_shapes`). S, the number of splits launched per request, is the cap: a
-    request of seq_len L uses min(S, cdiv(L, min_split_len)) of them (`kv_split_cap` picks S for a batch size).
+    float32 scratch buffers (`decode_partial_shapes`). num_kv_splits (default S), the number of splits launched per
+    request, is the cap: a request of seq_len L uses min(num_kv_splits, cdiv(L, min_split_len)) of them
+    (`kv_split_cap` picks it for a batch size).
     """
-    num_kv_splits = mid_lse.shape[-1] if mid_lse.dim() == 3 else 0
+    if mid_lse.dim() != 3:
+        raise ValueError(f"mid_lse must be [bs, H, S]; got {tuple(mid_lse.shape)}")
+    capacity = mid_lse.shape[-1]
+    if num_kv_splits is None:
+        num_kv_splits = capacity
     _check_decode_inputs(q, k_buffer, v_buffer, o, mid_o, mid_lse, num_kv_splits)
     bs, num_heads, head_dim = q.shape
     if bs == 0:
@@ -285,6 +303,6 @@ def decode_attention_fwd(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_kv_splits),
-        num_warps=4 if block_d * num_kv_splits <= 4096 else 8, num_stages=1,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(capacity),
+        num_warps=4 if block_d * capacity <= 4096 else 8, num_stages=1,
     )
