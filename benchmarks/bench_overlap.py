@@ -7,7 +7,9 @@ every decode step is full. Throughput is measured after the prefill. Two idle me
 steps: "GPU idle" from the torch profiler's CUDA kernel timeline, 1 - (union of kernel intervals) / window, which
 also counts the bubbles between consecutive kernels inside a step (launch latency, ~1 us each, hundreds per step);
 and "between steps" from CUDA events recorded on the stream around each step: the sum of the gaps between one
-step's end and the next step's start / window, i.e. the time the GPU waited for the host."""
+step's end and the next step's start / window, i.e. the time the GPU waited for the host at step boundaries (a
+host late *inside* a step, e.g. enqueuing the graph launch after the step's input copies ran, is not seen; the
+all-gaps figure bounds that from above)."""
 
 from __future__ import annotations
 
