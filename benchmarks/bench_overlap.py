@@ -9,7 +9,9 @@ also counts the bubbles between consecutive kernels inside a step (launch latenc
 and "between steps" from CUDA events recorded on the stream around each step: the sum of the gaps between one
 step's end and the next step's start / window, i.e. the time the GPU waited for the host at step boundaries (a
 host late *inside* a step, e.g. enqueuing the graph launch after the step's input copies ran, is not seen; the
-all-gaps figure bounds that from above)."""
+all-gaps figure bounds that from above). "Graph floor": the all-gaps idle of the same captured graph replayed
+back-to-back with nothing else, the part of "GPU idle" no scheduler can remove; GPU idle minus the floor is what
+the host costs."""
 
 from __future__ import annotations
 
@@ -88,6 +90,22 @@ class StepEvents:
         return gaps / pairs[0][0].elapsed_time(pairs[-1][1])
 
 
+def graph_floor_idle(s: Scheduler, bs: int, steps: int) -> float:
+    """The all-gaps idle of the captured decode graph for `bs` replayed back-to-back with no host work in between:
+    the floor of the all-gaps figure (bubbles between the graph's kernels), which no scheduler can go below. Run
+    after the workload (the replays rewrite the last batch's KV slots)."""
+    runner = s.worker.model_runner.cuda_graph_runner
+    if runner is None or bs not in runner.graphs:
+        return float("nan")
+    graph = runner.graphs[bs]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    return gpu_idle_fraction(prof)
+
+
 def count_host_syncs(s: Scheduler, steps: int) -> dict[str, int]:
     """Run `steps` more steps with torch's CUDA sync debug mode on and count, per source line, the operations that
     made the host wait for the device (each one stalls the pipeline the overlap scheduler builds)."""
@@ -143,11 +161,12 @@ def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int
     t2 = time.perf_counter()
     steps_unprofiled = s.forward_ct - ct1
     step_idle = events.idle_fraction()  # every step of the event window has finished by now
+    floor = graph_floor_idle(s, bs, profile_steps)
     if s.worker_client is not None:
         s.worker_client.shutdown()
     return {"batch_size": bs, "overlap": overlap, "decode_tok_s": bs * steps_unprofiled / (t2 - t1),
             "decode_tok_s_profiled": bs * (ct1 - ct0) / (t1 - t0), "gpu_idle_fraction": idle,
-            "gpu_idle_between_steps": step_idle,
+            "gpu_idle_between_steps": step_idle, "graph_floor_idle": floor,
             "steps": s.forward_ct, "host_syncs": syncs}
 
 
@@ -165,10 +184,11 @@ def main() -> None:
         for overlap in (False, True):
             results.append(run(args.model_path, bs, overlap, args.input_len, args.output_len, args.profile_steps))
             torch.cuda.empty_cache()
-    print(f"\n{'batch':>6} {'overlap':>8} {'decode tok/s':>13} {'GPU idle':>9} {'between steps':>14}")
+    print(f"\n{'batch':>6} {'overlap':>8} {'decode tok/s':>13} {'GPU idle':>9} {'between steps':>14} "
+          f"{'graph floor':>12}")
     for r in results:
         print(f"{r['batch_size']:>6} {str(r['overlap']):>8} {r['decode_tok_s']:>13.1f} {r['gpu_idle_fraction']:>9.2%} "
-              f"{r['gpu_idle_between_steps']:>14.2%}")
+              f"{r['gpu_idle_between_steps']:>14.2%} {r['graph_floor_idle']:>12.2%}")
     for bs in args.batch_size:
         off = next(r for r in results if r["batch_size"] == bs and not r["overlap"])
         on = next(r for r in results if r["batch_size"] == bs and r["overlap"])
