@@ -21,6 +21,7 @@ from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_grammar import SchedulerGrammarMixin
 from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from radixserve.managers.scheduler_warmup import SchedulerWarmupMixin
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from radixserve.mem_cache.chunk_cache import ChunkCache
@@ -37,7 +38,7 @@ IN_BATCH_PREFIX_LEN = 32  # prompt head length compared for in-batch prefix shar
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin):
     def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tp_rank: int = 0, gpu_id: int = 0) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
@@ -456,35 +457,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin):
         logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
                     "#queue-req %d", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue))
         self._log_decode_steps, self._log_decode_tokens, self._log_decode_since = 0, 0, now
-
-    # ================================================================= warm-up
-    def warmup(self, prompt_len: int = 16, max_new_tokens: int = 4) -> None:
-        """Run one short greedy request through a prefill and a few decode steps before serving, so that the first
-        user request does not pay Triton's compilation of the kernels' specialisations (seconds on a GPU). Nothing
-        is sent; the cache, the pools and the counters are left as they were. Every TP rank runs the same warm-up,
-        so their collectives pair up."""
-        from radixserve.sampling.sampling_params import SamplingParams
-
-        if not self.is_idle():
-            raise RuntimeError("warm-up needs an idle scheduler")
-        ids = [1 + (i * 7919) % (self.vocab_size - 1) for i in range(min(prompt_len, self.context_len - 1 - 4))]
-        sp = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True})
-        saved = self.send_to_detokenizer, len(self.outbox)
-        self.send_to_detokenizer = None  # outputs land in the outbox, dropped below
-        try:
-            self.handle_generate_request(io.TokenizedGenerateReqInput(
-                rid="__warmup__", input_text=None, input_ids=ids, sampling_params=sp))
-            while self.step() or not self.is_idle():
-                pass
-        finally:
-            self.send_to_detokenizer = saved[0]
-            del self.outbox[saved[1]:]
-        self.tree_cache.reset()
-        self.forward_ct = self.prompt_tokens_total = self.cache_hit_tokens = 0
-        self._log_decode_steps = self._log_decode_tokens = 0
-        self._log_decode_since = self.last_step_time = time.monotonic()
-        self.last_batch = None
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self.server_args.schedule_conservativeness
 
     # ================================================================= idle, state, cache
     def on_idle(self) -> None:
