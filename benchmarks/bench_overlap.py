@@ -9,9 +9,13 @@ also counts the bubbles between consecutive kernels inside a step (launch latenc
 and "between steps" from CUDA events recorded on the stream around each step: the sum of the gaps between one
 step's end and the next step's start / window, i.e. the time the GPU waited for the host at step boundaries (a
 host late *inside* a step, e.g. enqueuing the graph launch after the step's input copies ran, is not seen; the
-all-gaps figure bounds that from above). "Graph floor": the all-gaps idle of the same captured graph replayed
-back-to-back with nothing else, the part of "GPU idle" no scheduler can remove; GPU idle minus the floor is what
-the host costs."""
+all-gaps figure bounds that from above). "Graph floor": the same captured decode graph replayed back-to-back with
+nothing else, timed with CUDA events (no profiler): the GPU time one step needs when the host is never late.
+"Host share" = 1 - floor / (wall time per decode step while serving): the part of each step the GPU was not running
+the step's graph, i.e. waiting for the host anywhere (at or inside step boundaries) plus the step's few kernels
+outside the graph (input copies, the result copy); an upper bound on what the host costs. The profiler's all-gaps
+figure is not used for that: CUPTI's tracing of kernels inside a graph adds gaps of its own (the same graph
+replayed alone shows 2-11% there)."""
 
 from __future__ import annotations
 
@@ -90,20 +94,24 @@ class StepEvents:
         return gaps / pairs[0][0].elapsed_time(pairs[-1][1])
 
 
-def graph_floor_idle(s: Scheduler, bs: int, steps: int) -> float:
-    """The all-gaps idle of the captured decode graph for `bs` replayed back-to-back with no host work in between:
-    the floor of the all-gaps figure (bubbles between the graph's kernels), which no scheduler can go below. Run
-    after the workload (the replays rewrite the last batch's KV slots)."""
+def graph_floor_ms(s: Scheduler, bs: int, steps: int) -> float:
+    """Milliseconds per replay of the captured decode graph for `bs`, replayed `steps` times back-to-back with no
+    host work in between (CUDA events, no profiler). Run after the workload: the replays rewrite the last batch's
+    KV slots with the same values and its sampled ids."""
     runner = s.worker.model_runner.cuda_graph_runner
     if runner is None or bs not in runner.graphs:
         return float("nan")
     graph = runner.graphs[bs]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-    return gpu_idle_fraction(prof)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
 
 
 def count_host_syncs(s: Scheduler, steps: int) -> dict[str, int]:
@@ -155,18 +163,24 @@ def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int
     idle = gpu_idle_fraction(prof)
     syncs = count_host_syncs(s, profile_steps)
     ct1, t1 = s.forward_ct, time.perf_counter()
+    stamps = []
     while s.step() or not s.is_idle():  # unprofiled remainder
-        pass
+        stamps.append(time.perf_counter())
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     steps_unprofiled = s.forward_ct - ct1
     step_idle = events.idle_fraction()  # every step of the event window has finished by now
-    floor = graph_floor_idle(s, bs, profile_steps)
+    floor = graph_floor_ms(s, bs, 50)
+    # wall per step over the last 50 steps before the final drain, whose KV lengths are close to the ones the
+    # floor's replays see (the last batch's), so that longer attention at the end does not flatter the host share
+    tail = stamps[-52:-2]
+    step_ms = (tail[-1] - tail[0]) / (len(tail) - 1) * 1e3 if len(tail) > 1 else float("nan")
     if s.worker_client is not None:
         s.worker_client.shutdown()
     return {"batch_size": bs, "overlap": overlap, "decode_tok_s": bs * steps_unprofiled / (t2 - t1),
             "decode_tok_s_profiled": bs * (ct1 - ct0) / (t1 - t0), "gpu_idle_fraction": idle,
-            "gpu_idle_between_steps": step_idle, "graph_floor_idle": floor,
+            "gpu_idle_between_steps": step_idle, "graph_floor_ms": floor,
+            "step_ms": step_ms, "host_share": max(0.0, 1.0 - floor / step_ms),
             "steps": s.forward_ct, "host_syncs": syncs}
 
 
@@ -185,10 +199,11 @@ def main() -> None:
             results.append(run(args.model_path, bs, overlap, args.input_len, args.output_len, args.profile_steps))
             torch.cuda.empty_cache()
     print(f"\n{'batch':>6} {'overlap':>8} {'decode tok/s':>13} {'GPU idle':>9} {'between steps':>14} "
-          f"{'graph floor':>12}")
+          f"{'step ms':>8} {'graph floor ms':>15} {'host share':>11}")
     for r in results:
         print(f"{r['batch_size']:>6} {str(r['overlap']):>8} {r['decode_tok_s']:>13.1f} {r['gpu_idle_fraction']:>9.2%} "
-              f"{r['gpu_idle_between_steps']:>14.2%} {r['graph_floor_idle']:>12.2%}")
+              f"{r['gpu_idle_between_steps']:>14.2%} {r['step_ms']:>8.3f} "
+              f"{r['graph_floor_ms']:>15.3f} {r['host_share']:>11.2%}")
     for bs in args.batch_size:
         off = next(r for r in results if r["batch_size"] == bs and not r["overlap"])
         on = next(r for r in results if r["batch_size"] == bs and r["overlap"])

@@ -12,7 +12,7 @@ from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.triton_ops.activation import silu_and_mul
 from radixserve.layers.triton_ops.kv_store import store_kv
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm, rmsnorm
-from radixserve.layers.triton_ops.rotary import apply_rotary_inplace
+from radixserve.layers.triton_ops.rotary import KVWrite, apply_rotary_inplace
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -88,6 +88,41 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, hq: int, hk: int, head
     _exact_or_ulp(dq.cpu(), ref_q)
     _exact_or_ulp(dk.cpu(), ref_k)
     assert torch.equal(dv.cpu(), qkv[:, (hq + hk) * head_dim:])  # v is not touched
+
+
+@pytest.mark.parametrize("src_dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (3, 3)])
+def test_rotary_with_kv_write_equals_rotary_then_store(src_dtype: torch.dtype, pool_dtype: torch.dtype, hq: int,
+                                                       hk: int) -> None:
+    """The fused rotary + KV store writes exactly what rotary followed by store_kv writes, and rotates q/k the same."""
+    d, slots, t = 32, 40, 6
+    rope = RotaryEmbedding(d, 256, 10000.0)
+    g = torch.Generator().manual_seed(hq * 10 + hk)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(src_dtype).to(DEV)
+    positions = torch.tensor([0, 5, 255, 9, 9, 100]).to(DEV)
+    loc = torch.tensor([3, 39, 0, 17, 8, 21]).to(DEV)
+    cos, sin = rope.cos_cache.to(DEV), rope.sin_cache.to(DEV)
+
+    def split(x: torch.Tensor) -> list[torch.Tensor]:
+        return list(x.split([hq * d, hk * d, hk * d], dim=-1))
+
+    ref_qkv = qkv.clone()
+    q, k, v = split(ref_qkv)
+    apply_rotary_inplace(positions, q, k, cos, sin, d)
+    ref_k = torch.full((slots, hk, d), 7.0, dtype=pool_dtype, device=DEV)
+    ref_v = torch.full((slots, hk, d), 7.0, dtype=pool_dtype, device=DEV)
+    store_kv(ref_k, ref_v, loc, k, v)
+    q, k, v = split(qkv)
+    k_buf = torch.full((slots, hk, d), 7.0, dtype=pool_dtype, device=DEV)
+    v_buf = torch.full((slots, hk, d), 7.0, dtype=pool_dtype, device=DEV)
+    apply_rotary_inplace(positions, q, k, cos, sin, d, KVWrite(k_buf, v_buf, loc, v))
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(k_buf, ref_k) and torch.equal(v_buf, ref_v)
+    with pytest.raises(ValueError, match="k_buf"):
+        apply_rotary_inplace(positions, q, k, cos, sin, d, KVWrite(k_buf[:, :1], v_buf, loc, v))
+    with pytest.raises(ValueError, match="loc"):
+        apply_rotary_inplace(positions, q, k, cos, sin, d, KVWrite(k_buf, v_buf, loc[:2], v))
 
 
 def test_rotary_bad_input() -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from radixserve.layers.triton_ops import use_fused
+
+if TYPE_CHECKING:
+    from radixserve.layers.triton_ops.rotary import KVWrite
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -44,15 +47,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def can_fuse(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether forward runs the fused kernel for these tensors (which can also store K/V: `kv_write`)."""
+        return use_fused(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_write: KVWrite | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes. On CUDA q and k are rotated in place
-        (they may be views into the qkv projection) and returned."""
-        if use_fused(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1:
+        (they may be views into the qkv projection) and returned. `kv_write` (only where `can_fuse`): the same
+        kernel also writes the rotated k and the v rows into the KV pool."""
+        if self.can_fuse(q, k):
             from radixserve.layers.triton_ops.rotary import apply_rotary_inplace
 
-            apply_rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            apply_rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim, kv_write)
             return q, k
+        if kv_write is not None:
+            raise ValueError("kv_write needs the fused rotary kernel (CUDA tensors, 2-D q/k with unit stride)")
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1)
 

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixserve.model_executor.graph_inputs import load_graph_inputs
 
 if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
@@ -36,11 +37,15 @@ class CudaGraphRunner:
         self.backend = model_runner.attn_backend
         self.fill = self.backend.get_cuda_graph_seq_len_fill_value()
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.backend.init_cuda_graph_state(self.max_bs)
+        shared = self.backend.cuda_graph_input_buffers()
+        if shared is not None:  # fill the backend's own buffers: its replay hook then has nothing to copy
+            self.req_pool_indices, self.seq_lens = shared
+        else:
+            self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+            self.seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy_ids: dict[int, torch.Tensor] = {}
@@ -86,17 +91,10 @@ class CudaGraphRunner:
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         raw = forward_batch.batch_size
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]
-        if bs != raw:  # padding rows: row 0 of the request table, the fill length, KV written to slot 0
-            self.req_pool_indices[raw:bs].zero_()
-            self.seq_lens[raw:bs].fill_(self.fill)
-            self.out_cache_loc[raw:bs].zero_()
-            self.input_ids[raw:bs].zero_()
-            self.positions[raw:bs].zero_()
-        self.input_ids[:raw].copy_(forward_batch.input_ids)
-        self.req_pool_indices[:raw].copy_(forward_batch.req_pool_indices)
-        self.seq_lens[:raw].copy_(forward_batch.seq_lens)
-        self.out_cache_loc[:raw].copy_(forward_batch.out_cache_loc)
-        self.positions[:raw].copy_(forward_batch.positions)
+        # one kernel loads the batch and fills padding rows (request row 0, the fill length, KV to slot 0)
+        load_graph_inputs((self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions),
+                          (forward_batch.input_ids, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                           forward_batch.out_cache_loc, forward_batch.positions), bs, self.fill)
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
                                                              forward_batch.seq_lens_sum + (bs - raw) * self.fill)
         self.graphs[bs].replay()

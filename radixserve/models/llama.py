@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+    from radixserve.layers.triton_ops.rotary import KVWrite
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -72,9 +73,21 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, forward_batch)
+        kv_write = self._kv_write(q, k, v, forward_batch)
+        q, k = self.rotary_emb(positions, q, k, kv_write)
+        out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
         return self.o_proj(out)
+
+    def _kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  forward_batch: ForwardBatch) -> KVWrite | None:
+        """Where the fused rotary kernel should store this layer's K/V (saving the attention backend's own store),
+        or None to leave the store to the backend."""
+        if forward_batch.out_cache_loc is None or not self.rotary_emb.can_fuse(q, k):
+            return None
+        from radixserve.layers.triton_ops.rotary import KVWrite
+
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+        return KVWrite(k_buf, v_buf, forward_batch.out_cache_loc, v)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -21,6 +21,11 @@ class AttentionBackend(ABC):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
+    def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The static int64 [max_bs] (req_pool_indices, seq_lens) buffers the captured kernels read, if the backend
+        keeps its own: a graph runner that loads batches straight into them spares the replay hook its copies."""
+        return None
+
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

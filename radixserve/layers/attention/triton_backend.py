@@ -137,6 +137,11 @@ class TritonAttnBackend(AttentionBackend):
         self._cg_mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
         self._cg_mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
 
+    def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._cg_req_pool_indices is None or self._cg_seq_lens is None:
+            return None
+        return self._cg_req_pool_indices, self._cg_seq_lens
+
     def _load_cuda_graph_inputs(self, bs: int, req_pool_indices: torch.Tensor,
                                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rpi, sl = self._cg_req_pool_indices, self._cg_seq_lens
@@ -147,8 +152,10 @@ class TritonAttnBackend(AttentionBackend):
         # Copy into buffers this backend owns, so the captured kernels read the same addresses at every replay
         # whatever tensors the caller hands in. Rows the caller does not give are padding.
         n = min(bs, req_pool_indices.shape[0], seq_lens.shape[0])
-        rpi[:n].copy_(req_pool_indices[:n], non_blocking=True)
-        sl[:n].copy_(seq_lens[:n], non_blocking=True)
+        if req_pool_indices.data_ptr() != rpi.data_ptr():  # the runner may have filled these very buffers
+            rpi[:n].copy_(req_pool_indices[:n], non_blocking=True)
+        if seq_lens.data_ptr() != sl.data_ptr():
+            sl[:n].copy_(seq_lens[:n], non_blocking=True)
         if n < bs:
             rpi[n:bs].zero_()
             sl[n:bs].fill_(self.get_cuda_graph_seq_len_fill_value())

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.launch import launch
+
 
 @triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
@@ -28,6 +30,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
     if x.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d,
+        launch(_silu_and_mul_kernel, (x.shape[0], triton.cdiv(d, block)), x, out, x.stride(0), out.stride(0), d,
                                                                    BLOCK=block)
     return out

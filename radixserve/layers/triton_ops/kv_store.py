@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.launch import launch
+
 
 @triton.jit
 def _kv_store_kernel(K, V, KBuf, VBuf, Loc, stride_k, stride_v, stride_kb, stride_vb, width,
@@ -40,5 +42,5 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     if t == 0:
         return
     block = min(1024, triton.next_power_of_2(width))
-    _kv_store_kernel[(t, triton.cdiv(width, block))](k, v, k_buf, v_buf, loc, sk, sv, k_buf.stride(0),
+    launch(_kv_store_kernel, (t, triton.cdiv(width, block)), k, v, k_buf, v_buf, loc, sk, sv, k_buf.stride(0),
                                                       v_buf.stride(0), width, BLOCK=block)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.launch import launch
+
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
@@ -42,7 +44,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight)
     out = torch.empty_like(x)
     if x.shape[0]:
-        _rmsnorm_kernel[(x.shape[0],)](x, x, weight, out, out, x.stride(0), x.stride(0), out.stride(0),
+        launch(_rmsnorm_kernel, (x.shape[0],), x, x, weight, out, out, x.stride(0), x.stride(0), out.stride(0),
                                         out.stride(0), x.shape[1], eps, HAS_RESIDUAL=False,
                                         BLOCK=triton.next_power_of_2(x.shape[1]))
     return out
@@ -57,7 +59,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     out = torch.empty_like(x)
     new_residual = torch.empty_like(x)
     if x.shape[0]:
-        _rmsnorm_kernel[(x.shape[0],)](x, residual, weight, out, new_residual, x.stride(0), residual.stride(0),
+        launch(_rmsnorm_kernel, (x.shape[0],), x, residual, weight, out, new_residual, x.stride(0), residual.stride(0),
                                         out.stride(0), new_residual.stride(0), x.shape[1], eps, HAS_RESIDUAL=True,
                                         BLOCK=triton.next_power_of_2(x.shape[1]))
     return out, new_residual

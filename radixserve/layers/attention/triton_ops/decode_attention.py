@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.launch import launch
+
 _LOG2E = 1.4426950408889634
 
 
@@ -127,7 +129,7 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -136,22 +138,31 @@ def _decode_stage2_kernel(
         mask_d = tl.full([BLOCK_D], 1, dtype=tl.int1)  # constant: keeps loads vectorized
     else:
         mask_d = offs_d < HEAD_DIM
-    offs_s = tl.arange(0, MAX_SPLITS)
 
-    # the same split boundaries as stage 1
+    # the same split boundaries as stage 1; only the non-empty splits are read, SPLIT_BLOCK at a time (a runtime
+    # loop: one compiled variant serves every split count, and a batch of 2 splits reads 2, not the buffer's 16)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
-    chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    valid = (offs_s < num_kv_splits) & (offs_s * chunk < seq_len)
-
-    lse = tl.load(Mid_LSE + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s, mask=valid, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # an empty request (seq_len 0) writes zeros
-    w = tl.exp2(lse - m)
-    parts = tl.load(Mid_O + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
-                    + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
-    denom = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(denom > 0, denom, 1.0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N, 1)
+    n_valid = tl.where(seq_len > 0, tl.cdiv(seq_len, chunk), 0)
+    lse_base = Mid_LSE + b.to(tl.int64) * stride_mlb + h * stride_mlh
+    o_base = Mid_O + b.to(tl.int64) * stride_mob + h * stride_moh
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_valid, SPLIT_BLOCK):
+        offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
+        valid = offs_s < n_valid
+        lse = tl.load(lse_base + offs_s, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        w = tl.exp2(lse - m_new)
+        scale = tl.exp2(m - m_new)
+        parts = tl.load(o_base + offs_s[:, None] * stride_mos + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * scale + tl.sum(w[:, None] * parts, axis=0)
+        denom = denom * scale + tl.sum(w, axis=0)
+        m = m_new
+    out = acc / tl.where(denom > 0, denom, 1.0)  # an empty request (seq_len 0) writes zeros
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
@@ -283,7 +294,7 @@ def decode_attention_fwd(
     dot_fp32 = use_dot and (interp or q.dtype == torch.float32)
 
     grid1 = (bs, num_kv_heads * head_blocks, num_kv_splits)
-    _decode_stage1_kernel[grid1](
+    launch(_decode_stage1_kernel, grid1,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale * _LOG2E, num_kv_splits, min_split_len,
         q.stride(0), q.stride(1),
@@ -297,12 +308,11 @@ def decode_attention_fwd(
         num_warps=num_warps, num_stages=num_stages,
     )
     grid2 = (bs, num_heads)
-    _decode_stage2_kernel[grid2](
+    launch(_decode_stage2_kernel, grid2,
         mid_o, mid_lse, o, seq_lens,
         num_kv_splits, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(capacity),
-        num_warps=4 if block_d * capacity <= 4096 else 8, num_stages=1,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_BLOCK=4, num_warps=4, num_stages=1,
     )

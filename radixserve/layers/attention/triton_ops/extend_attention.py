@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.launch import launch
+
 _LOG2E = 1.4426950408889634
 
 
@@ -199,7 +201,7 @@ def extend_attention_fwd(
     dot_fp32 = interp or q.dtype == torch.float32
 
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
-    _extend_kernel[grid](
+    launch(_extend_kernel, grid,
         q, k, v, o, k_buffer, v_buffer,
         req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
         sm_scale * _LOG2E,
