@@ -82,3 +82,29 @@ def test_missing_constexpr_is_never_cached() -> None:
     for _ in range(2):  # BLOCK has no default and is not given: Triton's path reports it; we never cache it
         launcher((1,), (x, 16, 1.0), {}, 0, 0)
     assert len(fn.slow) == 2 and not fn.compiled.runs
+
+
+def test_a_launcher_that_takes_other_arguments_falls_back_for_good() -> None:
+    """A Triton whose compiled-kernel launcher has another signature: the first cached launch raises before
+    launching; that call and every later one go through Triton's own path instead."""
+    fn = _Jit()
+
+    def incompatible(*args: Any) -> None:
+        raise TypeError("function takes exactly 12 arguments")
+
+    fn.compiled.run = incompatible  # type: ignore[method-assign]
+    launcher = _KernelLauncher(fn)
+    x = torch.zeros(8)
+    for _ in range(3):
+        launcher((1,), (x, 16, 1.0), {"BLOCK": 64}, 0, 0)
+    assert len(fn.slow) == 3 and launcher.broken and not launcher.compiled
+
+
+def test_a_working_launcher_is_checked_once() -> None:
+    fn = _Jit()
+    launcher = _KernelLauncher(fn)
+    x = torch.zeros(8)
+    for _ in range(4):
+        launcher((1,), (x, 16, 1.0), {"BLOCK": 64}, 0, 0)
+    assert launcher.checked and not launcher.broken
+    assert len(fn.slow) == 1 and len(fn.compiled.runs) == 3

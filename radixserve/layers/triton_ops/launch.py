@@ -2,25 +2,29 @@
 
 `kernel[grid](*args)` works out the kernel's specialisation from every argument on every call (the dtype and
 16-byte alignment of each tensor, whether each integer is 1, a multiple of 16, or past 32 bits), hashes it and looks
-the compiled kernel up. On the H200 host that costs ~40 us per launch, against ~9 us for a torch op: an eager decode
-step of an 8B model launches 7 of them per layer, ~9 ms per step, more than the GPU needs at batch 256.
+the compiled kernel up; the cost grows with the argument count. An eager decode step launches 7 of our kernels per
+layer, and above the largest CUDA graph it is host-bound. On the H200 host, `decode_attention_fwd` (two launches of
+~30 arguments) took 66 us of host time through `kernel[grid]` and 49 us through this path.
 
 `launch` keeps, per kernel, the compiled kernels it has seen under a key of its own that is at least as fine as
 Triton's (the same facts plus each value's Python type, so two calls with one key always get the same compiled
 kernel), and calls the compiled kernel's launcher directly. A key seen for the first time goes through
-`kernel[grid]` (which compiles if needed) and is remembered. Under TRITON_INTERPRET=1 and with
-RADIXSERVE_TRITON_FAST_LAUNCH=0 every call goes through `kernel[grid]`. Launch hooks (`knobs.runtime.launch_*_hook`)
-are not called on the fast path.
+`kernel[grid]` (which compiles if needed) and is remembered. Should a Triton version's launcher take other
+arguments, the first cached launch fails before launching anything and that kernel falls back to `kernel[grid]`.
+Under TRITON_INTERPRET=1 and with RADIXSERVE_TRITON_FAST_LAUNCH=0 every call goes through `kernel[grid]`. Launch
+hooks (`knobs.runtime.launch_*_hook`) are not called on the fast path.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
 _INT32 = 1 << 31
 _enabled = os.environ.get("RADIXSERVE_TRITON_FAST_LAUNCH", "1") not in ("0", "")
 
@@ -67,23 +71,37 @@ class _KernelLauncher:
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.compiled: dict[tuple, tuple[Any, tuple]] = {}  # key → (compiled kernel, constexpr values)
+        self.checked = False  # a cached launch has gone through once
+        self.broken = False  # this Triton's launcher takes other arguments: always use kernel[grid]
 
     def __call__(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], device: int, stream: int) -> None:
         # kwargs keep their call-site order: a call site that orders them differently only adds cache entries
         key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
-        hit = self.compiled.get(key)
+        hit = None if self.broken else self.compiled.get(key)
         if hit is None:
             kernel = self.fn[grid](*args, **kwargs)
             # the parameters after the positional ones, in signature order: constexprs given by name or defaulted
             rest = self.names[len(args):]
-            if kernel is None or any(n not in kwargs and n not in self.defaults for n in rest):
+            if kernel is None or self.broken or any(n not in kwargs and n not in self.defaults for n in rest):
                 return
             self.compiled[key] = (kernel, tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in rest))
             return
         kernel, tail = hit
         n = len(grid)
-        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, None, None, None, *args, *tail)
+        if self.checked:
+            kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+                       kernel.packed_metadata, None, None, None, *args, *tail)
+            return
+        try:  # the launcher is Triton's internal API: a version that changed it fails here, before launching
+            kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+                       kernel.packed_metadata, None, None, None, *args, *tail)
+        except (TypeError, AttributeError) as e:
+            logger.warning("cached Triton launch unavailable for %s (%s); using kernel[grid]", self.fn, e)
+            self.broken = True
+            self.compiled.clear()
+            self.fn[grid](*args, **kwargs)
+            return
+        self.checked = True
 
 
 _launchers: dict[int, _KernelLauncher | None] = {}  # None: this kernel always goes through kernel[grid]
