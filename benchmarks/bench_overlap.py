@@ -101,17 +101,9 @@ def graph_floor_ms(s: Scheduler, bs: int, steps: int) -> float:
     runner = s.worker.model_runner.cuda_graph_runner
     if runner is None or bs not in runner.graphs:
         return float("nan")
-    graph = runner.graphs[bs]
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    from bench_attention_kernels import replay_ms  # this script's folder is on sys.path
+
+    return replay_ms(runner.graphs[bs], steps)
 
 
 def count_host_syncs(s: Scheduler, steps: int) -> dict[str, int]:

@@ -57,9 +57,16 @@ def _arg_key(a: Any) -> Any:
         return key(a)
     if isinstance(a, torch.Tensor):
         return _tensor_key(a)
-    if isinstance(a, int) and not isinstance(a, bool):
+    if isinstance(a, int):  # a subclass of int (bool cannot be subclassed, and is in _KEYS)
         return type(a), _int_key(a)
-    return type(a), a if isinstance(a, bool) else None
+    return type(a)
+
+
+def _run(kernel: Any, grid: tuple[int, ...], stream: int, args: tuple, tail: tuple) -> None:
+    """What `JITFunction.run` does once it has found the compiled kernel (no launch hooks)."""
+    n = len(grid)
+    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+               kernel.packed_metadata, None, None, None, *args, *tail)
 
 
 class _KernelLauncher:
@@ -87,14 +94,11 @@ class _KernelLauncher:
             self.compiled[key] = (kernel, tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in rest))
             return
         kernel, tail = hit
-        n = len(grid)
         if self.checked:
-            kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-                       kernel.packed_metadata, None, None, None, *args, *tail)
+            _run(kernel, grid, stream, args, tail)
             return
         try:  # the launcher is Triton's internal API: a version that changed it fails here, before launching
-            kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-                       kernel.packed_metadata, None, None, None, *args, *tail)
+            _run(kernel, grid, stream, args, tail)
         except (TypeError, AttributeError) as e:
             logger.warning("cached Triton launch unavailable for %s (%s); using kernel[grid]", self.fn, e)
             self.broken = True

@@ -182,9 +182,9 @@ def decode_partial_shapes(batch_size: int, num_heads: int, head_dim: int,
 
 
 def split_capacity(num_kv_splits: int) -> int:
-    """Split slots of the partial buffers for `num_kv_splits` splits: a multiple of 16, so that their strides (and
-    stage 2's MAX_SPLITS) are the same whatever the split count of a batch, and no batch size compiles its own kernel
-    variant (Triton specialises on integer arguments divisible by 16)."""
+    """Split slots of the partial buffers for `num_kv_splits` splits: a multiple of 16, so that their strides are
+    the same whatever the split count of a batch, and no batch size compiles its own kernel variant (Triton
+    specialises on integer arguments divisible by 16). The kernels read only the splits a request uses."""
     return max(16, triton.cdiv(num_kv_splits, 16) * 16)
 
 
