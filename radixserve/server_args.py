@@ -82,6 +82,8 @@ class ServerArgs:
     host: str = _flag("Address to bind", default="127.0.0.1")
     port: int = _flag("Port to bind", default=30000)
     api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health")
+    disable_web_ui: bool = _flag("Do not serve the built-in web page (chat playground and dashboard) at /",
+                                 default=False)
     enable_metrics: bool = _flag("Expose Prometheus metrics on /metrics", default=False)
     log_level: str = _flag("Logging level", default="info", choices=("debug", "info", "warning", "error"))
     log_requests: bool = _flag("Log every request", default=False)
