@@ -34,6 +34,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import radixserve
+from radixserve.entrypoints import web
 from radixserve.entrypoints.http_utils import (
     ClientDisconnected,
     error_response,
@@ -73,6 +74,7 @@ class ServerState:
     chat: OpenAIServingChat
     metrics: Any = None
     grammar_ok: bool = False
+    live_stats: Any = None  # the dashboard's recent figures (web.live_stats.LiveStats)
     start_time: float = dataclasses.field(default_factory=time.time)
     shutting_down: bool = False
 
@@ -87,13 +89,15 @@ class ServerState:
 class AuthAndLogMiddleware:
     """Checks `Authorization: Bearer KEY` (all routes but /health) and, with --log-requests, logs each request."""
 
-    def __init__(self, app: Any, api_key: str | None, log_requests: bool) -> None:
+    def __init__(self, app: Any, api_key: str | None, log_requests: bool,
+                 public: Callable[[str], bool] | None = None) -> None:
         self.app = app
         self.expected = f"bearer {api_key}".encode() if api_key else None
         self.log_requests = log_requests
+        self.public = public or (lambda path: False)
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
-        if self.expected is None or scope["path"] == "/health":
+        if self.expected is None or scope["path"] == "/health" or self.public(scope["path"]):
             return True
         for name, value in scope.get("headers", []):
             if name == b"authorization":
@@ -149,6 +153,7 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
                         grammar_ok=grammar_ok)
     if metrics is not None:
         tm.metrics = metrics
+    state.live_stats = web.attach_live_stats(tm)
 
     app = FastAPI(title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -156,7 +161,11 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
     _install_error_handlers(app)
     _add_native_routes(app, state)
     _add_openai_routes(app, state)
-    app.add_middleware(AuthAndLogMiddleware, api_key=server_args.api_key, log_requests=server_args.log_requests)
+    app.include_router(web.stats_router)
+    if not server_args.disable_web_ui:
+        app.include_router(web.page_router)
+    app.add_middleware(AuthAndLogMiddleware, api_key=server_args.api_key, log_requests=server_args.log_requests,
+                       public=None if server_args.disable_web_ui else web.is_public)
     return app
 
 
