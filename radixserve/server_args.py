@@ -18,6 +18,17 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
+def _registry_names(module: str, attr: str) -> tuple[str, ...]:
+    """Names of a parser registry (a dict of lazy import paths: importing it loads no parser)."""
+    import importlib
+
+    return tuple(getattr(importlib.import_module(module), attr))
+
+
+TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
+REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
+
+
 def _flag(help: str, **kw: Any) -> Any:
     """A dataclass field carrying its argparse help (and choices)."""
     default = kw.pop("default", None)
@@ -41,6 +52,10 @@ class ServerArgs:
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
     chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's")
+    tool_call_parser: str | None = _flag("Tool-call format of the model (default: from its chat template, else "
+                                         "hermes)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
+                                         choices=REASONING_PARSERS)
     revision: str | None = _flag("Unused placeholder for API compatibility; must be empty")
     # device and memory
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
@@ -74,6 +89,8 @@ class ServerArgs:
                                         default=30.0)
     graceful_shutdown_timeout: float = _flag("On SIGTERM: seconds in-flight requests may take to finish (new ones "
                                              "get 503) before the rest are aborted", default=30.0)
+    disable_web_ui: bool = _flag("Do not serve the built-in web page (chat playground and dashboard) at /",
+                                 default=False)
     enable_metrics: bool = _flag("Expose Prometheus metrics on /metrics", default=False)
     log_level: str = _flag("Logging level", default="info", choices=("debug", "info", "warning", "error"))
     log_requests: bool = _flag("Log every request", default=False)
@@ -123,7 +140,8 @@ class ServerArgs:
         for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
-                              ("load_balance_method", LOAD_BALANCE_METHODS)]:
+                              ("load_balance_method", LOAD_BALANCE_METHODS),
+                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
             choice(name, allowed)
 
         def positive(name: str, allow_none: bool = True) -> None:

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import radixserve
+from radixserve.entrypoints import web
 from radixserve.entrypoints.http_utils import ClientDisconnected, error_response
 from radixserve.entrypoints.middleware import (
     AuthAndLogMiddleware,
@@ -79,6 +80,7 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
                         grammar_ok=grammar_ok)
     if metrics is not None:
         tm.metrics = metrics
+    state.live_stats = web.attach_live_stats(tm)
 
     app = FastAPI(title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -86,10 +88,14 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
     _install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(web.stats_router)
+    if not server_args.disable_web_ui:
+        app.include_router(web.page_router)
     app.add_middleware(BodyGuardMiddleware, max_bytes=server_args.max_request_bytes,
                        read_timeout=server_args.request_read_timeout)
     app.add_middleware(AuthAndLogMiddleware, api_key=server_args.resolved_api_key(),
-                       log_requests=server_args.log_requests)
+                       log_requests=server_args.log_requests,
+                       public=None if server_args.disable_web_ui else web.is_public)
     return app
 
 

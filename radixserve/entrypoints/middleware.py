@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from radixserve.entrypoints.http_utils import error_response
@@ -26,13 +27,15 @@ class BodyReadTimeout(Exception):
 class AuthAndLogMiddleware:
     """Checks `Authorization: Bearer KEY` (all routes but /health) and, with --log-requests, logs each request."""
 
-    def __init__(self, app: Any, api_key: str | None, log_requests: bool) -> None:
+    def __init__(self, app: Any, api_key: str | None, log_requests: bool,
+                 public: Callable[[str], bool] | None = None) -> None:
         self.app = app
         self.expected = f"bearer {api_key}".encode() if api_key else None
         self.log_requests = log_requests
+        self.public = public or (lambda path: False)
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
-        if self.expected is None or scope["path"] == "/health":
+        if self.expected is None or scope["path"] == "/health" or self.public(scope["path"]):
             return True
         for name, value in scope.get("headers", []):
             if name == b"authorization":

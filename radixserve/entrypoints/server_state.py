@@ -28,6 +28,7 @@ class ServerState:
     chat: OpenAIServingChat
     metrics: Any = None
     grammar_ok: bool = False
+    live_stats: Any = None  # the dashboard's recent figures (web.live_stats.LiveStats)
     start_time: float = dataclasses.field(default_factory=time.time)
     draining: bool = False  # SIGTERM received: new requests get 503 while in-flight ones finish
     dead_child: str | None = None  # "the scheduler process (pid N) was killed by SIGKILL", once one died
