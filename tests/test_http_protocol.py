@@ -58,6 +58,7 @@ def test_request_error_mapping() -> None:
     assert e.param == "prompt"
 
 
+@pytest.mark.integration
 def test_cli() -> None:
     from radixserve.entrypoints import cli
     from radixserve.launch_server import main as launch_main

@@ -27,6 +27,8 @@ from server_utils import wait_healthy
 
 from radixserve.utils import free_port, kill_process_tree
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 API_KEY = "sk-test-radixserve"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_QUEUED = 100
