@@ -104,6 +104,8 @@ class ServerArgs:
                                      "compiles the Triton kernels before the first user request)", default=False)
     # parallelism
     tp_size: int = _flag("Tensor parallel ranks", default=1)
+    ep_size: int = _flag("Expert parallel ranks: the MoE layers split their experts over the TP ranks instead of "
+                         "sharding each expert (1, or equal to --tp-size)", default=1)
     dp_size: int = _flag("Data parallel replicas", default=1)
     load_balance_method: str = _flag("DP routing", default="round_robin", choices=LOAD_BALANCE_METHODS)
     nnodes: int = _flag("Number of nodes", default=1)
@@ -162,8 +164,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "dp_size", "nnodes", "stream_interval",
-                     "decode_log_interval"):
+                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
+                     "stream_interval", "decode_log_interval"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
@@ -181,6 +183,8 @@ class ServerArgs:
             raise ValueError(f"--dist-timeout must be > 0; got {self.dist_timeout}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({self.tp_size}); got {self.ep_size}")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:
