@@ -18,13 +18,16 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
-def _quantization_methods() -> tuple[str, ...]:
-    from radixserve.layers.quantization import QUANTIZATION_METHODS  # a dict of names; imports no method
+def _registry_names(module: str, attr: str) -> tuple[str, ...]:
+    """Names of a registry (a dict of lazy import paths: importing it loads no implementation)."""
+    import importlib
 
-    return tuple(sorted(QUANTIZATION_METHODS))
+    return tuple(getattr(importlib.import_module(module), attr))
 
 
-QUANTIZATIONS = _quantization_methods()
+TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
+REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
+QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -53,6 +56,10 @@ class ServerArgs:
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
     chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's")
+    tool_call_parser: str | None = _flag("Tool-call format of the model (default: from its chat template, else "
+                                         "hermes)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
+                                         choices=REASONING_PARSERS)
     revision: str | None = _flag("Unused placeholder for API compatibility; must be empty")
     # device and memory
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
@@ -78,7 +85,16 @@ class ServerArgs:
     # server
     host: str = _flag("Address to bind", default="127.0.0.1")
     port: int = _flag("Port to bind", default=30000)
-    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health")
+    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health (visible in `ps`: "
+                                "prefer --api-key-file or the RADIXSERVE_API_KEY environment variable)")
+    api_key_file: str | None = _flag("File whose first line is the API key (see --api-key)")
+    max_request_bytes: int = _flag("Largest request body in bytes; a larger one gets HTTP 413", default=8 << 20)
+    request_read_timeout: float = _flag("Seconds a client may take to send its request body; then HTTP 408",
+                                        default=30.0)
+    graceful_shutdown_timeout: float = _flag("On SIGTERM: seconds in-flight requests may take to finish (new ones "
+                                             "get 503) before the rest are aborted", default=30.0)
+    disable_web_ui: bool = _flag("Do not serve the built-in web page (chat playground and dashboard) at /",
+                                 default=False)
     enable_metrics: bool = _flag("Expose Prometheus metrics on /metrics", default=False)
     log_level: str = _flag("Logging level", default="info", choices=("debug", "info", "warning", "error"))
     log_requests: bool = _flag("Log every request", default=False)
@@ -129,7 +145,8 @@ class ServerArgs:
                               ("kv_cache_dtype", DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
-                              ("load_balance_method", LOAD_BALANCE_METHODS)]:
+                              ("load_balance_method", LOAD_BALANCE_METHODS),
+                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
             choice(name, allowed)
 
         def positive(name: str, allow_none: bool = True) -> None:
@@ -167,10 +184,30 @@ class ServerArgs:
             raise ValueError(f"--model-path {self.model_path!r} does not exist")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give at most one of --api-key and --api-key-file")
+        if self.api_key_file is not None and not os.path.isfile(self.api_key_file):
+            raise ValueError(f"--api-key-file {self.api_key_file!r} is not a file")
+        if self.max_request_bytes <= 0:
+            raise ValueError(f"--max-request-bytes must be > 0; got {self.max_request_bytes}")
+        if self.request_read_timeout <= 0 or self.graceful_shutdown_timeout < 0:
+            raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
         if self.revision:
             raise ValueError("--revision is not supported: models are loaded from local folders only")
 
     # ------------------------------------------------------------------ derived values
+    def resolved_api_key(self) -> str | None:
+        """--api-key, else the first line of --api-key-file, else $RADIXSERVE_API_KEY (None: no key needed)."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_file is not None:
+            with open(self.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+            if not key:
+                raise ValueError(f"--api-key-file {self.api_key_file!r} is empty")
+            return key
+        return os.environ.get("RADIXSERVE_API_KEY") or None
+
     @property
     def chunk_size(self) -> int | None:
         """Prefill chunk size in tokens, or None when chunking is off."""

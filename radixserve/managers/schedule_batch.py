@@ -18,8 +18,9 @@ from radixserve.managers.deferred_sampling import DeferredSamplingInfo
 from radixserve.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
+    from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-    from radixserve.mem_cache.radix_cache import RadixCache
+    from radixserve.mem_cache.radix_cache import TreeNode
     from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -40,7 +41,7 @@ class Req:
         # memory
         self.req_pool_idx: int | None = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
-        self.last_node: Any = None
+        self.last_node: TreeNode | None = None
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self.kv_committed_len: int | None = None  # tokens whose KV is written (set after each forward)
@@ -69,7 +70,7 @@ class Req:
         self.grammar: Any = None
 
     # ---------------------------------------------------------------- prefix and fill
-    def init_next_round_input(self, tree_cache: RadixCache | None) -> None:
+    def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
             # at least one token must run through the model, and prompt logprobs need their tokens computed
@@ -83,12 +84,6 @@ class Req:
     def seqlen(self) -> int:
         """Tokens in the sequence, counting a sampled token still in flight."""
         return len(self.origin_input_ids) + len(self.output_ids) + (self.pending_token is not None)
-
-    def last_token_ref(self) -> int:
-        """The id to feed the next decode step: the last token, or -(future slot) while it is in flight."""
-        if self.pending_token is not None:
-            return -self.pending_token[1]
-        return self.output_ids[-1]
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -153,7 +148,7 @@ class ModelWorkerBatch:
 
 class ScheduleBatch:
     def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
-                 tree_cache: Any, device: str, vocab_size: int) -> None:
+                 tree_cache: BasePrefixCache | None, device: str, vocab_size: int) -> None:
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
@@ -330,23 +325,9 @@ class ScheduleBatch:
 
     def _release(self, req: Req) -> None:
         """Give a request's memory back (its prefix stays shareable in the tree); it will be prefilled again."""
-        n = req.kv_committed_len or 0
-        indices = self.req_to_token_pool.read(req.req_pool_idx, 0, n)
-        cache = self.tree_cache
-        from radixserve.mem_cache.chunk_cache import ChunkCache
-
-        if cache is not None and not isinstance(cache, ChunkCache):
-            # keep what the tree already holds, free the request's own slots past it
-            n_pre = len(req.prefix_indices)
-            self.token_to_kv_pool.free(indices[n_pre:])
-            cache.dec_lock_ref(req.last_node)
-        else:
-            self.token_to_kv_pool.free(indices)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.last_node = None
-        req.kv_committed_len = None
+        if self.tree_cache is None:
+            raise RuntimeError("retraction needs the prefix cache that owns the requests' KV")
+        self.tree_cache.release_req(req)
         req.num_retractions += 1
 
     # ---------------------------------------------------------------- batch surgery

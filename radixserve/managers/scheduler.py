@@ -24,6 +24,7 @@ from radixserve.managers.scheduler_output_processor import SchedulerOutputProces
 from radixserve.managers.scheduler_warmup import SchedulerWarmupMixin
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch_info import ForwardMode
@@ -56,10 +57,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.max_running_requests = self.worker.max_running_requests
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
-        if server_args.disable_radix_cache:
-            self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool)
-        else:
-            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool)
+        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+        self.tree_cache: BasePrefixCache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
         self.tokenizer = None
@@ -326,7 +325,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return None
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        self.policy.calc_priority(self.waiting_queue)
         mixed = self.server_args.enable_mixed_chunk and bool(running)
         adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool, running, self.new_token_ratio,
                              self.server_args.max_prefill_tokens, self.chunk_size,
@@ -344,14 +342,18 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             self.chunked_req.fill_ids = self.chunked_req.origin_input_ids + self.chunked_req.output_ids
             self.chunked_req.extend_input_len = len(self.chunked_req.fill_ids) - len(self.chunked_req.prefix_indices)
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        # ordered after the chunk above went into the cache; a prefix-aware order matches every waiting request
+        prefix_matched = self.policy.calc_priority(self.waiting_queue)
         slots_left = self.max_running_requests - len(running) - len(adder.can_run)
         admitted = []
         uncached_heads: set[tuple[int, ...]] = set()  # prompt heads this batch will put into the cache
-        sharing = isinstance(self.tree_cache, RadixCache)
+        sharing = self.tree_cache.shares_prefixes
         for req in self.waiting_queue:
             if slots_left <= 0 or not adder.budget_left() or adder.new_chunked_req is not None:
                 break
-            if self.policy.policy not in ("lpm", "dfs-weight") or req.last_node is None:
+            # A match from an earlier round may point at KV that an eviction freed since: match again unless this
+            # round's ordering just did (and never lock a node no longer in the tree).
+            if not prefix_matched or not self.tree_cache.is_attached(req.last_node):
                 req.init_next_round_input(self.tree_cache)
             if sharing and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN <= len(req.fill_ids):
                 # In-batch prefix sharing: a request whose uncached head repeats one already admitted this round

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 # A process-wide logical clock for LRU: strictly increasing, so that two touches never tie (time.monotonic can).
@@ -114,7 +115,7 @@ class TreeNode:
         return f"TreeNode(len={len(self.key)}, key={head}{more}, lock_ref={self.lock_ref})"
 
 
-class RadixCache:
+class RadixCache(BasePrefixCache):
     """Prefix cache over the KV pool. With `disable=True` it caches nothing (match_prefix always misses)."""
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
@@ -131,6 +132,10 @@ class RadixCache:
         self._protected_size = 0
 
     # ------------------------------------------------------------------ public API
+    @property
+    def shares_prefixes(self) -> bool:
+        return not self.disable
+
     def reset(self) -> None:
         """Empty the tree and clear both pools (every KV slot and request slot becomes free). Only when idle."""
         self._init_tree()
@@ -250,6 +255,18 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = new_indices
         req.last_node = new_last_node
+
+    def release_req(self, req: Any) -> None:
+        """Retraction: free the request's own slots past its cached prefix and its request slot; unlock the prefix,
+        which stays in the tree (evictable) for when the request is prefilled again."""
+        row = self._row(req)
+        indices = self.req_to_token_pool.read(row, 0, _kv_len(req, 0))
+        # disabled: every slot of the row is the request's own, prefix included (chunks)
+        own_from = 0 if self.disable else self._prefix_len(req)
+        self.token_to_kv_pool.free(indices[own_from:])
+        self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(row)
+        self._clear_prefix(req)
 
     def inc_lock_ref(self, node: TreeNode | None) -> int:
         """Lock the path from `node` to the root; returns the change in protected size (>= 0)."""
@@ -380,12 +397,6 @@ class RadixCache:
 
     def _evictable_leaves(self) -> list[TreeNode]:
         return [n for n in self._nodes() if not n.children and n.lock_ref == 0]
-
-    def _row(self, req: Any) -> int:
-        row = getattr(req, "req_pool_idx", None)
-        if row is None:
-            raise ValueError("request has no req_pool_idx (no request slot to cache from)")
-        return int(row)
 
     @staticmethod
     def _prefix_len(req: Any) -> int:
