@@ -46,6 +46,8 @@ class _LinearBase(nn.Module):
             set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
+        # LoRA: a callable (x, base output) -> output set by radixserve.lora on the layers that carry adapters
+        self.lora = None
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
         """Replace how this layer stores its weight and multiplies (before the weights load)."""
@@ -98,7 +100,10 @@ class _LinearBase(nn.Module):
         self._copy(param.data.narrow(dim, dst_off, n), loaded.narrow(dim, src_off, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            out = self.lora(x, out)
+        return out
 
 
 class ReplicatedLinear(_LinearBase):
@@ -192,6 +197,8 @@ class RowParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
+            out = self.lora(x, out)
         if self.tp_size > 1 and self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out
