@@ -19,7 +19,7 @@ from radixserve.entrypoints.openai.chat_tools import (
     template_kwargs,
     template_messages,
 )
-from radixserve.entrypoints.openai.errors import APIError
+from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.entrypoints.openai.serving_base import (
     OpenAIServingBase,
@@ -27,6 +27,7 @@ from radixserve.entrypoints.openai.serving_base import (
     matched_stop,
 )
 from radixserve.managers import io_struct as io
+from radixserve.managers.tokenizer_manager import RequestError
 
 
 def _flatten_content(msg: ChatMessage, i: int) -> str:
@@ -53,7 +54,8 @@ def _flatten_content(msg: ChatMessage, i: int) -> str:
 class OpenAIServingChat(OpenAIServingBase):
     object_prefix = "chatcmpl"
 
-    def apply_chat_template(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> tuple[list[int], str]:
+    async def apply_chat_template(self, req: ChatCompletionRequest, plan: ToolPlan | None = None
+                                  ) -> tuple[list[int], str]:
         """The prompt's token ids and text."""
         tok = self.tm.tokenizer
         if tok is None:
@@ -64,6 +66,10 @@ class OpenAIServingChat(OpenAIServingBase):
             raise APIError("this model has no chat template: start the server with --chat-template FILE, or use "
                            "/v1/completions", 400, "messages", "no_chat_template")
         template = template if isinstance(template, str) else json.dumps(template)
+        try:
+            self.tm.check_text_length(sum(len(_flatten_content(m, i)) for i, m in enumerate(req.messages)))
+        except RequestError as e:
+            raise from_request_error(e, prompt_param="messages", openai=True) from None
         plan = plan or self.plan_tools(req)
         messages = template_messages(req, plan, template, _flatten_content)
         kwargs = template_kwargs(req, plan, template)
@@ -72,10 +78,7 @@ class OpenAIServingChat(OpenAIServingBase):
         except Exception as e:  # jinja errors raised by the template itself ("roles must alternate", ...)
             raise APIError(f"messages: the chat template rejected them: {e}", 400, "messages", "invalid_value") \
                 from None
-        try:
-            return tok.encode(text, add_special_tokens=False), text
-        except TypeError:
-            return tok.encode(text), text
+        return await self.tokenize(text, "messages", add_special_tokens=False), text
 
     def plan_tools(self, req: ChatCompletionRequest) -> ToolPlan:
         template = getattr(self.tm.tokenizer, "chat_template", None) if self.tm.tokenizer is not None else None
@@ -100,11 +103,11 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(ChatCompletionRequest, body)
-        self.check_common(req)
+        lora = self.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs", "invalid_value")
         plan = self.plan_tools(req)
-        ids, prompt_text = self.apply_chat_template(req, plan)
+        ids, prompt_text = await self.apply_chat_template(req, plan)
         cfg = output_config(req, plan, getattr(self.tm.server_args, "reasoning_parser", None), prompt_text)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if requested is None:
@@ -119,7 +122,8 @@ class OpenAIServingChat(OpenAIServingBase):
         top_n = req.top_logprobs or 0
         rid, _ = self.make_rid(req, 1)
         obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
-                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n)
+                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n,
+                                  lora_path=lora)
         if req.stream:
             return await self.stream(request, obj, "messages",
                                      lambda outs: self._render_stream(req, outs, len(ids), rid, cfg))
