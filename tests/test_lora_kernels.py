@@ -70,6 +70,7 @@ def test_kernels_in_bfloat16() -> None:
     torch.testing.assert_close(out.cpu().float(), ref, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU model under TRITON_INTERPRET; tests/gpu has the CUDA run")
 def test_model_with_kernels_forced_equals_torch_path(tmp_path) -> None:
     """A mixed batch through the whole model: Triton LoRA kernels (forced on the CPU) == the torch path."""
     from lora_utils import make_adapters
