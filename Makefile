@@ -1,10 +1,11 @@
-# Two commands: `make serve` and `make test`. Both create .venv when it is missing.
+# `make serve`, `make test` (everything, as CI runs it) and `make test-fast` (the inner loop: no test that starts
+# processes). Each creates .venv when it is missing.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint install clean
+.PHONY: serve test test-fast lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,7 +27,11 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check radixserve tests benchmarks
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check radixserve tests benchmarks
+	$(BIN)/python -m pytest -q -m "not integration" --durations=10 tests
 
 clean:
 	rm -rf $(VENV)

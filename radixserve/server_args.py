@@ -18,6 +18,17 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
+def _registry_names(module: str, attr: str) -> tuple[str, ...]:
+    """Names of a parser registry (a dict of lazy import paths: importing it loads no parser)."""
+    import importlib
+
+    return tuple(getattr(importlib.import_module(module), attr))
+
+
+TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
+REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
+
+
 def _flag(help: str, **kw: Any) -> Any:
     """A dataclass field carrying its argparse help (and choices)."""
     default = kw.pop("default", None)
@@ -41,6 +52,10 @@ class ServerArgs:
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
     chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's")
+    tool_call_parser: str | None = _flag("Tool-call format of the model (default: from its chat template, else "
+                                         "hermes)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
+                                         choices=REASONING_PARSERS)
     revision: str | None = _flag("Unused placeholder for API compatibility; must be empty")
     # device and memory
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
@@ -68,7 +83,16 @@ class ServerArgs:
     # server
     host: str = _flag("Address to bind", default="127.0.0.1")
     port: int = _flag("Port to bind", default=30000)
-    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health")
+    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health (visible in `ps`: "
+                                "prefer --api-key-file or the RADIXSERVE_API_KEY environment variable)")
+    api_key_file: str | None = _flag("File whose first line is the API key (see --api-key)")
+    max_request_bytes: int = _flag("Largest request body in bytes; a larger one gets HTTP 413", default=8 << 20)
+    request_read_timeout: float = _flag("Seconds a client may take to send its request body; then HTTP 408",
+                                        default=30.0)
+    graceful_shutdown_timeout: float = _flag("On SIGTERM: seconds in-flight requests may take to finish (new ones "
+                                             "get 503) before the rest are aborted", default=30.0)
+    disable_web_ui: bool = _flag("Do not serve the built-in web page (chat playground and dashboard) at /",
+                                 default=False)
     enable_metrics: bool = _flag("Expose Prometheus metrics on /metrics", default=False)
     log_level: str = _flag("Logging level", default="info", choices=("debug", "info", "warning", "error"))
     log_requests: bool = _flag("Log every request", default=False)
@@ -95,6 +119,16 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    # LoRA adapters
+    lora_paths: list[str] | None = _flag("LoRA adapters (PEFT folders) to serve from the start, as NAME=PATH (or "
+                                         "PATH, named by itself)", nargs="*")
+    enable_lora: bool = _flag("Serve LoRA adapters (on when --lora-paths is given; lets /load_lora_adapter add "
+                              "adapters to a server started without any)", default=False)
+    max_loras_per_batch: int = _flag("Adapter slots on the device: the most distinct adapters in one batch",
+                                     default=8)
+    max_lora_rank: int | None = _flag("Largest adapter rank served (default: the largest of --lora-paths, or 64)")
+    lora_target_modules: list[str] | None = _flag("Projections that may carry LoRA (default: those of "
+                                                  "--lora-paths, or all of q/k/v/o/gate/up/down_proj)", nargs="*")
     # internal
     ipc_dir: str | None = _flag("Folder for ZMQ ipc:// sockets (default: a private temp dir)")
 
@@ -118,7 +152,8 @@ class ServerArgs:
         for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
-                              ("load_balance_method", LOAD_BALANCE_METHODS)]:
+                              ("load_balance_method", LOAD_BALANCE_METHODS),
+                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
             choice(name, allowed)
 
         def positive(name: str, allow_none: bool = True) -> None:
@@ -156,10 +191,63 @@ class ServerArgs:
             raise ValueError(f"--model-path {self.model_path!r} does not exist")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give at most one of --api-key and --api-key-file")
+        if self.api_key_file is not None and not os.path.isfile(self.api_key_file):
+            raise ValueError(f"--api-key-file {self.api_key_file!r} is not a file")
+        if self.max_request_bytes <= 0:
+            raise ValueError(f"--max-request-bytes must be > 0; got {self.max_request_bytes}")
+        if self.request_read_timeout <= 0 or self.graceful_shutdown_timeout < 0:
+            raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
         if self.revision:
             raise ValueError("--revision is not supported: models are loaded from local folders only")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from radixserve.lora.config import TARGET_MODULES
+
+        if self.lora_paths:
+            self.enable_lora = True
+        for name in ("max_loras_per_batch", "max_lora_rank"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
+        bad = sorted(set(self.lora_target_modules or ()) - set(TARGET_MODULES))
+        if bad:
+            raise ValueError(f"--lora-target-modules: {', '.join(bad)} not supported (choose among "
+                             f"{', '.join(TARGET_MODULES)})")
+        names = [n for n, _ in self.lora_path_pairs()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-paths: adapter names must be unique; got {names}")
+        for name, path in self.lora_path_pairs():
+            if not os.path.isdir(path):
+                raise ValueError(f"--lora-paths: adapter {name!r}: {path!r} is not a folder")
+
+    def lora_path_pairs(self) -> list[tuple[str, str]]:
+        """--lora-paths as (name, path) pairs."""
+        out = []
+        for item in self.lora_paths or ():
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = item, item
+            if not name or not path:
+                raise ValueError(f"--lora-paths entries are NAME=PATH; got {item!r}")
+            out.append((name, path))
+        return out
 
     # ------------------------------------------------------------------ derived values
+    def resolved_api_key(self) -> str | None:
+        """--api-key, else the first line of --api-key-file, else $RADIXSERVE_API_KEY (None: no key needed)."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_file is not None:
+            with open(self.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+            if not key:
+                raise ValueError(f"--api-key-file {self.api_key_file!r} is empty")
+            return key
+        return os.environ.get("RADIXSERVE_API_KEY") or None
+
     @property
     def chunk_size(self) -> int | None:
         """Prefill chunk size in tokens, or None when chunking is off."""
@@ -218,7 +306,7 @@ def _base_type(annotation: Any) -> type:
     """Turn 'int | None' (possibly a string under postponed annotations) into int."""
     if isinstance(annotation, str):
         annotation = annotation.replace(" ", "").replace("|None", "")
-        return {"int": int, "float": float, "str": str, "bool": bool}[annotation]
+        return {"int": int, "float": float, "str": str, "bool": bool, "list[str]": str}[annotation]
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) is not None and args:
         return args[0]

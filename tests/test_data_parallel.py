@@ -137,6 +137,7 @@ def _serve_workload(model_path: str, method: str, reference: list[list[int]]) ->
     return state
 
 
+@pytest.mark.integration
 def test_dp2_round_robin_vs_cache_aware(model_path: str, reference: list[list[int]]) -> None:
     rr = _serve_workload(model_path, "round_robin", reference)
     assert rr["dp_routed"] == [6, 6]

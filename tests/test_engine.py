@@ -10,6 +10,8 @@ import pytest
 from radixserve import Engine
 from radixserve.managers.tokenizer_manager import RequestError
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
 

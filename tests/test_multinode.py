@@ -20,6 +20,8 @@ from server_utils import wait_healthy
 
 from radixserve.utils import free_port, kill_process_tree
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 PROMPTS = [[1, 5, 9, 33, 2], list(range(40, 90)), [7, 7, 7]]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 

@@ -330,3 +330,52 @@ def test_warmup_refuses_a_busy_scheduler(tiny_path) -> None:
     with pytest.raises(RuntimeError, match="idle"):
         s.warmup()
     drain(s)
+
+
+def test_stale_prefix_match_is_rematched_not_locked(tiny_path) -> None:
+    """lpm matches the waiting requests each round, but above LPM_MAX_QUEUE it orders fcfs without matching. A
+    match left from an earlier round whose node was evicted since must be matched again (it used to be locked:
+    the scheduler raised and the process exited), and the request must not read the freed KV."""
+    from radixserve.managers.schedule_policy import LPM_MAX_QUEUE
+
+    prompt = list(range(10, 50))
+    alone = make_scheduler(tiny_path)
+    submit(alone, "b", prompt + [7, 8], 4)
+    expected = drain(alone)["b"]["ids"]
+
+    s = make_scheduler(tiny_path, schedule_policy="lpm")
+    submit(s, "a", prompt, 2)
+    drain(s)
+    submit(s, "b", prompt + [7, 8], 4)
+    assert s.policy.calc_priority(s.waiting_queue) is True  # an earlier round's match: b on a's cached prompt
+    stale = s.waiting_queue[0].last_node
+    s.tree_cache.evict(10**6)
+    assert not s.tree_cache.is_attached(stale)
+    for i in range(LPM_MAX_QUEUE):  # a long queue: this round orders without matching
+        submit(s, f"f{i}", [3 + i % 400, 4, 5], 1)
+    res = drain(s)
+    assert res["b"]["ids"] == expected and res["b"]["meta"]["cached_tokens"] == 0
+    assert all(res[f"f{i}"]["finish"]["type"] == "length" for i in range(LPM_MAX_QUEUE))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random"])
+def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy) -> None:
+    """A tiny pool, long decodes and a queue of requests sharing prefixes (more prefixes than fit at once): every
+    request finishes with the tokens it gets alone, retraction happens, and the pools balance when idle."""
+    rng = random.Random(7)
+    heads = [[rng.randrange(3, 500) for _ in range(30)] for _ in range(4)]
+    reqs = [(f"m{i}", heads[i % 4] + [rng.randrange(3, 500) for _ in range(rng.randrange(2, 8))], 40)
+            for i in range(12)]
+    ref = {}
+    for rid, prompt, n in reqs[:3]:
+        alone = make_scheduler(tiny_path, disable_radix_cache=True)
+        submit(alone, rid, prompt, n)
+        ref[rid] = drain(alone)[rid]["ids"]
+    s = make_scheduler(tiny_path, max_total_tokens=260, schedule_policy=policy, schedule_conservativeness=0.1)
+    for rid, prompt, n in reqs:
+        submit(s, rid, prompt, n)
+    res = drain(s)  # checks free + evictable + protected == pool size
+    assert s.invariant_violations == 0
+    assert all(res[rid]["finish"]["type"] == "length" and len(res[rid]["ids"]) == n for rid, _, n in reqs)
+    assert {rid: res[rid]["ids"] for rid in ref} == ref
+    assert s.num_retractions > 0

@@ -45,6 +45,7 @@ def test_argparse_rejects_bad_choice(capsys) -> None:
     assert "--attention-backend" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_chat_template_file_overrides_the_tokenizers(embedded_model_path, tmp_path) -> None:
     from radixserve import Engine
 

@@ -430,10 +430,12 @@ def _chat(http: httpx.Client, content: str, **kw: Any) -> httpx.Response:
     return http.post("/v1/chat/completions", json=body)
 
 
+@pytest.mark.integration
 def test_http_reports_structured_output(http: httpx.Client) -> None:
     assert http.get("/get_server_info").json()["structured_output"] is True
 
 
+@pytest.mark.integration
 def test_http_chat_response_format_json_schema(http: httpx.Client) -> None:
     r = _chat(http, SCHEMAS[1][1], n=2, response_format={"type": "json_schema",
                                                          "json_schema": {"name": "weather", "schema": WEATHER}})
@@ -445,6 +447,7 @@ def test_http_chat_response_format_json_schema(http: httpx.Client) -> None:
         jsonschema.validate(json.loads(c["message"]["content"]), WEATHER)
 
 
+@pytest.mark.integration
 def test_http_chat_json_object(http: httpx.Client) -> None:
     r = _chat(http, "Reply with a JSON object with one key ok set to true.", temperature=0,
               response_format={"type": "json_object"})
@@ -454,6 +457,7 @@ def test_http_chat_json_object(http: httpx.Client) -> None:
     assert isinstance(json.loads(choice["message"]["content"]), dict)
 
 
+@pytest.mark.integration
 def test_http_completions_response_format_and_regex_extra(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={
         "prompt": "A person, as JSON:", "max_tokens": MAX_NEW, "temperature": 0.8, "seed": 1,
@@ -466,6 +470,7 @@ def test_http_completions_response_format_and_regex_extra(http: httpx.Client) ->
     assert re.fullmatch(REGEXES[0][0], r.json()["choices"][0]["text"])
 
 
+@pytest.mark.integration
 def test_http_native_generate_schema_object_and_ebnf(http: httpx.Client) -> None:
     r = http.post("/generate", json={"text": "A book review as JSON:", "sampling_params": {
         "max_new_tokens": MAX_NEW, "temperature": 0.8, "seed": 3, "json_schema": BOOK}})
@@ -492,6 +497,7 @@ def test_http_native_generate_schema_object_and_ebnf(http: httpx.Client) -> None
     ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= foo"}}, "foo"),
     ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "at most one"),
 ])
+@pytest.mark.integration
 def test_http_invalid_grammar_is_400_and_server_stays_healthy(http: httpx.Client, path: str, body: dict,
                                                              needle: str) -> None:
     r = http.post(path, json=body)

@@ -113,6 +113,7 @@ def llama_tp2(tmp_path_factory: pytest.TempPathFactory):
         engine.shutdown()
 
 
+@pytest.mark.integration
 def test_llama_gqa_tp2_matches_tp1(llama_tp2) -> None:
     path, engine = llama_tp2
     _check_engine_matches(path, engine)
@@ -128,12 +129,14 @@ def test_llama_gqa_tp2_matches_tp1(llama_tp2) -> None:
     assert again["output_ids"] == reference_outputs(path, [cont], GREEDY)[0]
 
 
+@pytest.mark.integration
 def test_qwen2_bias_tied_tp2_matches_tp1(tmp_path) -> None:
     path = make_model("qwen2", str(tmp_path), seed=2)
     with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
         _check_engine_matches(path, engine)
 
 
+@pytest.mark.integration
 def test_fewer_kv_heads_than_ranks_tp2_matches_tp1(tmp_path) -> None:
     # one KV head for two ranks (replicated), and a vocabulary of 251 (the second shard is padded)
     path = make_model("llama", str(tmp_path), seed=3, num_key_value_heads=1, vocab_size=251)
@@ -141,6 +144,7 @@ def test_fewer_kv_heads_than_ranks_tp2_matches_tp1(tmp_path) -> None:
         _check_engine_matches(path, engine)
 
 
+@pytest.mark.integration
 def test_hung_rank_is_detected(llama_tp2) -> None:
     """Freeze TP rank 1 (SIGSTOP): rank 0's next collective times out after --dist-timeout, it exits, and the
     engine reports a dead process (what /health turns into a 503), no silent hang. (A killed rank is noticed at
@@ -197,6 +201,7 @@ def test_dummy_weights_do_not_depend_on_tp(kind: str, over: dict, tmp_path) -> N
             assert torch.equal(param, want), (rank, name)
 
 
+@pytest.mark.integration
 def test_dummy_weights_tp2_logits_match_tp1(tmp_path) -> None:
     """The same --load-format dummy model at TP=2 (gloo) and TP=1: prompt logprobs equal to float32 rounding and
     the same greedy tokens (before the fix each rank drew its own random shard: a different model)."""
@@ -218,6 +223,7 @@ def test_dummy_weights_tp2_logits_match_tp1(tmp_path) -> None:
         assert out2 == pytest.approx(out1, abs=1e-4)
 
 
+@pytest.mark.integration
 def test_bench_one_batch_tp2(tmp_path) -> None:
     """bench_one_batch --tp-size 2 spawns one process per rank (gloo here); rank 0 alone writes the JSON."""
     import json

@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,23 @@ class EngineProcesses:
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
+
+    def dead(self) -> list[str]:
+        """One sentence per child that has exited: which process, and its exit code or signal."""
+        out = []
+        for p in self.procs:
+            if p.is_alive():
+                continue
+            code = p.exitcode
+            if code is not None and code < 0:
+                try:
+                    how = f"was killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    how = f"was killed by signal {-code}"
+            else:
+                how = f"exited with code {code}"
+            out.append(f"the {p.name.removeprefix('radixserve-')} process (pid {p.pid}) {how}")
+        return out
 
     def shutdown(self) -> None:
         for p in self.procs:

@@ -29,7 +29,7 @@ class LogitsProcessor(nn.Module):
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         mode = forward_batch.forward_mode
-        if mode.is_decode() or mode.is_idle():
+        if mode.is_decode():
             return LogitsProcessorOutput(next_token_logits=self._logits(hidden, lm_head))
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1
         out = LogitsProcessorOutput(next_token_logits=self._logits(hidden[last], lm_head))

@@ -18,8 +18,10 @@ from radixserve.managers.deferred_sampling import DeferredSamplingInfo
 from radixserve.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
+    from radixserve.lora.slots import LoRASlotTable
+    from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-    from radixserve.mem_cache.radix_cache import RadixCache
+    from radixserve.mem_cache.radix_cache import TreeNode
     from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -28,8 +30,9 @@ class Req:
 
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int] | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, stream: bool = False) -> None:
+                 top_logprobs_num: int = 0, stream: bool = False, lora_id: str | None = None) -> None:
         self.rid = rid
+        self.lora_id = lora_id  # the LoRA adapter's name (None: the base model); part of the radix cache key
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
         self.output_ids: list[int] = []
@@ -40,7 +43,7 @@ class Req:
         # memory
         self.req_pool_idx: int | None = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
-        self.last_node: Any = None
+        self.last_node: TreeNode | None = None
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self.kv_committed_len: int | None = None  # tokens whose KV is written (set after each forward)
@@ -69,26 +72,21 @@ class Req:
         self.grammar: Any = None
 
     # ---------------------------------------------------------------- prefix and fill
-    def init_next_round_input(self, tree_cache: RadixCache | None) -> None:
+    def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
             # at least one token must run through the model, and prompt logprobs need their tokens computed
             max_prefix = len(self.fill_ids) - 1
             if self.return_logprob and self.logprob_start_len >= 0:
                 max_prefix = min(max_prefix, self.logprob_start_len)
-            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:max(0, max_prefix)])
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:max(0, max_prefix)],
+                                                                          self.lora_id)
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     @property
     def seqlen(self) -> int:
         """Tokens in the sequence, counting a sampled token still in flight."""
         return len(self.origin_input_ids) + len(self.output_ids) + (self.pending_token is not None)
-
-    def last_token_ref(self) -> int:
-        """The id to feed the next decode step: the last token, or -(future slot) while it is in flight."""
-        if self.pending_token is not None:
-            return -self.pending_token[1]
-        return self.output_ids[-1]
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -149,11 +147,14 @@ class ModelWorkerBatch:
     # set by the scheduler for batches with constrained requests, unpacked into sampling_info.vocab_mask
     grammar_bitmask: torch.Tensor | Future | None = None  # a Future under overlap (set once the batch in flight
     # before it has been processed; the worker waits for it after the forward, before sampling)
+    # LoRA: each request's adapter slot (-1: the base model), and the (slot, adapter) loads to apply first
+    lora_slots: list[int] | None = None
+    lora_loads: list[tuple[int, str]] | None = None
 
 
 class ScheduleBatch:
     def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
-                 tree_cache: Any, device: str, vocab_size: int) -> None:
+                 tree_cache: BasePrefixCache | None, device: str, vocab_size: int) -> None:
         self.reqs = reqs
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
@@ -173,6 +174,7 @@ class ScheduleBatch:
         self.seq_lens_list: list[int] | None = None
         self.positions: torch.Tensor | None = None  # decode only
         self.num_future_refs: int | None = None  # decode only: input ids that refer to a token still in flight
+        self.lora_table: LoRASlotTable | None = None  # the scheduler's adapter slots (None: LoRA is off)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -330,23 +332,9 @@ class ScheduleBatch:
 
     def _release(self, req: Req) -> None:
         """Give a request's memory back (its prefix stays shareable in the tree); it will be prefilled again."""
-        n = req.kv_committed_len or 0
-        indices = self.req_to_token_pool.read(req.req_pool_idx, 0, n)
-        cache = self.tree_cache
-        from radixserve.mem_cache.chunk_cache import ChunkCache
-
-        if cache is not None and not isinstance(cache, ChunkCache):
-            # keep what the tree already holds, free the request's own slots past it
-            n_pre = len(req.prefix_indices)
-            self.token_to_kv_pool.free(indices[n_pre:])
-            cache.dec_lock_ref(req.last_node)
-        else:
-            self.token_to_kv_pool.free(indices)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.last_node = None
-        req.kv_committed_len = None
+        if self.tree_cache is None:
+            raise RuntimeError("retraction needs the prefix cache that owns the requests' KV")
+        self.tree_cache.release_req(req)
         req.num_retractions += 1
 
     # ---------------------------------------------------------------- batch surgery
@@ -392,6 +380,9 @@ class ScheduleBatch:
                     logprob_starts.append(None)
             logprob_starts += [None] * (len(self.reqs) - len(logprob_starts))
         seq_lens_cpu = self.seq_lens_list if self.seq_lens_list is not None else self.seq_lens.tolist()
+        lora_slots = lora_loads = None
+        if self.lora_table is not None:
+            lora_slots, lora_loads = self.lora_table.assign([r.lora_id for r in self.reqs])
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -412,4 +403,6 @@ class ScheduleBatch:
             req_to_token_writes=self.req_to_token_pool.take_pending_writes(),
             positions=self.positions if self.forward_mode.is_decode() else None,
             num_future_refs=self.num_future_refs if self.forward_mode.is_decode() else None,
+            lora_slots=lora_slots,
+            lora_loads=lora_loads,
         )

@@ -4,72 +4,77 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from radixserve.managers.schedule_batch import Req
+    from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+    from radixserve.mem_cache.memory_pool import TokenToKVPool
+    from radixserve.mem_cache.radix_cache import TreeNode
 
 # Above this many waiting requests, prefix matching for every one of them costs more than it saves.
 LPM_MAX_QUEUE = 128
+PREFIX_POLICIES = ("lpm", "dfs-weight")
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: Any, seed: int = 0) -> None:
+    def __init__(self, policy: str, tree_cache: BasePrefixCache | None, seed: int = 0) -> None:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
 
-    def calc_priority(self, waiting: list[Req]) -> None:
-        """Order `waiting` in place; prefix-aware policies also refresh each request's prefix match."""
+    def calc_priority(self, waiting: list[Req]) -> bool:
+        """Order `waiting` in place. Returns True when this call matched every waiting request's prefix against
+        the cache as it is now (the prefix-aware orders), so that the caller need not match them again; False when
+        it did not (other policies, or the fcfs fallback of a prefix-aware one), and the caller must."""
         policy = self.policy
-        if policy in ("lpm", "dfs-weight") and (len(waiting) > LPM_MAX_QUEUE or self.tree_cache is None
-                                                or not hasattr(self.tree_cache, "root_node")):
+        if policy in PREFIX_POLICIES and (len(waiting) > LPM_MAX_QUEUE or self.tree_cache is None
+                                          or not self.tree_cache.shares_prefixes):
             policy = "fcfs"
         if policy == "fcfs":
-            return
+            return False
         if policy == "lof":
             waiting.sort(key=lambda r: -r.sampling_params.max_new_tokens)
-            return
+            return False
         if policy == "random":
             self.rng.shuffle(waiting)
-            return
+            return False
+        if policy not in PREFIX_POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}")
         for r in waiting:
             r.init_next_round_input(self.tree_cache)
         if policy == "lpm":
-            waiting.sort(key=lambda r: -len(r.prefix_indices))
-            return
-        # dfs-weight: walk the radix tree depth first, heaviest subtrees (most waiting requests) first
+            waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: arrival order among equal matches
+        else:
+            waiting[:] = self._dfs_weight_order(waiting)
+        return True
+
+    def _dfs_weight_order(self, waiting: list[Req]) -> list[Req]:
+        """Depth first over the radix tree, the subtree holding the most waiting requests first, and a node's own
+        requests after its subtree's (longer matches first), so that requests sharing a prefix run together while
+        it is cached. Requests with no match come last."""
         by_node: dict[int, list[Req]] = defaultdict(list)
-        for r in waiting:
-            by_node[id(r.last_node)].append(r)
         weight: dict[int, int] = defaultdict(int)
         for r in waiting:
+            by_node[id(r.last_node)].append(r)
             node = r.last_node
             while node is not None:
                 weight[id(node)] += 1
                 node = node.parent
         ordered: list[Req] = []
-
-        def visit(node: Any) -> None:
-            ordered.extend(by_node.get(id(node), []))
-            for child in sorted(node.children.values(), key=lambda c: -weight.get(id(c), 0)):
-                if weight.get(id(child), 0):
-                    visit(child)
-
-        visit(self.tree_cache.root_node)
+        # iterative post-order (a deep tree must not hit the recursion limit)
+        stack: list[tuple[TreeNode, bool]] = [(self.tree_cache.root, False)]
+        while stack:
+            node, children_done = stack.pop()
+            if children_done:
+                ordered.extend(by_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
+            children = [c for c in node.children.values() if weight.get(id(c), 0)]
+            children.sort(key=lambda c: weight[id(c)])  # the heaviest is pushed last, so visited first
+            stack.extend((c, False) for c in children)
         seen = {id(r) for r in ordered}
-        ordered += [r for r in waiting if id(r) not in seen]
-        waiting[:] = ordered
-
-
-def _unlocked_path_size(node: Any) -> int:
-    """Tokens on the path from `node` to the root that are evictable now (unlocked)."""
-    size = 0
-    while node is not None and getattr(node, "parent", None) is not None:
-        if node.lock_ref == 0:
-            size += len(node.key)
-        node = node.parent
-    return size
+        return ordered + [r for r in waiting if id(r) not in seen]
 
 
 class PrefillAdder:
@@ -79,8 +84,9 @@ class PrefillAdder:
     new_token_ratio). rem_input: --max-prefill-tokens left. rem_chunk: --chunked-prefill-size left (None = off).
     """
 
-    def __init__(self, tree_cache: Any, token_to_kv_pool: Any, running_reqs: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunk_size: int | None, mixed_decode_tokens: int = 0) -> None:
+    def __init__(self, tree_cache: BasePrefixCache | None, token_to_kv_pool: TokenToKVPool,
+                 running_reqs: list[Req], new_token_ratio: float, max_prefill_tokens: int, chunk_size: int | None,
+                 mixed_decode_tokens: int = 0) -> None:
         self.tree_cache = tree_cache
         evictable = tree_cache.evictable_size() if tree_cache is not None else 0
         reserved = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), 4096) * new_token_ratio
@@ -127,7 +133,7 @@ class PrefillAdder:
             return False
         lock = self.tree_cache is not None and req.last_node is not None
         # locking the matched prefix takes it out of the evictable pool we counted on
-        lock_cost = _unlocked_path_size(req.last_node) if lock else 0
+        lock_cost = self.tree_cache.lock_cost(req.last_node) if lock else 0
         if ext + lock_cost > self.rem_total:
             return False
         # prompt logprobs need the whole prompt in one extend, so such a request is never chunked

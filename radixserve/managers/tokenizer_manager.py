@@ -7,11 +7,13 @@ import asyncio
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -64,6 +66,12 @@ class TokenizerManager:
         self.metrics: Any = None  # set by the HTTP server when --enable-metrics
         self.processes: Any = None  # the EngineProcesses behind this manager (checked while requests wait)
         self.num_queued = 0
+        # tokenization runs off the event loop (HF tokenizers release the GIL while encoding); one thread, since a
+        # fast tokenizer must not be used by two threads at once
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
+        self._max_token_chars: int | None = None
+        self._gen_tokens = 0  # generated tokens seen so far, sampled for gen_throughput()
+        self._gen_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=16)
 
     # ---------------------------------------------------------------- receive loop
     def _ensure_loop(self) -> None:
@@ -107,16 +115,51 @@ class TokenizerManager:
                     self.metrics.observe_ttft(now - state.created)
             elif self.metrics is not None and out.new_token_ids[i]:
                 self.metrics.observe_decode(state, now, len(out.new_token_ids[i]))
+            self._gen_tokens += len(out.new_token_ids[i])
             if out.finished_reasons[i] is not None:
                 state.finished = True
                 state.meta["finish_reason"] = out.finished_reasons[i]
             state.event.set()
 
+    def gen_throughput(self) -> float:
+        """Generated tokens per second over the last ~10 s (SGLang's `last_gen_throughput`)."""
+        now = time.monotonic()
+        if not self._gen_samples or now - self._gen_samples[-1][0] >= 1.0:
+            self._gen_samples.append((now, self._gen_tokens))
+        window = [(t, c) for t, c in self._gen_samples if now - t <= 10.0]
+        if not window or now - window[0][0] < 0.5:
+            return 0.0
+        return (self._gen_tokens - window[0][1]) / (now - window[0][0])
+
     # ---------------------------------------------------------------- requests
-    def tokenize(self, text: str) -> list[int]:
+    @property
+    def max_prompt_chars(self) -> int:
+        """No prompt of more characters fits the context: a token is at most this many characters long."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max((len(k) for k in vocab), default=0) or 1024
+        return self.context_len * self._max_token_chars
+
+    def check_text_length(self, num_chars: int, param: str = "text") -> None:
+        """A cheap check before tokenizing: text too long for the context whatever its tokens is a 400 at once."""
+        if self.tokenizer is not None and num_chars > self.max_prompt_chars:
+            raise RequestError(f"This model's maximum context length is {self.context_len} tokens; a text of "
+                               f"{num_chars} characters has more tokens than that", 400, param)
+
+    def tokenize(self, text: str, **kwargs: Any) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this server was started with --skip-tokenizer-init: send input_ids", 400, "text")
-        return self.tokenizer.encode(text)
+        self.check_text_length(len(text))
+        return self.tokenizer.encode(text, **kwargs)
+
+    async def tokenize_async(self, text: str, **kwargs: Any) -> list[int]:
+        """`tokenize` on the tokenizer thread, so a long text does not stall the event loop (other streams,
+        /health)."""
+        if self.tokenizer is None or len(text) < 2048:
+            return self.tokenize(text, **kwargs)
+        self.check_text_length(len(text))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, functools.partial(self.tokenizer.encode, text, **kwargs))
 
     def _validate_ids(self, ids: list[int], param: str = "input_ids") -> None:
         if not ids:
@@ -140,6 +183,9 @@ class TokenizerManager:
             sp.verify(self.vocab_size)
         except (ValueError, TypeError) as e:
             raise RequestError(str(e), 400, "sampling_params") from e
+        if self.tokenizer is None and sp.stop:
+            raise RequestError("stop: stop strings need the tokenizer, and this server runs with "
+                               "--skip-tokenizer-init; use stop_token_ids", 400, "sampling_params")
         self.check_grammar(sp)
         return sp
 
@@ -163,8 +209,10 @@ class TokenizerManager:
         except GrammarError as e:
             raise RequestError(str(e), 400, "sampling_params") from None
 
-    def normalize(self, obj: io.GenerateReqInput) -> list[io.TokenizedGenerateReqInput]:
-        """Split a (possibly batched) request into tokenized single requests, all validated before any is sent."""
+    def normalize(self, obj: io.GenerateReqInput,
+                  token_ids: list[list[int]] | None = None) -> list[io.TokenizedGenerateReqInput]:
+        """Split a (possibly batched) request into tokenized single requests, all validated before any is sent.
+        `token_ids`: the text prompts already tokenized (by `pretokenize`), one list per prompt."""
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestError("give exactly one of text and input_ids", 400, "text")
         batch = obj.is_batch()
@@ -192,7 +240,7 @@ class TokenizerManager:
                     raise RequestError("text must be a string or a list of strings", 400, "text")
                 if not p:
                     raise RequestError("the prompt is empty", 400, "text")
-                ids = self.tokenize(p)
+                ids = token_ids[i] if token_ids is not None else self.tokenize(p)
                 text = p
             else:
                 if not isinstance(p, list):
@@ -221,6 +269,14 @@ class TokenizerManager:
                     sampling_params=sp_j, stream=obj.stream, return_logprob=bool(ret_lp),
                     logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0))
         return out
+
+    async def pretokenize(self, obj: io.GenerateReqInput) -> list[list[int]] | None:
+        """The text prompts of `obj` tokenized off the event loop (None when it has none or they are malformed;
+        `normalize` then reports the problem)."""
+        texts = obj.text if isinstance(obj.text, list) else [obj.text]
+        if obj.text is None or self.tokenizer is None or not all(isinstance(t, str) and t for t in texts):
+            return None
+        return [await self.tokenize_async(t) for t in texts]
 
     def _check_capacity(self, n: int) -> None:
         limit = self.server_args.max_queued_requests
@@ -294,7 +350,7 @@ class TokenizerManager:
     async def generate_request(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         """Yields one dict per finished request (in order) or, when streaming, cumulative chunks tagged with
         `index` (the request's position in the batch)."""
-        reqs = self.normalize(obj)
+        reqs = self.normalize(obj, await self.pretokenize(obj))
         self._check_capacity(len(reqs))
         if len(reqs) == 1 and not obj.is_batch():
             async for out in self._run_one(reqs[0]):

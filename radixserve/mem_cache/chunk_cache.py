@@ -1,8 +1,8 @@
 """ChunkCache: the cache used with --disable-radix-cache. No prefix sharing between requests.
 
-Same interface as RadixCache. Each request owns all of its KV slots: a finished request frees them all (and its
-request slot); an unfinished one (chunked prefill) keeps its own slots and records them as its prefix, so that
-the next chunk extends on top of them. Nothing is ever evictable or protected.
+The BasePrefixCache contract, like RadixCache. Each request owns all of its KV slots: a finished request frees
+them all (and its request slot); an unfinished one (chunked prefill) keeps its own slots and records them as its
+prefix, so that the next chunk extends on top of them. Nothing is ever evictable or protected.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixserve.mem_cache.radix_cache import TreeNode, _as_key, _as_value, _empty_indices, _kv_len
 
 
-class ChunkCache:
+class ChunkCache(BasePrefixCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
                  disable: bool = True) -> None:
         # `disable` is accepted so both caches construct alike; a ChunkCache never shares anything.
@@ -32,11 +33,12 @@ class ChunkCache:
         self.req_to_token_pool.clear()
         self.token_to_kv_pool.clear()
 
-    def match_prefix(self, key: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, TreeNode]:
+    def match_prefix(self, key: Sequence[int] | torch.Tensor,
+                     namespace: str | None = None) -> tuple[torch.Tensor, TreeNode]:
         _as_key(key)
         return _empty_indices(), self.root
 
-    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor, namespace: str | None = None) -> int:
         """Keeps nothing: returns len(key), so that the caller frees its whole value."""
         key = _as_key(key)
         _as_value(value, len(key))
@@ -62,6 +64,13 @@ class ChunkCache:
         if getattr(req, "last_node", None) is None:
             req.last_node = self.root
 
+    def release_req(self, req: Any) -> None:
+        """Retraction: every KV slot of the request is its own (chunks included); free them all."""
+        row = self._row(req)
+        self.token_to_kv_pool.free(self.req_to_token_pool.read(row, 0, _kv_len(req, 0)))
+        self.req_to_token_pool.free(row)
+        self._clear_prefix(req)
+
     def inc_lock_ref(self, node: TreeNode | None) -> int:
         return 0
 
@@ -84,13 +93,3 @@ class ChunkCache:
 
     def format_tree(self) -> str:
         return "ChunkCache (no prefix tree)"
-
-    def pretty_print(self) -> None:
-        print(self.format_tree())
-
-    @staticmethod
-    def _row(req: Any) -> int:
-        row = getattr(req, "req_pool_idx", None)
-        if row is None:
-            raise ValueError("request has no req_pool_idx (no request slot to cache from)")
-        return int(row)

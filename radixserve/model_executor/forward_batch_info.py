@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,11 +38,13 @@ def pack_to_device(parts: list[torch.Tensor], device: torch.device | str, pin: b
 
 
 class ForwardMode(IntEnum):
+    """What one forward pass computes. Every value is produced by ScheduleBatch. (TP ranks all run the batches rank
+    0 broadcasts and DP replicas step independently, so no rank ever runs a forward without work: there is no IDLE
+    mode; the overlap pipeline starts with the first real batch, so there is no dummy one either.)"""
+
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a prefill chunk together with decode requests (all run as extend)
-    IDLE = auto()  # a rank with no work keeps step with the others
-    DUMMY_FIRST = auto()  # primes the overlap pipeline
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -52,12 +54,6 @@ class ForwardMode(IntEnum):
 
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
-
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
-
-    def is_dummy_first(self) -> bool:
-        return self == ForwardMode.DUMMY_FIRST
 
 
 @dataclass
@@ -85,6 +81,8 @@ class ForwardBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
     sampling_info: SamplingBatchInfo | None = None
+    # LoRA: the batch's rows grouped by adapter slot (radixserve.lora.batch_info.LoRABatchInfo), None without LoRA
+    lora_info: Any = None
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
@@ -112,7 +110,7 @@ class ForwardBatch:
                 parts.append(refs)
         positions = None
         ext = pre = start = None
-        if is_decode or mode.is_idle():
+        if is_decode:
             positions = batch.positions
             if positions is None:
                 positions = (batch.seq_lens - 1).clamp_(min=0)
@@ -162,5 +160,8 @@ class ForwardBatch:
             fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[0], rest[1], rest[2]
             fb.extend_seq_lens_cpu = list(batch.extend_seq_lens)
             fb.extend_prefix_lens_cpu = list(batch.extend_prefix_lens)
+        lora = getattr(model_runner, "lora_manager", None)
+        if lora is not None:  # per-row adapter slots, grouped by adapter for the LoRA kernels
+            lora.prepare(fb, batch.lora_slots)
         model_runner.attn_backend.init_forward_metadata(fb)
         return fb

@@ -20,6 +20,7 @@ from radixserve.entrypoints.http_utils import (
     until_disconnected,
 )
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
+from radixserve.entrypoints.openai.feature_gates import check_openai_request
 from radixserve.entrypoints.openai.protocol import _SamplingFields
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
@@ -48,10 +49,12 @@ def structured_output_available(grammar_backend: str) -> bool:
 
 
 def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
+    """OpenAI's finish_reason values; an aborted request never gets here (it is an error, see `_generate`)."""
     if not reason:
         return None
     kind = reason.get("type")
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, str(kind))
+    return {"stop": "stop", "length": "length", "tool_calls": "tool_calls",
+            "content_filter": "content_filter"}.get(kind, "stop")
 
 
 def matched_stop(reason: dict[str, Any] | None) -> Any:
@@ -89,6 +92,7 @@ class OpenAIServingBase:
 
     def check_common(self, req: _SamplingFields) -> None:
         self.check_model(req.model)
+        check_openai_request(req)
         if req.rid is not None and any(k == req.rid or k.startswith(req.rid + "-") for k in self.tm.rid_to_state):
             raise APIError(f"rid: {req.rid!r} is already in use by a running request", 400, "rid", "invalid_value")
         if req.stream_options is not None and not req.stream:
@@ -124,6 +128,10 @@ class OpenAIServingBase:
             if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
                 raise APIError("response_format.json_schema.schema: required when type is 'json_schema'", 400,
                                "response_format.json_schema.schema", "missing_required_parameter")
+            if rf.json_schema is not None and rf.json_schema.description is not None:
+                raise APIError("response_format.json_schema.description: not supported (OpenAI shows it to the model; "
+                               "this server would not): put the instruction in the messages", 400,
+                               "response_format.json_schema.description", "unsupported_parameter")
             schema = rf.json_schema.schema_ if rf.type == "json_schema" and rf.json_schema else None
             if any(k in sp for k in GRAMMAR_FIELDS):
                 raise APIError("response_format: give at most one of response_format, regex, json_schema, ebnf", 400,
@@ -136,9 +144,10 @@ class OpenAIServingBase:
         base = req.rid or uuid.uuid4().hex
         return base, (base if n_prompts == 1 else [f"{base}-p{i}" for i in range(n_prompts)])
 
-    def tokenize(self, text: str, param: str) -> list[int]:
+    async def tokenize(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        """Off the event loop (see TokenizerManager.tokenize_async)."""
         try:
-            return self.tm.tokenize(text)
+            return await self.tm.tokenize_async(text, **kwargs)
         except RequestError as e:
             raise from_request_error(e, prompt_param=param, openai=True) from None
 
@@ -181,9 +190,23 @@ class OpenAIServingBase:
                 "text_offset": offsets}
 
     # ------------------------------------------------------------------ running
+    async def _generate(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        """The engine's outputs; an aborted request (by /abort_request, shutdown, the engine) is an APIError (an
+        error response, or an error event in a stream), never a choice with finish_reason "abort"."""
+        agen = self.tm.generate_request(obj)
+        try:
+            async for out in agen:
+                reason = out["meta_info"].get("finish_reason")
+                if reason and reason.get("type") == "abort":
+                    raise APIError(f"the request was aborted: {reason.get('message') or 'aborted'}", 503, None,
+                                   "request_aborted")
+                yield out
+        finally:
+            await agen.aclose()
+
     async def collect(self, request: Request, obj: io.GenerateReqInput, prompt_param: str) -> list[dict[str, Any]]:
         async def run() -> list[dict[str, Any]]:
-            return [o async for o in self.tm.generate_request(obj)]
+            return [o async for o in self._generate(obj)]
 
         try:
             outs = await until_disconnected(request, run())
@@ -197,7 +220,8 @@ class OpenAIServingBase:
         """Start the request and wait for its first output (so bad input and overload are plain HTTP errors),
         then stream `render(outputs)` as server-sent events ending in [DONE]; a later error is an error event."""
         return await stream_as_sse(request, self.tm, obj, render,
-                                   lambda e: from_request_error(e, prompt_param=prompt_param, openai=True))
+                                   lambda e: from_request_error(e, prompt_param=prompt_param, openai=True),
+                                   generate=self._generate)
 
     def base_response(self, rid: str, obj_type: str) -> dict[str, Any]:
         return {"id": f"{self.object_prefix}-{rid}", "object": obj_type, "created": int(time.time()),

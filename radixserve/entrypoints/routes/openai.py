@@ -1,0 +1,46 @@
+"""The OpenAI-compatible API: GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from radixserve.entrypoints.http_utils import json_response, read_json
+from radixserve.entrypoints.server_state import ServerState, server_state
+
+router = APIRouter()
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.served_model_name, "object": "model", "created": int(state.start_time),
+            "owned_by": "radixserve", "root": state.server_args.model_path, "max_model_len": state.tm.context_len}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [_model_card(server_state(request))]})
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(request: Request, model: str) -> Response:
+    state = server_state(request)
+    state.completions.check_model(model)
+    return json_response(_model_card(state))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    state.ensure_serving()
+    return await state.completions.create(request, body)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    state.ensure_serving()
+    return await state.chat.create(request, body)
