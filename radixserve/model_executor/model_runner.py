@@ -9,7 +9,11 @@ import os
 import torch
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.distributed.parallel_state import broadcast_tensor_from_first_rank, initialize_model_parallel
+from radixserve.distributed.parallel_state import (
+    broadcast_tensor_from_first_rank,
+    initialize_model_parallel,
+    set_expert_parallel_size,
+)
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
@@ -105,9 +109,10 @@ class ModelRunner:
         logger.info("joined the TP group at %s as rank %d of %d", addr, self.tp_rank, self.tp_size)
 
     def _load_model(self) -> torch.nn.Module:
+        set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                          seed=self.server_args.random_seed)
+                          seed=self.server_args.random_seed, quantization=self.server_args.quantization)
         model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model
