@@ -38,6 +38,20 @@ def resolve_dtype(name: str, device: str, config_dtype: torch.dtype | None = Non
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def cpu_forward_threads(args: ServerArgs) -> int | None:
+    """Intra-op threads of a CPU forward: --cpu-num-threads; else None (keep torch's) when $OMP_NUM_THREADS is set;
+    else every core this process may run on, shared out between the ranks on this machine (oversubscribed OpenMP
+    threads make every collective wait). The tokenizer and detokenizer processes block on their sockets between
+    messages, so the forward takes all cores rather than leaving one idle for them."""
+    if args.cpu_num_threads is not None:
+        return args.cpu_num_threads
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_procs = max(1, args.dp_size * args.tp_size // args.nnodes)
+    return max(1, cores // local_procs)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
                  gpu_id: int = 0) -> None:
@@ -66,7 +80,7 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, model_config.num_hidden_layers, server_args, self.dtype,
                                             self.device)
         self._init_memory_pool()
-        backend = server_args.attention_backend or ("triton" if self.is_cuda else "torch_native")
+        backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
@@ -80,10 +94,10 @@ class ModelRunner:
         """Join this replica's TP world (gloo on the CPU, NCCL on CUDA) at tcp://--dist-init-addr, which the
         launcher fills with a free local port when it was not given."""
         args = self.server_args
-        local_procs = args.dp_size * args.tp_size // args.nnodes
-        if not self.is_cuda and local_procs > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # ranks on one CPU share its cores; oversubscribed OpenMP threads make every collective wait
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
+        if not self.is_cuda:
+            threads = cpu_forward_threads(args)
+            if threads is not None:
+                torch.set_num_threads(threads)
         if self.tp_size == 1:
             initialize_model_parallel(0, 1, "", "gloo")
             return
