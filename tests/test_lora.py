@@ -62,6 +62,7 @@ def submit_lora(s, rid: str, prompt: list[int], n: int, lora_id: str | None) -> 
     {"disable_radix_cache": True, "max_running_requests": 5},
     {"max_loras_per_batch": 2},
     {"max_loras_per_batch": 1, "enable_overlap_schedule": True, "max_lora_rank": 32},
+    {"max_total_tokens": 120, "enable_overlap_schedule": True},  # out of KV: retraction
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
 def test_mixed_batch_matches_transformers_peft(lora_setup, kw) -> None:
     res, s = run_mixed(lora_setup, **kw)
@@ -70,6 +71,8 @@ def test_mixed_batch_matches_transformers_peft(lora_setup, kw) -> None:
             assert res[f"{name}-{i}"]["ids"] == lora_setup["refs"][name][i], (name, i)
     if kw.get("max_loras_per_batch", 8) < 3:  # adapters were swapped in and out of the slots
         assert s.lora_table.num_loads >= 3 > kw["max_loras_per_batch"]
+    if "max_total_tokens" in kw:
+        assert s.num_retractions > 0
 
 
 def test_prompt_cached_under_one_adapter_is_not_reused_under_another(lora_setup) -> None:
