@@ -246,3 +246,32 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path) -> None:
         outs = engine.generate(input_ids=prompts, sampling_params=sp, lora_path=names)
     got = {f"{n}-{i // len(NAMES)}": o["output_ids"] for i, (n, o) in enumerate(zip(names, outs, strict=True))}
     assert got == ref
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_unload_waits_for_running_requests(lora_setup, overlap) -> None:
+    from radixserve.managers import io_struct as io
+
+    s = make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"], enable_overlap_schedule=overlap)
+    submit_lora(s, "running", PROMPTS[2], NEW, "b8")
+    submit_lora(s, "other", PROMPTS[0], NEW, "a4")
+    for _ in range(3):
+        s.step()
+    s.process_input_requests([io.UnloadLoRAAdapterReq(name="b8")])
+    submit_lora(s, "late", PROMPTS[1], NEW, "b8")  # refused: the adapter is being unloaded
+    assert not any(isinstance(m, io.UnloadLoRAAdapterReqOutput) for m in s.outbox)  # still in use
+    res = {}
+    for _ in range(200):
+        s.step()
+        s.process_input_requests([])
+        if any(isinstance(m, io.UnloadLoRAAdapterReqOutput) for m in s.outbox) and s.is_idle():
+            break
+    replies = [m for m in s.outbox if isinstance(m, io.UnloadLoRAAdapterReqOutput)]
+    res = drain(s)
+    assert len(replies) == 1 and replies[0].success, replies
+    assert res["running"]["ids"] == lora_setup["refs"]["b8"][2]
+    assert res["other"]["ids"] == lora_setup["refs"]["a4"][0]
+    assert res["late"]["finish"]["status_code"] == 404 and "unloaded" in res["late"]["finish"]["message"]
+    assert "b8" not in s.lora_manager.adapters and "b8" not in s.lora_table.slot_of
+    assert s.tree_cache.match_prefix(PROMPTS[2], "b8")[0].numel() == 0  # its cache entries are gone
+    assert s.tree_cache.match_prefix(PROMPTS[0], "a4")[0].numel() > 0  # another adapter's stay
