@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
+    # whether decode can be captured in a CUDA graph (the init_*_cuda_graph hooks below are implemented, and the
+    # decode forward never reads device values on the host)
+    supports_cuda_graph: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build whatever per-batch metadata the kernels need (called once per forward, before the layers)."""
