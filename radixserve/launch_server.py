@@ -25,11 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     from radixserve.entrypoints.http_server import launch_server
 
     try:
-        launch_server(server_args)
+        return launch_server(server_args)
     except (RuntimeError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

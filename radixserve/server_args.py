@@ -12,10 +12,22 @@ from typing import Any, get_args, get_origin
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("torch_native", "triton")
+ATTENTION_BACKENDS = ("cpu", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+
+
+def _registry_names(module: str, attr: str) -> tuple[str, ...]:
+    """Names of a registry (a dict of lazy import paths: importing it loads no implementation)."""
+    import importlib
+
+    return tuple(getattr(importlib.import_module(module), attr))
+
+
+TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
+REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
+QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -36,11 +48,18 @@ class ServerArgs:
     load_format: str = _flag("How to load weights", default="auto", choices=LOAD_FORMATS)
     dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA, fp32 on CPU)", default="auto",
                        choices=DTYPES)
+    quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
+                                     "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "
+                                     "with gguf)", choices=QUANTIZATIONS)
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
     chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's")
+    tool_call_parser: str | None = _flag("Tool-call format of the model (default: from its chat template, else "
+                                         "hermes)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
+                                         choices=REASONING_PARSERS)
     revision: str | None = _flag("Unused placeholder for API compatibility; must be empty")
     # device and memory
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
@@ -55,18 +74,29 @@ class ServerArgs:
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
-    attention_backend: str | None = _flag("Attention backend (default triton on CUDA, torch_native on CPU)",
-                                          choices=ATTENTION_BACKENDS)
+    attention_backend: str | None = _flag("Attention backend (default triton on CUDA, cpu on CPU; torch_native is "
+                                          "the pure-PyTorch reference)", choices=ATTENTION_BACKENDS)
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int = _flag("Largest captured decode batch", default=160)
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
+    cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
+                                        "set, else every core, shared out between ranks on one machine)")
     # server
     host: str = _flag("Address to bind", default="127.0.0.1")
     port: int = _flag("Port to bind", default=30000)
-    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health")
+    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health (visible in `ps`: "
+                                "prefer --api-key-file or the RADIXSERVE_API_KEY environment variable)")
+    api_key_file: str | None = _flag("File whose first line is the API key (see --api-key)")
+    max_request_bytes: int = _flag("Largest request body in bytes; a larger one gets HTTP 413", default=8 << 20)
+    request_read_timeout: float = _flag("Seconds a client may take to send its request body; then HTTP 408",
+                                        default=30.0)
+    graceful_shutdown_timeout: float = _flag("On SIGTERM: seconds in-flight requests may take to finish (new ones "
+                                             "get 503) before the rest are aborted", default=30.0)
+    disable_web_ui: bool = _flag("Do not serve the built-in web page (chat playground and dashboard) at /",
+                                 default=False)
     enable_metrics: bool = _flag("Expose Prometheus metrics on /metrics", default=False)
     log_level: str = _flag("Logging level", default="info", choices=("debug", "info", "warning", "error"))
     log_requests: bool = _flag("Log every request", default=False)
@@ -80,6 +110,8 @@ class ServerArgs:
                                      "compiles the Triton kernels before the first user request)", default=False)
     # parallelism
     tp_size: int = _flag("Tensor parallel ranks", default=1)
+    ep_size: int = _flag("Expert parallel ranks: the MoE layers split their experts over the TP ranks instead of "
+                         "sharding each expert (1, or equal to --tp-size)", default=1)
     dp_size: int = _flag("Data parallel replicas", default=1)
     load_balance_method: str = _flag("DP routing", default="round_robin", choices=LOAD_BALANCE_METHODS)
     nnodes: int = _flag("Number of nodes", default=1)
@@ -93,6 +125,16 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    # LoRA adapters
+    lora_paths: list[str] | None = _flag("LoRA adapters (PEFT folders) to serve from the start, as NAME=PATH (or "
+                                         "PATH, named by itself)", nargs="*")
+    enable_lora: bool = _flag("Serve LoRA adapters (on when --lora-paths is given; lets /load_lora_adapter add "
+                              "adapters to a server started without any)", default=False)
+    max_loras_per_batch: int = _flag("Adapter slots on the device: the most distinct adapters in one batch",
+                                     default=8)
+    max_lora_rank: int | None = _flag("Largest adapter rank served (default: the largest of --lora-paths, or 64)")
+    lora_target_modules: list[str] | None = _flag("Projections that may carry LoRA (default: those of "
+                                                  "--lora-paths, or all of q/k/v/o/gate/up/down_proj)", nargs="*")
     # internal
     ipc_dir: str | None = _flag("Folder for ZMQ ipc:// sockets (default: a private temp dir)")
 
@@ -113,10 +155,12 @@ class ServerArgs:
             if v is not None and v not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {v!r}")
 
-        for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", DTYPES),
+        for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
-                              ("load_balance_method", LOAD_BALANCE_METHODS)]:
+                              ("load_balance_method", LOAD_BALANCE_METHODS),
+                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
             choice(name, allowed)
 
         def positive(name: str, allow_none: bool = True) -> None:
@@ -127,8 +171,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "dp_size", "nnodes", "stream_interval",
-                     "decode_log_interval"):
+                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
+                     "stream_interval", "decode_log_interval", "cpu_num_threads"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
@@ -146,6 +190,8 @@ class ServerArgs:
             raise ValueError(f"--dist-timeout must be > 0; got {self.dist_timeout}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({self.tp_size}); got {self.ep_size}")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:
@@ -154,10 +200,63 @@ class ServerArgs:
             raise ValueError(f"--model-path {self.model_path!r} does not exist")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give at most one of --api-key and --api-key-file")
+        if self.api_key_file is not None and not os.path.isfile(self.api_key_file):
+            raise ValueError(f"--api-key-file {self.api_key_file!r} is not a file")
+        if self.max_request_bytes <= 0:
+            raise ValueError(f"--max-request-bytes must be > 0; got {self.max_request_bytes}")
+        if self.request_read_timeout <= 0 or self.graceful_shutdown_timeout < 0:
+            raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
         if self.revision:
             raise ValueError("--revision is not supported: models are loaded from local folders only")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from radixserve.lora.config import TARGET_MODULES
+
+        if self.lora_paths:
+            self.enable_lora = True
+        for name in ("max_loras_per_batch", "max_lora_rank"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
+        bad = sorted(set(self.lora_target_modules or ()) - set(TARGET_MODULES))
+        if bad:
+            raise ValueError(f"--lora-target-modules: {', '.join(bad)} not supported (choose among "
+                             f"{', '.join(TARGET_MODULES)})")
+        names = [n for n, _ in self.lora_path_pairs()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-paths: adapter names must be unique; got {names}")
+        for name, path in self.lora_path_pairs():
+            if not os.path.isdir(path):
+                raise ValueError(f"--lora-paths: adapter {name!r}: {path!r} is not a folder")
+
+    def lora_path_pairs(self) -> list[tuple[str, str]]:
+        """--lora-paths as (name, path) pairs."""
+        out = []
+        for item in self.lora_paths or ():
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = item, item
+            if not name or not path:
+                raise ValueError(f"--lora-paths entries are NAME=PATH; got {item!r}")
+            out.append((name, path))
+        return out
 
     # ------------------------------------------------------------------ derived values
+    def resolved_api_key(self) -> str | None:
+        """--api-key, else the first line of --api-key-file, else $RADIXSERVE_API_KEY (None: no key needed)."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_file is not None:
+            with open(self.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+            if not key:
+                raise ValueError(f"--api-key-file {self.api_key_file!r} is empty")
+            return key
+        return os.environ.get("RADIXSERVE_API_KEY") or None
+
     @property
     def chunk_size(self) -> int | None:
         """Prefill chunk size in tokens, or None when chunking is off."""
@@ -216,7 +315,7 @@ def _base_type(annotation: Any) -> type:
     """Turn 'int | None' (possibly a string under postponed annotations) into int."""
     if isinstance(annotation, str):
         annotation = annotation.replace(" ", "").replace("|None", "")
-        return {"int": int, "float": float, "str": str, "bool": bool}[annotation]
+        return {"int": int, "float": float, "str": str, "bool": bool, "list[str]": str}[annotation]
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) is not None and args:
         return args[0]

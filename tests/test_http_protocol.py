@@ -21,7 +21,7 @@ def test_loc_to_param() -> None:
 
 @pytest.mark.parametrize("body,needle,param", [
     ({"prompt": "x", "foo": 1, "bar": 2}, "unknown parameter(s): bar, foo", "bar"),
-    ({"prompt": "x", "tools": []}, "unsupported parameter(s): tools", "tools"),
+    ({"prompt": "x", "tools": []}, "unsupported parameter(s): tools", "tools"),  # completions: no tools
     ({"max_tokens": 1}, "missing required parameter(s): prompt", "prompt"),
     ({"prompt": "x", "n": "2"}, "n: Input should be a valid integer", "n"),
     ({"prompt": "x", "temperature": 2.5}, "temperature: Input should be less than or equal to 2", "temperature"),
@@ -70,3 +70,98 @@ def test_cli() -> None:
     out = subprocess.run([sys.executable, "-m", "radixserve.entrypoints.cli", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--api-key" in out.stdout and "--max-queued-requests" in out.stdout
+
+
+# ====================================================================== fields real clients send
+def _sdk_assistant_message() -> dict:
+    """The `openai` SDK's response message, as `model_dump()` writes it when a client appends it to the history."""
+    return {"role": "assistant", "content": "Hello!", "refusal": None, "annotations": None, "audio": None,
+            "function_call": None, "tool_calls": None}
+
+
+NOOP_CHAT_FIELDS = {"tools": None, "tool_choice": "none", "parallel_tool_calls": False, "functions": None,
+                    "function_call": None, "store": False, "metadata": {"team": "a"}, "service_tier": "auto",
+                    "reasoning_effort": None, "user": "user-1", "modalities": ["text"], "audio": None,
+                    "prediction": None, "web_search_options": None, "lora_path": None}
+
+
+def test_null_and_default_fields_are_accepted() -> None:
+    from radixserve.entrypoints.openai.feature_gates import check_openai_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}, _sdk_assistant_message(),
+                         {"role": "user", "content": "and?"}], **NOOP_CHAT_FIELDS}
+    check_openai_request(parse_model(ChatCompletionRequest, body))
+    check_openai_request(parse_model(ChatCompletionRequest, {**body, "tool_choice": None}))
+    check_openai_request(parse_model(CompletionRequest, {"prompt": "x", "user": "u", "suffix": None,
+                                                         "lora_path": None}))
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
+    ("tool_choice", "required", "tool_choice"),
+    ("functions", [{"name": "f"}], "functions"),
+    ("function_call", "auto", "function_call"),
+    ("reasoning_effort", "high", "reasoning_effort"),
+    ("store", True, "store"),
+    ("service_tier", "flex", "service_tier"),
+    ("modalities", ["text", "audio"], "modalities"),
+])
+def test_fields_we_cannot_honour_are_a_400(field: str, value: object, param: str) -> None:
+    from radixserve.entrypoints.openai.feature_gates import check_openai_request
+
+    req = parse_model(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], field: value})
+    with pytest.raises(APIError) as ei:
+        check_openai_request(req)
+    assert ei.value.status_code == 400 and ei.value.param == param and param in ei.value.message
+
+
+@pytest.mark.parametrize("field,value", [("tool_calls", [{"id": "c", "type": "function"}]), ("refusal", "no"),
+                                         ("tool_call_id", "c1"), ("audio", {"id": "a"})])
+def test_message_fields_we_cannot_honour_are_a_400(field: str, value: object) -> None:
+    from radixserve.entrypoints.openai.feature_gates import check_openai_request
+
+    msg = {**_sdk_assistant_message(), field: value}
+    req = parse_model(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}, msg]})
+    with pytest.raises(APIError) as ei:
+        check_openai_request(req)
+    assert ei.value.param == f"messages[1].{field}"
+
+
+def test_sglang_generate_fields() -> None:
+    from radixserve.entrypoints.openai.feature_gates import check_native_fields
+
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}, "stream": True, "lora_path": None,
+            "return_logprob": False, "logprob_start_len": -1}  # what SGLang's bench_serving posts
+    check_native_fields(parse_model(GenerateRequest, body))
+    check_native_fields(parse_model(GenerateRequest, {"input_ids": [[1], [2]], "lora_path": [None, None]}))
+    for extra in ({"custom_logit_processor": "x"}, {"return_hidden_states": True}):
+        with pytest.raises(APIError) as ei:
+            check_native_fields(parse_model(GenerateRequest, {**body, **extra}))
+        assert ei.value.status_code == 400 and ei.value.param == next(iter(extra))
+
+
+def test_json_schema_name_is_checked() -> None:
+    ok = {"messages": [{"role": "user", "content": "hi"}],
+          "response_format": {"type": "json_schema", "json_schema": {"name": "Person_1", "strict": True,
+                                                                     "schema": {"type": "object"}}}}
+    parse_model(ChatCompletionRequest, ok)
+    bad = {**ok, "response_format": {"type": "json_schema", "json_schema": {"name": "a person!",
+                                                                            "schema": {"type": "object"}}}}
+    with pytest.raises(APIError) as ei:
+        parse_model(ChatCompletionRequest, bad)
+    assert ei.value.param == "response_format.json_schema.name"
+
+
+def test_stop_strings_without_a_tokenizer_are_a_400() -> None:
+    """With --skip-tokenizer-init nothing can match stop strings: a 400 naming `stop` (they were ignored)."""
+    from radixserve.managers.tokenizer_manager import TokenizerManager
+    from radixserve.server_args import ServerArgs
+
+    tm = object.__new__(TokenizerManager)
+    tm.tokenizer, tm.vocab_size, tm.server_args = None, 100, ServerArgs(skip_tokenizer_init=True)
+    assert tm.make_sampling_params({"stop_token_ids": [5], "stop": []}).stop_token_ids == [5]
+    for stop in ("x", ["a", "b"]):
+        with pytest.raises(RequestError, match="--skip-tokenizer-init") as ei:
+            tm.make_sampling_params({"stop": stop})
+        err = from_request_error(ei.value, openai=True)
+        assert err.status_code == 400 and err.param == "stop"

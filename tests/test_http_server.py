@@ -34,6 +34,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_QUEUED = 100
 MODEL = "SmolLM2-135M-Instruct"
 COUNT_PROMPT = "1, 2, 3, 4, 5,"
+GRACE_S = 4.0
 
 
 @dataclass
@@ -54,7 +55,8 @@ def server(embedded_model_path: str, tmp_path_factory: pytest.TempPathFactory) -
     log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
            "--max-total-tokens", "4096", "--enable-metrics", "--api-key", API_KEY,
-           "--max-queued-requests", str(MAX_QUEUED), "--watchdog-timeout", "5"]
+           "--max-queued-requests", str(MAX_QUEUED), "--watchdog-timeout", "5",
+           "--graceful-shutdown-timeout", str(GRACE_S)]
     log = open(log_path, "w")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
@@ -289,6 +291,46 @@ def test_nonstream_disconnect_aborts(server: Server, http: httpx.Client) -> None
     assert st["memory_ok"] is True
 
 
+# ====================================================================== what real clients send
+def test_sdk_multi_turn_chat(client: openai.OpenAI, http: httpx.Client) -> None:
+    """The SDK's own response message appended to the history (refusal/annotations/audio/function_call/tool_calls
+    as null), plus null or default values of fields we do not implement: accepted, and they change nothing."""
+    history = [{"role": "user", "content": "Say hi."}]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+    history += [first.choices[0].message.model_dump(), {"role": "user", "content": "Again."}]
+    assert history[1]["refusal"] is None and "tool_calls" in history[1]
+    second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0, user="u1",
+                                            store=False, metadata={"k": "v"}, parallel_tool_calls=False)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    body = {"model": MODEL, "messages": history, "max_tokens": 4, "temperature": 0}
+    plain = http.post("/v1/chat/completions", json=body).json()
+    noop = {"tools": None, "tool_choice": "none", "functions": None, "function_call": None,
+            "reasoning_effort": None, "service_tier": "auto", "modalities": ["text"], "lora_path": None}
+    with_noop = http.post("/v1/chat/completions", json={**body, **noop}).json()
+    assert with_noop["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert with_noop["choices"][0]["message"]["content"] == second.choices[0].message.content
+
+
+def test_sglang_native_client(http: httpx.Client) -> None:
+    """SGLang's bench_serving: /generate with its fields (text or input_ids, streamed) and /get_server_info's
+    internal_states."""
+    body = {"text": COUNT_PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+            "stream": True, "lora_path": None, "return_logprob": False, "logprob_start_len": -1}
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        payloads = sse_payloads(r.iter_lines())
+    assert payloads[-1] == "[DONE]" and payloads[-2]["meta_info"]["completion_tokens"] == 3
+    ids = http.post("/generate", json={**body, "stream": False}).json()
+    assert ids["text"] == payloads[-2]["text"]
+    body_ids = {**body, "stream": False, "text": None, "input_ids": ids["output_ids"]}
+    del body_ids["text"]
+    assert http.post("/generate", json=body_ids).status_code == 200
+    info = http.get("/get_server_info").json()
+    state = info["internal_states"][0]
+    assert "avg_spec_accept_length" in state and state["last_gen_throughput"] >= 0
+    assert info["engine_alive"] is True
+
+
 # ====================================================================== bad requests
 _LONG = "hello " * 9000
 C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
@@ -342,6 +384,17 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
     ("chat-response-format", "POST", CH, {"messages": OK_MSGS, "response_format": {"type": "xml"}}, 400,
      "response_format"),
     ("chat-tools", "POST", CH, {"messages": OK_MSGS, "tools": []}, 400, "tools"),
+    ("chat-tool-choice", "POST", CH, {"messages": OK_MSGS, "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat-store", "POST", CH, {"messages": OK_MSGS, "store": True}, 400, "store"),
+    ("chat-lora", "POST", CH, {"messages": OK_MSGS, "lora_path": "x"}, 400, "LoRA"),
+    ("chat-history-tool-calls", "POST", CH, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "tool_calls"),
+    ("chat-schema-description", "POST", CH, {"messages": OK_MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "description": "a person", "schema": {"type": "object"}}}},
+     400, "description"),
+    ("chat-schema-name", "POST", CH, {"messages": OK_MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "no spaces allowed", "schema": {"type": "object"}}}}, 400,
+     "json_schema.name"),
     ("chat-too-long", "POST", CH, {"messages": [{"role": "user", "content": _LONG}]}, 400, "maximum context length"),
     ("native-text-and-ids", "POST", G, {"text": "x", "input_ids": [1]}, 400, "exactly one"),
     ("native-unknown-sampling", "POST", G, {"text": "x", "sampling_params": {"bogus": 1}}, 400, "bogus"),
@@ -352,6 +405,9 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
      "top_logprobs_num"),
     ("native-empty-ids", "POST", G, {"input_ids": []}, 400, "empty"),
     ("native-unknown-field", "POST", G, {"text": "x", "max_tokens": 3}, 400, "max_tokens"),
+    ("native-lora", "POST", G, {"text": "x", "lora_path": "adapter"}, 400, "LoRA"),
+    ("native-logit-processor", "POST", G, {"text": "x", "custom_logit_processor": "p"}, 400,
+     "custom_logit_processor"),
     ("malformed-json", "POST", C, b'{"prompt": "x",', 400, "malformed JSON"),
     ("json-array", "POST", C, b'[1, 2]', 400, "JSON object"),
     ("empty-body", "POST", CH, b"", 400, "empty"),
@@ -555,20 +611,37 @@ def test_launch_refuses_a_busy_port(server: Server) -> None:
     assert main(["--port", str(port)]) == 1  # fails before loading the model
 
 
-def test_zz_sigterm_graceful_shutdown(server: Server, http: httpx.Client) -> None:
-    """SIGTERM: in-flight streams end (finish_reason abort, then [DONE]), the process exits 0, no child is left."""
+def test_zz_sigterm_drains(server: Server, http: httpx.Client) -> None:
+    """SIGTERM: /health and new requests get 503 while in-flight requests run to their end; one that outlives
+    --graceful-shutdown-timeout is aborted (an OpenAI stream ends with an error event, not a finish_reason); the
+    process exits 0 and no child is left."""
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert children
-    body = {"text": "Tell me a long story.", "stream": True,
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
-    with http.stream("POST", "/generate", json=body) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
+    short = {"text": "Count to ten:", "stream": True,
+             "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}}
+    long = {"model": MODEL, "messages": OK_MSGS, "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/chat/completions", json=long) as rl, \
+            http.stream("POST", "/generate", json=short) as rs:
+        long_lines, short_lines = rl.iter_lines(), rs.iter_lines()
+        next(line for line in long_lines if line.startswith("data: "))
+        next(line for line in short_lines if line.startswith("data: "))
+        t0 = time.monotonic()
         os.kill(server.proc.pid, signal.SIGTERM)
-        payloads = sse_payloads(lines)
-    assert payloads[-1] == "[DONE]"
-    assert payloads[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+        deadline = time.monotonic() + 10
+        while httpx.get(server.base + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        refused = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=AUTH)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        done = sse_payloads(short_lines)
+        assert done[-1] == "[DONE]" and done[-2]["meta_info"]["finish_reason"]["type"] == "length"
+        assert done[-2]["meta_info"]["completion_tokens"] == 8
+        aborted = sse_payloads(long_lines)
+    assert aborted[-1] == "[DONE]" and aborted[-2]["error"]["code"] == "request_aborted", aborted[-2]
+    assert all(c.get("choices", [{}])[0].get("finish_reason") != "abort" for c in aborted[:-1])
+    assert time.monotonic() - t0 >= GRACE_S - 0.5  # it was given the whole grace period
     assert server.proc.wait(timeout=30) == 0, server.log_tail()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, alive
-    assert "is ready on http://127.0.0.1:" in server.log_tail(400)
+    log = server.log_tail(400)
+    assert "is ready on http://127.0.0.1:" in log and "draining 2 in-flight request(s)" in log

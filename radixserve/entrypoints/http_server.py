@@ -6,25 +6,23 @@ Routes
   OpenAI      POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}
   metrics     GET /metrics (with --enable-metrics)
 
-Every error is OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`). With --api-key every route but
-/health needs `Authorization: Bearer KEY`. SIGTERM/SIGINT: stop accepting, abort in-flight requests (their streams
-end with finish_reason "abort"), stop the scheduler and detokenizer processes, exit 0.
+Routes live in `routes/` (one router per concern), middleware (API key, body size and read timeout) in
+`middleware.py`. Every error is OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`). With an API key
+(--api-key, --api-key-file or $RADIXSERVE_API_KEY) every route but /health needs `Authorization: Bearer KEY`.
+Lifecycle (see `_Server`): SIGTERM drains then exits 0; a dead child process makes the server exit 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import hmac
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -32,100 +30,33 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import radixserve
-from radixserve.entrypoints.http_utils import (
-    ClientDisconnected,
-    error_response,
-    json_response,
-    parse_model,
-    read_json,
-    sse_event,
-    stream_as_sse,
-    until_disconnected,
+from radixserve.entrypoints import web
+from radixserve.entrypoints.http_utils import ClientDisconnected, error_response
+from radixserve.entrypoints.middleware import (
+    AuthAndLogMiddleware,
+    BodyGuardMiddleware,
+    BodyReadTimeout,
+    BodyTooLarge,
+    too_large,
 )
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
-from radixserve.entrypoints.openai.protocol import AbortRequest, GenerateRequest
-from radixserve.entrypoints.openai.serving_base import GRAMMAR_FIELDS, structured_output_available
+from radixserve.entrypoints.openai.serving_base import structured_output_available
 from radixserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from radixserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from radixserve.managers import io_struct as io
+from radixserve.entrypoints.routes import ROUTERS
+from radixserve.entrypoints.server_state import ServerState
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 15  # after aborting in-flight requests, how long to wait for their responses to finish
-HEALTH_GENERATE_TIMEOUT_S = 30.0
-MAX_HEALTH_TIMEOUT_S = 60.0
+RESPONSE_FLUSH_S = 10  # at shutdown, after the last request finished, how long uvicorn waits for responses to be sent
+DEAD_CHILD_GRACE_S = 2.0  # between a child's death and the exit: in-flight requests get their error
+CHILD_POLL_S = 0.25
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclasses.dataclass
-class ServerState:
-    """Everything the routes share (stored on app.state.server)."""
-
-    tm: TokenizerManager
-    processes: Any  # EngineProcesses (alive(), shutdown())
-    server_args: ServerArgs
-    served_model_name: str
-    completions: OpenAIServingCompletion
-    chat: OpenAIServingChat
-    metrics: Any = None
-    grammar_ok: bool = False
-    start_time: float = dataclasses.field(default_factory=time.time)
-    shutting_down: bool = False
-
-    def abort_all(self, message: str) -> int:
-        rids = list(self.tm.rid_to_state)
-        for rid in rids:
-            self.tm.abort_request(rid, message)
-        return len(rids)
-
-
-# ====================================================================== middleware
-class AuthAndLogMiddleware:
-    """Checks `Authorization: Bearer KEY` (all routes but /health) and, with --log-requests, logs each request."""
-
-    def __init__(self, app: Any, api_key: str | None, log_requests: bool) -> None:
-        self.app = app
-        self.expected = f"bearer {api_key}".encode() if api_key else None
-        self.log_requests = log_requests
-
-    def _authorized(self, scope: dict[str, Any]) -> bool:
-        if self.expected is None or scope["path"] == "/health":
-            return True
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self.expected)
-        return False
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if not self._authorized(scope):
-            err = APIError("Incorrect or missing API key: send the header 'Authorization: Bearer <key>'", 401, None,
-                           "invalid_api_key")
-            await error_response(err)(scope, receive, send)
-            return
-        if not self.log_requests:
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status: list[int] = []
-
-        async def send_logged(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_logged)
-        finally:
-            logger.info("%s %s -> %s (%.1f ms)", scope["method"], scope["path"], status[0] if status else "-",
-                        1000 * (time.perf_counter() - start))
 
 
 # ====================================================================== app
@@ -149,14 +80,22 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
                         grammar_ok=grammar_ok)
     if metrics is not None:
         tm.metrics = metrics
+    state.live_stats = web.attach_live_stats(tm)
 
     app = FastAPI(title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = state
     _install_error_handlers(app)
-    _add_native_routes(app, state)
-    _add_openai_routes(app, state)
-    app.add_middleware(AuthAndLogMiddleware, api_key=server_args.api_key, log_requests=server_args.log_requests)
+    for router in ROUTERS:
+        app.include_router(router)
+    app.include_router(web.stats_router)
+    if not server_args.disable_web_ui:
+        app.include_router(web.page_router)
+    app.add_middleware(BodyGuardMiddleware, max_bytes=server_args.max_request_bytes,
+                       read_timeout=server_args.request_read_timeout)
+    app.add_middleware(AuthAndLogMiddleware, api_key=server_args.resolved_api_key(),
+                       log_requests=server_args.log_requests,
+                       public=None if server_args.disable_web_ui else web.is_public)
     return app
 
 
@@ -175,6 +114,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         if metrics is not None:
             metrics.observe_abort()
         return Response(status_code=499)  # nobody reads it; the requests were aborted
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone_during_upload(request: Request, exc: ClientDisconnect) -> Response:
+        logger.info("client %s went away while sending %s %s", _client(request), request.method, request.url.path)
+        return Response(status_code=499)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> Response:
+        return _closing(error_response(too_large(request.app.state.server.server_args.max_request_bytes)))
+
+    @app.exception_handler(BodyReadTimeout)
+    async def _read_timeout(request: Request, exc: BodyReadTimeout) -> Response:
+        timeout = request.app.state.server.server_args.request_read_timeout
+        logger.info("client %s did not send the body of %s %s within %g s", _client(request), request.method,
+                    request.url.path, timeout)
+        return _closing(error_response(APIError(f"the request body did not arrive within {timeout:g} s "
+                                                "(--request-read-timeout)", 408, None, "request_timeout")))
 
     @app.exception_handler(TimeoutError)
     async def _timeout(request: Request, exc: TimeoutError) -> Response:
@@ -202,244 +158,34 @@ def _install_error_handlers(app: FastAPI) -> None:
                                        "internal_error"))
 
 
-def _ensure_serving(state: ServerState) -> None:
-    if state.shutting_down:
-        raise APIError("the server is shutting down", 503, None, "shutting_down")
-    if not state.processes.alive():
-        raise APIError("the engine is not running (a scheduler or detokenizer process died); see the server log",
-                       503, None, "engine_dead")
+def _client(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
 
 
-def _with_token_text(entries: list[Any] | None, tm: TokenizerManager) -> list[Any] | None:
-    if entries is None or tm.tokenizer is None:
-        return entries
-
-    def text(tid: int) -> str:
-        return tm.tokenizer.decode([tid], skip_special_tokens=False)
-
-    out: list[Any] = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-        elif e and isinstance(e[0], list | tuple):  # a top-k list
-            out.append([[lp, tid, text(int(tid))] for lp, tid in e])
-        else:
-            out.append([e[0], e[1], text(int(e[1]))])
-    return out
-
-
-def _native_output(out: dict[str, Any], with_text: bool, tm: TokenizerManager) -> dict[str, Any]:
-    if with_text:
-        meta = out["meta_info"]
-        for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs", "input_top_logprobs"):
-            if key in meta:
-                meta[key] = _with_token_text(meta[key], tm)
-    return out
-
-
-def _add_native_routes(app: FastAPI, state: ServerState) -> None:
-    tm = state.tm
-    args = state.server_args
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not state.processes.alive():
-            raise APIError("a scheduler or detokenizer process has died", 503, None, "engine_dead")
-        timeout = min(args.watchdog_timeout, MAX_HEALTH_TIMEOUT_S)
-        try:
-            info = await tm.get_internal_state(timeout=timeout)
-        except TimeoutError:
-            raise APIError(f"the scheduler did not answer within {timeout:g} s (stuck?)", 503, None,
-                           "engine_stuck") from None
-        busy = not info.get("idle", True)
-        last = info.get("last_step_time")
-        if busy and last is not None and time.monotonic() - last > args.watchdog_timeout:
-            raise APIError(f"the scheduler has work but made no step for {time.monotonic() - last:.0f} s", 503,
-                           None, "engine_stuck")
-        if state.shutting_down:
-            raise APIError("the server is shutting down", 503, None, "shutting_down")
-        return json_response({"status": "ok"})
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        _ensure_serving(state)
-        ids = tm.tokenize("Hi") if tm.tokenizer is not None else [0]
-        obj = io.GenerateReqInput(input_ids=ids or [0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                  rid=f"health-{uuid.uuid4().hex}")
-
-        async def run() -> list[dict[str, Any]]:
-            return [o async for o in tm.generate_request(obj)]
-
-        try:
-            outs = await asyncio.wait_for(run(), HEALTH_GENERATE_TIMEOUT_S)
-        except TimeoutError:
-            raise APIError(f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s", 503, None,
-                           "engine_stuck") from None
-        except RequestError as e:
-            raise APIError(f"a 1-token generation failed: {e}", 503, None, "engine_error") from None
-        return json_response({"status": "ok", "output_ids": outs[0]["output_ids"] if outs else []})
-
-    @app.get("/get_model_info")
-    async def get_model_info() -> Response:
-        mc = getattr(tm, "model_config", None)
-        return json_response({
-            "model_path": args.model_path, "tokenizer_path": args.tokenizer_path,
-            "served_model_name": state.served_model_name, "is_generation": True,
-            "context_length": tm.context_len, "vocab_size": tm.vocab_size,
-            "architectures": list(getattr(mc, "architectures", []) or []),
-            "chat_template": bool(tm.tokenizer is not None and getattr(tm.tokenizer, "chat_template", None)),
-        })
-
-    @app.get("/get_server_info")
-    async def get_server_info() -> Response:
-        sargs = dataclasses.asdict(args)
-        if sargs.get("api_key"):
-            sargs["api_key"] = "***"
-        sched = dataclasses.asdict(tm.scheduler_info) if dataclasses.is_dataclass(tm.scheduler_info) else {}
-        return json_response({**sargs, "scheduler_info": sched, "version": radixserve.__version__,
-                              "structured_output": state.grammar_ok, "start_time": state.start_time})
-
-    @app.get("/get_internal_state")
-    async def get_internal_state() -> Response:
-        _ensure_alive(state)
-        info = await tm.get_internal_state(timeout=min(args.watchdog_timeout, MAX_HEALTH_TIMEOUT_S))
-        return json_response({**info, "num_inflight_requests": len(tm.rid_to_state)})
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        _ensure_alive(state)
-        if await tm.flush_cache():
-            return json_response({"success": True, "message": "the prefix cache was flushed"})
-        raise APIError("the cache was not flushed: requests are running or waiting; retry when the server is idle",
-                       400, None, "server_busy")
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        req = parse_model(AbortRequest, await read_json(request))
-        if req.abort_all:
-            n = state.abort_all("aborted by /abort_request")
-            return json_response({"success": True, "aborted": n})
-        if not req.rid:
-            raise APIError("rid: required (or set abort_all to true)", 400, "rid", "missing_required_parameter")
-        rids = [r for r in tm.rid_to_state if r == req.rid or r.startswith(req.rid + "-")] or [req.rid]
-        for rid in rids:
-            tm.abort_request(rid, "aborted by /abort_request")
-        return json_response({"success": True, "aborted": len(rids)})
-
-    @app.get("/version")
-    async def version() -> Response:
-        return json_response({"version": radixserve.__version__})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        if state.metrics is None:
-            raise APIError("metrics are disabled: start the server with --enable-metrics", 404, None,
-                           "metrics_disabled")
-        if state.processes.alive():
-            with contextlib.suppress(Exception):
-                info = await tm.get_internal_state(timeout=5.0)
-                state.metrics.update_scheduler_state(info, num_inflight=len(tm.rid_to_state))
-        return Response(state.metrics.render(), media_type=state.metrics.content_type)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        body = await read_json(request)
-        _ensure_serving(state)
-        g = parse_model(GenerateRequest, body)
-        if (g.text is None) == (g.input_ids is None):
-            raise APIError("give exactly one of text and input_ids", 400, "text", "invalid_value")
-        batch = isinstance(g.text, list) or (bool(g.input_ids) and isinstance(g.input_ids[0], list))
-        if batch and isinstance(g.rid, str):
-            raise APIError("rid: a batched request needs a list of rids (one per prompt)", 400, "rid",
-                           "invalid_value")
-        for rid in [g.rid] if isinstance(g.rid, str) else (g.rid or []):
-            if rid in tm.rid_to_state:
-                raise APIError(f"rid: {rid!r} is already in use by a running request", 400, "rid", "invalid_value")
-        sps = g.sampling_params if isinstance(g.sampling_params, list) else [g.sampling_params or {}]
-        if not state.grammar_ok:
-            for sp in sps:
-                for key in GRAMMAR_FIELDS:
-                    if sp.get(key) is not None:
-                        raise APIError(f"sampling_params.{key}: structured output is not available on this server "
-                                       "(no grammar backend)", 400, f"sampling_params.{key}",
-                                       "unsupported_parameter")
-        obj = io.GenerateReqInput(text=g.text, input_ids=g.input_ids, sampling_params=g.sampling_params, rid=g.rid,
-                                  stream=g.stream, return_logprob=g.return_logprob,
-                                  logprob_start_len=g.logprob_start_len, top_logprobs_num=g.top_logprobs_num)
-        with_text = g.return_text_in_logprobs
-        if g.stream:
-            return await _native_stream(request, obj, with_text, tm)
-
-        async def run() -> list[dict[str, Any]]:
-            return [o async for o in tm.generate_request(obj)]
-
-        try:
-            outs = await until_disconnected(request, run())
-        except RequestError as e:
-            raise from_request_error(e) from None
-        outs = [_native_output(o, with_text, tm) for o in outs]
-        if len(outs) == 1 and "index" not in outs[0] and not batch:
-            return json_response(outs[0])
-        outs.sort(key=lambda o: o.get("index", 0))
-        return json_response(outs)
-
-
-def _ensure_alive(state: ServerState) -> None:
-    if not state.processes.alive():
-        raise APIError("the engine is not running (a scheduler or detokenizer process died)", 503, None,
-                       "engine_dead")
-
-
-async def _native_stream(request: Request, obj: io.GenerateReqInput, with_text: bool,
-                         tm: TokenizerManager) -> Response:
-    async def render(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-        async for out in outputs:
-            yield sse_event(_native_output(out, with_text, tm))
-
-    return await stream_as_sse(request, tm, obj, render, from_request_error)
-
-
-def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    def model_card() -> dict[str, Any]:
-        return {"id": state.served_model_name, "object": "model", "created": int(state.start_time),
-                "owned_by": "radixserve", "root": state.server_args.model_path,
-                "max_model_len": state.tm.context_len}
-
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str) -> Response:
-        state.completions.check_model(model)
-        return json_response(model_card())
-
-    async def run_openai(request: Request, handler: Callable[[Request, dict[str, Any]], Awaitable[Response]]
-                         ) -> Response:
-        body = await read_json(request)
-        _ensure_serving(state)
-        return await handler(request, body)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await run_openai(request, state.completions.create)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await run_openai(request, state.chat.create)
+def _closing(resp: Response) -> Response:
+    """The body was not read to its end: close the connection after this response."""
+    resp.headers["Connection"] = "close"
+    return resp
 
 
 # ====================================================================== launching
 class _Server(uvicorn.Server):
-    """uvicorn with our signal handling: the first SIGTERM/SIGINT starts a graceful shutdown (in-flight requests
-    are aborted so their responses end promptly), a second SIGINT forces it; the signal is not re-raised, so the
-    process exits 0."""
+    """uvicorn with the server's lifecycle.
+
+    SIGTERM/SIGINT: drain -- /health and new requests get 503 while in-flight requests run to their end, for up to
+    --graceful-shutdown-timeout seconds; what is left is then aborted (its clients get an error); exit 0. A second
+    signal aborts at once.
+    A child process dies: one error line says which and how, in-flight requests fail with 503, /health, /metrics
+    and /get_server_info say so, and after DEAD_CHILD_GRACE_S the server exits 1 (so a supervisor restarts it)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready_line = ""
+        self.exit_code = 0
+        self._drain_deadline = 0.0
+        self._tasks: list[asyncio.Task] = []
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -454,24 +200,60 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        first = not self.should_exit
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        self.should_exit = True
-        if first:
-            logger.info("received %s: shutting down (aborting %d in-flight request(s))", signal.Signals(sig).name,
-                        len(self.state.tm.rid_to_state))
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self._begin_shutdown)
+        if self.loop is None or not self.started:
+            self.should_exit = True
+            return
+        self.loop.call_soon_threadsafe(self._on_signal, signal.Signals(sig).name)
 
-    def _begin_shutdown(self) -> None:
-        self.state.shutting_down = True
-        self.state.abort_all("the server is shutting down")
+    def _on_signal(self, name: str) -> None:
+        state = self.state
+        if state.draining:
+            logger.info("received %s again: aborting %d in-flight request(s) now", name, len(state.tm.rid_to_state))
+            state.abort_all("the server is shutting down")
+            self._drain_deadline = 0.0
+            if name == "SIGINT":
+                self.force_exit = True
+            return
+        state.draining = True
+        timeout = state.server_args.graceful_shutdown_timeout
+        logger.info("received %s: draining %d in-flight request(s) for up to %g s (--graceful-shutdown-timeout); "
+                    "new requests get 503", name, len(state.tm.rid_to_state), timeout)
+        self._drain_deadline = time.monotonic() + timeout
+        self._tasks.append(asyncio.get_running_loop().create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        tm = self.state.tm
+        while tm.rid_to_state and time.monotonic() < self._drain_deadline:
+            await asyncio.sleep(0.05)
+        if tm.rid_to_state:
+            n = self.state.abort_all("the server is shutting down (--graceful-shutdown-timeout ran out)")
+            logger.warning("the graceful-shutdown timeout ran out: aborted %d request(s)", n)
+            end = time.monotonic() + 5.0
+            while tm.rid_to_state and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+    async def _watch_children(self) -> None:
+        state = self.state
+        while not self.should_exit:
+            dead = state.processes.dead()
+            if dead:
+                state.dead_child = "; ".join(dead)
+                logger.error("%s: failing in-flight requests and exiting with status 1 in %g s", state.dead_child,
+                             DEAD_CHILD_GRACE_S)
+                if state.metrics is not None:
+                    state.metrics.set_engine_alive(False)
+                self.exit_code = 1
+                await asyncio.sleep(DEAD_CHILD_GRACE_S)
+                self.should_exit = True
+                return
+            await asyncio.sleep(CHILD_POLL_S)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
+            self._tasks.append(self.loop.create_task(self._watch_children()))
             logger.info("%s", self.ready_line)
 
 
@@ -499,8 +281,9 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def launch_server(server_args: ServerArgs) -> None:
-    """Start the engine processes and serve HTTP until SIGTERM/SIGINT; returns after a clean shutdown."""
+def launch_server(server_args: ServerArgs) -> int:
+    """Start the engine processes and serve HTTP until SIGTERM/SIGINT (returns 0 after the drain) or until a child
+    process dies (returns 1)."""
     from radixserve.entrypoints.engine import launch_subprocesses
 
     logging.basicConfig(level=server_args.log_level.upper(),
@@ -521,7 +304,7 @@ def launch_server(server_args: ServerArgs) -> None:
         app = create_app(tm, processes, server_args, metrics)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level="warning" if server_args.log_level == "info" else server_args.log_level,
-                                access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",
+                                access_log=False, timeout_graceful_shutdown=RESPONSE_FLUSH_S, lifespan="off",
                                 timeout_keep_alive=30)
         server = _Server(config, app.state.server)
         url = _url(server_args.host, server_args.port)
@@ -532,3 +315,4 @@ def launch_server(server_args: ServerArgs) -> None:
         logger.info("stopping the engine processes")
         processes.shutdown()
     logger.info("radixserve stopped")
+    return server.exit_code

@@ -114,14 +114,15 @@ class SSEResponse(StreamingResponse):
 
 def stream_as_sse(request: Request, tm: Any, obj: Any,
                   render: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
-                  to_error: Callable[[Exception], APIError]) -> Awaitable[Response]:
-    """Start `obj` on the tokenizer manager and wait for its first output (so bad input and overload are plain HTTP
-    errors), then stream `render(outputs)` as server-sent events ending in [DONE]; a later error is an error event.
-    A client that leaves mid-stream closes the generator, which aborts the request."""
+                  to_error: Callable[[Exception], APIError],
+                  generate: Callable[[Any], AsyncIterator[dict[str, Any]]] | None = None) -> Awaitable[Response]:
+    """Start `obj` on the tokenizer manager (or with `generate`) and wait for its first output (so bad input and
+    overload are plain HTTP errors), then stream `render(outputs)` as server-sent events ending in [DONE]; a later
+    error is an error event. A client that leaves mid-stream closes the generator, which aborts the request."""
     from radixserve.managers.tokenizer_manager import RequestError
 
     async def start() -> Response:
-        agen = tm.generate_request(obj)
+        agen = (generate or tm.generate_request)(obj)
         try:
             first = await until_disconnected(request, agen.__anext__())
         except StopAsyncIteration:

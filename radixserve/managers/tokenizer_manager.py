@@ -7,11 +7,13 @@ import asyncio
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -64,6 +66,15 @@ class TokenizerManager:
         self.metrics: Any = None  # set by the HTTP server when --enable-metrics
         self.processes: Any = None  # the EngineProcesses behind this manager (checked while requests wait)
         self.num_queued = 0
+        # tokenization runs off the event loop (HF tokenizers release the GIL while encoding); one thread, since a
+        # fast tokenizer must not be used by two threads at once
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
+        self._max_token_chars: int | None = None
+        self._gen_tokens = 0  # generated tokens seen so far, sampled for gen_throughput()
+        self._gen_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=16)
+        # LoRA adapters served now (names); None when the server serves none
+        self.lora_names: set[str] | None = {n for n, _ in server_args.lora_path_pairs()} \
+            if server_args.enable_lora else None
 
     # ---------------------------------------------------------------- receive loop
     def _ensure_loop(self) -> None:
@@ -107,16 +118,51 @@ class TokenizerManager:
                     self.metrics.observe_ttft(now - state.created)
             elif self.metrics is not None and out.new_token_ids[i]:
                 self.metrics.observe_decode(state, now, len(out.new_token_ids[i]))
+            self._gen_tokens += len(out.new_token_ids[i])
             if out.finished_reasons[i] is not None:
                 state.finished = True
                 state.meta["finish_reason"] = out.finished_reasons[i]
             state.event.set()
 
+    def gen_throughput(self) -> float:
+        """Generated tokens per second over the last ~10 s (SGLang's `last_gen_throughput`)."""
+        now = time.monotonic()
+        if not self._gen_samples or now - self._gen_samples[-1][0] >= 1.0:
+            self._gen_samples.append((now, self._gen_tokens))
+        window = [(t, c) for t, c in self._gen_samples if now - t <= 10.0]
+        if not window or now - window[0][0] < 0.5:
+            return 0.0
+        return (self._gen_tokens - window[0][1]) / (now - window[0][0])
+
     # ---------------------------------------------------------------- requests
-    def tokenize(self, text: str) -> list[int]:
+    @property
+    def max_prompt_chars(self) -> int:
+        """No prompt of more characters fits the context: a token is at most this many characters long."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max((len(k) for k in vocab), default=0) or 1024
+        return self.context_len * self._max_token_chars
+
+    def check_text_length(self, num_chars: int, param: str = "text") -> None:
+        """A cheap check before tokenizing: text too long for the context whatever its tokens is a 400 at once."""
+        if self.tokenizer is not None and num_chars > self.max_prompt_chars:
+            raise RequestError(f"This model's maximum context length is {self.context_len} tokens; a text of "
+                               f"{num_chars} characters has more tokens than that", 400, param)
+
+    def tokenize(self, text: str, **kwargs: Any) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this server was started with --skip-tokenizer-init: send input_ids", 400, "text")
-        return self.tokenizer.encode(text)
+        self.check_text_length(len(text))
+        return self.tokenizer.encode(text, **kwargs)
+
+    async def tokenize_async(self, text: str, **kwargs: Any) -> list[int]:
+        """`tokenize` on the tokenizer thread, so a long text does not stall the event loop (other streams,
+        /health)."""
+        if self.tokenizer is None or len(text) < 2048:
+            return self.tokenize(text, **kwargs)
+        self.check_text_length(len(text))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, functools.partial(self.tokenizer.encode, text, **kwargs))
 
     def _validate_ids(self, ids: list[int], param: str = "input_ids") -> None:
         if not ids:
@@ -140,6 +186,9 @@ class TokenizerManager:
             sp.verify(self.vocab_size)
         except (ValueError, TypeError) as e:
             raise RequestError(str(e), 400, "sampling_params") from e
+        if self.tokenizer is None and sp.stop:
+            raise RequestError("stop: stop strings need the tokenizer, and this server runs with "
+                               "--skip-tokenizer-init; use stop_token_ids", 400, "sampling_params")
         self.check_grammar(sp)
         return sp
 
@@ -163,8 +212,10 @@ class TokenizerManager:
         except GrammarError as e:
             raise RequestError(str(e), 400, "sampling_params") from None
 
-    def normalize(self, obj: io.GenerateReqInput) -> list[io.TokenizedGenerateReqInput]:
-        """Split a (possibly batched) request into tokenized single requests, all validated before any is sent."""
+    def normalize(self, obj: io.GenerateReqInput,
+                  token_ids: list[list[int]] | None = None) -> list[io.TokenizedGenerateReqInput]:
+        """Split a (possibly batched) request into tokenized single requests, all validated before any is sent.
+        `token_ids`: the text prompts already tokenized (by `pretokenize`), one list per prompt."""
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestError("give exactly one of text and input_ids", 400, "text")
         batch = obj.is_batch()
@@ -192,7 +243,7 @@ class TokenizerManager:
                     raise RequestError("text must be a string or a list of strings", 400, "text")
                 if not p:
                     raise RequestError("the prompt is empty", 400, "text")
-                ids = self.tokenize(p)
+                ids = token_ids[i] if token_ids is not None else self.tokenize(p)
                 text = p
             else:
                 if not isinstance(p, list):
@@ -211,6 +262,7 @@ class TokenizerManager:
             if not isinstance(logprob_start, int) or logprob_start >= len(ids):
                 raise RequestError(f"logprob_start_len must be an integer < the prompt length {len(ids)}", 400,
                                    "logprob_start_len")
+            lora_id = self.check_lora(per(obj.lora_path, "lora_path")[i])
             base_rid = rids[i] or uuid.uuid4().hex
             for j in range(sp.n):
                 sp_j = sp if sp.n == 1 else copy.copy(sp)
@@ -219,8 +271,17 @@ class TokenizerManager:
                 out.append(io.TokenizedGenerateReqInput(
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_text=text, input_ids=list(ids),
                     sampling_params=sp_j, stream=obj.stream, return_logprob=bool(ret_lp),
-                    logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0))
+                    logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
+                    lora_id=lora_id))
         return out
+
+    async def pretokenize(self, obj: io.GenerateReqInput) -> list[list[int]] | None:
+        """The text prompts of `obj` tokenized off the event loop (None when it has none or they are malformed;
+        `normalize` then reports the problem)."""
+        texts = obj.text if isinstance(obj.text, list) else [obj.text]
+        if obj.text is None or self.tokenizer is None or not all(isinstance(t, str) and t for t in texts):
+            return None
+        return [await self.tokenize_async(t) for t in texts]
 
     def _check_capacity(self, n: int) -> None:
         limit = self.server_args.max_queued_requests
@@ -294,7 +355,7 @@ class TokenizerManager:
     async def generate_request(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         """Yields one dict per finished request (in order) or, when streaming, cumulative chunks tagged with
         `index` (the request's position in the batch)."""
-        reqs = self.normalize(obj)
+        reqs = self.normalize(obj, await self.pretokenize(obj))
         self._check_capacity(len(reqs))
         if len(reqs) == 1 and not obj.is_batch():
             async for out in self._run_one(reqs[0]):
@@ -350,6 +411,54 @@ class TokenizerManager:
     async def flush_cache(self) -> bool:
         out = await self._control(io.FlushCacheReq(), io.FlushCacheReqOutput)
         return out.success
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def check_lora(self, name: Any, param: str = "lora_path") -> str | None:
+        """The adapter a request asks for (None: the base model); RequestError 404 when it is not served."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"{param} must be an adapter name (a string) or null", 400, param)
+        if self.lora_names is None:
+            raise RequestError(f"LoRA adapter {name!r} requested, but this server serves no adapters (start it "
+                               "with --lora-paths or --enable-lora)", 400, param)
+        if name not in self.lora_names:
+            served = ", ".join(sorted(self.lora_names)) or "none"
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (served: {served}); load it with "
+                               "/load_lora_adapter", 404, param)
+        return name
+
+    def _check_lora_control(self) -> None:
+        if self.lora_names is None:
+            raise RequestError("this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)",
+                               400)
+        if self.server_args.dp_size > 1:
+            raise RequestError("loading and unloading LoRA adapters at run time is not supported with --dp-size > "
+                               "1 (give them with --lora-paths)", 400)
+
+    async def load_lora_adapter(self, name: str, path: str) -> str:
+        """Serve the PEFT adapter at `path` as `name`; RequestError when it cannot be."""
+        self._check_lora_control()
+        if not name or not isinstance(name, str) or not path or not isinstance(path, str):
+            raise RequestError("lora_name and lora_path must be non-empty strings", 400)
+        if name in self.lora_names:
+            raise RequestError(f"LoRA adapter {name!r} is already loaded", 400, "lora_name")
+        out = await self._control(io.LoadLoRAAdapterReq(name=name, path=path), io.LoadLoRAAdapterReqOutput, 300.0)
+        if not out.success:
+            raise RequestError(out.message, 400, "lora_path")
+        self.lora_names.add(name)
+        return out.message
+
+    async def unload_lora_adapter(self, name: str, timeout: float = 600.0) -> str:
+        """Stop serving `name`: new requests for it fail at once; it is unloaded when its running requests end."""
+        self._check_lora_control()
+        if name not in self.lora_names:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded", 404, "lora_name")
+        self.lora_names.discard(name)  # new requests for it are refused from now on
+        out = await self._control(io.UnloadLoRAAdapterReq(name=name), io.UnloadLoRAAdapterReqOutput, timeout)
+        if not out.success:
+            raise RequestError(out.message, 400, "lora_name")
+        return out.message
 
     async def get_internal_state(self, timeout: float = 30.0) -> dict[str, Any]:
         out = await self._control(io.GetInternalStateReq(), io.GetInternalStateReqOutput, timeout)

@@ -49,6 +49,9 @@ class MetricsCollector:
         self.token_usage = gauge("token_usage", "Fraction of the KV pool held by requests (not evictable cache)")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the radix cache / prompt tokens")
         self.max_total_num_tokens = gauge("max_total_num_tokens", "KV pool size in tokens")
+        self.engine_alive = gauge("engine_alive", "1 while the scheduler and detokenizer processes run, 0 once one "
+                                  "died (the server then exits non-zero)")
+        self.engine_alive.set(1)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens of finished requests that hit the cache")
@@ -111,6 +114,9 @@ class MetricsCollector:
             self.cache_hit_rate.set(state.get("cache_hit_tokens", 0) / prompt_total)
         if num_inflight is not None:
             self.num_inflight_reqs.set(num_inflight)
+
+    def set_engine_alive(self, alive: bool) -> None:
+        self.engine_alive.set(1 if alive else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,7 +9,11 @@ import os
 import torch
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.distributed.parallel_state import broadcast_tensor_from_first_rank, initialize_model_parallel
+from radixserve.distributed.parallel_state import (
+    broadcast_tensor_from_first_rank,
+    initialize_model_parallel,
+    set_expert_parallel_size,
+)
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
@@ -33,6 +37,20 @@ def resolve_dtype(name: str, device: str, config_dtype: torch.dtype | None = Non
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def cpu_forward_threads(args: ServerArgs) -> int | None:
+    """Intra-op threads of a CPU forward: --cpu-num-threads; else None (keep torch's) when $OMP_NUM_THREADS is set;
+    else every core this process may run on, shared out between the ranks on this machine (oversubscribed OpenMP
+    threads make every collective wait). The tokenizer and detokenizer processes block on their sockets between
+    messages, so the forward takes all cores rather than leaving one idle for them."""
+    if args.cpu_num_threads is not None:
+        return args.cpu_num_threads
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_procs = max(1, args.dp_size * args.tp_size // args.nnodes)
+    return max(1, cores // local_procs)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
                  gpu_id: int = 0) -> None:
@@ -54,8 +72,14 @@ class ModelRunner:
 
         self._init_distributed()
         self.model = self._load_model()
+        self.lora_manager = None
+        if server_args.enable_lora:  # before the KV pool is sized: the adapter slots take device memory
+            from radixserve.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, model_config.num_hidden_layers, server_args, self.dtype,
+                                            self.device)
         self._init_memory_pool()
-        backend = server_args.attention_backend or ("triton" if self.is_cuda else "torch_native")
+        backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
@@ -71,10 +95,10 @@ class ModelRunner:
         """Join this replica's TP world (gloo on the CPU, NCCL on CUDA) at tcp://--dist-init-addr, which the
         launcher fills with a free local port when it was not given."""
         args = self.server_args
-        local_procs = args.dp_size * args.tp_size // args.nnodes
-        if not self.is_cuda and local_procs > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # ranks on one CPU share its cores; oversubscribed OpenMP threads make every collective wait
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
+        if not self.is_cuda:
+            threads = cpu_forward_threads(args)
+            if threads is not None:
+                torch.set_num_threads(threads)
         if self.tp_size == 1:
             initialize_model_parallel(0, 1, "", "gloo")
             return
@@ -87,9 +111,10 @@ class ModelRunner:
         logger.info("joined the TP group at %s as rank %d of %d", addr, self.tp_rank, self.tp_size)
 
     def _load_model(self) -> torch.nn.Module:
+        set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                          seed=self.server_args.random_seed)
+                          seed=self.server_args.random_seed, quantization=self.server_args.quantization)
         model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model

@@ -3,7 +3,20 @@
 Every model forbids unknown fields (a 400 that names them: nothing is silently ignored) and validates types
 strictly ("1" is not an integer; 1 is a valid float). Ranges that OpenAI documents are checked here so the error
 names the OpenAI field; the engine's `SamplingParams.verify` checks the rest. Responses are built as plain dicts
-(see the serving modules) and serialised with orjson."""
+(see the serving modules) and serialised with orjson.
+
+Three kinds of fields beyond the ones we serve:
+- fields that change nothing, accepted as OpenAI accepts them: `user` (an end-user id for the caller's own abuse
+  tracking; OpenAI's output does not depend on it, nor does ours), `metadata` (tags of a stored completion; we store
+  none), `parallel_tool_calls` (no effect without tools), `store: false`, `service_tier: "auto"/"default"`,
+  `modalities: ["text"]`; and on messages the fields the `openai` SDK's own response message carries
+  (`refusal`, `annotations`, `audio`, `function_call`, `tool_calls` as null);
+- fields of features not implemented yet (tool calling, reasoning effort, LoRA adapters): accepted when null or
+  default, any other value is a 400 -- all such checks live in `feature_gates.py`, which the features replace;
+- `response_format.json_schema`: `schema` constrains the output; `strict` is honoured whatever its value (the
+  output always follows the schema, which `strict: false` also allows); `name` is checked as OpenAI checks it
+  (1-64 of a-z, A-Z, 0-9, _ and -) and otherwise changes nothing, as with OpenAI; `description` is rejected (a
+  400): OpenAI shows it to the model, and we cannot without changing the prompt."""
 
 from __future__ import annotations
 
@@ -22,8 +35,8 @@ class StreamOptions(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    name: str | None = None
-    description: str | None = None
+    name: str | None = Field(default=None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None  # non-null is a 400 (see the module docstring)
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
@@ -47,7 +60,7 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    user: str | None = None
+    user: str | None = None  # changes nothing (see the module docstring)
     # SGLang / vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -63,6 +76,30 @@ class _SamplingFields(_Strict):
     ebnf: str | None = None
     rid: str | None = None  # request id, usable with /abort_request
     response_format: ResponseFormat | None = None  # OpenAI: chat; also accepted on completions
+    lora_path: str | None = None  # SGLang extension: a LoRA adapter's name (or say it in `model`)
+
+
+class _NoOpFields(_Strict):
+    """Request fields that change nothing when null or default; other values are checked in feature_gates."""
+
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+
+class _ToolFields(_Strict):
+    """Tool calling and reasoning request fields (feature_gates: only null/default values until implemented)."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -71,6 +108,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: str | None = None  # only null (feature_gates)
 
 
 class ContentPart(_Strict):
@@ -86,9 +124,17 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # what the openai SDK's response message carries when a client appends it to the history (null: no effect;
+    # other values are checked in feature_gates)
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _NoOpFields, _ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -108,6 +154,23 @@ class GenerateRequest(_Strict):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    lora_path: str | list[str | None] | None = None  # LoRA adapter name(s), one per prompt for a batch
+    # SGLang's request fields for features we do not have: accepted when null/false (feature_gates)
+    custom_logit_processor: str | list[str | None] | None = None
+    return_hidden_states: bool = False
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /unload_lora_adapter."""
+
+    lora_name: str
 
 
 class AbortRequest(_Strict):

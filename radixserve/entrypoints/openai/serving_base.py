@@ -20,6 +20,7 @@ from radixserve.entrypoints.http_utils import (
     until_disconnected,
 )
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
+from radixserve.entrypoints.openai.feature_gates import check_openai_request
 from radixserve.entrypoints.openai.protocol import _SamplingFields
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
@@ -48,10 +49,12 @@ def structured_output_available(grammar_backend: str) -> bool:
 
 
 def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
+    """OpenAI's finish_reason values; an aborted request never gets here (it is an error, see `_generate`)."""
     if not reason:
         return None
     kind = reason.get("type")
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, str(kind))
+    return {"stop": "stop", "length": "length", "tool_calls": "tool_calls",
+            "content_filter": "content_filter"}.get(kind, "stop")
 
 
 def matched_stop(reason: dict[str, Any] | None) -> Any:
@@ -83,12 +86,38 @@ class OpenAIServingBase:
 
     # ------------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_models:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.", 404,
-                           "model", "model_not_found")
+        self.resolve_lora(model, None)
 
-    def check_common(self, req: _SamplingFields) -> None:
-        self.check_model(req.model)
+    def resolve_lora(self, model: str | None, lora_path: str | None) -> str | None:
+        """The LoRA adapter a request asks for: `model` is the served model, an adapter's name, or
+        `<served model>:<adapter>`; SGLang's `lora_path` may name the adapter too. None: the base model."""
+        adapter = None
+        if model is not None and model not in self.accepted_models:
+            names = self.tm.lora_names or set()
+            base, sep, tail = model.rpartition(":")
+            if model in names:
+                adapter = model
+            elif sep and base in self.accepted_models and tail in names:
+                adapter = tail
+            else:
+                served = ", ".join(sorted(names))
+                raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`"
+                               + (f" and the LoRA adapters {served}." if served else "."), 404, "model",
+                               "model_not_found")
+        if lora_path is not None:
+            if adapter is not None and lora_path != adapter:
+                raise APIError(f"lora_path {lora_path!r} and model {model!r} name different adapters", 400,
+                               "lora_path", "invalid_value")
+            try:
+                adapter = self.tm.check_lora(lora_path)
+            except RequestError as e:
+                raise APIError(str(e), e.status_code, "lora_path", "invalid_value") from None
+        return adapter
+
+    def check_common(self, req: _SamplingFields) -> str | None:
+        """Validate what chat and completions share; returns the LoRA adapter asked for (None: the base model)."""
+        lora = self.resolve_lora(req.model, req.lora_path)
+        check_openai_request(req)
         if req.rid is not None and any(k == req.rid or k.startswith(req.rid + "-") for k in self.tm.rid_to_state):
             raise APIError(f"rid: {req.rid!r} is already in use by a running request", 400, "rid", "invalid_value")
         if req.stream_options is not None and not req.stream:
@@ -98,6 +127,7 @@ class OpenAIServingBase:
                 if getattr(req, name) is not None:
                     raise APIError(f"{name}: structured output is not available on this server (no grammar "
                                    "backend)", 400, name, "unsupported_parameter")
+        return lora
 
     def check_length(self, prompt_len: int, max_new_tokens: int, param: str) -> None:
         ctx = self.tm.context_len
@@ -124,6 +154,10 @@ class OpenAIServingBase:
             if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
                 raise APIError("response_format.json_schema.schema: required when type is 'json_schema'", 400,
                                "response_format.json_schema.schema", "missing_required_parameter")
+            if rf.json_schema is not None and rf.json_schema.description is not None:
+                raise APIError("response_format.json_schema.description: not supported (OpenAI shows it to the model; "
+                               "this server would not): put the instruction in the messages", 400,
+                               "response_format.json_schema.description", "unsupported_parameter")
             schema = rf.json_schema.schema_ if rf.type == "json_schema" and rf.json_schema else None
             if any(k in sp for k in GRAMMAR_FIELDS):
                 raise APIError("response_format: give at most one of response_format, regex, json_schema, ebnf", 400,
@@ -136,9 +170,10 @@ class OpenAIServingBase:
         base = req.rid or uuid.uuid4().hex
         return base, (base if n_prompts == 1 else [f"{base}-p{i}" for i in range(n_prompts)])
 
-    def tokenize(self, text: str, param: str) -> list[int]:
+    async def tokenize(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        """Off the event loop (see TokenizerManager.tokenize_async)."""
         try:
-            return self.tm.tokenize(text)
+            return await self.tm.tokenize_async(text, **kwargs)
         except RequestError as e:
             raise from_request_error(e, prompt_param=param, openai=True) from None
 
@@ -181,9 +216,23 @@ class OpenAIServingBase:
                 "text_offset": offsets}
 
     # ------------------------------------------------------------------ running
+    async def _generate(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        """The engine's outputs; an aborted request (by /abort_request, shutdown, the engine) is an APIError (an
+        error response, or an error event in a stream), never a choice with finish_reason "abort"."""
+        agen = self.tm.generate_request(obj)
+        try:
+            async for out in agen:
+                reason = out["meta_info"].get("finish_reason")
+                if reason and reason.get("type") == "abort":
+                    raise APIError(f"the request was aborted: {reason.get('message') or 'aborted'}", 503, None,
+                                   "request_aborted")
+                yield out
+        finally:
+            await agen.aclose()
+
     async def collect(self, request: Request, obj: io.GenerateReqInput, prompt_param: str) -> list[dict[str, Any]]:
         async def run() -> list[dict[str, Any]]:
-            return [o async for o in self.tm.generate_request(obj)]
+            return [o async for o in self._generate(obj)]
 
         try:
             outs = await until_disconnected(request, run())
@@ -197,7 +246,8 @@ class OpenAIServingBase:
         """Start the request and wait for its first output (so bad input and overload are plain HTTP errors),
         then stream `render(outputs)` as server-sent events ending in [DONE]; a later error is an error event."""
         return await stream_as_sse(request, self.tm, obj, render,
-                                   lambda e: from_request_error(e, prompt_param=prompt_param, openai=True))
+                                   lambda e: from_request_error(e, prompt_param=prompt_param, openai=True),
+                                   generate=self._generate)
 
     def base_response(self, rid: str, obj_type: str) -> dict[str, Any]:
         return {"id": f"{self.object_prefix}-{rid}", "object": obj_type, "created": int(time.time()),

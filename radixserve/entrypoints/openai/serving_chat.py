@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import json_response, parse_model, sse_event
-from radixserve.entrypoints.openai.errors import APIError
+from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.entrypoints.openai.serving_base import (
     OpenAIServingBase,
@@ -18,6 +18,7 @@ from radixserve.entrypoints.openai.serving_base import (
     matched_stop,
 )
 from radixserve.managers import io_struct as io
+from radixserve.managers.tokenizer_manager import RequestError
 
 
 def _flatten_content(msg: ChatMessage, i: int) -> str:
@@ -44,7 +45,7 @@ def _flatten_content(msg: ChatMessage, i: int) -> str:
 class OpenAIServingChat(OpenAIServingBase):
     object_prefix = "chatcmpl"
 
-    def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
+    async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.tm.tokenizer
         if tok is None:
             raise APIError("chat completions need a tokenizer; this server runs with --skip-tokenizer-init", 400,
@@ -53,6 +54,10 @@ class OpenAIServingChat(OpenAIServingBase):
             raise APIError("this model has no chat template: start the server with --chat-template FILE, or use "
                            "/v1/completions", 400, "messages", "no_chat_template")
         messages = []
+        try:
+            self.tm.check_text_length(sum(len(_flatten_content(m, i)) for i, m in enumerate(req.messages)))
+        except RequestError as e:
+            raise from_request_error(e, prompt_param="messages", openai=True) from None
         for i, m in enumerate(req.messages):
             entry = {"role": "system" if m.role == "developer" else m.role, "content": _flatten_content(m, i)}
             if m.name is not None:
@@ -63,20 +68,17 @@ class OpenAIServingChat(OpenAIServingBase):
         except Exception as e:  # jinja errors raised by the template itself ("roles must alternate", ...)
             raise APIError(f"messages: the chat template rejected them: {e}", 400, "messages", "invalid_value") \
                 from None
-        try:
-            return tok.encode(text, add_special_tokens=False)
-        except TypeError:
-            return tok.encode(text)
+        return await self.tokenize(text, "messages", add_special_tokens=False)
 
     def _sampling(self, req: ChatCompletionRequest, max_new: int) -> dict[str, Any]:
         return self.sampling_params(req, max_new)  # response_format is handled there (chat and completions)
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(ChatCompletionRequest, body)
-        self.check_common(req)
+        lora = self.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs", "invalid_value")
-        ids = self.apply_chat_template(req)
+        ids = await self.apply_chat_template(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if requested is None:
             if len(ids) >= self.tm.context_len:
@@ -90,7 +92,8 @@ class OpenAIServingChat(OpenAIServingBase):
         top_n = req.top_logprobs or 0
         rid, _ = self.make_rid(req, 1)
         obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
-                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n)
+                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n,
+                                  lora_path=lora)
         if req.stream:
             return await self.stream(request, obj, "messages",
                                      lambda outs: self._render_stream(req, outs, len(ids), rid))

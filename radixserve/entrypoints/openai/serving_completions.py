@@ -20,7 +20,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 class OpenAIServingCompletion(OpenAIServingBase):
     object_prefix = "cmpl"
 
-    def _prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+    async def _prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
         p = req.prompt
         if isinstance(p, str):
             texts: list[Any] = [p]
@@ -37,7 +37,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             if isinstance(item, str):
                 if not item:
                     raise APIError(f"{where}: must not be empty", 400, "prompt", "invalid_value")
-                ids_list.append(self.tokenize(item, "prompt"))
+                ids_list.append(await self.tokenize(item, "prompt"))
                 prompt_texts.append(item)
             else:
                 if not item:
@@ -54,8 +54,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(CompletionRequest, body)
-        self.check_common(req)
-        ids_list, prompt_texts = self._prompts(req)
+        lora = self.check_common(req)
+        ids_list, prompt_texts = await self._prompts(req)
         max_new = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
         for ids in ids_list:
             self.check_length(len(ids), max_new, "prompt")
@@ -65,7 +65,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             input_ids=ids_list[0] if len(ids_list) == 1 else ids_list,
             sampling_params=self.sampling_params(req, max_new), rid=rids,
             stream=req.stream, return_logprob=want_lp,
-            logprob_start_len=0 if (want_lp and req.echo) else -1, top_logprobs_num=req.logprobs or 0)
+            logprob_start_len=0 if (want_lp and req.echo) else -1, top_logprobs_num=req.logprobs or 0,
+            lora_path=lora)
         n = req.n
         if req.stream:
             return await self.stream(request, obj, "prompt",

@@ -1,0 +1,137 @@
+"""From a chat choice's generated text to OpenAI's message (and stream deltas): the thinking split off by the
+reasoning parser, then tool calls taken out of the rest by the tool parser (or by the constrained scanner when
+`tool_choice` forced a call).
+
+The stream is built from the same scans as the final message: each step re-scans the whole text and sends what
+grew (reasoning, content, a call's id and name once known, then its argument fragments)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.entrypoints.openai.reasoning_parsers.base import ReasoningParser
+from radixserve.entrypoints.openai.tool_parsers.base import (
+    PartialCall,
+    ScanResult,
+    ToolParser,
+    finish_scan,
+    scan_call_list,
+    skip_ws,
+)
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ForcedCallScanner(ToolParser):
+    """Reads the output of a constrained request: with a named function the whole output is its arguments; with
+    `required` it is a JSON array `[{"name": ..., "parameters": {...}}, ...]` (the grammar's shape)."""
+
+    name = "forced"
+
+    def __init__(self, function: str | None) -> None:
+        self.function = function
+
+    def scan(self, text: str, final: bool) -> ScanResult:
+        if self.function is not None:
+            res = ScanResult("", [PartialCall(name=self.function, args=text, done=final)])
+        else:
+            calls, end, ok = scan_call_list(text, skip_ws(text, 0), ("parameters",), array=True)
+            if not ok or (final and end is None):
+                return ScanResult(text, []) if final else ScanResult("", calls)
+            res = ScanResult("", calls)
+        return finish_scan(text, res) if final else res
+
+
+@dataclass
+class OutputConfig:
+    """How one chat request's output is read; shared by its choices."""
+
+    reasoning: ReasoningParser | None = None
+    prompt_opens_reasoning: bool = False
+    tools: ToolParser | None = None  # None: no tool parsing (no tools, or tool_choice "none")
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's reader: `message(text)` for a complete answer, `deltas(text, final)` while streaming."""
+
+    cfg: OutputConfig
+    sent_reasoning: int = 0
+    sent_content: int = 0
+    calls: list[list[Any]] = field(default_factory=list)  # per announced call: [id, arguments sent]
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        if self.cfg.reasoning is None:
+            return "", text
+        return self.cfg.reasoning.split(text, final, self.cfg.prompt_opens_reasoning)
+
+    def message(self, text: str) -> dict[str, Any]:
+        reasoning, rest = self._split(text, True)
+        msg: dict[str, Any] = {"role": "assistant", "content": rest, "refusal": None}
+        if self.cfg.reasoning is not None:
+            msg["reasoning_content"] = reasoning or None
+        if self.cfg.tools is not None:
+            content, calls = self.cfg.tools.parse(rest)
+            if calls:
+                msg["content"] = content or None
+                msg["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                                      "function": {"name": n, "arguments": a}} for n, a in calls]
+                self.calls = [[c["id"], len(c["function"]["arguments"])] for c in msg["tool_calls"]]
+        return msg
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self.calls)
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The deltas that bring the client from the last call's text to `text` (in order)."""
+        out: list[dict[str, Any]] = []
+        reasoning, rest = self._split(text, final)
+        if len(reasoning) > self.sent_reasoning:
+            out.append({"reasoning_content": reasoning[self.sent_reasoning:]})
+            self.sent_reasoning = len(reasoning)
+        if self.cfg.tools is None:
+            res = ScanResult(rest, [])
+        else:
+            res = self.cfg.tools.scan(rest, final)
+            if final and not res.calls and self.calls:
+                res = self.cfg.tools.scan(rest, False)  # malformed at the end: what was sent stays, nothing added
+        if len(res.content) > self.sent_content:
+            out.append({"content": res.content[self.sent_content:]})
+            self.sent_content = len(res.content)
+        for k, call in enumerate(res.calls):
+            if call.name is None:
+                break
+            if k >= len(self.calls):
+                self.calls.append([new_call_id(), 0])
+                out.append({"tool_calls": [{"index": k, "id": self.calls[k][0], "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            args = call.args
+            if call.args_is_string:
+                args = (call.final_arguments() or "") if call.done else ""
+            if len(args) > self.calls[k][1]:
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": args[self.calls[k][1]:]}}]})
+                self.calls[k][1] = len(args)
+        return out
+
+
+def forced_call_schema(tools: list[dict[str, Any]], function: str | None, parallel: bool) -> str:
+    """The JSON schema that a constrained tool choice generates: a named function's parameters, or (required) an
+    array of one or more `{"name", "parameters"}` objects, each branch one tool's schema."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
+              for t in tools}
+    if function is not None:
+        return json.dumps(params[function])
+    branches = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for name, schema in params.items()]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": branches[0] if len(branches) == 1 else {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return json.dumps(schema)

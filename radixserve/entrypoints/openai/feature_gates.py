@@ -1,0 +1,94 @@
+"""Request fields of features this server does not implement (yet), checked in one place.
+
+Clients send these fields with null or default values (the `openai` SDK's own response message appended to the
+history, SGLang's benchmark client, LangChain, ...): those are accepted and change nothing. Any other value is a
+400 that names the field -- never silently ignored. When a feature lands, its gate here is replaced by the real
+handling:
+
+- tool calling: `check_tool_fields` (request) and the tool part of `check_message` (history);
+- reasoning: `reasoning_effort` in `check_tool_fields`;
+- the rest (`store`, `service_tier`, `modalities`, `audio`, `prediction`, `web_search_options`, `suffix`,
+  SGLang's `custom_logit_processor` and `return_hidden_states`) have no planned feature.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.entrypoints.openai.errors import APIError
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return APIError(f"{param}: {what}", 400, param, "unsupported_parameter")
+
+
+# ---------------------------------------------------------------------------------------------- tool calling
+def check_tool_fields(req: Any) -> None:
+    """tools / tool_choice / functions / function_call / parallel_tool_calls / reasoning_effort on a chat
+    request."""
+    if req.tools is not None:
+        raise _unsupported("tools", "tool calling is not supported by this server; send tools: null or leave it out")
+    if req.tool_choice is not None and req.tool_choice != "none":
+        raise _unsupported("tool_choice", f"only 'none' (or null) is accepted without tools, got {req.tool_choice!r}")
+    # parallel_tool_calls: true or false, it changes nothing without tools
+    if req.functions is not None:
+        raise _unsupported("functions", "function calling is not supported by this server; send null")
+    if req.function_call is not None and req.function_call != "none":
+        raise _unsupported("function_call", f"only 'none' (or null) is accepted, got {req.function_call!r}")
+    if req.reasoning_effort is not None:
+        raise _unsupported("reasoning_effort", "reasoning effort is not supported by this server; send null")
+
+
+def check_message(msg: Any, i: int) -> None:
+    """Fields of one chat history message beyond role/content/name."""
+    where = f"messages[{i}]"
+    if msg.tool_calls:  # null or [] (an SDK message without calls) change nothing
+        raise _unsupported(f"{where}.tool_calls", "tool calls in the history are not supported by this server")
+    if msg.tool_call_id is not None:
+        raise _unsupported(f"{where}.tool_call_id", "tool results are not supported by this server")
+    if msg.function_call is not None:
+        raise _unsupported(f"{where}.function_call", "function calls in the history are not supported")
+    if msg.refusal is not None:
+        raise _unsupported(f"{where}.refusal", "only null is accepted (put the text in content)")
+    if msg.audio is not None:
+        raise _unsupported(f"{where}.audio", "audio is not supported by this server; send null")
+    if msg.annotations:  # null or []
+        raise _unsupported(f"{where}.annotations", "only null or [] is accepted")
+
+
+# ---------------------------------------------------------------------------------------------- no feature
+def check_noop_fields(req: Any) -> None:
+    """Fields whose null/default value changes nothing: store, service_tier, modalities, audio, prediction,
+    web_search_options (chat); suffix (completions)."""
+    if getattr(req, "suffix", None) is not None:
+        raise _unsupported("suffix", "insertion (a suffix) is not supported by this server; send null")
+    if getattr(req, "store", None):
+        raise _unsupported("store", "this server does not store completions; send false or null")
+    tier = getattr(req, "service_tier", None)
+    if tier is not None and tier not in ("auto", "default"):
+        raise _unsupported("service_tier", f"only 'auto' or 'default' is accepted, got {tier!r}")
+    modalities = getattr(req, "modalities", None)
+    if modalities is not None and modalities != ["text"]:
+        raise _unsupported("modalities", f"only ['text'] is accepted, got {modalities!r}")
+    for name in ("audio", "prediction", "web_search_options"):
+        if getattr(req, name, None) is not None:
+            raise _unsupported(name, "not supported by this server; send null")
+
+
+def check_native_fields(req: Any) -> None:
+    """POST /generate: SGLang's fields for features we do not have."""
+    values = req.custom_logit_processor if isinstance(req.custom_logit_processor, list) else \
+        [req.custom_logit_processor]
+    if any(v is not None for v in values):
+        raise _unsupported("custom_logit_processor", "custom logit processors are not supported by this server")
+    if req.return_hidden_states:
+        raise _unsupported("return_hidden_states", "hidden states are not returned by this server")
+
+
+def check_openai_request(req: Any) -> None:
+    """Everything above that applies to an OpenAI request (completions or chat)."""
+    check_noop_fields(req)
+    if hasattr(req, "tools"):
+        check_tool_fields(req)
+    for i, msg in enumerate(getattr(req, "messages", None) or []):
+        check_message(msg, i)

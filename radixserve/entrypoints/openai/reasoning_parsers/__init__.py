@@ -1,0 +1,26 @@
+"""Reasoning parsers (`<think>` styles), one file per family, behind a registry with lazy imports that feeds
+`--reasoning-parser`'s choices."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixserve.entrypoints.openai.reasoning_parsers.base import ReasoningParser
+
+_PKG = "radixserve.entrypoints.openai.reasoning_parsers"
+REASONING_PARSERS: dict[str, str] = {
+    "qwen3": f"{_PKG}.qwen3:Qwen3ReasoningParser",
+    "deepseek-r1": f"{_PKG}.deepseek_r1:DeepSeekR1ReasoningParser",
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(REASONING_PARSERS)}")
+    module, cls = REASONING_PARSERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+__all__ = ["REASONING_PARSERS", "get_reasoning_parser"]
