@@ -29,7 +29,7 @@ def _triton_ok() -> bool:
 
 
 needs_triton = pytest.mark.skipif(not _triton_ok(), reason="needs CUDA or triton under TRITON_INTERPRET=1")
-BACKENDS = ["torch_native", pytest.param("triton", marks=needs_triton)]
+BACKENDS = ["torch_native", "cpu", pytest.param("triton", marks=needs_triton)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -87,6 +87,10 @@ def run_backend(name: str, prefix_lens: list[int], extend_lens: list[int], windo
 
         backend = TritonAttnBackend(runner)
         backend.min_split_len = min_split_len
+    elif name == "cpu":
+        from radixserve.layers.attention.cpu_backend import CpuAttnBackend
+
+        backend = CpuAttnBackend(runner)
     else:
         backend = TorchNativeAttnBackend(runner)
 
@@ -171,7 +175,7 @@ def tiny_windowed(kind: str, path: str, window: int = 6) -> object:
 
 # the Triton kernels run under the CPU interpreter here (slow): one model, fewer tokens; the kernel tests above
 # cover their window cases
-@pytest.mark.parametrize("kind,backend,steps", [("mistral", "torch_native", 20), ("qwen2", "torch_native", 20),
+@pytest.mark.parametrize("kind,backend,steps", [("mistral", "torch_native", 20), ("qwen2", "cpu", 20),
                                                 pytest.param("mistral", "triton", 8, marks=needs_triton)])
 def test_greedy_matches_transformers_with_a_short_window(kind: str, backend: str, steps: int, tmp_path) -> None:
     hf = tiny_windowed(kind, str(tmp_path))
