@@ -25,6 +25,10 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
         # -1: full causal attention; W > 0: a query at position p sees the keys at positions p - W + 1 .. p
         self.sliding_window_size = sliding_window_size
+        # per-tensor scales of an fp8 KV cache: the pool holds k / k_scale (the checkpoint's k_scale / v_scale when
+        # it has them, else 1.0); ignored by a 16/32-bit pool
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> torch.Tensor:
