@@ -585,6 +585,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             "num_grammar_queue_reqs": len(self.grammar_queue),
             **(self.grammar_backend.stats() if self.grammar_backend is not None else {}),
             "num_retractions": self.num_retractions,
+            **({"lora_adapters": sorted(self.lora_manager.adapters), "lora_slots": dict(self.lora_table.slot_of),
+                "lora_slot_loads": self.lora_table.num_loads} if self.lora_table is not None else {}),
             "cache_hit_tokens": self.cache_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "forward_ct": self.forward_ct,
