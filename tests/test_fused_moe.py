@@ -108,3 +108,31 @@ def _same_choice(w: torch.Tensor, ids: torch.Tensor, w_ref: torch.Tensor, ids_re
     order, order_ref = ids.long().sort(dim=1), ids_ref.long().sort(dim=1)
     assert torch.equal(order.values, order_ref.values)
     torch.testing.assert_close(w.gather(1, order.indices), w_ref.float().gather(1, order_ref.indices))
+
+
+def test_tp_and_ep_shards_add_up_to_the_whole_layer() -> None:
+    """Dummy weights are the same model at every TP/EP size, and the ranks' partial outputs (before the all-reduce)
+    sum to the unsharded layer's: TP=2 splits each expert's intermediate dim, EP=2 splits the experts."""
+    from radixserve.layers.moe import FusedMoE, RouterConfig
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    router = RouterConfig(8, 2, renormalize=True)
+
+    def build(rank: int, tp: int, ep: int) -> FusedMoE:
+        holder = torch.nn.Module()
+        holder.experts = FusedMoE(router, 16, 8, rank, tp, ep_size=ep, reduce_results=False)
+        initialize_dummy_weights(holder, seed=3)
+        return holder.experts
+
+    full = build(0, 1, 1)
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(11, 8, generator=torch.Generator().manual_seed(1)) * 3
+    ref = full(x, logits)
+    for ep in (1, 2):
+        parts = [build(r, 2, ep) for r in range(2)]
+        if ep == 2:
+            assert torch.equal(parts[1].w13_weight, full.w13_weight[4:])
+        else:
+            assert torch.equal(parts[1].w13_weight[:, :4], full.w13_weight[:, 4:8])
+            assert torch.equal(parts[1].w2_weight, full.w2_weight[:, :, 4:])
+        torch.testing.assert_close(sum(p(x, logits) for p in parts), ref, atol=1e-6, rtol=1e-5)

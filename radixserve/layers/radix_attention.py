@@ -12,12 +12,14 @@ if TYPE_CHECKING:
 
 
 class RadixAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
+                 v_head_dim: int | None = None) -> None:
         super().__init__()
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads
-        self.head_dim = head_dim
+        self.head_dim = head_dim  # of q and k
+        self.v_head_dim = v_head_dim or head_dim  # of v and the output (MLA: the latent rank, smaller than k's)
         self.scaling = scaling
         self.layer_id = layer_id
 

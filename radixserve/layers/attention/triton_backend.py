@@ -55,6 +55,9 @@ class TritonAttnBackend(AttentionBackend):
         if max_kv_splits < 1:
             raise ValueError(f"max_kv_splits must be positive; got {max_kv_splits}")
         cfg = model_runner.model_config
+        if getattr(cfg, "is_mla", False):
+            raise ValueError("the triton attention backend does not serve MLA models yet; use "
+                             "--attention-backend torch_native")
         tp_size = getattr(model_runner, "tp_size", 1) or 1
         self.num_heads = cfg.num_attention_heads // tp_size
         self.num_kv_heads = max(1, cfg.num_key_value_heads // tp_size)  # KV heads are replicated past tp_size
