@@ -19,7 +19,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
 def _registry_names(module: str, attr: str) -> tuple[str, ...]:
-    """Names of a parser registry (a dict of lazy import paths: importing it loads no parser)."""
+    """Names of a registry (a dict of lazy import paths: importing it loads no implementation)."""
     import importlib
 
     return tuple(getattr(importlib.import_module(module), attr))
@@ -27,6 +27,7 @@ def _registry_names(module: str, attr: str) -> tuple[str, ...]:
 
 TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
 REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
+QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -47,6 +48,9 @@ class ServerArgs:
     load_format: str = _flag("How to load weights", default="auto", choices=LOAD_FORMATS)
     dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA, fp32 on CPU)", default="auto",
                        choices=DTYPES)
+    quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
+                                     "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "
+                                     "with gguf)", choices=QUANTIZATIONS)
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
@@ -149,7 +153,8 @@ class ServerArgs:
             if v is not None and v not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {v!r}")
 
-        for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", DTYPES),
+        for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),

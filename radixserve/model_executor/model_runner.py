@@ -99,7 +99,7 @@ class ModelRunner:
         set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                          seed=self.server_args.random_seed)
+                          seed=self.server_args.random_seed, quantization=self.server_args.quantization)
         model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model

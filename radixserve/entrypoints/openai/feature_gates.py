@@ -7,7 +7,6 @@ handling:
 
 - tool calling: `check_tool_fields` (request) and the tool part of `check_message` (history);
 - reasoning: `reasoning_effort` in `check_tool_fields`;
-- LoRA adapters: `check_lora_path`;
 - the rest (`store`, `service_tier`, `modalities`, `audio`, `prediction`, `web_search_options`, `suffix`,
   SGLang's `custom_logit_processor` and `return_hidden_states`) have no planned feature.
 """
@@ -57,14 +56,6 @@ def check_message(msg: Any, i: int) -> None:
         raise _unsupported(f"{where}.annotations", "only null or [] is accepted")
 
 
-# ---------------------------------------------------------------------------------------------- LoRA
-def check_lora_path(value: Any, param: str = "lora_path") -> None:
-    """`lora_path` (SGLang's field; a list for a batch): only null until LoRA serving lands."""
-    values = value if isinstance(value, list) else [value]
-    if any(v is not None for v in values):
-        raise _unsupported(param, "LoRA adapters are not supported by this server; send null")
-
-
 # ---------------------------------------------------------------------------------------------- no feature
 def check_noop_fields(req: Any) -> None:
     """Fields whose null/default value changes nothing: store, service_tier, modalities, audio, prediction,
@@ -86,7 +77,6 @@ def check_noop_fields(req: Any) -> None:
 
 def check_native_fields(req: Any) -> None:
     """POST /generate: SGLang's fields for features we do not have."""
-    check_lora_path(req.lora_path)
     values = req.custom_logit_processor if isinstance(req.custom_logit_processor, list) else \
         [req.custom_logit_processor]
     if any(v is not None for v in values):
@@ -98,7 +88,6 @@ def check_native_fields(req: Any) -> None:
 def check_openai_request(req: Any) -> None:
     """Everything above that applies to an OpenAI request (completions or chat)."""
     check_noop_fields(req)
-    check_lora_path(req.lora_path)
     if hasattr(req, "tools"):
         check_tool_fields(req)
     for i, msg in enumerate(getattr(req, "messages", None) or []):

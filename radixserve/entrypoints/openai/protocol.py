@@ -76,7 +76,7 @@ class _SamplingFields(_Strict):
     ebnf: str | None = None
     rid: str | None = None  # request id, usable with /abort_request
     response_format: ResponseFormat | None = None  # OpenAI: chat; also accepted on completions
-    lora_path: str | None = None  # SGLang extension; only null until LoRA serving lands (feature_gates)
+    lora_path: str | None = None  # SGLang extension: a LoRA adapter's name (or say it in `model`)
 
 
 class _NoOpFields(_Strict):
@@ -154,10 +154,23 @@ class GenerateRequest(_Strict):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    lora_path: str | list[str | None] | None = None  # LoRA adapter name(s), one per prompt for a batch
     # SGLang's request fields for features we do not have: accepted when null/false (feature_gates)
-    lora_path: str | list[str | None] | None = None
     custom_logit_processor: str | list[str | None] | None = None
     return_hidden_states: bool = False
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /unload_lora_adapter."""
+
+    lora_name: str
 
 
 class AbortRequest(_Strict):

@@ -75,7 +75,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(ChatCompletionRequest, body)
-        self.check_common(req)
+        lora = self.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs", "invalid_value")
         ids = await self.apply_chat_template(req)
@@ -92,7 +92,8 @@ class OpenAIServingChat(OpenAIServingBase):
         top_n = req.top_logprobs or 0
         rid, _ = self.make_rid(req, 1)
         obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
-                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n)
+                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n,
+                                  lora_path=lora)
         if req.stream:
             return await self.stream(request, obj, "messages",
                                      lambda outs: self._render_stream(req, outs, len(ids), rid))
