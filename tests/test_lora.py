@@ -218,3 +218,28 @@ def test_engine_adapters_at_run_time(lora_setup) -> None:
         assert out["output_ids"] == refs["c16"][2]
         state = engine.get_internal_state()
         assert state["memory_ok"] and state["invariant_violations"] == 0
+
+
+@pytest.mark.integration
+def test_tensor_parallel_two_ranks_equal_one(tmp_path) -> None:
+    """TP=2 over gloo (A of o/down split by input, B of q/k/v/gate/up split by output) gives the tokens of TP=1."""
+    from parallel_utils import SERVER_KW, make_model
+
+    from radixserve import Engine
+
+    base = make_model("llama", str(tmp_path / "base"), seed=4, vocab_size=512)
+    paths = make_adapters(base, str(tmp_path))
+    lora_paths = [f"{n}={p}" for n, p in paths.items()]
+    s = make_scheduler(base, lora_paths=lora_paths)
+    for i, prompt in enumerate(PROMPTS):
+        for name in NAMES:
+            submit_lora(s, f"{name}-{i}", prompt, NEW, name)
+    ref = {rid: r["ids"] for rid, r in drain(s).items()}
+    assert len({tuple(ref[f"{n}-0"]) for n in NAMES}) == len(NAMES)  # every adapter changes the output
+    sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    with Engine(model_path=base, tp_size=2, lora_paths=lora_paths, **SERVER_KW) as engine:
+        prompts = [p for p in PROMPTS for _ in NAMES]
+        names = [n for _ in PROMPTS for n in NAMES]
+        outs = engine.generate(input_ids=prompts, sampling_params=sp, lora_path=names)
+    got = {f"{n}-{i // len(NAMES)}": o["output_ids"] for i, (n, o) in enumerate(zip(names, outs, strict=True))}
+    assert got == ref

@@ -22,6 +22,10 @@ class RadixAttention(nn.Module):
         self.v_head_dim = v_head_dim or head_dim  # of v and the output (MLA: the latent rank, smaller than k's)
         self.scaling = scaling
         self.layer_id = layer_id
+        # per-tensor scales of an fp8 KV cache: the pool holds k / k_scale (the checkpoint's k_scale / v_scale when
+        # it has them, else 1.0); ignored by a 16/32-bit pool
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> torch.Tensor:

@@ -607,11 +607,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     logging.basicConfig(level=server_args.log_level.upper(),
                         format=f"[%(asctime)s scheduler TP{tp_rank}] %(levelname)s %(message)s")
-    local_procs = server_args.dp_size * server_args.tp_size // server_args.nnodes
-    if local_procs == 1 and server_args.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # leave a core to the tokenizer/HTTP and detokenizer processes: intra-op threads that spin-wait while
-        # another process holds their core make every step many times slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
     try:
         scheduler = Scheduler(server_args, port_args, tp_rank, gpu_id)
         if scheduler.device != "cpu" and not server_args.skip_server_warmup:

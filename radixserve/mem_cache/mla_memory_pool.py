@@ -23,6 +23,9 @@ class MLATokenToKVPool(TokenToKVPool):
                  device: str, debug_checks: bool = True) -> None:
         if size <= 0:
             raise ValueError(f"MLATokenToKVPool needs a positive size; got {size}")
+        if dtype.itemsize == 1:
+            raise ValueError("--kv-cache-dtype fp8 is not supported for MLA models (the latent pool holds the "
+                             "model dtype)")
         self.size = size
         self.dtype = dtype
         self.device = device
@@ -38,7 +41,8 @@ class MLATokenToKVPool(TokenToKVPool):
         self.debug_checks = debug_checks
         self.clear()
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """k: [T, 1, kv_lora_rank + rope] (latent then rotated key); v is its latent part and is not stored again."""
         self.kv_buffer[layer_id][loc] = k.to(self.dtype)
 

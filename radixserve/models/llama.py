@@ -13,6 +13,7 @@ from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.quantization.kv_cache import kv_scale_name, set_kv_scale
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -89,7 +90,7 @@ class LlamaAttention(nn.Module):
         from radixserve.layers.triton_ops.rotary import KVWrite
 
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-        return KVWrite(k_buf, v_buf, forward_batch.out_cache_loc, v)
+        return KVWrite(k_buf, v_buf, forward_batch.out_cache_loc, v, self.attn.k_scale, self.attn.v_scale)
 
 
 def dense_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module:
@@ -174,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            kv_scale = kv_scale_name(name)
+            if kv_scale is not None:
+                set_kv_scale(self.model.layers[kv_scale[0]].self_attn.attn, kv_scale[1], tensor)
                 continue
             target = self.load_weight(params, name, tensor)
             if target is not None:

@@ -53,3 +53,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
+
+
+def kv_scales(layer: object) -> tuple[float, float]:
+    """(k_scale, v_scale) of an fp8 KV cache for this attention layer (1.0 for a layer that sets none)."""
+    return getattr(layer, "k_scale", 1.0), getattr(layer, "v_scale", 1.0)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales
+from radixserve.mem_cache.memory_pool import gather_kv, load_kv_values
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -41,8 +42,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                 continue
             kv_len = pre + q_len
             slots = req_to_token[rows[i], :kv_len].long()
-            k = k_buf[slots].to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
-            v = v_buf[slots].to(q.dtype).transpose(0, 1)
+            ks, vs = kv_scales(layer)
+            k = load_kv_values(gather_kv(k_buf, slots), q.dtype, ks).transpose(0, 1)  # [Hkv, L, D]
+            v = load_kv_values(gather_kv(v_buf, slots), q.dtype, vs).transpose(0, 1)
             qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
             if gqa > 1:
                 k = k.repeat_interleave(gqa, dim=0)
@@ -60,7 +62,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
         forward_batch.token_to_kv_pool.set_kv_buffer(
             layer.layer_id, forward_batch.out_cache_loc,
-            k.view(-1, layer.tp_k_head_num, layer.head_dim), v.view(-1, layer.tp_v_head_num, layer.v_head_dim))
+            k.view(-1, layer.tp_k_head_num, layer.head_dim), v.view(-1, layer.tp_v_head_num, layer.v_head_dim),
+            *kv_scales(layer))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         if save_kv_cache:
@@ -91,7 +94,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             seq = torch.tensor(lens[start:end], device=q.device)
             mask = torch.arange(longest, device=q.device)[None, :] < seq[:, None]  # [n, L]
             pad = ~mask
-            kk, vv = k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype)  # [n, L, Hkv, D]
+            kk = load_kv_values(gather_kv(k_buf, slots), q.dtype, kv_scales(layer)[0])  # [n, L, Hkv, D]
+            vv = load_kv_values(gather_kv(v_buf, slots), q.dtype, kv_scales(layer)[1])
             if bool(pad.any()):  # whatever sits in the slots past a request's end must not leak in (0 × NaN)
                 kk[pad] = 0
                 vv[pad] = 0

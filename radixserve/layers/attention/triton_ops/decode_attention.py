@@ -5,6 +5,9 @@ its chunk of the request's KV slots, keeps an online softmax, and writes a parti
 own softmax sum) plus the base-2 log-sum-exp of its scores. Stage 2 launches one program per (request, query head)
 and merges the partials of the non-empty splits.
 
+An fp8 pool (k / k_scale, v / v_scale) costs nothing extra: k's scale is folded into the score scale, v's into the
+partial output.
+
 The grid depends only on the batch size (its split axis is `num_kv_splits`, which the caller picks from the batch
 size alone), so both launches can be captured in a CUDA graph. How many splits a request really uses is decided
 inside the kernels from its seq_len: `min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of
@@ -42,7 +45,7 @@ def _mma(a, b, FP32: tl.constexpr):
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
 def _decode_stage1_kernel(
     Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE,
-    sm_scale_log2, num_kv_splits, min_split_len,
+    sm_scale_log2, v_scale, num_kv_splits, min_split_len,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -114,7 +117,7 @@ def _decode_stage1_kernel(
 
         out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
                     + offs_d[None, :])
-        tl.store(out_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(out_ptrs, acc * (v_scale / l_i[:, None]), mask=mask_h[:, None] & mask_d[None, :])
         tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
                  mask=mask_h)
 
@@ -257,8 +260,11 @@ def decode_attention_fwd(
     num_stages: int = 2,
     use_dot: bool | None = None,
     num_kv_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Attention of one query token per request over its first seq_len KV slots; writes `o` in place.
+    """Attention of one query token per request over its first seq_len KV slots; writes `o` in place. The pool
+    holds k / k_scale and v / v_scale (1.0 unless it is fp8).
 
     q, o: [bs, H, D]; k_buffer, v_buffer: [slots, Hkv, D]; req_to_token: [rows, max_ctx] int32;
     req_pool_indices, seq_lens: [bs] (int32 or int64, on the device); mid_o [bs, H, S, D] and mid_lse [bs, H, S]
@@ -281,6 +287,8 @@ def decode_attention_fwd(
         raise ValueError(f"min_split_len must be positive; got {min_split_len}")
 
     interp = is_interpreted()
+    if k_buffer.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k_scale = v_scale = 1.0  # only an fp8 pool is scaled
     block_d = max(16, triton.next_power_of_2(head_dim))
     if use_dot is None:
         use_dot = _default_use_dot(group)
@@ -298,7 +306,7 @@ def decode_attention_fwd(
     grid1 = (bs, num_kv_heads * head_blocks, num_kv_splits)
     launch(_decode_stage1_kernel, grid1,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale * _LOG2E, num_kv_splits, min_split_len,
+        sm_scale * k_scale * _LOG2E, v_scale, num_kv_splits, min_split_len,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

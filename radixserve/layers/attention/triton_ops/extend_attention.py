@@ -5,7 +5,8 @@ For request b, its extend_len new tokens (rows extend_start .. extend_start + ex
      req_to_token[req_pool_indices[b], :prefix_len] (no mask: every new token sees the whole prefix), and
   2. the new tokens themselves, causally, read from the contiguous k/v inputs (not from the pool).
 One program handles BLOCK_M new tokens of one query head; both phases share one online softmax. Query heads map to
-KV heads by integer division (GQA). Lengths vary per request; programs past a request's end exit at once.
+KV heads by integer division (GQA). An fp8 pool's prefix is read times its k/v scales (k's folded into the prefix's
+score scale, v's applied as the tile is widened). Lengths vary per request; programs past a request's end exit at once.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.c
 def _extend_kernel(
     Q, K_Ext, V_Ext, Out, K_Buf, V_Buf,
     Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
-    sm_scale_log2,
+    sm_scale_log2, prefix_scale_log2, v_scale,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -60,6 +61,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -96,7 +98,9 @@ def _extend_kernel(
             loc = tl.load(r2t_row + n0 + offs_nb).to(tl.int64)
             k = tl.load(kb_head + loc[:, None] * stride_kbt, mask=mask_d[None, :], other=0.0)
             v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_d[None, :], other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, sm_scale_log2, DOT_FP32, False)
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, prefix_scale_log2, DOT_FP32, False)
         if full_end < prefix_len:
             offs_n = full_end + offs_nb
             mask_n = offs_n < prefix_len
@@ -104,7 +108,10 @@ def _extend_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(kb_head + loc[:, None] * stride_kbt, mask=mask_kv, other=0.0)
             v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_kv, other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale_log2, DOT_FP32, True)
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, prefix_scale_log2, DOT_FP32,
+                                          True)
 
         # 2. the new tokens (from the k/v inputs), causally: key j is visible to query i when j <= i.
         # Blocks wholly before this query block (BLOCK_M is a multiple of BLOCK_N) need no mask.
@@ -163,10 +170,13 @@ def extend_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Writes `o` in place. q, o: [T, H, D]; k, v: [T, Hkv, D] (the new tokens, in q's order); k_buffer, v_buffer:
-    [slots, Hkv, D]; req_to_token [rows, max_ctx] int32; the per-request tensors [bs] on the device;
-    max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so no device sync)."""
+    [slots, Hkv, D] (an fp8 pool holds k / k_scale, v / v_scale); req_to_token [rows, max_ctx] int32; the
+    per-request tensors [bs] on the device; max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so
+    no device sync)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError("q/o [T, H, D], k/v [T, Hkv, D] and k/v buffers [slots, Hkv, D] expected")
     num_tokens, num_heads, head_dim = q.shape
@@ -199,12 +209,13 @@ def extend_attention_fwd(
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     block_d = max(16, triton.next_power_of_2(head_dim))
     dot_fp32 = interp or q.dtype == torch.float32
+    kv_fp8 = k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     launch(_extend_kernel, grid,
         q, k, v, o, k_buffer, v_buffer,
         req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E, sm_scale * _LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -213,6 +224,6 @@ def extend_attention_fwd(
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32,
+        DOT_FP32=dot_fp32, KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
