@@ -26,7 +26,7 @@ import triton.language as tl
 from radixserve.layers.triton_ops.launch import launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _align_count_kernel(Ids, Counts, n, offset, num_local, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Per-expert counts of one chunk of assignments, added into Counts (the last bin collects the padding lanes
     and experts held by other ranks)."""
@@ -37,7 +37,7 @@ def _align_count_kernel(Ids, Counts, n, offset, num_local, E_PAD: tl.constexpr, 
     tl.atomic_add(Counts + tl.arange(0, E_PAD), hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _align_offsets_kernel(Counts, ExpertIds, Total, PadStart, Cursor, num_local, max_blocks,
                           BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
     """One program: padded bucket starts, the expert of every block, the padded total."""
@@ -55,7 +55,7 @@ def _align_offsets_kernel(Counts, ExpertIds, Total, PadStart, Cursor, num_local,
         tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _align_scatter_kernel(Ids, Sorted, PadStart, Cursor, n, offset, num_local, CHUNK: tl.constexpr):
     """Each held assignment takes the next free row of its expert's bucket (the order within a bucket does not
     change any result: every row of a GEMM tile is computed on its own)."""
@@ -109,7 +109,9 @@ def _mma(a, b, FP32: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+# Sizes that change with the batch are not specialised on (a value of 1 or a multiple of 16 would otherwise compile
+# a variant of its own mid-serving, the first time some batch produced it).
+@triton.jit(do_not_specialize=["num_valid"])
 def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, inter_size, hidden,
                     stride_x, stride_we, stride_wn, stride_i,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
@@ -145,7 +147,7 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
     tl.store(out_ptrs, act.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_valid"])
 def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, hidden, inter_size,
                  stride_i, stride_we, stride_wn, stride_o,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
