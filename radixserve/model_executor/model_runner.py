@@ -85,7 +85,9 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
-        if self.is_cuda and not server_args.disable_cuda_graph:
+        if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
+            logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
+        elif self.is_cuda and not server_args.disable_cuda_graph:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.cuda_graph_runner = CudaGraphRunner(self)

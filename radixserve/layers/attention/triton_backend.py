@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
 from radixserve.layers.attention.triton_ops.decode_attention import (
     decode_attention_fwd,
     is_interpreted,
@@ -47,6 +47,8 @@ class TritonForwardMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 64) -> None:
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda" and not is_interpreted():
@@ -220,7 +222,7 @@ class TritonAttnBackend(AttentionBackend):
             q3, self._heads(k, layer.tp_k_head_num, head_dim), self._heads(v, layer.tp_v_head_num, head_dim), o,
             k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens,
             meta.extend_start_loc, meta.max_extend_len, layer.scaling,
-            k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1])
+            k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
         return o.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
@@ -252,7 +254,7 @@ class TritonAttnBackend(AttentionBackend):
             q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
             use_dot=self.decode_use_dot, num_kv_splits=splits, k_scale=kv_scales(layer)[0],
-            v_scale=kv_scales(layer)[1])
+            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
         return o.view(-1, num_heads * head_dim)
 
     # ---------------------------------------------------------------- MLA (latent pool)
