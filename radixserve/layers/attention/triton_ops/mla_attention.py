@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.attention.triton_ops.common import decode_splits
 from radixserve.layers.attention.triton_ops.decode_attention import _decode_stage2_kernel, is_interpreted
 from radixserve.layers.triton_ops.launch import launch
 
@@ -52,8 +53,7 @@ def _mla_decode_stage1_kernel(
     mask_r = offs_r < R
 
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
-    chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    _, chunk, _ = decode_splits(seq_len, 0, num_kv_splits, min_split_len, BLOCK_N)  # the split stage 2 expects
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start < end:
@@ -116,7 +116,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
            **({} if interp else dict(num_warps=8, num_stages=2)))
     block_c = triton.next_power_of_2(c)
     launch(_decode_stage2_kernel, (bs, num_heads),
-           mid_o, mid_lse, o, seq_lens, num_kv_splits, min_split_len,
+           mid_o, mid_lse, o, seq_lens, num_kv_splits, min_split_len, 0,  # window 0: no sliding window
            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
            o.stride(0), o.stride(1),
            HEAD_DIM=c, BLOCK_D=block_c, BLOCK_N=block_n, SPLIT_BLOCK=1,
