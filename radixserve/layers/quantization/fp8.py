@@ -220,13 +220,15 @@ class Fp8LinearMethod(LinearMethodBase):
             xs = s.expand(x.shape[0]).reshape(-1, 1).contiguous()
         else:
             xq, xs = per_token_group_quant_fp8(x, bk)
-        if self.block is None and x.is_cuda and _scaled_mm_ok(x.shape[0], w.shape[0], w.shape[1]):
+        if self.block is None and x.is_cuda and x.dtype == torch.bfloat16 and _scaled_mm_ok(w.shape[0], w.shape[1]):
             out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype)
             return out if bias is None else out + bias
         return fp8_gemm(xq, w, ws.view(-1, 1) if ws.dim() == 1 else ws, bn, bk, x.dtype, a_scale=xs,
                         a_group_k=bk if self.block is not None else w.shape[1], bias=bias)
 
 
-def _scaled_mm_ok(m: int, n: int, k: int) -> bool:
+def _scaled_mm_ok(n: int, k: int) -> bool:
+    """torch._scaled_mm (cuBLASLt, row-wise scales, bf16 out) needs both dims of the weight multiples of 16;
+    RADIXSERVE_FP8_SCALED_MM=0 sends the product to the Triton kernel instead (for comparisons)."""
     return n % 16 == 0 and k % 16 == 0 and os.environ.get("RADIXSERVE_FP8_SCALED_MM", "1") != "0"
 
