@@ -269,3 +269,20 @@ def test_resolve_quant_config() -> None:
 
     with pytest.raises(ValueError, match="--quantization"):
         ServerArgs(quantization="int3", device="cpu")
+
+
+@pytest.mark.parametrize("bn,bk", [(1, 512), (16, 128), (128, 128)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_gemv_kernel_matches_reference(m: int, bn: int, bk: int) -> None:
+    from radixserve.layers.quantization.fp8_kernels import fp8_gemv
+
+    g = torch.Generator().manual_seed(m * bn)
+    n, k = 40, 512
+    w = torch.randn(n, k, generator=g)
+    q, s = quantize_rows(w) if bn == 1 else quantize_blocks(w, bn, bk)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    out = fp8_gemv(x.to(DEV), q.to(DEV), (s.view(-1, 1) if s.dim() == 1 else s).to(DEV), bn, bk, torch.float32,
+                   bias.to(DEV))
+    torch.testing.assert_close(out.cpu(), fp8_linear_ref(x, q, s, bn, bk, bias, None), rtol=1e-4, atol=1e-4)
+    assert fp8_gemv(x[:, :96].contiguous(), q[:, :96].contiguous(), s.view(-1, 1), 1, 96, torch.float32) is None

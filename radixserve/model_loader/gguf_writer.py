@@ -41,7 +41,12 @@ def write_llama_gguf(path: str, tensors: dict[str, torch.Tensor], config: object
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(getattr(config, "rope_theta", 10000.0)))
+    from radixserve.models.llama import rope_params
+
+    theta, scaling = rope_params(config)
+    if scaling:
+        raise ValueError("writing rope scaling to GGUF is not supported")
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     w.add_vocab_size(config.vocab_size)
     w.add_rope_dimension_count(config.hidden_size // heads)

@@ -208,12 +208,19 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def _apply_kernels(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int,
                        small: bool, input_scale: torch.Tensor | None) -> torch.Tensor:
-        from radixserve.layers.quantization.fp8_kernels import fp8_gemm, per_token_group_quant_fp8
+        from radixserve.layers.quantization.fp8_kernels import (
+            GEMV_MAX_M,
+            fp8_gemm,
+            fp8_gemv,
+            per_token_group_quant_fp8,
+        )
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         w, ws = layer.weight, layer.weight_scale
         if small:
-            return fp8_gemm(x, w, ws.view(-1, 1) if ws.dim() == 1 else ws, bn, bk, x.dtype, bias=bias)
+            ws2 = ws.view(-1, 1) if ws.dim() == 1 else ws
+            out = fp8_gemv(x, w, ws2, bn, bk, x.dtype, bias) if x.shape[0] <= GEMV_MAX_M else None
+            return out if out is not None else fp8_gemm(x, w, ws2, bn, bk, x.dtype, bias=bias)
         if input_scale is not None:
             s = input_scale.float()
             xq = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
