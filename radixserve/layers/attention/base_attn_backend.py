@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
+    # whether decode can be captured in a CUDA graph (the init_*_cuda_graph hooks below are implemented, and the
+    # decode forward never reads device values on the host)
+    supports_cuda_graph: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build whatever per-batch metadata the kernels need (called once per forward, before the layers)."""
@@ -58,3 +62,14 @@ class AttentionBackend(ABC):
 def kv_scales(layer: object) -> tuple[float, float]:
     """(k_scale, v_scale) of an fp8 KV cache for this attention layer (1.0 for a layer that sets none)."""
     return getattr(layer, "k_scale", 1.0), getattr(layer, "v_scale", 1.0)
+
+
+def sliding_window(layer: object) -> int:
+    """The layer's attention window in tokens, or -1 for full attention (also for a layer that sets none)."""
+    return getattr(layer, "sliding_window_size", -1)
+
+
+def value_head_dim(layer: object) -> int:
+    """The value / output head dim of an attention layer (MLA's is smaller than its key dim); head_dim for a layer
+    that names none."""
+    return getattr(layer, "v_head_dim", None) or layer.head_dim  # type: ignore[attr-defined]
