@@ -1,6 +1,6 @@
 """Quantized serving on the 8B shape with dummy weights quantised online: decode latency at several batch sizes,
 bandwidth utilisation on the bytes a decode step actually reads, and memory, for one configuration per process
-(bf16, fp8 weights, fp8 weights + fp8 KV, Q4_K weights). `--summarize DIR` prints the table of every JSON there.
+(bf16, fp8, fp8_fp8kv = fp8 weights + fp8 KV, q4_k). `--summarize DIR` prints the table of every JSON there.
 
 Bytes read per decode step: every weight the step multiplies by (the layers' quantized tensors and scales, the
 norms, the LM head) plus one embedding row per sequence, plus the KV of every token attended to (in the pool's
@@ -22,7 +22,7 @@ import time
 CONFIGS = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
-    "fp8+fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    "fp8_fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     "q4_k": {"quantization": "q4_k"},
 }
 SHAPE = "radixserve/configs/shapes/llama-3.1-8b"

@@ -14,7 +14,7 @@ step() { local name=$1 limit=$2; shift 2
   echo "$name rc=$rc $(( $(date +%s) - t ))s" | tee -a "$LOGS/steps.txt"
   tr '\r' '\n' < "$LOGS/$name.log" | grep -v 'it/s\]\|req/s\]\|tensor/s\]\|s/it\]\|^\s*$' | tail -n 6 | cut -c1-200; }
 step gpu_tests ${TTIME:-80} python3 -m pytest -q -x tests/gpu/test_quant_gpu.py -p no:cacheprovider
-for c in bf16 fp8 fp8+fp8kv; do
+for c in bf16 fp8 fp8_fp8kv; do
   step "one_$c" ${BTIME:-60} python3 benchmarks/bench_quant_gpu.py --config "$c" --batch-size 1 64 160 --result-file "$OUT/quant_$c.json"
 done
 step one_q4_k ${QTIME:-40} python3 benchmarks/bench_quant_gpu.py --config q4_k --batch-size 1 --result-file "$OUT/quant_q4_k.json"

@@ -44,7 +44,7 @@ def write_llama_gguf(path: str, tensors: dict[str, torch.Tensor], config: object
     from radixserve.models.llama import rope_params
 
     theta, scaling = rope_params(config)
-    if scaling:
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         raise ValueError("writing rope scaling to GGUF is not supported")
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))

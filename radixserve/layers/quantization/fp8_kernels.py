@@ -143,9 +143,6 @@ def _fp8_gemv_kernel(A, B, C, Bs, Bias, N, K, stride_am, stride_bn, stride_cm, s
     tl.store(C + m * stride_cm + offs_n, out.to(C.dtype.element_ty), mask=mask_n)
 
 
-GEMV_MAX_M = 4
-
-
 def fp8_gemv(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, group_n: int, group_k: int,
              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """The W8A16 product for a few rows (decode); None when the shape does not suit it (K not a multiple of 256
