@@ -246,6 +246,11 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         if error is not None:
             self.send_abort(recv.rid, error, status=status)
             return
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.waiting_queue) + len(self.grammar_queue) >= limit:
+            self.send_abort(recv.rid, f"the server is overloaded: {limit} requests are waiting "
+                            f"(--max-queued-requests {limit}); retry later", status=503)
+            return
         sp = recv.sampling_params
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids))
         req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
