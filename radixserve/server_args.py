@@ -11,6 +11,7 @@ from typing import Any, get_args, get_origin
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("cpu", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
@@ -51,7 +52,9 @@ class ServerArgs:
     quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
                                      "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "
                                      "with gguf)", choices=QUANTIZATIONS)
-    kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
+    kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype; fp8_e4m3 / fp8_e5m2 store K/V in 8 bits, "
+                                "scaled by the checkpoint's k_scale / v_scale or 1.0)", default="auto",
+                                choices=KV_CACHE_DTYPES)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
@@ -156,7 +159,7 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {v!r}")
 
         for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("quantization", QUANTIZATIONS),
-                              ("kv_cache_dtype", DTYPES),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),

@@ -136,7 +136,7 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
     except BaseException:
         EngineProcesses(procs, ipc_dir).shutdown()
         raise
-    tokenizer = get_tokenizer(tokenizer_path) if tokenizer_path else None
+    tokenizer = get_tokenizer(tokenizer_path, server_args.trust_remote_code) if tokenizer_path else None
     if tokenizer is not None and server_args.chat_template is not None:
         with open(server_args.chat_template, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()  # used by /v1/chat/completions

@@ -70,7 +70,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         if not server_args.skip_tokenizer_init:
             from radixserve.managers.tokenizer_utils import get_tokenizer
 
-            self.tokenizer = get_tokenizer(server_args.tokenizer_path or self.model_config.tokenizer_path)
+            self.tokenizer = get_tokenizer(server_args.tokenizer_path or self.model_config.tokenizer_path,
+                                           trust_remote_code=server_args.trust_remote_code)
         # structured output: constrained requests wait in grammar_queue until their grammar is compiled
         self.grammar_backend: Any = None
         if server_args.grammar_backend != "none" and self.tokenizer is not None:

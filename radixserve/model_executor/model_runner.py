@@ -25,6 +25,7 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 
 
@@ -67,7 +68,7 @@ class ModelRunner:
             self.device = "cpu"
         self.is_cuda = device == "cuda"
         self.dtype = resolve_dtype(server_args.dtype, device, model_config.torch_dtype)
-        self.kv_dtype = self.dtype if server_args.kv_cache_dtype == "auto" else _DTYPES[server_args.kv_cache_dtype]
+        self.kv_dtype = self.dtype if server_args.kv_cache_dtype == "auto" else _KV_DTYPES[server_args.kv_cache_dtype]
         torch.manual_seed(server_args.random_seed)
 
         self._init_distributed()
@@ -83,7 +84,9 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
-        if self.is_cuda and not server_args.disable_cuda_graph:
+        if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
+            logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
+        elif self.is_cuda and not server_args.disable_cuda_graph:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.cuda_graph_runner = CudaGraphRunner(self)

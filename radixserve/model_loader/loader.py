@@ -51,10 +51,11 @@ def resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
     return load_format
 
 
-def _weights(model_config: ModelConfig, load_format: str) -> tuple[Iterable[tuple[str, torch.Tensor]], int]:
+def _weights(model_config: ModelConfig, load_format: str,
+             packed: set[str] | None = None) -> tuple[Iterable[tuple[str, torch.Tensor]], int]:
     if load_format == "gguf":
         reader = open_gguf(model_config.model_path)
-        return gguf_weights_iterator(model_config.model_path, reader), count_gguf_tensors(reader)
+        return gguf_weights_iterator(model_config.model_path, reader, packed), count_gguf_tensors(reader)
     files = list_safetensors_files(model_config.model_path)
     return safetensors_weights_iterator(files), count_safetensors_tensors(files)
 
@@ -91,7 +92,8 @@ def get_model(
     model_class = get_model_class(model_config.architectures)
     torch_device = torch.device(device)
     quant_config = resolve_quant_config(quantization, _hf_quant_config(model_config), load_format=load_format,
-                                        is_gguf=model_config.is_gguf)
+                                        is_gguf=model_config.is_gguf, gguf_path=model_config.model_path,
+                                        gguf_packed_default=torch_device.type == "cuda")
 
     start = time.perf_counter()
     with _default_dtype(dtype), torch_device:
@@ -102,7 +104,7 @@ def get_model(
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:
-        weights, total = _weights(model_config, load_format)
+        weights, total = _weights(model_config, load_format, getattr(quant_config, "packed", None))
         bar = tqdm(weights, total=total, desc=f"Loading {load_format} weights", unit="tensor",
                    disable=tp_rank != 0, dynamic_ncols=True)
         with torch.no_grad():

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from radixserve.configs.model_config import sliding_window_size
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.quantization.kv_cache import kv_scale_name, set_kv_scale
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -63,7 +65,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, o_bias, tp_rank, tp_size)
         theta, scaling = rope_params(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id,
+                                   sliding_window_size=sliding_window_size(config, layer_id))
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -89,7 +92,7 @@ class LlamaAttention(nn.Module):
         from radixserve.layers.triton_ops.rotary import KVWrite
 
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-        return KVWrite(k_buf, v_buf, forward_batch.out_cache_loc, v)
+        return KVWrite(k_buf, v_buf, forward_batch.out_cache_loc, v, self.attn.k_scale, self.attn.v_scale)
 
 
 def dense_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module:
@@ -174,6 +177,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            kv_scale = kv_scale_name(name)
+            if kv_scale is not None:
+                set_kv_scale(self.model.layers[kv_scale[0]].self_attn.attn, kv_scale[1], tensor)
                 continue
             target = self.load_weight(params, name, tensor)
             if target is not None:

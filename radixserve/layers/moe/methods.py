@@ -29,6 +29,11 @@ class MoEMethod(ABC):
               topk_ids: torch.Tensor) -> torch.Tensor:
         """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) over the experts this rank holds."""
 
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Called once after every weight is loaded (quantization.finish_quantization); quantized formats
+        repack or quantize here. Weights in the model dtype need nothing."""
+        return None
+
 
 class UnquantizedMoEMethod(MoEMethod):
     """Weights in the model dtype. The fused Triton kernel for CUDA tensors (`use_fused`), the per-expert torch

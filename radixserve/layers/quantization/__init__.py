@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS: dict[str, tuple[str, str]] = {
     "fp8": ("radixserve.layers.quantization.fp8", "Fp8Config"),
     "gguf": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
+    # a 16/32-bit checkpoint quantised online to a packed GGUF format
+    "q8_0": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
+    "q4_k": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
 }
 # checkpoint quant_method values that mean one of ours
 _ALIASES = {"fp8": "fp8", "gguf": "gguf"}
@@ -36,13 +39,17 @@ def get_quantization_config_class(name: str) -> type[QuantizationConfig]:
 
 
 def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | None, *,
-                         load_format: str = "auto", is_gguf: bool = False) -> QuantizationConfig | None:
+                         load_format: str = "auto", is_gguf: bool = False, gguf_path: str | None = None,
+                         gguf_packed_default: bool = True) -> QuantizationConfig | None:
     """The quantization of a model: `name` (`--quantization`) or the checkpoint's `quantization_config`.
 
     A checkpoint's method wins when no name is given; a name that contradicts the checkpoint is a ValueError.
-    With dummy weights the checkpoint's fp8 layout is quantised online instead (there is nothing on disk)."""
-    if is_gguf and name == "gguf":
-        return get_quantization_config_class("gguf").from_config({}, serialized=True)
+    With dummy weights the checkpoint's fp8 layout is quantised online instead (there is nothing on disk). A GGUF
+    file keeps its Q8_0/Q4_K layers packed with `gguf` (by default only where `gguf_packed_default`: on GPUs)."""
+    if is_gguf and (name == "gguf" or (name is None and gguf_packed_default)):
+        if gguf_path is None:
+            raise ValueError("gguf quantization needs the GGUF file's path")
+        return get_quantization_config_class("gguf").from_file(gguf_path)
     if is_gguf and name is None:
         return None
     if is_gguf:
@@ -63,6 +70,10 @@ def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | Non
     method = name or ckpt_method
     if method == "gguf":
         raise ValueError("--quantization gguf needs a .gguf model file")
+    if method in ("q8_0", "q4_k"):
+        if ckpt_method is not None:
+            raise ValueError(f"--quantization {method} quantises a 16/32-bit checkpoint; this one is {ckpt_method}")
+        return get_quantization_config_class(method).from_config({"online_type": method.upper()}, serialized=False)
     serialized = ckpt_method is not None and load_format != "dummy"
     config = hf_quant_config if serialized else {}
     return get_quantization_config_class(method).from_config(dict(config or {}), serialized=serialized)
@@ -79,6 +90,8 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
             module.set_quant_method(method)
             count += 1
     logger.info("%s quantization on %d layers", config.name, count)
+    if hasattr(config, "log_summary"):
+        config.log_summary()
     return count
 
 
