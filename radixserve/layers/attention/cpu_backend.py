@@ -1,7 +1,7 @@
 """CPU attention: the default backend on the CPU. Same results as `torch_native` (the readable reference it extends),
 without its copies:
 
-- decode: every request of the batch in one call of a paged C kernel (`cpu_ops/paged_decode.c`) that reads each
+- decode: every request of the batch in one call of a paged C kernel (`layers/cpu_ops/paged_decode.c`) that reads each
   request's K/V rows in place from the pool through the request table, once per step — no gather, no padding, no
   repeated KV heads — split over all intra-op threads; its cost grows with the KV bytes read;
 - extend: the new tokens' own K/V feed SDPA directly when nothing is cached (no gather from the pool), grouped-query
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention import cpu_ops
+from radixserve.layers import cpu_ops
 from radixserve.layers.attention.base_attn_backend import sliding_window
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
