@@ -82,7 +82,8 @@ def main() -> None:
 
     rows: list[tuple[str, str, str, str]] = []
     summary: dict[str, Any] = {"cores": cores, "quick": args.quick, "dtype": args.dtype}
-    for k, label in (("chat64", "32 chat prompts x 64 new tokens"), ("chat8_128", "32 chat prompts x 8-128 new")):
+    for k, label in (("chat64", f"{n} chat prompts x {chat64[1]} new tokens"),
+                     ("chat8_128", f"{n} chat prompts x {int(int(chat8_128[1]) * 0.0625)}-{chat8_128[1]} new")):
         ours, peer = load(k)["results"]
         ratio = ours["output_tok_s"] / peer["output_tok_s"]
         summary[k] = {"radixserve_tok_s": ours["output_tok_s"], "transformers_tok_s": peer["output_tok_s"],

@@ -119,13 +119,15 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
 
 
 def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device: str, dtype: str,
-                     batch_size: int) -> dict[str, Any]:
+                     batch_size: int, threads: int | None = None) -> dict[str, Any]:
     """Static batches through HF generate (left-padded, greedy, each batch runs to its longest output; only the
     tokens each request asked for count). batch_size 0: all prompts in one batch."""
     import torch
     import transformers as tf
 
     batch_size = batch_size or len(reqs)
+    if threads:  # the same intra-op threads as the engine's forward
+        torch.set_num_threads(threads)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
     with torch.no_grad():  # warm up (first-call allocations, oneDNN primitive creation), excluded like ours
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.peer == "transformers":
         device = server_args.resolved_device()
         dtype = results[0]["dtype"].removeprefix("torch.")  # the dtype the engine ran in
-        results.append(run_transformers(cfg.model_path, reqs, device, dtype, args.peer_batch_size))
+        results.append(run_transformers(cfg.model_path, reqs, device, dtype, args.peer_batch_size,
+                                        results[0].get("threads") or None))
     print(f"\n{'engine':<14} {'req/s':>8} {'in tok/s':>10} {'out tok/s':>10} {'elapsed s':>10} {'hit rate':>9}")
     for r in results:
         hit = f"{r['cache_hit_rate']:.3f}" if "cache_hit_rate" in r else "-"
