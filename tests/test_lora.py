@@ -69,8 +69,10 @@ def test_mixed_batch_matches_transformers_peft(lora_setup, kw) -> None:
     for i in range(len(PROMPTS)):
         for name in NAMES:
             assert res[f"{name}-{i}"]["ids"] == lora_setup["refs"][name][i], (name, i)
+    state = s.get_internal_state()
+    assert state["lora_adapters"] == ["a4", "b8", "c16"] and len(state["lora_slots"]) <= s.lora_table.num_slots
     if kw.get("max_loras_per_batch", 8) < 3:  # adapters were swapped in and out of the slots
-        assert s.lora_table.num_loads >= 3 > kw["max_loras_per_batch"]
+        assert state["lora_slot_loads"] >= 3 > kw["max_loras_per_batch"]
     if "max_total_tokens" in kw:
         assert s.num_retractions > 0
 

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _is_mla(layer: RadixAttention) -> bool:
+    return getattr(layer, "v_head_dim", layer.head_dim) != layer.head_dim
+
+
 class CpuAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
@@ -47,8 +51,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             self._zeros = torch.zeros_like(self._ends)
 
     def _kernel_fits(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
-        return self.kernel and forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)[0].dtype \
-            in KERNEL_POOL_DTYPES
+        return self.kernel and not _is_mla(layer) \
+            and forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)[0].dtype in KERNEL_POOL_DTYPES
 
     def _decode_kernel(self, q: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
                        rows: torch.Tensor, ends: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -71,8 +75,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         k_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if sliding_window(layer) > 0 or k_buf.dtype != q.dtype:
-            # windows' masks live in the reference; a pool of another dtype must be read back (rounded) from it
+        if sliding_window(layer) > 0 or k_buf.dtype != q.dtype or _is_mla(layer):
+            # windows' masks and MLA's latent (value dim != key dim) live in the reference; a pool of another
+            # dtype must be read back (rounded) from it
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)
