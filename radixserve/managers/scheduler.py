@@ -284,10 +284,15 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             if self.lora_manager is None or name not in self.lora_manager.adapters:
                 self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {name!r} is not loaded"))
                 continue
-            self.flush_results()  # a batch in flight may still hold its last requests' cache locks
-            self.tree_cache.drop_namespace(name)
-            self.lora_table.forget(name)
-            self.lora_manager.unload_adapter(name)
+            try:
+                self.flush_results()  # a batch in flight may still hold its last requests' cache locks
+                self.tree_cache.drop_namespace(name)
+                self.lora_table.forget(name)
+                self.lora_manager.unload_adapter(name)
+            except Exception as e:  # reported to the caller; the scheduler goes on
+                logger.exception("unloading LoRA adapter %r failed", name)
+                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"unloading LoRA adapter {name!r} failed: {e}"))
+                continue
             self.send_out(io.UnloadLoRAAdapterReqOutput(True, f"unloaded LoRA adapter {name!r}"))
 
     def _live_reqs(self) -> list[Req]:
@@ -572,6 +577,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             "num_grammar_queue_reqs": len(self.grammar_queue),
             **(self.grammar_backend.stats() if self.grammar_backend is not None else {}),
             "num_retractions": self.num_retractions,
+            **({"lora_adapters": sorted(self.lora_manager.adapters), "lora_slots": dict(self.lora_table.slot_of),
+                "lora_slot_loads": self.lora_table.num_loads} if self.lora_table is not None else {}),
             "cache_hit_tokens": self.cache_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "forward_ct": self.forward_ct,
