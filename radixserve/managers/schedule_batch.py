@@ -70,6 +70,14 @@ class Req:
         # (a radixserve.constrained BaseGrammarObject that has accepted exactly output_ids)
         self.grammar_future: Any = None
         self.grammar: Any = None
+        # speculative decoding: the drafter's per-request state, verify steps taken and the tokens they produced,
+        # and the adaptive back-off's recent accepted-draft counts, pause length and steps left to pause
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0
+        self.spec_tokens = 0
+        self.spec_history: list[int] = []
+        self.spec_backoff = 0
+        self.spec_pause = 0
 
     # ---------------------------------------------------------------- prefix and fill
     def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
