@@ -27,8 +27,12 @@ def _skewed_ids(t: int, k: int, e: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], dim=1).to(torch.int32)
 
 
-@pytest.mark.parametrize("top_k,tokens", [(1, 5), (2, 19), (8, 6)])
-def test_fused_moe_matches_reference(top_k: int, tokens: int) -> None:
+@pytest.mark.parametrize("top_k,tokens,one_program", [(1, 5, True), (2, 19, False), (8, 6, True)])
+def test_fused_moe_matches_reference(top_k: int, tokens: int, one_program: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.layers.moe import fused_moe as fm
+
+    monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
     e, h, i = 10, 32, 24
     w13, w2 = _weights(e, h, i)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -59,7 +63,12 @@ def test_fused_moe_with_experts_held_elsewhere() -> None:
                                atol=1e-5, rtol=1e-5)
 
 
-def test_align_buckets_every_assignment_once() -> None:
+@pytest.mark.parametrize("one_program", [True, False])
+def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both align paths: the one-program one (decode sizes) and the parallel one (prefill sizes)."""
+    from radixserve.layers.moe import fused_moe as fm
+
+    monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
     ids = _skewed_ids(13, 3, 7).to(DEVICE)
     a = moe_align_block_size(ids, 4, 7)
     total = int(a.total)
@@ -139,3 +148,19 @@ def test_tp_and_ep_shards_add_up_to_the_whole_layer() -> None:
             assert torch.equal(parts[1].w13_weight[:, :4], full.w13_weight[:, 4:8])
             assert torch.equal(parts[1].w2_weight, full.w2_weight[:, :, 4:])
         torch.testing.assert_close(sum(p(x, logits) for p in parts), ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scoring,renorm,bias,k", [("softmax", True, False, 2), ("softmax", False, False, 8),
+                                                    ("sigmoid", True, True, 3)])
+def test_fused_topk_kernel_matches_the_torch_router(scoring: str, renorm: bool, bias: bool, k: int) -> None:
+    """The one-launch router (CUDA's path for ungrouped routers) against select_experts' torch code."""
+    from radixserve.layers.moe.router import RouterConfig, select_experts
+    from radixserve.layers.moe.topk_kernel import fused_topk
+
+    g = torch.Generator().manual_seed(k)
+    logits = (torch.randn(9, 20, generator=g) * 2).to(DEVICE)
+    correction = (torch.randn(20, generator=g) * 0.5).to(DEVICE) if bias else None
+    w, ids = fused_topk(logits, k, scoring == "sigmoid", renorm, 2.5, correction)
+    w_ref, ids_ref = select_experts(logits.cpu(), RouterConfig(20, k, scoring, renorm, routed_scaling_factor=2.5),
+                                    None if correction is None else correction.cpu())
+    _same_choice(w.cpu(), ids.cpu(), w_ref, ids_ref)

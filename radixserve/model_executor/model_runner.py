@@ -81,6 +81,10 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, model_config.num_hidden_layers, server_args, self.dtype,
                                             self.device)
         self._init_memory_pool()
+        if not self.is_cuda:
+            from radixserve.layers import cpu_ops
+
+            cpu_ops.load()  # build the CPU kernels now (once per machine, about a second), not in the first step
         backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()

@@ -68,6 +68,38 @@ def _align_scatter_kernel(Ids, Sorted, PadStart, Cursor, n, offset, num_local, C
     tl.store(Sorted + base + slot, offs.to(tl.int32), mask=held)
 
 
+@triton.jit(do_not_specialize=["n", "max_blocks"])
+def _align_small_kernel(Ids, Sorted, ExpertIds, Total, Cursor, n, offset, num_local, max_blocks,
+                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, N_PAD: tl.constexpr, BLOCKS: tl.constexpr,
+                        FILL: tl.constexpr):
+    """All of the align in one program, for batches of at most N_PAD assignments (decode): one launch instead of
+    five. The same buckets as the parallel path (the order inside a bucket aside)."""
+    offs = tl.arange(0, N_PAD)
+    e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
+    held = (offs < n) & (e >= 0) & (e < num_local)
+    counts = tl.histogram(tl.where(held, e, E_PAD - 1), E_PAD)
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.where(offs_e < num_local, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(Cursor + offs_e, pad_end - padded)  # each bucket's next free row starts at its first
+    tl.store(Total, tl.sum(padded, 0))
+    for b0 in range(0, max_blocks, BLOCKS):
+        offs_b = b0 + tl.arange(0, BLOCKS)
+        eid = tl.sum((pad_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
+    rows = max_blocks * BLOCK_M
+    for r0 in range(0, rows, FILL):
+        offs_r = r0 + tl.arange(0, FILL)
+        tl.store(Sorted + offs_r, tl.full([FILL], 0, tl.int32) + n, mask=offs_r < rows)
+    tl.debug_barrier()  # the padding is written (and the cursors) before any thread places its assignment
+    slot = tl.atomic_add(Cursor + tl.where(held, e, 0), 1, mask=held)
+    tl.store(Sorted + slot, offs.to(tl.int32), mask=held)
+
+
+SMALL_ALIGN = 1024  # assignments (tokens x top-k) up to which the one-program align runs
+
+
 @dataclass
 class AlignedAssignments:
     sorted_ids: torch.Tensor  # int32 [max_blocks * block_m]: assignment numbers, padding = T·k
@@ -79,12 +111,22 @@ class AlignedAssignments:
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
                          expert_offset: int = 0) -> AlignedAssignments:
-    """Bucket the assignments by (local) expert, each bucket padded to a multiple of block_m: five launches (two
-    fills, a parallel count, one program for the offsets, a parallel scatter), none waiting for the host."""
+    """Bucket the assignments by (local) expert, each bucket padded to a multiple of block_m, without waiting for
+    the host: one program for a decode-sized batch, else five launches (two fills, a parallel count, one program
+    for the offsets, a parallel scatter)."""
     n = topk_ids.numel()
     max_blocks = triton.cdiv(n + min(num_local, n) * (block_m - 1), block_m)
     dev = topk_ids.device
     e_pad = triton.next_power_of_2(num_local + 1)
+    if n <= SMALL_ALIGN:
+        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+        total = torch.empty(1, dtype=torch.int32, device=dev)
+        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+        launch(_align_small_kernel, (1,), topk_ids.reshape(-1), sorted_ids, expert_ids, total, cursor, n,
+               expert_offset, num_local, max_blocks, BLOCK_M=block_m, E_PAD=e_pad,
+               N_PAD=max(16, triton.next_power_of_2(n)), BLOCKS=64, FILL=256, num_warps=4)
+        return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
     sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)

@@ -1,6 +1,6 @@
-"""The CPU attention backend (paged C decode kernel, copy-free extend) against the torch_native reference, through
-real pools with scattered slots and a ForwardBatch. Unused pool slots hold NaN, so a read outside a request's tokens
-shows up in the output."""
+"""The CPU kernels: the attention backend (paged C decode kernel, copy-free extend) against the torch_native
+reference, through real pools with scattered slots and a ForwardBatch (unused pool slots hold NaN, so a read outside
+a request's tokens shows up in the output); the small-batch linear against F.linear."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention import cpu_ops
+from radixserve.layers import cpu_ops
 from radixserve.layers.attention.cpu_backend import CpuAttnBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -195,3 +195,38 @@ def test_kernel_rejects_bad_input() -> None:
         cpu_ops.paged_decode_attention(torch.zeros(1, 3, 32), pool, pool, table, one, one, one, 1.0)
     with pytest.raises(ValueError, match="int32"):
         cpu_ops.paged_decode_attention(q, pool, pool, table.long(), one, one, one, 1.0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_linear_matches_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    for bias in (None, b):
+        torch.testing.assert_close(cpu_ops.linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 130, generator=g)[:, 7:103]  # rows 130 elements apart
+    torch.testing.assert_close(cpu_ops.linear(strided, w), F.linear(strided, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    """A request's output is bit-identical alone, in a batch of four, and on one thread or all of them."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 576, generator=g), torch.randn(1000, 576, generator=g)
+    alone = cpu_ops.linear(x[:1], w)
+    assert torch.equal(cpu_ops.linear(x, w)[:1], alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_ops.linear(x[:1], w), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_falls_back_where_the_kernel_does_not_apply() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(50, 32, generator=g)
+    for x in (torch.randn(5, 32, generator=g), torch.randn(2, 32, generator=g).double(),
+              torch.randn(2, 3, 32, generator=g)):
+        ref = F.linear(x, w.to(x.dtype))
+        assert torch.equal(cpu_ops.linear(x, w.to(x.dtype)), ref)

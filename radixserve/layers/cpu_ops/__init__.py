@@ -1,13 +1,16 @@
-"""CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes.
+"""CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes:
+`paged_decode_attention` (decode attention read in place from the KV pool) and `linear` (x W^T for the few rows of
+a small decode batch on every thread; MKL runs a one-row product on a single thread).
 
-The shared library is built once per source and machine into `<cache root>/cpu_kernels/` (`-O3 -march=native
--fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1` resolves to the copy in
-the process), so the kernels run on torch's intra-op threads rather than a second pool. Where no compiler is found
-or the build fails, `load()` returns None and callers take their pure-torch path."""
+The shared library (every .c file here) is built once per source and machine into `<cache root>/cpu_kernels/`
+(`-O3 -march=native -fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1`
+resolves to the copy in the process), so the kernels run on torch's intra-op threads rather than a second pool.
+Where no compiler is found or the build fails, `load()` returns None and callers take their pure-torch path."""
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import logging
 import os
@@ -18,10 +21,11 @@ import tempfile
 import threading
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.c")
+_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.c")))
 _FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -49,7 +53,7 @@ def _build(target: str, compiler: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, _SOURCE, "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *_FLAGS, *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=300)
         os.replace(tmp, target)  # atomic: a concurrent process sees the old file or the whole new one
     finally:
@@ -70,11 +74,13 @@ def load() -> ctypes.CDLL | None:
             return None
         from radixserve.model_loader.embedded import cache_root
 
-        with open(_SOURCE, "rb") as f:
-            source = f.read()
+        source = b""
+        for path in _SOURCES:
+            with open(path, "rb") as f:
+                source += f.read()
         key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()
                              + torch.__version__.encode()).hexdigest()[:16]
-        target = os.path.join(cache_root(), "cpu_kernels", f"paged_decode-{key}.so")
+        target = os.path.join(cache_root(), "cpu_kernels", f"cpu_kernels-{key}.so")
         try:
             if not os.path.exists(target):
                 _build(target, compiler)
@@ -86,6 +92,9 @@ def load() -> ctypes.CDLL | None:
         fn = lib.paged_decode_attention
         fn.restype = _I
         fn.argtypes = [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I]
+        fn = lib.small_m_linear
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
         _lib = lib
         return _lib
 
@@ -122,3 +131,30 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if rc:
         raise RuntimeError({1: "out of memory", 2: f"query heads per KV head {H // HKV} > 64"}.get(rc, f"error {rc}"))
     return out
+
+
+SMALL_M = 4  # rows of x up to which `linear` uses the kernel (MKL's matrix products take over above)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); for float32 CPU inputs of 1..SMALL_M rows through the multithreaded kernel
+    (each output feature computed the same way whatever the batch or thread count)."""
+    if (x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)
+    lib = load()
+    if lib is None:
+        return F.linear(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"linear: x has {k} features, the weight {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.small_m_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                       y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y
