@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 
-from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
 from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.speculative.verify import VerifyResult, run_verify_batch
 
@@ -32,6 +32,14 @@ BACKOFF_WINDOW = 4  # verifies looked at
 BACKOFF_MIN_ACCEPT = 0.5  # accepted drafts per verify below which a request pauses drafting
 BACKOFF_FIRST_PAUSE = 8  # decode steps
 BACKOFF_MAX_PAUSE = 256
+
+
+@dataclass
+class SpecStep:
+    """What a verify step's result is processed against (LaunchedBatch.spec)."""
+
+    seq_lens: list[int]  # each request's length before the step (its decode slot sits at seq_len - 1)
+    extra: list[torch.Tensor]  # each request's drafts' KV slots (positions seq_len .. seq_len + k - 1)
 
 
 def spec_eligible(req: Req) -> bool:
@@ -83,7 +91,7 @@ class SchedulerSpeculativeMixin:
             req.spec_backoff = max(0, req.spec_backoff // 2)
 
     # ---------------------------------------------------------------- the step
-    def run_spec_batch(self, batch: ScheduleBatch) -> tuple[SimpleNamespace, VerifyResult] | None:
+    def run_spec_batch(self, batch: ScheduleBatch) -> LaunchedBatch | None:
         """Turn a prepared decode batch into a verify step and run it; None when nobody drafted (run it as a plain
         decode then)."""
         reqs = batch.reqs
@@ -125,24 +133,26 @@ class SchedulerSpeculativeMixin:
             mwb.grammar_bitmask = self.build_grammar_bitmask(reqs)
         for r, n in zip(reqs, seq, strict=True):
             r.kv_committed_len = n  # until the result says how many drafts are kept
-        view = SimpleNamespace(reqs=list(reqs), forward_mode=ForwardMode.TARGET_VERIFY, bid=self.forward_ct,
-                               n_prefill=0, return_logprob=mwb.return_logprob, chunked_req=None,
-                               spec_seq=seq, spec_extra=extra_per_req)
+        view = LaunchedBatch(bid=self.forward_ct, reqs=list(reqs), forward_mode=ForwardMode.TARGET_VERIFY,
+                             n_prefill=0, return_logprob=mwb.return_logprob, chunked_req=None,
+                             spec=SpecStep(seq_lens=seq, extra=extra_per_req))
         try:
-            result = run_verify_batch(self.worker.model_runner, mwb, drafts)
+            view.result = run_verify_batch(self.worker.model_runner, mwb, drafts)
         except BaseException:
             self.token_to_kv_pool.free(extra)
             raise
-        return view, result
+        return view
 
-    def process_spec_result(self, batch: SimpleNamespace, result: VerifyResult) -> None:
+    def process_spec_result(self, batch: LaunchedBatch) -> None:
         """Commit each request's accepted tokens (stopping at its first finish), free the KV slots of every
         position past its last kept token, then cache finished requests and stream."""
+        result: VerifyResult = batch.result
+        step: SpecStep = batch.spec
         tokenizer = self.tokenizer
         to_free = []
         newly_finished = []
         for i, req in enumerate(batch.reqs):
-            extra = batch.spec_extra[i]
+            extra = step.extra[i]
             if req.finished_reason is not None:  # finished before this step (not expected in a running batch)
                 if len(extra):
                     to_free.append(extra)
@@ -170,7 +180,7 @@ class SchedulerSpeculativeMixin:
             # the model); the drafts' slots past that go back to the free list now
             if len(extra) > kept - 1:
                 to_free.append(extra[kept - 1:])
-            req.kv_committed_len = batch.spec_seq[i] + kept - 1
+            req.kv_committed_len = step.seq_lens[i] + kept - 1
             if req.finished_reason is not None:
                 newly_finished.append(req)
         if to_free:
