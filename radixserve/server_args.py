@@ -63,13 +63,13 @@ class ServerArgs:
                                          "hermes)", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
                                          choices=REASONING_PARSERS)
-    revision: str | None = _flag("Unused placeholder for API compatibility; must be empty")
     # device and memory
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
     max_running_requests: int | None = _flag("Most requests decoding at once (default from pool size)")
-    max_queued_requests: int | None = _flag("Most requests waiting; more get HTTP 503")
+    max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
+                                            "more get HTTP 503")
     max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
     chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
                                              "4096 on CPU)")
@@ -211,8 +211,6 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be > 0; got {self.max_request_bytes}")
         if self.request_read_timeout <= 0 or self.graceful_shutdown_timeout < 0:
             raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
-        if self.revision:
-            raise ValueError("--revision is not supported: models are loaded from local folders only")
         self._validate_lora()
 
     def _validate_lora(self) -> None:

@@ -18,8 +18,10 @@ def test_mla_greedy_matches_transformers(kind: str, tmp_path) -> None:
     check_static(kind, str(tmp_path))
 
 
-def test_mla_chunked_prefill_and_radix_hit_match_transformers(tmp_path) -> None:
-    check_scheduler("deepseek_v3", str(tmp_path))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mla_chunked_prefill_and_radix_hit_match_transformers(overlap: bool, tmp_path) -> None:
+    """Also under overlap scheduling (the forward on its own thread, next tokens resolved on the device)."""
+    check_scheduler("deepseek_v3", str(tmp_path), overlap)
 
 
 def test_latent_pool_stores_one_vector_per_token() -> None:
