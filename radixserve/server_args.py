@@ -13,8 +13,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("cpu", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+# radixserve.constrained.GRAMMAR_BACKENDS and "none" (that package imports torch, which parsing flags need not)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
@@ -26,6 +26,7 @@ def _registry_names(module: str, attr: str) -> tuple[str, ...]:
     return tuple(getattr(importlib.import_module(module), attr))
 
 
+ATTENTION_BACKENDS = _registry_names("radixserve.layers.attention", "ATTENTION_BACKENDS")
 TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
 REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
 QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
