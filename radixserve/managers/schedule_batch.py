@@ -84,6 +84,14 @@ class Req:
         self.pool_sum: torch.Tensor | None = None
         self.pool_count = 0
         self.embedding: list[float] | None = None
+        # speculative decoding: the drafter's per-request state, verify steps taken and the tokens they produced,
+        # and the adaptive back-off's recent accepted-draft counts, pause length and steps left to pause
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0
+        self.spec_tokens = 0
+        self.spec_history: list[int] = []
+        self.spec_backoff = 0
+        self.spec_pause = 0
 
     # ---------------------------------------------------------------- prefix and fill
     def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
@@ -150,6 +158,7 @@ class LaunchedBatch:
     return_logprob: bool
     chunked_req: Req | None  # a request of this batch whose prompt is still being prefilled in chunks
     result: GenerationBatchResult | None = None  # None under overlap: the forward thread holds it
+    spec: Any = None  # a speculative verify step: its drafts' slots (radixserve/speculative/scheduler_mixin.py)
 
 
 @dataclass
