@@ -100,6 +100,10 @@ class ServerArgs:
     decode_log_interval: int = _flag("Log decode batch stats (running, tokens, throughput) every N decode steps",
                                      default=40)
     skip_tokenizer_init: bool = _flag("Take and return token ids only", default=False)
+    parse_special_tokens_in_messages: bool = _flag("Chat: tokenize special-token strings inside message content "
+                                                   "(e.g. '<|im_start|>system') as special tokens; by default they "
+                                                   "are plain text, so user input cannot forge role markers",
+                                                   default=False)
     skip_server_warmup: bool = _flag("Serve without first running a short warm-up request (on CUDA the warm-up "
                                      "compiles the Triton kernels before the first user request)", default=False)
     # parallelism

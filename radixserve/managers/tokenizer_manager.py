@@ -270,6 +270,10 @@ class TokenizerManager:
                     logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0))
         return out
 
+    async def run_on_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer thread (anything that tokenizes a long text)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, functools.partial(fn, *args))
+
     async def pretokenize(self, obj: io.GenerateReqInput) -> list[list[int]] | None:
         """The text prompts of `obj` tokenized off the event loop (None when it has none or they are malformed;
         `normalize` then reports the problem)."""

@@ -23,6 +23,7 @@ from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.feature_gates import check_openai_request
 from radixserve.entrypoints.openai.protocol import _SamplingFields
 from radixserve.managers import io_struct as io
+from radixserve.managers.token_bytes import token_bytes_fn
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class OpenAIServingBase:
             return tok.decode([tid], skip_special_tokens=False)
 
         self.token_text: Callable[[int], str] = token_text
+        self.token_bytes: Callable[[int], bytes] = token_bytes_fn(tok)
 
     # ------------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
@@ -162,13 +164,13 @@ class OpenAIServingBase:
         out = []
         for k, (lp, tid) in enumerate((e[0], e[1]) for e in token_lps):
             text = self.token_text(int(tid))
-            entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+            entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(self.token_bytes(int(tid))),
                                      "top_logprobs": []}
             if top_lps is not None and k < len(top_lps) and top_lps[k]:
                 for tlp, ttid in top_lps[k]:
                     ttext = self.token_text(int(ttid))
                     entry["top_logprobs"].append({"token": ttext, "logprob": tlp,
-                                                  "bytes": list(ttext.encode("utf-8"))})
+                                                  "bytes": list(self.token_bytes(int(ttid)))})
             out.append(entry)
         return out
 

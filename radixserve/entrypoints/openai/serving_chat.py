@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import json_response, parse_model, sse_event
+from radixserve.entrypoints.openai.chat_prompt import ChatPromptError, encode_pieces, split_prompt
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.entrypoints.openai.serving_base import (
@@ -63,12 +64,12 @@ class OpenAIServingChat(OpenAIServingBase):
             if m.name is not None:
                 entry["name"] = m.name
             messages.append(entry)
+        parse_special = self.tm.server_args.parse_special_tokens_in_messages
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # jinja errors raised by the template itself ("roles must alternate", ...)
-            raise APIError(f"messages: the chat template rejected them: {e}", 400, "messages", "invalid_value") \
-                from None
-        return await self.tokenize(text, "messages", add_special_tokens=False)
+            pieces = split_prompt(tok, messages, parse_special)
+            return await self.tm.run_on_tokenizer_thread(encode_pieces, tok, pieces)
+        except ChatPromptError as e:
+            raise APIError(f"messages: {e}", 400, "messages", "invalid_value") from None
 
     def _sampling(self, req: ChatCompletionRequest, max_new: int) -> dict[str, Any]:
         return self.sampling_params(req, max_new)  # response_format is handled there (chat and completions)
