@@ -121,6 +121,16 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    # LoRA adapters
+    lora_paths: list[str] | None = _flag("LoRA adapters (PEFT folders) to serve from the start, as NAME=PATH (or "
+                                         "PATH, named by itself)", nargs="*")
+    enable_lora: bool = _flag("Serve LoRA adapters (on when --lora-paths is given; lets /load_lora_adapter add "
+                              "adapters to a server started without any)", default=False)
+    max_loras_per_batch: int = _flag("Adapter slots on the device: the most distinct adapters in one batch",
+                                     default=8)
+    max_lora_rank: int | None = _flag("Largest adapter rank served (default: the largest of --lora-paths, or 64)")
+    lora_target_modules: list[str] | None = _flag("Projections that may carry LoRA (default: those of "
+                                                  "--lora-paths, or all of q/k/v/o/gate/up/down_proj)", nargs="*")
     # internal
     ipc_dir: str | None = _flag("Folder for ZMQ ipc:// sockets (default: a private temp dir)")
 
@@ -193,6 +203,39 @@ class ServerArgs:
             raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
         if self.revision:
             raise ValueError("--revision is not supported: models are loaded from local folders only")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from radixserve.lora.config import TARGET_MODULES
+
+        if self.lora_paths:
+            self.enable_lora = True
+        for name in ("max_loras_per_batch", "max_lora_rank"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
+        bad = sorted(set(self.lora_target_modules or ()) - set(TARGET_MODULES))
+        if bad:
+            raise ValueError(f"--lora-target-modules: {', '.join(bad)} not supported (choose among "
+                             f"{', '.join(TARGET_MODULES)})")
+        names = [n for n, _ in self.lora_path_pairs()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-paths: adapter names must be unique; got {names}")
+        for name, path in self.lora_path_pairs():
+            if not os.path.isdir(path):
+                raise ValueError(f"--lora-paths: adapter {name!r}: {path!r} is not a folder")
+
+    def lora_path_pairs(self) -> list[tuple[str, str]]:
+        """--lora-paths as (name, path) pairs."""
+        out = []
+        for item in self.lora_paths or ():
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = item, item
+            if not name or not path:
+                raise ValueError(f"--lora-paths entries are NAME=PATH; got {item!r}")
+            out.append((name, path))
+        return out
 
     # ------------------------------------------------------------------ derived values
     def resolved_api_key(self) -> str | None:
@@ -265,7 +308,7 @@ def _base_type(annotation: Any) -> type:
     """Turn 'int | None' (possibly a string under postponed annotations) into int."""
     if isinstance(annotation, str):
         annotation = annotation.replace(" ", "").replace("|None", "")
-        return {"int": int, "float": float, "str": str, "bool": bool}[annotation]
+        return {"int": int, "float": float, "str": str, "bool": bool, "list[str]": str}[annotation]
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) is not None and args:
         return args[0]

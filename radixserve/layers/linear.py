@@ -27,6 +27,8 @@ class _LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # LoRA: a callable (x, base output) -> output set by radixserve.lora on the layers that carry adapters
+        self.lora = None
 
     @staticmethod
     def _copy(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
@@ -39,7 +41,10 @@ class _LinearBase(nn.Module):
         self._copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            out = self.lora(x, out)
+        return out
 
 
 class ReplicatedLinear(_LinearBase):
@@ -122,6 +127,8 @@ class RowParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
+            out = self.lora(x, out)
         if self.tp_size > 1 and self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out

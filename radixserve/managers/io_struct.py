@@ -20,6 +20,7 @@ class TokenizedGenerateReqInput:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no prompt logprobs
     top_logprobs_num: int = 0
+    lora_id: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from radixserve.managers.deferred_sampling import DeferredSamplingInfo
 from radixserve.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
+    from radixserve.lora.slots import LoRASlotTable
     from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
     from radixserve.mem_cache.radix_cache import TreeNode
@@ -29,8 +30,9 @@ class Req:
 
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int] | None = None, return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, stream: bool = False) -> None:
+                 top_logprobs_num: int = 0, stream: bool = False, lora_id: str | None = None) -> None:
         self.rid = rid
+        self.lora_id = lora_id  # the LoRA adapter's name (None: the base model); part of the radix cache key
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
         self.output_ids: list[int] = []
@@ -77,7 +79,8 @@ class Req:
             max_prefix = len(self.fill_ids) - 1
             if self.return_logprob and self.logprob_start_len >= 0:
                 max_prefix = min(max_prefix, self.logprob_start_len)
-            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:max(0, max_prefix)])
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:max(0, max_prefix)],
+                                                                          self.lora_id)
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     @property
@@ -144,6 +147,9 @@ class ModelWorkerBatch:
     # set by the scheduler for batches with constrained requests, unpacked into sampling_info.vocab_mask
     grammar_bitmask: torch.Tensor | Future | None = None  # a Future under overlap (set once the batch in flight
     # before it has been processed; the worker waits for it after the forward, before sampling)
+    # LoRA: each request's adapter slot (-1: the base model), and the (slot, adapter) loads to apply first
+    lora_slots: list[int] | None = None
+    lora_loads: list[tuple[int, str]] | None = None
 
 
 class ScheduleBatch:
@@ -168,6 +174,7 @@ class ScheduleBatch:
         self.seq_lens_list: list[int] | None = None
         self.positions: torch.Tensor | None = None  # decode only
         self.num_future_refs: int | None = None  # decode only: input ids that refer to a token still in flight
+        self.lora_table: LoRASlotTable | None = None  # the scheduler's adapter slots (None: LoRA is off)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -373,6 +380,9 @@ class ScheduleBatch:
                     logprob_starts.append(None)
             logprob_starts += [None] * (len(self.reqs) - len(logprob_starts))
         seq_lens_cpu = self.seq_lens_list if self.seq_lens_list is not None else self.seq_lens.tolist()
+        lora_slots = lora_loads = None
+        if self.lora_table is not None:
+            lora_slots, lora_loads = self.lora_table.assign([r.lora_id for r in self.reqs])
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -393,4 +403,6 @@ class ScheduleBatch:
             req_to_token_writes=self.req_to_token_pool.take_pending_writes(),
             positions=self.positions if self.forward_mode.is_decode() else None,
             num_future_refs=self.num_future_refs if self.forward_mode.is_decode() else None,
+            lora_slots=lora_slots,
+            lora_loads=lora_loads,
         )

@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers import io_struct as io
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
@@ -59,6 +60,9 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.context_len = self.model_config.context_len
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache: BasePrefixCache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool)
+        # LoRA: which adapter sits in which device slot (the worker holds the weights)
+        self.lora_manager = self.worker.model_runner.lora_manager
+        self.lora_table = LoRASlotTable(server_args.max_loras_per_batch) if self.lora_manager is not None else None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
         self.tokenizer = None
@@ -227,14 +231,18 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
         elif len(ids) + 1 > self.token_to_kv_pool.size:
             error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
+        status = 400
+        lora_error = self.check_lora_id(recv.lora_id)
+        if error is None and lora_error is not None:
+            error, status = lora_error, 404
         if error is not None:
-            self.send_abort(recv.rid, error, status=400)
+            self.send_abort(recv.rid, error, status=status)
             return
         sp = recv.sampling_params
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids))
         req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
-                  top_logprobs_num=recv.top_logprobs_num, stream=recv.stream)
+                  top_logprobs_num=recv.top_logprobs_num, stream=recv.stream, lora_id=recv.lora_id)
         grammar = sp.grammar
         if grammar is not None:
             if self.grammar_backend is None:
@@ -246,6 +254,17 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             self.grammar_queue.append(req)
             return
         self.waiting_queue.append(req)
+
+    def check_lora_id(self, lora_id: str | None) -> str | None:
+        """Why a request cannot use adapter `lora_id` (None: it can)."""
+        if lora_id is None:
+            return None
+        if self.lora_manager is None:
+            return f"LoRA adapter {lora_id!r} requested, but this server serves no adapters (--lora-paths / " \
+                   "--enable-lora)"
+        if lora_id not in self.lora_manager.adapters:
+            return f"LoRA adapter {lora_id!r} is not loaded"
+        return None
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         for i, req in enumerate(self.grammar_queue):
@@ -346,11 +365,17 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         prefix_matched = self.policy.calc_priority(self.waiting_queue)
         slots_left = self.max_running_requests - len(running) - len(adder.can_run)
         admitted = []
-        uncached_heads: set[tuple[int, ...]] = set()  # prompt heads this batch will put into the cache
+        uncached_heads: set[tuple] = set()  # (adapter, *prompt head)s this batch will put into the cache
         sharing = self.tree_cache.shares_prefixes
+        loras = None  # LoRA: the distinct adapters of the batch must fit the device slots
+        if self.lora_table is not None:
+            loras = {r.lora_id for r in [*running, *adder.can_run] if r.lora_id is not None}
         for req in self.waiting_queue:
             if slots_left <= 0 or not adder.budget_left() or adder.new_chunked_req is not None:
                 break
+            if loras is not None and req.lora_id is not None and req.lora_id not in loras \
+                    and len(loras) >= self.lora_table.num_slots:
+                continue
             # A match from an earlier round may point at KV that an eviction freed since: match again unless this
             # round's ordering just did (and never lock a node no longer in the tree).
             if not prefix_matched or not self.tree_cache.is_attached(req.last_node):
@@ -358,7 +383,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             if sharing and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN <= len(req.fill_ids):
                 # In-batch prefix sharing: a request whose uncached head repeats one already admitted this round
                 # waits one round, and then finds that head in the cache instead of computing it again.
-                head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
+                head = (req.lora_id, *req.fill_ids[:IN_BATCH_PREFIX_LEN])
                 if head in uncached_heads:
                     continue
                 uncached_heads.add(head)
@@ -366,6 +391,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                 break
             admitted.append(req)
             slots_left -= 1
+            if loras is not None and req.lora_id is not None:
+                loras.add(req.lora_id)
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
         if not adder.can_run:
@@ -374,6 +401,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
         batch = ScheduleBatch(adder.can_run, self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
                               self.device, self.vocab_size)
+        batch.lora_table = self.lora_table
         batch.prepare_for_extend()
         for r in admitted:
             self.prompt_tokens_total += len(r.origin_input_ids)

@@ -29,6 +29,8 @@ def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
     """Apply the queued request-table writes and sampling operations, resolve in-flight token ids, forward, sample
     and update the penalties: everything a batch does on the device, in order."""
     runner.req_to_token_pool.apply_writes(batch.req_to_token_writes)
+    if batch.lora_loads:
+        runner.lora_manager.apply_loads(batch.lora_loads)
     info = batch.sampling_info.apply(batch.sampling_ops) if batch.sampling_info is not None else None
     bitmask = batch.grammar_bitmask
     if info is not None:

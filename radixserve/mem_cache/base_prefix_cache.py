@@ -33,11 +33,13 @@ class BasePrefixCache(ABC):
         """Empty the cache and clear both pools. Only when the scheduler is idle."""
 
     @abstractmethod
-    def match_prefix(self, key: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, TreeNode]:
-        """The KV slots of the longest cached prefix of `key`, and the node that prefix ends at."""
+    def match_prefix(self, key: Sequence[int] | torch.Tensor,
+                     namespace: str | None = None) -> tuple[torch.Tensor, TreeNode]:
+        """The KV slots of the longest cached prefix of `key`, and the node that prefix ends at. `namespace` (a
+        LoRA adapter's name; None: the base model) is part of the key: KV never crosses namespaces."""
 
     @abstractmethod
-    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor, namespace: str | None = None) -> int:
         """Take ownership of `value[returned:]`; returns how much of `key` was cached already."""
 
     @abstractmethod

@@ -33,11 +33,12 @@ class ChunkCache(BasePrefixCache):
         self.req_to_token_pool.clear()
         self.token_to_kv_pool.clear()
 
-    def match_prefix(self, key: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, TreeNode]:
+    def match_prefix(self, key: Sequence[int] | torch.Tensor,
+                     namespace: str | None = None) -> tuple[torch.Tensor, TreeNode]:
         _as_key(key)
         return _empty_indices(), self.root
 
-    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor, namespace: str | None = None) -> int:
         """Keeps nothing: returns len(key), so that the caller frees its whole value."""
         key = _as_key(key)
         _as_value(value, len(key))

@@ -12,6 +12,11 @@ the tree (it is in exactly one node's value), by a running request (it is in the
 not in the tree yet and returns the length of the part that was; the caller frees that duplicated part of its own
 value (unless it is the tree's own slots, i.e. the request's `prefix_indices`).
 
+Namespaces: a request served by a LoRA adapter computes other KV for the same tokens, so each adapter has a
+subtree of its own (`namespace` = the adapter's name; None = the base model at the root). A namespace's top node
+hangs under the root with an empty key and is never evicted; `drop_namespace` frees a whole subtree when its adapter
+is unloaded.
+
 Accounting: `evictable_size()` is the number of tokens in unlocked nodes (lock_ref == 0), `protected_size()` the
 number in locked nodes. Both are kept exact on every operation, so that when the scheduler is idle
 `token_to_kv_pool.available_size() + evictable_size() + protected_size() == token_to_kv_pool.size`.
@@ -78,6 +83,11 @@ def _match_len(node_key: list[int], key: list[int], pos: int) -> int:
     return i
 
 
+def _namespace(req: Any) -> str | None:
+    """The cache namespace of a request: its LoRA adapter (None: the base model)."""
+    return getattr(req, "lora_id", None)
+
+
 def _kv_len(req: Any, num_tokens: int) -> int:
     """Number of KV tokens the request actually has in its row: `req.kv_committed_len` if set, else `num_tokens`."""
     committed = getattr(req, "kv_committed_len", None)
@@ -142,17 +152,18 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool.clear()
         self.token_to_kv_pool.clear()
 
-    def match_prefix(self, key: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, TreeNode]:
-        """The KV slots of the longest cached prefix of `key` and the node where that prefix ends.
+    def match_prefix(self, key: Sequence[int] | torch.Tensor,
+                     namespace: str | None = None) -> tuple[torch.Tensor, TreeNode]:
+        """The KV slots of the longest cached prefix of `key` (under `namespace`) and the node where it ends.
 
         If the prefix ends inside a node, the node is split there so that the returned node ends exactly at the
         prefix (the caller locks it). Touches every node on the path (LRU).
         """
         key = _as_key(key)
-        if self.disable or not key:
+        node = self._namespace_root(namespace, create=False)
+        if self.disable or not key or node is None:
             return _empty_indices(), self.root
         values: list[torch.Tensor] = []
-        node = self.root
         node.last_access_time = _tick()
         pos = 0
         while pos < len(key):
@@ -170,7 +181,7 @@ class RadixCache(BasePrefixCache):
             return _empty_indices(), node
         return (torch.cat(values) if len(values) > 1 else values[0].clone()), node
 
-    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor, namespace: str | None = None) -> int:
         """Insert `key` with KV slots `value`; return the length of the prefix of `key` that was already cached.
 
         The tree takes ownership of `value[returned:]`; the caller keeps (and normally frees) `value[:returned]`.
@@ -180,7 +191,7 @@ class RadixCache(BasePrefixCache):
         value = _as_value(value, len(key))
         if self.disable:
             return len(key)
-        node = self.root
+        node = self._namespace_root(namespace, create=True)
         node.last_access_time = _tick()
         pos = 0
         while pos < len(key):
@@ -217,7 +228,7 @@ class RadixCache(BasePrefixCache):
             # Nothing is in the tree: every slot of the row is the request's own (chunks included).
             self.token_to_kv_pool.free(indices)
         else:
-            new_prefix_len = self.insert(all_ids[:kv_len], indices)
+            new_prefix_len = self.insert(all_ids[:kv_len], indices, _namespace(req))
             if new_prefix_len < prefix_len:
                 raise RuntimeError(f"radix cache lost a locked prefix: matched {prefix_len}, found {new_prefix_len}")
             self.token_to_kv_pool.free(indices[prefix_len:new_prefix_len])
@@ -242,11 +253,11 @@ class RadixCache(BasePrefixCache):
             if getattr(req, "last_node", None) is None:
                 req.last_node = self.root
             return
-        new_prefix_len = self.insert(fill_ids, indices)
+        new_prefix_len = self.insert(fill_ids, indices, _namespace(req))
         if new_prefix_len < prefix_len:
             raise RuntimeError(f"radix cache lost a locked prefix: matched {prefix_len}, found {new_prefix_len}")
         self.token_to_kv_pool.free(indices[prefix_len:new_prefix_len])
-        new_indices, new_last_node = self.match_prefix(fill_ids)
+        new_indices, new_last_node = self.match_prefix(fill_ids, _namespace(req))
         if len(new_indices) != len(fill_ids):
             raise RuntimeError(f"radix cache: re-match after insert found {len(new_indices)} of {len(fill_ids)}")
         self.req_to_token_pool.write(row, prefix_len, new_indices[prefix_len:])
@@ -327,6 +338,30 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(heap, (parent.last_access_time, id(parent), parent))
         return evicted
 
+    def drop_namespace(self, namespace: str) -> int:
+        """Free every entry under `namespace` (its adapter was unloaded); returns the tokens freed. Raises if a
+        running request still holds one of them."""
+        top = self.root.children.get(namespace)
+        if top is None:
+            return 0
+        nodes = [top]
+        stack = list(top.children.values())
+        while stack:
+            n = stack.pop()
+            if n.lock_ref:
+                raise ValueError(f"radix cache: namespace {namespace!r} is still in use")
+            nodes.append(n)
+            stack.extend(n.children.values())
+        freed = 0
+        for n in nodes[1:]:
+            self.token_to_kv_pool.free(n.value)
+            freed += len(n.key)
+            n.parent = None
+        self._evictable_size -= freed
+        del self.root.children[namespace]
+        top.parent = None
+        return freed
+
     def evictable_size(self) -> int:
         return self._evictable_size
 
@@ -349,7 +384,8 @@ class RadixCache(BasePrefixCache):
                 more = "..." if len(node.key) > 10 else ""
                 lines.append(f"{'  ' * depth}{len(node.key)} {head}{more} lock_ref={node.lock_ref} "
                              f"t={node.last_access_time}")
-            for child in sorted(node.children.values(), key=lambda c: c.key[0], reverse=True):
+            for child in sorted(node.children.values(), key=lambda c: (0, c.key[0]) if c.key else (1, 0),
+                                reverse=True):
                 stack.append((child, depth + 1))
         return "\n".join(lines)
 
@@ -358,6 +394,19 @@ class RadixCache(BasePrefixCache):
         print(f"#tokens: {self.total_size()}")
 
     # ------------------------------------------------------------------ internals
+    def _namespace_root(self, namespace: str | None, create: bool) -> TreeNode | None:
+        """The node under which `namespace`'s keys live (the root for None); made on first insert."""
+        if namespace is None:
+            return self.root
+        if not isinstance(namespace, str):
+            raise TypeError(f"a namespace is an adapter name; got {type(namespace).__name__}")
+        top = self.root.children.get(namespace)
+        if top is None and create:
+            top = TreeNode(parent=self.root)
+            top.lock_ref = 1  # never evicted; its key is empty so it counts nowhere
+            self.root.children[namespace] = top  # type: ignore[index]  # a str never equals a token id
+        return top
+
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         """Split `child` after its first `k` tokens (0 < k < len); returns the new upper node."""
         if not 0 < k < len(child.key):

@@ -40,6 +40,9 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.backend.init_cuda_graph_state(self.max_bs)
+        self.lora = model_runner.lora_manager  # LoRA: the rows' adapter grouping is a graph input
+        if self.lora is not None:
+            self.lora.init_cuda_graph_state(self.max_bs)
         shared = self.backend.cuda_graph_input_buffers()
         if shared is not None:  # fill the backend's own buffers: its replay hook then has nothing to copy
             self.req_pool_indices, self.seq_lens = shared
@@ -72,6 +75,8 @@ class CudaGraphRunner:
                 fb = self._forward_batch(bs)
                 self.backend.init_forward_metadata_capture_cuda_graph(bs, self.req_pool_indices[:bs],
                                                                       self.seq_lens[:bs])
+                if self.lora is not None:
+                    self.lora.begin_capture(bs)
                 for _ in range(2):  # compile kernels and settle allocations outside the capture
                     model.forward(fb.input_ids, fb.positions, fb)
                 graph = torch.cuda.CUDAGraph()
@@ -81,6 +86,8 @@ class CudaGraphRunner:
                 self.graphs[bs] = graph
                 self.outputs[bs] = out.next_token_logits
                 self.greedy_ids[bs] = greedy
+        if self.lora is not None:
+            self.lora.end_capture()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.capture_bs)
@@ -95,6 +102,8 @@ class CudaGraphRunner:
         load_graph_inputs((self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions),
                           (forward_batch.input_ids, forward_batch.req_pool_indices, forward_batch.seq_lens,
                            forward_batch.out_cache_loc, forward_batch.positions), bs, self.fill)
+        if self.lora is not None:
+            self.lora.load_graph_inputs(forward_batch)
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
                                                              forward_batch.seq_lens_sum + (bs - raw) * self.fill)
         self.graphs[bs].replay()

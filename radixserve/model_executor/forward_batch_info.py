@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -81,6 +81,8 @@ class ForwardBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
     sampling_info: SamplingBatchInfo | None = None
+    # LoRA: the batch's rows grouped by adapter slot (radixserve.lora.batch_info.LoRABatchInfo), None without LoRA
+    lora_info: Any = None
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
@@ -158,5 +160,8 @@ class ForwardBatch:
             fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[0], rest[1], rest[2]
             fb.extend_seq_lens_cpu = list(batch.extend_seq_lens)
             fb.extend_prefix_lens_cpu = list(batch.extend_prefix_lens)
+        lora = getattr(model_runner, "lora_manager", None)
+        if lora is not None:  # per-row adapter slots, grouped by adapter for the LoRA kernels
+            lora.prepare(fb, batch.lora_slots)
         model_runner.attn_backend.init_forward_metadata(fb)
         return fb

@@ -54,6 +54,12 @@ class ModelRunner:
 
         self._init_distributed()
         self.model = self._load_model()
+        self.lora_manager = None
+        if server_args.enable_lora:  # before the KV pool is sized: the adapter slots take device memory
+            from radixserve.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, model_config.num_hidden_layers, server_args, self.dtype,
+                                            self.device)
         self._init_memory_pool()
         backend = server_args.attention_backend or ("triton" if self.is_cuda else "torch_native")
         self.attn_backend = create_attention_backend(backend, self)

@@ -1,0 +1,71 @@
+"""Reading a PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`) into full (unsharded) CPU
+tensors: for each (layer, projection) the pair A [r, in] and B [out, r]."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.lora.config import TARGET_MODULES, LoRAConfig
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT may also keep the adapter name before
+# ".weight" in memory; saved files drop it)
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES) + r")\.lora_([AB])(?:\.[\w-]+)?"
+                  r"\.weight$")
+
+
+@dataclass
+class LoRAWeights:
+    config: LoRAConfig
+    # (layer id, module name) -> (A [r, in], B [out, r]) on the CPU, in the checkpoint's dtype
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def target_modules(self) -> set[str]:
+        return {m for _, m in self.weights}
+
+
+def read_lora_weights(path: str, num_layers: int) -> LoRAWeights:
+    """Read and check an adapter folder; raises ValueError with the reason when it cannot be served."""
+    if not os.path.isdir(path):
+        raise ValueError(f"LoRA adapter path {path!r} is not a folder")
+    config = LoRAConfig.from_folder(path)
+    st = os.path.join(path, "adapter_model.safetensors")
+    binf = os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+
+        tensors = load_file(st, device="cpu")
+    elif os.path.isfile(binf):
+        tensors = torch.load(binf, map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or .bin)")
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _KEY.search(name)
+        if m is None:
+            raise ValueError(f"LoRA adapter {path!r}: unexpected tensor {name!r} (only LoRA A/B of "
+                             f"{', '.join(TARGET_MODULES)} are supported)")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= num_layers:
+            raise ValueError(f"LoRA adapter {path!r}: tensor {name!r} is for layer {layer}, the model has "
+                             f"{num_layers}")
+        halves.setdefault((layer, module), {})[which] = t
+    out = LoRAWeights(config)
+    for key, ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {path!r}: layer {key[0]} {key[1]} has lora_{''.join(ab)} only")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"LoRA adapter {path!r}: layer {key[0]} {key[1]}: A {tuple(a.shape)} and B "
+                             f"{tuple(b.shape)} do not make a low-rank pair")
+        if a.shape[0] != config.r:
+            raise ValueError(f"LoRA adapter {path!r}: layer {key[0]} {key[1]} has rank {a.shape[0]}, the config "
+                             f"says r={config.r}")
+        out.weights[key] = (a, b)
+    if not out.weights:
+        raise ValueError(f"LoRA adapter {path!r} holds no LoRA weights")
+    return out

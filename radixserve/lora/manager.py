@@ -1,0 +1,131 @@
+"""The worker side of LoRA: the adapters' host copies, the device pool of slots, the hooks in the model's linear
+layers, and the per-batch row grouping (eager, and the static buffer a CUDA graph reads).
+
+The scheduler decides which adapter sits in which slot (`slots.py`) and sends the loads with each batch; the worker
+applies them in batch order on the forward stream, so a slot is overwritten only after every batch queued before
+has read it."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.lora.adapter import read_lora_weights
+from radixserve.lora.batch_info import LoRABatchInfo, group_rows
+from radixserve.lora.config import TARGET_MODULES
+from radixserve.lora.layers import GROUP_OF, LoRATarget, find_lora_targets
+from radixserve.lora.ops import apply_lora
+from radixserve.lora.pool import HostAdapter, LoRAMemoryPool
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+    from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_LORA_RANK = 64
+
+
+class _LoRAHook:
+    """Set as `base_layer.lora`: adds the batch's LoRA deltas to the base layer's output."""
+
+    def __init__(self, manager: LoRAManager, target: LoRATarget) -> None:
+        key = (target.layer_id, target.group)
+        self.manager, self.group, self.out_slices = manager, target.group, target.out_slices
+        self.a, self.b = manager.pool.a[key], manager.pool.b[key]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        m = self.manager
+        return apply_lora(x, out, self.a, self.b, self.out_slices, m.info, m.pool, self.group)
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, num_layers: int, server_args: ServerArgs, dtype: torch.dtype,
+                 device: str) -> None:
+        self.num_layers = num_layers
+        self.device = device
+        start = [(name, read_lora_weights(path, num_layers)) for name, path in server_args.lora_path_pairs()]
+        self.max_rank = server_args.max_lora_rank or max((w.config.r for _, w in start),
+                                                         default=DEFAULT_MAX_LORA_RANK)
+        modules = server_args.lora_target_modules
+        if not modules:
+            modules = sorted({m for _, w in start for m in w.target_modules}) or list(TARGET_MODULES)
+        groups = {GROUP_OF[m] for m in modules}
+        self.targets = find_lora_targets(model, groups)
+        if not self.targets:
+            raise ValueError(f"the model has no layers for LoRA target modules {modules}")
+        self.num_slots = server_args.max_loras_per_batch
+        self.pool = LoRAMemoryPool(self.targets, self.num_slots, self.max_rank, dtype, device)
+        self.adapters: dict[str, HostAdapter] = {}
+        for name, weights in start:
+            self.adapters[name] = self.pool.host_copy(name, weights)
+        self.info = LoRABatchInfo(self.num_slots)
+        for t in self.targets:
+            t.base.lora = _LoRAHook(self, t)
+        self.graph_packed: torch.Tensor | None = None
+        self.is_cuda = torch.device(device).type == "cuda"
+        logger.info("LoRA: %d slot(s) of rank %d on %d layer(s) (%.1f MiB), adapters at start: %s", self.num_slots,
+                    self.max_rank, len(self.targets), self.pool.nbytes / 2**20, ", ".join(self.adapters) or "none")
+
+    # ---------------------------------------------------------------- adapters
+    def load_adapter(self, name: str, path: str) -> HostAdapter:
+        """Read an adapter into host memory (it goes into a slot when a batch needs it)."""
+        if not name:
+            raise ValueError("a LoRA adapter needs a name")
+        if name in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        host = self.pool.host_copy(name, read_lora_weights(path, self.num_layers))
+        self.adapters[name] = host
+        return host
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+
+    def apply_loads(self, loads: list[tuple[int, str]] | None) -> None:
+        """Put adapters into slots, in order, before the batch that needs them."""
+        for slot, name in loads or ():
+            host = self.adapters.get(name)
+            if host is None:
+                raise RuntimeError(f"LoRA adapter {name!r} was unloaded while a batch needed it")
+            self.pool.load(slot, host)
+
+    # ---------------------------------------------------------------- batches
+    def prepare(self, forward_batch: ForwardBatch, req_slots: list[int] | None) -> None:
+        """Group the batch's rows by adapter slot (one upload) for the layers' hooks."""
+        info = self.info
+        info.capturing = False
+        bs = forward_batch.batch_size
+        if req_slots is None:
+            req_slots = [-1] * bs
+        counts = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
+        packed, groups, max_len = group_rows(req_slots, counts, self.num_slots)
+        if self.is_cuda:
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        info.packed, info.groups_cpu = packed, groups
+        info.num_groups, info.max_group_len = len(groups), max_len
+        forward_batch.lora_info = info
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.graph_packed = torch.zeros(3 * self.num_slots + max_bs, dtype=torch.int64, device=self.device)
+
+    def begin_capture(self, bs: int) -> None:
+        """The graph reads the static buffer: every slot's group (length 0 while capturing), up to `bs` rows."""
+        info = self.info
+        info.capturing = True
+        info.packed = self.graph_packed[:3 * self.num_slots + bs]
+        info.num_groups, info.max_group_len, info.groups_cpu = self.num_slots, bs, []
+
+    def end_capture(self) -> None:
+        self.info.capturing = False
+        self.info.packed = None
+        self.info.num_groups = 0
+
+    def load_graph_inputs(self, forward_batch: ForwardBatch) -> None:
+        """Copy the batch's grouping into the graph's static buffer (rows past the batch belong to no group)."""
+        packed = forward_batch.lora_info.packed if forward_batch.lora_info is not None else None
+        if packed is None:
+            self.graph_packed[:3 * self.num_slots].zero_()
+        else:
+            self.graph_packed[:packed.numel()].copy_(packed, non_blocking=True)

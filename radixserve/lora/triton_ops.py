@@ -1,0 +1,141 @@
+"""Batched LoRA kernels over rows grouped by adapter (see batch_info.py).
+
+shrink: P[split, row, :] = x[row] @ A[slot]^T over one split of the input dimension (split-K: a decode row has
+little work along the rank, so the input dimension is cut into splits to fill the GPU; the partials are summed by
+expand, in a fixed order, so results do not depend on timing).
+expand: out[row, off_j : off_j + n_j] += scale[slot] * (sum over splits of P[:, row, j*R : (j+1)*R]) @ B[slot,
+off_j : off_j + n_j, :]^T for each sub-projection j (q/k/v, gate/up) in one launch.
+
+A program handles one group's block of BLOCK_M rows (one adapter: its weights are read once for the block); blocks
+past a group's length exit at once, so under a CUDA graph the grid can cover every slot and the whole batch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.layers.triton_ops.launch import launch
+
+BLOCK_M = 16
+
+
+@triton.jit(do_not_specialize=["K", "N", "k_per_split", "num_rows"])
+def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_per_split, num_rows,
+                   stride_x, stride_a_slot, stride_a_row,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    length = tl.load(GroupLens + g)
+    if pid_m * BLOCK_M >= length:
+        return
+    slot = tl.load(GroupSlots + g)
+    start = tl.load(GroupStarts + g)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = tl.load(Order + start + offs_m, mask=m_mask, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = A + slot.to(tl.int64) * stride_a_slot
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        kk = k_lo + k0 + offs_k
+        k_mask = kk < K
+        xt = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_base + offs_n[None, :] * stride_a_row + kk[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                     other=0.0)
+        if IEEE:
+            acc += tl.dot(xt, at, input_precision="ieee")
+        else:
+            acc += tl.dot(xt, at)
+    p_ptr = P + split.to(tl.int64) * num_rows * N + rows[:, None] * N + offs_n[None, :]
+    tl.store(p_ptr, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_rows", "N_s", "off0", "n0", "off1", "n1", "off2", "n2"])
+def _expand_kernel(P, B, Out, Scalings, GroupSlots, GroupStarts, GroupLens, Order, num_splits, num_rows, N_s,
+                   off0, n0, off1, n1, off2, n2, stride_b_slot, stride_b_row, stride_out,
+                   R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   MAX_N: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    j = tl.program_id(2)
+    num_n = tl.cdiv(MAX_N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    off = tl.where(j == 0, off0, tl.where(j == 1, off1, off2))
+    n_j = tl.where(j == 0, n0, tl.where(j == 1, n1, n2))
+    length = tl.load(GroupLens + g)
+    if pid_m * BLOCK_M >= length or pid_n * BLOCK_N >= n_j:
+        return
+    slot = tl.load(GroupSlots + g)
+    start = tl.load(GroupStarts + g)
+    scale = tl.load(Scalings + slot)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = tl.load(Order + start + offs_m, mask=m_mask, other=0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    s_ptr = P + rows[:, None] * N_s + j * R + offs_r[None, :]
+    for sp in range(0, num_splits):
+        s += tl.load(s_ptr + sp * num_rows * N_s, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_j
+    b_ptr = B + slot.to(tl.int64) * stride_b_slot + (off + offs_n)[None, :] * stride_b_row + offs_r[:, None]
+    bt = tl.load(b_ptr, mask=n_mask[None, :] & r_mask[:, None], other=0.0)
+    s = s.to(bt.dtype)
+    if IEEE:
+        acc = tl.dot(s, bt, input_precision="ieee")
+    else:
+        acc = tl.dot(s, bt)
+    o_ptr = Out + rows[:, None] * stride_out + (off + offs_n)[None, :]
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    o = tl.load(o_ptr, mask=o_mask, other=0.0)
+    tl.store(o_ptr, (o.to(tl.float32) + acc * scale).to(o.dtype), mask=o_mask)
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor,
+                       out_slices: list[tuple[int, int]], views: tuple[torch.Tensor, ...], num_groups: int,
+                       max_group_len: int) -> None:
+    """out += the LoRA delta of every grouped row (in place). x [T, K]; a [S, n_sub*R, K]; b [S, out, R];
+    out [T, out]; scalings [S] float32; views = (group_slots, group_starts, group_lens, token_order)."""
+    if num_groups == 0 or max_group_len == 0:
+        return
+    T, K = x.shape
+    n_sub = len(out_slices)
+    N = a.shape[1]
+    R = N // n_sub
+    if x.stride(1) != 1 or out.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
+        raise ValueError("LoRA kernels need unit stride along the last dimension")
+    group_slots, group_starts, group_lens, order = views
+    ieee = x.dtype == torch.float32
+    block_k = 64 if K <= 2048 else 128
+    # split K so that about 1024 inputs go to a program (decode: few rows, enough programs to fill the GPU)
+    num_splits = max(1, min(16, K // 1024))
+    k_per_split = triton.cdiv(triton.cdiv(K, num_splits), block_k) * block_k
+    num_splits = triton.cdiv(K, k_per_split)
+    p = torch.empty((num_splits, T, N), dtype=torch.float32, device=x.device)
+    block_n = 16 if N <= 16 else 32
+    m_blocks = triton.cdiv(max_group_len, BLOCK_M)
+    launch(_shrink_kernel, (m_blocks * triton.cdiv(N, block_n), num_groups, num_splits), x, a, p, group_slots,
+           group_starts, group_lens, order, K, N, k_per_split, T, x.stride(0), a.stride(0), a.stride(1),
+           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4)
+    offs = [s[0] for s in out_slices] + [0] * (3 - n_sub)
+    sizes = [s[1] for s in out_slices] + [0] * (3 - n_sub)
+    max_n = max(sizes)
+    block_n = 64
+    launch(_expand_kernel, (m_blocks * triton.cdiv(max_n, block_n), num_groups, n_sub), p, b, out, scalings,
+           group_slots, group_starts, group_lens, order, num_splits, T, N, offs[0], sizes[0], offs[1], sizes[1],
+           offs[2], sizes[2], b.stride(0), b.stride(1), out.stride(0),
+           R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2_at_least_16(R), MAX_N=max_n, IEEE=ieee, num_warps=4)

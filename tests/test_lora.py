@@ -1,0 +1,172 @@
+"""Multi-LoRA serving on the CPU: a tiny Llama with three PEFT adapters (ranks 4/8/16, different targets, one
+rsLoRA); batches that mix all three and base rows give, row by row, the greedy tokens of transformers + PEFT
+(float32), under every scheduler configuration, with fewer slots than adapters (LRU swapping), and the radix cache
+keeps each adapter's KV apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_utils import ADAPTERS, make_adapters, peft_greedy
+from model_utils import make_tiny_model
+from test_scheduler import drain, make_scheduler
+
+from radixserve.lora.batch_info import group_rows
+from radixserve.lora.slots import LoRASlotTable
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixserve.mem_cache.radix_cache import RadixCache
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 13], [300, 2, 3, 4], [7] * 3 + list(range(100, 140))]
+NEW = 10
+NAMES = [None] + [a[0] for a in ADAPTERS]
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lora")
+    base = str(root / "base")
+    make_tiny_model("llama", base, seed=3, vocab_size=512)
+    paths = make_adapters(base, str(root))
+    refs = {name: peft_greedy(base, paths.get(name) if name else None, PROMPTS, NEW) for name in NAMES}
+    # the adapters change the outputs (otherwise a test of them proves nothing)
+    for name in NAMES[1:]:
+        assert refs[name] != refs[None], name
+    return {"base": base, "paths": paths, "refs": refs,
+            "lora_paths": [f"{n}={p}" for n, p in paths.items()]}
+
+
+def run_mixed(setup: dict, **kw) -> tuple[dict, object]:
+    s = make_scheduler(setup["base"], lora_paths=setup["lora_paths"], **kw)
+    for i, prompt in enumerate(PROMPTS):
+        for name in NAMES:
+            s.process_input_requests([])
+            submit_lora(s, f"{name}-{i}", prompt, NEW, name)
+    res = drain(s)
+    assert s.invariant_violations == 0
+    return res, s
+
+
+def submit_lora(s, rid: str, prompt: list[int], n: int, lora_id: str | None) -> None:
+    from radixserve.managers import io_struct as io
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams.from_dict({"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    s.process_input_requests([io.TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=prompt,
+                                                           sampling_params=params, lora_id=lora_id)])
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"enable_overlap_schedule": True},
+    {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
+    {"disable_radix_cache": True, "max_running_requests": 5},
+    {"max_loras_per_batch": 2},
+    {"max_loras_per_batch": 1, "enable_overlap_schedule": True, "max_lora_rank": 32},
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
+def test_mixed_batch_matches_transformers_peft(lora_setup, kw) -> None:
+    res, s = run_mixed(lora_setup, **kw)
+    for i in range(len(PROMPTS)):
+        for name in NAMES:
+            assert res[f"{name}-{i}"]["ids"] == lora_setup["refs"][name][i], (name, i)
+    if kw.get("max_loras_per_batch", 8) < 3:  # adapters were swapped in and out of the slots
+        assert s.lora_table.num_loads >= 3 > kw["max_loras_per_batch"]
+
+
+def test_prompt_cached_under_one_adapter_is_not_reused_under_another(lora_setup) -> None:
+    s = make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"])
+    prompt, refs = PROMPTS[2], lora_setup["refs"]
+    submit_lora(s, "first", prompt, NEW, "a4")
+    assert drain(s)["first"]["ids"] == refs["a4"][2]
+    for rid, name in [("other", "b8"), ("base", None)]:
+        submit_lora(s, rid, prompt, NEW, name)
+        out = drain(s)[rid]
+        assert out["meta"]["cached_tokens"] == 0, name
+        assert out["ids"] == refs[name][2], name
+    submit_lora(s, "again", prompt, NEW, "a4")
+    out = drain(s)["again"]
+    assert out["meta"]["cached_tokens"] >= len(prompt) - 1
+    assert out["ids"] == refs["a4"][2]
+
+
+def test_unknown_adapter_fails_alone(lora_setup) -> None:
+    s = make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"])
+    submit_lora(s, "bad", PROMPTS[0], NEW, "nope")
+    submit_lora(s, "good", PROMPTS[0], NEW, "b8")
+    res = drain(s)
+    assert res["bad"]["finish"]["type"] == "abort" and res["bad"]["finish"]["status_code"] == 404
+    assert "nope" in res["bad"]["finish"]["message"]
+    assert res["good"]["ids"] == lora_setup["refs"]["b8"][0]
+    plain = make_scheduler(lora_setup["base"])
+    submit_lora(plain, "x", PROMPTS[0], NEW, "a4")
+    assert drain(plain)["x"]["finish"]["status_code"] == 404
+
+
+def test_bad_adapter_folders_are_clear_errors(lora_setup, tmp_path) -> None:
+    import json
+    import shutil
+
+    from radixserve.lora.adapter import read_lora_weights
+
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        read_lora_weights(str(tmp_path), 2)
+    bad = tmp_path / "dora"
+    shutil.copytree(lora_setup["paths"]["a4"], bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="use_dora"):
+        read_lora_weights(str(bad), 2)
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"], max_lora_rank=8)
+    with pytest.raises(ValueError, match="NAME=PATH|not a folder"):
+        make_scheduler(lora_setup["base"], lora_paths=["x=/nonexistent"])
+
+
+# ---------------------------------------------------------------------------------------------- units
+def test_group_rows_groups_tokens_by_slot() -> None:
+    packed, groups, max_len = group_rows([2, -1, 0, 2], [3, 2, 1, 2], num_slots=4)
+    head, order = packed[:12].view(3, 4), packed[12:]
+    # tokens: req0 rows 0-2 (slot 2), req1 rows 3-4 (base), req2 row 5 (slot 0), req3 rows 6-7 (slot 2)
+    assert head[0, :2].tolist() == [0, 2] and head[2].tolist() == [1, 5, 0, 0]
+    starts = head[1, :2].tolist()
+    assert order[starts[0]:starts[0] + 1].tolist() == [5]
+    assert order[starts[1]:starts[1] + 5].tolist() == [0, 1, 2, 6, 7]
+    assert max_len == 5
+    assert groups[0] == (0, slice(5, 6)) and groups[1][0] == 2 and groups[1][1].tolist() == [0, 1, 2, 6, 7]
+    packed, groups, max_len = group_rows([-1, -1], None, num_slots=2)
+    assert groups == [] and max_len == 0 and packed[:6].tolist() == [0] * 6
+
+
+def test_slot_table_lru() -> None:
+    t = LoRASlotTable(2)
+    slots, loads = t.assign(["a", None, "b", "a"])
+    assert slots == [0, -1, 1, 0] and loads == [(0, "a"), (1, "b")]
+    assert t.assign(["b"]) == ([1], [])
+    slots, loads = t.assign(["c"])  # "a" is the least recently used
+    assert slots == [0] and loads == [(0, "c")]
+    slots, loads = t.assign(["b", "a"])  # "c" goes: "b" is needed
+    assert slots == [1, 0] and loads == [(0, "a")]
+    with pytest.raises(RuntimeError, match="slots"):
+        t.assign(["x", "y", "z"])
+    t.forget("a")
+    assert t.assign(["a"])[1] == [(0, "a")]
+
+
+def test_radix_cache_namespaces_are_separate() -> None:
+    req_pool = ReqToTokenPool(4, 64, "cpu")
+    kv = TokenToKVPool(64, torch.float32, 1, 4, 1, "cpu")
+    cache = RadixCache(req_pool, kv)
+    slots_base, slots_a = kv.alloc(5), kv.alloc(5)
+    key = [1, 2, 3, 4, 5]
+    assert cache.insert(key, slots_base) == 0
+    assert len(cache.match_prefix(key, "a")[0]) == 0
+    assert cache.insert(key, slots_a, "a") == 0
+    assert cache.match_prefix(key, "a")[0].tolist() == slots_a.tolist()
+    assert cache.match_prefix(key)[0].tolist() == slots_base.tolist()
+    assert cache.evictable_size() == 10 == cache.total_size()
+    assert cache.drop_namespace("a") == 5
+    assert cache.evictable_size() == 5 and len(cache.match_prefix(key, "a")[0]) == 0
+    assert kv.available_size() + cache.evictable_size() + cache.protected_size() == kv.size
+    cache.insert(key, kv.alloc(5), "b")
+    assert cache.evict(100) == 10 and kv.available_size() == kv.size
+    cache.format_tree()
