@@ -68,3 +68,24 @@ def test_token_bytes_are_the_real_bytes(tok) -> None:
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens are partial characters
     assert b"".join(token_bytes(i) for i in ids) == text.encode("utf-8")
     assert token_bytes(tok.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+
+
+def test_text_offsets_index_the_returned_text(tok) -> None:
+    from radixserve.managers.token_bytes import TextOffsets, token_bytes_fn
+
+    text = "héllo 你好 🙂 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    counter = TextOffsets(token_bytes_fn(tok), frozenset({eos}))
+    offsets = [counter.advance(i) for i in ids + [eos]]
+    assert offsets[0] == 0 and offsets[-1] == len(text)  # the skipped special token sits at the end
+    for i, off in enumerate(offsets[:-1]):
+        piece = tok.decode([ids[i]])
+        if "\ufffd" not in piece:
+            assert text[off:].startswith(piece)
+    # echo: the output's offsets start after the echoed prompt
+    prompt = "Say: "
+    pids = tok.encode(prompt, add_special_tokens=False)
+    counter = TextOffsets(token_bytes_fn(tok), frozenset(), len(pids), len(prompt))
+    offsets = [counter.advance(i) for i in pids + ids]
+    assert offsets[0] == 0 and offsets[len(pids)] == len(prompt)

@@ -228,9 +228,16 @@ def test_logprobs(client: openai.OpenAI) -> None:
     for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert val <= 0 and len(top) <= 2
         assert abs(max(top.values()) - val) < 1e-4 and tok in top  # greedy picks the top token
+    text = r.choices[0].text
+    assert lp.text_offset[0] == 0  # counted from the start of the returned text
+    for tok, off in zip(lp.tokens, lp.text_offset, strict=True):
+        assert text[off:].startswith(tok)
     assert echo.choices[0].text.startswith(COUNT_PROMPT)
     elp = echo.choices[0].logprobs
     assert elp.token_logprobs[0] is None and len(elp.tokens) == echo.usage.prompt_tokens + 2
+    for tok, off in zip(elp.tokens, elp.text_offset, strict=True):
+        assert echo.choices[0].text[off:].startswith(tok)
+    assert elp.text_offset[echo.usage.prompt_tokens] == len(COUNT_PROMPT)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert "".join(c.token for c in content) == chat.choices[0].message.content
@@ -405,6 +412,8 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
      "top_logprobs_num"),
     ("native-empty-ids", "POST", G, {"input_ids": []}, 400, "empty"),
     ("native-unknown-field", "POST", G, {"text": "x", "max_tokens": 3}, 400, "max_tokens"),
+    ("native-too-long", "POST", G, {"input_ids": [16] * 10, "sampling_params": {"max_new_tokens": 9000}}, 400,
+     "maximum context length"),
     ("native-lora", "POST", G, {"text": "x", "lora_path": "adapter"}, 400, "LoRA"),
     ("native-logit-processor", "POST", G, {"text": "x", "custom_logit_processor": "p"}, 400,
      "custom_logit_processor"),

@@ -60,3 +60,38 @@ def token_bytes_fn(tok: Any) -> Callable[[int], bytes]:
         return tok.decode([tid]).encode("utf-8")
 
     return token_bytes
+
+
+class TextOffsets:
+    """OpenAI's legacy `text_offset`: for each token in turn, the characters of the returned text before it.
+
+    Counted from the tokens' real bytes (a character split over tokens counts once, when complete), so offsets
+    index the returned text. With echo, the first `prompt_tokens` tokens index the echoed prompt and the output's
+    tokens start at `prompt_chars` (the echoed text's length). Tokens in `skip_ids` (special tokens the output
+    text leaves out) take no room."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], skip_ids: frozenset[int] = frozenset(),
+                 prompt_tokens: int = 0, prompt_chars: int = 0, prompt_skip_ids: frozenset[int] = frozenset()
+                 ) -> None:
+        import codecs
+
+        self._new_decoder = codecs.getincrementaldecoder("utf-8")
+        self.token_bytes = token_bytes
+        self.skip_ids = skip_ids
+        self.prompt_tokens = prompt_tokens
+        self.prompt_chars = prompt_chars
+        self.prompt_skip_ids = prompt_skip_ids
+        self.n = 0
+        self.chars = 0
+        self.decoder = self._new_decoder(errors="replace")
+
+    def advance(self, tid: int) -> int:
+        if self.n == self.prompt_tokens:  # the output starts after the echoed prompt text
+            self.chars = self.prompt_chars
+            self.decoder = self._new_decoder(errors="replace")
+        skip = self.prompt_skip_ids if self.n < self.prompt_tokens else self.skip_ids
+        offset = self.chars
+        if tid not in skip:
+            self.chars += len(self.decoder.decode(self.token_bytes(tid)))
+        self.n += 1
+        return offset

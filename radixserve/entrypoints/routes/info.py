@@ -52,6 +52,7 @@ async def get_server_info(request: Request) -> Response:
     dead = state.engine_dead_message()
     return json_response({**sargs, "scheduler_info": sched, "version": radixserve.__version__,
                           "structured_output": state.grammar_ok, "start_time": state.start_time,
+                          "sampling_defaults_from_model": tm.sampling_defaults,
                           "engine_alive": dead is None, "engine_error": dead, "draining": state.draining,
                           "internal_states": await _internal_states(state)})
 
