@@ -86,16 +86,13 @@ def malformed_requests(seed: int = 0) -> list[tuple[str, str, Any]]:
               G: ["text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "rid", "stream"]}
     base = {C: {"prompt": "x", "max_tokens": 2}, CH: {"messages": MSGS, "max_tokens": 2},
             G: {"text": "x", "sampling_params": {"max_new_tokens": 2}}}
-    accepted = {  # (path, field, value) that are valid after all: skipped
-        (C, "seed", 0), (C, "seed", 10**30), (C, "temperature", 0), (C, "temperature", 1.5), (C, "top_p", 1.5),
-    }
     for path, names in fields.items():
         for name in names:
             for value in rng.sample(bad_values, 6):
                 body = dict(base[path])
                 body[name] = value
-                if value is None or (path, name, value) in accepted:
-                    continue
+                if value is None or (name == "sampling_params" and value == {}):
+                    continue  # not malformed (and the second would run 128 tokens)
                 out.append(("POST", path, body))
     raw_bodies = [b"", b"{", b"[]", b"null", b"1", b'"x"', b'{"prompt": "x",}', b"\xff\xfe\x00",
                   b'{"prompt": "\\ud800"}', b"[" * 5000 + b"]" * 5000,
@@ -121,6 +118,7 @@ class MalformedResult:
     hangs: int = 0
     not_openai_shaped: int = 0  # 4xx without {"error": {"message", "type", "param", "code"}}
     seconds: float = 0.0
+    first_problem: str = ""
 
 
 def run_malformed(base: str, headers: dict[str, str], concurrency: int = 8, timeout: float = 30.0
@@ -135,9 +133,10 @@ def run_malformed(base: str, headers: dict[str, str], concurrency: int = 8, time
         data = body if isinstance(body, bytes) else (b"" if body is None else json.dumps(body).encode())
         try:
             status, payload = raw_request(base, method, path, data, headers, timeout=timeout)
-        except (TimeoutError, OSError):
+        except (TimeoutError, OSError) as e:
             with lock:
                 res.hangs += 1
+                res.first_problem = res.first_problem or f"{method} {path} {data[:100]!r}: {e!r}"
             return
         shaped = True
         try:
@@ -148,6 +147,8 @@ def run_malformed(base: str, headers: dict[str, str], concurrency: int = 8, time
         with lock:
             res.statuses[status] = res.statuses.get(status, 0) + 1
             res.server_errors += status >= 500 or status == 0
+            if status >= 500 or status == 0:
+                res.first_problem = res.first_problem or f"{method} {path} {data[:100]!r}: {status} {payload[:200]!r}"
             if 400 <= status < 500:
                 res.rejected += 1
                 res.not_openai_shaped += not shaped
@@ -288,6 +289,8 @@ def run_streams(base: str, headers: dict[str, str], n: int = 256, max_tokens: in
 class TimingResult:
     health_baseline_ms: list[float] = field(default_factory=list)
     health_during_ms: list[float] = field(default_factory=list)
+    loop_baseline_ms: list[float] = field(default_factory=list)  # GET /version: the event loop alone
+    loop_during_ms: list[float] = field(default_factory=list)
     stream_gaps_baseline_s: list[float] = field(default_factory=list)
     stream_gaps_during_s: list[float] = field(default_factory=list)
     rejections: list[tuple[str, int, float]] = field(default_factory=list)  # (what, status, seconds)
@@ -300,27 +303,31 @@ class TimingResult:
                 "health_baseline_max_ms": max(self.health_baseline_ms, default=float("nan")),
                 "health_during_p50_ms": p(self.health_during_ms, 0.5),
                 "health_during_max_ms": max(self.health_during_ms, default=float("nan")),
+                "loop_baseline_max_ms": max(self.loop_baseline_ms, default=float("nan")),
+                "loop_during_p50_ms": p(self.loop_during_ms, 0.5),
+                "loop_during_max_ms": max(self.loop_during_ms, default=float("nan")),
                 "stream_gap_baseline_max_s": max(self.stream_gaps_baseline_s, default=float("nan")),
                 "stream_gap_during_max_s": max(self.stream_gaps_during_s, default=float("nan"))}
 
 
 def run_timing(base: str, headers: dict[str, str], max_request_bytes: int, prompt_chars_rejected: int,
                baseline_s: float = 1.5) -> TimingResult:
-    """/health latency and the gaps of a concurrent stream: first for `baseline_s` with the stream alone, then
-    while three maximal requests are rejected one after the other (a body just under --max-request-bytes whose
+    """/health latency (a round trip to the scheduler), /version latency (the event loop alone) and the gaps of a
+    concurrent stream: first for `baseline_s` with the stream alone, then while three maximal requests are rejected
+    one after the other (a body just under --max-request-bytes whose
     text is too long for the context, `prompt_chars_rejected` characters that must be tokenized to find out, and a
     body over the limit)."""
     res = TimingResult()
     phase = ["baseline"]
     stop = threading.Event()
 
-    def poll_health() -> None:
+    def poll(path: str, baseline: list[float], during: list[float]) -> None:
         while not stop.is_set():
             t = time.perf_counter()
-            status, _ = raw_request(base, "GET", "/health", timeout=30)
+            status, _ = raw_request(base, "GET", path, headers=headers, timeout=30)
             ms = 1000 * (time.perf_counter() - t)
             if status == 200:
-                (res.health_baseline_ms if phase[0] == "baseline" else res.health_during_ms).append(ms)
+                (baseline if phase[0] == "baseline" else during).append(ms)
             time.sleep(0.02)
 
     def stream() -> None:
@@ -339,7 +346,10 @@ def run_timing(base: str, headers: dict[str, str], max_request_bytes: int, promp
                 if stop.is_set():
                     return
 
-    threads = [threading.Thread(target=poll_health, daemon=True), threading.Thread(target=stream, daemon=True)]
+    threads = [threading.Thread(target=poll, args=("/health", res.health_baseline_ms, res.health_during_ms),
+                                daemon=True),
+               threading.Thread(target=poll, args=("/version", res.loop_baseline_ms, res.loop_during_ms), daemon=True),
+               threading.Thread(target=stream, daemon=True)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60

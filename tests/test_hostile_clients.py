@@ -126,13 +126,14 @@ def test_random_disconnects_leave_every_slot_free(server: Server) -> None:
     res = run_disconnects(server.base, AUTH, n=300, concurrency=32, uploads=20)
     print(f"\ndisconnects: {json.dumps(res.__dict__)}")
     assert res.errors == 0, res
-    assert res.hung_up >= 50 and res.completed >= 20, res  # the mix really did both
+    assert res.hung_up >= 50 and res.completed >= 10, res  # the mix really did both
     st = wait_idle(server.base, AUTH)
     assert slots_free(st), st
     new_log = server.log()[len(before):]
     assert "Traceback" not in new_log, new_log[-3000:]
-    # an abandoned upload is at most one line (none when the body was never handed to a route)
-    assert len(re.findall("went away while sending", new_log)) <= 20
+    # a client that leaves mid-upload is at most one line (none when the body was never handed to a route)
+    assert len(re.findall("went away while sending", new_log)) <= res.upload_abandoned + res.hung_up
+    assert " ERROR " not in new_log, new_log[-3000:]
     _assert_healthy_and_free(server.base)
 
 
@@ -144,15 +145,19 @@ def test_256_concurrent_streams(server: Server) -> None:
 
 
 def test_maximal_request_does_not_stall_the_server(server: Server) -> None:
-    """While requests of --max-request-bytes are rejected, /health answers within 200 ms of its usual time and a
-    concurrent stream keeps its cadence (the baseline is measured just before, under the same load)."""
+    """While requests of --max-request-bytes are rejected, nothing waits on them: the event loop answers /version
+    within 200 ms of its usual time, /health (a scheduler round trip, which a loaded CPU slows) within twice its
+    usual time + 200 ms, and a concurrent stream keeps its cadence. The baselines are measured just before under the
+    same load, so a busy CI machine moves both sides; a blocked loop (an 8 MB text tokenized on it took seconds)
+    does not pass."""
     res = run_timing(server.base, AUTH, MAX_REQUEST_BYTES, prompt_chars_rejected=600_000)
-    summary = res.summary()
-    print(f"\ntiming: {json.dumps(summary)} rejections: {res.rejections}")
-    assert [s for _, s, _ in res.rejections] == [400, 400, 413], res.rejections
-    assert len(res.health_during_ms) >= 3 and len(res.stream_gaps_during_s) >= 2, summary
-    assert summary["health_during_max_ms"] < 200 + summary["health_baseline_max_ms"], summary
-    assert summary["stream_gap_during_max_s"] < 0.5 + 2 * summary["stream_gap_baseline_max_s"], summary
+    s = res.summary()
+    print(f"\ntiming: {json.dumps(s)} rejections: {res.rejections}")
+    assert [status for _, status, _ in res.rejections] == [400, 400, 413], res.rejections
+    assert len(res.loop_during_ms) >= 3 and len(res.health_during_ms) >= 2 and len(res.stream_gaps_during_s) >= 2, s
+    assert s["loop_during_max_ms"] < 200 + s["loop_baseline_max_ms"], s
+    assert s["health_during_max_ms"] < 200 + 2 * s["health_baseline_max_ms"], s
+    assert s["stream_gap_during_max_s"] < 0.5 + 2 * s["stream_gap_baseline_max_s"], s
     wait_idle(server.base, AUTH)
 
 
@@ -223,9 +228,13 @@ def test_scheduler_sigkill_is_loud(embedded_model_path: str, tmp_path: os.PathLi
         time.sleep(1.0)
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # the server looks at its children every 0.25 s
         info = None
-        while time.monotonic() - t_kill < 1.8:  # within the grace before the exit
-            info = httpx.get(srv.base + "/get_server_info", headers=AUTH, timeout=5).json()
+        while time.monotonic() - t_kill < 2.8:  # within the grace before the exit (3 s)
+            try:
+                info = httpx.get(srv.base + "/get_server_info", headers=AUTH, timeout=2.5).json()
+            except httpx.HTTPError:
+                continue
             if not info["engine_alive"]:
                 break
             time.sleep(0.05)

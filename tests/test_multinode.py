@@ -91,7 +91,7 @@ def test_killed_remote_rank_turns_health_503(cluster) -> None:
     os.kill(rank1.pid, signal.SIGKILL)
     assert node1.proc.wait(timeout=30) == 1  # the worker node notices its dead rank and stops
     # a /health that reaches rank 0 just before it exits waits out its state query (--watchdog-timeout 5 s), then
-    # says 503 too; once rank 0 is gone it says 503 at once, and the server exits 1 two seconds later
+    # says 503 too; once rank 0 is gone it says 503 at once, and the server exits 1 three seconds later
     deadline = time.monotonic() + 30
     status = 200
     while time.monotonic() < deadline:

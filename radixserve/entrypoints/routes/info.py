@@ -37,7 +37,7 @@ async def _internal_states(state: ServerState) -> list[dict[str, Any]]:
     sched: dict[str, Any] = {}
     if state.engine_dead_message() is None:
         with contextlib.suppress(Exception):
-            sched = await state.tm.get_internal_state(timeout=min(5.0, state.control_timeout))
+            sched = await state.tm.get_internal_state(timeout=min(2.0, state.control_timeout))
     return [{**sched, "last_gen_throughput": state.tm.gen_throughput(), "avg_spec_accept_length": None}]
 
 
