@@ -54,6 +54,10 @@ step overlap_8b 200 python3 benchmarks/bench_overlap.py --model-path $L8 --batch
 # carried tokenizer folder (.bench_tok: SmolLM2's tokenizer files; the shape folders hold config.json only).
 step structured_8b 200 python3 benchmarks/bench_structured.py --model-path $L8 --tokenizer-path .bench_tok \
   --load-format dummy --device cuda --batch-size 32 --output-len 128 --repeats 2 --output "$OUT/structured_8b.json"
+# multi-LoRA: 8 random rank-16 adapters on all seven projections vs the base model, decode and offline
+step lora_8b 200 python3 benchmarks/bench_lora.py --model-path $L8 --load-format dummy --num-prompts 192 \
+  --decode-steps 16 --result-file "$OUT/bench_lora.json"
 step gpu_tests 480 python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
+  tests/test_lora_kernels.py \
   -p no:cacheprovider
 echo "=== summary"; cat "$LOGS/steps.txt"

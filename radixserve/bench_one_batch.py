@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     if args.correctness_test:
         from radixserve.managers.tokenizer_utils import get_tokenizer
 
-        correctness_test(runner, get_tokenizer(model_config.tokenizer_path), args.output_len)
+        correctness_test(runner, get_tokenizer(model_config.tokenizer_path, server_args.trust_remote_code),
+                         args.output_len)
         return
     results = []
     copy_bw = measure_copy_bandwidth(runner.device) if runner.is_cuda else None

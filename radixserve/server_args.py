@@ -11,8 +11,9 @@ from typing import Any, get_args, get_origin
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("torch_native", "triton")
+ATTENTION_BACKENDS = ("cpu", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SAMPLING_DEFAULTS = ("model", "none")
@@ -20,7 +21,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
 def _registry_names(module: str, attr: str) -> tuple[str, ...]:
-    """Names of a parser registry (a dict of lazy import paths: importing it loads no parser)."""
+    """Names of a registry (a dict of lazy import paths: importing it loads no implementation)."""
     import importlib
 
     return tuple(getattr(importlib.import_module(module), attr))
@@ -28,6 +29,7 @@ def _registry_names(module: str, attr: str) -> tuple[str, ...]:
 
 TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
 REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
+QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -48,7 +50,12 @@ class ServerArgs:
     load_format: str = _flag("How to load weights", default="auto", choices=LOAD_FORMATS)
     dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA, fp32 on CPU)", default="auto",
                        choices=DTYPES)
-    kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
+    quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
+                                     "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "
+                                     "with gguf)", choices=QUANTIZATIONS)
+    kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype; fp8_e4m3 / fp8_e5m2 store K/V in 8 bits, "
+                                "scaled by the checkpoint's k_scale / v_scale or 1.0)", default="auto",
+                                choices=KV_CACHE_DTYPES)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
@@ -71,14 +78,16 @@ class ServerArgs:
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
-    attention_backend: str | None = _flag("Attention backend (default triton on CUDA, torch_native on CPU)",
-                                          choices=ATTENTION_BACKENDS)
+    attention_backend: str | None = _flag("Attention backend (default triton on CUDA, cpu on CPU; torch_native is "
+                                          "the pure-PyTorch reference)", choices=ATTENTION_BACKENDS)
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int = _flag("Largest captured decode batch", default=160)
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
+    cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
+                                        "set, else every core, shared out between ranks on one machine)")
     # server
     host: str = _flag("Address to bind", default="127.0.0.1")
     port: int = _flag("Port to bind", default=30000)
@@ -113,6 +122,8 @@ class ServerArgs:
                                      "compiles the Triton kernels before the first user request)", default=False)
     # parallelism
     tp_size: int = _flag("Tensor parallel ranks", default=1)
+    ep_size: int = _flag("Expert parallel ranks: the MoE layers split their experts over the TP ranks instead of "
+                         "sharding each expert (1, or equal to --tp-size)", default=1)
     dp_size: int = _flag("Data parallel replicas", default=1)
     load_balance_method: str = _flag("DP routing", default="round_robin", choices=LOAD_BALANCE_METHODS)
     nnodes: int = _flag("Number of nodes", default=1)
@@ -156,7 +167,8 @@ class ServerArgs:
             if v is not None and v not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {v!r}")
 
-        for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", DTYPES),
+        for name, allowed in [("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),
@@ -171,8 +183,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {v!r}")
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "dp_size", "nnodes", "stream_interval",
-                     "decode_log_interval"):
+                     "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
+                     "stream_interval", "decode_log_interval", "cpu_num_threads"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
@@ -190,6 +202,8 @@ class ServerArgs:
             raise ValueError(f"--dist-timeout must be > 0; got {self.dist_timeout}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({self.tp_size}); got {self.ep_size}")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:

@@ -118,7 +118,9 @@ def write_llama_gguf(path: str, tensors: dict[str, torch.Tensor], *, arch: str =
         array = t.numpy().astype(np.float32)
         qtype = (quantize or {}).get(name)
         if qtype is not None:
-            w.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            from radixserve.layers.quantization.gguf_formats import quantize_to_ggml
+
+            w.add_tensor(hf_to_gguf_name(name), quantize_to_ggml(array, qtype.name), raw_dtype=qtype)
         else:
             w.add_tensor(hf_to_gguf_name(name), array)
     for name, array in (extra_tensors or {}).items():

@@ -25,6 +25,8 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
         cfg = tf.Qwen2Config(**kw, tie_word_embeddings=True)
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**kw, head_dim=32, tie_word_embeddings=False)
+    elif kind in MOE_KINDS:
+        cfg = moe_config(kind, kw)
     else:
         raise ValueError(kind)
     model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
@@ -32,8 +34,55 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.mul_(40.0)  # routers with clear winners: no near-tie between two experts decides a token
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn_like(p) * 0.5)
     model.save_pretrained(path)
     return model
+
+
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_lora", "deepseek_v2_group",
+             "deepseek_v3", "deepseek_v3_yarn")
+
+
+def moe_config(kind: str, kw: dict[str, Any]) -> Any:
+    """Tiny MoE / MLA configs: 8 experts (an uneven vocabulary of routes), k = 2 (DeepSeek-V3: 3 of 8 in 4 groups)."""
+    import transformers as tf
+
+    kw = dict(kw)
+    inter = kw.pop("intermediate_size")
+    if kind == "mixtral":
+        return tf.MixtralConfig(**kw, intermediate_size=inter // 2, num_local_experts=8, num_experts_per_tok=2,
+                                tie_word_embeddings=False)
+    if kind == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**kw, intermediate_size=inter, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                 mlp_only_layers=[1], tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**kw, intermediate_size=inter, moe_intermediate_size=32, num_experts=8,
+                                 num_experts_per_tok=2, norm_topk_prob=True, head_dim=32, tie_word_embeddings=False)
+    kw.pop("num_key_value_heads")
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, q_lora_rank=None,
+               moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, first_k_dense_replace=1,
+               intermediate_size=inter, num_key_value_heads=kw["num_attention_heads"], tie_word_embeddings=False)
+    if kind == "deepseek_v2":
+        return tf.DeepseekV2Config(**kw, **mla, num_experts_per_tok=2, topk_method="greedy")
+    if kind == "deepseek_v2_lora":
+        return tf.DeepseekV2Config(**kw, **{**mla, "q_lora_rank": 48}, num_experts_per_tok=2, topk_method="greedy",
+                                   routed_scaling_factor=1.5)
+    if kind == "deepseek_v2_group":
+        return tf.DeepseekV2Config(**kw, **mla, num_experts_per_tok=2, topk_method="group_limited_greedy",
+                                   n_group=4, topk_group=2)
+    if kind == "deepseek_v3":
+        return tf.DeepseekV3Config(**kw, **{**mla, "q_lora_rank": 48}, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                   norm_topk_prob=True, routed_scaling_factor=2.5)
+    if kind == "deepseek_v3_yarn":
+        kw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+        return tf.DeepseekV3Config(**kw, **mla, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                   norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=False)
+    raise ValueError(kind)
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -390,12 +390,13 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
      "max_completion_tokens"),
     ("chat-response-format", "POST", CH, {"messages": OK_MSGS, "response_format": {"type": "xml"}}, 400,
      "response_format"),
-    ("chat-tools", "POST", CH, {"messages": OK_MSGS, "tools": []}, 400, "tools"),
+    ("chat-tools", "POST", CH, {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     400, "tools"),
     ("chat-tool-choice", "POST", CH, {"messages": OK_MSGS, "tool_choice": "required"}, 400, "tool_choice"),
     ("chat-store", "POST", CH, {"messages": OK_MSGS, "store": True}, 400, "store"),
     ("chat-lora", "POST", CH, {"messages": OK_MSGS, "lora_path": "x"}, 400, "LoRA"),
     ("chat-history-tool-calls", "POST", CH, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "tool_calls"),
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, 400, "tool_calls"),
     ("chat-schema-description", "POST", CH, {"messages": OK_MSGS, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "description": "a person", "schema": {"type": "object"}}}},
      400, "description"),

@@ -98,7 +98,7 @@ def test_unknown_adapter_fails_alone(lora_setup) -> None:
     assert res["good"]["ids"] == lora_setup["refs"]["b8"][0]
     plain = make_scheduler(lora_setup["base"])
     submit_lora(plain, "x", PROMPTS[0], NEW, "a4")
-    assert drain(plain)["x"]["finish"]["status_code"] == 404
+    assert drain(plain)["x"]["finish"]["status_code"] == 400
 
 
 def test_bad_adapter_folders_are_clear_errors(lora_setup, tmp_path) -> None:
@@ -170,3 +170,76 @@ def test_radix_cache_namespaces_are_separate() -> None:
     cache.insert(key, kv.alloc(5), "b")
     assert cache.evict(100) == 10 and kv.available_size() == kv.size
     cache.format_tree()
+
+
+# ---------------------------------------------------------------------------------------------- the Engine
+@pytest.mark.integration
+def test_engine_adapters_at_run_time(lora_setup) -> None:
+    """Select adapters per prompt, load one at run time, unload it while a request runs on it (the request
+    finishes untouched, later ones are refused), load it again; nothing leaks."""
+    import threading
+
+    from radixserve import Engine
+    from radixserve.managers.tokenizer_manager import RequestError
+
+    refs, paths = lora_setup["refs"], lora_setup["paths"]
+    sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    with Engine(model_path=lora_setup["base"], device="cpu", dtype="float32", max_total_tokens=2048,
+                skip_tokenizer_init=True, lora_paths=[f"a4={paths['a4']}"], max_loras_per_batch=1,
+                max_lora_rank=16, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "down_proj"]) as engine:
+        outs = engine.generate(input_ids=PROMPTS[:2], sampling_params=sp, lora_path=["a4", None])
+        assert [o["output_ids"] for o in outs] == [refs["a4"][0], refs[None][1]]
+        with pytest.raises(RequestError, match="not loaded") as ei:
+            engine.generate(input_ids=PROMPTS[0], sampling_params=sp, lora_path="c16")
+        assert ei.value.status_code == 404
+        assert "loaded" in engine.load_lora_adapter("c16", paths["c16"])
+        with pytest.raises(RequestError, match="already loaded"):
+            engine.load_lora_adapter("c16", paths["c16"])
+        with pytest.raises(RequestError, match="adapter_config.json"):
+            engine.load_lora_adapter("bad", lora_setup["base"])
+        out = engine.generate(input_ids=PROMPTS[2], sampling_params=sp, lora_path="c16")
+        assert out["output_ids"] == refs["c16"][2]
+        # unload while a long request runs on the adapter: it finishes, and its tokens are right
+        long_sp = {**sp, "max_new_tokens": 300}
+        stream = engine.generate(input_ids=PROMPTS[2], sampling_params=long_sp, lora_path="c16", stream=True)
+        first = next(stream)
+        unloaded: list[str] = []
+        t = threading.Thread(target=lambda: unloaded.append(engine.unload_lora_adapter("c16")))
+        t.start()
+        chunks = [first, *stream]
+        t.join(timeout=120)
+        assert unloaded and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(chunks[-1]["output_ids"]) == 300 and chunks[-1]["output_ids"][:NEW] == refs["c16"][2]
+        with pytest.raises(RequestError, match="not loaded"):
+            engine.generate(input_ids=PROMPTS[2], sampling_params=sp, lora_path="c16")
+        engine.load_lora_adapter("c16", paths["c16"])
+        out = engine.generate(input_ids=PROMPTS[2], sampling_params=sp, lora_path="c16")
+        assert out["output_ids"] == refs["c16"][2]
+        state = engine.get_internal_state()
+        assert state["memory_ok"] and state["invariant_violations"] == 0
+
+
+@pytest.mark.integration
+def test_tensor_parallel_two_ranks_equal_one(tmp_path) -> None:
+    """TP=2 over gloo (A of o/down split by input, B of q/k/v/gate/up split by output) gives the tokens of TP=1."""
+    from parallel_utils import SERVER_KW, make_model
+
+    from radixserve import Engine
+
+    base = make_model("llama", str(tmp_path / "base"), seed=4, vocab_size=512)
+    paths = make_adapters(base, str(tmp_path))
+    lora_paths = [f"{n}={p}" for n, p in paths.items()]
+    s = make_scheduler(base, lora_paths=lora_paths)
+    for i, prompt in enumerate(PROMPTS):
+        for name in NAMES:
+            submit_lora(s, f"{name}-{i}", prompt, NEW, name)
+    ref = {rid: r["ids"] for rid, r in drain(s).items()}
+    assert len({tuple(ref[f"{n}-0"]) for n in NAMES}) == len(NAMES)  # every adapter changes the output
+    sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    with Engine(model_path=base, tp_size=2, lora_paths=lora_paths, **SERVER_KW) as engine:
+        prompts = [p for p in PROMPTS for _ in NAMES]
+        names = [n for _ in PROMPTS for n in NAMES]
+        outs = engine.generate(input_ids=prompts, sampling_params=sp, lora_path=names)
+    got = {f"{n}-{i // len(NAMES)}": o["output_ids"] for i, (n, o) in enumerate(zip(names, outs, strict=True))}
+    assert got == ref

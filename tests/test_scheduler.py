@@ -379,3 +379,26 @@ def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy) -> 
     assert all(res[rid]["finish"]["type"] == "length" and len(res[rid]["ids"]) == n for rid, _, n in reqs)
     assert {rid: res[rid]["ids"] for rid in ref} == ref
     assert s.num_retractions > 0
+
+
+def test_trust_remote_code_reaches_the_tokenizer(tiny_path, embedded_model_path, tmp_path) -> None:
+    """A tokenizer with its own code in the folder loads with --trust-remote-code, and is refused without it."""
+    import json
+    import shutil
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{embedded_model_path}/{name}", tok / name)
+    (tok / "tokenization_marked.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass MarkedTokenizer(PreTrainedTokenizerFast):\n"
+        "    marked = True\n")
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    cfg.update(auto_map={"AutoTokenizer": [None, "tokenization_marked.MarkedTokenizer"]},
+               tokenizer_class="MarkedTokenizer")
+    (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
+    kw = dict(model_path=tiny_path, tokenizer_path=str(tok), device="cpu", max_total_tokens=512, max_running_requests=4)
+    s = Scheduler(ServerArgs(**kw, trust_remote_code=True), port_args={})
+    assert type(s.tokenizer).__name__ == "MarkedTokenizer" and s.tokenizer.marked
+    with pytest.raises(ValueError, match="custom code"):
+        Scheduler(ServerArgs(**kw), port_args={})

@@ -169,6 +169,9 @@ def test_forced_scanner() -> None:
     text = ('[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}, '
             '{"name": "get_time", "parameters": {}}]')
     assert [n for n, _ in req.parse(text)[1]] == ["get_weather", "get_time"]
+    # cut off by max_tokens: the complete calls before the cut
+    assert req.parse(text[:-20]) == ("", [("get_weather", '{"city": "Oslo", "days": 1}')])
+    assert req.parse(text[:30]) == (text[:30], [])
     _, _, calls = _stream(ChoiceOutput(OutputConfig(tools=req)), text, 5)
     assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", {"city": "Oslo", "days": 1}),
                                                           ("get_time", {})]

@@ -30,6 +30,26 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 _DEFAULT_CONTEXT_LEN = 2048
 
 
+def sliding_window_size(cfg: Any, layer_id: int) -> int:
+    """The attention window of layer `layer_id` (a query sees itself and the window - 1 keys before it), or -1 for
+    full attention. Read from `sliding_window` (Mistral: every layer), switched off by `use_sliding_window: false`
+    (Qwen2/Qwen3), and per layer from `layer_types` ("sliding_attention") or, without it, Qwen2's
+    `max_window_layers` (the layers from that index on slide)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return -1
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens; got {window}")
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_id] == "sliding_attention" else -1
+    first = getattr(cfg, "max_window_layers", None)
+    if first is not None and hasattr(cfg, "use_sliding_window"):
+        return window if layer_id >= first else -1
+    return window
+
+
 def to_torch_dtype(value: Any) -> torch.dtype | None:
     """A torch.dtype from a torch.dtype, a name ("bfloat16", "torch.float16", "fp32") or None."""
     if value is None:
@@ -137,6 +157,8 @@ class ModelConfig:
         self.rope_theta, self.rope_scaling = self._rope(text_cfg)
 
         self.context_len: int = self._context_len(text_cfg, context_length)
+        # per layer: -1 (full attention) or the window in tokens
+        self.sliding_windows: list[int] = [sliding_window_size(text_cfg, i) for i in range(self.num_hidden_layers)]
 
         # transformers 5 names it `dtype` (reading `torch_dtype` there warns); older releases `torch_dtype`
         raw_dtype = getattr(cfg, "dtype", None) if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)

@@ -22,6 +22,20 @@ _TP_GROUP: dist.ProcessGroup | None = None
 _TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK = 0
 _TP_SIZE = 1
+_EP_SIZE = 1
+
+
+def set_expert_parallel_size(ep_size: int) -> None:
+    """How many of the TP ranks the MoE layers split their experts over (1: experts are sharded by TP instead).
+    Set by ModelRunner before the model is built; read by `FusedMoE`."""
+    global _EP_SIZE
+    if ep_size < 1:
+        raise ValueError(f"ep_size must be positive, got {ep_size}")
+    _EP_SIZE = ep_size
+
+
+def get_expert_parallel_size() -> int:
+    return _EP_SIZE
 
 
 def initialize_model_parallel(tp_rank: int, tp_size: int, init_method: str, backend: str,
@@ -99,7 +113,7 @@ def broadcast_pyobj(obj: Any) -> Any:
 
 
 def destroy_model_parallel() -> None:
-    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE
+    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE, _EP_SIZE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE = None, None, 0, 1
+    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE, _EP_SIZE = None, None, 0, 1, 1

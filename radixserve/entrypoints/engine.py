@@ -136,7 +136,7 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
     except BaseException:
         EngineProcesses(procs, ipc_dir).shutdown()
         raise
-    tokenizer = get_tokenizer(tokenizer_path) if tokenizer_path else None
+    tokenizer = get_tokenizer(tokenizer_path, server_args.trust_remote_code) if tokenizer_path else None
     if tokenizer is not None and server_args.chat_template is not None:
         with open(server_args.chat_template, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()  # used by /v1/chat/completions
@@ -174,20 +174,22 @@ class Engine:
 
     # ---------------------------------------------------------------- generate
     def _request(self, prompt: Any, sampling_params: Any, input_ids: Any, stream: bool, return_logprob: Any,
-                 logprob_start_len: Any, top_logprobs_num: Any, rid: Any) -> io.GenerateReqInput:
+                 logprob_start_len: Any, top_logprobs_num: Any, rid: Any, lora_path: Any = None) -> io.GenerateReqInput:
         return io.GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                                    stream=stream, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                   top_logprobs_num=top_logprobs_num)
+                                   top_logprobs_num=top_logprobs_num, lora_path=lora_path)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                  return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] = -1,
-                 top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None
+                 top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
+                 lora_path: str | list[str | None] | None = None
                  ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """`lora_path`: the LoRA adapter's name (one per prompt for a batch); None: the base model."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
         obj = self._request(prompt, sampling_params, input_ids, stream, return_logprob, logprob_start_len,
-                            top_logprobs_num, rid)
+                            top_logprobs_num, rid, lora_path)
         if stream:
             return self._stream(obj)
 
@@ -224,6 +226,14 @@ class Engine:
 
     def get_internal_state(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_internal_state())
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
+        """Serve the PEFT adapter folder `lora_path` as `lora_name` (RequestError when it cannot be)."""
+        return self._run(self.tokenizer_manager.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> str:
+        """Stop serving `lora_name`; returns once its running requests have ended and it is gone."""
+        return self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):

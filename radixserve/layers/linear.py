@@ -1,13 +1,20 @@
 """Linear layers shaped for tensor parallelism. Each parameter carries a `weight_loader` that narrows the full
-(HF-named) tensor to this rank's shard, so TP is a sharding decision made at load time."""
+(HF-named) tensor to this rank's shard, so TP is a sharding decision made at load time.
+
+What a layer holds and how it multiplies is its `quant_method` (`layers/quantization/`): the unquantized one by
+default; `layers.quantization.apply_quantization(model, config)` swaps it (and the parameters) for a quantized one
+before the weights load. The loaders below shard any parameter from attributes the method puts on it:
+`output_dim` / `input_dim` (the dim split across ranks, None: held whole), `output_block` / `input_block` (how
+many rows / columns of the full weight one element of the parameter covers: 1 for weights, 128 for 128x128 block
+scales) and `shard_scalar` (one value per stacked matrix: per-tensor scales of q/k/v or gate/up)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
+from radixserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod, set_weight_attrs
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -16,19 +23,47 @@ def _divide(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def _blocks(n: int, block: int, what: str) -> int:
+    if n % block:
+        raise ValueError(f"{what} ({n}) is not a multiple of the quantization block ({block}); this layout cannot "
+                         f"be sharded or stacked block-wise")
+    return n // block
+
+
 class _LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int,
+                 output_sizes: list[int] | None = None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.input_size = in_features  # this rank's partition
+        self.output_size = out_features
+        # this rank's rows of each stacked matrix (q/k/v, gate/up), in order
+        self.output_sizes = list(output_sizes) if output_sizes is not None else [out_features]
+        self.params_dtype = torch.get_default_dtype()
+        self.set_quant_method(UnquantizedLinearMethod())
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
         # LoRA: a callable (x, base output) -> output set by radixserve.lora on the layers that carry adapters
         self.lora = None
+
+    def set_quant_method(self, method: LinearMethodBase) -> None:
+        """Replace how this layer stores its weight and multiplies (before the weights load)."""
+        old = getattr(self, "weight", None)
+        device = old.device if isinstance(old, torch.Tensor) else torch.empty(0).device  # the ambient device
+        for name in getattr(self, "_quant_param_names", ()):
+            delattr(self, name)
+        self.quant_method = method
+        before = {n for n, _ in self.named_parameters(recurse=False)}
+        with torch.device(device):
+            method.create_weights(self)
+        self._quant_param_names = [n for n, _ in self.named_parameters(recurse=False) if n not in before]
+        for name in self._quant_param_names:
+            param = getattr(self, name)
+            if not hasattr(param, "weight_loader"):
+                param.weight_loader = self.weight_loader
 
     @staticmethod
     def _copy(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
@@ -37,11 +72,35 @@ class _LinearBase(nn.Module):
                              f" got {tuple(loaded.shape)}")
         param.data.copy_(loaded)
 
+    def _shard_index(self, shard_id: str | int | None) -> int:
+        return 0
+
+    def _output_shard(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        """(row offset in this rank's parameter, rows, row offset in the loaded tensor) of one stacked matrix."""
+        return 0, self.output_size, 0
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        self._copy(param, loaded)
+        if getattr(param, "shard_scalar", False):
+            idx = self._shard_index(shard_id)
+            if loaded.numel() != 1:
+                raise ValueError(f"expected a per-tensor scale (one value), got shape {tuple(loaded.shape)}")
+            param.data[idx] = loaded.reshape(()).to(param.dtype)
+            return
+        dim = getattr(param, "output_dim", 0)  # a bare tensor (tests) is loaded like the weight
+        if dim is None:
+            self._copy(param, loaded)
+            return
+        dst_off, n, src_off = self._output_shard(shard_id)
+        block = getattr(param, "output_block", 1)
+        if block > 1:
+            if (n, dst_off, src_off) == (self.output_size, 0, 0):  # the whole matrix: a partial last block is fine
+                n = param.shape[dim]
+            else:
+                n, dst_off, src_off = (_blocks(v, block, "output rows") for v in (n, dst_off, src_off))
+        self._copy(param.data.narrow(dim, dst_off, n), loaded.narrow(dim, src_off, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
             out = self.lora(x, out)
         return out
@@ -57,12 +116,13 @@ class ColumnParallelLinear(_LinearBase):
     """Output dimension split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
-        super().__init__(in_features, _divide(out_features, tp_size, "output size"), bias, tp_rank, tp_size)
+                 tp_size: int = 1, output_sizes: list[int] | None = None) -> None:
+        super().__init__(in_features, _divide(out_features, tp_size, "output size"), bias, tp_rank, tp_size,
+                         output_sizes)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        n = param.shape[0]
-        self._copy(param, loaded.narrow(0, self.tp_rank * n, n))
+    def _output_shard(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        n = self.output_size
+        return 0, n, self.tp_rank * n
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -71,14 +131,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, sizes: list[int], bias: bool = False, tp_rank: int = 0,
                  tp_size: int = 1) -> None:
         self.shard_sizes = [_divide(s, tp_size, "output size") for s in sizes]
-        super().__init__(in_features, sum(sizes), bias, tp_rank, tp_size)
+        super().__init__(in_features, sum(sizes), bias, tp_rank, tp_size, self.shard_sizes)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        if not isinstance(shard_id, int):
+    def _shard_index(self, shard_id: str | int | None) -> int:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.shard_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs an integer shard id, got {shard_id!r}")
-        n = self.shard_sizes[shard_id]
-        offset = sum(self.shard_sizes[:shard_id])
-        self._copy(param.data.narrow(0, offset, n), loaded.narrow(0, self.tp_rank * n, n))
+        return shard_id
+
+    def _output_shard(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        i = self._shard_index(shard_id)
+        n = self.shard_sizes[i]
+        return sum(self.shard_sizes[:i]), n, self.tp_rank * n
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -94,20 +157,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = 1
             self.kv_replicas = _divide(tp_size, num_kv_heads, "TP size over KV heads")
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, (q + 2 * kv) * tp_size, bias, tp_rank, tp_size, [q, kv, kv])
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q), loaded.narrow(0, self.tp_rank * q, q)
-        elif shard_id in ("k", "v"):
-            off = q if shard_id == "k" else q + kv
-            kv_rank = self.tp_rank // self.kv_replicas
-            dst, src = param.data.narrow(0, off, kv), loaded.narrow(0, kv_rank * kv, kv)
-        else:
+    def _shard_index(self, shard_id: str | int | None) -> int:
+        if shard_id not in ("q", "k", "v"):
             raise ValueError(f"QKVParallelLinear shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        self._copy(dst, src)
+        return ("q", "k", "v").index(shard_id)
+
+    def _output_shard(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self._shard_index(shard_id) == 0:
+            return 0, q, self.tp_rank * q
+        kv_rank = self.tp_rank // self.kv_replicas
+        return (q if shard_id == "k" else q + kv), kv, kv_rank * kv
 
 
 class RowParallelLinear(_LinearBase):
@@ -119,14 +182,21 @@ class RowParallelLinear(_LinearBase):
         self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        if param.dim() == 1:  # bias: added once, on rank 0
+        if param.dim() == 1 and not getattr(param, "shard_scalar", False):  # the bias: added once, on rank 0
             self._copy(param, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return
-        n = param.shape[1]
-        self._copy(param, loaded.narrow(1, self.tp_rank * n, n))
+        dim = getattr(param, "input_dim", 1)
+        if dim is None or getattr(param, "shard_scalar", False):
+            super().weight_loader(param, loaded, shard_id)
+            return
+        block = getattr(param, "input_block", 1)
+        n = param.shape[dim]
+        if block > 1 and self.tp_size > 1:
+            _blocks(self.input_size, block, "input columns")
+        self._copy(param, loaded.narrow(dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
             out = self.lora(x, out)
         if self.tp_size > 1 and self.reduce_results:

@@ -12,14 +12,23 @@ if TYPE_CHECKING:
 
 
 class RadixAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
+                 sliding_window_size: int = -1) -> None:
         super().__init__()
+        if sliding_window_size == 0 or sliding_window_size < -1:
+            raise ValueError(f"sliding_window_size must be -1 (full attention) or positive; got {sliding_window_size}")
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        # -1: full causal attention; W > 0: a query at position p sees the keys at positions p - W + 1 .. p
+        self.sliding_window_size = sliding_window_size
+        # per-tensor scales of an fp8 KV cache: the pool holds k / k_scale (the checkpoint's k_scale / v_scale when
+        # it has them, else 1.0); ignored by a 16/32-bit pool
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> torch.Tensor:

@@ -69,3 +69,38 @@ def read_lora_weights(path: str, num_layers: int) -> LoRAWeights:
     if not out.weights:
         raise ValueError(f"LoRA adapter {path!r} holds no LoRA weights")
     return out
+
+
+def write_random_adapter(path: str, config: object, rank: int, targets: tuple[str, ...] = TARGET_MODULES,
+                         alpha: float | None = None, seed: int = 0, std: float = 0.02,
+                         dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> str:
+    """Save a PEFT-format adapter with random A and B for the model `config` (a transformers config) to `path`
+    (benchmarks and GPU tests: no `peft` needed, any model shape)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    shapes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+              "o_proj": (hidden, heads * head_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+              "down_proj": (hidden, inter)}
+    g = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for m in targets:
+            out_f, in_f = shapes[m]
+            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, in_f, generator=g, device=device)
+                                                / in_f ** 0.5).to(dtype).cpu()
+            tensors[f"{name}.lora_B.weight"] = (torch.randn(out_f, rank, generator=g, device=device)
+                                                * std).to(dtype).cpu()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha if alpha is not None else 2 * rank,
+                   "target_modules": list(targets), "bias": "none", "use_rslora": False}, f)
+    return path

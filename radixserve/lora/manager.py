@@ -96,16 +96,16 @@ class LoRAManager:
         """Group the batch's rows by adapter slot (one upload) for the layers' hooks."""
         info = self.info
         info.capturing = False
-        bs = forward_batch.batch_size
-        if req_slots is None:
-            req_slots = [-1] * bs
+        forward_batch.lora_info = info
+        if req_slots is None or max(req_slots, default=-1) < 0:  # only base rows: nothing to group or upload
+            info.packed, info.groups_cpu, info.num_groups, info.max_group_len = None, [], 0, 0
+            return
         counts = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
         packed, groups, max_len = group_rows(req_slots, counts, self.num_slots)
         if self.is_cuda:
             packed = packed.pin_memory().to(self.device, non_blocking=True)
         info.packed, info.groups_cpu = packed, groups
         info.num_groups, info.max_group_len = len(groups), max_len
-        forward_batch.lora_info = info
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self.graph_packed = torch.zeros(3 * self.num_slots + max_bs, dtype=torch.int64, device=self.device)

@@ -11,6 +11,8 @@ past a group's length exit at once, so under a CUDA graph the grid can cover eve
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -18,12 +20,14 @@ import triton.language as tl
 from radixserve.layers.triton_ops.launch import launch
 
 BLOCK_M = 16
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit(do_not_specialize=["K", "N", "k_per_split", "num_rows"])
 def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_per_split, num_rows,
                    stride_x, stride_a_slot, stride_a_row,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,6 +54,9 @@ def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_p
         xt = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + offs_n[None, :] * stride_a_row + kk[:, None], mask=n_mask[None, :] & k_mask[:, None],
                      other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
         if IEEE:
             acc += tl.dot(xt, at, input_precision="ieee")
         else:
@@ -62,7 +69,7 @@ def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_p
 def _expand_kernel(P, B, Out, Scalings, GroupSlots, GroupStarts, GroupLens, Order, num_splits, num_rows, N_s,
                    off0, n0, off1, n1, off2, n2, stride_b_slot, stride_b_row, stride_out,
                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   MAX_N: tl.constexpr, IEEE: tl.constexpr):
+                   MAX_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.program_id(1)
     j = tl.program_id(2)
@@ -90,7 +97,10 @@ def _expand_kernel(P, B, Out, Scalings, GroupSlots, GroupStarts, GroupLens, Orde
     n_mask = offs_n < n_j
     b_ptr = B + slot.to(tl.int64) * stride_b_slot + (off + offs_n)[None, :] * stride_b_row + offs_r[:, None]
     bt = tl.load(b_ptr, mask=n_mask[None, :] & r_mask[:, None], other=0.0)
-    s = s.to(bt.dtype)
+    if UPCAST:
+        bt = bt.to(tl.float32)
+    else:
+        s = s.to(bt.dtype)
     if IEEE:
         acc = tl.dot(s, bt, input_precision="ieee")
     else:
@@ -119,7 +129,9 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     if x.stride(1) != 1 or out.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("LoRA kernels need unit stride along the last dimension")
     group_slots, group_starts, group_lens, order = views
-    ieee = x.dtype == torch.float32
+    # Triton's CPU interpreter gets tl.dot on half types wrong: there the tiles go through float32
+    upcast = _INTERPRET and x.dtype != torch.float32
+    ieee = x.dtype == torch.float32 or upcast
     block_k = 64 if K <= 2048 else 128
     # split K so that about 1024 inputs go to a program (decode: few rows, enough programs to fill the GPU)
     num_splits = max(1, min(16, K // 1024))
@@ -130,7 +142,7 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     m_blocks = triton.cdiv(max_group_len, BLOCK_M)
     launch(_shrink_kernel, (m_blocks * triton.cdiv(N, block_n), num_groups, num_splits), x, a, p, group_slots,
            group_starts, group_lens, order, K, N, k_per_split, T, x.stride(0), a.stride(0), a.stride(1),
-           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4)
+           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast, num_warps=4)
     offs = [s[0] for s in out_slices] + [0] * (3 - n_sub)
     sizes = [s[1] for s in out_slices] + [0] * (3 - n_sub)
     max_n = max(sizes)
@@ -138,4 +150,5 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     launch(_expand_kernel, (m_blocks * triton.cdiv(max_n, block_n), num_groups, n_sub), p, b, out, scalings,
            group_slots, group_starts, group_lens, order, num_splits, T, N, offs[0], sizes[0], offs[1], sizes[1],
            offs[2], sizes[2], b.stride(0), b.stride(1), out.stride(0),
-           R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2_at_least_16(R), MAX_N=max_n, IEEE=ieee, num_warps=4)
+           R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2_at_least_16(R), MAX_N=max_n, IEEE=ieee,
+           UPCAST=upcast, num_warps=4)

@@ -79,7 +79,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: dict[str, str], 
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s detokenizer] %(levelname)s %(message)s")
     try:
-        tokenizer = get_tokenizer(tokenizer_path) if tokenizer_path else None
+        tokenizer = get_tokenizer(tokenizer_path, server_args.trust_remote_code) if tokenizer_path else None
         ctx = zmq.Context(2)
         recv = get_zmq_socket(ctx, zmq.PULL, port_args["detokenizer_input"], bind=True)
         send = get_zmq_socket(ctx, zmq.PUSH, port_args["tokenizer_input"], bind=False)

@@ -76,6 +76,34 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
+class LoadLoRAAdapterReq:
+    """Read a PEFT adapter folder on every TP rank and serve it under `name`."""
+
+    name: str
+    path: str
+
+
+@dataclass
+class LoadLoRAAdapterReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class UnloadLoRAAdapterReq:
+    """Stop serving adapter `name`: new requests for it fail at once, running ones finish first, then its cache
+    entries and host copy are dropped."""
+
+    name: str
+
+
+@dataclass
+class UnloadLoRAAdapterReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
 class HealthCheckReq:
     pass
 
@@ -114,6 +142,7 @@ class GenerateReqInput:
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    lora_path: str | list[str | None] | None = None  # LoRA adapter name(s); None: the base model
 
     def is_batch(self) -> bool:
         if self.text is not None:

@@ -63,13 +63,15 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         # LoRA: which adapter sits in which device slot (the worker holds the weights)
         self.lora_manager = self.worker.model_runner.lora_manager
         self.lora_table = LoRASlotTable(server_args.max_loras_per_batch) if self.lora_manager is not None else None
+        self.lora_unloads: list[str] = []  # adapters to unload once no request uses them
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from radixserve.managers.tokenizer_utils import get_tokenizer
 
-            self.tokenizer = get_tokenizer(server_args.tokenizer_path or self.model_config.tokenizer_path)
+            self.tokenizer = get_tokenizer(server_args.tokenizer_path or self.model_config.tokenizer_path,
+                                           trust_remote_code=server_args.trust_remote_code)
         # structured output: constrained requests wait in grammar_queue until their grammar is compiled
         self.grammar_backend: Any = None
         if server_args.grammar_backend != "none" and self.tokenizer is not None:
@@ -212,6 +214,10 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                     self.send_out(io.FlushCacheReqOutput(success=self.flush_cache()))
                 elif isinstance(obj, io.GetInternalStateReq):
                     self.send_out(io.GetInternalStateReqOutput(state=self.get_internal_state()))
+                elif isinstance(obj, io.LoadLoRAAdapterReq):
+                    self.load_lora_adapter(obj)
+                elif isinstance(obj, io.UnloadLoRAAdapterReq):
+                    self.lora_unloads.append(obj.name)  # done when no request uses it (finish_lora_unloads)
                 else:
                     logger.error("scheduler got an unknown message %r", type(obj))
             except Exception as e:  # one bad message never takes the scheduler down
@@ -219,6 +225,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                 rid = getattr(obj, "rid", None)
                 if rid is not None:
                     self.send_abort(rid, f"internal error: {e}")
+        if self.lora_unloads:
+            self.finish_lora_unloads()
 
     def handle_generate_request(self, recv: io.TokenizedGenerateReqInput) -> None:
         ids = recv.input_ids
@@ -234,7 +242,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         status = 400
         lora_error = self.check_lora_id(recv.lora_id)
         if error is None and lora_error is not None:
-            error, status = lora_error, 404
+            error, status = lora_error, 400 if self.lora_manager is None else 404
         if error is not None:
             self.send_abort(recv.rid, error, status=status)
             return
@@ -264,7 +272,48 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                    "--enable-lora)"
         if lora_id not in self.lora_manager.adapters:
             return f"LoRA adapter {lora_id!r} is not loaded"
+        if lora_id in self.lora_unloads:
+            return f"LoRA adapter {lora_id!r} is being unloaded"
         return None
+
+    def load_lora_adapter(self, req: io.LoadLoRAAdapterReq) -> None:
+        if self.lora_manager is None:
+            out = io.LoadLoRAAdapterReqOutput(False, "this server serves no LoRA adapters (start it with "
+                                                     "--enable-lora or --lora-paths)")
+        elif req.name in self.lora_unloads:
+            out = io.LoadLoRAAdapterReqOutput(False, f"LoRA adapter {req.name!r} is being unloaded; retry")
+        else:
+            try:
+                host = self.lora_manager.load_adapter(req.name, req.path)
+                out = io.LoadLoRAAdapterReqOutput(True, f"loaded LoRA adapter {req.name!r} (rank {host.rank})")
+            except (ValueError, OSError) as e:
+                out = io.LoadLoRAAdapterReqOutput(False, str(e))
+        self.send_out(out)
+
+    def finish_lora_unloads(self) -> None:
+        """Unload the adapters asked for that no request uses any more (new requests for them already fail)."""
+        in_use = {r.lora_id for r in self._live_reqs() if not r.finished()}
+        for name in [n for n in self.lora_unloads if n not in in_use]:
+            self.lora_unloads.remove(name)
+            if self.lora_manager is None or name not in self.lora_manager.adapters:
+                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {name!r} is not loaded"))
+                continue
+            self.flush_results()  # a batch in flight may still hold its last requests' cache locks
+            self.tree_cache.drop_namespace(name)
+            self.lora_table.forget(name)
+            self.lora_manager.unload_adapter(name)
+            self.send_out(io.UnloadLoRAAdapterReqOutput(True, f"unloaded LoRA adapter {name!r}"))
+
+    def _live_reqs(self) -> list[Req]:
+        reqs = [*self.waiting_queue, *self.grammar_queue]
+        for b in (self.running_batch, self.last_batch):
+            if b is not None:
+                reqs += b.reqs
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        for view, _ in self.result_queue:
+            reqs += view.reqs
+        return reqs
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         for i, req in enumerate(self.grammar_queue):
@@ -559,11 +608,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     logging.basicConfig(level=server_args.log_level.upper(),
                         format=f"[%(asctime)s scheduler TP{tp_rank}] %(levelname)s %(message)s")
-    local_procs = server_args.dp_size * server_args.tp_size // server_args.nnodes
-    if local_procs == 1 and server_args.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # leave a core to the tokenizer/HTTP and detokenizer processes: intra-op threads that spin-wait while
-        # another process holds their core make every step many times slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
     try:
         scheduler = Scheduler(server_args, port_args, tp_rank, gpu_id)
         if scheduler.device != "cpu" and not server_args.skip_server_warmup:

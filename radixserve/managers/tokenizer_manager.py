@@ -74,6 +74,9 @@ class TokenizerManager:
         self._max_token_chars: int | None = None
         self._gen_tokens = 0  # generated tokens seen so far, sampled for gen_throughput()
         self._gen_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=16)
+        # LoRA adapters served now (names); None when the server serves none
+        self.lora_names: set[str] | None = {n for n, _ in server_args.lora_path_pairs()} \
+            if server_args.enable_lora else None
 
     # ---------------------------------------------------------------- receive loop
     def _ensure_loop(self) -> None:
@@ -267,6 +270,7 @@ class TokenizerManager:
             if not isinstance(logprob_start, int) or logprob_start >= len(ids):
                 raise RequestError(f"logprob_start_len must be an integer < the prompt length {len(ids)}", 400,
                                    "logprob_start_len")
+            lora_id = self.check_lora(per(obj.lora_path, "lora_path")[i])
             base_rid = rids[i] or uuid.uuid4().hex
             for j in range(sp.n):
                 sp_j = sp if sp.n == 1 else copy.copy(sp)
@@ -275,7 +279,8 @@ class TokenizerManager:
                 out.append(io.TokenizedGenerateReqInput(
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_text=text, input_ids=list(ids),
                     sampling_params=sp_j, stream=obj.stream, return_logprob=bool(ret_lp),
-                    logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0))
+                    logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
+                    lora_id=lora_id))
         return out
 
     async def run_on_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
@@ -418,6 +423,54 @@ class TokenizerManager:
     async def flush_cache(self) -> bool:
         out = await self._control(io.FlushCacheReq(), io.FlushCacheReqOutput)
         return out.success
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def check_lora(self, name: Any, param: str = "lora_path") -> str | None:
+        """The adapter a request asks for (None: the base model); RequestError 404 when it is not served."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"{param} must be an adapter name (a string) or null", 400, param)
+        if self.lora_names is None:
+            raise RequestError(f"LoRA adapter {name!r} requested, but this server serves no adapters (start it "
+                               "with --lora-paths or --enable-lora)", 400, param)
+        if name not in self.lora_names:
+            served = ", ".join(sorted(self.lora_names)) or "none"
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (served: {served}); load it with "
+                               "/load_lora_adapter", 404, param)
+        return name
+
+    def _check_lora_control(self) -> None:
+        if self.lora_names is None:
+            raise RequestError("this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)",
+                               400)
+        if self.server_args.dp_size > 1:
+            raise RequestError("loading and unloading LoRA adapters at run time is not supported with --dp-size > "
+                               "1 (give them with --lora-paths)", 400)
+
+    async def load_lora_adapter(self, name: str, path: str) -> str:
+        """Serve the PEFT adapter at `path` as `name`; RequestError when it cannot be."""
+        self._check_lora_control()
+        if not name or not isinstance(name, str) or not path or not isinstance(path, str):
+            raise RequestError("lora_name and lora_path must be non-empty strings", 400)
+        if name in self.lora_names:
+            raise RequestError(f"LoRA adapter {name!r} is already loaded", 400, "lora_name")
+        out = await self._control(io.LoadLoRAAdapterReq(name=name, path=path), io.LoadLoRAAdapterReqOutput, 300.0)
+        if not out.success:
+            raise RequestError(out.message, 400, "lora_path")
+        self.lora_names.add(name)
+        return out.message
+
+    async def unload_lora_adapter(self, name: str, timeout: float = 600.0) -> str:
+        """Stop serving `name`: new requests for it fail at once; it is unloaded when its running requests end."""
+        self._check_lora_control()
+        if name not in self.lora_names:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded", 404, "lora_name")
+        self.lora_names.discard(name)  # new requests for it are refused from now on
+        out = await self._control(io.UnloadLoRAAdapterReq(name=name), io.UnloadLoRAAdapterReqOutput, timeout)
+        if not out.success:
+            raise RequestError(out.message, 400, "lora_name")
+        return out.message
 
     async def get_internal_state(self, timeout: float = 30.0) -> dict[str, Any]:
         out = await self._control(io.GetInternalStateReq(), io.GetInternalStateReqOutput, timeout)

@@ -78,6 +78,11 @@ class BasePrefixCache(ABC):
             node = node.parent
         return size
 
+    def drop_namespace(self, namespace: str) -> int:
+        """Free every entry under `namespace` (its LoRA adapter was unloaded); returns the tokens freed. A cache
+        that keeps nothing has nothing to drop."""
+        return 0
+
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` unlocked slots if there are that many; returns the number freed."""

@@ -4,13 +4,43 @@ ReqToTokenPool: a [max_requests, max_context_len] int32 table on the device; row
 KV slot of each of that request's tokens. Free rows are a Python list.
 
 TokenToKVPool: per-layer K and V buffers [size + 1, num_kv_heads, head_dim]; slot 0 is padding (writes of padded
-tokens land there). The free slots are an int64 tensor on the CPU: alloc is a slice, free a concatenation, so the
-scheduler never waits for the device.
+tokens land there). With an fp8 dtype (float8_e4m3fn / float8_e5m2) a slot holds k / k_scale (v / v_scale),
+saturated to the format's range; readers multiply by the layer's scale (`store_kv_values` / `load_kv_values`).
+The free slots are an int64 tensor on the CPU: alloc is a slice, free a concatenation, so the scheduler never waits
+for the device.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_KV_DTYPES
+
+
+def store_kv_values(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What a pool of `dtype` stores for the values x: x itself cast, or for fp8 x / scale saturated and cast."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def load_kv_values(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """The values a pool slot holds, in `dtype` (fp8 slots times their scale)."""
+    if not is_fp8(stored.dtype):
+        return stored.to(dtype)
+    return (stored.float() * scale).to(dtype) if scale != 1.0 else stored.to(dtype)
+
+
+def gather_kv(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """buf[slots], also for fp8 buffers (gathered as bytes)."""
+    if is_fp8(buf.dtype):
+        return buf.view(torch.uint8)[slots].view(buf.dtype)
+    return buf[slots]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -159,7 +189,12 @@ class TokenToKVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        if is_fp8(self.dtype):  # stored as bytes: index_put of fp8 values is not on every device
+            self.k_buffer[layer_id].view(torch.uint8)[loc] = store_kv_values(k, self.dtype, k_scale).view(torch.uint8)
+            self.v_buffer[layer_id].view(torch.uint8)[loc] = store_kv_values(v, self.dtype, v_scale).view(torch.uint8)
+            return
         if k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
         self.k_buffer[layer_id][loc] = k

@@ -9,7 +9,11 @@ import os
 import torch
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.distributed.parallel_state import broadcast_tensor_from_first_rank, initialize_model_parallel
+from radixserve.distributed.parallel_state import (
+    broadcast_tensor_from_first_rank,
+    initialize_model_parallel,
+    set_expert_parallel_size,
+)
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
@@ -21,6 +25,7 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 
 
@@ -31,6 +36,20 @@ def resolve_dtype(name: str, device: str, config_dtype: torch.dtype | None = Non
         return torch.float32
     # On a GPU: the checkpoint's half type, bf16 when the checkpoint is fp32 or says nothing.
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def cpu_forward_threads(args: ServerArgs) -> int | None:
+    """Intra-op threads of a CPU forward: --cpu-num-threads; else None (keep torch's) when $OMP_NUM_THREADS is set;
+    else every core this process may run on, shared out between the ranks on this machine (oversubscribed OpenMP
+    threads make every collective wait). The tokenizer and detokenizer processes block on their sockets between
+    messages, so the forward takes all cores rather than leaving one idle for them."""
+    if args.cpu_num_threads is not None:
+        return args.cpu_num_threads
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_procs = max(1, args.dp_size * args.tp_size // args.nnodes)
+    return max(1, cores // local_procs)
 
 
 class ModelRunner:
@@ -49,7 +68,7 @@ class ModelRunner:
             self.device = "cpu"
         self.is_cuda = device == "cuda"
         self.dtype = resolve_dtype(server_args.dtype, device, model_config.torch_dtype)
-        self.kv_dtype = self.dtype if server_args.kv_cache_dtype == "auto" else _DTYPES[server_args.kv_cache_dtype]
+        self.kv_dtype = self.dtype if server_args.kv_cache_dtype == "auto" else _KV_DTYPES[server_args.kv_cache_dtype]
         torch.manual_seed(server_args.random_seed)
 
         self._init_distributed()
@@ -61,11 +80,13 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, model_config.num_hidden_layers, server_args, self.dtype,
                                             self.device)
         self._init_memory_pool()
-        backend = server_args.attention_backend or ("triton" if self.is_cuda else "torch_native")
+        backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
-        if self.is_cuda and not server_args.disable_cuda_graph:
+        if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
+            logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
+        elif self.is_cuda and not server_args.disable_cuda_graph:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.cuda_graph_runner = CudaGraphRunner(self)
@@ -75,10 +96,10 @@ class ModelRunner:
         """Join this replica's TP world (gloo on the CPU, NCCL on CUDA) at tcp://--dist-init-addr, which the
         launcher fills with a free local port when it was not given."""
         args = self.server_args
-        local_procs = args.dp_size * args.tp_size // args.nnodes
-        if not self.is_cuda and local_procs > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # ranks on one CPU share its cores; oversubscribed OpenMP threads make every collective wait
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
+        if not self.is_cuda:
+            threads = cpu_forward_threads(args)
+            if threads is not None:
+                torch.set_num_threads(threads)
         if self.tp_size == 1:
             initialize_model_parallel(0, 1, "", "gloo")
             return
@@ -91,9 +112,10 @@ class ModelRunner:
         logger.info("joined the TP group at %s as rank %d of %d", addr, self.tp_rank, self.tp_size)
 
     def _load_model(self) -> torch.nn.Module:
+        set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                          seed=self.server_args.random_seed)
+                          seed=self.server_args.random_seed, quantization=self.server_args.quantization)
         model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model

@@ -20,6 +20,7 @@ from radixserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from radixserve.layers.moe.layer import FusedMoE
 from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 _MATRIX_STD = 0.02
@@ -42,6 +43,8 @@ def full_shards(module: nn.Module, leaf: str, param: torch.Tensor) -> list[tuple
     """(shard id, full unsharded shape) of each checkpoint tensor that `module.<leaf>` is loaded from through its
     weight_loader; [(None, param.shape)] for a parameter that every rank holds whole."""
     rest = tuple(param.shape[1:])
+    if isinstance(module, FusedMoE):  # all experts, the whole intermediate dim, in the layer's stacked layout
+        return [(None, module.full_shape(leaf))]
     if isinstance(module, QKVParallelLinear):
         tp, hd = module.tp_size, module.head_dim
         kv_heads = module.num_kv_heads * tp if module.kv_replicas == 1 else tp // module.kv_replicas

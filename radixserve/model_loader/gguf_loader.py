@@ -118,9 +118,16 @@ def count_gguf_tensors(reader: Any) -> int:
     return sum(1 for t in reader.tensors if t.name not in _SKIPPED)
 
 
-def gguf_weights_iterator(path: str, reader: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 cpu tensor) for every weight of a GGUF file, q/k rows restored to HF order."""
+def gguf_weights_iterator(path: str, reader: Any = None,
+                          packed: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 cpu tensor) for every weight of a GGUF file, q/k rows restored to HF order.
+
+    A weight named in `packed` (Q8_0 / Q4_K, kept quantized by `layers.quantization.gguf`) comes as its packed
+    fields instead, each under the weight's name with `weight` replaced by the field (`...q_proj.qweight`,
+    `...q_proj.d`, ...)."""
     from gguf.quants import dequantize
+
+    from radixserve.layers.quantization import gguf_formats
 
     if reader is None:
         reader = open_gguf(path)
@@ -141,6 +148,16 @@ def gguf_weights_iterator(path: str, reader: Any = None) -> Iterator[tuple[str, 
         if hf_name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+        if packed and hf_name in packed:
+            n, k = shape
+            raw = torch.from_numpy(np.ascontiguousarray(t.data).reshape(n, -1).copy())
+            fields = gguf_formats.from_ggml_bytes(t.tensor_type.name, raw, n, k)
+            heads = n_head if ".self_attn.q_proj." in hf_name else n_head_kv
+            for field, value in fields.items():
+                if permuted and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
+                    value = unpermute_qk(value, heads)
+                yield hf_name[: -len("weight")] + field, value
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:

@@ -51,12 +51,20 @@ def resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
     return load_format
 
 
-def _weights(model_config: ModelConfig, load_format: str) -> tuple[Iterable[tuple[str, torch.Tensor]], int]:
+def _weights(model_config: ModelConfig, load_format: str,
+             packed: set[str] | None = None) -> tuple[Iterable[tuple[str, torch.Tensor]], int]:
     if load_format == "gguf":
         reader = open_gguf(model_config.model_path)
-        return gguf_weights_iterator(model_config.model_path, reader), count_gguf_tensors(reader)
+        return gguf_weights_iterator(model_config.model_path, reader, packed), count_gguf_tensors(reader)
     files = list_safetensors_files(model_config.model_path)
     return safetensors_weights_iterator(files), count_safetensors_tensors(files)
+
+
+def _hf_quant_config(model_config: ModelConfig) -> dict | None:
+    qc = getattr(model_config.hf_config, "quantization_config", None)
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
 
 
 def get_model(
@@ -68,9 +76,12 @@ def get_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     seed: int = 42,
+    quantization: str | None = None,
 ) -> nn.Module:
     """The model of `model_config`, built on `device` in `dtype`, with weights from safetensors, GGUF or random
-    ("dummy"). Raises ValueError for an unsupported architecture or unreadable weights."""
+    ("dummy"). `quantization` (`--quantization`) or the checkpoint's `quantization_config` picks a method from
+    `layers.quantization`. Raises ValueError for an unsupported architecture or unreadable weights."""
+    from radixserve.layers.quantization import apply_quantization, finish_quantization, resolve_quant_config
     from radixserve.models.registry import get_model_class
 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -80,24 +91,32 @@ def get_model(
     load_format = resolve_load_format(model_config, load_format)
     model_class = get_model_class(model_config.architectures)
     torch_device = torch.device(device)
+    quant_config = resolve_quant_config(quantization, _hf_quant_config(model_config), load_format=load_format,
+                                        is_gguf=model_config.is_gguf, gguf_path=model_config.model_path,
+                                        gguf_packed_default=torch_device.type == "cuda")
 
     start = time.perf_counter()
     with _default_dtype(dtype), torch_device:
         model = model_class(model_config.hf_config, tp_rank=tp_rank, tp_size=tp_size)
+        if quant_config is not None:
+            apply_quantization(model, quant_config)
 
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:
-        weights, total = _weights(model_config, load_format)
+        weights, total = _weights(model_config, load_format, getattr(quant_config, "packed", None))
         bar = tqdm(weights, total=total, desc=f"Loading {load_format} weights", unit="tensor",
                    disable=tp_rank != 0, dynamic_ncols=True)
         with torch.no_grad():
             model.load_weights(bar)
         bar.close()
+    with torch.no_grad():
+        finish_quantization(model)
     model.eval()
     if torch_device.type == "cuda":
         torch.cuda.synchronize(torch_device)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s (%s, %.1fM params/rank, %s, %s) in %.1fs", type(model).__name__, load_format,
-                n_params / 1e6, dtype, torch_device, time.perf_counter() - start)
+    logger.info("loaded %s (%s, %.1fM params/rank, %s%s, %s) in %.1fs", type(model).__name__, load_format,
+                n_params / 1e6, dtype, f", {quant_config.name}" if quant_config else "", torch_device,
+                time.perf_counter() - start)
     return model

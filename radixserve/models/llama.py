@@ -3,16 +3,18 @@ Parameter names follow Hugging Face, except that q/k/v and gate/up are stacked; 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from radixserve.configs.model_config import sliding_window_size
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.quantization.kv_cache import kv_scale_name, set_kv_scale
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -35,10 +37,12 @@ def rope_params(config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp_rank: int, tp_size: int,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size,
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +65,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, o_bias, tp_rank, tp_size)
         theta, scaling = rope_params(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id,
+                                   sliding_window_size=sliding_window_size(config, layer_id))
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -87,16 +92,24 @@ class LlamaAttention(nn.Module):
         from radixserve.layers.triton_ops.rotary import KVWrite
 
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-        return KVWrite(k_buf, v_buf, forward_batch.out_cache_loc, v)
+        return KVWrite(k_buf, v_buf, forward_batch.out_cache_loc, v, self.attn.k_scale, self.attn.v_scale)
+
+
+def dense_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module:
+    """The feed-forward block of a dense Llama-family layer (MoE families pass their own factory)."""
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    return LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp_rank, tp_size)
+
+
+MLPFactory = Callable[["PretrainedConfig", int, int, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, qkv_bias, qk_norm)
-        mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, tp_rank, tp_size)
+        self.mlp = mlp_factory(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,10 +127,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, qkv_bias, qk_norm)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, qkv_bias, qk_norm, mlp_factory)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,6 +146,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    mlp_factory: MLPFactory = staticmethod(dense_mlp)
     # HF name fragment -> (our stacked parameter fragment, shard id)
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                       ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
@@ -142,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, tp_rank, tp_size, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, tp_rank, tp_size, qkv_bias, self.qk_norm, self.mlp_factory)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -164,30 +178,43 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            for hf_part, our_part, shard in self.stacked_params:
-                if f".{hf_part}." in name:
-                    target = name.replace(f".{hf_part}.", f".{our_part}.")
-                    if target not in params:
-                        raise ValueError(f"weight {name!r} has no parameter {target!r} in {type(self).__name__}")
-                    params[target].weight_loader(params[target], tensor, shard)
-                    loaded.add(target)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-                param = params[name]
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"weight shape mismatch for {name}: expected {tuple(param.shape)}, "
-                                         f"got {tuple(tensor.shape)}")
-                    param.data.copy_(tensor)
-                else:
-                    loader(param, tensor)
-                loaded.add(name)
+            kv_scale = kv_scale_name(name)
+            if kv_scale is not None:
+                set_kv_scale(self.model.layers[kv_scale[0]].self_attn.attn, kv_scale[1], tensor)
+                continue
+            target = self.load_weight(params, name, tensor)
+            if target is not None:
+                loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {', '.join(missing[:5])}")
+
+    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+        """Load one checkpoint tensor; returns the name of the parameter it (partly) filled. Families with other
+        stacked or renamed tensors (experts, MLA) override this and fall back to it."""
+        for hf_part, our_part, shard in self.stacked_params:
+            if f".{hf_part}." in name:
+                target = name.replace(f".{hf_part}.", f".{our_part}.")
+                if target not in params:
+                    raise ValueError(f"weight {name!r} has no parameter {target!r} in {type(self).__name__}")
+                params[target].weight_loader(params[target], tensor, shard)
+                return target
+        if name not in params:
+            raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+        load_plain(params[name], name, tensor)
+        return name
+
+
+def load_plain(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
+    """A parameter loaded whole or through its own weight_loader."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        if param.shape != tensor.shape:
+            raise ValueError(f"weight shape mismatch for {name}: expected {tuple(param.shape)}, "
+                             f"got {tuple(tensor.shape)}")
+        param.data.copy_(tensor)
+    else:
+        loader(param, tensor)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -9,6 +9,9 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "radixserve.models.llama",
     "Qwen2ForCausalLM": "radixserve.models.qwen2",
     "Qwen3ForCausalLM": "radixserve.models.qwen3",
+    "MixtralForCausalLM": "radixserve.models.mixtral",
+    "Qwen2MoeForCausalLM": "radixserve.models.qwen2_moe",
+    "Qwen3MoeForCausalLM": "radixserve.models.qwen3_moe",
 }
 
 

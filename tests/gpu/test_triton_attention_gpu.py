@@ -37,7 +37,7 @@ def make_runner(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
 
 def make_layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
     return SimpleNamespace(tp_q_head_num=num_heads, tp_k_head_num=num_kv_heads, tp_v_head_num=num_kv_heads,
-                           head_dim=head_dim, scaling=head_dim ** -0.5, layer_id=LAYER_ID)
+                           head_dim=head_dim, scaling=head_dim ** -0.5, layer_id=LAYER_ID, sliding_window_size=-1)
 
 
 def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],

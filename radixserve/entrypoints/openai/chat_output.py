@@ -29,7 +29,8 @@ def new_call_id() -> str:
 
 class ForcedCallScanner(ToolParser):
     """Reads the output of a constrained request: with a named function the whole output is its arguments; with
-    `required` it is a JSON array `[{"name": ..., "parameters": {...}}, ...]` (the grammar's shape)."""
+    `required` it is a JSON array `[{"name": ..., "parameters": {...}}, ...]` (the grammar's shape). An array cut
+    off by max_tokens yields the calls completed before the cut (finish_reason stays "length")."""
 
     name = "forced"
 
@@ -41,7 +42,9 @@ class ForcedCallScanner(ToolParser):
             res = ScanResult("", [PartialCall(name=self.function, args=text, done=final)])
         else:
             calls, end, ok = scan_call_list(text, skip_ws(text, 0), ("parameters",), array=True)
-            if not ok or (final and end is None):
+            if final and ok and end is None:  # cut off (max_tokens): the calls completed before the cut count
+                calls = [c for c in calls if c.done]
+            if not ok or (final and not calls):
                 return ScanResult(text, []) if final else ScanResult("", calls)
             res = ScanResult("", calls)
         return finish_scan(text, res) if final else res
@@ -54,6 +57,7 @@ class OutputConfig:
     reasoning: ReasoningParser | None = None
     prompt_opens_reasoning: bool = False
     tools: ToolParser | None = None  # None: no tool parsing (no tools, or tool_choice "none")
+    max_calls: int | None = None  # parallel_tool_calls false: only the first call counts
 
 
 @dataclass
@@ -77,6 +81,7 @@ class ChoiceOutput:
             msg["reasoning_content"] = reasoning or None
         if self.cfg.tools is not None:
             content, calls = self.cfg.tools.parse(rest)
+            calls = calls[: self.cfg.max_calls]
             if calls:
                 msg["content"] = content or None
                 msg["tool_calls"] = [{"id": new_call_id(), "type": "function",
@@ -104,7 +109,7 @@ class ChoiceOutput:
         if len(res.content) > self.sent_content:
             out.append({"content": res.content[self.sent_content:]})
             self.sent_content = len(res.content)
-        for k, call in enumerate(res.calls):
+        for k, call in enumerate(res.calls[: self.cfg.max_calls]):
             if call.name is None:
                 break
             if k >= len(self.calls):

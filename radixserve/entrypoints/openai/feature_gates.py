@@ -5,9 +5,9 @@ history, SGLang's benchmark client, LangChain, ...): those are accepted and chan
 400 that names the field -- never silently ignored. When a feature lands, its gate here is replaced by the real
 handling:
 
-- tool calling: `check_tool_fields` (request) and the tool part of `check_message` (history);
-- reasoning: `reasoning_effort` in `check_tool_fields`;
-- LoRA adapters: `check_lora_path`;
+- tool calling is served (chat_tools); the deprecated `functions` / `function_call` stay gated in
+  `check_tool_fields`;
+- reasoning: `reasoning_effort` in `check_tool_fields` (the thinking itself is split by --reasoning-parser);
 - the rest (`store`, `service_tier`, `modalities`, `audio`, `prediction`, `web_search_options`, `suffix`,
   SGLang's `custom_logit_processor` and `return_hidden_states`) have no planned feature.
 """
@@ -25,28 +25,21 @@ def _unsupported(param: str, what: str) -> APIError:
 
 # ---------------------------------------------------------------------------------------------- tool calling
 def check_tool_fields(req: Any) -> None:
-    """tools / tool_choice / functions / function_call / parallel_tool_calls / reasoning_effort on a chat
-    request."""
-    if req.tools is not None:
-        raise _unsupported("tools", "tool calling is not supported by this server; send tools: null or leave it out")
-    if req.tool_choice is not None and req.tool_choice != "none":
-        raise _unsupported("tool_choice", f"only 'none' (or null) is accepted without tools, got {req.tool_choice!r}")
-    # parallel_tool_calls: true or false, it changes nothing without tools
+    """The deprecated functions / function_call and reasoning_effort on a chat request (tools, tool_choice and
+    parallel_tool_calls are served: see chat_tools)."""
     if req.functions is not None:
-        raise _unsupported("functions", "function calling is not supported by this server; send null")
+        raise _unsupported("functions", "the deprecated functions field is not supported; send tools instead")
     if req.function_call is not None and req.function_call != "none":
-        raise _unsupported("function_call", f"only 'none' (or null) is accepted, got {req.function_call!r}")
+        raise _unsupported("function_call", f"only 'none' (or null) is accepted (use tool_choice), got "
+                                            f"{req.function_call!r}")
     if req.reasoning_effort is not None:
         raise _unsupported("reasoning_effort", "reasoning effort is not supported by this server; send null")
 
 
 def check_message(msg: Any, i: int) -> None:
-    """Fields of one chat history message beyond role/content/name."""
+    """Fields of one chat history message beyond role/content/name/tool_calls/tool_call_id (chat_tools checks
+    those)."""
     where = f"messages[{i}]"
-    if msg.tool_calls:  # null or [] (an SDK message without calls) change nothing
-        raise _unsupported(f"{where}.tool_calls", "tool calls in the history are not supported by this server")
-    if msg.tool_call_id is not None:
-        raise _unsupported(f"{where}.tool_call_id", "tool results are not supported by this server")
     if msg.function_call is not None:
         raise _unsupported(f"{where}.function_call", "function calls in the history are not supported")
     if msg.refusal is not None:
@@ -55,14 +48,6 @@ def check_message(msg: Any, i: int) -> None:
         raise _unsupported(f"{where}.audio", "audio is not supported by this server; send null")
     if msg.annotations:  # null or []
         raise _unsupported(f"{where}.annotations", "only null or [] is accepted")
-
-
-# ---------------------------------------------------------------------------------------------- LoRA
-def check_lora_path(value: Any, param: str = "lora_path") -> None:
-    """`lora_path` (SGLang's field; a list for a batch): only null until LoRA serving lands."""
-    values = value if isinstance(value, list) else [value]
-    if any(v is not None for v in values):
-        raise _unsupported(param, "LoRA adapters are not supported by this server; send null")
 
 
 # ---------------------------------------------------------------------------------------------- no feature
@@ -86,7 +71,6 @@ def check_noop_fields(req: Any) -> None:
 
 def check_native_fields(req: Any) -> None:
     """POST /generate: SGLang's fields for features we do not have."""
-    check_lora_path(req.lora_path)
     values = req.custom_logit_processor if isinstance(req.custom_logit_processor, list) else \
         [req.custom_logit_processor]
     if any(v is not None for v in values):
@@ -98,7 +82,6 @@ def check_native_fields(req: Any) -> None:
 def check_openai_request(req: Any) -> None:
     """Everything above that applies to an OpenAI request (completions or chat)."""
     check_noop_fields(req)
-    check_lora_path(req.lora_path)
     if hasattr(req, "tools"):
         check_tool_fields(req)
     for i, msg in enumerate(getattr(req, "messages", None) or []):

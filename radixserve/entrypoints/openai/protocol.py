@@ -8,11 +8,11 @@ names the OpenAI field; the engine's `SamplingParams.verify` checks the rest. Re
 Three kinds of fields beyond the ones we serve:
 - fields that change nothing, accepted as OpenAI accepts them: `user` (an end-user id for the caller's own abuse
   tracking; OpenAI's output does not depend on it, nor does ours), `metadata` (tags of a stored completion; we store
-  none), `parallel_tool_calls` (no effect without tools), `store: false`, `service_tier: "auto"/"default"`,
+  none), `store: false`, `service_tier: "auto"/"default"`,
   `modalities: ["text"]`; and on messages the fields the `openai` SDK's own response message carries
-  (`refusal`, `annotations`, `audio`, `function_call`, `tool_calls` as null);
-- fields of features not implemented yet (tool calling, reasoning effort, LoRA adapters): accepted when null or
-  default, any other value is a 400 -- all such checks live in `feature_gates.py`, which the features replace;
+  (`refusal`, `annotations`, `audio`, `function_call` as null);
+- fields of features not implemented (the deprecated `functions`/`function_call`, reasoning effort): accepted when
+  null or default, any other value is a 400 -- all such checks live in `feature_gates.py`, which the features replace;
 - `response_format.json_schema`: `schema` constrains the output; `strict` is honoured whatever its value (the
   output always follows the schema, which `strict: false` also allows); `name` is checked as OpenAI checks it
   (1-64 of a-z, A-Z, 0-9, _ and -) and otherwise changes nothing, as with OpenAI; `description` is rejected (a
@@ -76,7 +76,7 @@ class _SamplingFields(_Strict):
     ebnf: str | None = None
     rid: str | None = None  # request id, usable with /abort_request
     response_format: ResponseFormat | None = None  # OpenAI: chat; also accepted on completions
-    lora_path: str | None = None  # SGLang extension; only null until LoRA serving lands (feature_gates)
+    lora_path: str | None = None  # SGLang extension: a LoRA adapter's name (or say it in `model`)
 
 
 class _NoOpFields(_Strict):
@@ -91,12 +91,48 @@ class _NoOpFields(_Strict):
     web_search_options: dict[str, Any] | None = None
 
 
-class _ToolFields(_Strict):
-    """Tool calling and reasoning request fields (feature_gates: only null/default values until implemented)."""
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # enforced by the grammar of a forced call; with tool_choice "auto" only false/null
 
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI returns it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+    index: int | None = None  # present when a client rebuilt the call from stream deltas
+
+
+class _ToolFields(_Strict):
+    """Tool calling and reasoning request fields (see chat_tools; the deprecated `functions` / `function_call` and
+    `reasoning_effort` only null in feature_gates)."""
+
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (e.g. enable_thinking)
+    separate_reasoning: bool = True  # with --reasoning-parser: thinking in reasoning_content (false: inline)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     reasoning_effort: str | None = None
@@ -130,8 +166,9 @@ class ChatMessage(_Strict):
     annotations: list[dict[str, Any]] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its thinking, passed to templates that use it
 
 
 class ChatCompletionRequest(_SamplingFields, _NoOpFields, _ToolFields):
@@ -154,10 +191,23 @@ class GenerateRequest(_Strict):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    lora_path: str | list[str | None] | None = None  # LoRA adapter name(s), one per prompt for a batch
     # SGLang's request fields for features we do not have: accepted when null/false (feature_gates)
-    lora_path: str | list[str | None] | None = None
     custom_logit_processor: str | list[str | None] | None = None
     return_hidden_states: bool = False
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /unload_lora_adapter."""
+
+    lora_name: str
 
 
 class AbortRequest(_Strict):

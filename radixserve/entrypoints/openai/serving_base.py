@@ -88,12 +88,37 @@ class OpenAIServingBase:
 
     # ------------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_models:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.", 404,
-                           "model", "model_not_found")
+        self.resolve_lora(model, None)
 
-    def check_common(self, req: _SamplingFields) -> None:
-        self.check_model(req.model)
+    def resolve_lora(self, model: str | None, lora_path: str | None) -> str | None:
+        """The LoRA adapter a request asks for: `model` is the served model, an adapter's name, or
+        `<served model>:<adapter>`; SGLang's `lora_path` may name the adapter too. None: the base model."""
+        adapter = None
+        if model is not None and model not in self.accepted_models:
+            names = self.tm.lora_names or set()
+            base, sep, tail = model.rpartition(":")
+            if model in names:
+                adapter = model
+            elif sep and base in self.accepted_models and tail in names:
+                adapter = tail
+            else:
+                served = ", ".join(sorted(names))
+                raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`"
+                               + (f" and the LoRA adapters {served}." if served else "."), 404, "model",
+                               "model_not_found")
+        if lora_path is not None:
+            if adapter is not None and lora_path != adapter:
+                raise APIError(f"lora_path {lora_path!r} and model {model!r} name different adapters", 400,
+                               "lora_path", "invalid_value")
+            try:
+                adapter = self.tm.check_lora(lora_path)
+            except RequestError as e:
+                raise APIError(str(e), e.status_code, "lora_path", "invalid_value") from None
+        return adapter
+
+    def check_common(self, req: _SamplingFields) -> str | None:
+        """Validate what chat and completions share; returns the LoRA adapter asked for (None: the base model)."""
+        lora = self.resolve_lora(req.model, req.lora_path)
         check_openai_request(req)
         if req.rid is not None and any(k == req.rid or k.startswith(req.rid + "-") for k in self.tm.rid_to_state):
             raise APIError(f"rid: {req.rid!r} is already in use by a running request", 400, "rid", "invalid_value")
@@ -104,6 +129,7 @@ class OpenAIServingBase:
                 if getattr(req, name) is not None:
                     raise APIError(f"{name}: structured output is not available on this server (no grammar "
                                    "backend)", 400, name, "unsupported_parameter")
+        return lora
 
     def check_length(self, prompt_len: int, max_new_tokens: int, param: str) -> None:
         ctx = self.tm.context_len

@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: messages through the tokenizer's chat template, `n`, `logprobs`/`top_logprobs`,
-`response_format`, streaming."""
+`response_format`, streaming, tool calling and reasoning output (see chat_tools and chat_output)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,7 +11,15 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import json_response, parse_model, sse_event
+from radixserve.entrypoints.openai.chat_output import ChoiceOutput, OutputConfig
 from radixserve.entrypoints.openai.chat_prompt import ChatPromptError, encode_pieces, split_prompt
+from radixserve.entrypoints.openai.chat_tools import (
+    ToolPlan,
+    output_config,
+    plan_tools,
+    template_kwargs,
+    template_messages,
+)
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.entrypoints.openai.serving_base import (
@@ -46,40 +55,62 @@ def _flatten_content(msg: ChatMessage, i: int) -> str:
 class OpenAIServingChat(OpenAIServingBase):
     object_prefix = "chatcmpl"
 
-    async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
+    async def apply_chat_template(self, req: ChatCompletionRequest, plan: ToolPlan | None = None
+                                  ) -> tuple[list[int], str]:
+        """The prompt's token ids and text."""
         tok = self.tm.tokenizer
         if tok is None:
             raise APIError("chat completions need a tokenizer; this server runs with --skip-tokenizer-init", 400,
                            "messages")
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if not template:
             raise APIError("this model has no chat template: start the server with --chat-template FILE, or use "
                            "/v1/completions", 400, "messages", "no_chat_template")
-        messages = []
+        template = template if isinstance(template, str) else json.dumps(template)
         try:
             self.tm.check_text_length(sum(len(_flatten_content(m, i)) for i, m in enumerate(req.messages)))
         except RequestError as e:
             raise from_request_error(e, prompt_param="messages", openai=True) from None
-        for i, m in enumerate(req.messages):
-            entry = {"role": "system" if m.role == "developer" else m.role, "content": _flatten_content(m, i)}
-            if m.name is not None:
-                entry["name"] = m.name
-            messages.append(entry)
+        plan = plan or self.plan_tools(req)
+        messages = template_messages(req, plan, template, _flatten_content)
+        kwargs = template_kwargs(req, plan, template)
         parse_special = self.tm.server_args.parse_special_tokens_in_messages
         try:
-            pieces = split_prompt(tok, messages, parse_special)
-            return await self.tm.run_on_tokenizer_thread(encode_pieces, tok, pieces)
+            pieces = split_prompt(tok, messages, parse_special, **kwargs)
+            ids = await self.tm.run_on_tokenizer_thread(encode_pieces, tok, pieces)
         except ChatPromptError as e:
             raise APIError(f"messages: {e}", 400, "messages", "invalid_value") from None
+        return ids, "".join(text for text, _ in pieces)
 
-    def _sampling(self, req: ChatCompletionRequest, max_new: int) -> dict[str, Any]:
-        return self.sampling_params(req, max_new)  # response_format is handled there (chat and completions)
+    def plan_tools(self, req: ChatCompletionRequest) -> ToolPlan:
+        template = getattr(self.tm.tokenizer, "chat_template", None) if self.tm.tokenizer is not None else None
+        args = self.tm.server_args
+        plan = plan_tools(req, getattr(args, "tool_call_parser", None),
+                          template if isinstance(template, str) else None, self.grammar_ok)
+        if plan.schema is not None:
+            from radixserve.constrained import GrammarError, validate_grammar
+
+            try:
+                validate_grammar(args.grammar_backend, "json_schema", plan.schema)
+            except GrammarError as e:
+                raise APIError(f"tools: a function's parameters are not a usable JSON schema: {e}", 400, "tools",
+                               "invalid_value") from None
+        return plan
+
+    def _sampling(self, req: ChatCompletionRequest, max_new: int, plan: ToolPlan) -> dict[str, Any]:
+        sp = self.sampling_params(req, max_new)  # response_format is handled there (chat and completions)
+        if plan.schema is not None:
+            sp["json_schema"] = plan.schema
+        return sp
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(ChatCompletionRequest, body)
-        self.check_common(req)
+        lora = self.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs", "invalid_value")
-        ids = await self.apply_chat_template(req)
+        plan = self.plan_tools(req)
+        ids, prompt_text = await self.apply_chat_template(req, plan)
+        cfg = output_config(req, plan, getattr(self.tm.server_args, "reasoning_parser", None), prompt_text)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if requested is None:
             if len(ids) >= self.tm.context_len:
@@ -88,15 +119,16 @@ class OpenAIServingChat(OpenAIServingBase):
         else:
             max_new = requested
             self.check_length(len(ids), max_new, "messages")
-        sp = self._sampling(req, max_new)
+        sp = self._sampling(req, max_new, plan)
         want_lp = bool(req.logprobs)
         top_n = req.top_logprobs or 0
         rid, _ = self.make_rid(req, 1)
         obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
-                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n)
+                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n,
+                                  lora_path=lora)
         if req.stream:
             return await self.stream(request, obj, "messages",
-                                     lambda outs: self._render_stream(req, outs, len(ids), rid))
+                                     lambda outs: self._render_stream(req, outs, len(ids), rid, cfg))
         outs = await self.collect(request, obj, "messages")
         choices = []
         completion_tokens = 0
@@ -108,8 +140,10 @@ class OpenAIServingChat(OpenAIServingBase):
                                                                  list(meta.get("output_top_logprobs") or [])),
                             "refusal": None}
             reason = meta.get("finish_reason")
-            choices.append({"index": k, "message": {"role": "assistant", "content": out["text"], "refusal": None},
-                            "logprobs": logprobs, "finish_reason": finish_reason_str(reason),
+            reader = ChoiceOutput(cfg)
+            message = reader.message(out["text"])
+            choices.append({"index": k, "message": message, "logprobs": logprobs,
+                            "finish_reason": _finish(reason, reader.has_tool_calls),
                             "matched_stop": matched_stop(reason)})
             completion_tokens += meta.get("completion_tokens", 0)
         resp = self.base_response(rid, "chat.completion")
@@ -120,23 +154,21 @@ class OpenAIServingChat(OpenAIServingBase):
         return json_response(resp)
 
     async def _render_stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict[str, Any]], prompt_len: int,
-                             rid: str) -> AsyncIterator[bytes]:
+                             rid: str, cfg: OutputConfig) -> AsyncIterator[bytes]:
         base = self.base_response(rid, "chat.completion.chunk")
         base["system_fingerprint"] = None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         want_lp = bool(req.logprobs)
-        sent_text: dict[int, int] = {}
+        readers: dict[int, ChoiceOutput] = {}
         sent_lp: dict[int, int] = {}
         completion: dict[int, int] = {}
         cached = 0
         async for out in outs:
             k = out.get("index", 0)
             meta = out["meta_info"]
-            first = k not in sent_text
-            text = out["text"]
-            delta_text = text[sent_text.get(k, 0):]
-            sent_text[k] = len(text)
+            first = k not in readers
+            reader = readers.setdefault(k, ChoiceOutput(cfg))
             completion[k] = meta.get("completion_tokens", 0)
             if k == 0:
                 cached = meta.get("cached_tokens", 0)
@@ -151,29 +183,35 @@ class OpenAIServingChat(OpenAIServingBase):
                                 "refusal": None}
             reason = meta.get("finish_reason")
             usage = self.usage(prompt_len, sum(completion.values()), cached) if continuous else None
+
+            def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = usage) -> bytes:
+                c = dict(base)
+                c["choices"] = [choice]
+                if include_usage or continuous:
+                    c["usage"] = usage
+                return sse_event(c)
+
             if first:
-                chunk = dict(base)
-                chunk["choices"] = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]
-                if include_usage or continuous:
-                    chunk["usage"] = usage
-                yield sse_event(chunk)
-            if delta_text or logprobs is not None:
-                chunk = dict(base)
-                chunk["choices"] = [{"index": k, "delta": {"content": delta_text}, "logprobs": logprobs,
-                                     "finish_reason": None}]
-                if include_usage or continuous:
-                    chunk["usage"] = usage
-                yield sse_event(chunk)
+                yield chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            deltas = reader.deltas(out["text"], reason is not None)
+            if not deltas and logprobs is not None:
+                deltas = [{"content": ""}]
+            for delta in deltas:
+                yield chunk({"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+                logprobs = None
             if reason is not None:
-                chunk = dict(base)
-                chunk["choices"] = [{"index": k, "delta": {}, "logprobs": None,
-                                     "finish_reason": finish_reason_str(reason), "matched_stop": matched_stop(reason)}]
-                if include_usage or continuous:
-                    chunk["usage"] = usage
-                yield sse_event(chunk)
+                yield chunk({"index": k, "delta": {}, "logprobs": None,
+                             "finish_reason": _finish(reason, reader.has_tool_calls),
+                             "matched_stop": matched_stop(reason)})
         if include_usage:
-            chunk = dict(base)
-            chunk["choices"] = []
-            chunk["usage"] = self.usage(prompt_len, sum(completion.values()), cached)
-            yield sse_event(chunk)
+            c = dict(base)
+            c["choices"] = []
+            c["usage"] = self.usage(prompt_len, sum(completion.values()), cached)
+            yield sse_event(c)
+
+
+def _finish(reason: dict[str, Any] | None, has_tool_calls: bool) -> str | None:
+    """OpenAI's finish_reason; a complete answer that called tools ends with "tool_calls"."""
+    text = finish_reason_str(reason)
+    return "tool_calls" if has_tool_calls and text == "stop" else text

@@ -55,7 +55,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(CompletionRequest, body)
-        self.check_common(req)
+        lora = self.check_common(req)
         ids_list, prompt_texts = await self._prompts(req)
         if req.max_tokens is not None and "max_tokens" in req.model_fields_set:
             max_new = req.max_tokens  # requested: a 400 below if it does not fit
@@ -69,7 +69,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             input_ids=ids_list[0] if len(ids_list) == 1 else ids_list,
             sampling_params=self.sampling_params(req, max_new), rid=rids,
             stream=req.stream, return_logprob=want_lp,
-            logprob_start_len=0 if (want_lp and req.echo) else -1, top_logprobs_num=req.logprobs or 0)
+            logprob_start_len=0 if (want_lp and req.echo) else -1, top_logprobs_num=req.logprobs or 0,
+            lora_path=lora)
         n = req.n
         if req.stream:
             return await self.stream(request, obj, "prompt",

@@ -79,7 +79,8 @@ async def generate(request: Request) -> Response:
                                    "(no grammar backend)", 400, f"sampling_params.{key}", "unsupported_parameter")
     obj = io.GenerateReqInput(text=g.text, input_ids=g.input_ids, sampling_params=g.sampling_params, rid=g.rid,
                               stream=g.stream, return_logprob=g.return_logprob,
-                              logprob_start_len=g.logprob_start_len, top_logprobs_num=g.top_logprobs_num)
+                              logprob_start_len=g.logprob_start_len, top_logprobs_num=g.top_logprobs_num,
+                              lora_path=g.lora_path)
     with_text = g.return_text_in_logprobs
     if g.stream:
         async def render(outputs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

@@ -13,21 +13,25 @@ from radixserve.entrypoints.server_state import ServerState, server_state
 router = APIRouter()
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {"id": state.served_model_name, "object": "model", "created": int(state.start_time),
+def _model_card(state: ServerState, adapter: str | None = None) -> dict[str, Any]:
+    card = {"id": state.served_model_name, "object": "model", "created": int(state.start_time),
             "owned_by": "radixserve", "root": state.server_args.model_path, "max_model_len": state.tm.context_len}
+    if adapter is not None:  # a LoRA adapter: its own id, the base model as parent
+        card.update(id=adapter, root=adapter, parent=state.served_model_name)
+    return card
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    return json_response({"object": "list", "data": [_model_card(server_state(request))]})
+    state = server_state(request)
+    adapters = sorted(state.tm.lora_names or ())
+    return json_response({"object": "list", "data": [_model_card(state)] + [_model_card(state, a) for a in adapters]})
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(request: Request, model: str) -> Response:
     state = server_state(request)
-    state.completions.check_model(model)
-    return json_response(_model_card(state))
+    return json_response(_model_card(state, state.completions.resolve_lora(model, None)))
 
 
 @router.post("/v1/completions")

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
 
 ATTENTION_BACKENDS: dict[str, str] = {
+    "cpu": "radixserve.layers.attention.cpu_backend:CpuAttnBackend",
     "torch_native": "radixserve.layers.attention.torch_native_backend:TorchNativeAttnBackend",
     "triton": "radixserve.layers.attention.triton_backend:TritonAttnBackend",
 }

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
+    # whether decode can be captured in a CUDA graph (the init_*_cuda_graph hooks below are implemented, and the
+    # decode forward never reads device values on the host)
+    supports_cuda_graph: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build whatever per-batch metadata the kernels need (called once per forward, before the layers)."""
@@ -53,3 +57,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
+
+
+def kv_scales(layer: object) -> tuple[float, float]:
+    """(k_scale, v_scale) of an fp8 KV cache for this attention layer (1.0 for a layer that sets none)."""
+    return getattr(layer, "k_scale", 1.0), getattr(layer, "v_scale", 1.0)
+
+
+def sliding_window(layer: object) -> int:
+    """The layer's attention window in tokens, or -1 for full attention (also for a layer that sets none)."""
+    return getattr(layer, "sliding_window_size", -1)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
+from radixserve.mem_cache.memory_pool import gather_kv, load_kv_values
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -35,22 +36,29 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         rows = forward_batch.req_pool_indices.tolist()
         gqa = layer.tp_q_head_num // layer.tp_k_head_num
+        window = sliding_window(layer)
         start = 0
         for i, (q_len, pre) in enumerate(zip(q_lens, prefix_lens, strict=True)):
             if q_len == 0:
                 continue
             kv_len = pre + q_len
-            slots = req_to_token[rows[i], :kv_len].long()
-            k = k_buf[slots].to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
-            v = v_buf[slots].to(q.dtype).transpose(0, 1)
+            # with a sliding window, keys before the first query's window are never read
+            first = max(0, pre - window + 1) if window > 0 else 0
+            slots = req_to_token[rows[i], first:kv_len].long()
+            ks, vs = kv_scales(layer)
+            k = load_kv_values(gather_kv(k_buf, slots), q.dtype, ks).transpose(0, 1)  # [Hkv, L, D]
+            v = load_kv_values(gather_kv(v_buf, slots), q.dtype, vs).transpose(0, 1)
             qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
             if gqa > 1:
                 k = k.repeat_interleave(gqa, dim=0)
                 v = v.repeat_interleave(gqa, dim=0)
             mask = None
             if q_len > 1:
-                # query j (absolute position pre + j) sees keys 0 .. pre + j
-                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=pre)
+                # query j (absolute position pre + j) sees keys 0 .. pre + j (key column c is position first + c)
+                mask = torch.ones(q_len, kv_len - first, dtype=torch.bool, device=q.device).tril(
+                    diagonal=pre - first)
+                if window > 0:  # ... and only the last `window` of them
+                    mask &= ~torch.ones_like(mask).tril(diagonal=pre - first - window)
             o = F.scaled_dot_product_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                                scale=layer.scaling)
             out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
@@ -60,7 +68,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
         forward_batch.token_to_kv_pool.set_kv_buffer(
             layer.layer_id, forward_batch.out_cache_loc,
-            k.view(-1, layer.tp_k_head_num, layer.head_dim), v.view(-1, layer.tp_v_head_num, layer.head_dim))
+            k.view(-1, layer.tp_k_head_num, layer.head_dim), v.view(-1, layer.tp_v_head_num, layer.head_dim),
+            *kv_scales(layer))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         if save_kv_cache:
@@ -80,6 +89,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         lens = forward_batch.seq_lens_cpu
         rows = forward_batch.req_pool_indices
         req_to_token = forward_batch.req_to_token_pool.req_to_token
+        window = sliding_window(layer)
         start = 0
         while start < len(lens):
             end, longest = start, 0
@@ -89,9 +99,13 @@ class TorchNativeAttnBackend(AttentionBackend):
                 end += 1
             slots = req_to_token[rows[start:end], :longest].long()  # [n, L]; columns past a length are ignored
             seq = torch.tensor(lens[start:end], device=q.device)
-            mask = torch.arange(longest, device=q.device)[None, :] < seq[:, None]  # [n, L]
+            cols = torch.arange(longest, device=q.device)[None, :]
+            mask = cols < seq[:, None]  # [n, L]
+            if window > 0:  # the query (position seq - 1) sees the last `window` keys only
+                mask &= cols >= seq[:, None] - window
             pad = ~mask
-            kk, vv = k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype)  # [n, L, Hkv, D]
+            kk = load_kv_values(gather_kv(k_buf, slots), q.dtype, kv_scales(layer)[0])  # [n, L, Hkv, D]
+            vv = load_kv_values(gather_kv(v_buf, slots), q.dtype, kv_scales(layer)[1])
             if bool(pad.any()):  # whatever sits in the slots past a request's end must not leak in (0 × NaN)
                 kk[pad] = 0
                 vv[pad] = 0

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
 from radixserve.layers.attention.triton_ops.decode_attention import (
     decode_attention_fwd,
     is_interpreted,
@@ -47,6 +47,8 @@ class TritonForwardMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 64) -> None:
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda" and not is_interpreted():
@@ -191,11 +193,12 @@ class TritonAttnBackend(AttentionBackend):
                  forward_batch: ForwardBatch) -> None:
         if use_fused(k):  # one kernel for K and V, reading them through their strides
             k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-            store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+            store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
             return
         forward_batch.token_to_kv_pool.set_kv_buffer(
             layer.layer_id, forward_batch.out_cache_loc,
-            k.reshape(-1, layer.tp_k_head_num, layer.head_dim), v.reshape(-1, layer.tp_v_head_num, layer.head_dim))
+            k.reshape(-1, layer.tp_k_head_num, layer.head_dim), v.reshape(-1, layer.tp_v_head_num, layer.head_dim),
+            *kv_scales(layer))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -211,7 +214,8 @@ class TritonAttnBackend(AttentionBackend):
         extend_attention_fwd(
             q3, self._heads(k, layer.tp_k_head_num, head_dim), self._heads(v, layer.tp_v_head_num, head_dim), o,
             k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens,
-            meta.extend_start_loc, meta.max_extend_len, layer.scaling)
+            meta.extend_start_loc, meta.max_extend_len, layer.scaling,
+            k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
         return o.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
@@ -240,5 +244,6 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
-            use_dot=self.decode_use_dot, num_kv_splits=splits)
+            use_dot=self.decode_use_dot, num_kv_splits=splits, k_scale=kv_scales(layer)[0],
+            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
         return o.view(-1, num_heads * head_dim)

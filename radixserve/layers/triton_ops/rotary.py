@@ -14,20 +14,24 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.kv_store import fp8_max, fp8_saturate
 from radixserve.layers.triton_ops.launch import launch
 
 
 class KVWrite(NamedTuple):
-    """Where the rotated k and the v rows of this layer go: the pool's [slots, Hk, D] buffers at slots `loc` [T]."""
+    """Where the rotated k and the v rows of this layer go: the pool's [slots, Hk, D] buffers at slots `loc` [T]
+    (an fp8 pool stores k / k_scale and v / v_scale)."""
     k_buf: torch.Tensor
     v_buf: torch.Tensor
     loc: torch.Tensor
     v: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @triton.jit
-def _rotate_heads(X, base, cos, sin, heads, Dst, dst_base, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr):
+def _rotate_heads(X, base, cos, sin, heads, Dst, dst_base, dst_inv, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, FP8_MAX: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < heads) & (d < HALF)
@@ -40,15 +44,18 @@ def _rotate_heads(X, base, cos, sin, heads, Dst, dst_base, HALF: tl.constexpr, H
     tl.store(p1 + HALF, o2, mask=mask)
     if STORE:
         d1 = Dst + dst_base + h * HEAD_DIM + d
+        if FP8_MAX > 0:
+            o1 = fp8_saturate(o1, dst_inv, FP8_MAX)
+            o2 = fp8_saturate(o2, dst_inv, FP8_MAX)
         tl.store(d1, o1.to(Dst.dtype.element_ty), mask=mask)
         tl.store(d1 + HALF, o2.to(Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(Q, K, V, KBuf, VBuf, Loc, Positions, Cos, Sin, stride_q, stride_k, stride_v, stride_kb, stride_vb,
-                   stride_cache, num_q_heads, num_k_heads,
+                   stride_cache, num_q_heads, num_k_heads, k_inv, v_inv,
                    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr):
     # program (t, 0) rotates token t's q heads, program (t, 1) its k heads (and stores k and v): a decode batch of
     # a few tokens gets twice the programs
     t = tl.program_id(0).to(tl.int64)
@@ -57,18 +64,22 @@ def _rotary_kernel(Q, K, V, KBuf, VBuf, Loc, Positions, Cos, Sin, stride_q, stri
     cos = tl.load(Cos + pos * stride_cache + d, mask=d < HALF, other=0.0)
     sin = tl.load(Sin + pos * stride_cache + d, mask=d < HALF, other=0.0)
     if tl.program_id(1) == 0:
-        _rotate_heads(Q, t * stride_q, cos, sin, num_q_heads, Q, 0, HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, False)
+        _rotate_heads(Q, t * stride_q, cos, sin, num_q_heads, Q, 0, 1.0, HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, False,
+                      0.0)
     elif STORE_KV:
         loc = tl.load(Loc + t).to(tl.int64)
-        _rotate_heads(K, t * stride_k, cos, sin, num_k_heads, KBuf, loc * stride_kb, HALF, HEAD_DIM, BLOCK_HK,
-                      BLOCK_HALF, True)
+        _rotate_heads(K, t * stride_k, cos, sin, num_k_heads, KBuf, loc * stride_kb, k_inv, HALF, HEAD_DIM, BLOCK_HK,
+                      BLOCK_HALF, True, FP8_MAX)
         h = tl.arange(0, BLOCK_HK)[:, None]
         dv = tl.arange(0, 2 * BLOCK_HALF)[None, :]
         vmask = (h < num_k_heads) & (dv < HEAD_DIM)
         v = tl.load(V + t * stride_v + h * HEAD_DIM + dv, mask=vmask)
+        if FP8_MAX > 0:
+            v = fp8_saturate(v, v_inv, FP8_MAX)
         tl.store(VBuf + loc * stride_vb + h * HEAD_DIM + dv, v.to(VBuf.dtype.element_ty), mask=vmask)
     else:
-        _rotate_heads(K, t * stride_k, cos, sin, num_k_heads, K, 0, HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, False)
+        _rotate_heads(K, t * stride_k, cos, sin, num_k_heads, K, 0, 1.0, HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, False,
+                      0.0)
 
 
 def _check_kv_write(w: KVWrite, k: torch.Tensor, head_dim: int) -> None:
@@ -102,10 +113,13 @@ def apply_rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     hq, hk, half = q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim // 2
     if kv_write is None:  # unused pointer arguments: any tensor will do
         v, k_buf, v_buf, loc, sv, skb, svb = k, k, k, positions, 0, 0, 0
+        k_inv = v_inv = 1.0
+        fmax = 0.0
     else:
         v, k_buf, v_buf, loc = kv_write.v, kv_write.k_buf, kv_write.v_buf, kv_write.loc
         sv, skb, svb = v.stride(0), k_buf.stride(0), v_buf.stride(0)
+        k_inv, v_inv, fmax = 1.0 / kv_write.k_scale, 1.0 / kv_write.v_scale, fp8_max(k_buf.dtype)
     launch(_rotary_kernel, (t, 2), q, k, v, k_buf, v_buf, loc, positions, cos_cache, sin_cache, q.stride(0),
-           k.stride(0), sv, skb, svb, cos_cache.stride(0), hq, hk, HALF=half, HEAD_DIM=head_dim,
+           k.stride(0), sv, skb, svb, cos_cache.stride(0), hq, hk, k_inv, v_inv, HALF=half, HEAD_DIM=head_dim,
            BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
-           BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=kv_write is not None)
+           BLOCK_HALF=triton.next_power_of_2(half), STORE_KV=kv_write is not None, FP8_MAX=fmax)

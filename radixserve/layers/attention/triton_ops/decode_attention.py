@@ -5,11 +5,14 @@ its chunk of the request's KV slots, keeps an online softmax, and writes a parti
 own softmax sum) plus the base-2 log-sum-exp of its scores. Stage 2 launches one program per (request, query head)
 and merges the partials of the non-empty splits.
 
+An fp8 pool (k / k_scale, v / v_scale) costs nothing extra: k's scale is folded into the score scale, v's into the
+partial output.
+
 The grid depends only on the batch size (its split axis is `num_kv_splits`, which the caller picks from the batch
 size alone), so both launches can be captured in a CUDA graph. How many splits a request really uses is decided
 inside the kernels from its seq_len: `min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of
 BLOCK_N tokens; programs whose split is empty do nothing, and stage 2 recomputes the same split boundaries, so no
-split count is ever stored.
+split count is ever stored. Under a sliding window of W tokens the splits cover only the last W positions.
 
 Query heads of one KV head (GQA) are processed together: the K/V tile is loaded once for the group, and the scores
 come from `tl.dot` with the group padded to at least 16 rows (tensor cores want M >= 16). That holds even for plain
@@ -23,26 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.attention.triton_ops.common import LOG2E, decode_splits, mma
 from radixserve.layers.triton_ops.launch import launch
-
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _mma(a, b, FP32: tl.constexpr):
-    """a @ b with float32 accumulation; FP32 runs it on float32 operands at full (IEEE) precision."""
-    if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b.to(a.dtype))
 
 
 # The split count and length are plain runtime values (not specialised: a value of 1 or a multiple of 16 would
 # otherwise compile its own variant the first time some batch size produced it, in the middle of serving).
-@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
+@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
 def _decode_stage1_kernel(
     Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE,
-    sm_scale_log2, num_kv_splits, min_split_len,
+    sm_scale_log2, v_scale, num_kv_splits, min_split_len, window,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -72,9 +65,8 @@ def _decode_stage1_kernel(
         mask_d = offs_d < HEAD_DIM
 
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
-    chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    kv_start, chunk, _ = decode_splits(seq_len, window, num_kv_splits, min_split_len, BLOCK_N)
+    start = kv_start + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     if start < end:
@@ -95,7 +87,7 @@ def _decode_stage1_kernel(
             k = tl.load(K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                         mask=mask_kv, other=0.0)
             if USE_DOT:
-                qk = _mma(q, tl.trans(k), DOT_FP32)
+                qk = mma(q, tl.trans(k), DOT_FP32)
             else:  # BLOCK_H == 1: q [1, D] against k [N, D], all in 2-D
                 qk = tl.sum(q * k.to(tl.float32), axis=1)[None, :]
             qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
@@ -107,22 +99,22 @@ def _decode_stage1_kernel(
             v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                         mask=mask_kv, other=0.0)
             if USE_DOT:
-                acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
+                acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, DOT_FP32)
             else:
                 acc = acc * alpha[:, None] + tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
             m_i = m_new
 
         out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
                     + offs_d[None, :])
-        tl.store(out_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(out_ptrs, acc * (v_scale / l_i[:, None]), mask=mask_h[:, None] & mask_d[None, :])
         tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
                  mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
+@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, Out, Seq_lens,
-    num_kv_splits, min_split_len,
+    num_kv_splits, min_split_len, window,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
@@ -144,9 +136,7 @@ def _decode_stage2_kernel(
     # One split per iteration is the fastest on an H200 at every batch size measured (8-256): a [SPLIT_BLOCK, D]
     # tile summed over its split axis cost 1.5-2.8x more (2.6-8.8 us against 3.9-24 us per layer).
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N, 1)
-    n_valid = tl.where(seq_len > 0, tl.cdiv(seq_len, chunk), 0)
+    _, chunk, n_valid = decode_splits(seq_len, window, num_kv_splits, min_split_len, BLOCK_N)
     lse_base = Mid_LSE + b.to(tl.int64) * stride_mlb + h * stride_mlh
     o_base = Mid_O + b.to(tl.int64) * stride_mob + h * stride_moh
     m = tl.full([1], float("-inf"), dtype=tl.float32)
@@ -257,8 +247,12 @@ def decode_attention_fwd(
     num_stages: int = 2,
     use_dot: bool | None = None,
     num_kv_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int = -1,
 ) -> None:
-    """Attention of one query token per request over its first seq_len KV slots; writes `o` in place.
+    """Attention of one query token per request over its first seq_len KV slots (the last `sliding_window` of them
+    when it is positive); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless it is fp8).
 
     q, o: [bs, H, D]; k_buffer, v_buffer: [slots, Hkv, D]; req_to_token: [rows, max_ctx] int32;
     req_pool_indices, seq_lens: [bs] (int32 or int64, on the device); mid_o [bs, H, S, D] and mid_lse [bs, H, S]
@@ -279,8 +273,13 @@ def decode_attention_fwd(
     group = num_heads // num_kv_heads
     if min_split_len < 1:
         raise ValueError(f"min_split_len must be positive; got {min_split_len}")
+    if sliding_window == 0 or sliding_window < -1:
+        raise ValueError(f"sliding_window must be -1 (none) or positive; got {sliding_window}")
+    window = max(sliding_window, 0)  # 0: full attention in the kernels
 
     interp = is_interpreted()
+    if k_buffer.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k_scale = v_scale = 1.0  # only an fp8 pool is scaled
     block_d = max(16, triton.next_power_of_2(head_dim))
     if use_dot is None:
         use_dot = _default_use_dot(group)
@@ -298,7 +297,7 @@ def decode_attention_fwd(
     grid1 = (bs, num_kv_heads * head_blocks, num_kv_splits)
     launch(_decode_stage1_kernel, grid1,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale * _LOG2E, num_kv_splits, min_split_len,
+        sm_scale * k_scale * LOG2E, v_scale, num_kv_splits, min_split_len, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -312,7 +311,7 @@ def decode_attention_fwd(
     grid2 = (bs, num_heads)
     launch(_decode_stage2_kernel, grid2,
         mid_o, mid_lse, o, seq_lens,
-        num_kv_splits, min_split_len,
+        num_kv_splits, min_split_len, window,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),

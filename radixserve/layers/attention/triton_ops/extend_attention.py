@@ -4,8 +4,11 @@ For request b, its extend_len new tokens (rows extend_start .. extend_start + ex
   1. the cached prefix: positions 0 .. prefix_len - 1, whose K/V are read from the pool through
      req_to_token[req_pool_indices[b], :prefix_len] (no mask: every new token sees the whole prefix), and
   2. the new tokens themselves, causally, read from the contiguous k/v inputs (not from the pool).
+Under a sliding window of W tokens (SLIDING) a query at position p sees only the keys at p - W + 1 .. p: the loops
+start at the first block any query of the program can see, and every block is masked.
 One program handles BLOCK_M new tokens of one query head; both phases share one online softmax. Query heads map to
-KV heads by integer division (GQA). Lengths vary per request; programs past a request's end exit at once.
+KV heads by integer division (GQA). An fp8 pool's prefix is read times its k/v scales (k's folded into the prefix's
+score scale, v's applied as the tile is widened). Lengths vary per request; programs past a request's end exit at once.
 """
 
 from __future__ import annotations
@@ -14,31 +17,27 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.attention.triton_ops.common import LOG2E, mma
 from radixserve.layers.triton_ops.launch import launch
 
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
-def _mma(a, b, FP32: tl.constexpr):
-    """a @ b with float32 accumulation; FP32 runs it on float32 operands at full (IEEE) precision."""
-    if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b.to(a.dtype))
-
-
-@triton.jit
-def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.constexpr, MASKED: tl.constexpr):
-    """One KV block of the online softmax; `visible` [BLOCK_M, BLOCK_N] is only read when MASKED."""
-    qk = _mma(q, tl.trans(k), DOT_FP32) * sm_scale_log2
+def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
+                  ROWS_MAY_BE_EMPTY: tl.constexpr = False):
+    """One KV block of the online softmax; `visible` [BLOCK_M, BLOCK_N] is only read when MASKED.
+    ROWS_MAY_BE_EMPTY: a row may see no key of this block before it has seen any (sliding window); its running max
+    is then still -inf, and the exponentials are taken against 0 instead (so they give 0, not NaN)."""
+    qk = mma(q, tl.trans(k), DOT_FP32) * sm_scale_log2
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if ROWS_MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v, DOT_FP32)
+    acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, DOT_FP32)
     return m_new, l_i, acc
 
 
@@ -46,7 +45,7 @@ def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.c
 def _extend_kernel(
     Q, K_Ext, V_Ext, Out, K_Buf, V_Buf,
     Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
-    sm_scale_log2,
+    sm_scale_log2, prefix_scale_log2, v_scale, window,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -60,6 +59,8 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,38 +93,66 @@ def _extend_kernel(
 
         # 1. the cached prefix, read through req_to_token: full blocks, then the ragged tail
         full_end = (prefix_len // BLOCK_N) * BLOCK_N
+        if SLIDING:  # from the block holding the first key this program's first query sees, all masked
+            lo = (tl.maximum(prefix_len + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+            for n0 in range(lo, prefix_len, BLOCK_N):
+                offs_n = n0 + offs_nb
+                mask_n = offs_n < prefix_len
+                loc = tl.load(r2t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+                mask_kv = mask_n[:, None] & mask_d[None, :]
+                k = tl.load(kb_head + loc[:, None] * stride_kbt, mask=mask_kv, other=0.0)
+                v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_kv, other=0.0)
+                if KV_FP8:
+                    v = (v.to(tl.float32) * v_scale).to(q.dtype)
+                visible = mask_n[None, :] & (offs_n[None, :] > (prefix_len + offs_m)[:, None] - window)
+                m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, prefix_scale_log2, DOT_FP32, True,
+                                              True)
+            full_end = 0  # nothing left for the unmasked loops below
         for n0 in range(0, full_end, BLOCK_N):
             loc = tl.load(r2t_row + n0 + offs_nb).to(tl.int64)
             k = tl.load(kb_head + loc[:, None] * stride_kbt, mask=mask_d[None, :], other=0.0)
             v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_d[None, :], other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, sm_scale_log2, DOT_FP32, False)
-        if full_end < prefix_len:
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, prefix_scale_log2, DOT_FP32, False)
+        if not SLIDING and full_end < prefix_len:
             offs_n = full_end + offs_nb
             mask_n = offs_n < prefix_len
             loc = tl.load(r2t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(kb_head + loc[:, None] * stride_kbt, mask=mask_kv, other=0.0)
             v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_kv, other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale_log2, DOT_FP32, True)
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, prefix_scale_log2, DOT_FP32,
+                                          True)
 
         # 2. the new tokens (from the k/v inputs), causally: key j is visible to query i when j <= i.
         # Blocks wholly before this query block (BLOCK_M is a multiple of BLOCK_N) need no mask.
         ke_head = K_Ext + q_start * stride_kt + kv_head * stride_kh + offs_d[None, :]
         ve_head = V_Ext + q_start * stride_vt + kv_head * stride_vh + offs_d[None, :]
-        for n0 in range(0, m0, BLOCK_N):
+        unmasked_end = m0
+        if SLIDING:
+            unmasked_end = 0
+        for n0 in range(0, unmasked_end, BLOCK_N):
             offs_n = n0 + offs_nb
             k = tl.load(ke_head + offs_n[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
             v = tl.load(ve_head + offs_n[:, None] * stride_vt, mask=mask_d[None, :], other=0.0)
             m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, sm_scale_log2, DOT_FP32, False)
         end_new = tl.minimum(m0 + BLOCK_M, q_len)
-        for n0 in range(m0, end_new, BLOCK_N):
+        masked_start = m0
+        if SLIDING:
+            masked_start = (tl.maximum(m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for n0 in range(masked_start, end_new, BLOCK_N):
             offs_n = n0 + offs_nb
             mask_n = offs_n < q_len
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(ke_head + offs_n[:, None] * stride_kt, mask=mask_kv, other=0.0)
             v = tl.load(ve_head + offs_n[:, None] * stride_vt, mask=mask_kv, other=0.0)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32, True)
+            if SLIDING:
+                visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
+            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32, True, SLIDING)
 
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -163,10 +192,15 @@ def extend_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int = -1,
 ) -> None:
     """Writes `o` in place. q, o: [T, H, D]; k, v: [T, Hkv, D] (the new tokens, in q's order); k_buffer, v_buffer:
-    [slots, Hkv, D]; req_to_token [rows, max_ctx] int32; the per-request tensors [bs] on the device;
-    max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so no device sync)."""
+    [slots, Hkv, D] (an fp8 pool holds k / k_scale, v / v_scale); req_to_token [rows, max_ctx] int32; the
+    per-request tensors [bs] on the device; max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so
+    no device sync). sliding_window > 0: a query sees only the keys up to that many positions back, itself
+    included."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError("q/o [T, H, D], k/v [T, Hkv, D] and k/v buffers [slots, Hkv, D] expected")
     num_tokens, num_heads, head_dim = q.shape
@@ -185,6 +219,8 @@ def extend_attention_fwd(
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     if max_extend_len < 0:
         raise ValueError(f"max_extend_len must be >= 0; got {max_extend_len}")
+    if sliding_window == 0 or sliding_window < -1:
+        raise ValueError(f"sliding_window must be -1 (none) or positive; got {sliding_window}")
     bs = extend_seq_lens.shape[0]
     if num_tokens == 0 or bs == 0 or max_extend_len == 0:
         return
@@ -199,12 +235,13 @@ def extend_attention_fwd(
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     block_d = max(16, triton.next_power_of_2(head_dim))
     dot_fp32 = interp or q.dtype == torch.float32
+    kv_fp8 = k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     launch(_extend_kernel, grid,
         q, k, v, o, k_buffer, v_buffer,
         req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
-        sm_scale * _LOG2E,
+        sm_scale * LOG2E, sm_scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale, max(sliding_window, 0),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -213,6 +250,6 @@ def extend_attention_fwd(
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32,
+        DOT_FP32=dot_fp32, KV_FP8=kv_fp8, SLIDING=sliding_window > 0,
         num_warps=num_warps, num_stages=num_stages,
     )

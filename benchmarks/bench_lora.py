@@ -1,0 +1,181 @@
+"""Multi-LoRA cost on one GPU: decode step latency at several batch sizes and offline throughput, each with adapters
+and on the base model (no LoRA) in the same run.
+
+    python benchmarks/bench_lora.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
+        --num-adapters 8 --rank 16 --batch-size 1 32 128 --result-file lora.json
+
+Adapters are random PEFT folders (rank --rank on all seven projections) written to --adapter-dir. Decode: a static
+batch through the scheduler's ModelRunner (CUDA graphs on), every row with an adapter (rows spread evenly over the
+adapters; batch 1 uses one), median step time. Offline: --num-prompts requests through the in-process scheduler
+(overlap on, radix cache on), spread evenly over the adapters, output throughput. Prints a table; writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from radixserve.managers import io_struct as io
+from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.managers.scheduler import Scheduler
+from radixserve.managers.tp_worker import run_model_worker_batch
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+
+def make_adapters(args: argparse.Namespace) -> list[str]:
+    import transformers as tf
+
+    from radixserve.lora.adapter import write_random_adapter
+
+    cfg = tf.AutoConfig.from_pretrained(args.model_path)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return [f"a{i}=" + write_random_adapter(f"{args.adapter_dir}/a{i}", cfg, args.rank, seed=i, device=dev)
+            for i in range(args.num_adapters)]
+
+
+def make_scheduler(args: argparse.Namespace, lora_paths: list[str] | None) -> Scheduler:
+    kw: dict[str, Any] = dict(model_path=args.model_path, load_format=args.load_format,
+                              max_total_tokens=args.max_total_tokens, skip_tokenizer_init=True,
+                              cuda_graph_max_bs=args.cuda_graph_max_bs, log_level="warning",
+                              max_running_requests=args.max_running_requests)
+    if args.device:
+        kw["device"] = args.device
+    if lora_paths:
+        kw.update(lora_paths=lora_paths, max_loras_per_batch=args.num_adapters, max_lora_rank=args.rank)
+    return Scheduler(ServerArgs(**kw), port_args={})
+
+
+def sync(s: Scheduler) -> None:
+    if s.worker.model_runner.is_cuda:
+        torch.cuda.synchronize()
+
+
+def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: int, steps: int) -> float:
+    """Median decode step time of a static batch of `bs` rows (row i uses names[i % len(names)])."""
+    runner = s.worker.model_runner
+    vocab = runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(bs)
+    reqs = []
+    for i in range(bs):
+        sp = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1 << 30})
+        r = Req(str(i), torch.randint(0, vocab, (input_len,), generator=g).tolist(), sp,
+                lora_id=names[i % len(names)])
+        r.init_next_round_input(None)
+        reqs.append(r)
+    batch = ScheduleBatch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device, vocab)
+    batch.lora_table = s.lora_table
+
+    def run() -> None:
+        out = run_model_worker_batch(runner, batch.get_model_worker_batch()).next_token_ids.tolist()
+        for r, t in zip(batch.reqs, out, strict=True):
+            r.output_ids.append(t)
+
+    batch.prepare_for_extend()
+    run()
+    times = []
+    for _ in range(steps):
+        sync(s)
+        t = time.perf_counter()
+        batch.prepare_for_decode()
+        run()
+        sync(s)
+        times.append(time.perf_counter() - t)
+    for r in batch.reqs:
+        runner.token_to_kv_pool.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
+        runner.req_to_token_pool.free(r.req_pool_idx)
+    return statistics.median(times)
+
+
+def offline(s: Scheduler, names: list[str | None], n: int, in_lo: int, in_hi: int, out_len: int,
+            seed: int) -> dict[str, float]:
+    vocab = s.worker.model_runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    total_in = 0
+    t0 = time.perf_counter()
+    for i in range(n):
+        length = int(torch.randint(in_lo, in_hi + 1, (1,), generator=g))
+        total_in += length
+        sp = SamplingParams.from_dict({"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+        s.process_input_requests([io.TokenizedGenerateReqInput(
+            rid=f"o{seed}-{i}", input_text=None, input_ids=torch.randint(0, vocab, (length,), generator=g).tolist(),
+            sampling_params=sp, lora_id=names[i % len(names)])])
+    while s.step() or not s.is_idle():
+        pass
+    sync(s)
+    dt = time.perf_counter() - t0
+    done = sum(len(m.rids) for m in s.outbox if isinstance(m, io.BatchTokenIDOut))
+    s.outbox.clear()
+    return {"seconds": dt, "output_tok_s": n * out_len / dt, "total_tok_s": (total_in + n * out_len) / dt,
+            "messages": done}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default=None)
+    p.add_argument("--num-adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapter-dir", default="/tmp/radixserve-lora-bench")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--offline-input-range", type=int, nargs=2, default=[256, 768])
+    p.add_argument("--offline-output-len", type=int, default=96)
+    p.add_argument("--max-total-tokens", type=int, default=200_000)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=128)
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--result-file", default="bench_lora.json")
+    args = p.parse_args()
+
+    t = time.perf_counter()
+    lora_paths = make_adapters(args)
+    names = [x.split("=")[0] for x in lora_paths]
+    print(f"wrote {len(names)} adapters of rank {args.rank} in {time.perf_counter() - t:.1f} s", flush=True)
+    results: dict[str, Any] = {"args": vars(args), "decode": {}, "offline": {}}
+    for mode in ("base", "lora"):
+        t = time.perf_counter()
+        s = make_scheduler(args, lora_paths if mode == "lora" else None)
+        print(f"[{mode}] scheduler ready in {time.perf_counter() - t:.1f} s", flush=True)
+        rows = names if mode == "lora" else [None]
+        # warm-up: every kernel compiled (prefill, decode, all batch sizes of the runs below)
+        offline(s, rows, 2 * len(rows), 32, 64, 4, seed=99)
+        for bs in args.batch_size:
+            decode_latency(s, bs, rows[:1] if bs == 1 else rows, 16, 2)
+            results["decode"].setdefault(str(bs), {})[mode] = decode_latency(
+                s, bs, rows[:1] if bs == 1 else rows, args.input_len, args.decode_steps)
+            print(f"[{mode}] decode bs={bs}: {results['decode'][str(bs)][mode] * 1e3:.2f} ms/step", flush=True)
+        if not args.skip_offline:
+            results["offline"][mode] = offline(s, rows, args.num_prompts, *args.offline_input_range,
+                                               args.offline_output_len, seed=1)
+            print(f"[{mode}] offline: {results['offline'][mode]}", flush=True)
+        if s.worker_client is not None:
+            s.worker_client.shutdown()
+        del s
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"\n{'measure':<24}{'base':>12}{'8 adapters' if args.num_adapters == 8 else 'adapters':>12}{'ratio':>8}")
+    for bs, d in results["decode"].items():
+        ratio = d["base"] / d["lora"]
+        d["ratio_speed"] = ratio
+        print(f"{'decode bs=' + bs + ' (ms/step)':<24}{d['base'] * 1e3:>12.2f}{d['lora'] * 1e3:>12.2f}{ratio:>8.3f}")
+    if results["offline"]:
+        b, lo = results["offline"]["base"], results["offline"]["lora"]
+        results["offline"]["ratio"] = lo["output_tok_s"] / b["output_tok_s"]
+        print(f"{'offline (out tok/s)':<24}{b['output_tok_s']:>12.0f}{lo['output_tok_s']:>12.0f}"
+              f"{results['offline']['ratio']:>8.3f}")
+    with open(args.result_file, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

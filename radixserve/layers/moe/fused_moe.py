@@ -1,0 +1,242 @@
+"""The experts as two grouped GEMMs in Triton.
+
+1. Align (`moe_align_block_size`, two small kernels, no host sync): the token→expert assignments (T·k of them,
+   numbered t·k + j) are bucketed by expert and each bucket padded to a multiple of BLOCK_M, so every block of
+   BLOCK_M rows belongs to one expert. `sorted_ids` lists assignment numbers (padding = T·k), `expert_ids` the
+   expert of each block, `total` the padded length. The grid is sized from shapes alone (an upper bound on the
+   blocks; programs past `total` return at once), so it can be captured in a CUDA graph.
+2. Gate/up: per block, rows x[assignment // k] times the expert's gate and up columns, SiLU(gate)·up in registers,
+   one store of the activated [T·k, I] intermediate: the [T·k, 2I] gate/up product never reaches memory.
+3. Down: per block, intermediate rows times the expert's W_down, times the routing weight, stored per assignment;
+   then one sum over each token's k rows.
+
+Experts not held on this rank (expert parallelism) are left out in the align step; their assignments' rows stay
+zero. Block sizes come from `moe_config(...)` per shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.layers.triton_ops.launch import launch
+
+
+@triton.jit
+def _align_count_kernel(Ids, Sorted, ExpertIds, Total, PadStart, Cursor, n, offset, num_local, max_blocks,
+                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
+    """One program: per-expert counts, padded starts, the expert of every block; fills Sorted with padding."""
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, n, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
+        held = (offs < n) & (e >= 0) & (e < num_local)
+        e = tl.where(held, e, -1)
+        counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(PadStart + offs_e, pad_end - padded)
+    tl.store(Cursor + offs_e, tl.zeros([E_PAD], dtype=tl.int32))
+    tl.store(Total, tl.sum(padded, 0))
+    for b0 in range(0, max_blocks, BLOCKS):
+        offs_b = b0 + tl.arange(0, BLOCKS)
+        first_row = offs_b * BLOCK_M
+        # the block's expert: how many experts end at or before its first row (blocks past the total get the last)
+        eid = tl.sum((pad_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        eid = tl.minimum(eid, num_local - 1)
+        tl.store(ExpertIds + offs_b, eid, mask=offs_b < max_blocks)
+        for r in range(0, BLOCK_M):
+            tl.store(Sorted + first_row + r, tl.full([BLOCKS], 0, tl.int32) + n, mask=offs_b < max_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(Ids, Sorted, PadStart, Cursor, n, offset, num_local, CHUNK: tl.constexpr):
+    """Each held assignment takes the next free row of its expert's bucket (the order within a bucket does not
+    change any result: every row of a GEMM tile is computed on its own)."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
+    held = (offs < n) & (e >= 0) & (e < num_local)
+    e = tl.where(held, e, 0)
+    slot = tl.atomic_add(Cursor + e, 1, mask=held)
+    base = tl.load(PadStart + e, mask=held, other=0)
+    tl.store(Sorted + base + slot, offs.to(tl.int32), mask=held)
+
+
+@dataclass
+class AlignedAssignments:
+    sorted_ids: torch.Tensor  # int32 [max_blocks * block_m]: assignment numbers, padding = T·k
+    expert_ids: torch.Tensor  # int32 [max_blocks]: local expert of each block
+    total: torch.Tensor  # int32 [1]: padded rows in use
+    max_blocks: int
+    block_m: int
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
+                         expert_offset: int = 0) -> AlignedAssignments:
+    n = topk_ids.numel()
+    max_blocks = triton.cdiv(n + min(num_local, n) * (block_m - 1), block_m)
+    dev = topk_ids.device
+    e_pad = triton.next_power_of_2(num_local + 1)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1)
+    chunk = 64 if e_pad <= 128 else 32
+    launch(_align_count_kernel, (1,), ids, sorted_ids, expert_ids, total, scratch[:e_pad], scratch[e_pad:], n,
+           expert_offset, num_local, max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCKS=64,
+           num_warps=4)
+    launch(_align_scatter_kernel, (triton.cdiv(n, 256),), ids, sorted_ids, scratch[:e_pad], scratch[e_pad:], n,
+           expert_offset, num_local, CHUNK=256, num_warps=4)
+    return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
+
+
+@triton.jit
+def _mma(a, b, FP32: tl.constexpr):
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, inter_size, hidden,
+                    stride_x, stride_we, stride_wn, stride_i,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(Total):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(Sorted + offs_m)
+    row_ok = rows < num_valid
+    tok = (rows // top_k).to(tl.int64)
+    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter_size
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tok[:, None] * stride_x + offs_k[None, :]
+    wg_ptrs = W13 + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    wu_ptrs = wg_ptrs + inter_size * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g += _mma(x, wg, FP32)
+        acc_u += _mma(x, wu, FP32)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = Inter + rows[:, None].to(tl.int64) * stride_i + offs_n[None, :]
+    tl.store(out_ptrs, act.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, hidden, inter_size,
+                 stride_i, stride_we, stride_wn, stride_o,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(Total):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(Sorted + offs_m)
+    row_ok = rows < num_valid
+    rows64 = rows.to(tl.int64)
+    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = Inter + rows64[:, None] * stride_i + offs_k[None, :]
+    w_ptrs = W2 + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_ok = offs_k < inter_size - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += _mma(a, w, FP32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(Weights + rows64, mask=row_ok, other=0.0)
+    acc = acc * weight[:, None]
+    tl.store(Out + rows64[:, None] * stride_o + offs_n[None, :], acc.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int
+    block_n_gate_up: int
+    block_n_down: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Per-shape overrides: (experts held, intermediate per rank, hidden) -> {max tokens: config}; the first entry whose
+# bound covers the batch wins. Shapes not listed use the heuristic below.
+TUNED: dict[tuple[int, int, int], dict[int, MoEConfig]] = {}
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int, inter_size: int, hidden: int,
+               interpreted: bool = False) -> MoEConfig:
+    """Block sizes for a batch: small row blocks when few tokens reach each expert (decode: the kernel reads the
+    weights, and a 16-row block wastes the least), larger ones when experts see many tokens (prefill: reuse)."""
+    for bound, cfg in sorted(TUNED.get((num_experts, inter_size, hidden), {}).items()):
+        if num_tokens <= bound:
+            return cfg
+    if interpreted:  # the CPU interpreter: small tiles keep the tests quick
+        return MoEConfig(16, 16, 16, 16, 1, 1)
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    if per_expert <= 16:
+        return MoEConfig(16, 32, 64, 128, 4, 4)
+    if per_expert <= 64:
+        return MoEConfig(32, 64, 64, 64, 4, 4)
+    if per_expert <= 256:
+        return MoEConfig(64, 64, 128, 64, 4, 3)
+    return MoEConfig(128, 128, 128, 64, 8, 3)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_offset: int = 0, num_global_experts: int | None = None,
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """The same result as `moe_forward_torch` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] with global
+    expert ids; this rank holds experts expert_offset .. expert_offset + E - 1 of `num_global_experts`)."""
+    num_tokens, hidden = x.shape
+    num_local, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    if w13.shape != (num_local, 2 * inter, hidden) or w2.shape != (num_local, hidden, inter):
+        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden {hidden}")
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+
+    interp = is_interpreted()
+    cfg = config or moe_config(num_tokens, top_k, num_local, inter, hidden, interp)
+    x = x.contiguous()
+    n = num_tokens * top_k
+    aligned = moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_offset)
+    inter_cache = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    partial_held = num_global_experts is not None and num_global_experts != num_local
+    out = (torch.zeros if partial_held else torch.empty)((n, hidden), dtype=x.dtype, device=x.device)
+    fp32 = x.dtype == torch.float32
+    opts = {} if interp else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(_gate_up_kernel, (aligned.max_blocks, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, inter_cache,
+           aligned.sorted_ids, aligned.expert_ids, aligned.total, n, top_k, inter, hidden, x.stride(0),
+           w13.stride(0), w13.stride(1), inter_cache.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
+           BLOCK_K=cfg.block_k, FP32=fp32, **opts)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    launch(_down_kernel, (aligned.max_blocks, triton.cdiv(hidden, cfg.block_n_down)), inter_cache, w2, out,
+           weights, aligned.sorted_ids, aligned.expert_ids, aligned.total, n, hidden, inter, inter_cache.stride(0),
+           w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
+           BLOCK_K=cfg.block_k, FP32=fp32, **opts)
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+

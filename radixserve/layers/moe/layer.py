@@ -1,0 +1,126 @@
+"""FusedMoE: the routed experts of one layer as stacked tensors, sharded for tensor or expert parallelism.
+
+- Tensor parallelism (`ep_size` 1): every rank holds every expert and 1/tp of each expert's intermediate dimension
+  (gate/up rows, down columns); the ranks' partial outputs are summed by an all-reduce.
+- Expert parallelism (`ep_size` = tp size): rank r holds experts [r·E/ep, (r+1)·E/ep) whole. Every rank has every
+  token (the attention before is tensor-parallel and ends in an all-reduce), so dispatch is local: each rank runs
+  its tokens through the experts it holds and leaves the others out; the combine is the same all-reduce.
+The caller may skip the all-reduce (`reduce_results=False`) to fold it with the shared experts' one.
+
+Checkpoint tensors arrive one expert at a time (`weight_loader(param, w, shard_id in {"w1", "w2", "w3"},
+expert_id)`, w1 = gate, w3 = up, w2 = down, as in Mixtral's names) or, from the dummy loader, as one full stacked
+tensor in this layer's layout (`shard_id=None`). Nothing builds an nn.Module per expert.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from radixserve.distributed.parallel_state import get_expert_parallel_size, tensor_model_parallel_all_reduce
+from radixserve.layers.moe.methods import MoEMethod, UnquantizedMoEMethod
+from radixserve.layers.moe.router import RouterConfig, select_experts
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, router: RouterConfig, hidden_size: int, intermediate_size: int, tp_rank: int = 0,
+                 tp_size: int = 1, ep_size: int | None = None, reduce_results: bool = True,
+                 quant_method: MoEMethod | None = None) -> None:
+        super().__init__()
+        ep_size = get_expert_parallel_size() if ep_size is None else ep_size
+        if ep_size not in (1, tp_size):
+            raise ValueError(f"--ep-size must be 1 or the tensor parallel size {tp_size}; got {ep_size}")
+        num_experts = router.num_experts
+        self.router = router
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.tp_rank, self.tp_size, self.ep_size = tp_rank, tp_size, ep_size
+        if ep_size > 1:
+            if num_experts % ep_size:
+                raise ValueError(f"{num_experts} experts cannot be split evenly over --ep-size {ep_size}")
+            self.num_local_experts = num_experts // ep_size
+            self.expert_offset = tp_rank * self.num_local_experts
+            self.moe_tp_rank, self.moe_tp_size = 0, 1
+        else:
+            self.num_local_experts, self.expert_offset = num_experts, 0
+            self.moe_tp_rank, self.moe_tp_size = tp_rank, tp_size
+        if intermediate_size % self.moe_tp_size:
+            raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by the tensor parallel "
+                             f"size {self.moe_tp_size}")
+        self.intermediate_size = intermediate_size
+        self.inter_per_rank = intermediate_size // self.moe_tp_size
+        self.reduce_results = reduce_results
+        self.quant_method = quant_method or UnquantizedMoEMethod()
+        self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.inter_per_rank)
+
+    # ---------------------------------------------------------------- loading
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        """The unsharded stacked shape of `w13_weight` / `w2_weight` (all experts, the whole intermediate dim)."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        return (e, 2 * i, h) if param_name == "w13_weight" else (e, h, i)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
+                      expert_id: int | None = None) -> None:
+        n = self.inter_per_rank
+        lo = self.moe_tp_rank * n
+        is_w13 = param is self.w13_weight
+        if shard_id is None:  # a full stacked tensor in this layer's layout
+            full = self.full_shape("w13_weight" if is_w13 else "w2_weight")
+            if tuple(loaded.shape) != full:
+                raise ValueError(f"stacked expert weight shape {tuple(loaded.shape)}, expected {full}")
+            mine = loaded.narrow(0, self.expert_offset, self.num_local_experts)
+            i = self.intermediate_size
+            if is_w13:
+                param.data[:, :n].copy_(mine[:, lo:lo + n])
+                param.data[:, n:].copy_(mine[:, i + lo:i + lo + n])
+            else:
+                param.data.copy_(mine[:, :, lo:lo + n])
+            return
+        if expert_id is None or not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id {expert_id} out of range 0..{self.num_experts - 1}")
+        local = expert_id - self.expert_offset
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        if shard_id in ("w1", "w3"):
+            if is_w13 is False or loaded.shape != (self.intermediate_size, self.hidden_size):
+                raise ValueError(f"expert {expert_id} {shard_id} shape {tuple(loaded.shape)}, expected "
+                                 f"{(self.intermediate_size, self.hidden_size)}")
+            dst = param.data[local, :n] if shard_id == "w1" else param.data[local, n:]
+            dst.copy_(loaded[lo:lo + n])
+        elif shard_id == "w2":
+            if is_w13 or loaded.shape != (self.hidden_size, self.intermediate_size):
+                raise ValueError(f"expert {expert_id} w2 shape {tuple(loaded.shape)}, expected "
+                                 f"{(self.hidden_size, self.intermediate_size)}")
+            param.data[local].copy_(loaded[:, lo:lo + n])
+        else:
+            raise ValueError(f"expert shard id must be 'w1', 'w2' or 'w3'; got {shard_id!r}")
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.router, correction_bias)
+        out = self.quant_method.apply(self, x, topk_weights, topk_ids)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+
+_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_SHARD_OF = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
+
+
+def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+    """Load a per-expert checkpoint tensor (`...experts.<e>.{gate,up,down}_proj.weight`, or Mixtral's w1/w3/w2)
+    into its layer's stacked parameter; returns that parameter's name, or None if `name` is not an expert's."""
+    m = _EXPERT_WEIGHT.match(name)
+    if m is None:
+        return None
+    prefix, expert, part = m.groups()
+    shard = _SHARD_OF[part]
+    target = f"{prefix}.{'w2_weight' if shard == 'w2' else 'w13_weight'}"
+    if target not in params:
+        raise ValueError(f"weight {name!r} has no stacked expert parameter {target!r}")
+    params[target].weight_loader(params[target], tensor, shard, int(expert))
+    return target

@@ -1,0 +1,95 @@
+"""Expert selection: scores from the router logits, top-k (optionally within the best expert groups), weights.
+
+Covers the routers of the supported families:
+- Mixtral, Qwen2-MoE, Qwen3-MoE: softmax over all experts, top-k, optionally renormalised to sum to 1;
+- DeepSeek-V2: softmax, top-k plain ("greedy") or within the `topk_group` best of `n_group` groups ranked by their
+  best expert ("group_limited_greedy"), times `routed_scaling_factor`;
+- DeepSeek-V3: sigmoid scores; the choice uses scores + `e_score_correction_bias`, groups ranked by the sum of their
+  two best corrected scores; the weights are the uncorrected scores of the chosen experts, renormalised, times
+  `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORING = ("softmax", "sigmoid")
+GROUP_RANKING = ("max", "top2_sum")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = False
+    num_groups: int | None = None  # grouped top-k: experts split into this many groups ...
+    topk_groups: int | None = None  # ... of which the best this many are eligible
+    group_ranking: str = "max"  # how a group is ranked: its best score, or the sum of its two best
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORING:
+            raise ValueError(f"MoE scoring must be one of {', '.join(SCORING)}, got {self.scoring!r}")
+        if self.group_ranking not in GROUP_RANKING:
+            raise ValueError(f"MoE group ranking must be one of {', '.join(GROUP_RANKING)}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..{self.num_experts}")
+        if self.num_groups is not None:
+            if self.num_groups < 1 or self.num_experts % self.num_groups:
+                raise ValueError(f"n_group {self.num_groups} must divide the {self.num_experts} experts")
+            if self.topk_groups is None or not 1 <= self.topk_groups <= self.num_groups:
+                raise ValueError(f"topk_group {self.topk_groups} must be in 1..n_group {self.num_groups}")
+            if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
+                raise ValueError(f"topk_group {self.topk_groups} groups hold fewer experts than "
+                                 f"num_experts_per_tok {self.top_k}")
+
+
+def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E]."""
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if cfg.num_groups is not None and cfg.num_groups > 1:
+        t = choice.shape[0]
+        grouped = choice.view(t, cfg.num_groups, -1)
+        if cfg.group_ranking == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(cfg.topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(t, -1)
+        # softmax scores are >= 0, so 0 never wins over an eligible expert (as in DeepSeek-V2); corrected sigmoid
+        # scores may be negative, so they are masked with -inf (as in DeepSeek-V3)
+        fill = 0.0 if cfg.scoring == "softmax" and correction_bias is None else float("-inf")
+        choice = choice.masked_fill(~keep, fill)
+    ids = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+class MoEGate(nn.Module):
+    """The router's linear layer (HF name `...mlp.gate.weight`, held whole on every rank) and, for DeepSeek-V3, the
+    `e_score_correction_bias`. Logits are computed in float32, as the DeepSeek references keep the gate in fp32."""
+
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())

@@ -1,0 +1,103 @@
+"""Quantization methods, one file each, behind a registry (imported only when asked for; the names feed
+`ServerArgs --quantization`).
+
+`resolve_quant_config(name, hf_quant_config, ...)` picks the method from `--quantization` or the checkpoint's
+`quantization_config`; `apply_quantization(model, config)` gives each layer that the method quantizes its
+`quant_method` (and that method's parameters) before the weights load; `finish_quantization(model)` runs each
+method's `process_weights_after_loading` once they have."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from radixserve.layers.quantization.base import QuantizationConfig
+
+logger = logging.getLogger(__name__)
+
+# name -> (module, config class)
+QUANTIZATION_METHODS: dict[str, tuple[str, str]] = {
+    "fp8": ("radixserve.layers.quantization.fp8", "Fp8Config"),
+    "gguf": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
+    # a 16/32-bit checkpoint quantised online to a packed GGUF format
+    "q8_0": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
+    "q4_k": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
+}
+# checkpoint quant_method values that mean one of ours
+_ALIASES = {"fp8": "fp8", "gguf": "gguf"}
+
+
+def get_quantization_config_class(name: str) -> type[QuantizationConfig]:
+    if name not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {name!r}; supported: {', '.join(sorted(QUANTIZATION_METHODS))}")
+    module, cls = QUANTIZATION_METHODS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | None, *,
+                         load_format: str = "auto", is_gguf: bool = False, gguf_path: str | None = None,
+                         gguf_packed_default: bool = True) -> QuantizationConfig | None:
+    """The quantization of a model: `name` (`--quantization`) or the checkpoint's `quantization_config`.
+
+    A checkpoint's method wins when no name is given; a name that contradicts the checkpoint is a ValueError.
+    With dummy weights the checkpoint's fp8 layout is quantised online instead (there is nothing on disk). A GGUF
+    file keeps its Q8_0/Q4_K layers packed with `gguf` (by default only where `gguf_packed_default`: on GPUs)."""
+    if is_gguf and (name == "gguf" or (name is None and gguf_packed_default)):
+        if gguf_path is None:
+            raise ValueError("gguf quantization needs the GGUF file's path")
+        return get_quantization_config_class("gguf").from_file(gguf_path)
+    if is_gguf and name is None:
+        return None
+    if is_gguf:
+        raise ValueError(f"--quantization {name} cannot be applied to a GGUF file (its weights are quantized "
+                         f"already; leave --quantization unset or use gguf)")
+    ckpt_method = None
+    if hf_quant_config:
+        raw = str(hf_quant_config.get("quant_method", "")).lower()
+        ckpt_method = _ALIASES.get(raw)
+        if ckpt_method is None:
+            raise ValueError(f"checkpoint quantization_config.quant_method {raw!r} is not supported; supported: "
+                             f"{', '.join(sorted(QUANTIZATION_METHODS))}")
+    if name is None and ckpt_method is None:
+        return None
+    if name is not None and ckpt_method is not None and name != ckpt_method:
+        raise ValueError(f"--quantization {name} contradicts the checkpoint's quantization_config "
+                         f"(quant_method {ckpt_method})")
+    method = name or ckpt_method
+    if method == "gguf":
+        raise ValueError("--quantization gguf needs a .gguf model file")
+    if method in ("q8_0", "q4_k"):
+        if ckpt_method is not None:
+            raise ValueError(f"--quantization {method} quantises a 16/32-bit checkpoint; this one is {ckpt_method}")
+        return get_quantization_config_class(method).from_config({"online_type": method.upper()}, serialized=False)
+    serialized = ckpt_method is not None and load_format != "dummy"
+    config = hf_quant_config if serialized else {}
+    return get_quantization_config_class(method).from_config(dict(config or {}), serialized=serialized)
+
+
+def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
+    """Give every layer that `config` quantizes its method and parameters; returns how many layers changed."""
+    count = 0
+    for prefix, module in model.named_modules():
+        if not hasattr(module, "set_quant_method"):
+            continue
+        method = config.get_quant_method(module, prefix)
+        if method is not None:
+            module.set_quant_method(method)
+            count += 1
+    logger.info("%s quantization on %d layers", config.name, count)
+    if hasattr(config, "log_summary"):
+        config.log_summary()
+    return count
+
+
+def finish_quantization(model: nn.Module) -> None:
+    """Each quantized layer's `process_weights_after_loading` (online quantisation, scale merging, repacking)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

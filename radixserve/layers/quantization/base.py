@@ -1,0 +1,87 @@
+"""What a quantization method is: a config read from the checkpoint (or `--quantization`) that hands each layer
+a method; the method creates the layer's parameters, finishes them after loading and runs the layer's product.
+
+A layer that can be quantized (the linear layers; MoE layers when they exist) holds `quant_method` and calls
+`quant_method.create_weights(layer)` and `quant_method.apply(layer, x, bias)`. A method's parameters carry the
+sharding attributes the linear loaders read (see `layers/linear.py`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from radixserve.layers.linear import _LinearBase
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, attrs: dict[str, Any] | None = None,
+              fill: float | None = None) -> nn.Parameter:
+    data = torch.empty(shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    param = nn.Parameter(data, requires_grad=False)
+    set_weight_attrs(param, attrs or {})
+    return param
+
+
+class QuantizeMethodBase:
+    def create_weights(self, layer: nn.Module) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after every weight of the model has loaded (quantise online, merge scales, repack)."""
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes a forward reads for this layer's weights (parameters held on the device)."""
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    def apply(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def create_weights(self, layer: _LinearBase) -> None:
+        layer.weight = new_param((layer.output_size, layer.input_size), layer.params_dtype,
+                                 {"output_dim": 0, "input_dim": 1})
+
+    def apply(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig:
+    """One quantization method's settings. Subclasses set `name` and implement `from_config` and
+    `get_quant_method`."""
+
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, serialized: bool) -> QuantizationConfig:
+        """From the checkpoint's `quantization_config` (`serialized`: the weights on disk are quantized), or from
+        an empty dict for `--quantization NAME` on an unquantized checkpoint."""
+        raise NotImplementedError
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for `layer` (named `prefix` in the model), or None to leave it unquantized."""
+        raise NotImplementedError
+
+
+def is_ignored(prefix: str, ignored: list[str] | tuple[str, ...]) -> bool:
+    """Whether a layer is in a checkpoint's ignore list (HF names; our stacked layers match their parts)."""
+    if not ignored:
+        return False
+    parts = [prefix]
+    for stacked, members in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if prefix.endswith(stacked):
+            parts = [prefix[: -len(stacked)] + m for m in members]
+    hits = [any(p == name or p.endswith("." + name) or name in p.split(".") for name in ignored) for p in parts]
+    if any(hits) and not all(hits):
+        raise ValueError(f"layer {prefix}: some of its stacked matrices are quantized and some are not")
+    return all(hits)

@@ -1,0 +1,232 @@
+"""FP8 (float8_e4m3fn) linear layers.
+
+Three ways in, one layer at the end:
+- a checkpoint with per-tensor scales (`weight_scale`, and `input_scale` when its activation scheme is static):
+  each stacked matrix's scale becomes the scale of its rows, i.e. per-channel scales;
+- a checkpoint with block-wise scales (`weight_scale_inv` [ceil(N/bn), ceil(K/bk)], `weight_block_size`
+  [bn, bk], as DeepSeek-V3 and the Qwen3 FP8 releases ship): kept as they are;
+- `--quantization fp8` on a 16/32-bit checkpoint: quantised after loading, one scale per output channel.
+
+The product: for a batch of at most `SMALL_M` rows the weight is widened inside a Triton kernel (W8A16; the
+product reads the fp8 bytes once and needs no activation scales); above it the activations get dynamic scales
+(per token, or per token and 128-column group for block-wise weights; static per-tensor when the checkpoint
+says so) and the product runs on fp8 tensor cores: `torch._scaled_mm` for per-channel weights, the Triton
+block-scaled kernel for block-wise ones. On the CPU the same arithmetic runs as a dequantising torch reference."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from radixserve.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizeMethodBase,
+    is_ignored,
+    new_param,
+)
+
+if TYPE_CHECKING:
+    from radixserve.layers.linear import _LinearBase
+
+logger = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+SMALL_M = int(os.environ.get("RADIXSERVE_FP8_W8A16_MAX_M", "16"))
+_EPS = 1e-10
+
+
+# ---------------------------------------------------------------- torch references (the CPU path)
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], float32 scales [N]): one scale per row, amax / 448."""
+    scale = w.float().abs().amax(dim=1).clamp(min=_EPS) / FP8_MAX
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]): one scale per bn x bk block."""
+    n, k = w.shape
+    gn, gk = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(gn, bn, gk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_EPS) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(gn * bn, gk * bk)[:n, :k]
+    return q.to(FP8).contiguous(), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """float32 weight of an fp8 [N, K] tensor with scales per bn x bk block, or per row for 1-D scales [N]."""
+    n, k = q.shape
+    if scale.dim() == 1 or scale.shape[1] == 1:
+        return q.float() * scale.reshape(n, 1).float()
+    s = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return q.float() * s
+
+
+def quantize_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scales [M, K // group]): the reference of `per_token_group_quant_fp8`."""
+    m, k = x.shape
+    g = x.float().view(m, k // group, group)
+    scale = g.abs().amax(dim=-1).clamp(min=_EPS) / FP8_MAX
+    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, k)
+    return q, scale
+
+
+def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bn: int, bk: int,
+                   bias: torch.Tensor | None, act_group: int | None, input_scale: torch.Tensor | None = None,
+                   ) -> torch.Tensor:
+    """The dequantising reference: x [M, K] times the fp8 weight; activations quantised first unless act_group
+    is None (W8A16). Computed in float32, returned in x's dtype."""
+    w = dequantize_blocks(q, scale, bn, bk)
+    xf = x.float()
+    if input_scale is not None:  # static per-tensor activation scale
+        s = input_scale.float()
+        xf = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
+    elif act_group is not None:
+        xq, xs = quantize_groups_ref(xf, act_group)
+        xf = (xq.float().view(x.shape[0], -1, act_group) * xs[..., None]).view(x.shape)
+    out = xf @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- config
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+
+    def __init__(self, serialized: bool, activation_scheme: str = "dynamic",
+                 weight_block_size: list[int] | None = None, ignored_layers: list[str] | None = None) -> None:
+        if activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"fp8 activation_scheme must be 'dynamic' or 'static', got {activation_scheme!r}")
+        if weight_block_size is not None:
+            if not serialized:
+                raise ValueError("fp8 weight_block_size needs a checkpoint quantized block-wise")
+            if len(weight_block_size) != 2 or any(int(b) < 16 or int(b) & (int(b) - 1) for b in weight_block_size):
+                raise ValueError(f"fp8 weight_block_size must be two powers of two >= 16, got {weight_block_size}")
+            if activation_scheme != "dynamic":
+                raise ValueError("block-wise fp8 supports only the dynamic activation scheme")
+        self.serialized = serialized
+        self.activation_scheme = activation_scheme
+        self.weight_block_size = [int(b) for b in weight_block_size] if weight_block_size else None
+        self.ignored_layers = list(ignored_layers or [])
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, serialized: bool) -> Fp8Config:
+        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or []
+        return cls(serialized=serialized and "fp8" in str(config.get("quant_method", "fp8")),
+                   activation_scheme=config.get("activation_scheme", "dynamic"),
+                   weight_block_size=config.get("weight_block_size"), ignored_layers=ignored)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from radixserve.layers.linear import _LinearBase
+
+        if isinstance(layer, _LinearBase):
+            return None if is_ignored(prefix, self.ignored_layers) else Fp8LinearMethod(self)
+        return None
+
+
+# ---------------------------------------------------------------- linear method
+def _on_gpu_kernels(x: torch.Tensor) -> bool:
+    from radixserve.layers.triton_ops import use_fused
+
+    return use_fused(x)
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """The layer ends with `weight` fp8 [N, K] and `weight_scale` float32: [N] (per channel) or
+    [ceil(N/bn), ceil(K/bk)] (block-wise, the checkpoint's `weight_scale_inv`); `input_scale` (a scalar) for a
+    static activation scheme."""
+
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+        self.block = config.weight_block_size
+
+    def create_weights(self, layer: _LinearBase) -> None:
+        n, k = layer.output_size, layer.input_size
+        if not self.config.serialized:  # quantised after loading
+            layer.weight = new_param((n, k), layer.params_dtype, {"output_dim": 0, "input_dim": 1})
+            return
+        layer.weight = new_param((n, k), FP8, {"output_dim": 0, "input_dim": 1})
+        if self.block is not None:
+            bn, bk = self.block
+            if len(layer.output_sizes) > 1 or layer.tp_size > 1:
+                for size in layer.output_sizes:
+                    if size % bn:
+                        raise ValueError(f"block-wise fp8: output rows {size} of a stacked or sharded layer are not "
+                                         f"a multiple of the block {bn}")
+            layer.weight_scale_inv = new_param((-(-n // bn), -(-k // bk)), torch.float32,
+                                               {"output_dim": 0, "input_dim": 1, "output_block": bn,
+                                                "input_block": bk}, fill=1.0)
+            return
+        shards = len(layer.output_sizes)
+        layer.weight_scale = new_param((shards,), torch.float32, {"shard_scalar": True}, fill=1.0)
+        if self.config.activation_scheme == "static":
+            layer.input_scale = new_param((shards,), torch.float32, {"shard_scalar": True}, fill=1.0)
+
+    def process_weights_after_loading(self, layer: _LinearBase) -> None:
+        if not self.config.serialized:
+            q, scale = quantize_rows(layer.weight.data)
+            layer.weight = nn.Parameter(q, requires_grad=False)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+            return
+        if self.block is not None:
+            scale = layer.weight_scale_inv.data
+            del layer.weight_scale_inv
+            layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
+            return
+        per_shard = layer.weight_scale.data.float()
+        sizes = torch.tensor(layer.output_sizes, device=per_shard.device)
+        layer.weight_scale = nn.Parameter(per_shard.repeat_interleave(sizes), requires_grad=False)
+        if hasattr(layer, "input_scale"):  # one activation scale for the stacked product: the largest
+            layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1), requires_grad=False)
+
+    def _groups(self, layer: _LinearBase) -> tuple[int, int]:
+        if self.block is not None:
+            return self.block[0], self.block[1]
+        return 1, layer.input_size
+
+    def apply(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        bn, bk = self._groups(layer)
+        input_scale = getattr(layer, "input_scale", None)
+        small = x2.shape[0] <= SMALL_M and input_scale is None
+        if _on_gpu_kernels(x2):
+            out = self._apply_kernels(layer, x2, bias, bn, bk, small, input_scale)
+        else:
+            out = fp8_linear_ref(x2, layer.weight, layer.weight_scale, bn, bk, bias, None if small else bk,
+                                 input_scale)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    def _apply_kernels(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int,
+                       small: bool, input_scale: torch.Tensor | None) -> torch.Tensor:
+        from radixserve.layers.quantization.fp8_kernels import fp8_gemm, per_token_group_quant_fp8
+
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        w, ws = layer.weight, layer.weight_scale
+        if small:
+            return fp8_gemm(x, w, ws.view(-1, 1) if ws.dim() == 1 else ws, bn, bk, x.dtype, bias=bias)
+        if input_scale is not None:
+            s = input_scale.float()
+            xq = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            xs = s.expand(x.shape[0]).reshape(-1, 1).contiguous()
+        else:
+            xq, xs = per_token_group_quant_fp8(x, bk)
+        if self.block is None and x.is_cuda and _scaled_mm_ok(x.shape[0], w.shape[0], w.shape[1]):
+            out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype)
+            return out if bias is None else out + bias
+        return fp8_gemm(xq, w, ws.view(-1, 1) if ws.dim() == 1 else ws, bn, bk, x.dtype, a_scale=xs,
+                        a_group_k=bk if self.block is not None else w.shape[1], bias=bias)
+
+
+def _scaled_mm_ok(m: int, n: int, k: int) -> bool:
+    return n % 16 == 0 and k % 16 == 0 and os.environ.get("RADIXSERVE_FP8_SCALED_MM", "1") != "0"
+

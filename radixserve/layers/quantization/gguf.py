@@ -1,0 +1,135 @@
+"""GGUF weights kept quantized: Q8_0 and Q4_K linear layers hold their packed fields (`gguf_formats`) and multiply
+through a Triton kernel that dequantises tiles in registers (`gguf_kernels`); on the CPU the dequantising torch
+reference runs. Every other tensor type (F16/F32, Q6_K, Q5_0, ...), and a stacked layer whose parts differ in type,
+is dequantised at load as before, with one log line saying which.
+
+Two ways in: a .gguf file (`GGUFConfig.from_file`: each layer's format is its tensors' type in the file), or
+`--quantization q8_0 | q4_k` on a 16/32-bit checkpoint (quantised online after loading; what the benchmarks use
+with dummy weights)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.quantization import gguf_formats as fmts
+from radixserve.layers.quantization.base import LinearMethodBase, QuantizationConfig, QuantizeMethodBase, new_param
+
+if TYPE_CHECKING:
+    from radixserve.layers.linear import _LinearBase
+
+logger = logging.getLogger(__name__)
+
+PACKED_TYPES = (fmts.Q8_0, fmts.Q4_K)
+_STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stacked_members(prefix: str) -> list[str]:
+    """The HF names of the matrices a layer named `prefix` holds (q/k/v for qkv_proj, gate/up for gate_up_proj)."""
+    head, _, leaf = prefix.rpartition(".")
+    parts = _STACKED.get(leaf)
+    return [f"{head}.{p}" if head else p for p in parts] if parts else [prefix]
+
+
+class GGUFConfig(QuantizationConfig):
+    name = "gguf"
+
+    def __init__(self, tensor_types: dict[str, str] | None = None, online_type: str | None = None) -> None:
+        if online_type is not None and online_type not in PACKED_TYPES:
+            raise ValueError(f"online GGUF quantization must be one of {', '.join(PACKED_TYPES)}, got {online_type}")
+        self.tensor_types = dict(tensor_types or {})
+        self.online_type = online_type
+        self.packed: set[str] = set()  # HF weight names the loader must hand over packed
+        self._dequantized: Counter[str] = Counter()
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, serialized: bool) -> GGUFConfig:
+        return cls(config.get("tensor_types"), config.get("online_type"))
+
+    @classmethod
+    def from_file(cls, path: str) -> GGUFConfig:
+        from radixserve.model_loader.gguf_loader import gguf_to_hf_name, open_gguf
+
+        reader = open_gguf(path)
+        types = {}
+        for t in reader.tensors:
+            try:
+                hf = gguf_to_hf_name(t.name)
+            except ValueError:
+                continue  # the loader reports unknown tensors
+            if hf is not None:
+                types[hf] = t.tensor_type.name
+        return cls(types)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from radixserve.layers.linear import _LinearBase
+
+        if not isinstance(layer, _LinearBase):
+            return None
+        members = stacked_members(prefix)
+        if self.online_type is not None:
+            fmt = self.online_type
+        else:
+            kinds = {self.tensor_types.get(m + ".weight", "missing") for m in members}
+            fmt = kinds.pop() if len(kinds) == 1 else None
+            if fmt not in PACKED_TYPES:
+                self._dequantized["+".join(sorted(kinds | ({fmt} if fmt else set())))] += 1
+                return None
+        if layer.input_size % fmts.BLOCK[fmt]:
+            self._dequantized[f"{fmt} with rows of {layer.input_size}"] += 1
+            return None
+        if self.online_type is None:
+            self.packed.update(m + ".weight" for m in members)
+        return GGUFLinearMethod(fmt, online=self.online_type is not None)
+
+    def log_summary(self) -> None:
+        if self._dequantized:
+            kinds = ", ".join(f"{k} ({n} layers)" for k, n in sorted(self._dequantized.items()))
+            logger.info("GGUF: Q8_0/Q4_K linear layers stay packed; dequantised at load: %s", kinds)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    def __init__(self, fmt: str, online: bool) -> None:
+        self.fmt = fmt
+        self.online = online
+
+    def create_weights(self, layer: _LinearBase) -> None:
+        n, k = layer.output_size, layer.input_size
+        if self.online:
+            layer.weight = new_param((n, k), layer.params_dtype, {"output_dim": 0, "input_dim": 1})
+            return
+        for field in fmts.FIELDS[self.fmt]:
+            param = new_param(fmts.field_shape(self.fmt, field, n, k), fmts.field_dtype(self.fmt, field),
+                              {"output_dim": 0, "input_dim": 1,
+                               "input_block": fmts.field_input_block(self.fmt, field)}, fill=0)
+            setattr(layer, field, param)
+
+    def process_weights_after_loading(self, layer: _LinearBase) -> None:
+        if not self.online:
+            return
+        fields = fmts.quantize(self.fmt, layer.weight.data)
+        del layer.weight
+        for name, value in fields.items():
+            setattr(layer, name, nn.Parameter(value, requires_grad=False))
+
+    def fields(self, layer: _LinearBase) -> dict[str, torch.Tensor]:
+        return {f: getattr(layer, f) for f in fmts.FIELDS[self.fmt]}
+
+    def apply(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from radixserve.layers.triton_ops import use_fused
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if use_fused(x2):
+            from radixserve.layers.quantization.gguf_kernels import gguf_gemm
+
+            out = gguf_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.fmt, self.fields(layer),
+                            layer.output_size, bias)
+        else:
+            out = F.linear(x2, fmts.dequantize(self.fmt, self.fields(layer)).to(x.dtype), bias)
+        return out.view(*shape[:-1], out.shape[-1])

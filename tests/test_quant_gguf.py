@@ -1,0 +1,115 @@
+"""GGUF Q8_0 / Q4_K kept packed: the field layout against the `gguf` package's own (de)quantisers, the Triton
+dequantise-in-kernel GEMM against the torch reference (TRITON_INTERPRET=1 on the CPU), a GGUF file loading packed
+(and mixed-type stacks dequantised) with the same outputs as the dequantise-at-load model, and online
+quantisation of a 16/32-bit checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.configs.model_config import ModelConfig
+from radixserve.layers.quantization import gguf_formats as G
+from radixserve.layers.quantization.gguf import GGUFLinearMethod
+from radixserve.layers.quantization.gguf_kernels import gguf_gemm
+from radixserve.model_loader import get_model
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
+def test_fields_round_trip_through_gguf_bytes(fmt: str) -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    w = torch.randn(6, 512, generator=torch.Generator().manual_seed(0))
+    raw = torch.from_numpy(G.quantize_to_ggml(w.numpy(), fmt))
+    assert raw.shape == (6, 512 // G.BLOCK[fmt] * G.TYPE_SIZE[fmt])
+    fields = G.from_ggml_bytes(fmt, raw, 6, 512)
+    ref = torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType[fmt])).view(6, 512)
+    assert torch.equal(G.dequantize(fmt, fields), ref)  # our reading of the bytes is llama.cpp's
+    assert torch.equal(G.to_ggml_bytes(fmt, fields), raw)
+    err = float((ref - w).abs().mean() / w.abs().mean())
+    assert err < (0.01 if fmt == G.Q8_0 else 0.1)
+
+
+@pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_gguf_gemm_kernel_matches_reference(fmt: str, m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    n, k = 40, 512 if fmt == G.Q4_K else 96
+    fields = G.quantize(fmt, torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    out = gguf_gemm(x.to(DEV), fmt, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV))
+    ref = torch.nn.functional.linear(x, G.dequantize(fmt, fields), bias)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+
+def test_gguf_file_loads_packed_and_matches_dequantised(tmp_path, gguf_writer) -> None:
+    import gguf
+    from conftest import random_llama_tensors
+
+    T = gguf.GGMLQuantizationType
+    tensors = random_llama_tensors(seed=5, **SHAPE)
+    qtypes = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj"):
+            qtypes[p + part + ".weight"] = T.Q4_K
+        qtypes[p + "self_attn.v_proj.weight"] = T.Q4_K if i == 1 else T.Q8_0  # layer 0: a mixed q/k/v stack
+        qtypes[p + "self_attn.o_proj.weight"] = T.Q8_0
+        qtypes[p + "mlp.down_proj.weight"] = T.Q8_0 if i == 0 else T.Q5_0  # Q5_0: dequantised at load
+    path = os.path.join(tmp_path, "m.gguf")
+    gguf_writer(path, tensors, quantize=qtypes, **SHAPE)
+    cfg = ModelConfig(path)
+    packed = get_model(cfg, load_format="auto", dtype=torch.float32, device="cpu", quantization="gguf")
+    plain = get_model(cfg, load_format="auto", dtype=torch.float32, device="cpu")  # CPU default: dequantise
+    layers = packed.model.layers
+    kinds = {name: getattr(m.quant_method, "fmt", None) for name, m in packed.named_modules()
+             if hasattr(m, "quant_method")}
+    assert kinds["model.layers.0.self_attn.qkv_proj"] is None and kinds["model.layers.1.self_attn.qkv_proj"] == "Q4_K"
+    assert kinds["model.layers.0.mlp.gate_up_proj"] == "Q4_K" and kinds["model.layers.0.self_attn.o_proj"] == "Q8_0"
+    assert kinds["model.layers.1.mlp.down_proj"] is None
+    qkv = layers[1].self_attn.qkv_proj
+    assert qkv.qweight.dtype == torch.uint8 and qkv.qweight.shape == (256 + 2 * 128, 128)
+    # the packed weights (q/k rows un-permuted like the float ones) dequantise to what the plain loader made
+    for name, module in packed.named_modules():
+        if isinstance(getattr(module, "quant_method", None), GGUFLinearMethod):
+            ref = dict(plain.named_modules())[name].weight
+            assert torch.equal(G.dequantize(module.quant_method.fmt, module.quant_method.fields(module)), ref), name
+    ids = torch.tensor([5, 17, 99, 3, 42, 7])
+    x = packed.model.embed_tokens(ids)
+    torch.testing.assert_close(layers[0].mlp(x), plain.model.layers[0].mlp(x))
+    packed_bytes = sum(p.numel() * p.element_size() for p in qkv.parameters())
+    assert packed_bytes * 8 == qkv.output_size * qkv.input_size * 4.625  # Q4_K as held: 4.625 bits a weight
+
+
+def test_online_q4_k_and_q8_0(tmp_path) -> None:
+    from model_utils import make_tiny_model
+
+    make_tiny_model("llama", str(tmp_path), hidden_size=256, intermediate_size=512)
+    cfg = ModelConfig(str(tmp_path))
+    base = get_model(cfg, load_format="auto", dtype=torch.float32, device="cpu")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    for q in ("q8_0", "q4_k"):
+        m = get_model(cfg, load_format="auto", dtype=torch.float32, device="cpu", quantization=q)
+        layer = m.model.layers[0].mlp.gate_up_proj
+        assert layer.quant_method.fmt == q.upper() and not hasattr(layer, "weight")
+        w = base.model.layers[0].mlp.gate_up_proj.weight
+        fields = G.quantize(q.upper(), w)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, G.dequantize(q.upper(), fields)))
+    with pytest.raises(ValueError, match="q4_k"):
+        from radixserve.layers.quantization import resolve_quant_config
+
+        resolve_quant_config("q4_k", {"quant_method": "fp8"})
+
+
+def test_numpy_bytes_shape() -> None:
+    arr = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    assert G.quantize_to_ggml(arr, G.Q4_K).shape == (2, 144)
