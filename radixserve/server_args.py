@@ -30,6 +30,7 @@ ATTENTION_BACKENDS = _registry_names("radixserve.layers.attention", "ATTENTION_B
 TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
 REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
 QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
+SPECULATIVE_ALGORITHMS = _registry_names("radixserve.speculative", "DRAFTERS")
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -86,6 +87,13 @@ class ServerArgs:
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
+    # speculative decoding (radixserve/speculative/)
+    speculative_algorithm: str | None = _flag("Speculative decoding: ngram drafts the next tokens by matching the "
+                                              "last ones against the prompt and output so far; the model checks "
+                                              "them in one pass (turns overlap scheduling off)",
+                                              choices=SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int = _flag("Most tokens drafted per request and step with "
+                                              "--speculative-algorithm", default=4)
     cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
                                         "set, else every core, shared out between ranks on one machine)")
     # server
@@ -164,6 +172,7 @@ class ServerArgs:
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),
+                              ("speculative_algorithm", SPECULATIVE_ALGORITHMS),
                               ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
             choice(name, allowed)
 
@@ -176,7 +185,7 @@ class ServerArgs:
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                      "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
-                     "stream_interval", "decode_log_interval", "cpu_num_threads"):
+                     "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
@@ -270,7 +279,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

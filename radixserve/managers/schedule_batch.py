@@ -78,6 +78,14 @@ class Req:
         # (a radixserve.constrained BaseGrammarObject that has accepted exactly output_ids)
         self.grammar_future: Any = None
         self.grammar: Any = None
+        # speculative decoding: the drafter's per-request state, verify steps taken and the tokens they produced,
+        # and the adaptive back-off's recent accepted-draft counts, pause length and steps left to pause
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0
+        self.spec_tokens = 0
+        self.spec_history: list[int] = []
+        self.spec_backoff = 0
+        self.spec_pause = 0
 
     # ---------------------------------------------------------------- prefix and fill
     def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
@@ -142,6 +150,7 @@ class LaunchedBatch:
     return_logprob: bool
     chunked_req: Req | None  # a request of this batch whose prompt is still being prefilled in chunks
     result: GenerationBatchResult | None = None  # None under overlap: the forward thread holds it
+    spec: Any = None  # a speculative verify step: its drafts' slots (radixserve/speculative/scheduler_mixin.py)
 
 
 @dataclass

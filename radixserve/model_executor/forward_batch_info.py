@@ -45,9 +45,15 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a prefill chunk together with decode requests (all run as extend)
+    # speculative decoding: the target checks each request's last token plus its drafted tokens in one pass, an
+    # extend on top of the request's KV that keeps the logits of every position (radixserve/speculative/)
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
