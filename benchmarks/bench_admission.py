@@ -216,15 +216,11 @@ def run(s: Scheduler, args: argparse.Namespace, out_dir: str, compiles: CompileL
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 sync_left = args.sync_iters
-        if s.enable_overlap:
-            s.result_queue.append(s.run_batch(batch))
-            t2 = time.perf_counter()
-            if len(s.result_queue) > 1:
-                s.process_batch_result(*s.result_queue.popleft())
-        else:
-            view, result = s.run_batch(batch)
-            t2 = time.perf_counter()
-            s.process_batch_result(view, result)
+        # Scheduler.step(), with the launch timed apart
+        s.result_queue.append(s.run_batch(batch))
+        t2 = time.perf_counter()
+        if not s.enable_overlap or len(s.result_queue) > 1:
+            s.process_batch_result(s.result_queue.popleft())
         t3 = time.perf_counter()
         s.last_batch = batch
         if before is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import time
 from typing import Any
@@ -31,6 +32,31 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
         li = rng.randint(max(1, int(input_len * range_ratio)), input_len)
         lo = rng.randint(max(1, int(output_len * range_ratio)), output_len)
         out.append(([rng.randrange(100, vocab - 100) for _ in range(li)], lo))
+    return out
+
+
+CHAT_TASKS = ["Explain {} in simple terms.", "Write a short poem about {}.", "Give me three tips about {}.",
+              "What are the pros and cons of {}?", "Summarize the history of {} in a few sentences.",
+              "Tell me a fun fact about {}.", "How would you teach {} to a child?", "Write a tweet about {}."]
+CHAT_TOPICS = ["the ocean", "photosynthesis", "coffee", "black holes", "learning a language", "gardening",
+               "the Roman Empire", "electric cars", "sleep", "chess", "volcanoes", "bread baking", "running",
+               "the internet", "honey bees", "jazz", "recycling", "the moon", "saving money", "rainbows"]
+
+
+def chat_requests(n: int, output_len: int, range_ratio: float, tokenizer_path: str, seed: int
+                  ) -> list[tuple[list[int], int]]:
+    """Chat-style prompts: short user questions rendered through the model's chat template (with its system
+    prompt), output lengths uniform in [output_len * range_ratio, output_len]."""
+    from radixserve.managers.tokenizer_utils import get_tokenizer
+
+    tok = get_tokenizer(tokenizer_path)
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = CHAT_TASKS[i % len(CHAT_TASKS)].format(CHAT_TOPICS[(i * 7 + i // len(CHAT_TASKS)) % len(CHAT_TOPICS)])
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        out.append((list(ids), rng.randint(max(1, int(output_len * range_ratio)), output_len)))
     return out
 
 
@@ -69,9 +95,17 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
         elapsed = time.perf_counter() - t0
         bar.close()
         after = engine.get_internal_state()
+        info = engine.tokenizer_manager.scheduler_info
     hit = after["cache_hit_tokens"] - before["cache_hit_tokens"]
     prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
-    extra: dict[str, Any] = {"tp_size": server_args.tp_size, "dp_size": server_args.dp_size}
+    extra: dict[str, Any] = {"tp_size": server_args.tp_size, "dp_size": server_args.dp_size,
+                             "dtype": info.dtype if info else server_args.dtype,
+                             "attention_backend": info.attention_backend if info else None}
+    if server_args.resolved_device() == "cpu":
+        from radixserve.model_executor.model_runner import cpu_forward_threads
+
+        extra["threads"] = cpu_forward_threads(server_args) or int(os.environ.get("OMP_NUM_THREADS", "0"))
+        extra["cores"] = os.cpu_count()
     if "dp_routed" in after:  # DP: where the controller sent the timed requests, and each replica's hit rate
         extra["load_balance_method"] = server_args.load_balance_method
         extra["dp_routed"] = [a - b for a, b in zip(after["dp_routed"], before["dp_routed"], strict=True)]
@@ -85,13 +119,20 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
 
 
 def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device: str, dtype: str,
-                     batch_size: int) -> dict[str, Any]:
-    """Static batches through HF generate (left-padded, greedy, each batch runs to its longest output)."""
+                     batch_size: int, threads: int | None = None) -> dict[str, Any]:
+    """Static batches through HF generate (left-padded, greedy, each batch runs to its longest output; only the
+    tokens each request asked for count). batch_size 0: all prompts in one batch."""
     import torch
     import transformers as tf
 
+    batch_size = batch_size or len(reqs)
+    if threads:  # the same intra-op threads as the engine's forward
+        torch.set_num_threads(threads)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+    with torch.no_grad():  # warm up (first-call allocations, oneDNN primitive creation), excluded like ours
+        model.generate(input_ids=torch.tensor([reqs[0][0][:16]], device=device), max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)
     produced = []
     bar = tqdm(total=len(reqs), desc="transformers", unit="req")
     t0 = time.perf_counter()
@@ -113,7 +154,8 @@ def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     bar.close()
-    return summarize("transformers", reqs, produced, elapsed)
+    return summarize("transformers", reqs, produced, elapsed, batch_size=batch_size, dtype=dtype,
+                     threads=torch.get_num_threads())
 
 
 def summarize(name: str, reqs: list[tuple[list[int], int]], completion: list[int], elapsed: float,
@@ -129,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
+    parser.add_argument("--dataset", choices=["random", "shared-prefix", "chat"], default="random",
+                        help="chat: short questions through the chat template; output lengths as for random")
     parser.add_argument("--random-input-len", type=int, default=256)
     parser.add_argument("--random-output-len", type=int, default=64)
     parser.add_argument("--random-range-ratio", type=float, default=0.5)
@@ -138,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--fixed-output", action="store_true", help="every request generates --random-output-len")
     parser.add_argument("--peer", choices=["none", "transformers"], default="none")
-    parser.add_argument("--peer-batch-size", type=int, default=16)
+    parser.add_argument("--peer-batch-size", type=int, default=0,
+                        help="prompts per transformers generate call (0: all in one padded batch)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--result-file", default="bench_offline_throughput.json")
     args = parser.parse_args(argv)
@@ -150,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.dataset == "random":
         reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, cfg.vocab_size, args.seed)
+    elif args.dataset == "chat":
+        reqs = chat_requests(args.num_prompts, args.random_output_len, args.random_range_ratio,
+                             server_args.tokenizer_path or cfg.model_path, args.seed)
     else:
         reqs = shared_prefix_requests(args.num_prompts, args.num_groups, args.prefix_len, args.suffix_len,
                                       args.random_output_len, cfg.vocab_size, args.seed)
@@ -158,9 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     results = [run_radixserve(server_args, reqs)]
     if args.peer == "transformers":
         device = server_args.resolved_device()
-        dtype = "float32" if device == "cpu" and server_args.dtype == "auto" else \
-            ("bfloat16" if server_args.dtype == "auto" else server_args.dtype)
-        results.append(run_transformers(cfg.model_path, reqs, device, dtype, args.peer_batch_size))
+        dtype = results[0]["dtype"].removeprefix("torch.")  # the dtype the engine ran in
+        results.append(run_transformers(cfg.model_path, reqs, device, dtype, args.peer_batch_size,
+                                        results[0].get("threads") or None))
     print(f"\n{'engine':<14} {'req/s':>8} {'in tok/s':>10} {'out tok/s':>10} {'elapsed s':>10} {'hit rate':>9}")
     for r in results:
         hit = f"{r['cache_hit_rate']:.3f}" if "cache_hit_rate" in r else "-"
@@ -172,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({r['dp_cache_routed']} to the replica holding their prefix), replica hit rates "
               f"{', '.join(f'{h:.3f}' for h in r['dp_cache_hit_rate'])}")
     if len(results) == 2:
+        results[0]["ratio_vs_transformers"] = results[0]["output_tok_s"] / results[1]["output_tok_s"]
         print(f"output throughput ratio radixserve / transformers: "
               f"{results[0]['output_tok_s'] / results[1]['output_tok_s']:.2f}x")
     with open(args.result_file, "w") as f:

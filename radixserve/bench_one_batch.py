@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs="+", default=[64],
+                        help="context lengths to measure (each with every batch size)")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--correctness-test", action="store_true")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
@@ -264,28 +265,34 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
         return
     results = []
     copy_bw = measure_copy_bandwidth(runner.device) if runner.is_cuda else None
-    for bs in args.batch_size:
-        for _ in range(args.warmup):
-            latency_test(runner, bs, args.input_len, min(args.output_len, 4), server_args.random_seed)
-        r = latency_test(runner, bs, args.input_len, args.output_len, server_args.random_seed)
-        if copy_bw is not None and r["decode_tok_s"]:
-            add_bandwidth(r, runner, copy_bw)
-        results.append(r)
+    for input_len in args.input_len:
+        for bs in args.batch_size:
+            for _ in range(args.warmup):
+                latency_test(runner, bs, input_len, min(args.output_len, 4), server_args.random_seed)
+            r = latency_test(runner, bs, input_len, args.output_len, server_args.random_seed)
+            if copy_bw is not None and r["decode_tok_s"]:
+                add_bandwidth(r, runner, copy_bw)
+            results.append(r)
     if copy_bw is not None:
         print(f"measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s; weights: {runner.weight_bytes / 1e9:.2f} GB")
-    print(f"\n{'batch':>6} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} {'decode tok/s':>13} "
-          f"{'BW util':>8}")
+    base = {r["batch_size"]: r["median_decode_s"] for r in results if r["input_len"] == args.input_len[0]}
+    print(f"\n{'batch':>6} {'context':>8} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} "
+          f"{'decode tok/s':>13} {'vs ctx ' + str(args.input_len[0]):>11} {'BW util':>8}")
     for r in results:
         util = f"{r['bandwidth_util']:.1%}" if "bandwidth_util" in r else "-"
-        print(f"{r['batch_size']:>6} {r['prefill_latency_s'] * 1e3:>11.2f} {r['prefill_tok_s']:>14.1f} "
-              f"{r['median_decode_s'] * 1e3:>10.3f} {r['decode_tok_s'] or 0:>13.1f} {util:>8}")
+        r["decode_vs_first_context"] = r["median_decode_s"] / base[r["batch_size"]]
+        print(f"{r['batch_size']:>6} {r['input_len']:>8} {r['prefill_latency_s'] * 1e3:>11.2f} "
+              f"{r['prefill_tok_s']:>14.1f} {r['median_decode_s'] * 1e3:>10.3f} {r['decode_tok_s'] or 0:>13.1f} "
+              f"{r['decode_vs_first_context']:>10.2f}x {util:>8}")
     profiles = []
     if args.profile and runner.is_cuda:
         for bs in args.batch_size:
-            profiles.append(profile_decode(runner, bs, args.input_len, args.profile_steps, server_args.random_seed))
+            profiles.append(profile_decode(runner, bs, args.input_len[0], args.profile_steps,
+                                           server_args.random_seed))
             print_profile(profiles[-1])
     meta = {"model": model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
-            "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes}
+            "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes,
+            "threads": torch.get_num_threads(), "cores": os.cpu_count()}
     with open(args.result_file, "w") as f:
         json.dump({"meta": meta, "results": results, "profiles": profiles}, f, indent=2)
     print(f"wrote {args.result_file}")

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
     if server_args.node_rank > 0:  # multi-node: only node 0 serves; the others run their scheduler ranks
-        from radixserve.managers.data_parallel_controller import run_worker_node
+        from radixserve.managers.dp_launcher import run_worker_node
 
         return run_worker_node(server_args)
     from radixserve.entrypoints.http_server import launch_server

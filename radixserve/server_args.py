@@ -13,8 +13,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("cpu", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+# radixserve.constrained.GRAMMAR_BACKENDS and "none" (that package imports torch, which parsing flags need not)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SAMPLING_DEFAULTS = ("model", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -27,9 +27,11 @@ def _registry_names(module: str, attr: str) -> tuple[str, ...]:
     return tuple(getattr(importlib.import_module(module), attr))
 
 
+ATTENTION_BACKENDS = _registry_names("radixserve.layers.attention", "ATTENTION_BACKENDS")
 TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
 REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
 QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
+SPECULATIVE_ALGORITHMS = _registry_names("radixserve.speculative", "DRAFTERS")
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -64,13 +66,13 @@ class ServerArgs:
                                          "hermes)", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
                                          choices=REASONING_PARSERS)
-    revision: str | None = _flag("Unused placeholder for API compatibility; must be empty")
     # device and memory
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
     max_running_requests: int | None = _flag("Most requests decoding at once (default from pool size)")
-    max_queued_requests: int | None = _flag("Most requests waiting; more get HTTP 503")
+    max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
+                                            "more get HTTP 503")
     max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
     chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
                                              "4096 on CPU)")
@@ -86,6 +88,13 @@ class ServerArgs:
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
+    # speculative decoding (radixserve/speculative/)
+    speculative_algorithm: str | None = _flag("Speculative decoding: ngram drafts the next tokens by matching the "
+                                              "last ones against the prompt and output so far; the model checks "
+                                              "them in one pass (turns overlap scheduling off)",
+                                              choices=SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int = _flag("Most tokens drafted per request and step with "
+                                              "--speculative-algorithm", default=4)
     cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
                                         "set, else every core, shared out between ranks on one machine)")
     # server
@@ -172,6 +181,7 @@ class ServerArgs:
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),
+                              ("speculative_algorithm", SPECULATIVE_ALGORITHMS),
                               ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
             choice(name, allowed)
 
@@ -184,7 +194,7 @@ class ServerArgs:
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                      "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
-                     "stream_interval", "decode_log_interval", "cpu_num_threads"):
+                     "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
@@ -220,8 +230,6 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be > 0; got {self.max_request_bytes}")
         if self.request_read_timeout <= 0 or self.graceful_shutdown_timeout < 0:
             raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
-        if self.revision:
-            raise ValueError("--revision is not supported: models are loaded from local folders only")
         self._validate_lora()
 
     def _validate_lora(self) -> None:
@@ -280,7 +288,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

@@ -73,13 +73,14 @@ def moe_config(kind: str, kw: dict[str, Any]) -> Any:
                                    routed_scaling_factor=1.5)
     if kind == "deepseek_v2_group":
         return tf.DeepseekV2Config(**kw, **mla, num_experts_per_tok=2, topk_method="group_limited_greedy",
-                                   n_group=4, topk_group=2)
+                                   n_group=4, topk_group=1)  # one group: a choice plain top-2 would not make
     if kind == "deepseek_v3":
         return tf.DeepseekV3Config(**kw, **{**mla, "q_lora_rank": 48}, num_experts_per_tok=3, n_group=4, topk_group=2,
                                    norm_topk_prob=True, routed_scaling_factor=2.5)
     if kind == "deepseek_v3_yarn":
-        kw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                              "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+        kw["rope_scaling"] = {"rope_type": "yarn", "factor": kw["max_position_embeddings"] / 64,
+                              "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                              "mscale": 1.0, "mscale_all_dim": 0.707}  # cos/sin and the softmax scale both change
         return tf.DeepseekV3Config(**kw, **mla, num_experts_per_tok=2, n_group=2, topk_group=1,
                                    norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=False)
     raise ValueError(kind)

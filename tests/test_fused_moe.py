@@ -10,10 +10,13 @@ import torch
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe, moe_align_block_size
 from radixserve.layers.moe.moe_torch import moe_forward_torch
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in Triton's interpreter
+
 
 def _weights(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    return w13.to(DEVICE), w2.to(DEVICE)
 
 
 def _skewed_ids(t: int, k: int, e: int, seed: int = 0) -> torch.Tensor:
@@ -24,14 +27,18 @@ def _skewed_ids(t: int, k: int, e: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], dim=1).to(torch.int32)
 
 
-@pytest.mark.parametrize("top_k,tokens", [(1, 5), (2, 19), (8, 6)])
-def test_fused_moe_matches_reference(top_k: int, tokens: int) -> None:
+@pytest.mark.parametrize("top_k,tokens,one_program", [(1, 5, True), (2, 19, False), (8, 6, True)])
+def test_fused_moe_matches_reference(top_k: int, tokens: int, one_program: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.layers.moe import fused_moe as fm
+
+    monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
     e, h, i = 10, 32, 24
     w13, w2 = _weights(e, h, i)
-    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(1))
-    ids = _skewed_ids(tokens, top_k, e)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ids = _skewed_ids(tokens, top_k, e).to(DEVICE)
     assert not (ids == e - 1).any()  # an expert with no tokens
-    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(2))
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     ref = moe_forward_torch(x, w13, w2, weights, ids)
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), ref, atol=1e-5, rtol=1e-5)
     # a larger row block: several experts' rows padded inside one block size, the heavy expert over several blocks
@@ -44,10 +51,10 @@ def test_fused_moe_with_experts_held_elsewhere() -> None:
     ranks' outputs add up to the whole."""
     e, h, i, t, k = 8, 32, 16, 9, 2
     w13, w2 = _weights(e, h, i, seed=3)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(s))[:k] for s in range(t)])
-    ids = ids.to(torch.int32)
-    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(5))
+    ids = ids.to(DEVICE, torch.int32)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     halves = [fused_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids, expert_offset=4 * r,
                         num_global_experts=e) for r in range(2)]
     torch.testing.assert_close(halves[1], moe_forward_torch(x, w13[4:], w2[4:], weights, ids, expert_offset=4),
@@ -56,8 +63,13 @@ def test_fused_moe_with_experts_held_elsewhere() -> None:
                                atol=1e-5, rtol=1e-5)
 
 
-def test_align_buckets_every_assignment_once() -> None:
-    ids = _skewed_ids(13, 3, 7)
+@pytest.mark.parametrize("one_program", [True, False])
+def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both align paths: the one-program one (decode sizes) and the parallel one (prefill sizes)."""
+    from radixserve.layers.moe import fused_moe as fm
+
+    monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
+    ids = _skewed_ids(13, 3, 7).to(DEVICE)
     a = moe_align_block_size(ids, 4, 7)
     total = int(a.total)
     rows = a.sorted_ids[:total].tolist()
@@ -67,7 +79,7 @@ def test_align_buckets_every_assignment_once() -> None:
         for r in rows[4 * b:4 * b + 4]:
             if r < ids.numel():
                 assert flat[r] == int(a.expert_ids[b])
-    counts = torch.bincount(ids.flatten().long(), minlength=7)
+    counts = torch.bincount(ids.flatten().long().cpu(), minlength=7)
     assert total == int(((counts + 3) // 4 * 4).sum())
 
 
@@ -108,3 +120,47 @@ def _same_choice(w: torch.Tensor, ids: torch.Tensor, w_ref: torch.Tensor, ids_re
     order, order_ref = ids.long().sort(dim=1), ids_ref.long().sort(dim=1)
     assert torch.equal(order.values, order_ref.values)
     torch.testing.assert_close(w.gather(1, order.indices), w_ref.float().gather(1, order_ref.indices))
+
+
+def test_tp_and_ep_shards_add_up_to_the_whole_layer() -> None:
+    """Dummy weights are the same model at every TP/EP size, and the ranks' partial outputs (before the all-reduce)
+    sum to the unsharded layer's: TP=2 splits each expert's intermediate dim, EP=2 splits the experts."""
+    from radixserve.layers.moe import FusedMoE, RouterConfig
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    router = RouterConfig(8, 2, renormalize=True)
+
+    def build(rank: int, tp: int, ep: int) -> FusedMoE:
+        holder = torch.nn.Module()
+        holder.experts = FusedMoE(router, 16, 8, rank, tp, ep_size=ep, reduce_results=False)
+        initialize_dummy_weights(holder, seed=3)
+        return holder.experts
+
+    full = build(0, 1, 1)
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(11, 8, generator=torch.Generator().manual_seed(1)) * 3
+    ref = full(x, logits)
+    for ep in (1, 2):
+        parts = [build(r, 2, ep) for r in range(2)]
+        if ep == 2:
+            assert torch.equal(parts[1].w13_weight, full.w13_weight[4:])
+        else:
+            assert torch.equal(parts[1].w13_weight[:, :4], full.w13_weight[:, 4:8])
+            assert torch.equal(parts[1].w2_weight, full.w2_weight[:, :, 4:])
+        torch.testing.assert_close(sum(p(x, logits) for p in parts), ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scoring,renorm,bias,k", [("softmax", True, False, 2), ("softmax", False, False, 8),
+                                                    ("sigmoid", True, True, 3)])
+def test_fused_topk_kernel_matches_the_torch_router(scoring: str, renorm: bool, bias: bool, k: int) -> None:
+    """The one-launch router (CUDA's path for ungrouped routers) against select_experts' torch code."""
+    from radixserve.layers.moe.router import RouterConfig, select_experts
+    from radixserve.layers.moe.topk_kernel import fused_topk
+
+    g = torch.Generator().manual_seed(k)
+    logits = (torch.randn(9, 20, generator=g) * 2).to(DEVICE)
+    correction = (torch.randn(20, generator=g) * 0.5).to(DEVICE) if bias else None
+    w, ids = fused_topk(logits, k, scoring == "sigmoid", renorm, 2.5, correction)
+    w_ref, ids_ref = select_experts(logits.cpu(), RouterConfig(20, k, scoring, renorm, routed_scaling_factor=2.5),
+                                    None if correction is None else correction.cpu())
+    _same_choice(w.cpu(), ids.cpu(), w_ref, ids_ref)

@@ -62,14 +62,19 @@ def submit_lora(s, rid: str, prompt: list[int], n: int, lora_id: str | None) -> 
     {"disable_radix_cache": True, "max_running_requests": 5},
     {"max_loras_per_batch": 2},
     {"max_loras_per_batch": 1, "enable_overlap_schedule": True, "max_lora_rank": 32},
+    {"max_total_tokens": 120, "enable_overlap_schedule": True},  # out of KV: retraction
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
 def test_mixed_batch_matches_transformers_peft(lora_setup, kw) -> None:
     res, s = run_mixed(lora_setup, **kw)
     for i in range(len(PROMPTS)):
         for name in NAMES:
             assert res[f"{name}-{i}"]["ids"] == lora_setup["refs"][name][i], (name, i)
+    state = s.get_internal_state()
+    assert state["lora_adapters"] == ["a4", "b8", "c16"] and len(state["lora_slots"]) <= s.lora_table.num_slots
     if kw.get("max_loras_per_batch", 8) < 3:  # adapters were swapped in and out of the slots
-        assert s.lora_table.num_loads >= 3 > kw["max_loras_per_batch"]
+        assert state["lora_slot_loads"] >= 3 > kw["max_loras_per_batch"]
+    if "max_total_tokens" in kw:
+        assert s.num_retractions > 0
 
 
 def test_prompt_cached_under_one_adapter_is_not_reused_under_another(lora_setup) -> None:
@@ -243,3 +248,88 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path) -> None:
         outs = engine.generate(input_ids=prompts, sampling_params=sp, lora_path=names)
     got = {f"{n}-{i // len(NAMES)}": o["output_ids"] for i, (n, o) in enumerate(zip(names, outs, strict=True))}
     assert got == ref
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_unload_waits_for_running_requests(lora_setup, overlap) -> None:
+    from radixserve.managers import io_struct as io
+
+    s = make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"], enable_overlap_schedule=overlap)
+    submit_lora(s, "running", PROMPTS[2], NEW, "b8")
+    submit_lora(s, "other", PROMPTS[0], NEW, "a4")
+    for _ in range(3):
+        s.step()
+    s.process_input_requests([io.UnloadLoRAAdapterReq(name="b8")])
+    submit_lora(s, "late", PROMPTS[1], NEW, "b8")  # refused: the adapter is being unloaded
+    assert not any(isinstance(m, io.UnloadLoRAAdapterReqOutput) for m in s.outbox)  # still in use
+    res = {}
+    for _ in range(200):
+        s.step()
+        s.process_input_requests([])
+        if any(isinstance(m, io.UnloadLoRAAdapterReqOutput) for m in s.outbox) and s.is_idle():
+            break
+    replies = [m for m in s.outbox if isinstance(m, io.UnloadLoRAAdapterReqOutput)]
+    res = drain(s)
+    assert len(replies) == 1 and replies[0].success, replies
+    assert res["running"]["ids"] == lora_setup["refs"]["b8"][2]
+    assert res["other"]["ids"] == lora_setup["refs"]["a4"][0]
+    assert res["late"]["finish"]["status_code"] == 404 and "unloaded" in res["late"]["finish"]["message"]
+    assert "b8" not in s.lora_manager.adapters and "b8" not in s.lora_table.slot_of
+    assert s.tree_cache.match_prefix(PROMPTS[2], "b8")[0].numel() == 0  # its cache entries are gone
+    assert s.tree_cache.match_prefix(PROMPTS[0], "a4")[0].numel() > 0  # another adapter's stay
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_lora_shards_recombine_to_the_full_delta(num_kv_heads: int) -> None:
+    """Column-parallel q/k/v (KV heads split, or replicated when fewer than ranks) and row-parallel o: each rank's
+    base + LoRA output is its slice (q/k/v) or its partial sum (o) of the unsharded result."""
+    from torch import nn
+
+    from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
+    from radixserve.lora.adapter import LoRAWeights
+    from radixserve.lora.config import LoRAConfig
+    from radixserve.lora.layers import find_lora_targets
+    from radixserve.lora.ops import lora_delta_torch
+    from radixserve.lora.pool import LoRAMemoryPool
+
+    torch.manual_seed(0)
+    hidden, head_dim, heads, tp, r = 32, 8, 4, 2, 4
+    kv = num_kv_heads * head_dim
+    full = {"q_proj": torch.randn(heads * head_dim, hidden), "k_proj": torch.randn(kv, hidden),
+            "v_proj": torch.randn(kv, hidden), "o_proj": torch.randn(hidden, heads * head_dim)}
+    ab = {m: (torch.randn(r, w.shape[1]), torch.randn(w.shape[0], r)) for m, w in full.items()}
+    cfg = LoRAConfig(path="x", r=r, lora_alpha=8.0, use_rslora=False, target_modules=tuple(full))
+    weights = LoRAWeights(cfg, {(0, m): pair for m, pair in ab.items()})
+    x = torch.randn(3, hidden)
+    o_in = torch.randn(3, heads * head_dim)  # the o projection's (unsharded) input
+    ref = {m: (x if m != "o_proj" else o_in) @ w.T + ((x if m != "o_proj" else o_in) @ ab[m][0].T) @ ab[m][1].T
+           * cfg.scaling for m, w in full.items()}
+    o_partials = []
+    for rank in range(tp):
+        attn = nn.Module()
+        attn.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, num_kv_heads, False, rank, tp)
+        attn.o_proj = RowParallelLinear(heads * head_dim, hidden, False, rank, tp)
+        model = nn.Module()
+        model.layers = nn.ModuleList([nn.Module()])
+        model.layers[0].self_attn = attn
+        for sid in "qkv":
+            attn.qkv_proj.weight.weight_loader(attn.qkv_proj.weight, full[f"{sid}_proj"], sid)
+        attn.o_proj.weight.weight_loader(attn.o_proj.weight, full["o_proj"])
+        targets = find_lora_targets(model, {"qkv_proj", "o_proj"})
+        pool = LoRAMemoryPool(targets, 1, 8, torch.float32, "cpu")
+        pool.load(0, pool.host_copy("x", weights))
+        outs = {}
+        for t in targets:  # o: this rank's columns of its input
+            inp = x if t.group == "qkv_proj" else o_in[:, rank * t.in_local:(rank + 1) * t.in_local]
+            out = t.base(inp)  # no process group: the row-parallel all-reduce is a no-op here
+            lora_delta_torch(inp, out, pool.a[(0, t.group)], pool.b[(0, t.group)], t.out_slices,
+                             [(0, slice(0, 3))], pool.ranks, pool.scalings_cpu, pool.sub_masks[t.group])
+            outs[t.group] = out
+        nq, nkv = attn.qkv_proj.num_heads * head_dim, attn.qkv_proj.num_kv_heads * head_dim
+        kv_head = (rank * attn.qkv_proj.num_heads) // (heads // num_kv_heads)
+        want = torch.cat([ref["q_proj"][:, rank * nq:(rank + 1) * nq],
+                          ref["k_proj"][:, kv_head * head_dim:kv_head * head_dim + nkv],
+                          ref["v_proj"][:, kv_head * head_dim:kv_head * head_dim + nkv]], dim=-1)
+        torch.testing.assert_close(outs["qkv_proj"], want)
+        o_partials.append(outs["o_proj"])
+    torch.testing.assert_close(sum(o_partials), ref["o_proj"])

@@ -102,3 +102,26 @@ def test_model_with_kernels_forced_equals_torch_path(tmp_path) -> None:
     finally:
         set_fused_kernels(None)
     assert got == ref
+
+
+@pytest.mark.parametrize("graph_bs,req_slots", [(1, [2]), (4, [1, -1, 1]), (8, [0, 2, 1, 2, -1])])
+def test_graph_grid_over_a_static_buffer_equals_eager(graph_bs, req_slots) -> None:
+    """What a captured decode graph runs: the grid sized for the graph's batch (min(S, bs) groups, bs rows) over a
+    static buffer into which the batch's grouping was copied (fewer rows than the graph, stale rows past them)."""
+    out_slices = [(0, 32), (32, 16), (48, 16)]
+    a, b, scal = make_case(64, out_slices, 16, [16, 8, 4], seed=graph_bs)
+    packed, groups, max_len = group_rows(req_slots, None, num_slots=3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(graph_bs, 64, generator=g)  # the graph's static input: rows past the batch are padding
+    base = torch.randn(graph_bs, 64, generator=g)
+    args = (a.to(DEV), b.to(DEV), torch.tensor(scal, device=DEV), out_slices)
+    eager = base.to(DEV).clone()
+    raw = len(req_slots)
+    lora_shrink_expand(x[:raw].to(DEV), eager[:raw], *args, LoRABatchInfo(3, packed=packed.to(DEV)).views(),
+                       len(groups), max_len)
+    static = torch.full((3 * 3 + graph_bs,), 7, dtype=torch.int64, device=DEV)  # stale values everywhere
+    static[:packed.numel()].copy_(packed.to(DEV))
+    info = LoRABatchInfo(3, num_groups=min(3, graph_bs), max_group_len=graph_bs, packed=static, capturing=True)
+    graph = base.to(DEV).clone()
+    lora_shrink_expand(x.to(DEV), graph, *args, info.views(), info.num_groups, info.max_group_len)
+    torch.testing.assert_close(graph, eager)

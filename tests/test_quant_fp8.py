@@ -269,3 +269,48 @@ def test_resolve_quant_config() -> None:
 
     with pytest.raises(ValueError, match="--quantization"):
         ServerArgs(quantization="int3", device="cpu")
+
+
+@pytest.mark.parametrize("bn,bk", [(1, 512), (16, 128), (128, 128)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_gemv_kernel_matches_reference(m: int, bn: int, bk: int) -> None:
+    from radixserve.layers.quantization.fp8_kernels import fp8_gemv
+
+    g = torch.Generator().manual_seed(m * bn)
+    n, k = 40, 512
+    w = torch.randn(n, k, generator=g)
+    q, s = quantize_rows(w) if bn == 1 else quantize_blocks(w, bn, bk)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    out = fp8_gemv(x.to(DEV), q.to(DEV), (s.view(-1, 1) if s.dim() == 1 else s).to(DEV), bn, bk, torch.float32,
+                   bias.to(DEV))
+    torch.testing.assert_close(out.cpu(), fp8_linear_ref(x, q, s, bn, bk, bias, None), rtol=1e-4, atol=1e-4)
+    assert fp8_gemv(x[:, :96].contiguous(), q[:, :96].contiguous(), s.view(-1, 1), 1, 96, torch.float32) is None
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "qwen2_moe"])
+def test_online_fp8_on_moe_and_mla_models(kind: str, tmp_path) -> None:
+    """--quantization fp8 on MoE / MLA models: dense and attention linears in fp8, the experts and MLA's kv_b_proj
+    (read as a matrix by the absorbed attention) left in the model dtype; the logits stay close to float32's."""
+    from model_utils import make_runner, make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+
+    make_tiny_model(kind, str(tmp_path))
+    prompts = [[5, 17, 99, 3, 42, 7, 100, 8], [1, 2, 3]]
+    logits = []
+    for q in (None, "fp8"):
+        runner = make_runner(str(tmp_path), quantization=q)
+        sb = StaticBatch(runner)
+        batch, _ = sb.prefill(prompts)
+        logits.append(sb.last_logits.next_token_logits.clone())
+        sb.release(batch)
+        if q:
+            kinds = {type(getattr(m, "quant_method", None)).__name__ for m in runner.model.modules()}
+            assert "Fp8LinearMethod" in kinds
+            for name, m in runner.model.named_modules():
+                if name.endswith("kv_b_proj"):
+                    assert m.weight.dtype == torch.float32
+                if hasattr(m, "w13_weight"):
+                    assert m.w13_weight.dtype == torch.float32
+    assert _rel(logits[1], logits[0]) < 0.1

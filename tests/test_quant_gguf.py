@@ -113,3 +113,19 @@ def test_online_q4_k_and_q8_0(tmp_path) -> None:
 def test_numpy_bytes_shape() -> None:
     arr = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
     assert G.quantize_to_ggml(arr, G.Q4_K).shape == (2, 144)
+
+
+@pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gguf_gemv_kernel_matches_reference(fmt: str, m: int) -> None:
+    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+
+    g = torch.Generator().manual_seed(10 + m)
+    n, k = 20, 512
+    fields = G.quantize(fmt, torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    out = gguf_gemv(x.to(DEV), fmt, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV))
+    ref = torch.nn.functional.linear(x, G.dequantize(fmt, fields), bias)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    assert gguf_gemv(x[:, :96].contiguous().to(DEV), fmt, fields, n) is None  # K not a multiple of 256

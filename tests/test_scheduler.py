@@ -402,3 +402,21 @@ def test_trust_remote_code_reaches_the_tokenizer(tiny_path, embedded_model_path,
     assert type(s.tokenizer).__name__ == "MarkedTokenizer" and s.tokenizer.marked
     with pytest.raises(ValueError, match="custom code"):
         Scheduler(ServerArgs(**kw), port_args={})
+
+
+def test_max_queued_requests_counts_waiting_requests_only(tiny_path) -> None:
+    """Two requests running and three waiting fill --max-queued-requests 3: the next one is a 503 for itself
+    alone; running requests do not count, so once the queue drains new requests are taken again."""
+    s = make_scheduler(tiny_path, max_running_requests=2, max_queued_requests=3)
+    for i in range(2):
+        submit(s, f"run{i}", [5, 6, 7 + i], 30)
+    s.step()
+    assert len(s.last_batch.reqs) == 2 and not s.waiting_queue
+    for i in range(4):
+        submit(s, f"q{i}", [8, 9, 10 + i], 3)
+    assert [r.rid for r in s.waiting_queue] == ["q0", "q1", "q2"]
+    res = drain(s)
+    assert res["q3"]["finish"]["type"] == "abort" and res["q3"]["finish"]["status_code"] == 503
+    assert "--max-queued-requests 3" in res["q3"]["finish"]["message"]
+    assert all(len(res[r]["ids"]) == 3 for r in ("q0", "q1", "q2"))
+    assert all(len(res[f"run{i}"]["ids"]) == 30 for i in range(2))

@@ -155,6 +155,12 @@ class ModelConfig:
         self.tie_word_embeddings: bool = bool(getattr(text_cfg, "tie_word_embeddings", False))
 
         self.rope_theta, self.rope_scaling = self._rope(text_cfg)
+        # Multi-head latent attention (DeepSeek-V2/V3): the KV pool holds kv_lora_rank + qk_rope_head_dim per token
+        lora = getattr(text_cfg, "kv_lora_rank", None)
+        self.kv_lora_rank: int | None = int(lora) if lora else None
+        self.qk_rope_head_dim: int = int(getattr(text_cfg, "qk_rope_head_dim", 0) or 0)
+        self.qk_nope_head_dim: int = int(getattr(text_cfg, "qk_nope_head_dim", 0) or 0)
+        self.v_head_dim: int = int(getattr(text_cfg, "v_head_dim", 0) or 0) or self.head_dim
 
         self.context_len: int = self._context_len(text_cfg, context_length)
         # per layer: -1 (full attention) or the window in tokens
@@ -166,6 +172,18 @@ class ModelConfig:
         self.eos_token_ids: set[int] = self._eos_token_ids(text_cfg)
 
     # ------------------------------------------------------------------ public helpers
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def attention_shape(self, tp_size: int = 1) -> tuple[int, int, int, int]:
+        """(query heads, KV heads, q/k head dim, v head dim) per TP rank, as the attention backend sees them: for
+        MLA, multi-query attention over the latent (k = latent + rope, v = latent)."""
+        heads = self.num_attention_heads // tp_size
+        if self.is_mla:
+            return heads, 1, self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank
+        return heads, max(1, self.num_key_value_heads // tp_size), self.head_dim, self.head_dim
 
     @property
     def tokenizer_gguf_file(self) -> str | None:

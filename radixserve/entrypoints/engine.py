@@ -116,7 +116,7 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
     tokenizer_path = None if server_args.skip_tokenizer_init else server_args.tokenizer_path
     try:
         if server_args.tp_size > 1 or server_args.dp_size > 1:
-            from radixserve.managers.data_parallel_controller import launch_parallel_schedulers
+            from radixserve.managers.dp_launcher import launch_parallel_schedulers
 
             sched_infos = launch_parallel_schedulers(server_args, port_args, ctx, procs)
             info = sched_infos[0]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_gather
+from radixserve.layers import cpu_ops
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 
 if TYPE_CHECKING:
@@ -21,7 +22,10 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
-        logits = torch.matmul(hidden, lm_head.weight.T)
+        if hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
+            logits = cpu_ops.linear(hidden, lm_head.weight)
+        else:
+            logits = torch.matmul(hidden, lm_head.weight.T)
         if lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()
@@ -30,6 +34,8 @@ class LogitsProcessor(nn.Module):
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         mode = forward_batch.forward_mode
         if mode.is_decode():
+            return LogitsProcessorOutput(next_token_logits=self._logits(hidden, lm_head))
+        if mode.is_target_verify():  # speculative verify: every position's logits (the drafts are checked on all)
             return LogitsProcessorOutput(next_token_logits=self._logits(hidden, lm_head))
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1
         out = LogitsProcessorOutput(next_token_logits=self._logits(hidden[last], lm_head))

@@ -13,14 +13,15 @@ if TYPE_CHECKING:
 
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
-                 sliding_window_size: int = -1) -> None:
+                 v_head_dim: int | None = None, sliding_window_size: int = -1) -> None:
         super().__init__()
         if sliding_window_size == 0 or sliding_window_size < -1:
             raise ValueError(f"sliding_window_size must be -1 (full attention) or positive; got {sliding_window_size}")
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads
-        self.head_dim = head_dim
+        self.head_dim = head_dim  # of q and k
+        self.v_head_dim = v_head_dim or head_dim  # of v and the output (MLA: the latent rank, smaller than k's)
         self.scaling = scaling
         self.layer_id = layer_id
         # -1: full causal attention; W > 0: a query at position p sees the keys at positions p - W + 1 .. p

@@ -1,4 +1,6 @@
-"""Rotary position embedding (neox layout, as HF Llama/Qwen use), with Llama-3 frequency scaling."""
+"""Rotary position embedding: the neox layout (halves rotated together, as HF Llama/Qwen use) or the interleaved one
+(pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay out their rotary dims); Llama-3, linear and YaRN
+frequency scaling."""
 
 from __future__ import annotations
 
@@ -27,11 +29,45 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(base: float, dim: int, scaling: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (as transformers computes it): each frequency blends its interpolated (/factor) and original value by
+    a linear ramp over the dims between the beta_fast and beta_slow rotation counts; cos/sin are scaled by the
+    attention factor (DeepSeek: mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
+    old_ctx = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / old_ctx
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                            else yarn_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
-                 rope_scaling: dict[str, Any] | None = None) -> None:
+                 rope_scaling: dict[str, Any] | None = None, is_neox_style: bool = True) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.is_neox_style = is_neox_style
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         attention_factor = 1.0
         kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
@@ -39,8 +75,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         elif kind == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, rope_scaling, max_position)
         elif kind not in ("default", None):
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # Kept in fp32; computed on the CPU at construction, moved with the module.
@@ -49,7 +87,8 @@ class RotaryEmbedding(nn.Module):
 
     def can_fuse(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether forward runs the fused kernel for these tensors (which can also store K/V: `kv_write`)."""
-        return use_fused(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
+        return (use_fused(q) and self.is_neox_style and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1
+                and k.stride(-1) == 1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_write: KVWrite | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +107,13 @@ class RotaryEmbedding(nn.Module):
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
             shape, dtype = x.shape, x.dtype
-            x = x.view(shape[0], -1, self.head_dim).float()
-            x1, x2 = x.chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            return out.to(dtype).view(shape)
+            x = x.reshape(shape[0], -1, self.head_dim).float()
+            if self.is_neox_style:
+                x1, x2 = x.chunk(2, dim=-1)
+                out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            else:  # pairs (x0, x1), (x2, x3), ... each rotated by one frequency; the output keeps that layout
+                x1, x2 = x[..., 0::2], x[..., 1::2]
+                out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            return out.to(dtype).reshape(shape)
 
         return rotate(q), rotate(k)

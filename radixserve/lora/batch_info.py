@@ -19,7 +19,7 @@ import torch
 @dataclass
 class LoRABatchInfo:
     num_slots: int
-    num_groups: int = 0  # groups with rows (the kernels' grid; all S slots under a CUDA graph)
+    num_groups: int = 0  # groups with rows (the grid; under a CUDA graph min(S, batch size): an upper bound)
     max_group_len: int = 0  # rows of the largest group (the grid's row blocks; the batch size under a graph)
     packed: torch.Tensor | None = None  # the int64 arrays above, on the device
     # host view for the torch path: (slot, rank, scaling, token rows as a slice or an index tensor) per group

@@ -111,11 +111,12 @@ class LoRAManager:
         self.graph_packed = torch.zeros(3 * self.num_slots + max_bs, dtype=torch.int64, device=self.device)
 
     def begin_capture(self, bs: int) -> None:
-        """The graph reads the static buffer: every slot's group (length 0 while capturing), up to `bs` rows."""
+        """The graph reads the static buffer (every group of length 0 while capturing), up to `bs` rows. A batch of
+        `bs` rows has at most min(slots, bs) groups, packed first: the grid covers those."""
         info = self.info
         info.capturing = True
         info.packed = self.graph_packed[:3 * self.num_slots + bs]
-        info.num_groups, info.max_group_len, info.groups_cpu = self.num_slots, bs, []
+        info.num_groups, info.max_group_len, info.groups_cpu = min(self.num_slots, bs), bs, []
 
     def end_capture(self) -> None:
         self.info.capturing = False

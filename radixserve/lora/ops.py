@@ -47,8 +47,8 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Ten
     if use_fused(x):
         from radixserve.lora.triton_ops import lora_shrink_expand
 
-        lora_shrink_expand(x, out, a, b, pool.scalings, out_slices, info.views(), info.num_groups if not
-                           info.capturing else info.num_slots, info.max_group_len)
+        lora_shrink_expand(x, out, a, b, pool.scalings, out_slices, info.views(), info.num_groups,
+                           info.max_group_len)
         return out
     if info.capturing:
         raise RuntimeError("LoRA under a CUDA graph needs the Triton kernels (RADIXSERVE_DISABLE_FUSED_KERNELS "

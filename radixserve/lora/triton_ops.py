@@ -1,8 +1,8 @@
 """Batched LoRA kernels over rows grouped by adapter (see batch_info.py).
 
 shrink: P[split, row, :] = x[row] @ A[slot]^T over one split of the input dimension (split-K: a decode row has
-little work along the rank, so the input dimension is cut into splits to fill the GPU; the partials are summed by
-expand, in a fixed order, so results do not depend on timing).
+little work along the rank, so the input dimension is cut into up to 16 splits to fill the GPU and keep each
+program's loop short; expand sums the partials in a fixed order, so results do not depend on timing).
 expand: out[row, off_j : off_j + n_j] += scale[slot] * (sum over splits of P[:, row, j*R : (j+1)*R]) @ B[slot,
 off_j : off_j + n_j, :]^T for each sub-projection j (q/k/v, gate/up) in one launch.
 
@@ -20,6 +20,7 @@ import triton.language as tl
 from radixserve.layers.triton_ops.launch import launch
 
 BLOCK_M = 16
+MAX_SPLITS = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -69,7 +70,7 @@ def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_p
 def _expand_kernel(P, B, Out, Scalings, GroupSlots, GroupStarts, GroupLens, Order, num_splits, num_rows, N_s,
                    off0, n0, off1, n1, off2, n2, stride_b_slot, stride_b_row, stride_out,
                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   MAX_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                   SPLITS: tl.constexpr, MAX_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.program_id(1)
     j = tl.program_id(2)
@@ -89,10 +90,11 @@ def _expand_kernel(P, B, Out, Scalings, GroupSlots, GroupStarts, GroupLens, Orde
     rows = tl.load(Order + start + offs_m, mask=m_mask, other=0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    s_ptr = P + rows[:, None] * N_s + j * R + offs_r[None, :]
-    for sp in range(0, num_splits):
-        s += tl.load(s_ptr + sp * num_rows * N_s, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    # the shrink's split-K partials of these rows, in one [splits, rows, rank] load, summed in a fixed order
+    offs_sp = tl.arange(0, SPLITS)
+    s_ptr = P + offs_sp[:, None, None] * num_rows * N_s + rows[None, :, None] * N_s + j * R + offs_r[None, None, :]
+    s_mask = (offs_sp < num_splits)[:, None, None] & m_mask[None, :, None] & r_mask[None, None, :]
+    s = tl.sum(tl.load(s_ptr, mask=s_mask, other=0.0), axis=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_j
     b_ptr = B + slot.to(tl.int64) * stride_b_slot + (off + offs_n)[None, :] * stride_b_row + offs_r[:, None]
@@ -132,10 +134,12 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     # Triton's CPU interpreter gets tl.dot on half types wrong: there the tiles go through float32
     upcast = _INTERPRET and x.dtype != torch.float32
     ieee = x.dtype == torch.float32 or upcast
-    block_k = 64 if K <= 2048 else 128
-    # split K so that about 1024 inputs go to a program (decode: few rows, enough programs to fill the GPU)
-    num_splits = max(1, min(16, K // 1024))
-    k_per_split = triton.cdiv(triton.cdiv(K, num_splits), block_k) * block_k
+    # Split K into up to MAX_SPLITS parts of >= 256 inputs: a decode batch has one block of rows per adapter, and
+    # a program's K loop is a chain of dependent loads, so short loops over many programs finish soonest.
+    num_splits = max(1, min(MAX_SPLITS, K // 256))
+    k_per_split = triton.cdiv(K, num_splits)
+    block_k = 64 if k_per_split <= 128 else (128 if k_per_split <= 512 else 256)
+    k_per_split = triton.cdiv(k_per_split, block_k) * block_k
     num_splits = triton.cdiv(K, k_per_split)
     p = torch.empty((num_splits, T, N), dtype=torch.float32, device=x.device)
     block_n = 16 if N <= 16 else 32
@@ -150,5 +154,5 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     launch(_expand_kernel, (m_blocks * triton.cdiv(max_n, block_n), num_groups, n_sub), p, b, out, scalings,
            group_slots, group_starts, group_lens, order, num_splits, T, N, offs[0], sizes[0], offs[1], sizes[1],
            offs[2], sizes[2], b.stride(0), b.stride(1), out.stride(0),
-           R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2_at_least_16(R), MAX_N=max_n, IEEE=ieee,
-           UPCAST=upcast, num_warps=4)
+           R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2_at_least_16(R),
+           SPLITS=triton.next_power_of_2(num_splits), MAX_N=max_n, IEEE=ieee, UPCAST=upcast, num_warps=4)

@@ -15,10 +15,18 @@ import numpy as np
 import torch
 
 from radixserve.managers.deferred_sampling import DeferredSamplingInfo
+from radixserve.managers.finish_reason import (
+    FinishAbort,
+    FinishLength,
+    FinishMatchedStr,
+    FinishMatchedToken,
+    FinishReason,
+)
 from radixserve.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
     from radixserve.lora.slots import LoRASlotTable
+    from radixserve.managers.tp_worker import GenerationBatchResult
     from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
     from radixserve.mem_cache.radix_cache import TreeNode
@@ -38,7 +46,7 @@ class Req:
         self.output_ids: list[int] = []
         self.eos_token_ids = set(eos_token_ids or ())
         self.stream = stream
-        self.finished_reason: dict[str, Any] | None = None
+        self.finished_reason: FinishReason | None = None
         self.to_abort: str | None = None
         # memory
         self.req_pool_idx: int | None = None
@@ -70,6 +78,14 @@ class Req:
         # (a radixserve.constrained BaseGrammarObject that has accepted exactly output_ids)
         self.grammar_future: Any = None
         self.grammar: Any = None
+        # speculative decoding: the drafter's per-request state, verify steps taken and the tokens they produced,
+        # and the adaptive back-off's recent accepted-draft counts, pause length and steps left to pause
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0
+        self.spec_tokens = 0
+        self.spec_history: list[int] = []
+        self.spec_backoff = 0
+        self.spec_pause = 0
 
     # ---------------------------------------------------------------- prefix and fill
     def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
@@ -96,30 +112,45 @@ class Req:
         if self.finished_reason is not None:
             return
         if self.to_abort is not None:
-            self.finished_reason = {"type": "abort", "message": self.to_abort}
+            self.finished_reason = FinishAbort(self.to_abort)
             return
         sp = self.sampling_params
         out = self.output_ids
         n = len(out)
         if n >= sp.max_new_tokens:
-            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+            self.finished_reason = FinishLength(sp.max_new_tokens)
             return
         if not n or n < sp.min_new_tokens:
             return
         last = out[-1]
         if (not sp.ignore_eos and last in self.eos_token_ids) or (sp.stop_token_ids and last in sp.stop_token_ids):
-            self.finished_reason = {"type": "stop", "matched": last}
+            self.finished_reason = FinishMatchedToken(last)
             return
         if self.stop_strs and tokenizer is not None:
             m = max(1, getattr(sp, "stop_str_max_len", 8)) + 2
             tail = tokenizer.decode(out[-m:], skip_special_tokens=sp.skip_special_tokens)
             for s in self.stop_strs:
                 if s in tail:
-                    self.finished_reason = {"type": "stop", "matched": s}
+                    self.finished_reason = FinishMatchedStr(s)
                     return
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+@dataclass
+class LaunchedBatch:
+    """What the scheduler keeps of a batch it launched until it processes the batch's results: the batch itself
+    changes (filtered, merged) before that under overlap scheduling."""
+
+    bid: int  # the forward count when it was launched
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    n_prefill: int  # MIXED: the requests after the first n_prefill ride along as one-token decodes
+    return_logprob: bool
+    chunked_req: Req | None  # a request of this batch whose prompt is still being prefilled in chunks
+    result: GenerationBatchResult | None = None  # None under overlap: the forward thread holds it
+    spec: Any = None  # a speculative verify step: its drafts' slots (radixserve/speculative/scheduler_mixin.py)
 
 
 @dataclass
@@ -169,6 +200,7 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
         self.decoding_reqs: list[Req] | None = None  # for MIXED: the running requests riding along
+        self.n_prefill = len(reqs)  # for MIXED: the first n_prefill requests are the prefill, the rest decode
         self.sampling_info: DeferredSamplingInfo | None = None
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
         self.seq_lens_list: list[int] | None = None

@@ -9,7 +9,6 @@ import signal
 import time
 from collections import deque
 from concurrent.futures import Future
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +17,8 @@ import zmq
 from radixserve.configs.model_config import ModelConfig
 from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers import io_struct as io
-from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.managers.finish_reason import FinishAbort
+from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_grammar import SchedulerGrammarMixin
 from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
@@ -30,6 +30,7 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.scheduler_mixin import SchedulerSpeculativeMixin
 from radixserve.utils import get_zmq_socket, kill_itself_when_parent_died
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ IN_BATCH_PREFIX_LEN = 32  # prompt head length compared for in-batch prefix shar
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin):
+class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin, SchedulerSpeculativeMixin):
     def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tp_rank: int = 0, gpu_id: int = 0) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
@@ -50,7 +51,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.worker = TpModelWorker(server_args, self.model_config, tp_rank=tp_rank, gpu_id=gpu_id)
         self.enable_overlap = server_args.use_overlap
         self.worker_client = TpModelWorkerClient(self.worker) if self.enable_overlap else None
-        self.result_queue: deque[tuple[SimpleNamespace, int]] = deque()
+        self.result_queue: deque[LaunchedBatch] = deque()  # launched, results not processed yet
         # (bid of the batch whose results the mask waits for, the batch's requests, the mask's future)
         self.pending_grammar_masks: deque[tuple[int, list[Req], Future]] = deque()
         self.device = self.worker.device
@@ -100,6 +101,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self._log_decode_tokens = 0
         self._log_decode_since = time.monotonic()
 
+        self.init_speculative()  # --speculative-algorithm (radixserve/speculative/scheduler_mixin.py)
         self.outbox: list[Any] = []  # messages kept in-process when there is no detokenizer socket (tests)
         self.recv_from_tokenizer = None
         self.send_to_detokenizer = None
@@ -117,35 +119,31 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                 self.send_to_controller = get_zmq_socket(ctx, zmq.PUSH, port_args["controller_input"], bind=False)
 
     # ================================================================= the loop
-    def event_loop_normal(self) -> None:
-        """receive → schedule → run → process, one batch at a time."""
+    def event_loop(self) -> None:
+        """receive → step, forever. Without overlap each batch's results are processed before the next batch is
+        scheduled; with it, after the next batch is launched (so the device never waits for the scheduler)."""
         while True:
             self.process_input_requests(self.recv_requests())
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                self.process_batch_result(*self.run_batch(batch))
-            else:
+            if not self.step():
                 self.on_idle()
-            self.last_batch = batch
 
-    def event_loop_overlap(self) -> None:
-        """Like the normal loop, but batch N's results are processed after batch N+1 is launched, so the device
-        never waits for the scheduler. Tokens still in flight are referred to by future ids."""
-        while True:
-            self.process_input_requests(self.recv_requests())
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                self.result_queue.append(self.run_batch(batch))
-                if len(self.result_queue) > 1:
-                    self.process_batch_result(*self.result_queue.popleft())
-            else:
-                self.flush_results()
-                self.on_idle()
-            self.last_batch = batch
+    def step(self) -> bool:
+        """One iteration of the loop after receiving: schedule a batch, launch it, process results (under overlap
+        the previous batch's, the tokens still in flight being referred to by future ids). The event loop, the
+        warm-up, the benchmarks and the tests all run this. False when there was nothing to run."""
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            self.result_queue.append(self.run_batch(batch))
+            if not self.enable_overlap or len(self.result_queue) > 1:
+                self.process_batch_result(self.result_queue.popleft())
+        else:
+            self.flush_results()
+        self.last_batch = batch
+        return batch is not None
 
     def flush_results(self) -> None:
         while self.result_queue:
-            self.process_batch_result(*self.result_queue.popleft())
+            self.process_batch_result(self.result_queue.popleft())
 
     def recv_requests(self) -> list[Any]:
         """The messages that arrived since the last call. With --tp-size > 1 rank 0 receives them and broadcasts
@@ -186,21 +184,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             self.last_load_report = report
             self.send_to_controller.send_pyobj(io.SchedulerLoadReport(num_reqs=num_reqs,
                                                                       num_received=self.num_generate_received))
-
-    def step(self) -> bool:
-        """One iteration of the active loop without receiving (for tests); False when there was nothing to run."""
-        batch = self.get_next_batch_to_run()
-        if batch is not None:
-            if self.enable_overlap:
-                self.result_queue.append(self.run_batch(batch))
-                if len(self.result_queue) > 1:
-                    self.process_batch_result(*self.result_queue.popleft())
-            else:
-                self.process_batch_result(*self.run_batch(batch))
-        else:
-            self.flush_results()
-        self.last_batch = batch
-        return batch is not None
 
     # ================================================================= requests
     def process_input_requests(self, reqs: list[Any]) -> None:
@@ -245,6 +228,11 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             error, status = lora_error, 400 if self.lora_manager is None else 404
         if error is not None:
             self.send_abort(recv.rid, error, status=status)
+            return
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.waiting_queue) + len(self.grammar_queue) >= limit:
+            self.send_abort(recv.rid, f"the server is overloaded: {limit} requests are waiting "
+                            f"(--max-queued-requests {limit}); retry later", status=503)
             return
         sp = recv.sampling_params
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids))
@@ -298,10 +286,15 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             if self.lora_manager is None or name not in self.lora_manager.adapters:
                 self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {name!r} is not loaded"))
                 continue
-            self.flush_results()  # a batch in flight may still hold its last requests' cache locks
-            self.tree_cache.drop_namespace(name)
-            self.lora_table.forget(name)
-            self.lora_manager.unload_adapter(name)
+            try:
+                self.flush_results()  # a batch in flight may still hold its last requests' cache locks
+                self.tree_cache.drop_namespace(name)
+                self.lora_table.forget(name)
+                self.lora_manager.unload_adapter(name)
+            except Exception as e:  # reported to the caller; the scheduler goes on
+                logger.exception("unloading LoRA adapter %r failed", name)
+                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"unloading LoRA adapter {name!r} failed: {e}"))
+                continue
             self.send_out(io.UnloadLoRAAdapterReqOutput(True, f"unloaded LoRA adapter {name!r}"))
 
     def _live_reqs(self) -> list[Req]:
@@ -320,13 +313,13 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             if req.rid == rid:
                 del self.grammar_queue[i]
                 req.grammar_future = None
-                req.finished_reason = {"type": "abort", "message": message}
+                req.finished_reason = FinishAbort(message)
                 self.stream_output([req])
                 return
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 del self.waiting_queue[i]
-                req.finished_reason = {"type": "abort", "message": message}
+                req.finished_reason = FinishAbort(message)
                 self.stream_output([req])
                 return
         # running (or being prefilled in chunks): finished at the next result processing
@@ -341,7 +334,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
 
     def send_abort(self, rid: str, message: str, status: int = 400) -> None:
         out = io.BatchTokenIDOut(rids=[rid], new_token_ids=[[]],
-                                 finished_reasons=[{"type": "abort", "message": message, "status_code": status}],
+                                 finished_reasons=[FinishAbort(message, status).to_json()],
                                  meta_infos=[{"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}],
                                  skip_special_tokens=[True], spaces_between_special_tokens=[True], no_stop_trim=[False],
                                  stop_strs=[[]])
@@ -399,7 +392,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                              mixed_decode_tokens=len(running) if mixed else 0)
         if self.chunked_req is not None and self.chunked_req.to_abort is not None:
             req, self.chunked_req = self.chunked_req, None
-            req.finished_reason = {"type": "abort", "message": req.to_abort}
+            req.finished_reason = FinishAbort(req.to_abort)
             self.tree_cache.cache_finished_req(req)
             self.stream_output([req])
         if self.chunked_req is not None:
@@ -483,8 +476,13 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             batch.prepare_for_decode()
 
     # ================================================================= running
-    def run_batch(self, batch: ScheduleBatch) -> tuple[SimpleNamespace, Any]:
-        """Launch `batch`; returns (a snapshot of what the batch was, its result or, under overlap, its id)."""
+    def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        """Launch `batch`; returns what its results will be processed against (with the result itself, unless
+        under overlap)."""
+        if self.spec_drafter is not None and batch.forward_mode.is_decode():
+            spec = self.run_spec_batch(batch)  # a verify step, or None: nobody drafted, a plain decode
+            if spec is not None:
+                return spec
         self.forward_ct += 1
         self.last_step_time = time.monotonic()
         bid = self.forward_ct
@@ -493,26 +491,26 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         mwb = batch.get_model_worker_batch()
         reqs = batch.reqs
         chunked_req = self.chunked_req
-        view = SimpleNamespace(reqs=list(reqs), forward_mode=batch.forward_mode, bid=bid,
-                               n_prefill=getattr(batch, "n_prefill", len(reqs)),
-                               return_logprob=mwb.return_logprob,
-                               chunked_req=chunked_req if chunked_req is not None and chunked_req in reqs else None)
+        view = LaunchedBatch(bid=bid, reqs=list(reqs), forward_mode=batch.forward_mode, n_prefill=batch.n_prefill,
+                             return_logprob=mwb.return_logprob,
+                             chunked_req=chunked_req if chunked_req is not None and chunked_req in reqs else None)
         if self.grammar_backend is not None and any(r.grammar is not None for r in reqs):
             if self.result_queue and any(r.grammar is not None and r.pending_token is not None for r in reqs):
                 # Overlap: this step's mask needs the tokens still in flight accepted by the matchers first. The
                 # mask is needed only at sampling, after this batch's forward, so launch now and hand it over when
                 # the batch in flight has been processed (`fulfill_grammar_masks`); the device keeps working.
                 mwb.grammar_bitmask = Future()
-                self.pending_grammar_masks.append((self.result_queue[-1][0].bid, view.reqs, mwb.grammar_bitmask))
+                self.pending_grammar_masks.append((self.result_queue[-1].bid, view.reqs, mwb.grammar_bitmask))
             else:
                 mwb.grammar_bitmask = self.build_grammar_bitmask(reqs)
         if self.worker_client is None:
-            return view, self.worker.forward_batch_generation(mwb)
+            view.result = self.worker.forward_batch_generation(mwb)
+            return view
         slots = self.worker_client.forward_batch_generation(mwb)  # a range of future slots
         for req, slot in zip(reqs, slots, strict=True):
             if req is not chunked_req and req.finished_reason is None:  # not req.finished()
                 req.pending_token = (bid, slot)
-        return view, bid
+        return view
 
     def log_batch_stats(self, batch: ScheduleBatch) -> None:
         """One line per prefill batch, and one per --decode-log-interval decode steps (with the throughput)."""
@@ -533,8 +531,11 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         now = time.monotonic()
         used = pool.size - pool.available_size()
         rate = self._log_decode_tokens / max(now - self._log_decode_since, 1e-9)
+        spec = ""
+        if self.spec_drafter is not None and self.spec_num_rows:
+            spec = f", accept len {self.spec_accept_length():.2f}"
         logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
-                    "#queue-req %d", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue))
+                    "#queue-req %d%s", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue), spec)
         self._log_decode_steps, self._log_decode_tokens, self._log_decode_since = 0, 0, now
 
     # ================================================================= idle, state, cache
@@ -585,6 +586,9 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             "num_grammar_queue_reqs": len(self.grammar_queue),
             **(self.grammar_backend.stats() if self.grammar_backend is not None else {}),
             "num_retractions": self.num_retractions,
+            "avg_spec_accept_length": self.spec_accept_length(),
+            **({"lora_adapters": sorted(self.lora_manager.adapters), "lora_slots": dict(self.lora_table.slot_of),
+                "lora_slot_loads": self.lora_table.num_loads} if self.lora_table is not None else {}),
             "cache_hit_tokens": self.cache_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "forward_ct": self.forward_ct,
@@ -620,10 +624,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         return
     try:
-        if server_args.use_overlap and hasattr(scheduler, "event_loop_overlap"):
-            scheduler.event_loop_overlap()
-        else:
-            scheduler.event_loop_normal()
+        scheduler.event_loop()
     except Exception as e:
         # With TP a collective fails when another rank died (at once) or hangs (after --dist-timeout): exit, so
         # that the engine sees a dead process (/health 503) and the other ranks' collectives fail in turn.

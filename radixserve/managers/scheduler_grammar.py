@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from radixserve.managers.finish_reason import FinishAbort, FinishMatchedToken
+
 if TYPE_CHECKING:
     import torch
 
@@ -87,10 +89,9 @@ class SchedulerGrammarMixin:
                     req.output_token_logprobs.pop()
                     if len(req.output_top_logprobs) > len(req.output_ids):
                         req.output_top_logprobs.pop()
-                req.finished_reason = {"type": "stop", "matched": None}
+                req.finished_reason = FinishMatchedToken(None)
                 return
             logger.warning("request %s: sampled token %d does not match its grammar", req.rid, token)
-            req.finished_reason = {"type": "abort", "message": f"the sampled token {token} does not match the "
-                                   "request's grammar"}
+            req.finished_reason = FinishAbort(f"the sampled token {token} does not match the request's grammar")
         elif grammar.is_terminated():
-            req.finished_reason = {"type": "stop", "matched": token if token in req.eos_token_ids else None}
+            req.finished_reason = FinishMatchedToken(token if token in req.eos_token_ids else None)

@@ -3,24 +3,27 @@ free the requests' KV, and send new tokens to the detokenizer. A mixin of Schedu
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from radixserve.managers import io_struct as io
-from radixserve.managers.schedule_batch import Req
-from radixserve.managers.tp_worker import GenerationBatchResult
+from radixserve.managers.finish_reason import FinishAbort, FinishLength
+from radixserve.managers.schedule_batch import LaunchedBatch, Req
 
 
 class SchedulerOutputProcessorMixin:
-    def process_batch_result(self, batch: SimpleNamespace, result: GenerationBatchResult | int) -> None:
+    def process_batch_result(self, batch: LaunchedBatch) -> None:
         try:
-            self._process_batch_result(batch, result)
+            self._process_batch_result(batch)
         finally:
             if self.pending_grammar_masks:  # masks of the next batch waited for these tokens
                 self.fulfill_grammar_masks(batch.bid)
 
-    def _process_batch_result(self, batch: SimpleNamespace, result: GenerationBatchResult | int) -> None:
-        if not isinstance(result, GenerationBatchResult):
+    def _process_batch_result(self, batch: LaunchedBatch) -> None:
+        if batch.forward_mode.is_target_verify():
+            self.process_spec_result(batch)  # speculative decoding (radixserve/speculative/)
+            return
+        result = batch.result
+        if result is None:  # overlap: the forward thread's results come back in launch order
             result = self.worker_client.resolve_batch_result()
         logits_output, next_token_ids = result.logits_output, result.next_token_ids
         bid = batch.bid
@@ -48,7 +51,7 @@ class SchedulerOutputProcessorMixin:
             if extend:
                 self._record_input_logprobs(req, logits_output, i)
             if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
-                req.finished_reason = {"type": "length", "length": 0}
+                req.finished_reason = FinishLength(0)
             else:
                 tok = next_ids[i]
                 req.output_ids.append(tok)
@@ -62,7 +65,7 @@ class SchedulerOutputProcessorMixin:
                     self._advance_grammar(req, tok)
                 req.check_finished(tokenizer)
             if req.to_abort is not None and req.finished_reason is None:
-                req.finished_reason = {"type": "abort", "message": req.to_abort}
+                req.finished_reason = FinishAbort(req.to_abort)
             if req.finished_reason is not None:
                 tree_cache.cache_finished_req(req)
             elif extend and (not mixed or i < n_prefill):
@@ -108,6 +111,9 @@ class SchedulerOutputProcessorMixin:
             meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids),
                                     "completion_tokens": len(output_ids),
                                     "cached_tokens": req.cached_tokens}
+            if req.spec_verify_ct:  # speculative decoding: verify steps and mean tokens committed per step
+                meta["spec_verify_ct"] = req.spec_verify_ct
+                meta["spec_accept_length"] = req.spec_tokens / req.spec_verify_ct
             if req.return_logprob:
                 meta["output_token_logprobs"] = req.output_token_logprobs[req.sent_logprob_offset:]
                 meta["output_top_logprobs"] = req.output_top_logprobs[req.sent_logprob_offset:]
@@ -117,7 +123,7 @@ class SchedulerOutputProcessorMixin:
                 req.sent_logprob_offset = len(req.output_token_logprobs)
             rids.append(req.rid)
             new_token_ids.append(output_ids[sent:])
-            finished_reasons.append(finished_reason)
+            finished_reasons.append(None if finished_reason is None else finished_reason.to_json())
             meta_infos.append(meta)
             sp = req.sampling_params
             skip_special_tokens.append(sp.skip_special_tokens)

@@ -296,9 +296,11 @@ class TokenizerManager:
         return [await self.tokenize_async(t) for t in texts]
 
     def _check_capacity(self, n: int) -> None:
+        """A request of more samples than may ever wait at once is refused here; the scheduler, which knows how many
+        are waiting (not running), refuses the rest when its queue is full."""
         limit = self.server_args.max_queued_requests
-        if limit is not None and len(self.rid_to_state) + n > limit:
-            raise RequestError(f"the server is overloaded: {len(self.rid_to_state)} requests in flight "
+        if limit is not None and n > limit:
+            raise RequestError(f"the server is overloaded: {n} requests at once, more than may wait "
                                f"(--max-queued-requests {limit}); retry later", 503)
 
     async def _prefill_shared_prompt(self, req: io.TokenizedGenerateReqInput) -> None:

@@ -18,6 +18,7 @@ from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixserve.mem_cache.mla_memory_pool import MLATokenToKVPool
 from radixserve.model_executor.forward_batch_info import ForwardBatch
 from radixserve.model_loader import get_model
 from radixserve.server_args import ServerArgs
@@ -80,6 +81,10 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, model_config.num_hidden_layers, server_args, self.dtype,
                                             self.device)
         self._init_memory_pool()
+        if not self.is_cuda:
+            from radixserve.layers import cpu_ops
+
+            cpu_ops.load()  # build the CPU kernels now (once per machine, about a second), not in the first step
         backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
@@ -124,6 +129,9 @@ class ModelRunner:
         cfg, args = self.model_config, self.server_args
         num_kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
         cell = 2 * cfg.num_hidden_layers * num_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        if cfg.is_mla:  # one latent vector per token and layer, shared by all heads (and all TP ranks)
+            cell = MLATokenToKVPool.cell_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
+                                               self.kv_dtype)
         if self.is_cuda:
             gc.collect()
             torch.cuda.empty_cache()
@@ -145,8 +153,12 @@ class ModelRunner:
         max_reqs = args.max_running_requests or max(1, min(1024 if self.is_cuda else 256, size // 2))
         self.max_running_requests = max_reqs
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
-        self.token_to_kv_pool = TokenToKVPool(size, self.kv_dtype, num_kv_heads, cfg.head_dim,
-                                              cfg.num_hidden_layers, self.device)
+        if cfg.is_mla:
+            self.token_to_kv_pool = MLATokenToKVPool(size, self.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                                     cfg.num_hidden_layers, self.device)
+        else:
+            self.token_to_kv_pool = TokenToKVPool(size, self.kv_dtype, num_kv_heads, cfg.head_dim,
+                                                  cfg.num_hidden_layers, self.device)
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
 
     # ---------------------------------------------------------------- run

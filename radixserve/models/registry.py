@@ -12,6 +12,8 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "radixserve.models.mixtral",
     "Qwen2MoeForCausalLM": "radixserve.models.qwen2_moe",
     "Qwen3MoeForCausalLM": "radixserve.models.qwen3_moe",
+    "DeepseekV2ForCausalLM": "radixserve.models.deepseek_v2",
+    "DeepseekV3ForCausalLM": "radixserve.models.deepseek_v2",
 }
 
 

@@ -38,7 +38,7 @@ async def _internal_states(state: ServerState) -> list[dict[str, Any]]:
     if state.engine_dead_message() is None:
         with contextlib.suppress(Exception):
             sched = await state.tm.get_internal_state(timeout=min(2.0, state.control_timeout))
-    return [{**sched, "last_gen_throughput": state.tm.gen_throughput(), "avg_spec_accept_length": None}]
+    return [{"avg_spec_accept_length": None, **sched, "last_gen_throughput": state.tm.gen_throughput()}]
 
 
 @router.get("/get_server_info")

@@ -67,3 +67,9 @@ def kv_scales(layer: object) -> tuple[float, float]:
 def sliding_window(layer: object) -> int:
     """The layer's attention window in tokens, or -1 for full attention (also for a layer that sets none)."""
     return getattr(layer, "sliding_window_size", -1)
+
+
+def value_head_dim(layer: object) -> int:
+    """The value / output head dim of an attention layer (MLA's is smaller than its key dim); head_dim for a layer
+    that names none."""
+    return getattr(layer, "v_head_dim", None) or layer.head_dim  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """CPU attention: the default backend on the CPU. Same results as `torch_native` (the readable reference it extends),
 without its copies:
 
-- decode: every request of the batch in one call of a paged C kernel (`cpu_ops/paged_decode.c`) that reads each
+- decode: every request of the batch in one call of a paged C kernel (`layers/cpu_ops/paged_decode.c`) that reads each
   request's K/V rows in place from the pool through the request table, once per step — no gather, no padding, no
   repeated KV heads — split over all intra-op threads; its cost grows with the KV bytes read;
 - extend: the new tokens' own K/V feed SDPA directly when nothing is cached (no gather from the pool), grouped-query
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention import cpu_ops
+from radixserve.layers import cpu_ops
+from radixserve.layers.attention.base_attn_backend import sliding_window
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
 KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _window(layer: RadixAttention) -> int:
-    return getattr(layer, "sliding_window_size", -1)
+def _is_mla(layer: RadixAttention) -> bool:
+    return getattr(layer, "v_head_dim", layer.head_dim) != layer.head_dim
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
@@ -50,15 +51,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             self._zeros = torch.zeros_like(self._ends)
 
     def _kernel_fits(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
-        return self.kernel and forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)[0].dtype \
-            in KERNEL_POOL_DTYPES
+        return self.kernel and not _is_mla(layer) \
+            and forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)[0].dtype in KERNEL_POOL_DTYPES
 
     def _decode_kernel(self, q: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
                        rows: torch.Tensor, ends: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
         """q: [n, H*D] one query per request -> [n, H*D]."""
         h, d = layer.tp_q_head_num, layer.head_dim
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        window = _window(layer)
+        window = sliding_window(layer)
         starts = (ends - window).clamp_(min=0) if window > 0 else zeros  # the query sees the last `window` keys
         q32 = q.reshape(-1, h, d).to(torch.float32).contiguous()
         out = cpu_ops.paged_decode_attention(q32, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token, rows,
@@ -74,8 +75,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         k_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if _window(layer) > 0 or k_buf.dtype != q.dtype:
-            # windows' masks live in the reference; a pool of another dtype must be read back (rounded) from it
+        if sliding_window(layer) > 0 or k_buf.dtype != q.dtype or _is_mla(layer):
+            # windows' masks and MLA's latent (value dim != key dim) live in the reference; a pool of another
+            # dtype must be read back (rounded) from it
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window, value_head_dim
 from radixserve.mem_cache.memory_pool import gather_kv, load_kv_values
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         q = q.view(-1, layer.tp_q_head_num, layer.head_dim)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, value_head_dim(layer))
         rows = forward_batch.req_pool_indices.tolist()
         gqa = layer.tp_q_head_num // layer.tp_k_head_num
         window = sliding_window(layer)
@@ -63,12 +63,12 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                scale=layer.scaling)
             out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
             start += q_len
-        return out.view(-1, layer.tp_q_head_num * layer.head_dim)
+        return out.view(-1, layer.tp_q_head_num * value_head_dim(layer))
 
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
         forward_batch.token_to_kv_pool.set_kv_buffer(
             layer.layer_id, forward_batch.out_cache_loc,
-            k.view(-1, layer.tp_k_head_num, layer.head_dim), v.view(-1, layer.tp_v_head_num, layer.head_dim),
+            k.view(-1, layer.tp_k_head_num, layer.head_dim), v.view(-1, layer.tp_v_head_num, value_head_dim(layer)),
             *kv_scales(layer))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
@@ -83,9 +83,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        h, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        h, hkv, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, value_head_dim(layer)
         q = q.view(-1, h, d)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0], h, dv)
         lens = forward_batch.seq_lens_cpu
         rows = forward_batch.req_pool_indices
         req_to_token = forward_batch.req_to_token_pool.req_to_token
@@ -117,4 +117,4 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                scale=layer.scaling)  # [n, H, 1, D]
             out[start:end] = o.squeeze(2)
             start = end
-        return out.view(-1, h * d)
+        return out.view(-1, h * dv)

@@ -58,9 +58,14 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"max_kv_splits must be positive; got {max_kv_splits}")
         cfg = model_runner.model_config
         tp_size = getattr(model_runner, "tp_size", 1) or 1
-        self.num_heads = cfg.num_attention_heads // tp_size
-        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp_size)  # KV heads are replicated past tp_size
-        self.head_dim = cfg.head_dim
+        # MLA (DeepSeek): multi-query attention over the latent pool, value/output dim = the latent rank
+        self.is_mla = bool(getattr(cfg, "is_mla", False))
+        if self.is_mla:
+            self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim = cfg.attention_shape(tp_size)
+        else:
+            self.num_heads = cfg.num_attention_heads // tp_size
+            self.num_kv_heads = max(1, cfg.num_key_value_heads // tp_size)  # KV heads are replicated past tp_size
+            self.head_dim = self.v_head_dim = cfg.head_dim
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.max_kv_splits = max_kv_splits
         # Tunables (plain attributes so tests can force many small splits; set them before init_cuda_graph_state).
@@ -107,7 +112,7 @@ class TritonAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         if mode.is_decode():
             splits = self._kv_split_cap(bs)
-            mid_o, mid_lse = self._ensure_eager_scratch(bs, self.num_heads, self.head_dim, splits)
+            mid_o, mid_lse = self._ensure_eager_scratch(bs, self.num_heads, self.v_head_dim, splits)
             self.forward_metadata = TritonForwardMetadata(
                 req_pool_indices=forward_batch.req_pool_indices, seq_lens=forward_batch.seq_lens,
                 num_kv_splits=splits, mid_o=mid_o, mid_lse=mid_lse)
@@ -135,7 +140,7 @@ class TritonAttnBackend(AttentionBackend):
                                        device=self.device)
         # every captured batch size shares one scratch, sized for the largest bs * splits among them
         worst = max(bs * split_capacity(self._kv_split_cap(bs)) for bs in range(1, max_bs + 1))
-        n_o, n_lse = worst * self.num_heads * self.head_dim, worst * self.num_heads
+        n_o, n_lse = worst * self.num_heads * self.v_head_dim, worst * self.num_heads
         self._cg_mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
         self._cg_mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
 
@@ -203,6 +208,8 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         meta = self._metadata()
+        if self.is_mla:
+            return self._mla_extend(q, k, layer, forward_batch, meta, save_kv_cache)
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         if save_kv_cache:
             self._save_kv(k, v, layer, forward_batch)
@@ -224,6 +231,8 @@ class TritonAttnBackend(AttentionBackend):
         if meta.seq_lens is None or meta.req_pool_indices is None:
             raise RuntimeError("decode metadata missing: was init_forward_metadata called for a decode batch?")
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        if self.is_mla:
+            return self._mla_decode(q, k, layer, forward_batch, meta, save_kv_cache)
         if save_kv_cache:
             self._save_kv(k, v, layer, forward_batch)
         q3 = self._heads(q, num_heads, head_dim)
@@ -247,3 +256,46 @@ class TritonAttnBackend(AttentionBackend):
             use_dot=self.decode_use_dot, num_kv_splits=splits, k_scale=kv_scales(layer)[0],
             v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
         return o.view(-1, num_heads * head_dim)
+
+    # ---------------------------------------------------------------- MLA (latent pool)
+    def _mla_store(self, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
+        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
+                                                     k.reshape(-1, 1, layer.head_dim), None)
+
+    def _mla_extend(self, q: torch.Tensor, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
+                    meta: TritonForwardMetadata, save_kv_cache: bool) -> torch.Tensor:
+        from radixserve.layers.attention.triton_ops.mla_attention import mla_extend_fwd
+
+        if save_kv_cache:  # the kernel reads the new tokens' latents from the pool, with the prefix's
+            self._mla_store(k, layer, forward_batch)
+        q3 = self._heads(q, layer.tp_q_head_num, layer.head_dim)
+        o = torch.empty((q3.shape[0], layer.tp_q_head_num, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        if q3.shape[0] and meta.max_extend_len:
+            kv_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            mla_extend_fwd(q3, kv_buf, o, self.req_to_token, meta.req_pool_indices, meta.extend_prefix_lens,
+                           meta.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len, layer.scaling,
+                           layer.v_head_dim)
+        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _mla_decode(self, q: torch.Tensor, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
+                    meta: TritonForwardMetadata, save_kv_cache: bool) -> torch.Tensor:
+        from radixserve.layers.attention.triton_ops.mla_attention import mla_decode_fwd
+
+        if save_kv_cache:
+            self._mla_store(k, layer, forward_batch)
+        num_heads, dv = layer.tp_q_head_num, layer.v_head_dim
+        q3 = self._heads(q, num_heads, layer.head_dim)
+        bs = q3.shape[0]
+        o = torch.empty((bs, num_heads, dv), dtype=q.dtype, device=q.device)
+        splits = meta.num_kv_splits
+        n_o, n_lse = self._scratch_numel(bs, num_heads, dv, splits)
+        if meta.mid_o is None or meta.mid_lse is None or meta.mid_o.numel() < n_o or meta.mid_lse.numel() < n_lse:
+            if meta.cuda_graph:
+                raise RuntimeError("decode scratch of the CUDA-graph state is too small for this layer")
+            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, dv, splits)
+        cap = split_capacity(splits)
+        kv_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        mla_decode_fwd(q3, kv_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens,
+                       meta.mid_o[:n_o].view(bs, num_heads, cap, dv), meta.mid_lse[:n_lse].view(bs, num_heads, cap),
+                       layer.scaling, dv, splits, min_split_len=self.min_split_len)
+        return o.view(-1, num_heads * dv)

@@ -1,10 +1,11 @@
 """The experts as two grouped GEMMs in Triton.
 
-1. Align (`moe_align_block_size`, two small kernels, no host sync): the token→expert assignments (T·k of them,
-   numbered t·k + j) are bucketed by expert and each bucket padded to a multiple of BLOCK_M, so every block of
-   BLOCK_M rows belongs to one expert. `sorted_ids` lists assignment numbers (padding = T·k), `expert_ids` the
-   expert of each block, `total` the padded length. The grid is sized from shapes alone (an upper bound on the
-   blocks; programs past `total` return at once), so it can be captured in a CUDA graph.
+1. Align (`moe_align_block_size`: a parallel count, one program for the offsets, a parallel scatter; no host
+   sync): the token→expert assignments (T·k of them, numbered t·k + j) are bucketed by expert and each bucket
+   padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to one expert. `sorted_ids` lists
+   assignment numbers (padding = T·k), `expert_ids` the expert of each block, `total` the padded length. The grid
+   is sized from shapes alone (an upper bound on the blocks; programs past `total` return at once), so it can be
+   captured in a CUDA graph.
 2. Gate/up: per block, rows x[assignment // k] times the expert's gate and up columns, SiLU(gate)·up in registers,
    one store of the activated [T·k, I] intermediate: the [T·k, 2I] gate/up product never reaches memory.
 3. Down: per block, intermediate rows times the expert's W_down, times the routing weight, stored per assignment;
@@ -25,18 +26,23 @@ import triton.language as tl
 from radixserve.layers.triton_ops.launch import launch
 
 
-@triton.jit
-def _align_count_kernel(Ids, Sorted, ExpertIds, Total, PadStart, Cursor, n, offset, num_local, max_blocks,
-                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
-    """One program: per-expert counts, padded starts, the expert of every block; fills Sorted with padding."""
+@triton.jit(do_not_specialize=["n"])
+def _align_count_kernel(Ids, Counts, n, offset, num_local, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Per-expert counts of one chunk of assignments, added into Counts (the last bin collects the padding lanes
+    and experts held by other ranks)."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
+    held = (offs < n) & (e >= 0) & (e < num_local)
+    hist = tl.histogram(tl.where(held, e, E_PAD - 1), E_PAD)
+    tl.atomic_add(Counts + tl.arange(0, E_PAD), hist)
+
+
+@triton.jit(do_not_specialize=["max_blocks"])
+def _align_offsets_kernel(Counts, ExpertIds, Total, PadStart, Cursor, num_local, max_blocks,
+                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
+    """One program: padded bucket starts, the expert of every block, the padded total."""
     offs_e = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, n, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
-        held = (offs < n) & (e >= 0) & (e < num_local)
-        e = tl.where(held, e, -1)
-        counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    counts = tl.load(Counts + offs_e, mask=offs_e < num_local, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, 0)
     tl.store(PadStart + offs_e, pad_end - padded)
@@ -44,16 +50,12 @@ def _align_count_kernel(Ids, Sorted, ExpertIds, Total, PadStart, Cursor, n, offs
     tl.store(Total, tl.sum(padded, 0))
     for b0 in range(0, max_blocks, BLOCKS):
         offs_b = b0 + tl.arange(0, BLOCKS)
-        first_row = offs_b * BLOCK_M
-        # the block's expert: how many experts end at or before its first row (blocks past the total get the last)
-        eid = tl.sum((pad_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        eid = tl.minimum(eid, num_local - 1)
-        tl.store(ExpertIds + offs_b, eid, mask=offs_b < max_blocks)
-        for r in range(0, BLOCK_M):
-            tl.store(Sorted + first_row + r, tl.full([BLOCKS], 0, tl.int32) + n, mask=offs_b < max_blocks)
+        # a block's expert: how many experts end at or before its first row (blocks past the total get the last)
+        eid = tl.sum((pad_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _align_scatter_kernel(Ids, Sorted, PadStart, Cursor, n, offset, num_local, CHUNK: tl.constexpr):
     """Each held assignment takes the next free row of its expert's bucket (the order within a bucket does not
     change any result: every row of a GEMM tile is computed on its own)."""
@@ -64,6 +66,38 @@ def _align_scatter_kernel(Ids, Sorted, PadStart, Cursor, n, offset, num_local, C
     slot = tl.atomic_add(Cursor + e, 1, mask=held)
     base = tl.load(PadStart + e, mask=held, other=0)
     tl.store(Sorted + base + slot, offs.to(tl.int32), mask=held)
+
+
+@triton.jit(do_not_specialize=["n", "max_blocks"])
+def _align_small_kernel(Ids, Sorted, ExpertIds, Total, Cursor, n, offset, num_local, max_blocks,
+                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, N_PAD: tl.constexpr, BLOCKS: tl.constexpr,
+                        FILL: tl.constexpr):
+    """All of the align in one program, for batches of at most N_PAD assignments (decode): one launch instead of
+    five. The same buckets as the parallel path (the order inside a bucket aside)."""
+    offs = tl.arange(0, N_PAD)
+    e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
+    held = (offs < n) & (e >= 0) & (e < num_local)
+    counts = tl.histogram(tl.where(held, e, E_PAD - 1), E_PAD)
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.where(offs_e < num_local, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(Cursor + offs_e, pad_end - padded)  # each bucket's next free row starts at its first
+    tl.store(Total, tl.sum(padded, 0))
+    for b0 in range(0, max_blocks, BLOCKS):
+        offs_b = b0 + tl.arange(0, BLOCKS)
+        eid = tl.sum((pad_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
+    rows = max_blocks * BLOCK_M
+    for r0 in range(0, rows, FILL):
+        offs_r = r0 + tl.arange(0, FILL)
+        tl.store(Sorted + offs_r, tl.full([FILL], 0, tl.int32) + n, mask=offs_r < rows)
+    tl.debug_barrier()  # the padding is written (and the cursors) before any thread places its assignment
+    slot = tl.atomic_add(Cursor + tl.where(held, e, 0), 1, mask=held)
+    tl.store(Sorted + slot, offs.to(tl.int32), mask=held)
+
+
+SMALL_ALIGN = 1024  # assignments (tokens x top-k) up to which the one-program align runs
 
 
 @dataclass
@@ -77,19 +111,33 @@ class AlignedAssignments:
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
                          expert_offset: int = 0) -> AlignedAssignments:
+    """Bucket the assignments by (local) expert, each bucket padded to a multiple of block_m, without waiting for
+    the host: one program for a decode-sized batch, else five launches (two fills, a parallel count, one program
+    for the offsets, a parallel scatter)."""
     n = topk_ids.numel()
     max_blocks = triton.cdiv(n + min(num_local, n) * (block_m - 1), block_m)
     dev = topk_ids.device
     e_pad = triton.next_power_of_2(num_local + 1)
-    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    if n <= SMALL_ALIGN:
+        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+        total = torch.empty(1, dtype=torch.int32, device=dev)
+        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+        launch(_align_small_kernel, (1,), topk_ids.reshape(-1), sorted_ids, expert_ids, total, cursor, n,
+               expert_offset, num_local, max_blocks, BLOCK_M=block_m, E_PAD=e_pad,
+               N_PAD=max(16, triton.next_power_of_2(n)), BLOCKS=64, FILL=256, num_warps=4)
+        return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)
     scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
-    chunk = 64 if e_pad <= 128 else 32
-    launch(_align_count_kernel, (1,), ids, sorted_ids, expert_ids, total, scratch[:e_pad], scratch[e_pad:], n,
-           expert_offset, num_local, max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCKS=64,
-           num_warps=4)
+    chunk = 1024
+    launch(_align_count_kernel, (triton.cdiv(n, chunk),), ids, counts, n, expert_offset, num_local, E_PAD=e_pad,
+           CHUNK=chunk, num_warps=4)
+    launch(_align_offsets_kernel, (1,), counts, expert_ids, total, scratch[:e_pad], scratch[e_pad:], num_local,
+           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, BLOCKS=64, num_warps=4)
     launch(_align_scatter_kernel, (triton.cdiv(n, 256),), ids, sorted_ids, scratch[:e_pad], scratch[e_pad:], n,
            expert_offset, num_local, CHUNK=256, num_warps=4)
     return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
@@ -103,7 +151,9 @@ def _mma(a, b, FP32: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+# Sizes that change with the batch are not specialised on (a value of 1 or a multiple of 16 would otherwise compile
+# a variant of its own mid-serving, the first time some batch produced it).
+@triton.jit(do_not_specialize=["num_valid"])
 def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, inter_size, hidden,
                     stride_x, stride_we, stride_wn, stride_i,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
@@ -139,7 +189,7 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
     tl.store(out_ptrs, act.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_valid"])
 def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, hidden, inter_size,
                  stride_i, stride_we, stride_wn, stride_o,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):

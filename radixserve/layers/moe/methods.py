@@ -12,15 +12,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixserve.layers.quantization.base import QuantizeMethodBase
 from radixserve.layers.triton_ops import use_fused
 
 if TYPE_CHECKING:
     from radixserve.layers.moe.layer import FusedMoE
 
 
-class MoEMethod(ABC):
+class MoEMethod(QuantizeMethodBase, ABC):
+    """`process_weights_after_loading(layer)` (from QuantizeMethodBase) runs once all weights have loaded."""
+
     @abstractmethod
-    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,  # type: ignore[override]
+                       inter_size: int) -> None:
         """Register `w13_weight` [E, 2I, H] (gate rows then up rows) and `w2_weight` [E, H, I] (or their
         quantized forms) on `layer`, each with `weight_loader = layer.weight_loader`."""
 

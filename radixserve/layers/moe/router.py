@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers.triton_ops import use_fused
+
 SCORING = ("softmax", "sigmoid")
 GROUP_RANKING = ("max", "top2_sum")
 
@@ -51,7 +53,13 @@ class RouterConfig:
 
 def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E]."""
+    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E]. On CUDA an ungrouped router
+    runs as one Triton kernel (`topk_kernel.py`); this torch code is the reference and the CPU path."""
+    if use_fused(router_logits) and (cfg.num_groups or 1) == 1 and router_logits.stride(-1) == 1:
+        from radixserve.layers.moe.topk_kernel import fused_topk
+
+        return fused_topk(router_logits, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize,
+                          cfg.routed_scaling_factor, correction_bias)
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
@@ -84,7 +92,8 @@ class MoEGate(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        # held in float32 (a few hundred KB): the logits need no cast of the weight at every step
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                         requires_grad=False)

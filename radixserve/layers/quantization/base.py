@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from radixserve.layers import cpu_ops
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import _LinearBase
@@ -53,7 +54,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
                                  {"output_dim": 0, "input_dim": 1})
 
     def apply(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return cpu_ops.linear(x, layer.weight, bias)  # F.linear, but on every core for a few CPU rows
 
 
 class QuantizationConfig:

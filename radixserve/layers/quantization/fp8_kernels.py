@@ -115,3 +115,48 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, group_n: i
            a_group_k or k, A_FP8=a_fp8, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
            BLOCK_K=block_k, num_warps=4, num_stages=4 if a.is_cuda else 1)
     return out
+
+
+@triton.jit
+def _fp8_gemv_kernel(A, B, C, Bs, Bias, N, K, stride_am, stride_bn, stride_cm, stride_bsn, group_n, group_k,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """One activation row (program axis 0) times BLOCK_N fp8 weight rows, G x 128 columns per step, no tensor
+    cores: a decode GEMV is bound by the weight bytes, and elementwise products keep every load wide."""
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_g = tl.arange(0, G)
+    offs_l = tl.arange(0, 128)
+    cols = offs_g[:, None] * 128 + offs_l[None, :]  # [G, 128]
+    w_ptrs = B + offs_n[:, None, None].to(tl.int64) * stride_bn + cols[None, :, :]
+    bs_row = Bs + (offs_n // group_n) * stride_bsn
+    acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    for k0 in range(0, K, G * 128):
+        x = tl.load(A + m * stride_am + k0 + cols).to(tl.float32)  # [G, 128]
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None, None], other=0.0).to(tl.float32)  # [BLOCK_N, G, 128]
+        part = tl.sum(w * x[None, :, :], axis=2)  # [BLOCK_N, G]
+        s = tl.load(bs_row[:, None] + (k0 + offs_g[None, :] * 128) // group_k, mask=mask_n[:, None], other=0.0)
+        acc += part * s
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(C + m * stride_cm + offs_n, out.to(C.dtype.element_ty), mask=mask_n)
+
+
+def fp8_gemv(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, group_n: int, group_k: int,
+             out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The W8A16 product for a few rows (decode); None when the shape does not suit it (K not a multiple of 256
+    or scale groups narrower than 128 columns): the caller uses `fp8_gemm`."""
+    m, k = a.shape
+    n = b.shape[0]
+    g = 2
+    if k % (128 * g) or group_k % 128 or a.stride(-1) != 1 or b.stride(-1) != 1 or b_scale.stride(-1) != 1:
+        return None
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    block_n = 16 if a.is_cuda else 8
+    launch(_fp8_gemv_kernel, (m, triton.cdiv(n, block_n)), a, b, out, b_scale, bias if bias is not None else b_scale,
+           n, k, a.stride(0), b.stride(0), out.stride(0), b_scale.stride(0), group_n, group_k,
+           HAS_BIAS=bias is not None, BLOCK_N=block_n, G=g, num_warps=4, num_stages=3 if a.is_cuda else 1)
+    return out

@@ -126,10 +126,13 @@ class GGUFLinearMethod(LinearMethodBase):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if use_fused(x2):
-            from radixserve.layers.quantization.gguf_kernels import gguf_gemm
+            from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, gguf_gemm, gguf_gemv
 
-            out = gguf_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.fmt, self.fields(layer),
-                            layer.output_size, bias)
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            out = gguf_gemv(x2, self.fmt, self.fields(layer), layer.output_size, bias) \
+                if x2.shape[0] <= GEMV_MAX_M else None
+            if out is None:
+                out = gguf_gemm(x2, self.fmt, self.fields(layer), layer.output_size, bias)
         else:
             out = F.linear(x2, fmts.dequantize(self.fmt, self.fields(layer)).to(x.dtype), bias)
         return out.view(*shape[:-1], out.shape[-1])

@@ -1,0 +1,128 @@
+"""Batch decode latency of an MoE / MLA model with bandwidth utilisation counted on the bytes a step actually reads:
+the weights every token passes through (attention, dense and shared MLPs, router, norms, LM head; not the
+embedding table, of which a step reads B rows), the routed experts the batch touches (distinct experts per layer,
+counted from the router's choices in one eager decode step of the same batch), and the KV of every token attended.
+
+    python benchmarks/bench_moe.py --model-path radixserve/configs/shapes/qwen3-30b-a3b --load-format dummy \\
+        --batch-size 1 8 32 128 --input-len 512 --output-len 32 --result-file moe.json
+
+Prints a table (step ms, tok/s, active GB per step, roofline ms at the measured copy bandwidth, utilisation) and
+writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixserve.bench_one_batch import StaticBatch, latency_test, measure_copy_bandwidth  # noqa: E402
+from radixserve.layers.moe import FusedMoE, select_experts  # noqa: E402
+from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
+from radixserve.server_args import ServerArgs  # noqa: E402
+
+
+def expert_layers(runner: ModelRunner) -> list[FusedMoE]:
+    return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def bytes_of(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def distinct_experts(runner: ModelRunner, batch_size: int, input_len: int, seed: int) -> list[int]:
+    """Distinct experts each MoE layer routes this batch's tokens to in one eager decode step."""
+    layers = expert_layers(runner)
+    counts: list[int] = []
+    originals = []
+    for layer in layers:
+        orig = layer.forward
+
+        def recording(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      _layer: FusedMoE = layer, _orig: Any = orig) -> torch.Tensor:
+            _, ids = select_experts(logits, _layer.router, bias)
+            counts.append(int(ids.unique().numel()))
+            return _orig(x, logits, bias)
+
+        originals.append(orig)
+        layer.forward = recording  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, runner.model_config.vocab_size, (batch_size, input_len), generator=g).tolist()
+    sb = StaticBatch(runner)
+    graphs, runner.cuda_graph_runner = runner.cuda_graph_runner, None
+    try:
+        batch, _ = sb.prefill(prompts)
+        counts.clear()
+        sb.decode(batch)
+        sb.release(batch)
+    finally:
+        runner.cuda_graph_runner = graphs
+        for layer, orig in zip(layers, originals, strict=True):
+            layer.forward = orig  # type: ignore[method-assign]
+    return counts
+
+
+def active_bytes(runner: ModelRunner, result: dict[str, Any], experts_hit: list[int]) -> dict[str, float]:
+    layers = expert_layers(runner)
+    expert_total = sum(bytes_of([m.w13_weight, m.w2_weight]) for m in layers)
+    per_expert = [bytes_of([m.w13_weight, m.w2_weight]) / m.num_local_experts for m in layers]
+    model = runner.model
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head is model.model.embed_tokens
+    dense = runner.weight_bytes - expert_total - (0 if tied else embed.numel() * embed.element_size())
+    routed = sum(n * b for n, b in zip(experts_hit, per_expert, strict=True))
+    avg_len = result["input_len"] + result["output_len"] / 2
+    kv = result["batch_size"] * avg_len * runner.token_to_kv_pool.bytes_per_token()
+    return {"dense_bytes": dense, "routed_bytes": routed, "kv_bytes": kv, "step_bytes": dense + routed + kv,
+            "experts_hit_per_layer": sum(experts_hit) / max(1, len(experts_hit))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--result-file", default="bench_moe.json")
+    args = parser.parse_args(argv)
+    server_args = ServerArgs.from_cli_args(args)
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = max(args.batch_size)
+    logging.basicConfig(level=server_args.log_level.upper())
+    from radixserve.entrypoints.engine import resolve_model
+
+    runner = ModelRunner(resolve_model(server_args), server_args)
+    copy_bw = measure_copy_bandwidth(runner.device) if runner.is_cuda else float("nan")
+    rows = []
+    for bs in args.batch_size:
+        latency_test(runner, bs, args.input_len, 4, server_args.random_seed)  # warm-up
+        r = latency_test(runner, bs, args.input_len, args.output_len, server_args.random_seed)
+        r.update(active_bytes(runner, r, distinct_experts(runner, bs, args.input_len, server_args.random_seed)))
+        r["roofline_s"] = r["step_bytes"] / copy_bw
+        r["bandwidth_util"] = r["roofline_s"] / r["median_decode_s"]
+        rows.append(r)
+    name = Path(runner.model_config.model_path).name
+    print(f"\n{name}: weights {runner.weight_bytes / 1e9:.2f} GB, copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
+          f"KV {runner.token_to_kv_pool.bytes_per_token()} B/token, pool {runner.max_total_num_tokens} tokens")
+    print(f"{'batch':>5} {'prefill ms':>10} {'step ms':>8} {'tok/s':>8} {'experts/layer':>13} {'active GB':>9} "
+          f"{'roofline ms':>11} {'BW util':>7}")
+    for r in rows:
+        print(f"{r['batch_size']:>5} {r['prefill_latency_s'] * 1e3:>10.1f} {r['median_decode_s'] * 1e3:>8.3f} "
+              f"{r['decode_tok_s']:>8.0f} {r['experts_hit_per_layer']:>13.1f} {r['step_bytes'] / 1e9:>9.3f} "
+              f"{r['roofline_s'] * 1e3:>11.3f} {r['bandwidth_util']:>7.1%}")
+    meta = {"model": runner.model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
+            "weight_bytes": runner.weight_bytes, "copy_bw": copy_bw,
+            "kv_bytes_per_token": runner.token_to_kv_pool.bytes_per_token(),
+            "pool_tokens": runner.max_total_num_tokens}
+    with open(args.result_file, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Quality of the quantized paths on a real model: the embedded SmolLM2-135M-Instruct on the CPU (float32
+activations), each configuration against the unquantised model:
+
+- the greedy answer to "What is the capital of France?" (16 tokens; must still say Paris),
+- perplexity on a fixed English text that ships with a dependency: the Apache License 2.0 text in transformers'
+  wheel (its `LICENSE` file), the first --tokens tokens, scored in one prefill with prompt logprobs.
+
+Configurations: fp8 weights quantised online (W8A8 dynamic per-token activation scales at prefill, W8A16 at
+decode), an fp8_e4m3 KV cache, both together, and the model's own GGUF files written with the `gguf` package: Q8_0
+(every linear layer packed) and Q4_K (Q4_K where a row holds whole 256-weight super-blocks — SmolLM2's
+ffn_down, K = 1536 — and llama.cpp's fallback Q5_0 for the other layers, whose rows of 576 cannot be Q4_K; Q5_0 is
+dequantised at load). Embeddings (tied) stay float32. Margins: fp8 <= 2%, Q8_0 <= 1%, Q4_K <= 8% perplexity.
+
+    python benchmarks/bench_quality.py [--tokens 1024] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+MARGINS = {"fp8": 2.0, "fp8 KV e4m3": 2.0, "fp8 + fp8 KV": 2.0, "GGUF Q8_0": 1.0, "GGUF Q4_K": 8.0}
+
+
+def license_text() -> tuple[str, str]:
+    """The Apache-2.0 text shipped in transformers' wheel, and where it was found."""
+    from importlib import metadata
+
+    for f in metadata.files("transformers") or []:
+        if os.path.basename(str(f)).upper().startswith("LICENSE"):
+            path = str(f.locate())
+            with open(path, encoding="utf-8") as fh:
+                return fh.read(), path
+    raise SystemExit("transformers' LICENSE file was not found in its installed metadata")
+
+
+def perplexity(runner: Any, ids: list[int]) -> float:
+    from radixserve.managers.schedule_batch import Req, ScheduleBatch
+    from radixserve.managers.tp_worker import run_model_worker_batch
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    req = Req("ppl", ids, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1}), return_logprob=True,
+              logprob_start_len=0, top_logprobs_num=0)
+    req.init_next_round_input(None)
+    batch = ScheduleBatch([req], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
+                          runner.model_config.vocab_size)
+    batch.prepare_for_extend()
+    out = run_model_worker_batch(runner, batch.get_model_worker_batch()).logits_output
+    lp = out.input_token_logprobs[0].float()  # the logprobs of tokens 1 .. N-1 given their prefixes
+    if lp.numel() != len(ids) - 1:
+        raise RuntimeError(f"expected {len(ids) - 1} prompt logprobs, got {lp.numel()}")
+    runner.token_to_kv_pool.free(runner.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_committed_len))
+    runner.req_to_token_pool.free(req.req_pool_idx)
+    return math.exp(-float(lp.mean()))
+
+
+def write_gguf(folder: str, out: str, kind: str) -> dict[str, str]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from radixserve.model_loader.gguf_writer import write_llama_gguf
+
+    cfg = AutoConfig.from_pretrained(folder)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+
+    def qtype(name: str, shape: tuple[int, ...]) -> str | None:
+        if ".layers." not in name or not name.endswith("proj.weight"):
+            return None
+        if kind == "Q8_0":
+            return "Q8_0"
+        return "Q4_K" if shape[1] % 256 == 0 else "Q5_0"
+
+    return write_llama_gguf(out, tensors, cfg, qtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--json", default=None)
+    p.add_argument("--configs", default=",".join(["fp32", *MARGINS]))
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.model_loader.embedded import ensure_embedded_model
+    from radixserve.server_args import ServerArgs
+
+    folder = ensure_embedded_model()
+    tok = AutoTokenizer.from_pretrained(folder)
+    text, text_path = license_text()
+    ids = tok(text)["input_ids"][: args.tokens]
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=True)
+    prompt = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    tmp = tempfile.mkdtemp(prefix="bench-quality-")
+    setups: dict[str, dict[str, Any]] = {
+        "fp32": {}, "fp8": {"quantization": "fp8"}, "fp8 KV e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+        "fp8 + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+        "GGUF Q8_0": {"gguf": "Q8_0"}, "GGUF Q4_K": {"gguf": "Q4_K"}}
+    rows, base_ppl = [], None
+    for name in args.configs.split(","):
+        kw = dict(setups[name])
+        path, note = folder, ""
+        if "gguf" in kw:
+            kind = kw.pop("gguf")
+            path = os.path.join(tmp, f"smollm2-{kind}.gguf")
+            types = write_gguf(folder, path, kind)
+            counts: dict[str, int] = {}
+            for t in types.values():
+                counts[t] = counts.get(t, 0) + 1
+            note = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+            kw["quantization"] = "gguf"  # packed on the CPU too (the default there dequantises at load)
+        t0 = time.perf_counter()
+        sa = ServerArgs(model_path=path, tokenizer_path=folder, device="cpu", dtype="float32",
+                        max_total_tokens=args.tokens + 64, max_running_requests=4, **kw)
+        runner = ModelRunner(ModelConfig(path), sa)
+        ppl = perplexity(runner, ids)
+        answer = tok.decode(StaticBatch(runner).generate([prompt], 16)[0])
+        base_ppl = ppl if name == "fp32" else base_ppl
+        delta = None if base_ppl is None or name == "fp32" else 100.0 * (ppl / base_ppl - 1.0)
+        margin = MARGINS.get(name)
+        ok = "Paris" in answer and (margin is None or (delta is not None and delta <= margin))
+        rows.append({"config": name, "perplexity": ppl, "delta_pct": delta, "margin_pct": margin, "answer": answer,
+                     "pass": ok, "weights": note, "seconds": time.perf_counter() - t0,
+                     "weight_bytes": runner.weight_bytes})
+        print(f"{name}: ppl {ppl:.4f} ({'' if delta is None else f'{delta:+.2f}%'}) {answer!r}", file=sys.stderr)
+    print(f"\nSmolLM2-135M-Instruct, CPU float32, {len(ids)} tokens of {text_path}")
+    print(f"{'config':<14} {'perplexity':>10} {'vs fp32':>8} {'margin':>7} {'Paris':>6} {'pass':>5}  weights")
+    for r in rows:
+        d = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
+        m = "" if r["margin_pct"] is None else f"{r['margin_pct']:.0f}%"
+        print(f"{r['config']:<14} {r['perplexity']:>10.4f} {d:>8} {m:>7} {str('Paris' in r['answer']):>6} "
+              f"{str(r['pass']):>5}  {r['weights']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"text": text_path, "tokens": len(ids), "rows": rows}, f, indent=1)
+    if not all(r["pass"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,160 @@
+"""CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes:
+`paged_decode_attention` (decode attention read in place from the KV pool) and `linear` (x W^T for the few rows of
+a small decode batch on every thread; MKL runs a one-row product on a single thread).
+
+The shared library (every .c file here) is built once per source and machine into `<cache root>/cpu_kernels/`
+(`-O3 -march=native -fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1`
+resolves to the copy in the process), so the kernels run on torch's intra-op threads rather than a second pool.
+Where no compiler is found or the build fails, `load()` returns None and callers take their pure-torch path."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.c")))
+_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I = ctypes.c_int
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags (a library built for -march=native must not move to a CPU without them)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(target: str, compiler: str) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=300)
+        os.replace(tmp, target)  # atomic: a concurrent process sees the old file or the whole new one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, building them the first time; None where they cannot be built (logged once)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        if compiler is None or platform.system() != "Linux":
+            logger.warning("no C compiler found: CPU attention falls back to its pure-torch path")
+            return None
+        from radixserve.model_loader.embedded import cache_root
+
+        source = b""
+        for path in _SOURCES:
+            with open(path, "rb") as f:
+                source += f.read()
+        key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()
+                             + torch.__version__.encode()).hexdigest()[:16]
+        target = os.path.join(cache_root(), "cpu_kernels", f"cpu_kernels-{key}.so")
+        try:
+            if not os.path.exists(target):
+                _build(target, compiler)
+            lib = ctypes.CDLL(target)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            logger.warning("building the CPU attention kernel failed (%s): falling back to pure torch", detail)
+            return None
+        fn = lib.paged_decode_attention
+        fn.restype = _I
+        fn.argtypes = [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I]
+        fn = lib.small_m_linear
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+        _lib = lib
+        return _lib
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                           rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[b, h] = softmax(q[b, h] · K[t] * scale) · V[t] over tokens t in [starts[b], ends[b]) of request slot
+    rows[b], K/V read in place from the pool through `table` (the request-to-token table).
+
+    q: [B, H, D] float32; k_pool / v_pool: [S, HKV, D] float32 or bfloat16; table: [R, C] int32;
+    rows / starts / ends: [B] int64 CPU tensors. Returns [B, H, D] float32 (into `out` when given)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available (no C compiler, or its build failed)")
+    B, H, D = q.shape
+    HKV = k_pool.shape[1]
+    if q.dtype != torch.float32 or k_pool.dtype not in (torch.float32, torch.bfloat16) or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"paged_decode_attention: q must be float32 and the pool float32 or bfloat16, got "
+                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if H % HKV or k_pool.shape[2] != D or v_pool.shape != k_pool.shape:
+        raise ValueError(f"paged_decode_attention: shapes do not fit: q {tuple(q.shape)}, pool {tuple(k_pool.shape)}")
+    if table.dtype != torch.int32 or any(t.dtype != torch.int64 for t in (rows, starts, ends)):
+        raise ValueError("paged_decode_attention: the table must be int32 and rows/starts/ends int64")
+    for t in (q, k_pool, v_pool, table, rows, starts, ends):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("paged_decode_attention: every tensor must be a contiguous CPU tensor")
+    if out is None:
+        out = torch.empty_like(q)
+    rc = lib.paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                                    int(k_pool.dtype == torch.bfloat16), table.data_ptr(), table.stride(0),
+                                    rows.data_ptr(), starts.data_ptr(), ends.data_ptr(), out.data_ptr(), B, H, HKV,
+                                    D, float(scale), torch.get_num_threads())
+    if rc:
+        raise RuntimeError({1: "out of memory", 2: f"query heads per KV head {H // HKV} > 64"}.get(rc, f"error {rc}"))
+    return out
+
+
+SMALL_M = 4  # rows of x up to which `linear` uses the kernel (MKL's matrix products take over above)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); for float32 CPU inputs of 1..SMALL_M rows through the multithreaded kernel
+    (each output feature computed the same way whatever the batch or thread count)."""
+    if (x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)
+    lib = load()
+    if lib is None:
+        return F.linear(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"linear: x has {k} features, the weight {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.small_m_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                       y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y

@@ -1,0 +1,249 @@
+"""The CPU kernels: the attention backend (paged C decode kernel, copy-free extend) against the torch_native
+reference, through real pools with scattered slots and a ForwardBatch (unused pool slots hold NaN, so a read outside
+a request's tokens shows up in the output); the small-batch linear against F.linear."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers import cpu_ops
+from radixserve.layers.attention.cpu_backend import CpuAttnBackend
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+LAYER_ID = 1
+
+needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                    reason="no C compiler: the CPU kernel cannot be built here")
+
+
+def make_runner(hkv: int, d: int, dtype: torch.dtype, pool_size: int = 4096, context: int = 2048
+                ) -> SimpleNamespace:
+    kv = TokenToKVPool(pool_size, dtype, hkv, d, num_layers=2, device="cpu")
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.fill_(float("nan"))
+    return SimpleNamespace(device="cpu", req_to_token_pool=ReqToTokenPool(16, context, "cpu"), token_to_kv_pool=kv)
+
+
+def make_layer(h: int, hkv: int, d: int, window: int = -1) -> SimpleNamespace:
+    return SimpleNamespace(tp_q_head_num=h, tp_k_head_num=hkv, tp_v_head_num=hkv, head_dim=d, scaling=d ** -0.5,
+                           layer_id=LAYER_ID, sliding_window_size=window)
+
+
+def make_batch(runner: SimpleNamespace, h: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: list[int],
+               mode: ForwardMode, dtype: torch.dtype, q_dtype: torch.dtype, seed: int
+               ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    r2t, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+    totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    rows = r2t.alloc(len(totals))[::-1]  # not in order, so a wrong row shows
+    slots = kv.alloc(sum(totals))
+    slots = slots[torch.randperm(len(slots), generator=gen)]
+    k_buf, v_buf = kv.get_kv_buffer(LAYER_ID)
+    out_locs, start = [], 0
+    for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
+        mine = slots[start:start + total]
+        start += total
+        r2t.write(row, 0, mine)
+        k_buf[mine[:pre]] = torch.randn(pre, hkv, d, generator=gen).to(dtype)
+        v_buf[mine[:pre]] = torch.randn(pre, hkv, d, generator=gen).to(dtype)
+        out_locs.append(mine[pre:])
+    n = sum(extend_lens)
+    q = torch.randn(n, h * d, generator=gen).to(q_dtype)
+    k = torch.randn(n, hkv * d, generator=gen).to(q_dtype)
+    v = torch.randn(n, hkv * d, generator=gen).to(q_dtype)
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64)
+
+    fb = ForwardBatch(forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(n, dtype=torch.int64),
+                      req_pool_indices=t(rows), seq_lens=t(totals), out_cache_loc=torch.cat(out_locs),
+                      seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=kv,
+                      attn_backend=None, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
+    if mode.is_extend():
+        fb.extend_seq_lens, fb.extend_prefix_lens = t(extend_lens), t(prefix_lens)
+        fb.extend_start_loc = t([sum(extend_lens[:i]) for i in range(len(extend_lens))])
+        fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
+    return fb, q, k, v
+
+
+def run_both(h: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: list[int], mode: ForwardMode,
+             dtype: torch.dtype = torch.float32, q_dtype: torch.dtype | None = None, seed: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor, CpuAttnBackend]:
+    q_dtype = q_dtype or dtype
+    runner = make_runner(hkv, d, dtype)
+    backend = CpuAttnBackend(runner)  # type: ignore[arg-type]
+    layer = make_layer(h, hkv, d)
+    fb, q, k, v = make_batch(runner, h, hkv, d, prefix_lens, extend_lens, mode, dtype, q_dtype, seed)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb)  # type: ignore[arg-type]
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+    assert torch.equal(k_buf[fb.out_cache_loc], k.view(-1, hkv, d).to(dtype))  # the new K/V were stored
+    assert torch.equal(v_buf[fb.out_cache_loc], v.view(-1, hkv, d).to(dtype))
+    ref_backend = TorchNativeAttnBackend(runner)  # type: ignore[arg-type]
+    ref_backend.init_forward_metadata(fb)
+    ref = ref_backend.forward(q, k, v, layer, fb, save_kv_cache=False)  # type: ignore[arg-type]
+    assert out.shape == ref.shape and out.dtype == q.dtype and not out.isnan().any()
+    return out, ref, backend
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-2, "atol": 1e-2} if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}
+
+
+DECODE_CASES = [
+    # (H, Hkv, D, seq_lens, pool dtype, q dtype)
+    (9, 3, 64, [1, 2, 255, 256, 257, 700], torch.float32, torch.float32),  # SmolLM2's heads; chunk edges (256)
+    (4, 4, 32, [1, 30, 131], torch.float32, torch.float32),  # MHA
+    (8, 1, 128, [5, 600], torch.float32, torch.float32),  # GQA 8, D 128
+    (4, 2, 96, [5, 77], torch.float32, torch.float32),  # a head_dim the kernel has no constant for
+    (8, 2, 64, [1, 90, 300], torch.bfloat16, torch.bfloat16),  # bf16 pool and model
+    (8, 2, 64, [3, 513], torch.bfloat16, torch.float32),  # bf16 pool under an fp32 model
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}")
+def test_decode_matches_torch_native(case: tuple) -> None:
+    h, hkv, d, seq_lens, dtype, q_dtype = case
+    out, ref, backend = run_both(h, hkv, d, [s - 1 for s in seq_lens], [1] * len(seq_lens), ForwardMode.DECODE,
+                                 dtype, q_dtype)
+    assert backend.kernel  # the kernel ran, not the fallback
+    torch.testing.assert_close(out, ref, **tol(q_dtype if dtype == torch.float32 else dtype))
+
+
+@needs_compiler
+def test_decode_sliding_window() -> None:
+    """A layer with a sliding window: the query sees only the last `window` keys (read in place)."""
+    h, hkv, d, window, seq_lens = 4, 2, 32, 7, [3, 7, 8, 300]
+    runner = make_runner(hkv, d, torch.float32)
+    backend = CpuAttnBackend(runner)  # type: ignore[arg-type]
+    layer = make_layer(h, hkv, d, window)
+    fb, q, k, v = make_batch(runner, h, hkv, d, [s - 1 for s in seq_lens], [1] * len(seq_lens),
+                             ForwardMode.DECODE, torch.float32, torch.float32, seed=4)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb).view(-1, h, d)  # type: ignore[arg-type]
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+    for i, (row, n) in enumerate(zip(fb.req_pool_indices.tolist(), seq_lens, strict=True)):
+        slots = runner.req_to_token_pool.req_to_token[row, max(0, n - window):n].long()
+        ref = F.scaled_dot_product_attention(q.view(-1, h, d)[i][None, :, None], k_buf[slots].transpose(0, 1)[None],
+                                             v_buf[slots].transpose(0, 1)[None], scale=layer.scaling,
+                                             enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(out[i], ref, **tol(torch.float32))
+
+
+EXTEND_CASES = [
+    # (H, Hkv, D, prefix_lens, extend_lens, dtype)
+    (9, 3, 64, [0, 5, 33, 64], [7, 1, 30, 17], torch.float32),  # no prefix (no gather) / prefix / one token
+    (8, 2, 32, [1, 0, 2, 19], [70, 3, 1, 40], torch.float32),
+    (8, 1, 64, [31, 0], [9, 33], torch.bfloat16),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", EXTEND_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[5])[6:]}")
+def test_extend_matches_torch_native(case: tuple) -> None:
+    h, hkv, d, prefix_lens, extend_lens, dtype = case
+    out, ref, _ = run_both(h, hkv, d, prefix_lens, extend_lens, ForwardMode.EXTEND, dtype)
+    torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+@needs_compiler
+def test_mixed_batch_sends_single_tokens_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk riding with decode requests: the one-token requests go through one kernel call."""
+    calls: list[int] = []
+    real = cpu_ops.paged_decode_attention
+
+    def counting(q: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return real(q, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", counting)
+    out, ref, _ = run_both(4, 2, 32, [10, 25, 3, 40], [1, 12, 1, 1], ForwardMode.MIXED)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+    assert calls == [3]
+
+
+def test_fallback_without_the_kernel() -> None:
+    """No compiler (or a pool dtype the kernel does not read): the reference path, same results."""
+    runner = make_runner(2, 32, torch.float32)
+    backend = CpuAttnBackend(runner)  # type: ignore[arg-type]
+    backend.kernel = False
+    layer = make_layer(4, 2, 32)
+    fb, q, k, v = make_batch(runner, 4, 2, 32, [4, 9], [1, 1], ForwardMode.DECODE, torch.float32, torch.float32, 1)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb)  # type: ignore[arg-type]
+    ref = TorchNativeAttnBackend(runner).forward(q, k, v, layer, fb, save_kv_cache=False)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@needs_compiler
+def test_kernel_rejects_bad_input() -> None:
+    q = torch.zeros(1, 4, 32)
+    pool = torch.zeros(8, 2, 32)
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_ops.paged_decode_attention(q.double(), pool, pool, table, one, one, one, 1.0)
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_ops.paged_decode_attention(torch.zeros(1, 3, 32), pool, pool, table, one, one, one, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_ops.paged_decode_attention(q, pool, pool, table.long(), one, one, one, 1.0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_linear_matches_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    for bias in (None, b):
+        torch.testing.assert_close(cpu_ops.linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 130, generator=g)[:, 7:103]  # rows 130 elements apart
+    torch.testing.assert_close(cpu_ops.linear(strided, w), F.linear(strided, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    """A request's output is bit-identical alone, in a batch of four, and on one thread or all of them."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 576, generator=g), torch.randn(1000, 576, generator=g)
+    alone = cpu_ops.linear(x[:1], w)
+    assert torch.equal(cpu_ops.linear(x, w)[:1], alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_ops.linear(x[:1], w), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_falls_back_where_the_kernel_does_not_apply() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(50, 32, generator=g)
+    for x in (torch.randn(5, 32, generator=g), torch.randn(2, 32, generator=g).double(),
+              torch.randn(2, 3, 32, generator=g)):
+        ref = F.linear(x, w.to(x.dtype))
+        assert torch.equal(cpu_ops.linear(x, w.to(x.dtype)), ref)
+
+
+def test_forward_threads_default_to_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.model_executor.model_runner import cpu_forward_threads
+    from radixserve.server_args import ServerArgs
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_forward_threads(ServerArgs(device="cpu")) == cores  # not cores - 1
+    assert cpu_forward_threads(ServerArgs(device="cpu", tp_size=2)) == max(1, cores // 2)  # ranks share the cores
+    assert cpu_forward_threads(ServerArgs(device="cpu", cpu_num_threads=3)) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_forward_threads(ServerArgs(device="cpu")) is None  # the environment's choice stands
+    assert cpu_forward_threads(ServerArgs(device="cpu", cpu_num_threads=2)) == 2
+    with pytest.raises(ValueError, match="cpu-num-threads"):
+        ServerArgs(device="cpu", cpu_num_threads=0)

@@ -1,0 +1,179 @@
+"""Triton MLA decode/extend (over the latent pool) against the torch_native reference, through real pools and a
+ForwardBatch; Triton's interpreter on the CPU, the GPU when there is one (the same guard as
+test_triton_attention.py: TRITON_INTERPRET=1 must be set before triton is imported, else a fresh process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+_IN_PROCESS = _HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
+if not _HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from types import SimpleNamespace  # noqa: E402
+
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from radixserve.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from radixserve.mem_cache.mla_memory_pool import MLATokenToKVPool  # noqa: E402
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+
+if not _IN_PROCESS:
+    @pytest.fixture(autouse=True)
+    def _only_in_a_fresh_process(request: pytest.FixtureRequest) -> None:
+        if request.node.name != "test_in_a_fresh_process":
+            pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_a_fresh_process runs these")
+
+    def test_in_a_fresh_process() -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+DEVICE = "cuda" if _HAS_CUDA else "cpu"
+LAYER_ID = 1
+RANK, ROPE = 32, 8  # latent rank (C) and rotary dims (R): a key of 40 dims, a value of 32
+
+
+class _Cfg(SimpleNamespace):
+    is_mla = True
+
+    def attention_shape(self, tp_size: int = 1) -> tuple[int, int, int, int]:
+        return self.num_attention_heads, 1, RANK + ROPE, RANK
+
+
+def make_runner(num_heads: int, dtype: torch.dtype) -> SimpleNamespace:
+    pool = MLATokenToKVPool(1024, dtype, RANK, ROPE, num_layers=2, device=DEVICE)
+    for buf in pool.kv_buffer:
+        buf.fill_(float("nan"))  # a slot the kernels should not read poisons the output
+    cfg = _Cfg(num_attention_heads=num_heads, num_key_value_heads=num_heads, head_dim=ROPE, kv_lora_rank=RANK)
+    return SimpleNamespace(device=DEVICE, model_config=cfg, tp_size=1, dtype=dtype,
+                           req_to_token_pool=ReqToTokenPool(8, 512, DEVICE), token_to_kv_pool=pool)
+
+
+def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
+               mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+    h, dtype = runner.model_config.num_attention_heads, runner.dtype
+    r2t, pool = runner.req_to_token_pool, runner.token_to_kv_pool
+    totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    rows = r2t.alloc(len(totals))
+    slots = pool.alloc(sum(totals))
+    slots = slots[torch.randperm(len(slots), generator=gen)]
+    kv_buf, _ = pool.get_kv_buffer(LAYER_ID)
+    out_locs, start = [], 0
+    for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
+        mine = slots[start:start + total]
+        start += total
+        r2t.write(row, 0, mine)
+        kv_buf[mine[:pre].to(DEVICE)] = torch.randn(pre, 1, RANK + ROPE, generator=gen).to(DEVICE, dtype)
+        out_locs.append(mine[pre:])
+    r2t.apply_writes(r2t.take_pending_writes())
+    n = sum(extend_lens)
+    q = torch.randn(n, h * (RANK + ROPE), generator=gen).to(DEVICE, dtype)
+    k = torch.randn(n, RANK + ROPE, generator=gen).to(DEVICE, dtype)
+
+    def dev(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=DEVICE)
+
+    fb = ForwardBatch(
+        forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=dev(rows), seq_lens=dev(totals), out_cache_loc=torch.cat(out_locs).to(DEVICE),
+        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=pool,
+        attn_backend=backend, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
+    if mode.is_extend():
+        starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+        fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(extend_lens), dev(prefix_lens), \
+            dev(starts)
+        fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
+    return fb, q, k
+
+
+def layer(num_heads: int) -> SimpleNamespace:
+    return SimpleNamespace(tp_q_head_num=num_heads, tp_k_head_num=1, tp_v_head_num=1, head_dim=RANK + ROPE,
+                           v_head_dim=RANK, scaling=0.3, layer_id=LAYER_ID)
+
+
+def run_both(num_heads: int, prefix_lens: list[int], extend_lens: list[int], mode: ForwardMode,
+             dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    runner = make_runner(num_heads, dtype)
+    backend = TritonAttnBackend(runner)
+    backend.min_split_len = 16  # several splits per request even for short sequences
+    lay = layer(num_heads)
+    fb, q, k = make_batch(runner, backend, prefix_lens, extend_lens, mode, gen)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, k[:, :RANK], lay, fb)
+    kv_buf, _ = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+    assert torch.equal(kv_buf[fb.out_cache_loc].view(-1, RANK + ROPE), k)  # the latent was stored once
+    ref_backend = TorchNativeAttnBackend(runner)
+    ref_backend.init_forward_metadata(fb)
+    ref = ref_backend.forward(q, k, k[:, :RANK], lay, fb, save_kv_cache=False)
+    assert out.shape == ref.shape == (q.shape[0], num_heads * RANK)
+    return out, ref
+
+
+@pytest.mark.parametrize("num_heads,prefix_lens,extend_lens", [
+    (4, [0, 5, 40], [7, 1, 30]),  # no prefix, a 1-token extend, a prefix longer than a block
+    (20, [17], [35]),  # more heads than one head block, several query blocks
+])
+def test_mla_extend_matches_torch_native(num_heads: int, prefix_lens: list[int], extend_lens: list[int]) -> None:
+    out, ref = run_both(num_heads, prefix_lens, extend_lens, ForwardMode.EXTEND)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads,seq_lens", [(4, [1, 9, 70]), (20, [33, 130])])
+def test_mla_decode_matches_torch_native(num_heads: int, seq_lens: list[int]) -> None:
+    out, ref = run_both(num_heads, [s - 1 for s in seq_lens], [1] * len(seq_lens), ForwardMode.DECODE)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_mla_cuda_graph_metadata_path_matches_eager() -> None:
+    """The capture/replay hooks (static buffers, a padded row, shared scratch sized for the latent) give the eager
+    result."""
+    gen = torch.Generator().manual_seed(3)
+    runner = make_runner(8, torch.float32)
+    backend = TritonAttnBackend(runner)
+    backend.min_split_len = 16
+    lay = layer(8)
+    fb, q, k = make_batch(runner, backend, [0, 39, 76], [1] * 3, ForwardMode.DECODE, gen)
+    backend.init_forward_metadata(fb)
+    eager = backend.forward(q, k, k[:, :RANK], lay, fb)
+    backend.init_cuda_graph_state(max_bs=8)
+    pad = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    fill = torch.full((1,), backend.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64, device=DEVICE)
+    backend.init_forward_metadata_capture_cuda_graph(4, torch.cat([fb.req_pool_indices, pad]),
+                                                     torch.cat([fb.seq_lens, fill]))
+    qp = torch.cat([q, torch.zeros(1, q.shape[1], device=DEVICE)])
+    out = backend.forward_decode(qp, k, k[:, :RANK], lay, fb, save_kv_cache=False)
+    torch.testing.assert_close(out[:3], eager, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+def test_deepseek_v3_with_triton_kernels_matches_transformers(tmp_path) -> None:
+    """The whole model on the Triton paths (MLA extend/decode, the fused MoE kernel, fused norms): greedy equals
+    transformers'."""
+    from model_utils import hf_greedy, make_runner, make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.layers.triton_ops import set_fused_kernels
+
+    hf = make_tiny_model("deepseek_v3", str(tmp_path), initializer_range=0.08)
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [200, 100, 50, 25, 12, 6, 3, 1, 9, 10, 11, 12, 13]]
+    set_fused_kernels(None if _HAS_CUDA else True)
+    try:
+        runner = make_runner(str(tmp_path), attention_backend="triton", device=DEVICE, disable_cuda_graph=True)
+        ours = StaticBatch(runner).generate(prompts, 8)
+    finally:
+        set_fused_kernels(None)
+    for prompt, got in zip(prompts, ours, strict=True):
+        assert got == hf_greedy(hf, prompt, 8)
