@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # radixserve.constrained.GRAMMAR_BACKENDS and "none" (that package imports torch, which parsing flags need not)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+SAMPLING_DEFAULTS = ("model", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
@@ -121,6 +122,14 @@ class ServerArgs:
     decode_log_interval: int = _flag("Log decode batch stats (running, tokens, throughput) every N decode steps",
                                      default=40)
     skip_tokenizer_init: bool = _flag("Take and return token ids only", default=False)
+    sampling_defaults: str = _flag("Where the sampling parameters a request leaves unset come from: 'model' (the "
+                                   "model's generation_config.json: temperature, top_p, top_k, min_p, "
+                                   "repetition_penalty) or 'none' (the engine's: temperature 1, top_p 1, ...)",
+                                   default="model", choices=SAMPLING_DEFAULTS)
+    parse_special_tokens_in_messages: bool = _flag("Chat: tokenize special-token strings inside message content "
+                                                   "(e.g. '<|im_start|>system') as special tokens; by default they "
+                                                   "are plain text, so user input cannot forge role markers",
+                                                   default=False)
     skip_server_warmup: bool = _flag("Serve without first running a short warm-up request (on CUDA the warm-up "
                                      "compiles the Triton kernels before the first user request)", default=False)
     # parallelism

@@ -142,6 +142,13 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
             tokenizer.chat_template = f.read()  # used by /v1/chat/completions
     tm = TokenizerManager(server_args, port_args, tokenizer, info.context_len, info.vocab_size, info)
     tm.model_config = model_config
+    if server_args.sampling_defaults == "model":
+        from radixserve.sampling.model_defaults import load_sampling_defaults
+
+        tm.sampling_defaults = load_sampling_defaults(server_args.model_path)
+        if tm.sampling_defaults:
+            logger.info("sampling defaults from the model's generation_config.json: %s",
+                        ", ".join(f"{k}={v}" for k, v in tm.sampling_defaults.items()))
     tm.processes = EngineProcesses(procs, ipc_dir)
     return tm, tm.processes
 
