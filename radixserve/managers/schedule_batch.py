@@ -209,7 +209,6 @@ class ScheduleBatch:
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
-        self.decoding_reqs: list[Req] | None = None  # for MIXED: the running requests riding along
         self.n_prefill = len(reqs)  # for MIXED: the first n_prefill requests are the prefill, the rest decode
         self.sampling_info: DeferredSamplingInfo | None = None
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
@@ -302,7 +301,6 @@ class ScheduleBatch:
         self.seq_lens_list = None
         self.positions = None
         self.num_future_refs = None
-        self.decoding_reqs = running.reqs
         self.sampling_info.merge_batch(running.sampling_info)
         self.forward_mode = ForwardMode.MIXED
         self.n_prefill = n_prefill

@@ -305,8 +305,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                 reqs += b.reqs
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
-        for view, _ in self.result_queue:
-            reqs += view.reqs
+        for launched in self.result_queue:
+            reqs += launched.reqs
         return reqs
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:
