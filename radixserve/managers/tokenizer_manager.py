@@ -359,6 +359,9 @@ class TokenizerManager:
                 "completion_tokens": state.meta.get("completion_tokens", len(state.output_ids)),
                 "cached_tokens": state.meta.get("cached_tokens", 0),
                 "finish_reason": state.meta.get("finish_reason")}
+        for key in ("spec_verify_ct", "spec_accept_length"):  # speculative decoding (when it ran)
+            if key in state.meta:
+                meta[key] = state.meta[key]
         if req.return_logprob:
             for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
                         "input_top_logprobs"):
