@@ -9,7 +9,8 @@ Configurations: fp8 weights quantised online (W8A8 dynamic per-token activation 
 decode), an fp8_e4m3 KV cache, both together, and the model's own GGUF files written with the `gguf` package: Q8_0
 (every linear layer packed) and Q4_K (Q4_K where a row holds whole 256-weight super-blocks — SmolLM2's
 ffn_down, K = 1536 — and llama.cpp's fallback Q5_0 for the other layers, whose rows of 576 cannot be Q4_K; Q5_0 is
-dequantised at load). Embeddings (tied) stay float32. Margins: fp8 <= 2%, Q8_0 <= 1%, Q4_K <= 8% perplexity.
+dequantised at load); and Q4_K/Q8_0, the same Q4_K layers with Q8_0 for the rest, to show Q4_K's own share.
+Embeddings (tied) stay float32. Margins: fp8 <= 2%, Q8_0 <= 1%, Q4_K <= 8% perplexity.
 
     python benchmarks/bench_quality.py [--tokens 1024] [--json out.json]
 """
@@ -27,7 +28,8 @@ from typing import Any
 
 import torch
 
-MARGINS = {"fp8": 2.0, "fp8 KV e4m3": 2.0, "fp8 + fp8 KV": 2.0, "GGUF Q8_0": 1.0, "GGUF Q4_K": 8.0}
+MARGINS = {"fp8": 2.0, "fp8 KV e4m3": 2.0, "fp8 + fp8 KV": 2.0, "GGUF Q8_0": 1.0, "GGUF Q4_K": 8.0,
+           "GGUF Q4_K/Q8_0": 8.0}
 
 
 def license_text() -> tuple[str, str]:
@@ -76,7 +78,7 @@ def write_gguf(folder: str, out: str, kind: str) -> dict[str, str]:
             return None
         if kind == "Q8_0":
             return "Q8_0"
-        return "Q4_K" if shape[1] % 256 == 0 else "Q5_0"
+        return "Q4_K" if shape[1] % 256 == 0 else ("Q8_0" if kind == "Q4_K/Q8_0" else "Q5_0")
 
     return write_llama_gguf(out, tensors, cfg, qtype)
 
@@ -106,14 +108,14 @@ def main(argv: list[str] | None = None) -> None:
     setups: dict[str, dict[str, Any]] = {
         "fp32": {}, "fp8": {"quantization": "fp8"}, "fp8 KV e4m3": {"kv_cache_dtype": "fp8_e4m3"},
         "fp8 + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
-        "GGUF Q8_0": {"gguf": "Q8_0"}, "GGUF Q4_K": {"gguf": "Q4_K"}}
+        "GGUF Q8_0": {"gguf": "Q8_0"}, "GGUF Q4_K": {"gguf": "Q4_K"}, "GGUF Q4_K/Q8_0": {"gguf": "Q4_K/Q8_0"}}
     rows, base_ppl = [], None
     for name in args.configs.split(","):
         kw = dict(setups[name])
         path, note = folder, ""
         if "gguf" in kw:
             kind = kw.pop("gguf")
-            path = os.path.join(tmp, f"smollm2-{kind}.gguf")
+            path = os.path.join(tmp, f"smollm2-{kind.replace('/', '-')}.gguf")
             types = write_gguf(folder, path, kind)
             counts: dict[str, int] = {}
             for t in types.values():
