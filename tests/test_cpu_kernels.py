@@ -4,6 +4,7 @@ a request's tokens shows up in the output); the small-batch linear against F.lin
 
 from __future__ import annotations
 
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -230,3 +231,19 @@ def test_linear_falls_back_where_the_kernel_does_not_apply() -> None:
               torch.randn(2, 3, 32, generator=g)):
         ref = F.linear(x, w.to(x.dtype))
         assert torch.equal(cpu_ops.linear(x, w.to(x.dtype)), ref)
+
+
+def test_forward_threads_default_to_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.model_executor.model_runner import cpu_forward_threads
+    from radixserve.server_args import ServerArgs
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_forward_threads(ServerArgs(device="cpu")) == cores  # not cores - 1
+    assert cpu_forward_threads(ServerArgs(device="cpu", tp_size=2)) == max(1, cores // 2)  # ranks share the cores
+    assert cpu_forward_threads(ServerArgs(device="cpu", cpu_num_threads=3)) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_forward_threads(ServerArgs(device="cpu")) is None  # the environment's choice stands
+    assert cpu_forward_threads(ServerArgs(device="cpu", cpu_num_threads=2)) == 2
+    with pytest.raises(ValueError, match="cpu-num-threads"):
+        ServerArgs(device="cpu", cpu_num_threads=0)
