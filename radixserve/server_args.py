@@ -62,6 +62,10 @@ class ServerArgs:
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
     chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's")
+    is_embedding: bool = _flag("Serve embeddings (/v1/embeddings, /encode) from the model's pooled final hidden "
+                               "states instead of generation", default=False)
+    pooling_method: str | None = _flag("Embedding pooling (default: the model folder's sentence-transformers "
+                                       "1_Pooling config, else last)", choices=("last", "mean"))
     tool_call_parser: str | None = _flag("Tool-call format of the model (default: from its chat template, else "
                                          "hermes)", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
@@ -185,7 +189,8 @@ class ServerArgs:
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),
                               ("speculative_algorithm", SPECULATIVE_ALGORITHMS),
-                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
+                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS),
+                              ("pooling_method", ("last", "mean"))]:
             choice(name, allowed)
 
         def positive(name: str, allow_none: bool = True) -> None:

@@ -106,8 +106,8 @@ def test_repeat_prompt_accepts_more_than_one_token_per_step(embedded_model_path)
     msgs = [{"role": "user", "content": f"Repeat this text exactly: {passage}"}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
-    res, s = run(path, [("rep", prompt, 32)], speculative_algorithm="ngram")
-    plain, _ = run(path, [("rep", prompt, 32)])
+    res, s = run(path, [("rep", prompt, 24)], speculative_algorithm="ngram")
+    plain, _ = run(path, [("rep", prompt, 24)])
     assert res["rep"]["ids"] == plain["rep"]["ids"]
     meta = res["rep"]["meta"]
     assert meta["spec_accept_length"] > 1.5, meta
@@ -285,3 +285,16 @@ def test_streaming_emits_each_steps_accepted_tokens(tiny_path) -> None:
     assert len(chunks) == s.forward_ct  # one message per step (the prefill, then each verify or plain decode)
     if s.spec_accept_length() > 1:
         assert max(len(c) for c in chunks) > 1  # a step that accepted drafts streamed them together
+
+
+def test_requests_that_cannot_draft_decode_plainly_in_the_same_batches(tiny_path) -> None:
+    """Penalties, seeded sampling and min_new_tokens ride in verify batches as one-token rows: their tokens are those
+    of plain decoding, next to drafting requests."""
+    extra = [{"frequency_penalty": 0.8}, {"repetition_penalty": 1.3}, {"temperature": 0.9, "seed": 11},
+             {"min_new_tokens": 12, "ignore_eos": False}, {}]
+    reqs = [(rid, prompt, n, extra[i % len(extra)]) for i, (rid, prompt, n) in enumerate(repeat_workload(seed=6,
+                                                                                                       n=10))]
+    plain, _ = run(tiny_path, reqs)
+    spec, s = run(tiny_path, reqs, speculative_algorithm="ngram")
+    assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
+    assert s.spec_num_verify > 0
