@@ -271,3 +271,19 @@ def test_rotary_in_place_is_bit_identical_to_the_torch_ops(tokens: int) -> None:
     assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k) and torch.equal(v, want_v)
     with pytest.raises(ValueError, match="position"):
         cpu_ops.rotary_neox_inplace(torch.tensor([2048] * tokens), q, k, rope.cos_cache, rope.sin_cache, 64)
+
+
+@needs_compiler
+def test_rms_norm_matches_the_torch_ops() -> None:
+    from radixserve.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=g) + 0.5
+    x = (torch.randn(33, 700, generator=g) * 3)[:, :576]  # rows 700 apart
+    r = torch.randn(33, 576, generator=g)
+    torch.testing.assert_close(norm(x), norm._norm(x), rtol=2e-6, atol=1e-6)  # the sum of squares in double
+    out, residual = norm(x, r)
+    assert torch.equal(residual, x + r)  # the next residual is exactly the sum
+    torch.testing.assert_close(out, norm._norm(x + r), rtol=2e-6, atol=1e-6)
+    assert cpu_ops.rms_norm(x.double(), None, norm.weight, 1e-5) is None  # not float32: the torch ops run

@@ -1,6 +1,7 @@
 """CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes:
 `paged_decode_attention` (decode attention read in place from the KV pool), `linear` (x W^T for the few rows of a
-small decode batch on every thread; MKL runs a one-row product on a single thread) and `rotary_neox_inplace`.
+small decode batch on every thread; MKL runs a one-row product on a single thread), `rotary_neox_inplace` and
+`rms_norm`.
 
 The shared library (every .c file here) is built once per source and machine into `<cache root>/cpu_kernels/`
 (`-O3 -march=native -fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1`
@@ -95,6 +96,9 @@ def load() -> ctypes.CDLL | None:
         fn = lib.rotary_neox_inplace
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
+        fn = lib.rmsnorm
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
         fn = lib.small_m_linear
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
@@ -184,3 +188,25 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if rc:
         raise ValueError(f"rotary: a position is outside 0..{cos_cache.shape[0] - 1}")
     return True
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 CPU rows;
+    None (nothing done) where the kernel does not apply."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
+            or x.stride(1) != 1 or weight.shape != (x.shape[1],) or x.requires_grad
+            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape
+                                          or residual.stride(1) != 1))):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    res_out = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
+    lib.rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                0 if residual is None else residual.stride(0), out.data_ptr(),
+                None if res_out is None else res_out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+                float(eps), torch.get_num_threads())
+    return out if res_out is None else (out, res_out)
