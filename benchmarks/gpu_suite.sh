@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything we measure on the H200 in one run (device time is scarce): GPU tests, bench_one_batch on the 8B shape
 # with bandwidth utilisation, transformers peers, offline throughput, overlap on/off. Logs and JSON go to $OUT.
-# Usage (on the GPU machine, from the repo root, with .whl carried):  bash benchmarks/gpu_suite.sh
+# Usage, from the repo root on a CUDA machine:  bash benchmarks/gpu_suite.sh   (with radixserve's dependencies
+# installed; wheels placed under .whl/, if any, are installed into /tmp/site first)
 # .bench_tok (carried too; ignored by git): a tokenizer for the shape configs, for structured output and its GPU test:
 #   mkdir -p .bench_tok && cp ~/.cache/radixserve/*/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .bench_tok/
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if [ -z "${SKIP_PIP:-}" ]; then  # SKIP_PIP=1: the wheels are already in /tmp/site (parallel runs on several GPUs)
+if [ -z "${SKIP_PIP:-}" ] && [ -d .whl ]; then  # SKIP_PIP=1: the wheels are already in /tmp/site (parallel runs on several GPUs)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 fi
@@ -57,6 +58,9 @@ step structured_8b 200 python3 benchmarks/bench_structured.py --model-path $L8 -
 # multi-LoRA: 8 random rank-16 adapters on all seven projections vs the base model, decode and offline
 step lora_8b 200 python3 benchmarks/bench_lora.py --model-path $L8 --load-format dummy --num-prompts 192 \
   --decode-steps 16 --result-file "$OUT/bench_lora.json"
+step prefix_policy_8b 150 python3 benchmarks/bench_prefix_policy.py --model-path $L8 --load-format dummy \
+  --groups 16 --per-group 8 --prefix-len 2048 --question-len 64 --output-len 16 --max-total-tokens 16384 \
+  --disable-cuda-graph --result-file "$OUT/prefix_policy_8b.json"
 step gpu_tests 480 python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
   tests/test_lora_kernels.py \
   -p no:cacheprovider

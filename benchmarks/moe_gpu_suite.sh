@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The MoE / MLA measurements on one H200 in one short run: GPU tests, then bench_moe (decode with bandwidth
 # utilisation on active bytes) for Qwen3-30B-A3B and DeepSeek-V2-Lite, then an offline run. Dummy weights from the
-# shape configs. Usage (GPU machine, repo root, .whl carried): bash benchmarks/moe_gpu_suite.sh
+# shape configs. Usage (CUDA machine, repo root): bash benchmarks/moe_gpu_suite.sh (wheels under .whl/, if any, are
+# installed into /tmp/site first)
 # OFF_N: offline prompts (default 1000, the target's workload); PEER=1: radixserve and transformers on the same
 # 64-prompt subset (out 256) for the ratio; WITH_MIXTRAL=1: Mixtral-8x7B at batch 1 and 8; ONLY="a b": those steps.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if [ -z "${SKIP_PIP:-}" ]; then
+if [ -z "${SKIP_PIP:-}" ] && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 fi

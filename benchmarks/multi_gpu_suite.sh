@@ -7,14 +7,15 @@
 # Results: $OUT/multi_gpu_results.json (every step's JSON merged, plus the derived ratios), $OUT/summary.txt,
 # $OUT/logs.tgz (all logs). Logs also stay in $LOGS. Each step has its own timeout and the whole run a deadline
 # (BUDGET seconds, default 510): a step that would pass it is cut short or skipped, never the summary.
-# Usage (on the GPU machine, from the repo root, with .whl carried):  bash benchmarks/multi_gpu_suite.sh
+# Usage, from the repo root on a multi-GPU CUDA machine:  bash benchmarks/multi_gpu_suite.sh (wheels under .whl/, if
+# any, are installed into /tmp/site first)
 # ONLY="a b" runs just those steps. CPU dry run with a tiny model (see the end of this file).
 set -u
 START=$(date +%s)
 BUDGET=${BUDGET:-510}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
-if [ -z "${SKIP_PIP:-}" ]; then
+if [ -z "${SKIP_PIP:-}" ] && [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} || exit 1
 else

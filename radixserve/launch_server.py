@@ -7,6 +7,8 @@ a node K > 0 starts no server: it runs its ranks until SIGTERM, or exits 1 when 
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from radixserve.server_args import prepare_server_args
@@ -19,16 +21,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
     if server_args.node_rank > 0:  # multi-node: only node 0 serves; the others run their scheduler ranks
-        from radixserve.managers.data_parallel_controller import run_worker_node
+        from radixserve.managers.dp_launcher import run_worker_node
 
         return run_worker_node(server_args)
     from radixserve.entrypoints.http_server import launch_server
 
     try:
-        return launch_server(server_args)
+        code = launch_server(server_args)
     except (RuntimeError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 1
+    if code != 0:
+        # a child process died and the server stopped its siblings: exit now, for a supervisor to restart us (the
+        # interpreter's own teardown of torch and friends can take several seconds on a busy machine)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

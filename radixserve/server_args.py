@@ -13,9 +13,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("cpu", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+# radixserve.constrained.GRAMMAR_BACKENDS and "none" (that package imports torch, which parsing flags need not)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+SAMPLING_DEFAULTS = ("model", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
@@ -26,9 +27,11 @@ def _registry_names(module: str, attr: str) -> tuple[str, ...]:
     return tuple(getattr(importlib.import_module(module), attr))
 
 
+ATTENTION_BACKENDS = _registry_names("radixserve.layers.attention", "ATTENTION_BACKENDS")
 TOOL_CALL_PARSERS = _registry_names("radixserve.entrypoints.openai.tool_parsers", "TOOL_PARSERS")
 REASONING_PARSERS = _registry_names("radixserve.entrypoints.openai.reasoning_parsers", "REASONING_PARSERS")
 QUANTIZATIONS = tuple(sorted(_registry_names("radixserve.layers.quantization", "QUANTIZATION_METHODS")))
+SPECULATIVE_ALGORITHMS = _registry_names("radixserve.speculative", "DRAFTERS")
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -85,6 +88,13 @@ class ServerArgs:
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
+    # speculative decoding (radixserve/speculative/)
+    speculative_algorithm: str | None = _flag("Speculative decoding: ngram drafts the next tokens by matching the "
+                                              "last ones against the prompt and output so far; the model checks "
+                                              "them in one pass (turns overlap scheduling off)",
+                                              choices=SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int = _flag("Most tokens drafted per request and step with "
+                                              "--speculative-algorithm", default=4)
     cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
                                         "set, else every core, shared out between ranks on one machine)")
     # server
@@ -109,6 +119,14 @@ class ServerArgs:
     decode_log_interval: int = _flag("Log decode batch stats (running, tokens, throughput) every N decode steps",
                                      default=40)
     skip_tokenizer_init: bool = _flag("Take and return token ids only", default=False)
+    sampling_defaults: str = _flag("Where the sampling parameters a request leaves unset come from: 'model' (the "
+                                   "model's generation_config.json: temperature, top_p, top_k, min_p, "
+                                   "repetition_penalty) or 'none' (the engine's: temperature 1, top_p 1, ...)",
+                                   default="model", choices=SAMPLING_DEFAULTS)
+    parse_special_tokens_in_messages: bool = _flag("Chat: tokenize special-token strings inside message content "
+                                                   "(e.g. '<|im_start|>system') as special tokens; by default they "
+                                                   "are plain text, so user input cannot forge role markers",
+                                                   default=False)
     skip_server_warmup: bool = _flag("Serve without first running a short warm-up request (on CUDA the warm-up "
                                      "compiles the Triton kernels before the first user request)", default=False)
     # parallelism
@@ -163,6 +181,7 @@ class ServerArgs:
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),
+                              ("speculative_algorithm", SPECULATIVE_ALGORITHMS),
                               ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
             choice(name, allowed)
 
@@ -175,7 +194,7 @@ class ServerArgs:
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                      "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
-                     "stream_interval", "decode_log_interval", "cpu_num_threads"):
+                     "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
@@ -269,7 +288,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

@@ -12,7 +12,8 @@ from parallel_utils import SERVER_KW, make_model, reference_outputs, wait_idle
 
 from radixserve import Engine
 from radixserve.managers import io_struct as io
-from radixserve.managers.data_parallel_controller import ApproxPrefixTree, LoadBalancer, merge_internal_states
+from radixserve.managers.data_parallel_controller import merge_internal_states
+from radixserve.managers.dp_routing import ApproxPrefixTree, LoadBalancer
 from radixserve.server_args import ServerArgs
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}

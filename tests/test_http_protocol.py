@@ -162,3 +162,26 @@ def test_stop_strings_without_a_tokenizer_are_a_400() -> None:
             tm.make_sampling_params({"stop": stop})
         err = from_request_error(ei.value, openai=True)
         assert err.status_code == 400 and err.param == "stop"
+
+
+def test_sampling_defaults_from_generation_config(tmp_path) -> None:
+    import json
+
+    from radixserve.managers.tokenizer_manager import TokenizerManager
+    from radixserve.sampling.model_defaults import load_sampling_defaults
+    from radixserve.server_args import ServerArgs
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "do_sample": True, "temperature": 0.3, "top_p": 0.8, "top_k": 20}))
+    defaults = load_sampling_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.3, "top_p": 0.8, "top_k": 20}
+    tm = object.__new__(TokenizerManager)
+    tm.tokenizer, tm.vocab_size, tm.server_args = None, 100, ServerArgs(skip_tokenizer_init=True)
+    tm.sampling_defaults = defaults
+    sp = tm.make_sampling_params({})
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.3, 0.8, 20)
+    sp = tm.make_sampling_params({"top_p": 0.5, "top_k": None})  # null is unset
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.3, 0.5, 20)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    assert load_sampling_defaults(str(tmp_path)) == {}  # invalid values are not used
+    assert load_sampling_defaults(None) == {}

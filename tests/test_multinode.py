@@ -1,10 +1,12 @@
 """Two "nodes" on loopback: `launch_server --nnodes 2 --tp-size 2`, node 0 serving HTTP with TP rank 0 and node 1
 running only TP rank 1, as two separate process trees that meet at --dist-init-addr. The pair answers with the
-TP=1 tokens; when node 1's rank is killed, node 1 exits, node 0's rank logs why and exits, and /health says 503."""
+TP=1 tokens; when node 1's rank is killed, node 1 exits, node 0's rank logs why and exits, /health says 503 and the
+server exits 1."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,16 +91,20 @@ def test_killed_remote_rank_turns_health_503(cluster) -> None:
     os.kill(rank1.pid, signal.SIGKILL)
     assert node1.proc.wait(timeout=30) == 1  # the worker node notices its dead rank and stops
     # a /health that reaches rank 0 just before it exits waits out its state query (--watchdog-timeout 5 s), then
-    # says 503 too; once rank 0 is gone it says 503 at once
+    # says 503 too; once rank 0 is gone it says 503 at once, and the server exits 1 three seconds later
     deadline = time.monotonic() + 30
     status = 200
     while time.monotonic() < deadline:
-        status = httpx.get(base + "/health", timeout=20).status_code
-        if status == 503:
+        try:
+            status = httpx.get(base + "/health", timeout=20).status_code
+        except httpx.HTTPError:
+            status = 0  # already gone
+        if status in (503, 0):
             break
         time.sleep(0.3)
-    assert status == 503
+    assert status in (503, 0)
+    assert node0.proc.wait(timeout=60) == 1  # loud: a supervisor restarts it
     log = node0.log()
     assert "TP rank 0 of 2 is exiting" in log and "another TP rank died" in log
+    assert re.search(r"the scheduler-tp0 process \(pid \d+\) exited with code \d+: failing in-flight", log), log[-3000:]
     assert "exited (code -9)" in node1.log()
-    assert node0.proc.poll() is None  # the server itself stays up to report it

@@ -59,3 +59,21 @@ def test_chat_template_file_overrides_the_tokenizers(embedded_model_path, tmp_pa
         tok = e.tokenizer_manager.tokenizer
         assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<<hi>>"
         assert e.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2
+
+
+def test_choices_come_from_the_registries() -> None:
+    from radixserve.constrained import GRAMMAR_BACKENDS as grammar_registry
+    from radixserve.layers.attention import ATTENTION_BACKENDS as attention_registry
+    from radixserve.server_args import ATTENTION_BACKENDS, GRAMMAR_BACKENDS
+
+    assert ATTENTION_BACKENDS == tuple(attention_registry)
+    assert GRAMMAR_BACKENDS == (*grammar_registry, "none")
+
+
+def test_every_registered_model_class_imports() -> None:
+    from radixserve.models.registry import get_model_class, supported_architectures
+
+    for arch in supported_architectures():
+        assert get_model_class([arch]).__name__ == arch
+    with pytest.raises(ValueError, match="not supported"):
+        get_model_class(["NoSuchForCausalLM"])

@@ -8,6 +8,7 @@ never imports xgrammar.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from collections.abc import Iterable
@@ -24,15 +25,18 @@ from radixserve.constrained.base_grammar_backend import (
 
 logger = logging.getLogger(__name__)
 
-# backend name -> the module that must be importable for it
-_BACKEND_MODULES = {"xgrammar": "xgrammar"}
+# The grammar backends (this registry also gives --grammar-backend its choices, with "none"): name ->
+# (the class, imported when first used; the library that must be installed for it).
+GRAMMAR_BACKENDS: dict[str, tuple[str, str]] = {
+    "xgrammar": ("radixserve.constrained.xgrammar_backend:XGrammarBackend", "xgrammar"),
+}
 
 
 def is_backend_available(name: str) -> bool:
     """True when `name` is a known backend whose library is installed."""
-    module = _BACKEND_MODULES.get(name)
-    if module is None:
+    if name not in GRAMMAR_BACKENDS:
         return False
+    module = GRAMMAR_BACKENDS[name][1]
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -40,11 +44,10 @@ def is_backend_available(name: str) -> bool:
 
 
 def _backend_class(name: str) -> type[BaseGrammarBackend]:
-    if name == "xgrammar":
-        from radixserve.constrained.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend
-    raise ValueError(f"unknown grammar backend {name!r}; expected one of {', '.join(_BACKEND_MODULES)} or none")
+    if name not in GRAMMAR_BACKENDS:
+        raise ValueError(f"unknown grammar backend {name!r}; expected one of {', '.join(GRAMMAR_BACKENDS)} or none")
+    module, cls = GRAMMAR_BACKENDS[name][0].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def create_grammar_backend(server_args: Any, tokenizer: Any, vocab_size: int,
@@ -59,7 +62,7 @@ def create_grammar_backend(server_args: Any, tokenizer: Any, vocab_size: int,
         return None
     if not is_backend_available(name):
         logger.warning("structured output is off: --grammar-backend %s is not installed (pip install %s)", name,
-                       _BACKEND_MODULES.get(name, name))
+                       GRAMMAR_BACKENDS[name][1] if name in GRAMMAR_BACKENDS else name)
         return None
     if eos_token_ids is None:
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -87,5 +90,5 @@ def validate_grammar(name: str, kind: str, text: str) -> None:
         raise GrammarError(error)
 
 
-__all__ = ["GRAMMAR_KINDS", "BaseGrammarBackend", "BaseGrammarObject", "GrammarError", "bitmask_to_vocab_mask",
-           "create_grammar_backend", "is_backend_available", "validate_grammar"]
+__all__ = ["GRAMMAR_BACKENDS", "GRAMMAR_KINDS", "BaseGrammarBackend", "BaseGrammarObject", "GrammarError",
+           "bitmask_to_vocab_mask", "create_grammar_backend", "is_backend_available", "validate_grammar"]

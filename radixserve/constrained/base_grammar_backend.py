@@ -170,10 +170,6 @@ class BaseGrammarBackend(ABC):
                     "grammar_errors": self.num_errors, "grammar_compile_time_s": self.compile_time_s,
                     "grammar_cache_entries": len(self._cache)}
 
-    def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
-
     # ---------------------------------------------------------------- masks
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         """A CPU packed bitmask `[batch_size, ceil(vocab/32)]`, every token allowed."""

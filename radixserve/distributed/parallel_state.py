@@ -64,18 +64,6 @@ def model_parallel_is_initialized() -> bool:
     return _TP_GROUP is not None
 
 
-def get_tp_rank() -> int:
-    return _TP_RANK
-
-
-def get_tp_size() -> int:
-    return _TP_SIZE
-
-
-def get_tp_group() -> dist.ProcessGroup | None:
-    return _TP_GROUP
-
-
 def get_tp_cpu_group() -> dist.ProcessGroup | None:
     return _TP_CPU_GROUP
 
@@ -110,10 +98,3 @@ def broadcast_pyobj(obj: Any) -> Any:
     box = [obj if _TP_RANK == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(_TP_CPU_GROUP, 0), group=_TP_CPU_GROUP)
     return box[0]
-
-
-def destroy_model_parallel() -> None:
-    global _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE, _EP_SIZE
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _TP_GROUP, _TP_CPU_GROUP, _TP_RANK, _TP_SIZE, _EP_SIZE = None, None, 0, 1, 1

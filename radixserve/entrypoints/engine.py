@@ -116,7 +116,7 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
     tokenizer_path = None if server_args.skip_tokenizer_init else server_args.tokenizer_path
     try:
         if server_args.tp_size > 1 or server_args.dp_size > 1:
-            from radixserve.managers.data_parallel_controller import launch_parallel_schedulers
+            from radixserve.managers.dp_launcher import launch_parallel_schedulers
 
             sched_infos = launch_parallel_schedulers(server_args, port_args, ctx, procs)
             info = sched_infos[0]
@@ -142,6 +142,13 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
             tokenizer.chat_template = f.read()  # used by /v1/chat/completions
     tm = TokenizerManager(server_args, port_args, tokenizer, info.context_len, info.vocab_size, info)
     tm.model_config = model_config
+    if server_args.sampling_defaults == "model":
+        from radixserve.sampling.model_defaults import load_sampling_defaults
+
+        tm.sampling_defaults = load_sampling_defaults(server_args.model_path)
+        if tm.sampling_defaults:
+            logger.info("sampling defaults from the model's generation_config.json: %s",
+                        ", ".join(f"{k}={v}" for k, v in tm.sampling_defaults.items()))
     tm.processes = EngineProcesses(procs, ipc_dir)
     return tm, tm.processes
 

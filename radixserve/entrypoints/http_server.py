@@ -54,7 +54,7 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 RESPONSE_FLUSH_S = 10  # at shutdown, after the last request finished, how long uvicorn waits for responses to be sent
-DEAD_CHILD_GRACE_S = 2.0  # between a child's death and the exit: in-flight requests get their error
+DEAD_CHILD_GRACE_S = 3.0  # between a child's death and the exit: in-flight requests get their error
 CHILD_POLL_S = 0.25
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 

@@ -35,6 +35,8 @@ class LogitsProcessor(nn.Module):
         mode = forward_batch.forward_mode
         if mode.is_decode():
             return LogitsProcessorOutput(next_token_logits=self._logits(hidden, lm_head))
+        if mode.is_target_verify():  # speculative verify: every position's logits (the drafts are checked on all)
+            return LogitsProcessorOutput(next_token_logits=self._logits(hidden, lm_head))
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1
         out = LogitsProcessorOutput(next_token_logits=self._logits(hidden[last], lm_head))
         starts = forward_batch.extend_logprob_start_lens_cpu

@@ -104,11 +104,6 @@ class UnloadLoRAAdapterReqOutput:
 
 
 @dataclass
-class HealthCheckReq:
-    pass
-
-
-@dataclass
 class SchedulerLoadReport:
     """A DP replica's scheduler (rank 0) → the data-parallel controller, when it changed: the requests it holds
     (waiting, running, being prefilled) after taking in `num_received` generate requests in all."""

@@ -78,6 +78,14 @@ class Req:
         # (a radixserve.constrained BaseGrammarObject that has accepted exactly output_ids)
         self.grammar_future: Any = None
         self.grammar: Any = None
+        # speculative decoding: the drafter's per-request state, verify steps taken and the tokens they produced,
+        # and the adaptive back-off's recent accepted-draft counts, pause length and steps left to pause
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0
+        self.spec_tokens = 0
+        self.spec_history: list[int] = []
+        self.spec_backoff = 0
+        self.spec_pause = 0
 
     # ---------------------------------------------------------------- prefix and fill
     def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
@@ -142,6 +150,7 @@ class LaunchedBatch:
     return_logprob: bool
     chunked_req: Req | None  # a request of this batch whose prompt is still being prefilled in chunks
     result: GenerationBatchResult | None = None  # None under overlap: the forward thread holds it
+    spec: Any = None  # a speculative verify step: its drafts' slots (radixserve/speculative/scheduler_mixin.py)
 
 
 @dataclass
@@ -190,7 +199,6 @@ class ScheduleBatch:
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
-        self.decoding_reqs: list[Req] | None = None  # for MIXED: the running requests riding along
         self.n_prefill = len(reqs)  # for MIXED: the first n_prefill requests are the prefill, the rest decode
         self.sampling_info: DeferredSamplingInfo | None = None
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
@@ -283,7 +291,6 @@ class ScheduleBatch:
         self.seq_lens_list = None
         self.positions = None
         self.num_future_refs = None
-        self.decoding_reqs = running.reqs
         self.sampling_info.merge_batch(running.sampling_info)
         self.forward_mode = ForwardMode.MIXED
         self.n_prefill = n_prefill

@@ -30,6 +30,7 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.scheduler_mixin import SchedulerSpeculativeMixin
 from radixserve.utils import get_zmq_socket, kill_itself_when_parent_died
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ IN_BATCH_PREFIX_LEN = 32  # prompt head length compared for in-batch prefix shar
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin):
+class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin, SchedulerSpeculativeMixin):
     def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tp_rank: int = 0, gpu_id: int = 0) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
@@ -100,6 +101,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self._log_decode_tokens = 0
         self._log_decode_since = time.monotonic()
 
+        self.init_speculative()  # --speculative-algorithm (radixserve/speculative/scheduler_mixin.py)
         self.outbox: list[Any] = []  # messages kept in-process when there is no detokenizer socket (tests)
         self.recv_from_tokenizer = None
         self.send_to_detokenizer = None
@@ -477,6 +479,10 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
         """Launch `batch`; returns what its results will be processed against (with the result itself, unless
         under overlap)."""
+        if self.spec_drafter is not None and batch.forward_mode.is_decode():
+            spec = self.run_spec_batch(batch)  # a verify step, or None: nobody drafted, a plain decode
+            if spec is not None:
+                return spec
         self.forward_ct += 1
         self.last_step_time = time.monotonic()
         bid = self.forward_ct
@@ -525,8 +531,11 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         now = time.monotonic()
         used = pool.size - pool.available_size()
         rate = self._log_decode_tokens / max(now - self._log_decode_since, 1e-9)
+        spec = ""
+        if self.spec_drafter is not None and self.spec_num_rows:
+            spec = f", accept len {self.spec_accept_length():.2f}"
         logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
-                    "#queue-req %d", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue))
+                    "#queue-req %d%s", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue), spec)
         self._log_decode_steps, self._log_decode_tokens, self._log_decode_since = 0, 0, now
 
     # ================================================================= idle, state, cache
@@ -577,6 +586,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             "num_grammar_queue_reqs": len(self.grammar_queue),
             **(self.grammar_backend.stats() if self.grammar_backend is not None else {}),
             "num_retractions": self.num_retractions,
+            "avg_spec_accept_length": self.spec_accept_length(),
             **({"lora_adapters": sorted(self.lora_manager.adapters), "lora_slots": dict(self.lora_table.slot_of),
                 "lora_slot_loads": self.lora_table.num_loads} if self.lora_table is not None else {}),
             "cache_hit_tokens": self.cache_hit_tokens,

@@ -19,6 +19,9 @@ class SchedulerOutputProcessorMixin:
                 self.fulfill_grammar_masks(batch.bid)
 
     def _process_batch_result(self, batch: LaunchedBatch) -> None:
+        if batch.forward_mode.is_target_verify():
+            self.process_spec_result(batch)  # speculative decoding (radixserve/speculative/)
+            return
         result = batch.result
         if result is None:  # overlap: the forward thread's results come back in launch order
             result = self.worker_client.resolve_batch_result()
@@ -108,6 +111,9 @@ class SchedulerOutputProcessorMixin:
             meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids),
                                     "completion_tokens": len(output_ids),
                                     "cached_tokens": req.cached_tokens}
+            if req.spec_verify_ct:  # speculative decoding: verify steps and mean tokens committed per step
+                meta["spec_verify_ct"] = req.spec_verify_ct
+                meta["spec_accept_length"] = req.spec_tokens / req.spec_verify_ct
             if req.return_logprob:
                 meta["output_token_logprobs"] = req.output_token_logprobs[req.sent_logprob_offset:]
                 meta["output_top_logprobs"] = req.output_top_logprobs[req.sent_logprob_offset:]

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.managers import io_struct as io
+from radixserve.sampling.model_defaults import apply_defaults
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.utils import get_zmq_socket
@@ -68,6 +69,7 @@ class TokenizerManager:
         self.num_queued = 0
         # tokenization runs off the event loop (HF tokenizers release the GIL while encoding); one thread, since a
         # fast tokenizer must not be used by two threads at once
+        self.sampling_defaults: dict[str, Any] = {}  # from the model's generation_config.json (launch sets it)
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
         self._max_token_chars: int | None = None
         self._gen_tokens = 0  # generated tokens seen so far, sampled for gen_throughput()
@@ -177,7 +179,7 @@ class TokenizerManager:
                                f"{self.context_len}", 400, param)
 
     def make_sampling_params(self, d: dict[str, Any] | None) -> SamplingParams:
-        d = dict(d or {})
+        d = apply_defaults(dict(d or {}), getattr(self, "sampling_defaults", {}))
         if isinstance(d.get("json_schema"), dict | bool):  # a schema given as a JSON object, not as text
             d["json_schema"] = json.dumps(d["json_schema"])
         try:
@@ -253,6 +255,12 @@ class TokenizerManager:
             self._validate_ids(ids)
             sp = self.make_sampling_params(sps[i])
             if len(ids) + sp.max_new_tokens > self.context_len:
+                # one rule for every API: a requested length that cannot fit is a 400; a default one is clamped
+                # (the request then ends with finish_reason "length")
+                if isinstance(sps[i], dict) and sps[i].get("max_new_tokens") is not None:
+                    raise RequestError(f"max_new_tokens: this model's maximum context length is {self.context_len} "
+                                       f"tokens; the prompt has {len(ids)} and max_new_tokens is "
+                                       f"{sp.max_new_tokens}", 400, "sampling_params")
                 sp.max_new_tokens = self.context_len - len(ids)
             logprob_start = per(obj.logprob_start_len, "logprob_start_len")[i]
             top_n = per(obj.top_logprobs_num, "top_logprobs_num")[i]
@@ -274,6 +282,10 @@ class TokenizerManager:
                     logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
                     lora_id=lora_id))
         return out
+
+    async def run_on_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer thread (anything that tokenizes a long text)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, functools.partial(fn, *args))
 
     async def pretokenize(self, obj: io.GenerateReqInput) -> list[list[int]] | None:
         """The text prompts of `obj` tokenized off the event loop (None when it has none or they are malformed;

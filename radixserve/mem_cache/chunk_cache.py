@@ -18,12 +18,9 @@ from radixserve.mem_cache.radix_cache import TreeNode, _as_key, _as_value, _empt
 
 
 class ChunkCache(BasePrefixCache):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
-                 disable: bool = True) -> None:
-        # `disable` is accepted so both caches construct alike; a ChunkCache never shares anything.
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
-        self.disable = True
         # A stand-in root, so callers can pass `last_node` around (and lock it) exactly as with RadixCache.
         self.root = TreeNode()
         self.root.lock_ref = 1

@@ -43,10 +43,6 @@ def gather_kv(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return buf[slots]
 
 
-class PoolExhaustedError(RuntimeError):
-    """Raised by callers that need slots the pool cannot give (alloc itself returns None)."""
-
-
 class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str) -> None:
         if size <= 0 or max_context_len <= 0:

@@ -113,9 +113,6 @@ class TreeNode:
         self.lock_ref: int = 0
         self.last_access_time: int = _tick()
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __len__(self) -> int:
         return len(self.key)
 

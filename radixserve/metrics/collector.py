@@ -49,6 +49,8 @@ class MetricsCollector:
         self.token_usage = gauge("token_usage", "Fraction of the KV pool held by requests (not evictable cache)")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the radix cache / prompt tokens")
         self.max_total_num_tokens = gauge("max_total_num_tokens", "KV pool size in tokens")
+        self.spec_accept_length = gauge("spec_accept_length", "Speculative decoding: mean tokens committed per "
+                                        "request per verify step (0 before the first; needs --speculative-algorithm)")
         self.engine_alive = gauge("engine_alive", "1 while the scheduler and detokenizer processes run, 0 once one "
                                   "died (the server then exits non-zero)")
         self.engine_alive.set(1)
@@ -112,6 +114,9 @@ class MetricsCollector:
         prompt_total = state.get("prompt_tokens_total") or 0
         if prompt_total:
             self.cache_hit_rate.set(state.get("cache_hit_tokens", 0) / prompt_total)
+        accept = state.get("avg_spec_accept_length")
+        if accept is not None:
+            self.spec_accept_length.set(accept)
         if num_inflight is not None:
             self.num_inflight_reqs.set(num_inflight)
 

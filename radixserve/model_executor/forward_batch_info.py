@@ -38,16 +38,23 @@ def pack_to_device(parts: list[torch.Tensor], device: torch.device | str, pin: b
 
 
 class ForwardMode(IntEnum):
-    """What one forward pass computes. Every value is produced by ScheduleBatch. (TP ranks all run the batches rank
-    0 broadcasts and DP replicas step independently, so no rank ever runs a forward without work: there is no IDLE
-    mode; the overlap pipeline starts with the first real batch, so there is no dummy one either.)"""
+    """What one forward pass computes; the scheduler produces every value (ScheduleBatch, and the speculative step
+    for TARGET_VERIFY). TP ranks all run the batches rank 0 broadcasts and DP replicas step independently, so no
+    rank ever runs a forward without work (there is no idle mode), and the overlap pipeline starts with the first
+    real batch (there is no dummy one)."""
 
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a prefill chunk together with decode requests (all run as extend)
+    # speculative decoding: the target checks each request's last token plus its drafted tokens in one pass, an
+    # extend on top of the request's KV that keeps the logits of every position (radixserve/speculative/)
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE

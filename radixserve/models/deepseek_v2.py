@@ -211,6 +211,3 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     v3 = True
-
-
-EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

@@ -219,6 +219,3 @@ def load_plain(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
-
-
-EntryClass = [LlamaForCausalLM, MistralForCausalLM]

@@ -24,6 +24,3 @@ class MixtralForCausalLM(MoECausalLM):
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
         return super().load_weight(params, name.replace(".block_sparse_moe.", ".mlp."), tensor)
-
-
-EntryClass = [MixtralForCausalLM]

@@ -7,6 +7,3 @@ from radixserve.models.llama import LlamaForCausalLM
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
-
-
-EntryClass = [Qwen2ForCausalLM]

@@ -82,6 +82,3 @@ class Qwen2MoeForCausalLM(MoECausalLM):
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.qkv_bias = bool(getattr(config, "qkv_bias", True))
         super().__init__(config, tp_rank, tp_size)
-
-
-EntryClass = [Qwen2MoeForCausalLM]

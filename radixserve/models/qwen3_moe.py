@@ -23,6 +23,3 @@ def qwen3_moe_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size
 class Qwen3MoeForCausalLM(MoECausalLM):
     qk_norm = True
     mlp_factory = staticmethod(qwen3_moe_mlp)
-
-
-EntryClass = [Qwen3MoeForCausalLM]

@@ -23,6 +23,7 @@ from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.feature_gates import check_openai_request
 from radixserve.entrypoints.openai.protocol import _SamplingFields
 from radixserve.managers import io_struct as io
+from radixserve.managers.token_bytes import TextOffsets, token_bytes_fn
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class OpenAIServingBase:
             return tok.decode([tid], skip_special_tokens=False)
 
         self.token_text: Callable[[int], str] = token_text
+        self.token_bytes: Callable[[int], bytes] = token_bytes_fn(tok)
 
     # ------------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
@@ -188,27 +190,39 @@ class OpenAIServingBase:
         out = []
         for k, (lp, tid) in enumerate((e[0], e[1]) for e in token_lps):
             text = self.token_text(int(tid))
-            entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+            entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(self.token_bytes(int(tid))),
                                      "top_logprobs": []}
             if top_lps is not None and k < len(top_lps) and top_lps[k]:
                 for tlp, ttid in top_lps[k]:
                     ttext = self.token_text(int(ttid))
                     entry["top_logprobs"].append({"token": ttext, "logprob": tlp,
-                                                  "bytes": list(ttext.encode("utf-8"))})
+                                                  "bytes": list(self.token_bytes(int(ttid)))})
             out.append(entry)
         return out
 
+    def text_offsets(self, skip_special_tokens: bool | None, echo_ids: list[int] | None = None,
+                     echo_text: str | None = None) -> TextOffsets:
+        """A `text_offset` counter for one choice (see TextOffsets); `echo_ids`/`echo_text`: the echoed prompt."""
+        tok = self.tm.tokenizer
+        special = frozenset(getattr(tok, "all_special_ids", None) or [])
+        skip = special if skip_special_tokens is not False else frozenset()
+        if not echo_ids:
+            return TextOffsets(self.token_bytes, skip)
+        bos = getattr(tok, "bos_token_id", None)
+        bos_text = getattr(tok, "bos_token", None) or ""
+        prompt_skip = frozenset({bos}) if bos is not None and not (echo_text or "").startswith(bos_text) else \
+            frozenset()
+        return TextOffsets(self.token_bytes, skip, len(echo_ids), len(echo_text or ""), prompt_skip)
+
     def completion_logprobs(self, token_lps: list[Any], top_lps: list[Any] | None, want_top: bool,
-                            text_offset_start: int) -> dict[str, Any]:
+                            offsets_of: TextOffsets) -> dict[str, Any]:
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        offset = text_offset_start
         for k, e in enumerate(token_lps):
             lp, tid = e[0], e[1]
             text = self.token_text(int(tid))
             tokens.append(text)
             token_logprobs.append(lp)
-            offsets.append(offset)
-            offset += len(text)
+            offsets.append(offsets_of.advance(int(tid)))
             if want_top:
                 top = top_lps[k] if top_lps is not None and k < len(top_lps) else None
                 tops.append({self.token_text(int(t)): v for v, t in top} if top else None)

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import json_response, parse_model, sse_event
 from radixserve.entrypoints.openai.chat_output import ChoiceOutput, OutputConfig
+from radixserve.entrypoints.openai.chat_prompt import ChatPromptError, encode_pieces, split_prompt
 from radixserve.entrypoints.openai.chat_tools import (
     ToolPlan,
     output_config,
@@ -73,12 +74,13 @@ class OpenAIServingChat(OpenAIServingBase):
         plan = plan or self.plan_tools(req)
         messages = template_messages(req, plan, template, _flatten_content)
         kwargs = template_kwargs(req, plan, template)
+        parse_special = self.tm.server_args.parse_special_tokens_in_messages
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-        except Exception as e:  # jinja errors raised by the template itself ("roles must alternate", ...)
-            raise APIError(f"messages: the chat template rejected them: {e}", 400, "messages", "invalid_value") \
-                from None
-        return await self.tokenize(text, "messages", add_special_tokens=False), text
+            pieces = split_prompt(tok, messages, parse_special, **kwargs)
+            ids = await self.tm.run_on_tokenizer_thread(encode_pieces, tok, pieces)
+        except ChatPromptError as e:
+            raise APIError(f"messages: {e}", 400, "messages", "invalid_value") from None
+        return ids, "".join(text for text, _ in pieces)
 
     def plan_tools(self, req: ChatCompletionRequest) -> ToolPlan:
         template = getattr(self.tm.tokenizer, "chat_template", None) if self.tm.tokenizer is not None else None

@@ -13,6 +13,7 @@ from radixserve.entrypoints.openai.errors import APIError
 from radixserve.entrypoints.openai.protocol import CompletionRequest
 from radixserve.entrypoints.openai.serving_base import OpenAIServingBase, finish_reason_str, matched_stop
 from radixserve.managers import io_struct as io
+from radixserve.managers.token_bytes import TextOffsets
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -56,7 +57,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
         req = parse_model(CompletionRequest, body)
         lora = self.check_common(req)
         ids_list, prompt_texts = await self._prompts(req)
-        max_new = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+        if req.max_tokens is not None and "max_tokens" in req.model_fields_set:
+            max_new = req.max_tokens  # requested: a 400 below if it does not fit
+        else:  # the default is clamped to what fits (one rule with /generate and chat)
+            max_new = max(0, min(DEFAULT_MAX_TOKENS, self.tm.context_len - max(len(i) for i in ids_list)))
         for ids in ids_list:
             self.check_length(len(ids), max_new, "prompt")
         want_lp = req.logprobs is not None
@@ -87,7 +91,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 if req.echo:
                     token_lps = list(meta.get("input_token_logprobs") or []) + token_lps
                     top_lps = list(meta.get("input_top_logprobs") or [None] * len(ids_list[p])) + top_lps
-                logprobs = self.completion_logprobs(token_lps, top_lps, bool(req.logprobs), 0)
+                offsets = self.text_offsets(req.skip_special_tokens, ids_list[p] if req.echo else None,
+                                            self._echo_text(ids_list[p], prompt_texts[p]) if req.echo else None)
+                logprobs = self.completion_logprobs(token_lps, top_lps, bool(req.logprobs), offsets)
             reason = meta.get("finish_reason")
             choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_str(reason),
                             "matched_stop": matched_stop(reason)})
@@ -108,7 +114,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         want_lp = req.logprobs is not None
         sent_text: dict[int, int] = {}
         sent_lp: dict[int, int] = {}
-        lp_chars: dict[int, int] = {}  # text_offset of the next token
+        offsets: dict[int, TextOffsets] = {}  # per choice
         completion: dict[int, int] = {}
         cached: dict[int, int] = {}
         prompt_tokens = sum(len(i) for i in ids_list)
@@ -132,8 +138,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 if first and req.echo:
                     new_lps = list(meta.get("input_token_logprobs") or []) + new_lps
                     new_tops = list(meta.get("input_top_logprobs") or [None] * len(ids_list[p])) + new_tops
-                logprobs = self.completion_logprobs(new_lps, new_tops, bool(req.logprobs), lp_chars.get(k, 0))
-                lp_chars[k] = lp_chars.get(k, 0) + sum(len(t) for t in logprobs["tokens"])
+                if k not in offsets:
+                    offsets[k] = self.text_offsets(req.skip_special_tokens, ids_list[p] if req.echo else None,
+                                                   self._echo_text(ids_list[p], prompt_texts[p]) if req.echo
+                                                   else None)
+                logprobs = self.completion_logprobs(new_lps, new_tops, bool(req.logprobs), offsets[k])
             if first and req.echo:
                 delta = self._echo_text(ids_list[p], prompt_texts[p]) + delta
             reason = meta.get("finish_reason")

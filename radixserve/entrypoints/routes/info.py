@@ -37,8 +37,8 @@ async def _internal_states(state: ServerState) -> list[dict[str, Any]]:
     sched: dict[str, Any] = {}
     if state.engine_dead_message() is None:
         with contextlib.suppress(Exception):
-            sched = await state.tm.get_internal_state(timeout=min(5.0, state.control_timeout))
-    return [{**sched, "last_gen_throughput": state.tm.gen_throughput(), "avg_spec_accept_length": None}]
+            sched = await state.tm.get_internal_state(timeout=min(2.0, state.control_timeout))
+    return [{"avg_spec_accept_length": None, **sched, "last_gen_throughput": state.tm.gen_throughput()}]
 
 
 @router.get("/get_server_info")
@@ -52,6 +52,7 @@ async def get_server_info(request: Request) -> Response:
     dead = state.engine_dead_message()
     return json_response({**sargs, "scheduler_info": sched, "version": radixserve.__version__,
                           "structured_output": state.grammar_ok, "start_time": state.start_time,
+                          "sampling_defaults_from_model": tm.sampling_defaults,
                           "engine_alive": dead is None, "engine_error": dead, "draining": state.draining,
                           "internal_states": await _internal_states(state)})
 

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from radixserve.layers.attention.base_attn_backend import AttentionBackend
     from radixserve.model_executor.model_runner import ModelRunner
 
+# name -> "module:class"; also --attention-backend's choices (ServerArgs reads the names)
 ATTENTION_BACKENDS: dict[str, str] = {
     "cpu": "radixserve.layers.attention.cpu_backend:CpuAttnBackend",
     "torch_native": "radixserve.layers.attention.torch_native_backend:TorchNativeAttnBackend",

@@ -3,8 +3,8 @@
 `kernel[grid](*args)` works out the kernel's specialisation from every argument on every call (the dtype and
 16-byte alignment of each tensor, whether each integer is 1, a multiple of 16, or past 32 bits), hashes it and looks
 the compiled kernel up; the cost grows with the argument count. An eager decode step launches 7 of our kernels per
-layer, and above the largest CUDA graph it is host-bound. On the H200 host, `decode_attention_fwd` (two launches of
-~30 arguments) took 66 us of host time through `kernel[grid]` and 49 us through this path.
+layer, and above the largest CUDA graph it is host-bound, so the launch's own host time counts (docs/perf-log.md
+has the measurement).
 
 `launch` keeps, per kernel, the compiled kernels it has seen under a key of its own that is at least as fine as
 Triton's (the same facts plus each value's Python type, so two calls with one key always get the same compiled

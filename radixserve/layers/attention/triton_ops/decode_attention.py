@@ -133,8 +133,8 @@ def _decode_stage2_kernel(
 
     # the same split boundaries as stage 1; only the non-empty splits are read, SPLIT_BLOCK at a time (a runtime
     # loop: one compiled variant serves every split count, and a batch of 2 splits reads 2, not the buffer's 16).
-    # One split per iteration is the fastest on an H200 at every batch size measured (8-256): a [SPLIT_BLOCK, D]
-    # tile summed over its split axis cost 1.5-2.8x more (2.6-8.8 us against 3.9-24 us per layer).
+    # One split per iteration: summing a [SPLIT_BLOCK, D] tile over its split axis was slower at every batch size
+    # measured (docs/perf-log.md has the figures).
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     _, chunk, n_valid = decode_splits(seq_len, window, num_kv_splits, min_split_len, BLOCK_N)
     lse_base = Mid_LSE + b.to(tl.int64) * stride_mlb + h * stride_mlh

@@ -1,0 +1,221 @@
+"""Speculative decoding (n-gram drafting, one verify pass): the tokens are those of plain decoding, the pool's
+accounting holds after many rejected drafts, and a prompt that repeats itself is drafted well."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from model_utils import make_tiny_model
+from test_scheduler import drain, make_scheduler, submit, workload
+
+from radixserve.speculative.ngram import NgramIndex
+from radixserve.speculative.verify import accept
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_spec"))
+    make_tiny_model("llama", path, seed=1, vocab_size=512)
+    return path
+
+
+def repeat_workload(seed: int = 0, n: int = 6) -> list[tuple[str, list[int], int]]:
+    """Prompts that contain a repeated passage (the model is random: it only sometimes copies it)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        passage = [rng.randrange(3, 500) for _ in range(rng.randrange(4, 20))]
+        prompt = passage * 3 + passage[: rng.randrange(1, len(passage))]
+        out.append((f"p{i}", prompt, rng.randrange(4, 30)))
+    return out
+
+
+def run(path: str, reqs, **kw) -> tuple[dict[str, dict], object]:
+    s = make_scheduler(path, **kw)
+    for rid, prompt, n, *sp in reqs:
+        submit(s, rid, prompt, n, **(sp[0] if sp else {}))
+    res = drain(s)
+    assert s.invariant_violations == 0
+    return res, s
+
+
+def test_ngram_index_proposes_latest_continuation() -> None:
+    idx = NgramIndex(2, 3)
+    assert idx.propose([1, 2, 3], 2) == []
+    assert idx.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    # incremental: the same index, more tokens; the latest occurrence wins
+    assert idx.propose([1, 2, 3, 4, 1, 2, 9, 1, 2], 2) == [9, 1]
+    assert idx.propose([1, 2, 3, 4, 1, 2, 9, 1, 2], 0) == []
+
+
+def test_accept_rule() -> None:
+    assert accept([[5, 6, 7]], [[5, 6, 8, 1]]) == [[5, 6, 8]]
+    assert accept([[5, 6]], [[5, 6, 2]]) == [[5, 6, 2]]  # all accepted: a bonus token
+    assert accept([[], [4]], [[9], [3, 7]]) == [[9], [3]]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"disable_radix_cache": True},
+    {"chunked_prefill_size": 16},
+    {"attention_backend": "torch_native"},
+    {"max_running_requests": 2, "speculative_num_draft_tokens": 2},
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
+def test_greedy_tokens_identical_with_ngram(tiny_path, kw) -> None:
+    reqs = repeat_workload() + workload(n=6)
+    plain, _ = run(tiny_path, reqs, **kw)
+    spec, s = run(tiny_path, reqs, speculative_algorithm="ngram", **kw)
+    assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
+    assert s.spec_num_verify > 0
+
+
+def test_stops_and_logprobs_match_plain_decoding(tiny_path) -> None:
+    reqs = []
+    for rid, prompt, n in repeat_workload(seed=3):
+        reqs.append((rid, prompt, n, {"stop_token_ids": [prompt[2]], "ignore_eos": False}))
+    for rid, prompt, n in repeat_workload(seed=4):
+        reqs.append((rid + "b", prompt, n, {"logit_bias": {str(prompt[1]): 2.0}}))
+    plain, _ = run(tiny_path, reqs)
+    spec, _ = run(tiny_path, reqs, speculative_algorithm="ngram")
+    for rid in plain:
+        assert spec[rid]["ids"] == plain[rid]["ids"], rid
+        assert spec[rid]["finish"] == plain[rid]["finish"], rid
+
+
+def test_pool_accounting_after_many_rejected_drafts(tiny_path) -> None:
+    # random prompts with many repeated bigrams: drafts are found often and almost always rejected
+    rng = random.Random(7)
+    reqs = [(f"x{i}", [rng.randrange(3, 8) for _ in range(40)], 40) for i in range(8)]
+    _, s = run(tiny_path, reqs, speculative_algorithm="ngram", speculative_num_draft_tokens=6,
+               max_total_tokens=600)
+    assert s.spec_num_verify > 20
+    assert s.check_memory()
+    state = s.get_internal_state()
+    assert state["free_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"]
+
+
+def test_repeat_prompt_accepts_more_than_one_token_per_step(embedded_model_path) -> None:
+    from transformers import AutoTokenizer
+
+    path = embedded_model_path
+
+    tok = AutoTokenizer.from_pretrained(path)
+    passage = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
+               "step. To be or not to be, that is the question.")
+    msgs = [{"role": "user", "content": f"Repeat this text exactly: {passage}"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    res, s = run(path, [("rep", prompt, 32)], speculative_algorithm="ngram")
+    plain, _ = run(path, [("rep", prompt, 32)])
+    assert res["rep"]["ids"] == plain["rep"]["ids"]
+    meta = res["rep"]["meta"]
+    assert meta["spec_accept_length"] > 1.5, meta
+    assert s.spec_accept_length() > 1.5
+
+
+def test_accept_length_reaches_metrics() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from radixserve.metrics.collector import MetricsCollector
+
+    m = MetricsCollector("m", registry=CollectorRegistry())
+    m.update_scheduler_state({"avg_spec_accept_length": 2.5})
+    assert "spec_accept_length{" in m.render().decode() and " 2.5" in m.render().decode()
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001 (Wilson-Hilferty; z = the normal quantile)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * a ** 0.5) ** 3
+
+
+def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path) -> None:
+    """Temperature 1 on an 8-token vocabulary, three tokens per request; whatever the first token t1 is, the
+    prompt's n-grams draft 6 for the second: the joint distribution of the second and third tokens matches the
+    model's exact one, sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2) (chi-square, 64 cells)."""
+    import torch
+
+    model = make_tiny_model("llama", str(tmp_path), seed=3, vocab_size=8)
+    prompt = [t for x in range(8) for t in (5, x, 6)] + [5]  # (5, x) -> 6 for every x
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        seqs = torch.tensor([prompt + [a, b] for a in range(8) for b in range(8)])
+        logits = model(seqs).logits.double()
+        p2 = torch.softmax(logits[::8, -2], -1)  # [t1, t2]
+        p3 = torch.softmax(logits[:, -1], -1).view(8, 8, 8)  # [t1, t2, t3]
+        joint = (p1.view(8, 1, 1) * p2.view(8, 8, 1) * p3).sum(0)
+    n = 1500
+    s = make_scheduler(str(tmp_path), speculative_algorithm="ngram", random_seed=5)
+    for i in range(n):
+        submit(s, f"s{i}", prompt, 3, temperature=1.0)
+    res = drain(s)
+    assert s.spec_num_verify > 0
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    for r in res.values():
+        _, a, b = r["ids"]
+        counts[a, b] += 1
+    expected = joint * n
+    keep = expected >= 5  # cells too rare for the statistic are pooled into one
+    stat = float((((counts - expected) ** 2 / expected)[keep]).sum())
+    rest_e, rest_c = float(expected[~keep].sum()), float(counts[~keep].sum())
+    cells = int(keep.sum())
+    if rest_e > 0:
+        stat += (rest_c - rest_e) ** 2 / rest_e
+        cells += 1
+    assert stat < _chi2_critical(cells - 1), (stat, cells)
+    # the draft was right in some requests and wrong in others: both paths ran
+    assert 0 < int(counts[6].sum()) < n
+
+
+def test_backoff_pauses_a_request_whose_drafts_fail() -> None:
+    from radixserve.speculative.scheduler_mixin import (
+        BACKOFF_FIRST_PAUSE,
+        BACKOFF_WINDOW,
+        SchedulerSpeculativeMixin,
+    )
+
+    class Fake(SchedulerSpeculativeMixin):
+        spec_k, context_len = 4, 1000
+
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    f = Fake()
+    req = Req("r", [1, 2, 3], SamplingParams.from_dict({"max_new_tokens": 100, "temperature": 0}))
+    assert f.spec_num_to_draft(req, 3) == 4
+    for _ in range(BACKOFF_WINDOW):
+        f.spec_backoff(req, 0)
+    assert [f.spec_num_to_draft(req, 3) for _ in range(BACKOFF_FIRST_PAUSE)] == [0] * BACKOFF_FIRST_PAUSE
+    assert f.spec_num_to_draft(req, 3) == 4  # then it tries again
+    for _ in range(BACKOFF_WINDOW):
+        f.spec_backoff(req, 0)
+    assert req.spec_pause == 2 * BACKOFF_FIRST_PAUSE  # a second failure pauses twice as long
+    req2 = Req("q", [1], SamplingParams.from_dict({"max_new_tokens": 3, "temperature": 0}))
+    assert f.spec_num_to_draft(req2, 1) == 2  # never drafts past max_new_tokens
+    req3 = Req("p", [1], SamplingParams.from_dict({"max_new_tokens": 30, "frequency_penalty": 0.5}))
+    assert f.spec_num_to_draft(req3, 1) == 0  # penalties: plain decoding for this request
+
+
+def test_logprobs_match_plain_decoding(tiny_path) -> None:
+    from radixserve.managers import io_struct as io
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    out = {}
+    for spec in (None, "ngram"):
+        s = make_scheduler(tiny_path, speculative_algorithm=spec)
+        for rid, prompt, n in repeat_workload(seed=5, n=4):
+            params = SamplingParams.from_dict({"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+            s.process_input_requests([io.TokenizedGenerateReqInput(
+                rid=rid, input_text=None, input_ids=prompt, sampling_params=params, return_logprob=True,
+                top_logprobs_num=2)])
+        out[spec] = drain(s)
+    assert out["ngram"].keys() == out[None].keys()
+    for rid, plain in out[None].items():
+        spec = out["ngram"][rid]
+        assert spec["ids"] == plain["ids"]
+        a, b = plain["meta"]["output_token_logprobs"], spec["meta"]["output_token_logprobs"]
+        assert [t for _, t in a] == [t for _, t in b] and len(a) == len(plain["ids"])
+        assert all(abs(x - y) < 1e-4 for (x, _), (y, _) in zip(a, b, strict=True))
+        ta, tb = plain["meta"]["output_top_logprobs"], spec["meta"]["output_top_logprobs"]
+        assert [[i for _, i in row] for row in ta] == [[i for _, i in row] for row in tb]
