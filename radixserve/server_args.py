@@ -62,6 +62,10 @@ class ServerArgs:
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
     chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's")
+    is_embedding: bool = _flag("Serve embeddings (/v1/embeddings, /encode) from the model's pooled final hidden "
+                               "states instead of generation", default=False)
+    pooling_method: str | None = _flag("Embedding pooling (default: the model folder's sentence-transformers "
+                                       "1_Pooling config, else last)", choices=("last", "mean"))
     tool_call_parser: str | None = _flag("Tool-call format of the model (default: from its chat template, else "
                                          "hermes)", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
@@ -90,11 +94,14 @@ class ServerArgs:
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
     # speculative decoding (radixserve/speculative/)
     speculative_algorithm: str | None = _flag("Speculative decoding: ngram drafts the next tokens by matching the "
-                                              "last ones against the prompt and output so far; the model checks "
-                                              "them in one pass (turns overlap scheduling off)",
+                                              "last ones against the prompt and output so far, draft_model asks a "
+                                              "small model; the model checks them in one pass (turns overlap "
+                                              "scheduling off)",
                                               choices=SPECULATIVE_ALGORITHMS)
     speculative_num_draft_tokens: int = _flag("Most tokens drafted per request and step with "
                                               "--speculative-algorithm", default=4)
+    speculative_draft_model_path: str | None = _flag("The draft model of --speculative-algorithm draft_model (an "
+                                                     "HF folder; same tokenizer as the target)")
     cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
                                         "set, else every core, shared out between ranks on one machine)")
     # server
@@ -182,7 +189,8 @@ class ServerArgs:
                               ("schedule_policy", SCHEDULE_POLICIES), ("grammar_backend", GRAMMAR_BACKENDS),
                               ("load_balance_method", LOAD_BALANCE_METHODS),
                               ("speculative_algorithm", SPECULATIVE_ALGORITHMS),
-                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]:
+                              ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS),
+                              ("pooling_method", ("last", "mean"))]:
             choice(name, allowed)
 
         def positive(name: str, allow_none: bool = True) -> None:
@@ -230,6 +238,11 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be > 0; got {self.max_request_bytes}")
         if self.request_read_timeout <= 0 or self.graceful_shutdown_timeout < 0:
             raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
+        if (self.speculative_draft_model_path is not None) != (self.speculative_algorithm == "draft_model"):
+            raise ValueError("--speculative-draft-model-path goes with --speculative-algorithm draft_model (both or "
+                             "neither)")
+        if self.speculative_draft_model_path is not None and not os.path.exists(self.speculative_draft_model_path):
+            raise ValueError(f"--speculative-draft-model-path {self.speculative_draft_model_path!r} does not exist")
         self._validate_lora()
 
     def _validate_lora(self) -> None:

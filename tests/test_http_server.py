@@ -393,6 +393,7 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
     ("chat-tools", "POST", CH, {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "a b"}}]},
      400, "tools"),
     ("chat-tool-choice", "POST", CH, {"messages": OK_MSGS, "tool_choice": "required"}, 400, "tool_choice"),
+    ("embeddings-on-generation-server", "POST", "/v1/embeddings", {"input": "x"}, 400, "--is-embedding"),
     ("chat-store", "POST", CH, {"messages": OK_MSGS, "store": True}, 400, "store"),
     ("chat-lora", "POST", CH, {"messages": OK_MSGS, "lora_path": "x"}, 400, "LoRA"),
     ("chat-history-tool-calls", "POST", CH, {"messages": [{"role": "assistant", "content": None, "tool_calls": [

@@ -106,8 +106,8 @@ def test_repeat_prompt_accepts_more_than_one_token_per_step(embedded_model_path)
     msgs = [{"role": "user", "content": f"Repeat this text exactly: {passage}"}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
-    res, s = run(path, [("rep", prompt, 32)], speculative_algorithm="ngram")
-    plain, _ = run(path, [("rep", prompt, 32)])
+    res, s = run(path, [("rep", prompt, 24)], speculative_algorithm="ngram")
+    plain, _ = run(path, [("rep", prompt, 24)])
     assert res["rep"]["ids"] == plain["rep"]["ids"]
     meta = res["rep"]["meta"]
     assert meta["spec_accept_length"] > 1.5, meta
@@ -219,3 +219,82 @@ def test_logprobs_match_plain_decoding(tiny_path) -> None:
         assert all(abs(x - y) < 1e-4 for (x, _), (y, _) in zip(a, b, strict=True))
         ta, tb = plain["meta"]["output_top_logprobs"], spec["meta"]["output_top_logprobs"]
         assert [[i for _, i in row] for row in ta] == [[i for _, i in row] for row in tb]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny_draft"))
+    make_tiny_model("llama", path, seed=2, vocab_size=512, num_hidden_layers=1)
+    return path
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["other_draft", "draft_is_target"])
+def test_draft_model_greedy_tokens_identical(tiny_path, tiny_draft_path, same) -> None:
+    reqs = repeat_workload(seed=9, n=3) + workload(seed=9, n=4)
+    plain, _ = run(tiny_path, reqs)
+    draft = tiny_path if same else tiny_draft_path
+    spec, s = run(tiny_path, reqs, speculative_algorithm="draft_model", speculative_draft_model_path=draft,
+                  speculative_num_draft_tokens=3)
+    assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
+    assert s.spec_num_verify > 0
+    if same:  # the draft is the target: (nearly) every draft is accepted
+        assert s.spec_accept_length() > 2.5
+    d = s.spec_drafter
+    d.gc()
+    assert not d.states
+    assert d.token_to_kv_pool.available_size() == d.token_to_kv_pool.size
+    assert d.req_to_token_pool.available_size() == d.req_to_token_pool.size
+
+
+def test_draft_model_flags_are_checked(tiny_path) -> None:
+    from radixserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="draft-model-path"):
+        ServerArgs(model_path=tiny_path, speculative_algorithm="draft_model")
+    with pytest.raises(ValueError, match="draft-model-path"):
+        ServerArgs(model_path=tiny_path, speculative_algorithm="ngram", speculative_draft_model_path=tiny_path)
+
+
+def test_verify_through_the_triton_extend_kernel(tiny_path) -> None:
+    """The verify step is an extend over each request's drafts: through the Triton backend (interpreted on the
+    CPU) the tokens are those of plain decoding on the same backend."""
+    reqs = [(rid, prompt, min(n, 10)) for rid, prompt, n in repeat_workload(seed=11, n=2)]
+    plain, _ = run(tiny_path, reqs, attention_backend="triton")
+    spec, s = run(tiny_path, reqs, attention_backend="triton", speculative_algorithm="ngram")
+    assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
+    assert s.spec_num_verify > 0
+
+
+def test_streaming_emits_each_steps_accepted_tokens(tiny_path) -> None:
+    from radixserve.managers import io_struct as io
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    s = make_scheduler(tiny_path, speculative_algorithm="ngram")
+    prompt = [7, 8, 9, 10, 11] * 6
+    params = SamplingParams.from_dict({"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
+    s.process_input_requests([io.TokenizedGenerateReqInput(rid="st", input_text=None, input_ids=prompt,
+                                                           sampling_params=params, stream=True)])
+    chunks = []
+    while s.step() or not s.is_idle():
+        for msg in s.outbox:
+            if isinstance(msg, io.BatchTokenIDOut):
+                chunks += [ids for rid, ids in zip(msg.rids, msg.new_token_ids, strict=True) if rid == "st"]
+        s.outbox.clear()
+    plain, _ = run(tiny_path, [("st", prompt, 24)])
+    assert [t for c in chunks for t in c] == plain["st"]["ids"]
+    assert len(chunks) == s.forward_ct  # one message per step (the prefill, then each verify or plain decode)
+    if s.spec_accept_length() > 1:
+        assert max(len(c) for c in chunks) > 1  # a step that accepted drafts streamed them together
+
+
+def test_requests_that_cannot_draft_decode_plainly_in_the_same_batches(tiny_path) -> None:
+    """Penalties, seeded sampling and min_new_tokens ride in verify batches as one-token rows: their tokens are those
+    of plain decoding, next to drafting requests."""
+    extra = [{"frequency_penalty": 0.8}, {"repetition_penalty": 1.3}, {"temperature": 0.9, "seed": 11},
+             {"min_new_tokens": 12, "ignore_eos": False}, {}]
+    reqs = [(rid, prompt, n, extra[i % len(extra)]) for i, (rid, prompt, n) in enumerate(repeat_workload(seed=6,
+                                                                                                       n=10))]
+    plain, _ = run(tiny_path, reqs)
+    spec, s = run(tiny_path, reqs, speculative_algorithm="ngram")
+    assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
+    assert s.spec_num_verify > 0

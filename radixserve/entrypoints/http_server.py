@@ -81,6 +81,10 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
     if metrics is not None:
         tm.metrics = metrics
     state.live_stats = web.attach_live_stats(tm)
+    if server_args.is_embedding:
+        from radixserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+
+        state.embeddings = OpenAIServingEmbedding(tm, name, aliases, grammar_ok)
 
     app = FastAPI(title="radixserve", version=radixserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -29,6 +29,7 @@ class ServerState:
     metrics: Any = None
     grammar_ok: bool = False
     live_stats: Any = None  # the dashboard's recent figures (web.live_stats.LiveStats)
+    embeddings: Any = None  # OpenAIServingEmbedding on a --is-embedding server
     start_time: float = dataclasses.field(default_factory=time.time)
     draining: bool = False  # SIGTERM received: new requests get 503 while in-flight ones finish
     dead_child: str | None = None  # "the scheduler process (pid N) was killed by SIGKILL", once one died
@@ -50,6 +51,17 @@ class ServerState:
         msg = self.engine_dead_message()
         if msg is not None:
             raise APIError(msg, 503, None, "engine_dead")
+
+    def ensure_generation(self) -> None:
+        """Generation routes on a --is-embedding server are a 400 (and /v1/embeddings, /encode on others)."""
+        if self.server_args.is_embedding:
+            raise APIError("this server serves embeddings (--is-embedding): use /v1/embeddings or /encode", 400,
+                           None, "wrong_server_kind")
+
+    def ensure_embedding(self) -> None:
+        if not self.server_args.is_embedding or self.embeddings is None:
+            raise APIError("this server generates text: embeddings need a server started with --is-embedding", 400,
+                           None, "wrong_server_kind")
 
     def ensure_serving(self) -> None:
         """New generation work is refused (503) while draining or once the engine died."""

@@ -39,10 +39,24 @@ class LogitsProcessor(nn.Module):
             return LogitsProcessorOutput(next_token_logits=self._logits(hidden, lm_head))
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1
         out = LogitsProcessorOutput(next_token_logits=self._logits(hidden[last], lm_head))
+        if forward_batch.pooling is not None:
+            out.pooled_hidden = self._pool(hidden, last, forward_batch)
         starts = forward_batch.extend_logprob_start_lens_cpu
         if forward_batch.return_logprob and starts is not None and any(s is not None for s in starts):
             self._input_logprobs(hidden, lm_head, forward_batch, out)
         return out
+
+    @staticmethod
+    def _pool(hidden: torch.Tensor, last: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Embedding rows: the last extend token's hidden state, or the sum over the extend tokens (a mean's
+        numerator: the scheduler adds up the chunks of a long prompt and divides)."""
+        pooled = hidden[last].float()
+        offset = 0
+        for i, (n, how) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.pooling, strict=True)):
+            if how == "mean":
+                pooled[i] = hidden[offset: offset + n].float().sum(0)
+            offset += n
+        return pooled
 
     def _input_logprobs(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch: ForwardBatch,
                         out: LogitsProcessorOutput) -> None:

@@ -24,3 +24,6 @@ class LogitsProcessorOutput:
     input_token_logprobs: torch.Tensor | None = None
     input_top_logprobs_val: list | None = None  # per request, per prompt position: list[float]
     input_top_logprobs_idx: list | None = None  # per request, per prompt position: list[int]
+    # Embedding requests (forward_batch.pooling): [bs, hidden] float32, the final hidden state of the last extend
+    # token ("last") or the sum over the extend tokens ("mean"); zeros in other rows
+    pooled_hidden: torch.Tensor | None = None

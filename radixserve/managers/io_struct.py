@@ -21,6 +21,7 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1  # -1: no prompt logprobs
     top_logprobs_num: int = 0
     lora_id: str | None = None  # the LoRA adapter's name (None: the base model)
+    pooling: str | None = None  # an embedding request ("last" / "mean"): prefill only, the pooled hidden state out
 
 
 @dataclass
@@ -138,6 +139,7 @@ class GenerateReqInput:
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     lora_path: str | list[str | None] | None = None  # LoRA adapter name(s); None: the base model
+    pooling: str | None = None  # embeddings: "last" / "mean" (sampling_params are then ignored: prefill only)
 
     def is_batch(self) -> bool:
         if self.text is not None:

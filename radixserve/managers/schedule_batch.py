@@ -78,6 +78,12 @@ class Req:
         # (a radixserve.constrained BaseGrammarObject that has accepted exactly output_ids)
         self.grammar_future: Any = None
         self.grammar: Any = None
+        # embeddings: a prefill-only request whose output is its pooled last hidden state ("last" / "mean"); the
+        # sum of a mean accumulates over prefill chunks
+        self.pooling: str | None = None
+        self.pool_sum: torch.Tensor | None = None
+        self.pool_count = 0
+        self.embedding: list[float] | None = None
         # speculative decoding: the drafter's per-request state, verify steps taken and the tokens they produced,
         # and the adaptive back-off's recent accepted-draft counts, pause length and steps left to pause
         self.spec_state: Any = None
@@ -95,6 +101,8 @@ class Req:
             max_prefix = len(self.fill_ids) - 1
             if self.return_logprob and self.logprob_start_len >= 0:
                 max_prefix = min(max_prefix, self.logprob_start_len)
+            if self.pooling == "mean":
+                max_prefix = 0  # every token's hidden state is needed (the cache holds KV, not hidden states)
             self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:max(0, max_prefix)],
                                                                           self.lora_id)
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
@@ -181,6 +189,8 @@ class ModelWorkerBatch:
     # LoRA: each request's adapter slot (-1: the base model), and the (slot, adapter) loads to apply first
     lora_slots: list[int] | None = None
     lora_loads: list[tuple[int, str]] | None = None
+    # extend: each request's pooling ("last" / "mean" / None) when the batch holds embedding requests
+    pooling: list[str | None] | None = None
 
 
 class ScheduleBatch:
@@ -199,7 +209,6 @@ class ScheduleBatch:
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
-        self.decoding_reqs: list[Req] | None = None  # for MIXED: the running requests riding along
         self.n_prefill = len(reqs)  # for MIXED: the first n_prefill requests are the prefill, the rest decode
         self.sampling_info: DeferredSamplingInfo | None = None
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
@@ -292,7 +301,6 @@ class ScheduleBatch:
         self.seq_lens_list = None
         self.positions = None
         self.num_future_refs = None
-        self.decoding_reqs = running.reqs
         self.sampling_info.merge_batch(running.sampling_info)
         self.forward_mode = ForwardMode.MIXED
         self.n_prefill = n_prefill
@@ -437,4 +445,5 @@ class ScheduleBatch:
             num_future_refs=self.num_future_refs if self.forward_mode.is_decode() else None,
             lora_slots=lora_slots,
             lora_loads=lora_loads,
+            pooling=[r.pooling for r in self.reqs] if extend and any(r.pooling for r in self.reqs) else None,
         )

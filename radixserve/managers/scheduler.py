@@ -239,6 +239,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
                   top_logprobs_num=recv.top_logprobs_num, stream=recv.stream, lora_id=recv.lora_id)
+        req.pooling = recv.pooling
         grammar = sp.grammar
         if grammar is not None:
             if self.grammar_backend is None:
@@ -304,8 +305,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                 reqs += b.reqs
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
-        for view, _ in self.result_queue:
-            reqs += view.reqs
+        for launched in self.result_queue:
+            reqs += launched.reqs
         return reqs
 
     def abort_request(self, rid: str, message: str = "aborted") -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.managers import io_struct as io
-from radixserve.managers.finish_reason import FinishAbort, FinishLength
+from radixserve.managers.finish_reason import FinishAbort, FinishLength, FinishMatchedToken
 from radixserve.managers.schedule_batch import LaunchedBatch, Req
 
 
@@ -45,6 +45,8 @@ class SchedulerOutputProcessorMixin:
         tree_cache = self.tree_cache
         for i, req in enumerate(batch.reqs):
             if req is chunked_req:
+                if req.pooling is not None:
+                    self._add_pooled(req, logits_output, i)
                 continue  # a middle chunk: no token is sampled (it is cached when its next chunk is scheduled)
             if req.finished_reason is not None:  # req.finished()
                 continue
@@ -52,6 +54,10 @@ class SchedulerOutputProcessorMixin:
                 self._record_input_logprobs(req, logits_output, i)
             if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
                 req.finished_reason = FinishLength(0)
+                if req.pooling is not None and extend and req.to_abort is None:
+                    self._add_pooled(req, logits_output, i)
+                    req.embedding = _normalized(req.pool_sum / max(1, req.pool_count))
+                    req.finished_reason = FinishMatchedToken(None)
             else:
                 tok = next_ids[i]
                 req.output_ids.append(tok)
@@ -71,6 +77,17 @@ class SchedulerOutputProcessorMixin:
             elif extend and (not mixed or i < n_prefill):
                 tree_cache.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
+
+    @staticmethod
+    def _add_pooled(req: Req, logits_output: Any, i: int) -> None:
+        """An embedding request's share of this forward: a mean adds up its chunks' sums (over all prompt tokens:
+        a mean-pooled request never takes a cached prefix); "last" keeps the last token's hidden state."""
+        row = logits_output.pooled_hidden[i].float()
+        if req.pooling == "mean":
+            req.pool_sum = row if req.pool_sum is None else req.pool_sum + row
+            req.pool_count = len(req.origin_input_ids)
+        else:
+            req.pool_sum, req.pool_count = row, 1
 
     def _record_input_logprobs(self, req: Req, logits_output: Any, i: int) -> None:
         vals = logits_output.input_token_logprobs
@@ -111,6 +128,8 @@ class SchedulerOutputProcessorMixin:
             meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids),
                                     "completion_tokens": len(output_ids),
                                     "cached_tokens": req.cached_tokens}
+            if req.embedding is not None:
+                meta["embedding"] = req.embedding
             if req.spec_verify_ct:  # speculative decoding: verify steps and mean tokens committed per step
                 meta["spec_verify_ct"] = req.spec_verify_ct
                 meta["spec_accept_length"] = req.spec_tokens / req.spec_verify_ct
@@ -134,6 +153,12 @@ class SchedulerOutputProcessorMixin:
         if rids:
             self.send_out(io.BatchTokenIDOut(rids, new_token_ids, finished_reasons, meta_infos, skip_special_tokens,
                                              spaces_between_special_tokens, no_stop_trim, stop_strs))
+
+
+def _normalized(v: Any) -> list[float]:
+    """The L2-normalised vector as a list of floats."""
+    norm = float(v.norm())
+    return (v / norm if norm > 0 else v).tolist()
 
 
 def _tolist(x: Any) -> list:

@@ -255,7 +255,7 @@ class TokenizerManager:
                                        "input_ids")
                 ids, text = p, None
             self._validate_ids(ids)
-            sp = self.make_sampling_params(sps[i])
+            sp = self.make_sampling_params(sps[i] if obj.pooling is None else {"max_new_tokens": 0})
             if len(ids) + sp.max_new_tokens > self.context_len:
                 # one rule for every API: a requested length that cannot fit is a 400; a default one is clamped
                 # (the request then ends with finish_reason "length")
@@ -282,7 +282,7 @@ class TokenizerManager:
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_text=text, input_ids=list(ids),
                     sampling_params=sp_j, stream=obj.stream, return_logprob=bool(ret_lp),
                     logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
-                    lora_id=lora_id))
+                    lora_id=lora_id, pooling=obj.pooling))
         return out
 
     async def run_on_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
@@ -361,11 +361,16 @@ class TokenizerManager:
                 "completion_tokens": state.meta.get("completion_tokens", len(state.output_ids)),
                 "cached_tokens": state.meta.get("cached_tokens", 0),
                 "finish_reason": state.meta.get("finish_reason")}
+        for key in ("spec_verify_ct", "spec_accept_length"):  # speculative decoding (when it ran)
+            if key in state.meta:
+                meta[key] = state.meta[key]
         if req.return_logprob:
             for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
                         "input_top_logprobs"):
                 if key in state.meta:
                     meta[key] = state.meta[key]
+        if "embedding" in state.meta:  # an embedding request (pooling)
+            meta["embedding"] = state.meta["embedding"]
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     async def generate_request(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:

@@ -104,7 +104,7 @@ class TpModelWorker:
         result.next_token_ids = host(result.next_token_ids)
         out.next_token_logits = out.greedy_token_ids = None  # not needed on the host; free them early
         for name in ("next_token_logprobs", "next_token_top_logprobs_val", "next_token_top_logprobs_idx",
-                     "input_token_logprobs", "input_top_logprobs_val", "input_top_logprobs_idx"):
+                     "input_token_logprobs", "input_top_logprobs_val", "input_top_logprobs_idx", "pooled_hidden"):
             setattr(out, name, host(getattr(out, name)))
         if pin:
             event = torch.cuda.Event()

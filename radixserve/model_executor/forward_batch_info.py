@@ -90,6 +90,9 @@ class ForwardBatch:
     sampling_info: SamplingBatchInfo | None = None
     # LoRA: the batch's rows grouped by adapter slot (radixserve.lora.batch_info.LoRABatchInfo), None without LoRA
     lora_info: Any = None
+    # extend: per request "last" / "mean" / None when the batch holds embedding requests (their pooled hidden
+    # states are returned next to the logits)
+    pooling: list[str | None] | None = None
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
@@ -162,6 +165,7 @@ class ForwardBatch:
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens_cpu,
             sampling_info=sampling_info,
+            pooling=batch.pooling,
         )
         if ext is not None:
             fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[0], rest[1], rest[2]

@@ -48,7 +48,7 @@ class NgramDrafter:
 
     needs_model = False
 
-    def __init__(self, server_args: Any = None) -> None:
+    def __init__(self, server_args: Any = None, **_: Any) -> None:
         self.min_match, self.max_match = MIN_MATCH, MAX_MATCH
 
     def propose(self, req: Any, k: int) -> list[int]:
@@ -56,3 +56,6 @@ class NgramDrafter:
         if index is None:
             index = req.spec_state = NgramIndex(self.min_match, self.max_match)
         return index.propose(req.origin_input_ids + req.output_ids, k)
+
+    def propose_batch(self, reqs: list[Any], ks: list[int]) -> list[list[int]]:
+        return [self.propose(r, k) for r, k in zip(reqs, ks, strict=True)]

@@ -61,7 +61,10 @@ class SchedulerSpeculativeMixin:
             return
         from radixserve.speculative import create_drafter
 
-        self.spec_drafter = create_drafter(args.speculative_algorithm, args)
+        self.spec_drafter = create_drafter(args.speculative_algorithm, args, pool_size=self.token_to_kv_pool.size,
+                                           max_running_requests=self.max_running_requests)
+        if hasattr(self.spec_drafter, "check_target"):
+            self.spec_drafter.check_target(self.vocab_size)
         self.spec_k = args.speculative_num_draft_tokens
         if args.enable_overlap_schedule or self.device != "cpu":
             logger.info("speculative decoding (%s) runs without overlap scheduling: each step's drafts are made from "
@@ -96,7 +99,8 @@ class SchedulerSpeculativeMixin:
         decode then)."""
         reqs = batch.reqs
         seq = batch.seq_lens_list if batch.seq_lens_list is not None else batch.seq_lens.tolist()
-        drafts = [self.spec_drafter.propose(r, self.spec_num_to_draft(r, n)) for r, n in zip(reqs, seq, strict=True)]
+        drafts = self.spec_drafter.propose_batch(reqs, [self.spec_num_to_draft(r, n)
+                                                        for r, n in zip(reqs, seq, strict=True)])
         n_extra = sum(len(d) for d in drafts)
         if n_extra == 0:
             return None
@@ -187,6 +191,8 @@ class SchedulerSpeculativeMixin:
             self.token_to_kv_pool.free(torch.cat(to_free))
         for req in newly_finished:
             self.tree_cache.cache_finished_req(req)
+            if hasattr(self.spec_drafter, "release"):
+                self.spec_drafter.release(req)
         self.spec_num_verify += 1
         self.spec_num_rows += len(batch.reqs)
         self._log_decode_tokens += sum(len(t) for t in result.tokens) - len(batch.reqs)

@@ -59,6 +59,7 @@ async def generate(request: Request) -> Response:
     state = server_state(request)
     tm = state.tm
     body = await read_json(request)
+    state.ensure_generation()
     state.ensure_serving()
     g = parse_model(GenerateRequest, body)
     check_native_fields(g)

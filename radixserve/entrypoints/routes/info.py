@@ -24,7 +24,7 @@ async def get_model_info(request: Request) -> Response:
     mc = getattr(tm, "model_config", None)
     return json_response({
         "model_path": args.model_path, "tokenizer_path": args.tokenizer_path,
-        "served_model_name": state.served_model_name, "is_generation": True,
+        "served_model_name": state.served_model_name, "is_generation": not state.server_args.is_embedding,
         "context_length": tm.context_len, "vocab_size": tm.vocab_size,
         "architectures": list(getattr(mc, "architectures", []) or []),
         "chat_template": bool(tm.tokenizer is not None and getattr(tm.tokenizer, "chat_template", None)),

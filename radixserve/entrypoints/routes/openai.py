@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API: GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions."""
+"""The OpenAI-compatible API: GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions, and on a
+--is-embedding server POST /v1/embeddings (with the native POST /encode)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ async def get_model(request: Request, model: str) -> Response:
 async def completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
+    state.ensure_generation()
     state.ensure_serving()
     return await state.completions.create(request, body)
 
@@ -46,5 +48,25 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
+    state.ensure_generation()
     state.ensure_serving()
     return await state.chat.create(request, body)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    state.ensure_embedding()
+    state.ensure_serving()
+    return await state.embeddings.create(request, body)
+
+
+@router.post("/encode")
+async def encode(request: Request) -> Response:
+    """SGLang's native embedding route."""
+    state = server_state(request)
+    body = await read_json(request)
+    state.ensure_embedding()
+    state.ensure_serving()
+    return await state.embeddings.encode(request, body)
