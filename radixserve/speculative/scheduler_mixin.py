@@ -227,6 +227,14 @@ class SchedulerSpeculativeMixin:
         self._log_decode_tokens += sum(len(t) for t in result.tokens) - len(batch.reqs)
         self.stream_output(batch.reqs)
 
+    def spec_log_accept_length(self) -> float:
+        """Mean tokens per request per verify step since the previous call (1.0 when no verify ran: every token
+        came from a plain step)."""
+        last = getattr(self, "_spec_log_mark", (0, 0))
+        tokens, rows = self.spec_num_tokens - last[0], self.spec_num_rows - last[1]
+        self._spec_log_mark = (self.spec_num_tokens, self.spec_num_rows)
+        return tokens / rows if rows else 1.0
+
     def spec_accept_length(self) -> float | None:
         """Mean tokens per request per verify step so far (None before the first)."""
         return self.spec_num_tokens / self.spec_num_rows if self.spec_num_rows else None
