@@ -1,7 +1,8 @@
 """Speculative decoding on the CPU: tokens/s and acceptance with n-gram speculation against plain decoding, in the
 same run, on a workload where the output copies the input (repeat / edit a passage) and on random chat prompts.
 
-    python benchmarks/bench_speculative.py --batch-size 1 --output-len 128 --repeats 2 --out spec.json
+    python benchmarks/bench_speculative.py --batch-size 1 4 --num-draft-tokens 3 4 --output-len 128 --repeats 2 \
+        --out spec.json
 
 Runs the scheduler in-process (no ZMQ) on the embedded SmolLM2 (or --model-path), greedy, float32. For each
 workload and batch size the same requests run with plain decoding and with --speculative-algorithm ngram (the
@@ -98,7 +99,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1])
     ap.add_argument("--num-prompts", type=int, default=4, help="requests per workload and batch size")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4],
+                    help="one speculative run per value (on the CPU, k + 1 <= 4 rows keeps the verify's linears on "
+                         "the small-M kernel at batch 1)")
     ap.add_argument("--workloads", nargs="+", default=["repeat_edit", "chat"], choices=["repeat_edit", "chat"])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -107,42 +110,43 @@ def main() -> None:
     common = dict(model_path=args.model_path, device="cpu", dtype="float32", random_seed=0, max_total_tokens=16384,
                   max_running_requests=max(max(args.batch_size), 8), chunked_prefill_size=-1)
     plain = Scheduler(ServerArgs(**common), port_args={})
-    spec = Scheduler(ServerArgs(**common, speculative_algorithm="ngram",
-                                speculative_num_draft_tokens=args.num_draft_tokens), port_args={})
+    specs = {k: Scheduler(ServerArgs(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=k),
+                          port_args={}) for k in args.num_draft_tokens}
     rows: list[dict[str, Any]] = []
     for workload in args.workloads:
         for bs in args.batch_size:
             reqs = prompts(plain, workload, args.num_prompts, seed=bs)
             batches = [reqs[i:i + bs] for i in range(0, len(reqs), bs)]
-            best: dict[str, float] = {"plain": float("inf"), "ngram": float("inf")}
+            runners = [("plain", plain)] + [(f"k{k}", s) for k, s in specs.items()]
+            best = {name: float("inf") for name, _ in runners}
             outs: dict[str, list[list[int]]] = {}
             steps: dict[str, int] = {}
-            verify0 = tokens0 = rows0 = 0
+            before: dict[str, tuple[int, int]] = {}
             for _ in range(args.repeats):
-                for name, s in (("plain", plain), ("ngram", spec)):
-                    if name == "ngram":
-                        verify0, tokens0, rows0 = s.spec_num_verify, s.spec_num_tokens, s.spec_num_rows
+                for name, s in runners:
+                    before[name] = (s.spec_num_tokens, s.spec_num_rows)
                     secs, o, n_steps = run(s, batches, args.output_len)
                     best[name] = min(best[name], secs)
                     outs[name], steps[name] = o, n_steps
-            if outs["plain"] != outs["ngram"]:
-                raise SystemExit(f"{workload} bs={bs}: outputs differ with speculation")
             ntok = sum(len(o) for o in outs["plain"])
-            v_rows, v_tokens = spec.spec_num_rows - rows0, spec.spec_num_tokens - tokens0
-            row = {"workload": workload, "batch_size": bs, "requests": len(reqs), "output_tokens": ntok,
-                   "plain_tok_s": ntok / best["plain"], "ngram_tok_s": ntok / best["ngram"],
-                   "speedup": best["plain"] / best["ngram"],
-                   "accept_len_per_verify": v_tokens / v_rows if v_rows else None,
-                   "verify_steps": spec.spec_num_verify - verify0,
-                   "tokens_per_step_plain": ntok / steps["plain"], "tokens_per_step_ngram": ntok / steps["ngram"],
-                   "identical_outputs": True}
-            rows.append(row)
-    print(f"\n{'workload':<12} {'bs':>3} {'tokens':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'speed-up':>9} "
-          f"{'accept len':>11} {'tok/step':>9}")
+            for k, s in specs.items():
+                name = f"k{k}"
+                if outs[name] != outs["plain"]:
+                    raise SystemExit(f"{workload} bs={bs} k={k}: outputs differ with speculation")
+                v_tokens, v_rows = s.spec_num_tokens - before[name][0], s.spec_num_rows - before[name][1]
+                rows.append({"workload": workload, "batch_size": bs, "draft_tokens": k, "requests": len(reqs),
+                             "output_tokens": ntok, "plain_tok_s": ntok / best["plain"],
+                             "ngram_tok_s": ntok / best[name], "speedup": best["plain"] / best[name],
+                             "accept_len_per_verify": v_tokens / v_rows if v_rows else None,
+                             "tokens_per_step_plain": ntok / steps["plain"],
+                             "tokens_per_step_ngram": ntok / steps[name], "identical_outputs": True})
+    print(f"\n{'workload':<12} {'bs':>3} {'k':>2} {'tokens':>7} {'plain tok/s':>12} {'ngram tok/s':>12} "
+          f"{'speed-up':>9} {'accept len':>11} {'tok/step':>9}")
     for r in rows:
         acc = f"{r['accept_len_per_verify']:.2f}" if r["accept_len_per_verify"] else "-"
-        print(f"{r['workload']:<12} {r['batch_size']:>3} {r['output_tokens']:>7} {r['plain_tok_s']:>12.1f} "
-              f"{r['ngram_tok_s']:>12.1f} {r['speedup']:>8.2f}x {acc:>11} {r['tokens_per_step_ngram']:>9.2f}")
+        print(f"{r['workload']:<12} {r['batch_size']:>3} {r['draft_tokens']:>2} {r['output_tokens']:>7} "
+              f"{r['plain_tok_s']:>12.1f} {r['ngram_tok_s']:>12.1f} {r['speedup']:>8.2f}x {acc:>11} "
+              f"{r['tokens_per_step_ngram']:>9.2f}")
     if args.out:
         meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

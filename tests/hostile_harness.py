@@ -121,8 +121,10 @@ class MalformedResult:
     first_problem: str = ""
 
 
-def run_malformed(base: str, headers: dict[str, str], concurrency: int = 8, timeout: float = 30.0
+def run_malformed(base: str, headers: dict[str, str], concurrency: int = 8, timeout: float = 120.0
                   ) -> MalformedResult:
+    """Each request must be answered within `timeout` seconds (a few mutations are valid requests for 2 tokens, which
+    a heavily loaded machine can take tens of seconds to serve; a hang is one that never returns)."""
     reqs = malformed_requests()
     res = MalformedResult(sent=len(reqs))
     lock = threading.Lock()
@@ -177,13 +179,13 @@ async def _one_then_hang_up(ac: httpx.AsyncClient, i: int, rng: random.Random, r
     delay = rng.choice([0.005, 0.02, 0.05, 0.1, 0.2, 0.4, None])  # None: wait for the answer
     prompt = PROMPTS[i % len(PROMPTS)]
     if kind == 0:
-        path, body = C, {"prompt": prompt, "max_tokens": 24, "stream": True, "ignore_eos": True}
+        path, body = C, {"prompt": prompt, "max_tokens": 12, "stream": True, "ignore_eos": True}
     elif kind == 1:
-        path, body = CH, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "ignore_eos": True}
+        path, body = CH, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "ignore_eos": True}
     elif kind == 2:
-        path, body = G, {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}
+        path, body = G, {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
     else:
-        path, body = C, {"prompt": [prompt, prompt], "n": 2, "max_tokens": 16, "ignore_eos": True}
+        path, body = C, {"prompt": [prompt, prompt], "n": 2, "max_tokens": 8, "ignore_eos": True}
 
     async def run() -> None:
         async with ac.stream("POST", path, json=body) as r:
@@ -194,8 +196,8 @@ async def _one_then_hang_up(ac: httpx.AsyncClient, i: int, rng: random.Random, r
                 pass
 
     try:
-        if delay is None:
-            await asyncio.wait_for(run(), 120)
+        if delay is None:  # wait for the answer, up to a minute (then hang up too: the scenario stays bounded)
+            await asyncio.wait_for(run(), 60)
             res.completed += 1
         else:
             await asyncio.wait_for(run(), delay)

@@ -247,3 +247,43 @@ def test_forward_threads_default_to_every_core(monkeypatch: pytest.MonkeyPatch) 
     assert cpu_forward_threads(ServerArgs(device="cpu", cpu_num_threads=2)) == 2
     with pytest.raises(ValueError, match="cpu-num-threads"):
         ServerArgs(device="cpu", cpu_num_threads=0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rotary_in_place_is_bit_identical_to_the_torch_ops(tokens: int) -> None:
+    from radixserve.layers.rotary_embedding import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(tokens)
+    rope = RotaryEmbedding(64, 2048, 10000.0)
+    qkv = torch.randn(tokens, (9 + 2 * 3) * 64, generator=g)
+    q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # views with a row stride, as in the models
+    pos = torch.randint(0, 2048, (tokens,), generator=g)
+    cos, sin = rope.cos_cache[pos].unsqueeze(1), rope.sin_cache[pos].unsqueeze(1)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:  # the torch path of RotaryEmbedding.forward
+        x1, x2 = x.reshape(tokens, -1, 64).chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).reshape(tokens, -1)
+
+    want_q, want_k, want_v = reference(q.clone()), reference(k.clone()), v.clone()
+    out_q, out_k = rope(pos, q, k)
+    assert out_q.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k) and torch.equal(v, want_v)
+    with pytest.raises(ValueError, match="position"):
+        cpu_ops.rotary_neox_inplace(torch.tensor([2048] * tokens), q, k, rope.cos_cache, rope.sin_cache, 64)
+
+
+@needs_compiler
+def test_rms_norm_matches_the_torch_ops() -> None:
+    from radixserve.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=g) + 0.5
+    x = (torch.randn(33, 700, generator=g) * 3)[:, :576]  # rows 700 apart
+    r = torch.randn(33, 576, generator=g)
+    torch.testing.assert_close(norm(x), norm._norm(x), rtol=2e-6, atol=1e-6)  # the sum of squares in double
+    out, residual = norm(x, r)
+    assert torch.equal(residual, x + r)  # the next residual is exactly the sum
+    torch.testing.assert_close(out, norm._norm(x + r), rtol=2e-6, atol=1e-6)
+    assert cpu_ops.rms_norm(x.double(), None, norm.weight, 1e-5) is None  # not float32: the torch ops run

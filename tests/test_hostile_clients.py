@@ -125,8 +125,7 @@ def test_random_disconnects_leave_every_slot_free(server: Server) -> None:
     before = server.log()
     res = run_disconnects(server.base, AUTH, n=300, concurrency=32, uploads=20)
     print(f"\ndisconnects: {json.dumps(res.__dict__)}")
-    assert res.errors == 0, res
-    assert res.hung_up >= 50 and res.completed >= 10, res  # the mix really did both
+    assert res.errors == 0 and res.hung_up + res.completed == 300 and res.hung_up >= 50, res
     st = wait_idle(server.base, AUTH)
     assert slots_free(st), st
     new_log = server.log()[len(before):]
@@ -217,6 +216,9 @@ def test_scheduler_sigkill_is_loud(embedded_model_path: str, tmp_path: os.PathLi
             body = {"prompt": "Tell me a story.", "max_tokens": 4000, "stream": True, "ignore_eos": True}
             try:
                 with httpx.Client(headers=AUTH, timeout=60) as c, c.stream("POST", srv.base + C, json=body) as r:
+                    if r.status_code != 200:  # it died before the first token: a plain error response
+                        errors.append(f"{r.status_code}: {r.read()[:200]!r}")
+                        return
                     for line in r.iter_lines():
                         if line.startswith("data: {") and "error" in json.loads(line[6:]):
                             errors.append(json.loads(line[6:])["error"]["message"])

@@ -129,3 +129,38 @@ def test_gguf_gemv_kernel_matches_reference(fmt: str, m: int) -> None:
     ref = torch.nn.functional.linear(x, G.dequantize(fmt, fields), bias)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
     assert gguf_gemv(x[:, :96].contiguous().to(DEV), fmt, fields, n) is None  # K not a multiple of 256
+
+
+@pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
+def test_packed_fields_shard_for_tensor_parallelism(fmt: str) -> None:
+    """TP=2 ranks of packed layers load their rows (q/k/v, column) or their super-block columns (row-parallel) of
+    every field, and together compute what the whole layer does."""
+    from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    g = torch.Generator().manual_seed(7)
+    full_qkv = {"q": G.quantize(fmt, torch.randn(256, 512, generator=g)),
+                "k": G.quantize(fmt, torch.randn(128, 512, generator=g)),
+                "v": G.quantize(fmt, torch.randn(128, 512, generator=g))}
+    full_down = G.quantize(fmt, torch.randn(256, 1024, generator=g))
+
+    def build(rank: int, size: int) -> tuple:
+        qkv = QKVParallelLinear(512, 64, 4, 2, False, rank, size)
+        down = RowParallelLinear(1024, 256, False, rank, size)
+        for layer in (qkv, down):
+            layer.set_quant_method(GGUFLinearMethod(fmt, online=False))
+        for sid, fields in full_qkv.items():
+            for name, value in fields.items():
+                getattr(qkv, name).weight_loader(getattr(qkv, name), value, sid)
+        for name, value in full_down.items():
+            getattr(down, name).weight_loader(getattr(down, name), value)
+        return qkv, down
+
+    whole = build(0, 1)
+    ranks = [build(r, 2) for r in range(2)]
+    x = torch.randn(3, 512, generator=g)
+    out = whole[0](x).split([256, 128, 128], dim=1)
+    parts = [r[0](x).split([128, 64, 64], dim=1) for r in ranks]
+    for i in range(3):
+        torch.testing.assert_close(torch.cat([p[i] for p in parts], dim=1), out[i])
+    h = torch.randn(3, 1024, generator=g)
+    torch.testing.assert_close(ranks[0][1](h[:, :512]) + ranks[1][1](h[:, 512:]), whole[1](h), rtol=1e-4, atol=1e-4)

@@ -298,3 +298,41 @@ def test_requests_that_cannot_draft_decode_plainly_in_the_same_batches(tiny_path
     spec, s = run(tiny_path, reqs, speculative_algorithm="ngram")
     assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
     assert s.spec_num_verify > 0
+
+
+def test_constrained_requests_draft_within_their_grammar(embedded_model_path) -> None:
+    """Greedy requests with a regex / JSON schema draft too: each draft is cut at the first token the matcher
+    rejects and every drafted position is masked by the grammar; the tokens are those of plain decoding."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from grammar_utils import chat_ids
+    from grammar_utils import drain as grammar_drain
+    from grammar_utils import submit as grammar_submit
+
+    schema = {"type": "array", "minItems": 3, "maxItems": 3,
+              "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                         "age": {"type": "integer"}},
+                        "required": ["name", "age"]}}
+    outs, drafted = {}, []
+    for spec in (None, "ngram"):
+        s = make_scheduler(embedded_model_path, speculative_algorithm=spec, skip_tokenizer_init=False,
+                           dtype="float32", max_total_tokens=8192)
+        if spec:
+            inner = s.spec_grammar_masks
+
+            def record(reqs, drafts, inner=inner):
+                m = inner(reqs, drafts)
+                drafted.append(0 if m is None else int(m.shape[0]))
+                return m
+
+            s.spec_grammar_masks = record
+        tok = s.tokenizer
+        grammar_submit(s, "rx", chat_ids(tok, "Say 'the cat sat' three times."), regex=r"(the cat sat\. ){3}",
+                       temperature=0, max_new_tokens=40)
+        grammar_submit(s, "js", chat_ids(tok, "List three people as JSON."), json_schema=json.dumps(schema),
+                       temperature=0, max_new_tokens=60)
+        outs[spec] = {rid: r["ids"] for rid, r in grammar_drain(s).items()}
+        assert s.check_memory()
+    assert outs["ngram"] == outs[None]
+    assert sum(drafted) > 0  # constrained requests did draft

@@ -1,10 +1,12 @@
-"""RMSNorm, optionally fused with the residual add (one Triton kernel on CUDA, torch ops elsewhere)."""
+"""RMSNorm, optionally fused with the residual add (one Triton kernel on CUDA, one C call for float32 rows on the CPU,
+torch ops elsewhere)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from radixserve.layers import cpu_ops
 from radixserve.layers.triton_ops import use_fused
 
 
@@ -28,6 +30,10 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        if x.device.type == "cpu":  # float32 rows: one C call instead of ~20 small ops
+            out = cpu_ops.rms_norm(x, residual, self.weight, self.eps)
+            if out is not None:
+                return out
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from radixserve.layers import cpu_ops
 from radixserve.layers.triton_ops import use_fused
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_write: KVWrite | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes. On CUDA q and k are rotated in place
+        """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes. On CUDA (and for float32 on the CPU,
+        `cpu_ops.rotary_neox_inplace`) q and k are rotated in place
         (they may be views into the qkv projection) and returned. `kv_write` (only where `can_fuse`): the same
         kernel also writes the rotated k and the v rows into the KV pool."""
         if self.can_fuse(q, k):
@@ -102,6 +104,9 @@ class RotaryEmbedding(nn.Module):
             return q, k
         if kv_write is not None:
             raise ValueError("kv_write needs the fused rotary kernel (CUDA tensors, 2-D q/k with unit stride)")
+        if self.is_neox_style and cpu_ops.rotary_neox_inplace(positions, q, k, self.cos_cache, self.sin_cache,
+                                                              self.head_dim):
+            return q, k  # rotated in place by the CPU kernel, bit-identical to the torch ops below
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache[positions].unsqueeze(1)
 

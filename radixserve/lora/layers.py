@@ -72,7 +72,7 @@ def find_lora_targets(model: nn.Module, groups: set[str]) -> list[LoRATarget]:
         if m is None or m.group(2) not in groups:
             continue
         group = m.group(2)
-        out_features, in_features = module.weight.shape
+        out_features, in_features = module.output_size, module.input_size  # quantized layers may hold no .weight
         if group == "qkv_proj":
             q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
             slices = [(0, q), (q, kv), (q + kv, kv)]

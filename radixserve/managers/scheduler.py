@@ -533,8 +533,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         used = pool.size - pool.available_size()
         rate = self._log_decode_tokens / max(now - self._log_decode_since, 1e-9)
         spec = ""
-        if self.spec_drafter is not None and self.spec_num_rows:
-            spec = f", accept len {self.spec_accept_length():.2f}"
+        if self.spec_drafter is not None:  # speculative decoding: tokens per request per verify, since the last line
+            spec = f", accept len {self.spec_log_accept_length():.2f}"
         logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
                     "#queue-req %d%s", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue), spec)
         self._log_decode_steps, self._log_decode_tokens, self._log_decode_since = 0, 0, now

@@ -31,10 +31,12 @@ logger = logging.getLogger(__name__)
 class RequestError(ValueError):
     """A request the engine refuses; `status_code` is the HTTP status it maps to."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.param = param
+        self.code = code  # an error code for the HTTP layer (None: derived from the status)
 
 
 @dataclasses.dataclass
@@ -352,13 +354,16 @@ class TokenizerManager:
             except TimeoutError:
                 if self.processes is not None and not self.processes.alive():
                     raise RequestError("the engine is not running: a scheduler or detokenizer process died",
-                                       503) from None
+                                       503, code="engine_dead") from None
 
     def _make_output(self, req: io.TokenizedGenerateReqInput, state: ReqState) -> dict[str, Any]:
         meta = {"id": req.rid, "prompt_tokens": state.meta.get("prompt_tokens", len(req.input_ids)),
                 "completion_tokens": state.meta.get("completion_tokens", len(state.output_ids)),
                 "cached_tokens": state.meta.get("cached_tokens", 0),
                 "finish_reason": state.meta.get("finish_reason")}
+        for key in ("spec_verify_ct", "spec_accept_length"):  # speculative decoding (when it ran)
+            if key in state.meta:
+                meta[key] = state.meta[key]
         if req.return_logprob:
             for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
                         "input_top_logprobs"):

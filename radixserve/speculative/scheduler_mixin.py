@@ -44,9 +44,10 @@ class SpecStep:
 
 def spec_eligible(req: Req) -> bool:
     """Whether a request may draft: its later positions are then chosen from the logits alone (plus its static
-    logit bias), which is exact only without penalties, grammar, seed or a pending min_new_tokens."""
+    logit bias and its grammar's mask at each drafted position), which is exact only without penalties, seed or a
+    pending min_new_tokens."""
     sp = req.sampling_params
-    return (req.grammar is None and sp.seed is None and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
+    return (sp.seed is None and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
             and sp.repetition_penalty == 1.0 and len(req.output_ids) >= sp.min_new_tokens)
 
 
@@ -101,6 +102,7 @@ class SchedulerSpeculativeMixin:
         seq = batch.seq_lens_list if batch.seq_lens_list is not None else batch.seq_lens.tolist()
         drafts = self.spec_drafter.propose_batch(reqs, [self.spec_num_to_draft(r, n)
                                                         for r, n in zip(reqs, seq, strict=True)])
+        pos_bitmask = self.spec_grammar_masks(reqs, drafts)
         n_extra = sum(len(d) for d in drafts)
         if n_extra == 0:
             return None
@@ -141,11 +143,38 @@ class SchedulerSpeculativeMixin:
                              n_prefill=0, return_logprob=mwb.return_logprob, chunked_req=None,
                              spec=SpecStep(seq_lens=seq, extra=extra_per_req))
         try:
-            view.result = run_verify_batch(self.worker.model_runner, mwb, drafts)
+            view.result = run_verify_batch(self.worker.model_runner, mwb, drafts, pos_bitmask)
         except BaseException:
             self.token_to_kv_pool.free(extra)
             raise
         return view
+
+    def spec_grammar_masks(self, reqs: list[Req], drafts: list[list[int]]) -> torch.Tensor | None:
+        """Constrained requests: cut each draft at its first token the request's matcher rejects (in place), and
+        return the packed masks of every drafted position after the first (rows in request order, then position;
+        every token allowed in the rows of unconstrained requests). The matchers are rolled back after; None when
+        no drafting request is constrained."""
+        if not any(r.grammar is not None and d for r, d in zip(reqs, drafts, strict=True)):
+            return None
+        masks = []
+        for i, req in enumerate(reqs):
+            d, g = drafts[i], req.grammar
+            m = self.grammar_backend.allocate_vocab_mask(len(d))
+            if g is not None and d:
+                if g.num_accepted != len(req.output_ids) and not g.sync_to(req.output_ids):
+                    d.clear()
+                    continue
+                n = 0
+                for tok in d:
+                    if g.is_terminated() or not g.accept_token(tok):
+                        break
+                    if not g.is_terminated():  # the mask of the position after this draft (row n)
+                        g.fill_vocab_mask(m, n)
+                    n += 1
+                g.rollback(n)
+                del d[n:]
+            masks.append(m[:len(d)])
+        return torch.cat(masks) if masks else None
 
     def process_spec_result(self, batch: LaunchedBatch) -> None:
         """Commit each request's accepted tokens (stopping at its first finish), free the KV slots of every
@@ -197,6 +226,14 @@ class SchedulerSpeculativeMixin:
         self.spec_num_rows += len(batch.reqs)
         self._log_decode_tokens += sum(len(t) for t in result.tokens) - len(batch.reqs)
         self.stream_output(batch.reqs)
+
+    def spec_log_accept_length(self) -> float:
+        """Mean tokens per request per verify step since the previous call (1.0 when no verify ran: every token
+        came from a plain step)."""
+        last = getattr(self, "_spec_log_mark", (0, 0))
+        tokens, rows = self.spec_num_tokens - last[0], self.spec_num_rows - last[1]
+        self._spec_log_mark = (self.spec_num_tokens, self.spec_num_rows)
+        return tokens / rows if rows else 1.0
 
     def spec_accept_length(self) -> float | None:
         """Mean tokens per request per verify step so far (None before the first)."""

@@ -3,13 +3,14 @@ drafts, then the target's own token at every position, and the longest agreeing 
 
 Exactness. Position 0 of every request is sampled by the ordinary Sampler on a [bs, vocab] batch, exactly as a
 decode step would (penalties, logit bias, grammar mask, seeds, logprobs, then `update_penalties`). Later positions
-exist only for requests the scheduler let draft (no penalties, no grammar, no seed: see
-`scheduler_mixin.spec_eligible`), so their logits need only the static logit bias before the same choice the Sampler
-makes (argmax for greedy rows; temperature, top-k/top-p/min-p and an exponential race for the others). A draft is
-accepted when the target's token at its position equals it. For greedy rows that is exact equality with plain
-decoding. For sampled rows it is rejection sampling with a point-mass proposal q = 1[d]: the draft survives with
-probability p(d) and otherwise the emitted token is distributed as p restricted to tokens != d, renormalised, i.e.
-(p - q)+ — the target's distribution is kept.
+exist only for requests the scheduler let draft (no penalties, no seed: see `scheduler_mixin.spec_eligible`), so
+their logits need only the static logit bias and, for a constrained request, its grammar's mask at that position
+(the scheduler walks the matcher along the drafts, cutting them at the first token it rejects) before the same
+choice the Sampler makes (argmax for greedy rows; temperature, top-k/top-p/min-p and an exponential race for the
+others). A draft is accepted when the target's token at its position equals it. For greedy rows that is exact
+equality with plain decoding. For sampled rows it is rejection sampling with a point-mass proposal q = 1[d]: the
+draft survives with probability p(d) and otherwise the emitted token is distributed as p restricted to tokens != d,
+renormalised, i.e. (p - q)+ — the target's distribution is kept.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from radixserve.constrained.base_grammar_backend import bitmask_to_vocab_mask
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
 from radixserve.managers.schedule_batch import ModelWorkerBatch
@@ -36,13 +38,15 @@ class VerifyResult:
 
 
 def target_choice(logits: torch.Tensor, info: Any, rows: torch.Tensor, return_logprob: bool,
-                  top_nums: list[int] | None) -> tuple[torch.Tensor, Any]:
+                  top_nums: list[int] | None, vocab_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """The Sampler's choice on `logits` [n, vocab], row r taking the sampling parameters of request rows[r] (no
     penalties, grammar or seed: the caller only passes rows that have none). Returns (ids [n], a
     LogitsProcessorOutput holding the logprobs when asked)."""
     logits = logits.float()
     if info.logit_bias is not None:
         logits = logits + info.logit_bias[rows]
+    if vocab_mask is not None:  # a constrained request's grammar at each drafted position (True = disallowed)
+        logits = logits.masked_fill(vocab_mask, float("-inf"))
     greedy = info.top_ks[rows] == 1
     out = LogitsProcessorOutput(next_token_logits=logits)
     if info.is_all_greedy:
@@ -71,8 +75,11 @@ def accept(drafts: list[list[int]], targets: list[list[int]]) -> list[list[int]]
     return out
 
 
-def run_verify_batch(runner: Any, batch: ModelWorkerBatch, drafts: list[list[int]]) -> VerifyResult:
-    """Everything a verify step does on the device, in the order run_model_worker_batch does it for a decode."""
+def run_verify_batch(runner: Any, batch: ModelWorkerBatch, drafts: list[list[int]],
+                     pos_bitmask: torch.Tensor | None = None) -> VerifyResult:
+    """Everything a verify step does on the device, in the order run_model_worker_batch does it for a decode.
+    pos_bitmask: the packed grammar masks of the drafted positions after the first (request order, then position),
+    None when no drafting request is constrained."""
     runner.req_to_token_pool.apply_writes(batch.req_to_token_writes)
     if batch.lora_loads:
         runner.lora_manager.apply_loads(batch.lora_loads)
@@ -103,8 +110,13 @@ def run_verify_batch(runner: Any, batch: ModelWorkerBatch, drafts: list[list[int
     if pos:
         rows = torch.tensor([p[0] for p in pos], device=device)
         sub_nums = [top_nums[p[0]] for p in pos]
+        mask = None
+        if pos_bitmask is not None:
+            if pos_bitmask.shape[0] != len(pos):
+                raise ValueError(f"grammar masks: {pos_bitmask.shape[0]} rows for {len(pos)} drafted positions")
+            mask = bitmask_to_vocab_mask(pos_bitmask, info.vocab_size, device)
         ids, out = target_choice(logits[torch.tensor([p[1] for p in pos], device=device)], info, rows, want_lp,
-                                 sub_nums)
+                                 sub_nums, mask)
         if runner.tp_size > 1 and not info.is_all_greedy:
             from radixserve.distributed.parallel_state import broadcast_tensor_from_first_rank
 

@@ -105,5 +105,8 @@ def from_request_error(err: Exception, *, prompt_param: str | None = None, opena
                 message = _OPENAI_NAMES[first] + message[len(first):]
     if prompt_param is not None and param in ("text", "input_ids"):
         param = prompt_param
-    code = "overloaded" if status == 503 else ("invalid_value" if status == 400 else None)
+    code = getattr(err, "code", None)
+    if code == "engine_dead":
+        return APIError(message, status, param, code, "server_error")
+    code = code or ("overloaded" if status == 503 else ("invalid_value" if status == 400 else None))
     return APIError(message, status, param, code)

@@ -1,6 +1,7 @@
 """CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes:
-`paged_decode_attention` (decode attention read in place from the KV pool) and `linear` (x W^T for the few rows of
-a small decode batch on every thread; MKL runs a one-row product on a single thread).
+`paged_decode_attention` (decode attention read in place from the KV pool), `linear` (x W^T for the few rows of a
+small decode batch on every thread; MKL runs a one-row product on a single thread), `rotary_neox_inplace` and
+`rms_norm`.
 
 The shared library (every .c file here) is built once per source and machine into `<cache root>/cpu_kernels/`
 (`-O3 -march=native -fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1`
@@ -92,6 +93,12 @@ def load() -> ctypes.CDLL | None:
         fn = lib.paged_decode_attention
         fn.restype = _I
         fn.argtypes = [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I]
+        fn = lib.rotary_neox_inplace
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
+        fn = lib.rmsnorm
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
         fn = lib.small_m_linear
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
@@ -158,3 +165,48 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lib.small_m_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                        y.data_ptr(), n, m, n, k, torch.get_num_threads())
     return y
+
+
+def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                        sin_cache: torch.Tensor, head_dim: int) -> bool:
+    """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 CPU tensors the kernel can
+    take; returns False (touching nothing) otherwise, and the caller runs its torch ops."""
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32 or q.dim() != 2
+            or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1 or len(q) != len(k) or head_dim % 2
+            or q.shape[1] % head_dim or k.shape[1] % head_dim or cos_cache.dtype != torch.float32
+            or cos_cache.shape != (cos_cache.shape[0], head_dim // 2) or not cos_cache.is_contiguous()
+            or not sin_cache.is_contiguous() or sin_cache.shape != cos_cache.shape or q.requires_grad
+            or k.requires_grad):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    positions = positions.to(torch.int64).contiguous()
+    rc = lib.rotary_neox_inplace(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+                                 cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], len(q),
+                                 q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"rotary: a position is outside 0..{cos_cache.shape[0] - 1}")
+    return True
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 CPU rows;
+    None (nothing done) where the kernel does not apply."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
+            or x.stride(1) != 1 or weight.shape != (x.shape[1],) or x.requires_grad
+            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape
+                                          or residual.stride(1) != 1))):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    res_out = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
+    lib.rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                0 if residual is None else residual.stride(0), out.data_ptr(),
+                None if res_out is None else res_out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+                float(eps), torch.get_num_threads())
+    return out if res_out is None else (out, res_out)

@@ -106,11 +106,43 @@ def dequantize(fmt: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     return (vals * scale[..., None] - minimum[..., None]).view(n, k)
 
 
+def _fit_sub_blocks(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, min) of each 32-weight sub-block g[..., 32] for w ~= scale * q - min, q in 0..15, min >= 0: 21
+    candidate grids spanning the sub-block's range, each refitted by weighted least squares (weights |x| + rms, as
+    in llama.cpp's make_qkx2_quants), the one with the least weighted error kept."""
+    lo = g.amin(dim=-1, keepdim=True).clamp(max=0.0)
+    hi = g.amax(dim=-1, keepdim=True)
+    span = (hi - lo).clamp(min=1e-12)
+    wt = g.pow(2).mean(dim=-1, keepdim=True).sqrt() + g.abs()
+    best_err = torch.full(g.shape[:-1], float("inf"), device=g.device)
+    best_scale = (span / 15.0).squeeze(-1)
+    best_min = (-lo).squeeze(-1)
+    sw = wt.sum(dim=-1)
+    sx = (wt * g).sum(dim=-1)
+    for step in range(21):
+        iscale = (14.0 + 0.1 * step) / span
+        q = torch.round((g - lo) * iscale).clamp(0, 15)
+        sq, sqq, sqx = (wt * q).sum(-1), (wt * q * q).sum(-1), (wt * q * g).sum(-1)
+        det = sw * sqq - sq * sq
+        safe = torch.where(det > 0, det, 1.0)
+        scale = torch.where(det > 0, (sw * sqx - sq * sx) / safe, best_scale)
+        offset = torch.where(det > 0, (sqq * sx - sq * sqx) / safe, -best_min)  # w ~= scale * q + offset
+        pos = offset > 0  # the format needs offset <= 0
+        scale = torch.where(pos, sqx / sqq.clamp(min=1e-12), scale)
+        offset = torch.where(pos, 0.0, offset)
+        err = (wt * (scale[..., None] * q + offset[..., None] - g) ** 2).sum(-1)
+        better = (err < best_err) & (scale > 0)
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_min = torch.where(better, -offset, best_min)
+    return best_scale, best_min
+
+
 def quantize(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Online quantisation of a float weight [N, K] (K a multiple of the block) to the fields, on w's device.
-    Q8_0 is llama.cpp's (amax / 127, round to nearest). Q4_K takes each 32-weight sub-block's range (min clipped to
-    <= 0) as its scale and min, quantises those to 6 bits against the super-block's largest, then rounds each
-    weight to the nearest of its 16 levels; llama.cpp searches scales iteratively and gets a little less error."""
+    Q8_0 is llama.cpp's (amax / 127, round to nearest). Q4_K fits each 32-weight sub-block's scale and min as
+    llama.cpp does (`_fit_sub_blocks`), quantises those to 6 bits against the super-block's largest, then rounds
+    each weight to the nearest of its 16 levels."""
     w = w.float()
     n, k = w.shape
     if k % BLOCK[fmt]:
@@ -122,10 +154,9 @@ def quantize(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         q = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
         return {"qweight": q, "d": d}
     g = w.view(n, k // 256, 8, 32)
-    lo = g.amin(dim=-1).clamp(max=0.0)
-    hi = g.amax(dim=-1)
-    sub_scale = (hi - lo) / 15.0
-    sub_min = -lo
+    sub_scale, sub_min = torch.empty(g.shape[:3], device=w.device), torch.empty(g.shape[:3], device=w.device)
+    for r in range(0, n, 1024):  # bounded memory for the candidate search
+        sub_scale[r:r + 1024], sub_min[r:r + 1024] = _fit_sub_blocks(g[r:r + 1024])
     d = (sub_scale.amax(dim=-1) / 63.0).to(torch.float16)
     dmin = (sub_min.amax(dim=-1) / 63.0).to(torch.float16)
 
