@@ -125,7 +125,7 @@ def _serve_workload(model_path: str, method: str, reference: list[list[int]]) ->
         # a concurrent batch is served too, and the control messages still get one merged answer each
         batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in batch] == reference
-        stream = engine.generate(input_ids=prompts[0], sampling_params={**GREEDY, "max_new_tokens": 500},
+        stream = engine.generate(input_ids=prompts[0], sampling_params={**GREEDY, "max_new_tokens": 400},
                                  stream=True)
         first = next(stream)
         engine.abort_request(first["meta_info"]["id"])  # sent to both replicas; one holds it
