@@ -1,5 +1,5 @@
 # `make serve`, `make test` (everything, as CI runs it) and `make test-fast` (the inner loop: no test that starts
-# processes). Each creates .venv when it is missing.
+# processes, none of the slow ones). Each creates .venv when it is missing.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,7 +31,7 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check radixserve tests benchmarks
-	$(BIN)/python -m pytest -q -m "not integration" --durations=10 tests
+	$(BIN)/python -m pytest -q -m "not integration and not slow" --durations=10 tests
 
 clean:
 	rm -rf $(VENV)

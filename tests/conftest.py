@@ -15,6 +15,42 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Tests that start no process but take about a second or more on the 2-core CI machine (`--durations` of a quiet
+# run): `slow`, so that `make test-fast` (not integration, not slow) stays an inner loop of about a minute.
+# `make test` runs them all. Parametrised tests are listed once, by function.
+SLOW_TESTS = frozenset({
+    "tests/test_fused_ops.py::test_models_with_fused_kernels_match_transformers",
+    "tests/test_kv_cache_fp8.py::test_triton_decode_reads_fp8_pool_like_torch_native",
+    "tests/test_loader.py::test_embedded_weights_equal_transformers_gguf_dequantization",
+    "tests/test_lora_kernels.py::test_model_with_kernels_forced_equals_torch_path",
+    "tests/test_model_correctness.py::test_bf16_greedy_agrees_with_transformers_teacher_forced",
+    "tests/test_model_correctness.py::test_embedded_smollm2_matches_transformers_and_knows_paris",
+    "tests/test_quant_quality.py::test_fp8_and_q8_0_keep_quality",
+    "tests/test_sampling_engine.py::test_scheduler_finishes_on_stop_string_spanning_tokens",
+    "tests/test_sliding_window.py::test_greedy_matches_transformers_with_a_short_window",
+    "tests/test_speculative.py::test_constrained_requests_draft_within_their_grammar",
+    "tests/test_speculative.py::test_repeat_prompt_accepts_more_than_one_token_per_step",
+    "tests/test_speculative.py::test_sampling_with_speculation_keeps_the_target_distribution",
+    "tests/test_speculative.py::test_verify_through_the_triton_extend_kernel",
+    "tests/test_structured_output.py::test_json_outputs_validate_against_their_schemas",
+    "tests/test_structured_output.py::test_many_seeds_all_valid",
+    "tests/test_structured_output.py::test_overlap_gives_identical_constrained_outputs",
+    "tests/test_structured_output.py::test_same_schema_twice_hits_the_compile_cache",
+    "tests/test_structured_output.py::test_tiny_pool_retraction_and_chunked_prefill_keep_grammars_exact",
+    "tests/test_triton_attention.py::test_cuda_graph_metadata_path_matches_eager",
+    "tests/test_triton_attention.py::test_decode_matches_torch_native",
+    "tests/test_triton_mla.py::test_deepseek_v3_with_triton_kernels_matches_transformers",
+    "tests/test_triton_mla.py::test_mla_cuda_graph_metadata_path_matches_eager",
+    "tests/test_triton_mla.py::test_mla_decode_matches_torch_native",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def embedded_model_path() -> str:
     """Folder of the converted embedded SmolLM2-135M-Instruct (converted on the first run, reused after)."""
