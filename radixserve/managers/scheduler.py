@@ -21,7 +21,9 @@ from radixserve.managers.finish_reason import FinishAbort
 from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
 from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_grammar import SchedulerGrammarMixin
+from radixserve.managers.scheduler_lora import SchedulerLoRAMixin
 from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from radixserve.managers.scheduler_stats import SchedulerStatsMixin
 from radixserve.managers.scheduler_warmup import SchedulerWarmupMixin
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
@@ -41,7 +43,8 @@ IN_BATCH_PREFIX_LEN = 32  # prompt head length compared for in-batch prefix shar
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin, SchedulerSpeculativeMixin):
+class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin, SchedulerSpeculativeMixin,
+                SchedulerLoRAMixin, SchedulerStatsMixin):
     def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tp_rank: int = 0, gpu_id: int = 0) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
@@ -251,52 +254,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             self.grammar_queue.append(req)
             return
         self.waiting_queue.append(req)
-
-    def check_lora_id(self, lora_id: str | None) -> str | None:
-        """Why a request cannot use adapter `lora_id` (None: it can)."""
-        if lora_id is None:
-            return None
-        if self.lora_manager is None:
-            return f"LoRA adapter {lora_id!r} requested, but this server serves no adapters (--lora-paths / " \
-                   "--enable-lora)"
-        if lora_id not in self.lora_manager.adapters:
-            return f"LoRA adapter {lora_id!r} is not loaded"
-        if lora_id in self.lora_unloads:
-            return f"LoRA adapter {lora_id!r} is being unloaded"
-        return None
-
-    def load_lora_adapter(self, req: io.LoadLoRAAdapterReq) -> None:
-        if self.lora_manager is None:
-            out = io.LoadLoRAAdapterReqOutput(False, "this server serves no LoRA adapters (start it with "
-                                                     "--enable-lora or --lora-paths)")
-        elif req.name in self.lora_unloads:
-            out = io.LoadLoRAAdapterReqOutput(False, f"LoRA adapter {req.name!r} is being unloaded; retry")
-        else:
-            try:
-                host = self.lora_manager.load_adapter(req.name, req.path)
-                out = io.LoadLoRAAdapterReqOutput(True, f"loaded LoRA adapter {req.name!r} (rank {host.rank})")
-            except (ValueError, OSError) as e:
-                out = io.LoadLoRAAdapterReqOutput(False, str(e))
-        self.send_out(out)
-
-    def finish_lora_unloads(self) -> None:
-        """Unload the adapters asked for that no request uses any more (new requests for them already fail)."""
-        in_use = {r.lora_id for r in self._live_reqs() if not r.finished()}
-        for name in [n for n in self.lora_unloads if n not in in_use]:
-            self.lora_unloads.remove(name)
-            if self.lora_manager is None or name not in self.lora_manager.adapters:
-                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {name!r} is not loaded"))
-                continue
-            try:
-                self.flush_results()  # a batch in flight may still hold its last requests' cache locks
-                self.tree_cache.drop_namespace(name)
-                self.lora_table.forget(name)
-                self.lora_manager.unload_adapter(name)
-            except Exception as e:  # reported to the caller; the scheduler goes on
-                logger.exception("unloading LoRA adapter %r failed", name)
-                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"unloading LoRA adapter {name!r} failed: {e}"))
-                continue
-            self.send_out(io.UnloadLoRAAdapterReqOutput(True, f"unloaded LoRA adapter {name!r}"))
 
     def _live_reqs(self) -> list[Req]:
         reqs = [*self.waiting_queue, *self.grammar_queue]
@@ -513,32 +470,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
                 req.pending_token = (bid, slot)
         return view
 
-    def log_batch_stats(self, batch: ScheduleBatch) -> None:
-        """One line per prefill batch, and one per --decode-log-interval decode steps (with the throughput)."""
-        pool = self.token_to_kv_pool
-        if batch.forward_mode.is_extend():
-            used = pool.size - pool.available_size()
-            running = len(self.running_batch.reqs) if self.running_batch is not None else 0
-            new_tokens = sum(r.extend_input_len for r in batch.reqs)
-            cached = sum(len(r.prefix_indices) for r in batch.reqs)
-            logger.info("Prefill batch: #new-seq %d, #new-token %d, #cached-token %d, token usage %.2f, "
-                        "#running-req %d, #queue-req %d", len(batch.reqs), new_tokens, cached, used / pool.size,
-                        running, len(self.waiting_queue))
-            return
-        self._log_decode_steps += 1
-        self._log_decode_tokens += len(batch.reqs)
-        if self._log_decode_steps < self.server_args.decode_log_interval:
-            return
-        now = time.monotonic()
-        used = pool.size - pool.available_size()
-        rate = self._log_decode_tokens / max(now - self._log_decode_since, 1e-9)
-        spec = ""
-        if self.spec_drafter is not None:  # speculative decoding: tokens per request per verify, since the last line
-            spec = f", accept len {self.spec_log_accept_length():.2f}"
-        logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
-                    "#queue-req %d%s", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue), spec)
-        self._log_decode_steps, self._log_decode_tokens, self._log_decode_since = 0, 0, now
-
     # ================================================================= idle, state, cache
     def on_idle(self) -> None:
         if self.is_idle():
@@ -571,32 +502,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return False
         self.tree_cache.reset()
         return True
-
-    def get_internal_state(self) -> dict[str, Any]:
-        cache = self.tree_cache
-        return {
-            "idle": self.is_idle(),
-            "memory_ok": self.check_memory() if self.is_idle() else None,
-            "invariant_violations": self.invariant_violations,
-            "free_tokens": self.token_to_kv_pool.available_size(),
-            "evictable_tokens": cache.evictable_size(),
-            "protected_tokens": cache.protected_size(),
-            "max_total_num_tokens": self.token_to_kv_pool.size,
-            "num_running_reqs": len(self.running_batch.reqs) if self.running_batch else 0,
-            "num_waiting_reqs": len(self.waiting_queue),
-            "num_grammar_queue_reqs": len(self.grammar_queue),
-            **(self.grammar_backend.stats() if self.grammar_backend is not None else {}),
-            "num_retractions": self.num_retractions,
-            "avg_spec_accept_length": self.spec_accept_length(),
-            **({"lora_adapters": sorted(self.lora_manager.adapters), "lora_slots": dict(self.lora_table.slot_of),
-                "lora_slot_loads": self.lora_table.num_loads} if self.lora_table is not None else {}),
-            "cache_hit_tokens": self.cache_hit_tokens,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "forward_ct": self.forward_ct,
-            "new_token_ratio": self.new_token_ratio,
-            "last_step_time": self.last_step_time,
-            "pid": os.getpid(),
-        }
 
     def scheduler_info(self) -> io.SchedulerInfo:
         mr = self.worker.model_runner

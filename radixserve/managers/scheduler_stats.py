@@ -1,0 +1,67 @@
+"""What the scheduler reports about itself: the prefill/decode log lines and the internal state behind
+/get_server_info and the tests' idle checks. A mixin of Scheduler."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from radixserve.managers.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger("radixserve.managers.scheduler")  # the batch log lines are the scheduler's
+
+
+class SchedulerStatsMixin:
+    def log_batch_stats(self, batch: ScheduleBatch) -> None:
+        """One line per prefill batch, and one per --decode-log-interval decode steps (with the throughput)."""
+        pool = self.token_to_kv_pool
+        if batch.forward_mode.is_extend():
+            used = pool.size - pool.available_size()
+            running = len(self.running_batch.reqs) if self.running_batch is not None else 0
+            new_tokens = sum(r.extend_input_len for r in batch.reqs)
+            cached = sum(len(r.prefix_indices) for r in batch.reqs)
+            logger.info("Prefill batch: #new-seq %d, #new-token %d, #cached-token %d, token usage %.2f, "
+                        "#running-req %d, #queue-req %d", len(batch.reqs), new_tokens, cached, used / pool.size,
+                        running, len(self.waiting_queue))
+            return
+        self._log_decode_steps += 1
+        self._log_decode_tokens += len(batch.reqs)
+        if self._log_decode_steps < self.server_args.decode_log_interval:
+            return
+        now = time.monotonic()
+        used = pool.size - pool.available_size()
+        rate = self._log_decode_tokens / max(now - self._log_decode_since, 1e-9)
+        spec = ""
+        if self.spec_drafter is not None:  # speculative decoding: tokens per request per verify, since the last line
+            spec = f", accept len {self.spec_log_accept_length():.2f}"
+        logger.info("Decode batch: #running-req %d, #token %d, token usage %.2f, gen throughput (token/s) %.1f, "
+                    "#queue-req %d%s", len(batch.reqs), used, used / pool.size, rate, len(self.waiting_queue), spec)
+        self._log_decode_steps, self._log_decode_tokens, self._log_decode_since = 0, 0, now
+
+    def get_internal_state(self) -> dict[str, Any]:
+        cache = self.tree_cache
+        return {
+            "idle": self.is_idle(),
+            "memory_ok": self.check_memory() if self.is_idle() else None,
+            "invariant_violations": self.invariant_violations,
+            "free_tokens": self.token_to_kv_pool.available_size(),
+            "evictable_tokens": cache.evictable_size(),
+            "protected_tokens": cache.protected_size(),
+            "max_total_num_tokens": self.token_to_kv_pool.size,
+            "num_running_reqs": len(self.running_batch.reqs) if self.running_batch else 0,
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_grammar_queue_reqs": len(self.grammar_queue),
+            **(self.grammar_backend.stats() if self.grammar_backend is not None else {}),
+            "num_retractions": self.num_retractions,
+            "avg_spec_accept_length": self.spec_accept_length(),
+            **({"lora_adapters": sorted(self.lora_manager.adapters), "lora_slots": dict(self.lora_table.slot_of),
+                "lora_slot_loads": self.lora_table.num_loads} if self.lora_table is not None else {}),
+            "cache_hit_tokens": self.cache_hit_tokens,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "forward_ct": self.forward_ct,
+            "new_token_ratio": self.new_token_ratio,
+            "last_step_time": self.last_step_time,
+            "pid": os.getpid(),
+        }
