@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything we measure on the H200 in one run (device time is scarce): GPU tests, bench_one_batch on the 8B shape
+# Everything we measure on the H200 in one run: GPU tests, bench_one_batch on the 8B shape
 # with bandwidth utilisation, transformers peers, offline throughput, overlap on/off. Logs and JSON go to $OUT.
 # Usage, from the repo root on a CUDA machine:  bash benchmarks/gpu_suite.sh   (with radixserve's dependencies
 # installed; wheels placed under .whl/, if any, are installed into /tmp/site first)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10 (multi-GPU) in one run on 2 GPUs (2 x H200), in at most ~9 minutes of wall time:
+# The multi-GPU measurements in one run on 2 GPUs (2 x H200), in at most ~9 minutes of wall time:
 #   1. TP=2 vs TP=1 greedy agreement (8B dummy, bf16, CUDA graphs + overlap on)        benchmarks/tp_agreement.py
 #   2. 8B batch-1/32 decode at TP 1 and 2; 70B at TP 2 (batch 1 and 32)               bench_one_batch --tp-size
 #      offline throughput TP1 x DP2 vs TP2 (400 prompts <=1024 in / <=512 out)          bench_offline_throughput

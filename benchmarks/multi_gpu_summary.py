@@ -1,4 +1,4 @@
-"""Merge the JSON files of benchmarks/multi_gpu_suite.sh into one, derive the ratios the issue asks for, print a table.
+"""Merge the JSON files of benchmarks/multi_gpu_suite.sh into one, derive the scaling ratios, print a table.
 
     python benchmarks/multi_gpu_summary.py --json-dir /tmp/radixserve-multi/json --steps /tmp/.../steps.txt \\
         --out out/multi_gpu_results.json
