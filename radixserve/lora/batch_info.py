@@ -28,6 +28,7 @@ class LoRABatchInfo:
     groups_cpu: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     capturing: bool = False  # recording a CUDA graph: launch the kernels whatever the groups
     req_slots: list[int] | None = None  # each request's slot (decode: one row each), to pad a graph's batch
+    _views: tuple | None = field(default=None, repr=False)  # (packed, its views)
 
     @property
     def active(self) -> bool:
@@ -39,10 +40,13 @@ class LoRABatchInfo:
         return (self.packed.numel() - 3 * self.num_slots) // 2
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(group_slots, group_starts, group_lens, token_order, sorted_slots) as views of `packed`."""
-        s, t = self.num_slots, self.num_rows
+        """(group_slots, group_starts, group_lens, token_order, sorted_slots) as views of `packed` (made once per
+        batch: every LoRA layer asks)."""
         p = self.packed
-        return p[:s], p[s:2 * s], p[2 * s:3 * s], p[3 * s:3 * s + t], p[3 * s + t:3 * s + 2 * t]
+        if self._views is None or self._views[0] is not p:
+            s, t = self.num_slots, self.num_rows
+            self._views = (p, (p[:s], p[s:2 * s], p[2 * s:3 * s], p[3 * s:3 * s + t], p[3 * s + t:3 * s + 2 * t]))
+        return self._views[1]
 
 
 def group_rows(req_slots: list[int], token_counts: list[int] | None, num_slots: int
