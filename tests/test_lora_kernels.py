@@ -184,3 +184,38 @@ def test_stacked_expand_in_bfloat16() -> None:
     out = lora_expand_stacked(y.to(DEV), b.to(DEV), torch.tensor(scal, device=DEV), out_slices, *info.views()[3:],
                               info.num_rows)
     torch.testing.assert_close(out.cpu().float(), ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("graph_bs,req_slots", [(1, [2]), (4, [1, -1, 1]), (8, [0, 2, 1, 2, -1]), (4, [-1, -1])])
+def test_stacked_expand_over_a_graph_buffer_equals_eager(graph_bs, req_slots) -> None:
+    """What a captured decode graph runs on the stacked path: the manager's static buffer, captured for the graph's
+    batch, then loaded with a smaller batch's grouping (padding rows as base rows): the real rows equal eager."""
+    from types import SimpleNamespace
+
+    from radixserve.lora.manager import LoRAManager
+    from radixserve.lora.triton_ops import lora_expand_stacked
+
+    S, K, out_slices = 3, 64, [(0, 48), (48, 16), (64, 16)]
+    a, b, scal = make_case(K, out_slices, 16, [16, 8, 4], seed=graph_bs)
+    m = LoRAManager.__new__(LoRAManager)  # the grouping state alone: no model
+    m.num_slots, m.device, m.is_cuda, m.info = S, DEV, DEV == "cuda", LoRABatchInfo(S)
+    m.init_cuda_graph_state(8)
+    m.begin_capture(graph_bs)
+    captured = m.info.views()  # the kernels' arguments, fixed at capture
+    m.end_capture()
+    raw = len(req_slots)
+    packed, groups, max_len = group_rows(req_slots, None, S)
+    info = LoRABatchInfo(S, num_groups=len(groups), max_group_len=max_len, packed=packed.to(DEV),
+                         req_slots=req_slots)
+    if not groups:
+        info.packed = None
+    m.load_graph_inputs(SimpleNamespace(lora_info=info, batch_size=raw), graph_bs)
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(graph_bs, 80 + S * 3 * 16, generator=g).to(DEV)
+    args = (b.to(DEV), torch.tensor(scal, device=DEV), out_slices)
+    graph = lora_expand_stacked(y, *args, captured[3], captured[4], graph_bs)
+    eager_packed = group_rows(req_slots, None, S)[0].to(DEV)
+    eager_info = LoRABatchInfo(S, packed=eager_packed)
+    eager = lora_expand_stacked(y[:raw], *args, *eager_info.views()[3:], raw)
+    torch.testing.assert_close(graph[:raw], eager)
+    torch.testing.assert_close(graph[raw:], y[raw:, :80])  # padding rows: copied as base rows
