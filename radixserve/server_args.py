@@ -74,7 +74,8 @@ class ServerArgs:
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
-    max_running_requests: int | None = _flag("Most requests decoding at once (default from pool size)")
+    max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
+                                             "largest captured batch, else from the pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
                                             "more get HTTP 503")
     max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
@@ -88,7 +89,8 @@ class ServerArgs:
                                           "the pure-PyTorch reference)", choices=ATTENTION_BACKENDS)
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
-    cuda_graph_max_bs: int = _flag("Largest captured decode batch", default=160)
+    cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
+                                          "256 from 70 GiB, else 160)")
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)

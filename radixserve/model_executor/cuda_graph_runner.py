@@ -31,7 +31,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
-        self.max_bs = min(model_runner.server_args.cuda_graph_max_bs, model_runner.max_running_requests)
+        self.max_bs = min(model_runner.cuda_graph_max_bs, model_runner.max_running_requests)
         self.capture_bs = capture_batch_sizes(self.max_bs)
         dev = model_runner.device
         self.backend = model_runner.attn_backend
