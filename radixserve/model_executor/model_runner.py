@@ -100,6 +100,10 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
+        if server_args.enable_torch_compile and (not self.is_cuda or server_args.disable_cuda_graph
+                                                 or not self.attn_backend.supports_cuda_graph):
+            raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
+                             "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
         elif self.is_cuda and not server_args.disable_cuda_graph:
