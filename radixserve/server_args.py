@@ -159,6 +159,9 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    disable_custom_all_reduce: bool = _flag("TP on CUDA: send every all-reduce through NCCL (by default decode-sized "
+                                            "ones use a one-/two-shot all-reduce over symmetric memory)",
+                                            default=False)
     # LoRA adapters
     lora_paths: list[str] | None = _flag("LoRA adapters (PEFT folders) to serve from the start, as NAME=PATH (or "
                                          "PATH, named by itself)", nargs="*")

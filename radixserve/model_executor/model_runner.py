@@ -11,6 +11,7 @@ import torch
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.parallel_state import (
     broadcast_tensor_from_first_rank,
+    init_custom_all_reduce,
     initialize_model_parallel,
     set_expert_parallel_size,
 )
@@ -130,6 +131,8 @@ class ModelRunner:
         initialize_model_parallel(self.tp_rank, self.tp_size, f"tcp://{addr}", "nccl" if self.is_cuda else "gloo",
                                   timeout_s=self.server_args.dist_timeout)
         logger.info("joined the TP group at %s as rank %d of %d", addr, self.tp_rank, self.tp_size)
+        if self.is_cuda and not args.disable_custom_all_reduce and args.nnodes == 1:
+            init_custom_all_reduce(self.device)
 
     def _load_model(self) -> torch.nn.Module:
         set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
