@@ -63,7 +63,9 @@ class CudaGraphRunner:
         if self.compile_bs:
             from radixserve.model_executor.torch_compile import compile_forward
 
-            self.compiled_forward = compile_forward(model_runner.model.forward)
+            # one graph without breaks on one GPU; TP collectives may break it (the CUDA graph captures all pieces)
+            self.compiled_forward = compile_forward(model_runner.model.forward,
+                                                    fullgraph=model_runner.tp_size == 1)
         self.capture()
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
