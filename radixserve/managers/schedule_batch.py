@@ -193,6 +193,7 @@ class ModelWorkerBatch:
     pooling: list[str | None] | None = None
     # DP attention: every rank's token count in this forward (set by the scheduler after the ranks synced)
     dp_num_tokens: list[int] | None = None
+    dp_all_decode: bool = False  # ... and every rank decodes (or idles): a CUDA graph may run
 
 
 class ScheduleBatch:
@@ -207,6 +208,7 @@ class ScheduleBatch:
         self.forward_mode = ForwardMode.EXTEND
         self.input_ids = torch.empty(0, dtype=torch.int64)
         self.dp_num_tokens: list[int] | None = None  # DP attention: every rank's token count (set each step)
+        self.dp_all_decode = False  # DP attention: every rank decodes or idles this step
         self.req_pool_indices = torch.empty(0, dtype=torch.int64)
         self.seq_lens = torch.empty(0, dtype=torch.int64)
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)

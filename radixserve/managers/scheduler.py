@@ -157,14 +157,17 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         has none and ran an IDLE forward (others had work), True otherwise (`batch` knows every rank's count)."""
         from radixserve.distributed.parallel_state import all_gather_pyobj
 
-        counts = all_gather_pyobj(0 if batch is None else int(batch.input_ids.numel()))
+        mine = (0, True) if batch is None else (int(batch.input_ids.numel()), batch.forward_mode.is_decode())
+        everyone = all_gather_pyobj(mine)
+        counts = [n for n, _ in everyone]
+        all_decode = all(d for _, d in everyone)  # decode or idle everywhere: the ranks may replay a CUDA graph
         self.dp_peers_busy = any(counts)
         if batch is not None:
-            batch.dp_num_tokens = counts
+            batch.dp_num_tokens, batch.dp_all_decode = counts, all_decode
             return True
         if not self.dp_peers_busy:
             return True  # nobody has work: no forward anywhere
-        self.worker.forward_idle(counts)
+        self.worker.forward_idle(counts, all_decode)
         return False
 
     def flush_results(self) -> None:
@@ -473,7 +476,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         if self.tp_rank == 0 and logger.isEnabledFor(logging.INFO):
             self.log_batch_stats(batch)
         mwb = batch.get_model_worker_batch()
-        mwb.dp_num_tokens = batch.dp_num_tokens
+        mwb.dp_num_tokens, mwb.dp_all_decode = batch.dp_num_tokens, batch.dp_all_decode
         reqs = batch.reqs
         chunked_req = self.chunked_req
         view = LaunchedBatch(bid=bid, reqs=list(reqs), forward_mode=batch.forward_mode, n_prefill=batch.n_prefill,

@@ -109,8 +109,6 @@ class ModelRunner:
                              "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
-        elif self.is_cuda and server_args.enable_dp_attention:
-            logger.info("DP attention: decode runs eagerly (its graphs would need every rank's batch padded alike)")
         elif self.is_cuda and not server_args.disable_cuda_graph:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
