@@ -164,6 +164,10 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    enable_dp_attention: bool = _flag("MLA models: attention data-parallel over the TP ranks (each rank schedules its "
+                                      "own requests with its own KV cache; the MoE/MLP layers stay tensor- or "
+                                      "expert-parallel over all ranks' tokens). Needs --dp-size equal to --tp-size",
+                                      default=False)
     disable_custom_all_reduce: bool = _flag("TP on CUDA: send every all-reduce through NCCL (by default decode-sized "
                                             "ones use a one-/two-shot all-reduce over symmetric memory)",
                                             default=False)
@@ -241,6 +245,14 @@ class ServerArgs:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({self.tp_size}); got {self.ep_size}")
+        if self.enable_dp_attention:
+            if self.tp_size < 2 or self.dp_size != self.tp_size:
+                raise ValueError("--enable-dp-attention needs --tp-size >= 2 and --dp-size equal to it (each TP rank "
+                                 f"is an attention DP rank); got --tp-size {self.tp_size} --dp-size {self.dp_size}")
+            if self.nnodes != 1:
+                raise ValueError("--enable-dp-attention runs on one node")
+            if self.speculative_algorithm is not None:
+                raise ValueError("--enable-dp-attention does not support speculative decoding")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:
@@ -327,7 +339,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None or self.enable_dp_attention:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

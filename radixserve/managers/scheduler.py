@@ -111,11 +111,15 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.send_to_detokenizer = None
         # tensor parallelism: rank 0 receives and broadcasts to the other ranks, which run the same batches
         self.tp_size = server_args.tp_size
+        # DP attention: every rank receives, schedules and answers its own requests (the DP controller routes them)
+        # and the ranks sync once a step so that all of them run a forward (IDLE when they have nothing) or none
+        self.dp_attention = server_args.enable_dp_attention
+        self.dp_peers_busy = False
         # data parallelism: control replies and load reports go to the controller (when it set this socket)
         self.send_to_controller = None
         self.num_generate_received = 0
         self.last_load_report: tuple[int, int] | None = None
-        if tp_rank == 0 and port_args:
+        if (tp_rank == 0 or self.dp_attention) and port_args:
             ctx = zmq.Context(2)
             self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args["scheduler_input"], bind=True)
             self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args["detokenizer_input"], bind=False)
@@ -136,6 +140,10 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         the previous batch's, the tokens still in flight being referred to by future ids). The event loop, the
         warm-up, the benchmarks and the tests all run this. False when there was nothing to run."""
         batch = self.get_next_batch_to_run()
+        if self.dp_attention and not self.dp_attention_sync(batch):
+            self.flush_results()
+            self.last_batch = None
+            return True  # an IDLE forward ran: other ranks had work
         if batch is not None:
             self.result_queue.append(self.run_batch(batch))
             if not self.enable_overlap or len(self.result_queue) > 1:
@@ -145,6 +153,21 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.last_batch = batch
         return batch is not None
 
+    def dp_attention_sync(self, batch: ScheduleBatch | None) -> bool:
+        """DP attention: tell every rank how many tokens this rank's next forward has; returns False when this rank
+        has none and ran an IDLE forward (others had work), True otherwise (`batch` knows every rank's count)."""
+        from radixserve.distributed.parallel_state import all_gather_pyobj
+
+        counts = all_gather_pyobj(0 if batch is None else int(batch.input_ids.numel()))
+        self.dp_peers_busy = any(counts)
+        if batch is not None:
+            batch.dp_num_tokens = counts
+            return True
+        if not self.dp_peers_busy:
+            return True  # nobody has work: no forward anywhere
+        self.worker.forward_idle(counts)
+        return False
+
     def flush_results(self) -> None:
         while self.result_queue:
             self.process_batch_result(self.result_queue.popleft())
@@ -152,7 +175,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
     def recv_requests(self) -> list[Any]:
         """The messages that arrived since the last call. With --tp-size > 1 rank 0 receives them and broadcasts
         the list to the other ranks (over the CPU group), so that every rank runs the same batches."""
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not self.dp_attention:
             from radixserve.distributed.parallel_state import broadcast_pyobj
 
             return broadcast_pyobj(self._recv_from_tokenizer() if self.tp_rank == 0 else None)
@@ -164,9 +187,12 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.report_load()
         out = []
         busy = (self.running_batch is not None or self.waiting_queue or self.chunked_req is not None
-                or self.last_batch is not None)  # a prefill that just ran becomes the running batch next
+                or self.last_batch is not None  # a prefill that just ran becomes the running batch next
+                or self.dp_peers_busy)  # DP attention: another rank waits for this one's next forward
         # requests waiting only for their grammar: poll briefly, so they start as soon as it is compiled
-        if not busy and self.recv_from_tokenizer.poll(timeout=5 if self.grammar_queue else 1000) == 0:
+        # DP attention: the other ranks wait in the next step's sync while this one polls, so poll briefly
+        idle_poll_ms = 20 if self.dp_attention else 1000
+        if not busy and self.recv_from_tokenizer.poll(timeout=5 if self.grammar_queue else idle_poll_ms) == 0:
             return out
         while True:
             try:
@@ -300,7 +326,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.send_out(out)
 
     def send_out(self, obj: Any) -> None:
-        if self.tp_rank != 0:
+        if self.tp_rank != 0 and not self.dp_attention:
             return  # every rank computes the outputs; rank 0 alone sends them
         if self.send_to_controller is not None and isinstance(obj, io.FlushCacheReqOutput |
                                                               io.GetInternalStateReqOutput):
@@ -452,6 +478,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         if self.tp_rank == 0 and logger.isEnabledFor(logging.INFO):
             self.log_batch_stats(batch)
         mwb = batch.get_model_worker_batch()
+        mwb.dp_num_tokens = batch.dp_num_tokens
         reqs = batch.reqs
         chunked_req = self.chunked_req
         view = LaunchedBatch(bid=bid, reqs=list(reqs), forward_mode=batch.forward_mode, n_prefill=batch.n_prefill,
