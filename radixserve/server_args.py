@@ -86,7 +86,7 @@ class ServerArgs:
                                           "one chunk), one step computes at most this many tokens: the running "
                                           "decodes ride with a prefill chunk that takes the rest (MIXED), so decodes "
                                           "keep their pace while prompts are admitted. 0: off (default 256 on CUDA, "
-                                          "off on the CPU and with speculative decoding)")
+                                          "off on the CPU, with speculative decoding and DP attention)")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -323,10 +323,12 @@ class ServerArgs:
 
     @property
     def resolved_step_token_budget(self) -> int:
-        """--step-token-budget, or its default: 256 on CUDA without speculative decoding, else 0 (off)."""
+        """--step-token-budget, or its default: 256 on CUDA without speculative decoding or DP attention, else 0
+        (off)."""
         if self.step_token_budget is not None:
             return self.step_token_budget
-        return 256 if self.resolved_device() == "cuda" and self.speculative_algorithm is None else 0
+        plain = self.speculative_algorithm is None and not self.enable_dp_attention
+        return 256 if self.resolved_device() == "cuda" and plain else 0
 
     @property
     def chunk_size(self) -> int | None:
