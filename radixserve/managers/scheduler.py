@@ -19,7 +19,7 @@ from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers import io_struct as io
 from radixserve.managers.finish_reason import FinishAbort
 from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
-from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
+from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy, latency_step_budget
 from radixserve.managers.scheduler_grammar import SchedulerGrammarMixin
 from radixserve.managers.scheduler_lora import SchedulerLoRAMixin
 from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
@@ -70,6 +70,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.lora_unloads: list[str] = []  # adapters to unload once no request uses them
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
+        self.step_token_budget = server_args.resolved_step_token_budget
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from radixserve.managers.tokenizer_utils import get_tokenizer
@@ -373,10 +374,14 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return None
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        mixed = self.server_args.enable_mixed_chunk and bool(running)
-        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool, running, self.new_token_ratio,
-                             self.server_args.max_prefill_tokens, self.chunk_size,
-                             mixed_decode_tokens=len(running) if mixed else 0)
+        # a step that keeps the decodes' pace: they ride with a prefill chunk cut to the step's token budget
+        budget = latency_step_budget(self.step_token_budget, len(running), self.waiting_queue, self.chunk_size)
+        mixed = (self.server_args.enable_mixed_chunk or budget is not None) and bool(running)
+        max_prefill, chunk = self.server_args.max_prefill_tokens, self.chunk_size
+        if budget is not None:
+            max_prefill, chunk = min(max_prefill, budget), min(chunk or budget, budget)
+        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool, running, self.new_token_ratio, max_prefill,
+                             chunk, mixed_decode_tokens=len(running) if mixed else 0)
         if self.chunked_req is not None and self.chunked_req.to_abort is not None:
             req, self.chunked_req = self.chunked_req, None
             req.finished_reason = FinishAbort(req.to_abort)
