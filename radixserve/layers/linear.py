@@ -11,6 +11,7 @@ scales) and `shard_scalar` (one value per stacked matrix: per-tensor scales of q
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
@@ -57,6 +58,9 @@ class _LinearBase(nn.Module):
         for name in getattr(self, "_quant_param_names", ()):
             delattr(self, name)
         self.quant_method = method
+        # the unquantized method on a GPU is F.linear itself: forward calls it directly (no method dispatch, no CPU
+        # check) while no LoRA hook is set; eager decode of large batches is host-bound, 4-7 of these per layer
+        self._plain = type(method) is UnquantizedLinearMethod
         before = {n for n, _ in self.named_parameters(recurse=False)}
         with torch.device(device):
             method.create_weights(self)
@@ -103,6 +107,8 @@ class _LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:
             return self.lora(x)
+        if self._plain and x.is_cuda:
+            return F.linear(x, self.weight, self.bias)
         return self.quant_method.apply(self, x, self.bias)
 
 
@@ -198,6 +204,8 @@ class RowParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
             out = self.lora(x)
+        elif self._plain and x.is_cuda:
+            out = F.linear(x, self.weight, self.bias)
         else:
             out = self.quant_method.apply(self, x, self.bias)
         if self.tp_size > 1 and self.reduce_results:
