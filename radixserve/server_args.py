@@ -82,6 +82,11 @@ class ServerArgs:
     chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
                                              "4096 on CPU)")
     enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
+    step_token_budget: int | None = _flag("While requests decode and no backlog waits (the waiting prompts fit in "
+                                          "one chunk), one step computes at most this many tokens: the running "
+                                          "decodes ride with a prefill chunk that takes the rest (MIXED), so decodes "
+                                          "keep their pace while prompts are admitted. 0: off (default 256 on CUDA, "
+                                          "off on the CPU, with speculative decoding and DP attention)")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -159,6 +164,10 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    enable_dp_attention: bool = _flag("MLA models: attention data-parallel over the TP ranks (each rank schedules its "
+                                      "own requests with its own KV cache; the MoE/MLP layers stay tensor- or "
+                                      "expert-parallel over all ranks' tokens). Needs --dp-size equal to --tp-size",
+                                      default=False)
     disable_custom_all_reduce: bool = _flag("TP on CUDA: send every all-reduce through NCCL (by default decode-sized "
                                             "ones use a one-/two-shot all-reduce over symmetric memory)",
                                             default=False)
@@ -214,6 +223,10 @@ class ServerArgs:
                      "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens",
                      "torch_compile_max_bs"):
             positive(name)
+        if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
+                                                   or isinstance(self.step_token_budget, bool)
+                                                   or self.step_token_budget < 0):
+            raise ValueError(f"--step-token-budget must be a non-negative integer; got {self.step_token_budget!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -232,6 +245,14 @@ class ServerArgs:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({self.tp_size}); got {self.ep_size}")
+        if self.enable_dp_attention:
+            if self.tp_size < 2 or self.dp_size != self.tp_size:
+                raise ValueError("--enable-dp-attention needs --tp-size >= 2 and --dp-size equal to it (each TP rank "
+                                 f"is an attention DP rank); got --tp-size {self.tp_size} --dp-size {self.dp_size}")
+            if self.nnodes != 1:
+                raise ValueError("--enable-dp-attention runs on one node")
+            if self.speculative_algorithm is not None:
+                raise ValueError("--enable-dp-attention does not support speculative decoding")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:
@@ -301,6 +322,15 @@ class ServerArgs:
         return os.environ.get("RADIXSERVE_API_KEY") or None
 
     @property
+    def resolved_step_token_budget(self) -> int:
+        """--step-token-budget, or its default: 256 on CUDA without speculative decoding or DP attention, else 0
+        (off)."""
+        if self.step_token_budget is not None:
+            return self.step_token_budget
+        plain = self.speculative_algorithm is None and not self.enable_dp_attention
+        return 256 if self.resolved_device() == "cuda" and plain else 0
+
+    @property
     def chunk_size(self) -> int | None:
         """Prefill chunk size in tokens, or None when chunking is off."""
         if self.chunked_prefill_size == -1:
@@ -311,7 +341,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None or self.enable_dp_attention:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

@@ -13,6 +13,7 @@ from radixserve.distributed.parallel_state import (
     broadcast_tensor_from_first_rank,
     init_custom_all_reduce,
     initialize_model_parallel,
+    set_dp_attention,
     set_expert_parallel_size,
 )
 from radixserve.layers.attention import create_attention_backend
@@ -61,7 +62,8 @@ def cpu_forward_threads(args: ServerArgs) -> int | None:
     if "OMP_NUM_THREADS" in os.environ:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_procs = max(1, args.dp_size * args.tp_size // args.nnodes)
+    procs = args.tp_size if args.enable_dp_attention else args.dp_size * args.tp_size  # DP attention: one world
+    local_procs = max(1, procs // args.nnodes)
     return max(1, cores // local_procs)
 
 
@@ -136,10 +138,14 @@ class ModelRunner:
 
     def _load_model(self) -> torch.nn.Module:
         set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
+        set_dp_attention(self.server_args.enable_dp_attention)  # read by the models that support it
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
                           seed=self.server_args.random_seed, quantization=self.server_args.quantization)
         model.eval()
+        if self.server_args.enable_dp_attention and not getattr(model, "dp_attention", False):
+            raise ValueError(f"--enable-dp-attention is not supported by {type(model).__name__} (it is by the "
+                             "DeepSeek-V2/V3 MLA models)")
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model
 
@@ -197,7 +203,7 @@ class ModelRunner:
         info = forward_batch.sampling_info
         next_ids = self.sampler(logits_output, info, forward_batch.return_logprob,
                                 forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)
-        if self.tp_size > 1 and not info.is_all_greedy:
+        if self.tp_size > 1 and not info.is_all_greedy and not self.server_args.enable_dp_attention:
             # every rank saw the same (all-gathered) logits, but a random draw is rank 0's to make
             broadcast_tensor_from_first_rank(next_ids)
         return next_ids
