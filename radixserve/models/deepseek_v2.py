@@ -130,7 +130,7 @@ class DeepseekMoE(nn.Module):
             self.experts.attach_shared_experts(self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
+        out = self.experts.forward_gated(x, self.gate)
         if self.shared_experts is not None and not self.experts.shared_folded(x):
             out = out + self.shared_experts(x)
         if self.tp_size > 1 and self.reduce_results:
