@@ -289,6 +289,9 @@ class ServerArgs:
         if bad:
             raise ValueError(f"--lora-target-modules: {', '.join(bad)} not supported (choose among "
                              f"{', '.join(TARGET_MODULES)})")
+        if self.enable_lora and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile cannot serve LoRA adapters (the compiled decode would run the "
+                             "adapters' per-batch grouping as traced torch code); drop one of the two")
         names = [n for n, _ in self.lora_path_pairs()]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-paths: adapter names must be unique; got {names}")

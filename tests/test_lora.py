@@ -125,6 +125,10 @@ def test_bad_adapter_folders_are_clear_errors(lora_setup, tmp_path) -> None:
         make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"], max_lora_rank=8)
     with pytest.raises(ValueError, match="NAME=PATH|not a folder"):
         make_scheduler(lora_setup["base"], lora_paths=["x=/nonexistent"])
+    from radixserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="torch-compile"):
+        ServerArgs(model_path=lora_setup["base"], enable_lora=True, enable_torch_compile=True)
 
 
 # ---------------------------------------------------------------------------------------------- units
