@@ -74,6 +74,8 @@ class ServerArgs:
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
+    page_size: int = _flag("KV cache page size in tokens: the pool allocates and frees whole pages and the radix "
+                           "cache shares whole pages only (a partial last page is recomputed)", default=1)
     max_running_requests: int | None = _flag("Most requests decoding at once (default from pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
                                             "more get HTTP 503")
@@ -204,6 +206,10 @@ class ServerArgs:
                      "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
                      "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens"):
             positive(name)
+        positive("page_size", allow_none=False)
+        if self.page_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
+                             "with kept tokens, and pages are freed whole)")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
