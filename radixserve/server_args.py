@@ -76,13 +76,19 @@ class ServerArgs:
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
     page_size: int = _flag("KV cache page size in tokens: the pool allocates and frees whole pages and the radix "
                            "cache shares whole pages only (a partial last page is recomputed)", default=1)
-    max_running_requests: int | None = _flag("Most requests decoding at once (default from pool size)")
+    max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
+                                             "largest captured batch, else from the pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
                                             "more get HTTP 503")
     max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
     chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
                                              "4096 on CPU)")
     enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
+    step_token_budget: int | None = _flag("While requests decode and no backlog waits (the waiting prompts fit in "
+                                          "one chunk), one step computes at most this many tokens: the running "
+                                          "decodes ride with a prefill chunk that takes the rest (MIXED), so decodes "
+                                          "keep their pace while prompts are admitted. 0: off (default 256 on CUDA, "
+                                          "off on the CPU, with speculative decoding and DP attention)")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -90,7 +96,12 @@ class ServerArgs:
                                           "the pure-PyTorch reference)", choices=ATTENTION_BACKENDS)
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
-    cuda_graph_max_bs: int = _flag("Largest captured decode batch", default=160)
+    cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
+                                          "256 from 70 GiB, else 160)")
+    enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
+                                       "torch.compile before capturing their CUDA graphs (start-up takes longer; "
+                                       "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
+    torch_compile_max_bs: int = _flag("Largest decode batch compiled with --enable-torch-compile", default=32)
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
@@ -155,6 +166,13 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    enable_dp_attention: bool = _flag("MLA models: attention data-parallel over the TP ranks (each rank schedules its "
+                                      "own requests with its own KV cache; the MoE/MLP layers stay tensor- or "
+                                      "expert-parallel over all ranks' tokens). Needs --dp-size equal to --tp-size",
+                                      default=False)
+    disable_custom_all_reduce: bool = _flag("TP on CUDA: send every all-reduce through NCCL (by default decode-sized "
+                                            "ones use a one-/two-shot all-reduce over symmetric memory)",
+                                            default=False)
     # LoRA adapters
     lora_paths: list[str] | None = _flag("LoRA adapters (PEFT folders) to serve from the start, as NAME=PATH (or "
                                          "PATH, named by itself)", nargs="*")
@@ -204,12 +222,17 @@ class ServerArgs:
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                      "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
-                     "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens"):
+                     "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens",
+                     "torch_compile_max_bs"):
             positive(name)
         positive("page_size", allow_none=False)
         if self.page_size > 1 and self.speculative_algorithm is not None:
             raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
                              "with kept tokens, and pages are freed whole)")
+        if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
+                                                   or isinstance(self.step_token_budget, bool)
+                                                   or self.step_token_budget < 0):
+            raise ValueError(f"--step-token-budget must be a non-negative integer; got {self.step_token_budget!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -228,6 +251,14 @@ class ServerArgs:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({self.tp_size}); got {self.ep_size}")
+        if self.enable_dp_attention:
+            if self.tp_size < 2 or self.dp_size != self.tp_size:
+                raise ValueError("--enable-dp-attention needs --tp-size >= 2 and --dp-size equal to it (each TP rank "
+                                 f"is an attention DP rank); got --tp-size {self.tp_size} --dp-size {self.dp_size}")
+            if self.nnodes != 1:
+                raise ValueError("--enable-dp-attention runs on one node")
+            if self.speculative_algorithm is not None:
+                raise ValueError("--enable-dp-attention does not support speculative decoding")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:
@@ -264,6 +295,9 @@ class ServerArgs:
         if bad:
             raise ValueError(f"--lora-target-modules: {', '.join(bad)} not supported (choose among "
                              f"{', '.join(TARGET_MODULES)})")
+        if self.enable_lora and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile cannot serve LoRA adapters (the compiled decode would run the "
+                             "adapters' per-batch grouping as traced torch code); drop one of the two")
         names = [n for n, _ in self.lora_path_pairs()]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-paths: adapter names must be unique; got {names}")
@@ -297,6 +331,15 @@ class ServerArgs:
         return os.environ.get("RADIXSERVE_API_KEY") or None
 
     @property
+    def resolved_step_token_budget(self) -> int:
+        """--step-token-budget, or its default: 256 on CUDA without speculative decoding or DP attention, else 0
+        (off)."""
+        if self.step_token_budget is not None:
+            return self.step_token_budget
+        plain = self.speculative_algorithm is None and not self.enable_dp_attention
+        return 256 if self.resolved_device() == "cuda" and plain else 0
+
+    @property
     def chunk_size(self) -> int | None:
         """Prefill chunk size in tokens, or None when chunking is off."""
         if self.chunked_prefill_size == -1:
@@ -307,7 +350,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None or self.enable_dp_attention:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

@@ -191,6 +191,9 @@ class ModelWorkerBatch:
     lora_loads: list[tuple[int, str]] | None = None
     # extend: each request's pooling ("last" / "mean" / None) when the batch holds embedding requests
     pooling: list[str | None] | None = None
+    # DP attention: every rank's token count in this forward (set by the scheduler after the ranks synced)
+    dp_num_tokens: list[int] | None = None
+    dp_all_decode: bool = False  # ... and every rank decodes (or idles): a CUDA graph may run
 
 
 class ScheduleBatch:
@@ -204,6 +207,8 @@ class ScheduleBatch:
         self.vocab_size = vocab_size
         self.forward_mode = ForwardMode.EXTEND
         self.input_ids = torch.empty(0, dtype=torch.int64)
+        self.dp_num_tokens: list[int] | None = None  # DP attention: every rank's token count (set each step)
+        self.dp_all_decode = False  # DP attention: every rank decodes or idles this step
         self.req_pool_indices = torch.empty(0, dtype=torch.int64)
         self.seq_lens = torch.empty(0, dtype=torch.int64)
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)

@@ -77,6 +77,23 @@ class SchedulePolicy:
         return ordered + [r for r in waiting if id(r) not in seen]
 
 
+def latency_step_budget(budget: int, num_running: int, waiting: list[Req], chunk_size: int | None) -> int | None:
+    """The token budget of the next step when it should protect the running decodes' pace, else None (the step
+    runs as the plain chunked prefill would). It applies while requests decode, their number leaves at least half of
+    the budget to prefill (a larger decode batch is a throughput regime: its own step is long, and mixed with a
+    prefill it would not replay its CUDA graph), and the waiting prompts fit in one chunk (a backlog is served at
+    full chunk size, as an offline burst wants)."""
+    if budget <= 0 or num_running == 0 or 2 * num_running > budget:
+        return None
+    limit = chunk_size if chunk_size is not None else budget
+    waiting_tokens = 0
+    for req in waiting:
+        waiting_tokens += len(req.origin_input_ids)
+        if waiting_tokens > limit:
+            return None
+    return budget
+
+
 class PrefillAdder:
     """Admits requests into one prefill batch under the token budgets and the memory left.
 

@@ -11,7 +11,9 @@ import torch
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.parallel_state import (
     broadcast_tensor_from_first_rank,
+    init_custom_all_reduce,
     initialize_model_parallel,
+    set_dp_attention,
     set_expert_parallel_size,
 )
 from radixserve.layers.attention import create_attention_backend
@@ -28,6 +30,17 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+def default_cuda_graph_max_bs(total_gib: float) -> int:
+    """The largest captured decode batch when --cuda-graph-max-bs is not given: big cards hold the KV of many
+    requests, and a decode batch above the graphs runs eagerly, host-bound (an 8B step at batch 256 launches its
+    ~12.6 ms of GPU work in 14-20 ms), so the graphs should cover every batch the pool can hold."""
+    if total_gib >= 120:
+        return 512
+    if total_gib >= 70:
+        return 256
+    return 160
 
 
 def resolve_dtype(name: str, device: str, config_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -49,7 +62,8 @@ def cpu_forward_threads(args: ServerArgs) -> int | None:
     if "OMP_NUM_THREADS" in os.environ:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_procs = max(1, args.dp_size * args.tp_size // args.nnodes)
+    procs = args.tp_size if args.enable_dp_attention else args.dp_size * args.tp_size  # DP attention: one world
+    local_procs = max(1, procs // args.nnodes)
     return max(1, cores // local_procs)
 
 
@@ -89,6 +103,10 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
+        if server_args.enable_torch_compile and (not self.is_cuda or server_args.disable_cuda_graph
+                                                 or not self.attn_backend.supports_cuda_graph):
+            raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
+                             "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
         elif self.is_cuda and not server_args.disable_cuda_graph:
@@ -115,13 +133,19 @@ class ModelRunner:
         initialize_model_parallel(self.tp_rank, self.tp_size, f"tcp://{addr}", "nccl" if self.is_cuda else "gloo",
                                   timeout_s=self.server_args.dist_timeout)
         logger.info("joined the TP group at %s as rank %d of %d", addr, self.tp_rank, self.tp_size)
+        if self.is_cuda and not args.disable_custom_all_reduce and args.nnodes == 1:
+            init_custom_all_reduce(self.device)
 
     def _load_model(self) -> torch.nn.Module:
         set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
+        set_dp_attention(self.server_args.enable_dp_attention)  # read by the models that support it
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
                           seed=self.server_args.random_seed, quantization=self.server_args.quantization)
         model.eval()
+        if self.server_args.enable_dp_attention and not getattr(model, "dp_attention", False):
+            raise ValueError(f"--enable-dp-attention is not supported by {type(model).__name__} (it is by the "
+                             "DeepSeek-V2/V3 MLA models)")
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model
 
@@ -132,10 +156,12 @@ class ModelRunner:
         if cfg.is_mla:  # one latent vector per token and layer, shared by all heads (and all TP ranks)
             cell = MLATokenToKVPool.cell_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
                                                self.kv_dtype)
+        self.cuda_graph_max_bs = args.cuda_graph_max_bs or 160
         if self.is_cuda:
             gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
+            self.cuda_graph_max_bs = args.cuda_graph_max_bs or default_cuda_graph_max_bs(total / 2**30)
             frac = args.mem_fraction_static or 0.85
             # Keep (1 - frac) of the card for activations, CUDA graphs and the sampler.
             rest = free - total * (1 - frac)
@@ -151,6 +177,10 @@ class ModelRunner:
         self.max_total_num_tokens = size
         self.context_len = cfg.context_len
         max_reqs = args.max_running_requests or max(1, min(1024 if self.is_cuda else 256, size // 2))
+        if args.max_running_requests is None and self.is_cuda and not args.disable_cuda_graph:
+            # every decode batch replays a graph: more requests at once would decode eagerly (host-bound) and fill
+            # the pool until requests are retracted (both measured slower on the 8B offline run)
+            max_reqs = min(max_reqs, self.cuda_graph_max_bs)
         self.max_running_requests = max_reqs
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
         if cfg.is_mla:
@@ -174,7 +204,7 @@ class ModelRunner:
         info = forward_batch.sampling_info
         next_ids = self.sampler(logits_output, info, forward_batch.return_logprob,
                                 forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)
-        if self.tp_size > 1 and not info.is_all_greedy:
+        if self.tp_size > 1 and not info.is_all_greedy and not self.server_args.enable_dp_attention:
             # every rank saw the same (all-gathered) logits, but a random draw is rank 0's to make
             broadcast_tensor_from_first_rank(next_ids)
         return next_ids

@@ -21,7 +21,7 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import get_expert_parallel_size, tensor_model_parallel_all_reduce
 from radixserve.layers.moe.methods import MoEMethod, UnquantizedMoEMethod
-from radixserve.layers.moe.router import RouterConfig, select_experts
+from radixserve.layers.moe.router import MoEGate, RouterConfig, select_experts
 
 
 class FusedMoE(nn.Module):
@@ -97,10 +97,53 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"expert shard id must be 'w1', 'w2' or 'w3'; got {shard_id!r}")
 
+    # ---------------------------------------------------------------- shared experts
+    def attach_shared_experts(self, mlp: nn.Module) -> None:
+        """Let the small-batch path compute `mlp` (a gate_up / down MLP of intermediate size a multiple of the
+        experts', e.g. DeepSeek's shared experts) with the routed experts in the same two launches. The caller adds
+        `mlp(x)` itself whenever `shared_folded(x)` is False. Held outside the module tree (its parameters keep
+        their own names)."""
+        self.__dict__["_shared_mlp"] = mlp
+
+    def folded_shared_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up weight [2S, H], down weight [H, S]) when this call's expert launch also computes the attached
+        shared MLP, else None."""
+        mlp = self.__dict__.get("_shared_mlp")
+        if mlp is None or self.ep_size > 1 or type(self.quant_method) is not UnquantizedMoEMethod:
+            return None
+        from radixserve.layers.moe import small_batch
+        from radixserve.layers.triton_ops import use_fused
+
+        if x.shape[0] > small_batch.SMALL_BATCH_TOKENS or not use_fused(x):
+            return None
+        w13 = getattr(mlp.gate_up_proj, "weight", None)
+        w2 = getattr(mlp.down_proj, "weight", None)
+        plain = all(getattr(lin, "bias", None) is None and getattr(lin, "lora", None) is None
+                    for lin in (mlp.gate_up_proj, mlp.down_proj))
+        if not plain or not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or \
+                w13.dtype != self.w13_weight.dtype or w2.dtype != self.w2_weight.dtype or \
+                w2.shape[1] % self.inter_per_rank:
+            return None
+        return w13, w2
+
+    def shared_folded(self, x: torch.Tensor) -> bool:
+        return self.folded_shared_weights(x) is not None
+
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.router, correction_bias)
+        return self.run_experts(x, topk_weights, topk_ids)
+
+    def forward_gated(self, x: torch.Tensor, gate: MoEGate) -> torch.Tensor:
+        """`forward(x, gate(x), gate.e_score_correction_bias)`, with the router's linear layer and top-k in one
+        launch where `gate.route` can."""
+        routed = gate.route(x, self.router)
+        if routed is None:
+            return self.forward(x, gate(x), gate.e_score_correction_bias)
+        return self.run_experts(x, *routed)
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
