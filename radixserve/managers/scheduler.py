@@ -158,14 +158,17 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         has none and ran an IDLE forward (others had work), True otherwise (`batch` knows every rank's count)."""
         from radixserve.distributed.parallel_state import all_gather_pyobj
 
-        counts = all_gather_pyobj(0 if batch is None else int(batch.input_ids.numel()))
+        mine = (0, True) if batch is None else (int(batch.input_ids.numel()), batch.forward_mode.is_decode())
+        everyone = all_gather_pyobj(mine)
+        counts = [n for n, _ in everyone]
+        all_decode = all(d for _, d in everyone)  # decode or idle everywhere: the ranks may replay a CUDA graph
         self.dp_peers_busy = any(counts)
         if batch is not None:
-            batch.dp_num_tokens = counts
+            batch.dp_num_tokens, batch.dp_all_decode = counts, all_decode
             return True
         if not self.dp_peers_busy:
             return True  # nobody has work: no forward anywhere
-        self.worker.forward_idle(counts)
+        self.worker.forward_idle(counts, all_decode)
         return False
 
     def flush_results(self) -> None:
@@ -250,7 +253,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             error = f"the prompt has {len(ids)} tokens, at least the context length {self.context_len}"
         elif min(ids) < 0 or max(ids) >= self.vocab_size:
             error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
-        elif len(ids) + 1 > self.token_to_kv_pool.size:
+        elif len(ids) + self.token_to_kv_pool.page_size > self.token_to_kv_pool.size:  # + a page's slack
             error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
         status = 400
         lora_error = self.check_lora_id(recv.lora_id)
@@ -478,7 +481,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         if self.tp_rank == 0 and logger.isEnabledFor(logging.INFO):
             self.log_batch_stats(batch)
         mwb = batch.get_model_worker_batch()
-        mwb.dp_num_tokens = batch.dp_num_tokens
+        mwb.dp_num_tokens, mwb.dp_all_decode = batch.dp_num_tokens, batch.dp_all_decode
         reqs = batch.reqs
         chunked_req = self.chunked_req
         view = LaunchedBatch(bid=bid, reqs=list(reqs), forward_mode=batch.forward_mode, n_prefill=batch.n_prefill,

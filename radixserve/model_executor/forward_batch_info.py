@@ -101,6 +101,7 @@ class ForwardBatch:
     # DP attention: every rank's token count in this forward (the same list on all ranks; None without it). The
     # MoE/MLP layers gather max(dp_num_tokens) rows from every rank.
     dp_num_tokens: list[int] | None = None
+    dp_all_decode: bool = False  # every rank decodes or idles: all of them can replay the same CUDA graph
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
@@ -175,6 +176,7 @@ class ForwardBatch:
             sampling_info=sampling_info,
             pooling=batch.pooling,
             dp_num_tokens=batch.dp_num_tokens,
+            dp_all_decode=batch.dp_all_decode,
         )
         if ext is not None:
             fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[0], rest[1], rest[2]
@@ -187,11 +189,11 @@ class ForwardBatch:
         return fb
 
 
-def idle_forward_batch(model_runner: ModelRunner, dp_num_tokens: list[int]) -> ForwardBatch:
+def idle_forward_batch(model_runner: ModelRunner, dp_num_tokens: list[int], all_decode: bool) -> ForwardBatch:
     """DP attention: the forward of a rank without tokens while other ranks run theirs."""
     empty = torch.empty(0, dtype=torch.int64, device=model_runner.device)
     return ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
                         seq_lens=empty, out_cache_loc=empty, seq_lens_sum=0, positions=empty,
                         req_to_token_pool=model_runner.req_to_token_pool,
                         token_to_kv_pool=model_runner.token_to_kv_pool, attn_backend=model_runner.attn_backend,
-                        dp_num_tokens=list(dp_num_tokens))
+                        dp_num_tokens=list(dp_num_tokens), dp_all_decode=all_decode)

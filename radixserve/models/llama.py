@@ -75,11 +75,17 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        norm = None
         if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+            if self.rotary_emb.can_fuse(q, k):  # normalised inside the rotary kernel: two launches fewer
+                from radixserve.layers.triton_ops.rotary import QKNorm
+
+                norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps)
+            else:
+                q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+                k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         kv_write = self._kv_write(q, k, v, forward_batch)
-        q, k = self.rotary_emb(positions, q, k, kv_write)
+        q, k = self.rotary_emb(positions, q, k, kv_write, norm)
         out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
         return self.o_proj(out)
 
