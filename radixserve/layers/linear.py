@@ -47,7 +47,8 @@ class _LinearBase(nn.Module):
             set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
-        # LoRA: a callable (x, base output) -> output set by radixserve.lora on the layers that carry adapters
+        # LoRA: a callable x -> the base output plus the batch's adapter deltas, set by radixserve.lora on the layers
+        # that carry adapters (it runs the base multiply itself: it may fold the adapters' shrink into it)
         self.lora = None
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
@@ -104,12 +105,11 @@ class _LinearBase(nn.Module):
         self._copy(param.data.narrow(dim, dst_off, n), loaded.narrow(dim, src_off, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._plain and self.lora is None and x.is_cuda:
-            return F.linear(x, self.weight, self.bias)
-        out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
-            out = self.lora(x, out)
-        return out
+            return self.lora(x)
+        if self._plain and x.is_cuda:
+            return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(_LinearBase):
@@ -202,12 +202,12 @@ class RowParallelLinear(_LinearBase):
         self._copy(param, loaded.narrow(dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._plain and self.lora is None and x.is_cuda:
+        if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
+            out = self.lora(x)
+        elif self._plain and x.is_cuda:
             out = F.linear(x, self.weight, self.bias)
         else:
             out = self.quant_method.apply(self, x, self.bias)
-        if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
-            out = self.lora(x, out)
         if self.tp_size > 1 and self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out

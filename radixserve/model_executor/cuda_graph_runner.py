@@ -152,7 +152,7 @@ class CudaGraphRunner:
                                                  forward_batch.seq_lens, forward_batch.out_cache_loc,
                                                  forward_batch.positions), bs, self.fill)
         if self.lora is not None:
-            self.lora.load_graph_inputs(forward_batch)
+            self.lora.load_graph_inputs(forward_batch, bs)
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
                                                              forward_batch.seq_lens_sum + (bs - raw) * self.fill)
         self.graphs[bs].replay()
