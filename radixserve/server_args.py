@@ -78,6 +78,8 @@ class ServerArgs:
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
+    page_size: int = _flag("KV cache page size in tokens: the pool allocates and frees whole pages and the radix "
+                           "cache shares whole pages only (a partial last page is recomputed)", default=1)
     max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
                                              "largest captured batch, else from the pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
@@ -227,6 +229,10 @@ class ServerArgs:
                      "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens",
                      "torch_compile_max_bs"):
             positive(name)
+        positive("page_size", allow_none=False)
+        if self.page_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
+                             "with kept tokens, and pages are freed whole)")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):
@@ -351,7 +357,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule or self.speculative_algorithm is not None or self.enable_dp_attention:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

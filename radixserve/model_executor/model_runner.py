@@ -187,10 +187,11 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
         if cfg.is_mla:
             self.token_to_kv_pool = MLATokenToKVPool(size, self.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                                     cfg.num_hidden_layers, self.device)
+                                                     cfg.num_hidden_layers, self.device, page_size=args.page_size)
         else:
             self.token_to_kv_pool = TokenToKVPool(size, self.kv_dtype, num_kv_heads, cfg.head_dim,
-                                                  cfg.num_hidden_layers, self.device)
+                                                  cfg.num_hidden_layers, self.device, page_size=args.page_size)
+        size = self.max_total_num_tokens = self.token_to_kv_pool.size  # whole pages
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
 
     def _calculate_kv_scales(self) -> None:
