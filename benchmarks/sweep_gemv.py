@@ -45,6 +45,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         bks = (256, 512, 1024) if family == "q4_k" else (512, 1024)
         out += [GemvConfig("ew", bn, bk, 4, 2) for bn in bns for bk in bks]
         out += [GemvConfig("ew", bn, bk, 8, 2) for bn in (4, 8) for bk in bks[-1:]]
+        out += [GemvConfig("ew", bn, bk, 4, 2, "magic") for bn in bns[-2:] for bk in bks[-2:]]
     return out[:6] if quick else out
 
 
