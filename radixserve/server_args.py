@@ -350,7 +350,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule or self.speculative_algorithm is not None or self.enable_dp_attention:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 
