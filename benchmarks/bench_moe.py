@@ -22,7 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.bench_one_batch import StaticBatch, latency_test, measure_copy_bandwidth  # noqa: E402
+from radixserve.bench_one_batch import (  # noqa: E402
+    StaticBatch,
+    latency_test,
+    measure_copy_bandwidth,
+    print_profile,
+    profile_decode,
+)
 from radixserve.layers.moe import FusedMoE, select_experts  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
@@ -90,7 +96,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--result-file", default="bench_moe.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile decode at each batch size (CUDA): kernels per step and the top kernels")
+    parser.add_argument("--profile-top", type=int, default=30)
+    parser.add_argument("--moe-small-batch-tokens", type=int, default=None,
+                        help="tokens up to which the MoE layers take the two-launch small-batch path "
+                             "(0: never; default: the layer's own bound)")
     args = parser.parse_args(argv)
+    if args.moe_small_batch_tokens is not None:
+        from radixserve.layers.moe import small_batch
+
+        small_batch.SMALL_BATCH_TOKENS = args.moe_small_batch_tokens
     server_args = ServerArgs.from_cli_args(args)
     if server_args.max_running_requests is None:
         server_args.max_running_requests = max(args.batch_size)
@@ -116,12 +132,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['batch_size']:>5} {r['prefill_latency_s'] * 1e3:>10.1f} {r['median_decode_s'] * 1e3:>8.3f} "
               f"{r['decode_tok_s']:>8.0f} {r['experts_hit_per_layer']:>13.1f} {r['step_bytes'] / 1e9:>9.3f} "
               f"{r['roofline_s'] * 1e3:>11.3f} {r['bandwidth_util']:>7.1%}")
+    profiles = []
+    if args.profile and runner.is_cuda:
+        for bs in args.batch_size:
+            profiles.append(profile_decode(runner, bs, args.input_len, 10, server_args.random_seed,
+                                           top=args.profile_top))
+            print_profile(profiles[-1])
     meta = {"model": runner.model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "weight_bytes": runner.weight_bytes, "copy_bw": copy_bw,
             "kv_bytes_per_token": runner.token_to_kv_pool.bytes_per_token(),
             "pool_tokens": runner.max_total_num_tokens}
     with open(args.result_file, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
+        json.dump({"meta": meta, "results": rows, "profiles": profiles}, f, indent=2)
 
 
 if __name__ == "__main__":

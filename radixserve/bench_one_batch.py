@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile decode (CUDA only): GPU-busy time per step and the top kernels")
     parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--profile-top", type=int, default=15, help="kernels listed per profile (by GPU time)")
     parser.add_argument("--result-file", default="bench_one_batch.json")
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     if args.profile and runner.is_cuda:
         for bs in args.batch_size:
             profiles.append(profile_decode(runner, bs, args.input_len[0], args.profile_steps,
-                                           server_args.random_seed))
+                                           server_args.random_seed, top=args.profile_top))
             print_profile(profiles[-1])
     meta = {"model": model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes,

@@ -74,7 +74,8 @@ class ServerArgs:
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
-    max_running_requests: int | None = _flag("Most requests decoding at once (default from pool size)")
+    max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
+                                             "largest captured batch, else from the pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
                                             "more get HTTP 503")
     max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
@@ -88,7 +89,12 @@ class ServerArgs:
                                           "the pure-PyTorch reference)", choices=ATTENTION_BACKENDS)
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
-    cuda_graph_max_bs: int = _flag("Largest captured decode batch", default=160)
+    cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
+                                          "256 from 70 GiB, else 160)")
+    enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
+                                       "torch.compile before capturing their CUDA graphs (start-up takes longer; "
+                                       "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
+    torch_compile_max_bs: int = _flag("Largest decode batch compiled with --enable-torch-compile", default=32)
     disable_overlap_schedule: bool = _flag("Run scheduling and forward in one thread", default=False)
     enable_overlap_schedule: bool = _flag("Force the overlap loop (default: on for CUDA only)", default=False)
     random_seed: int = _flag("Seed for dummy weights and sampling", default=42)
@@ -161,6 +167,9 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    disable_custom_all_reduce: bool = _flag("TP on CUDA: send every all-reduce through NCCL (by default decode-sized "
+                                            "ones use a one-/two-shot all-reduce over symmetric memory)",
+                                            default=False)
     # LoRA adapters
     lora_paths: list[str] | None = _flag("LoRA adapters (PEFT folders) to serve from the start, as NAME=PATH (or "
                                          "PATH, named by itself)", nargs="*")
@@ -210,7 +219,8 @@ class ServerArgs:
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                      "max_prefill_tokens", "cuda_graph_max_bs", "tp_size", "ep_size", "dp_size", "nnodes",
-                     "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens"):
+                     "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens",
+                     "torch_compile_max_bs"):
             positive(name)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")

@@ -575,7 +575,17 @@ def test_metrics_move(client: openai.OpenAI, http: httpx.Client) -> None:
     assert delta("radixserve:inter_token_latency_seconds_count") >= 4  # the streamed request's 4 gaps
     assert delta("radixserve:cached_tokens_total") > 0  # the second request reused the first's prompt
     assert 0.0 <= after["radixserve:cache_hit_rate"] <= 1.0
-    assert after["radixserve:num_aborted_requests_total"] > 0  # earlier tests hung up and aborted requests
+
+    # A client that hangs up mid-stream is counted as an aborted request.
+    stream = client.completions.create(model=MODEL, prompt="Metrics abort prompt", max_tokens=2000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 30
+    while _scrape(http)["radixserve:num_aborted_requests_total"] <= after.get(
+            "radixserve:num_aborted_requests_total", 0.0):
+        assert time.monotonic() < deadline, "the hung-up stream was never counted as aborted"
+        time.sleep(0.2)
 
 
 def test_health_reports_a_stuck_scheduler(server: Server, http: httpx.Client) -> None:

@@ -288,6 +288,53 @@ def test_fp8_gemv_kernel_matches_reference(m: int, bn: int, bk: int) -> None:
     assert fp8_gemv(x[:, :96].contiguous(), q[:, :96].contiguous(), s.view(-1, 1), 1, 96, torch.float32) is None
 
 
+@pytest.mark.parametrize("m,kernel,block_n,block_k,variant", [
+    (1, "ew", 4, 128, ""), (1, "ew", 8, 64, "f16"), (2, "ew", 2, 128, ""), (2, "ew", 4, 64, "f16"),
+    (3, "dot", 16, 64, ""), (16, "dot", 32, 32, ""), (3, "ew", 4, 64, "")])
+def test_fp8_skinny_gemv_matches_reference(m: int, kernel: str, block_n: int, block_k: int, variant: str) -> None:
+    """The decode kernels of `fp8_gemv` on per-channel weights: elementwise (Triton's widening and the bit-moving
+    one, which must be exact on subnormal fp8 values too) and tensor-core; rows not a multiple of the tile; an "ew"
+    config asked for more than two rows runs the tensor-core kernel."""
+    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator().manual_seed(m * block_n + block_k)
+    n, k = 37, 256
+    w = torch.randn(n, k, generator=g)
+    w[0, :16] = 1e-5 * torch.arange(16)  # fp8 subnormals after scaling (amax of the row is ~3)
+    q, s = quantize_rows(w)
+    assert (q[0, :16].view(torch.uint8) & 0x78 == 0).any() and (q[0, 1:16].float() != 0).any()
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    cfg = GemvConfig(kernel, block_n, block_k, variant=variant)
+    out = fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, bias.to(DEV), cfg)
+    torch.testing.assert_close(out.cpu(), fp8_linear_ref(x, q, s, 1, k, bias, None), rtol=1e-4, atol=1e-4)
+    out = fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.view(-1, 1).to(DEV), torch.float32, None, cfg)
+    torch.testing.assert_close(out.cpu(), fp8_linear_ref(x, q, s, 1, k, None, None), rtol=1e-4, atol=1e-4)
+    qb, sb = quantize_blocks(w, 16, 128)
+    assert fp8_skinny_gemv(x, qb, sb, torch.float32) is None  # block-wise scales: not these kernels
+    assert fp8_skinny_gemv(torch.randn(17, k), q, s, torch.float32) is None  # more rows than they take
+
+
+def test_gemv_config_table_and_override(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.layers.quantization import gemv_configs as gc
+
+    assert gc.bucket(1) == 1 and gc.bucket(3) == 4 and gc.bucket(16) == 16
+    assert gc.key("fp8", 3, 4096, 14336) == "fp8/4/4096/14336"
+    path = tmp_path / "picks.json"
+    pick = gc.GemvConfig("ew", 8, 2048, 8, 2, "f16")
+    path.write_text(json.dumps({"configs": {gc.key("fp8", 1, 111, 4096): pick.to_dict()}}))
+    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(path))
+    gc.reload()
+    try:
+        assert gc.get("fp8", 1, 111, 4096) == pick
+        assert gc.get("fp8", 1, 111, 4096, cuda=False) == gc.default("fp8", 1, False)  # the interpreter's tiles
+        assert gc.get("fp8", 2, 111, 4096) == gc.default("fp8", 2, True)
+    finally:
+        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
+        gc.reload()
+
+
 @pytest.mark.parametrize("kind", ["deepseek_v2", "qwen2_moe"])
 def test_online_fp8_on_moe_and_mla_models(kind: str, tmp_path) -> None:
     """--quantization fp8 on MoE / MLA models: dense and attention linears in fp8, the experts and MLA's kv_b_proj

@@ -23,6 +23,7 @@ _TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK = 0
 _TP_SIZE = 1
 _EP_SIZE = 1
+_CUSTOM_AR = None  # CustomAllReduce on CUDA TP groups of one machine, unless --disable-custom-all-reduce
 
 
 def set_expert_parallel_size(ep_size: int) -> None:
@@ -60,6 +61,24 @@ def initialize_model_parallel(tp_rank: int, tp_size: int, init_method: str, back
     _TP_CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout)
 
 
+def init_custom_all_reduce(device: torch.device | str) -> bool:
+    """Set up the symmetric-memory all-reduce for this TP group (a collective: every rank calls it). Returns
+    whether it is on; when it is not, every all-reduce goes to NCCL."""
+    global _CUSTOM_AR
+    if _TP_SIZE == 1 or _TP_GROUP is None:
+        return False
+    from radixserve.distributed.custom_all_reduce import CustomAllReduce
+
+    _CUSTOM_AR = CustomAllReduce(_TP_GROUP, _TP_CPU_GROUP, device)
+    if not _CUSTOM_AR.enabled:
+        _CUSTOM_AR = None
+    return _CUSTOM_AR is not None
+
+
+def get_custom_all_reduce() -> Any:
+    return _CUSTOM_AR
+
+
 def model_parallel_is_initialized() -> bool:
     return _TP_GROUP is not None
 
@@ -69,8 +88,12 @@ def get_tp_cpu_group() -> dist.ProcessGroup | None:
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the TP ranks. Use the returned tensor: it is `x` (reduced in place, NCCL/gloo) or a new
+    one (the custom all-reduce of decode-sized messages)."""
     if _TP_SIZE == 1:
         return x
+    if _CUSTOM_AR is not None and _CUSTOM_AR.should_use(x):
+        return _CUSTOM_AR.all_reduce(x)
     dist.all_reduce(x, group=_TP_GROUP)
     return x
 

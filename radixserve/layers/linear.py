@@ -11,6 +11,7 @@ scales) and `shard_scalar` (one value per stacked matrix: per-tensor scales of q
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
@@ -56,6 +57,9 @@ class _LinearBase(nn.Module):
         for name in getattr(self, "_quant_param_names", ()):
             delattr(self, name)
         self.quant_method = method
+        # the unquantized method on a GPU is F.linear itself: forward calls it directly (no method dispatch, no CPU
+        # check) while no LoRA hook is set; eager decode of large batches is host-bound, 4-7 of these per layer
+        self._plain = type(method) is UnquantizedLinearMethod
         before = {n for n, _ in self.named_parameters(recurse=False)}
         with torch.device(device):
             method.create_weights(self)
@@ -100,6 +104,8 @@ class _LinearBase(nn.Module):
         self._copy(param.data.narrow(dim, dst_off, n), loaded.narrow(dim, src_off, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._plain and self.lora is None and x.is_cuda:
+            return F.linear(x, self.weight, self.bias)
         out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
             out = self.lora(x, out)
@@ -196,7 +202,10 @@ class RowParallelLinear(_LinearBase):
         self._copy(param, loaded.narrow(dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply(self, x, self.bias)
+        if self._plain and self.lora is None and x.is_cuda:
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
             out = self.lora(x, out)
         if self.tp_size > 1 and self.reduce_results:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixserve.model_executor.torch_compile import compiled_attention, register_attention_layer
+
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
@@ -30,7 +32,10 @@ class RadixAttention(nn.Module):
         # it has them, else 1.0); ignored by a 16/32-bit pool
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.compile_key = register_attention_layer(self)  # how a compiled graph's attention op finds this layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque op in the compiled graph (model_executor/torch_compile.py)
+            return compiled_attention(q, k, v, self, save_kv_cache)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)

@@ -2,12 +2,14 @@
 up to --cuda-graph-max-bs, sharing one memory pool. A batch is padded up to the next captured size: padded rows
 read request row 0 with seq_len = the backend's fill value and write their KV into padding slot 0. Each graph also
 takes the argmax of its logits, which the sampler uses for all-greedy batches with nothing that changes the logits
-(greedy sampling inside the graph)."""
+(greedy sampling inside the graph). With --enable-torch-compile the sizes up to --torch-compile-max-bs capture the
+forward compiled by torch.compile instead (model_executor/torch_compile.py)."""
 
 from __future__ import annotations
 
 import bisect
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +33,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
-        self.max_bs = min(model_runner.server_args.cuda_graph_max_bs, model_runner.max_running_requests)
+        self.max_bs = min(model_runner.cuda_graph_max_bs, model_runner.max_running_requests)
         self.capture_bs = capture_batch_sizes(self.max_bs)
         dev = model_runner.device
         self.backend = model_runner.attn_backend
@@ -53,6 +55,17 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy_ids: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        args = model_runner.server_args
+        # --enable-torch-compile: these sizes capture the compiled forward (model_executor/torch_compile.py)
+        self.compile_bs = {bs for bs in self.capture_bs if bs <= args.torch_compile_max_bs} \
+            if args.enable_torch_compile else set()
+        self.compiled_forward = None
+        if self.compile_bs:
+            from radixserve.model_executor.torch_compile import compile_forward
+
+            # one graph without breaks on one GPU; TP collectives may break it (the CUDA graph captures all pieces)
+            self.compiled_forward = compile_forward(model_runner.model.forward,
+                                                    fullgraph=model_runner.tp_size == 1)
         self.capture()
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
@@ -65,24 +78,35 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from radixserve.model_executor.torch_compile import forward_context
+
         model = self.model_runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        bar = tqdm(reversed(self.capture_bs), total=len(self.capture_bs), desc="Capturing CUDA graphs",
+        desc = "Capturing CUDA graphs" + (f" (torch.compile up to batch {max(self.compile_bs)})"
+                                          if self.compile_bs else "")
+        bar = tqdm(reversed(self.capture_bs), total=len(self.capture_bs), desc=desc,
                    disable=self.model_runner.tp_rank != 0)
+        start = time.perf_counter()
+        compile_s = 0.0
         with torch.cuda.stream(stream):
             for bs in bar:
                 fb = self._forward_batch(bs)
+                forward = self.compiled_forward if bs in self.compile_bs else model.forward
                 self.backend.init_forward_metadata_capture_cuda_graph(bs, self.req_pool_indices[:bs],
                                                                       self.seq_lens[:bs])
                 if self.lora is not None:
                     self.lora.begin_capture(bs)
-                for _ in range(2):  # compile kernels and settle allocations outside the capture
-                    model.forward(fb.input_ids, fb.positions, fb)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = model.forward(fb.input_ids, fb.positions, fb)
-                    greedy = torch.argmax(out.next_token_logits, dim=-1)  # used when the whole batch is greedy
+                with forward_context(fb):
+                    t = time.perf_counter()
+                    for _ in range(2):  # compile kernels and settle allocations outside the capture
+                        forward(fb.input_ids, fb.positions, fb)
+                    if bs in self.compile_bs:
+                        compile_s += time.perf_counter() - t
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        out = forward(fb.input_ids, fb.positions, fb)
+                        greedy = torch.argmax(out.next_token_logits, dim=-1)  # used when the whole batch is greedy
                 self.graphs[bs] = graph
                 self.outputs[bs] = out.next_token_logits
                 self.greedy_ids[bs] = greedy
@@ -90,7 +114,12 @@ class CudaGraphRunner:
             self.lora.end_capture()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.capture_bs)
+        took = time.perf_counter() - start
+        if self.compile_bs:
+            logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s (torch.compile of batch sizes "
+                        "%s: %.1f s)", self.capture_bs, took, sorted(self.compile_bs), compile_s)
+        else:
+            logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.capture_bs, took)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs

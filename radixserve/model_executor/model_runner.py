@@ -11,6 +11,7 @@ import torch
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.parallel_state import (
     broadcast_tensor_from_first_rank,
+    init_custom_all_reduce,
     initialize_model_parallel,
     set_expert_parallel_size,
 )
@@ -28,6 +29,17 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+def default_cuda_graph_max_bs(total_gib: float) -> int:
+    """The largest captured decode batch when --cuda-graph-max-bs is not given: big cards hold the KV of many
+    requests, and a decode batch above the graphs runs eagerly, host-bound (an 8B step at batch 256 launches its
+    ~12.6 ms of GPU work in 14-20 ms), so the graphs should cover every batch the pool can hold."""
+    if total_gib >= 120:
+        return 512
+    if total_gib >= 70:
+        return 256
+    return 160
 
 
 def resolve_dtype(name: str, device: str, config_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -89,6 +101,10 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
+        if server_args.enable_torch_compile and (not self.is_cuda or server_args.disable_cuda_graph
+                                                 or not self.attn_backend.supports_cuda_graph):
+            raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
+                             "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
         elif self.is_cuda and not server_args.disable_cuda_graph:
@@ -115,6 +131,8 @@ class ModelRunner:
         initialize_model_parallel(self.tp_rank, self.tp_size, f"tcp://{addr}", "nccl" if self.is_cuda else "gloo",
                                   timeout_s=self.server_args.dist_timeout)
         logger.info("joined the TP group at %s as rank %d of %d", addr, self.tp_rank, self.tp_size)
+        if self.is_cuda and not args.disable_custom_all_reduce and args.nnodes == 1:
+            init_custom_all_reduce(self.device)
 
     def _load_model(self) -> torch.nn.Module:
         set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
@@ -136,10 +154,12 @@ class ModelRunner:
             from radixserve.layers.attention.double_sparsity_backend import label_bytes_per_token
 
             cell += label_bytes_per_token(cfg, args, self.dtype, self.tp_size)
+        self.cuda_graph_max_bs = args.cuda_graph_max_bs or 160
         if self.is_cuda:
             gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
+            self.cuda_graph_max_bs = args.cuda_graph_max_bs or default_cuda_graph_max_bs(total / 2**30)
             frac = args.mem_fraction_static or 0.85
             # Keep (1 - frac) of the card for activations, CUDA graphs and the sampler.
             rest = free - total * (1 - frac)
@@ -155,6 +175,10 @@ class ModelRunner:
         self.max_total_num_tokens = size
         self.context_len = cfg.context_len
         max_reqs = args.max_running_requests or max(1, min(1024 if self.is_cuda else 256, size // 2))
+        if args.max_running_requests is None and self.is_cuda and not args.disable_cuda_graph:
+            # every decode batch replays a graph: more requests at once would decode eagerly (host-bound) and fill
+            # the pool until requests are retracted (both measured slower on the 8B offline run)
+            max_reqs = min(max_reqs, self.cuda_graph_max_bs)
         self.max_running_requests = max_reqs
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
         if cfg.is_mla:

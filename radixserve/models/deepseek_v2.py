@@ -113,10 +113,12 @@ class DeepseekMoE(nn.Module):
         shared = (getattr(config, "n_shared_experts", 0) or 0) * config.moe_intermediate_size
         self.shared_experts = LlamaMLP(hidden, shared, False, tp_rank, tp_size, reduce_results=False) \
             if shared else None
+        if self.shared_experts is not None:  # small batches: computed in the experts' own two launches
+            self.experts.attach_shared_experts(self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not self.experts.shared_folded(x):
             out = out + self.shared_experts(x)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)

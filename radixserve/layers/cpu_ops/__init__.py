@@ -146,8 +146,8 @@ SMALL_M = 4  # rows of x up to which `linear` uses the kernel (MKL's matrix prod
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); for float32 CPU inputs of 1..SMALL_M rows through the multithreaded kernel
     (each output feature computed the same way whatever the batch or thread count)."""
-    if (x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or x.requires_grad or weight.requires_grad):
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M
+            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
     lib = load()
     if lib is None:
@@ -171,8 +171,9 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                         sin_cache: torch.Tensor, head_dim: int) -> bool:
     """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 CPU tensors the kernel can
     take; returns False (touching nothing) otherwise, and the caller runs its torch ops."""
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32 or q.dim() != 2
-            or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1 or len(q) != len(k) or head_dim % 2
+    if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype != torch.float32
+            or k.dtype != torch.float32 or q.dim() != 2 or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1
+            or len(q) != len(k) or head_dim % 2
             or q.shape[1] % head_dim or k.shape[1] % head_dim or cos_cache.dtype != torch.float32
             or cos_cache.shape != (cos_cache.shape[0], head_dim // 2) or not cos_cache.is_contiguous()
             or not sin_cache.is_contiguous() or sin_cache.shape != cos_cache.shape or q.requires_grad
@@ -194,8 +195,9 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 CPU rows;
     None (nothing done) where the kernel does not apply."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2
-            or x.stride(1) != 1 or weight.shape != (x.shape[1],) or x.requires_grad
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
+            or x.requires_grad
             or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape
                                           or residual.stride(1) != 1))):
         return None

@@ -97,6 +97,38 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"expert shard id must be 'w1', 'w2' or 'w3'; got {shard_id!r}")
 
+    # ---------------------------------------------------------------- shared experts
+    def attach_shared_experts(self, mlp: nn.Module) -> None:
+        """Let the small-batch path compute `mlp` (a gate_up / down MLP of intermediate size a multiple of the
+        experts', e.g. DeepSeek's shared experts) with the routed experts in the same two launches. The caller adds
+        `mlp(x)` itself whenever `shared_folded(x)` is False. Held outside the module tree (its parameters keep
+        their own names)."""
+        self.__dict__["_shared_mlp"] = mlp
+
+    def folded_shared_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up weight [2S, H], down weight [H, S]) when this call's expert launch also computes the attached
+        shared MLP, else None."""
+        mlp = self.__dict__.get("_shared_mlp")
+        if mlp is None or self.ep_size > 1 or type(self.quant_method) is not UnquantizedMoEMethod:
+            return None
+        from radixserve.layers.moe import small_batch
+        from radixserve.layers.triton_ops import use_fused
+
+        if x.shape[0] > small_batch.SMALL_BATCH_TOKENS or not use_fused(x):
+            return None
+        w13 = getattr(mlp.gate_up_proj, "weight", None)
+        w2 = getattr(mlp.down_proj, "weight", None)
+        plain = all(getattr(lin, "bias", None) is None and getattr(lin, "lora", None) is None
+                    for lin in (mlp.gate_up_proj, mlp.down_proj))
+        if not plain or not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or \
+                w13.dtype != self.w13_weight.dtype or w2.dtype != self.w2_weight.dtype or \
+                w2.shape[1] % self.inter_per_rank:
+            return None
+        return w13, w2
+
+    def shared_folded(self, x: torch.Tensor) -> bool:
+        return self.folded_shared_weights(x) is not None
+
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:

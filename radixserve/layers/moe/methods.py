@@ -52,6 +52,12 @@ class UnquantizedMoEMethod(MoEMethod):
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         if use_fused(x):
+            from radixserve.layers.moe import small_batch
+
+            if x.shape[0] <= small_batch.SMALL_BATCH_TOKENS:
+                shared = layer.folded_shared_weights(x)
+                return small_batch.small_batch_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                                   layer.expert_offset, *(shared or (None, None)))
             from radixserve.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,

@@ -8,7 +8,8 @@ Three ways in, one layer at the end:
 - `--quantization fp8` on a 16/32-bit checkpoint: quantised after loading, one scale per output channel.
 
 The product: for a batch of at most `SMALL_M` rows the weight is widened inside a Triton kernel (W8A16; the
-product reads the fp8 bytes once and needs no activation scales); above it the activations get dynamic scales
+product reads the fp8 bytes once and needs no activation scales; per-channel weights through the bandwidth-bound
+GEMV kernels of `fp8_gemv`, block-wise ones through `fp8_gemm`); above it the activations get dynamic scales
 (per token, or per token and 128-column group for block-wise weights; static per-tensor when the checkpoint
 says so) and the product runs on fp8 tensor cores: `torch._scaled_mm` for per-channel weights, the Triton
 block-scaled kernel for block-wise ones. On the CPU the same arithmetic runs as a dequantising torch reference."""
@@ -41,6 +42,9 @@ SMALL_M = int(os.environ.get("RADIXSERVE_FP8_W8A16_MAX_M", "16"))
 # Rows up to which the elementwise GEMV kernel runs instead of the tl.dot one; 0 (off) by default: on an H200 it
 # was slower at batch 1 (8B shape: 6.51 ms a step against 5.62 ms with the tl.dot kernel, bf16 4.92-5.52 ms).
 FP8_GEMV_MAX_M = int(os.environ.get("RADIXSERVE_FP8_GEMV_MAX_M", "0"))
+# Per-channel weights at up to SMALL_M rows go through the bandwidth-bound kernels of `fp8_gemv` (block sizes swept
+# per shape, `gemv_configs`); RADIXSERVE_FP8_SKINNY=0 sends them to the W8A16 `fp8_gemm` instead (comparisons).
+SKINNY = os.environ.get("RADIXSERVE_FP8_SKINNY", "1") != "0"
 _EPS = 1e-10
 
 
@@ -211,6 +215,7 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def _apply_kernels(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int,
                        small: bool, input_scale: torch.Tensor | None) -> torch.Tensor:
+        from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
         from radixserve.layers.quantization.fp8_kernels import (
             fp8_gemm,
             fp8_gemv,
@@ -221,7 +226,11 @@ class Fp8LinearMethod(LinearMethodBase):
         w, ws = layer.weight, layer.weight_scale
         if small:
             ws2 = ws.view(-1, 1) if ws.dim() == 1 else ws
-            out = fp8_gemv(x, w, ws2, bn, bk, x.dtype, bias) if x.shape[0] <= FP8_GEMV_MAX_M else None
+            out = None
+            if self.block is None and SKINNY:
+                out = fp8_skinny_gemv(x, w, ws, x.dtype, bias)
+            elif x.shape[0] <= FP8_GEMV_MAX_M:
+                out = fp8_gemv(x, w, ws2, bn, bk, x.dtype, bias)
             return out if out is not None else fp8_gemm(x, w, ws2, bn, bk, x.dtype, bias=bias)
         if input_scale is not None:
             s = input_scale.float()

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.quantization import gemv_configs
+from radixserve.layers.quantization.gemv_configs import GemvConfig
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -84,92 +86,107 @@ def gguf_gemm(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
 
 @triton.jit
 def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn, stride_om,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One activation row times BLOCK_N Q4_K rows, one 256-weight super-block per step: the 128 q bytes as
-    [4 chunks, 32] (low nibbles: weights 64c + l, high: 64c + 32 + l), each sub-block's dot product with x scaled by
-    d * sc, minus dmin * m times the sub-block's sum of x (no dequantised tile is formed)."""
-    m = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """One activation row (program axis 1) times BLOCK_N Q4_K rows; each step reads NCH contiguous 32-byte chunks
+    of every row (chunk g holds weights 64g + l in its low nibbles, 64g + 32 + l in its high ones: sub-blocks 2g and
+    2g + 1). Each sub-block's dot product with x is scaled by d * sc, and dmin * m times the sub-block's sum of x is
+    taken off (no dequantised tile is formed); the [BLOCK_N, NCH] partial sums are added over K after the loop.
+    The q bytes and x go through [BLOCK_N, NCH, 32] tiles in runs of 8 columns, so both get one register layout."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    rows = offs_n[:, None, None].to(tl.int64)
-    c = tl.arange(0, 4)
+    ch = tl.arange(0, NCH)
     offs_l = tl.arange(0, 32)
-    byte = c[:, None] * 32 + offs_l[None, :]  # [4, 32]
-    xcol = c[:, None] * 64 + offs_l[None, :]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(0, K // 256):
-        x_lo = tl.load(X + m * stride_xm + s * 256 + xcol).to(tl.float32)  # [4, 32]
-        x_hi = tl.load(X + m * stride_xm + s * 256 + 32 + xcol).to(tl.float32)
-        b = tl.load(Wq + rows * stride_wn + s * 128 + byte[None, :, :], mask=mask_n[:, None, None], other=0)
-        b = b.to(tl.int32)
-        dot_lo = tl.sum((b & 0xF).to(tl.float32) * x_lo[None, :, :], axis=2)  # [BLOCK_N, 4]
-        dot_hi = tl.sum((b >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
-        sub = Sc + offs_n[:, None].to(tl.int64) * stride_sn + s * 8 + 2 * c[None, :]  # [BLOCK_N, 4]
-        msub = Mn + offs_n[:, None].to(tl.int64) * stride_sn + s * 8 + 2 * c[None, :]
-        sc_lo = tl.load(sub, mask=mask_n[:, None], other=0).to(tl.float32)
-        sc_hi = tl.load(sub + 1, mask=mask_n[:, None], other=0).to(tl.float32)
-        mn_lo = tl.load(msub, mask=mask_n[:, None], other=0).to(tl.float32)
-        mn_hi = tl.load(msub + 1, mask=mask_n[:, None], other=0).to(tl.float32)
-        d = tl.load(D + offs_n.to(tl.int64) * stride_dn + s, mask=mask_n, other=0.0).to(tl.float32)
-        dm = tl.load(Dmin + offs_n.to(tl.int64) * stride_dn + s, mask=mask_n, other=0.0).to(tl.float32)
-        xs_lo = tl.sum(x_lo, axis=1)  # [4]
-        xs_hi = tl.sum(x_hi, axis=1)
-        acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
-        acc -= dm * tl.sum(mn_lo * xs_lo[None, :] + mn_hi * xs_hi[None, :], axis=1)
+    offs_l = (offs_l // 8) * 8 + offs_l % 8
+    rows = offs_n.to(tl.int64)
+    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
+    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        b = tl.load(w_ptrs + g0 * 32, mask=mask_w, other=0).to(tl.int32)
+        x_lo = tl.load(x_ptrs + g0 * 64).to(tl.float32)
+        x_hi = tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32)
+        dot_lo = tl.sum((b & 0xF).to(tl.float32) * x_lo, axis=2)  # [BLOCK_N, NCH]
+        dot_hi = tl.sum((b >> 4).to(tl.float32) * x_hi, axis=2)
+        xs_lo = tl.sum(x_lo, axis=2)
+        xs_hi = tl.sum(x_hi, axis=2)
+        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) - dm * (mn_lo * xs_lo + mn_hi * xs_hi)
+    out = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(Out + m * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
 def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn, stride_om,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One activation row times BLOCK_N Q8_0 rows, eight 32-weight blocks per step; each block's int8 dot product
-    with x times its d."""
-    m = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """One activation row (program axis 1) times BLOCK_N Q8_0 rows, NB contiguous 32-weight blocks of every row per
+    step; each block's int8 dot product with x times its d, the [BLOCK_N, NB] partial sums added over K after the
+    loop. q and x go through [BLOCK_N, NB, 32] tiles in runs of 8 columns (one register layout for both)."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    g = tl.arange(0, 8)
+    g = tl.arange(0, NB)
     offs_l = tl.arange(0, 32)
-    cols = g[:, None] * 32 + offs_l[None, :]  # [8, 32]
-    rows = offs_n[:, None, None].to(tl.int64)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, 256):
-        x = tl.load(X + m * stride_xm + k0 + cols).to(tl.float32)
-        q = tl.load(Wq + rows * stride_wn + k0 + cols[None, :, :], mask=mask_n[:, None, None], other=0)
-        dot = tl.sum(q.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, 8]
-        d = tl.load(D + offs_n[:, None].to(tl.int64) * stride_dn + k0 // 32 + g[None, :], mask=mask_n[:, None],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(dot * d, axis=1)
+    offs_l = (offs_l // 8) * 8 + offs_l % 8
+    cols = (g[:, None] * 32 + offs_l[None, :])[None, :, :]  # [1, NB, 32]
+    rows = offs_n.to(tl.int64)
+    w_ptrs = Wq + rows[:, None, None] * stride_wn + cols
+    x_ptrs = X + m * stride_xm + cols + 0 * offs_n[:, None, None]
+    d_ptrs = D + rows[:, None] * stride_dn + g[None, :]
+    acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    for k0 in range(0, K, NB * 32):  # K % (32 * NB) == 0 (the wrapper checks)
+        q = tl.load(w_ptrs + k0, mask=mask_n[:, None, None], other=0).to(tl.float32)
+        x = tl.load(x_ptrs + k0).to(tl.float32)
+        d = tl.load(d_ptrs + k0 // 32, mask=mask_n[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(q * x, axis=2) * d
+    out = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(Out + m * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
 
 GEMV_MAX_M = 4
 
 
 def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The product for a few rows (decode) straight from the packed fields; None when K is not a multiple of 256
-    (the caller uses `gguf_gemm`)."""
+              bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor | None:
+    """The product for a few rows (decode, M <= GEMV_MAX_M) straight from the packed fields; None when the shape
+    does not suit it (K not a multiple of 256): the caller uses `gguf_gemm`. `config` overrides the tuned block
+    sizes (`gemv_configs`; block_k = weight columns a program reads per step)."""
     m, k = x.shape
-    if k % 256 or x.stride(-1) != 1:
+    if k % 256 or m > GEMV_MAX_M or x.stride(-1) != 1:
         return None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    q4k = fmt == "Q4_K"
+    cfg = config or gemv_configs.get("q4_k" if q4k else "q8_0", m, n, k, x.is_cuda)
+    block_k = max(256, cfg.block_k)
+    while k % block_k:
+        block_k //= 2
     wq, d = fields["qweight"], fields["d"]
     b = bias if bias is not None else d
-    block_n = 32 if x.is_cuda else 8
-    grid = (m, triton.cdiv(n, block_n))
-    opts = dict(num_warps=4, num_stages=3) if x.is_cuda else {}
-    if fmt == "Q4_K":
+    grid = (triton.cdiv(n, cfg.block_n), m)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
+    if q4k:
         sc = fields["scales"]
         launch(_q4_k_gemv_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k, x.stride(0),
-               wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-               **opts)
+               wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+               BLOCK_N=cfg.block_n, NCH=block_k // 64, **opts)
     else:
         launch(_q8_0_gemv_kernel, grid, x, wq, d, out, b, n, k, x.stride(0), wq.stride(0), d.stride(0),
-               out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, **opts)
+               out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, NB=block_k // 32, **opts)
     return out

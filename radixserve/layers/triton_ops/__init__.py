@@ -22,5 +22,8 @@ def set_fused_kernels(enabled: bool | None) -> None:
 
 
 def use_fused(x: torch.Tensor) -> bool:
-    """Whether the layers should run their fused Triton kernel for this tensor."""
+    """Whether the layers should run their fused Triton kernel for this tensor (never inside torch.compile, which
+    generates and fuses the same elementwise work from the layers' torch code)."""
+    if torch.compiler.is_compiling():
+        return False
     return x.is_cuda if _mode is None else _mode

@@ -1,0 +1,160 @@
+"""One MoE layer's expert computation on its own, at real shapes, in CUDA graphs: the sorted grouped-GEMM path
+(`fused_moe`) against the two-launch small-batch path (`small_batch_moe`), and block-config sweeps of both.
+
+Weights of `--layers` distinct layers (so that a replay reads HBM, not L2) are cycled through inside one graph; the
+time per layer is graph time / layers. Bandwidth is counted on the bytes that must be read: the distinct experts
+the tokens chose (+ the shared MLP) — for large batches also the TFLOP/s of the routed GEMMs.
+
+    python benchmarks/bench_moe_kernels.py --shape qwen3-30b-a3b --tokens 1 8 16 --sweep-small
+    python benchmarks/bench_moe_kernels.py --shape qwen3-30b-a3b --tokens 256 4096 --sweep-large
+
+Prints a table and writes JSON (`--result-file`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe, moe_config  # noqa: E402
+from radixserve.layers.moe.small_batch import DEFAULT, INTERPRETED, SmallMoEConfig, small_batch_moe  # noqa: E402
+
+# experts, hidden, intermediate per expert, top-k, shared intermediate (0: none)
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 0), "deepseek-v2-lite": (64, 2048, 1408, 6, 2816),
+          "mixtral-8x7b": (8, 4096, 14336, 2, 0), "tiny": (8, 32, 16, 2, 32)}  # tiny: a CPU check of the script
+
+SMALL_SWEEP = [SmallMoEConfig(16, 512, 8, 128, 4, 4), SmallMoEConfig(8, 512, 8, 128, 4, 4),
+               SmallMoEConfig(16, 256, 4, 256, 4, 4), SmallMoEConfig(32, 256, 16, 128, 4, 8),
+               SmallMoEConfig(16, 1024, 8, 256, 8, 8), SmallMoEConfig(8, 256, 4, 128, 2, 2)]
+LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(64, 64, 128, 64, 4, 3),
+               MoEConfig(64, 128, 128, 64, 4, 4), MoEConfig(128, 128, 128, 64, 8, 3),
+               MoEConfig(128, 256, 128, 64, 8, 3)]
+
+
+def cfg_name(c: Any) -> str:
+    return "/".join(str(v) for v in dataclasses.astuple(c))
+
+
+def plain_time(fn: Any, layers: int, reps: int) -> float:
+    """The CPU stand-in for graph_time (Triton's interpreter): checks the script, measures nothing useful."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for layer in range(layers):
+            fn(layer)
+    return (time.perf_counter() - t0) / reps / layers
+
+
+def graph_time(fn: Any, layers: int, reps: int) -> float:
+    """Seconds per layer: `fn(l)` for every layer, captured once, replayed `reps` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(layers):
+            fn(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps / layers
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--sweep-small", action="store_true", help="time every small-path config of SMALL_SWEEP")
+    parser.add_argument("--sweep-large", action="store_true", help="time every grouped-GEMM config of LARGE_SWEEP")
+    parser.add_argument("--copy-bw", type=float, default=4.275e12, help="bytes/s the roofline is counted at")
+    parser.add_argument("--result-file", default="bench_moe_kernels.json")
+    args = parser.parse_args(argv)
+    num_e, hidden, inter, top_k, shared = SHAPES[args.shape]
+    cuda = torch.cuda.is_available()
+    if not cuda and args.shape != "tiny":
+        raise SystemExit("bench_moe_kernels needs a CUDA device (or --shape tiny under TRITON_INTERPRET=1)")
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    timer = graph_time if cuda else plain_time
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = [torch.randn(num_e, 2 * inter, hidden, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)]
+    w2 = [torch.randn(num_e, hidden, inter, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)]
+    sw13 = [torch.randn(2 * shared, hidden, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)] \
+        if shared else None
+    sw2 = [torch.randn(hidden, shared, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)] \
+        if shared else None
+    expert_bytes = 3 * hidden * inter * 2
+    rows: list[dict[str, Any]] = []
+    print(f"{args.shape}: {num_e} experts, hidden {hidden}, intermediate {inter}, top-{top_k}, shared {shared}; "
+          f"{args.layers} layers cycled; roofline at {args.copy_bw / 1e9:.0f} GB/s")
+    print(f"{'tokens':>6} {'path':>6} {'config':<44} {'us/layer':>9} {'experts':>7} {'GB/s':>7} {'roofline':>8} "
+          f"{'TFLOP/s':>8} {'max err':>8}")
+    for t in args.tokens:
+        x = torch.randn(t, hidden, device=dev, dtype=dt, generator=g)
+        ids = torch.rand(t, num_e, device=dev, generator=g).topk(top_k, dim=1).indices.to(torch.int32)
+        weights = torch.rand(t, top_k, device=dev, generator=g).softmax(dim=1)
+        distinct = int(ids.unique().numel())
+        nbytes = distinct * expert_bytes + (3 * hidden * shared * 2 if shared else 0)
+        flops = 2 * t * (top_k * 3 * hidden * inter + 3 * hidden * shared)
+
+        def shared_torch(layer: int, x: torch.Tensor = x) -> torch.Tensor:
+            gu = F.linear(x, sw13[layer])
+            return F.linear(F.silu(gu[:, :shared]) * gu[:, shared:], sw2[layer])
+
+        def grouped(layer: int, cfg: MoEConfig | None = None, x: torch.Tensor = x, ids: torch.Tensor = ids,
+                    weights: torch.Tensor = weights) -> torch.Tensor:
+            out = fused_moe(x, w13[layer], w2[layer], weights, ids, config=cfg)
+            return out + shared_torch(layer) if shared else out
+
+        def small(layer: int, cfg: SmallMoEConfig | None = None, x: torch.Tensor = x, ids: torch.Tensor = ids,
+                  weights: torch.Tensor = weights) -> torch.Tensor:
+            return small_batch_moe(x, w13[layer], w2[layer], weights, ids, 0, sw13[layer] if shared else None,
+                                   sw2[layer] if shared else None, config=cfg)
+
+        ref = grouped(0).float()
+        variants: list[tuple[str, str, Any]] = [("grouped", cfg_name(moe_config(t, top_k, num_e, inter, hidden,
+                                                                                     not cuda)),
+                                                 lambda layer: grouped(layer))]
+        if args.sweep_large:
+            variants += [("grouped", cfg_name(c), lambda layer, c=c: grouped(layer, c)) for c in LARGE_SWEEP]
+        if t <= 64:
+            variants.append(("small", cfg_name(DEFAULT if cuda else INTERPRETED), lambda layer: small(layer)))
+            if args.sweep_small:
+                variants += [("small", cfg_name(c), lambda layer, c=c: small(layer, c))
+                             for c in SMALL_SWEEP if c != DEFAULT]
+        for path, name, fn in variants:
+            try:
+                err = float((fn(0).float() - ref).abs().max())
+                sec = timer(fn, args.layers, args.reps)
+            except Exception as e:  # a config the compiler rejects (shared memory) is reported, not fatal
+                print(f"{t:>6} {path:>6} {name[:44]:<44} failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            r = {"tokens": t, "path": path, "config": name, "us_per_layer": sec * 1e6, "distinct_experts": distinct,
+                 "gb_s": nbytes / sec / 1e9, "roofline": nbytes / args.copy_bw / sec, "tflops": flops / sec / 1e12,
+                 "max_err": err}
+            rows.append(r)
+            print(f"{t:>6} {path:>6} {name[:44]:<44} {r['us_per_layer']:>9.1f} {distinct:>7} {r['gb_s']:>7.0f} "
+                  f"{r['roofline']:>8.1%} {r['tflops']:>8.1f} {err:>8.4f}")
+    with open(args.result_file, "w") as f:
+        json.dump({"shape": args.shape, "layers": args.layers, "copy_bw": args.copy_bw, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Sweep the block sizes of the decode GEMV kernels (fp8 per-channel, GGUF Q4_K and Q8_0) on a model's linear shapes
+and pick the fastest per (family, M, N, K), against the device's copy bandwidth and the bf16 cuBLAS product.
+
+Each candidate is checked against the torch reference, then timed inside a CUDA graph (as in decode) over enough
+copies of the weight that the set is several times the L2, so every call reads HBM. Candidates compile first in a
+pool of processes (Triton's disk cache), so the sweep's time goes to measuring. Prints a table per family and M,
+the estimated weight time of one decode step of the model, and writes the picks as a `gemv_configs` JSON.
+
+    python benchmarks/sweep_gemv.py --families fp8 q4_k q8_0 --m 1 --out picks.json
+    RADIXSERVE_GEMV_CONFIGS=picks.json python benchmarks/bench_quant_gpu.py --config fp8 --batch-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
+
+# Llama-3.1-8B: qkv, o, gate_up, down (N, K); each appears once per layer
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+LAYERS_8B = 32
+
+
+def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
+    out: list[GemvConfig] = []
+    if family == "fp8":
+        if m <= 2:
+            for bn in ((2, 4, 8) if m == 1 else (2, 4)):
+                for bk in ((1024, 2048) if m == 1 else (1024,)):
+                    for w in (4, 8):
+                        for v in ("", "f16"):
+                            out.append(GemvConfig("ew", bn, bk, w, 2, v))
+        dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
+            [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
+        out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
+    elif family in ("q4_k", "q8_0"):
+        bns = (1, 2, 4, 8) if m == 1 else (2, 4)
+        bks = (256, 512, 1024) if family == "q4_k" else (512, 1024)
+        out += [GemvConfig("ew", bn, bk, 4, 2) for bn in bns for bk in bks]
+        out += [GemvConfig("ew", bn, bk, 8, 2) for bn in (4, 8) for bk in bks[-1:]]
+    return out[:6] if quick else out
+
+
+# ---------------------------------------------------------------- problems and calls
+def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    if family == "fp8":
+        from radixserve.layers.quantization.fp8 import quantize_rows
+
+        q, s = quantize_rows(w)
+        return {"w": q, "s": s}
+    if family == "bf16":
+        return {"w": w.to(torch.bfloat16)}
+    from radixserve.layers.quantization import gguf_formats as G
+
+    return G.quantize(G.Q4_K if family == "q4_k" else G.Q8_0, w)
+
+
+def nbytes(fields: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in fields.values())
+
+
+def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa: ANN001, ANN201
+    import torch.nn.functional as F
+
+    if family == "fp8":
+        from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+
+        return fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, None, cfg)
+    if family == "fp8_gemm":  # the previous W8A16 tl.dot kernel
+        from radixserve.layers.quantization.fp8_kernels import fp8_gemm
+
+        return fp8_gemm(x, fields["w"], fields["s"].view(-1, 1), 1, fields["w"].shape[1], x.dtype)
+    if family == "bf16":
+        return F.linear(x, fields["w"])
+    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+
+    return gguf_gemv(x, "Q4_K" if family == "q4_k" else "Q8_0", fields, n, None, cfg)
+
+
+def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
+    if family in ("fp8", "fp8_gemm"):
+        return x.float() @ (fields["w"].float() * fields["s"].view(-1, 1)).t()
+    if family == "bf16":
+        return x.float() @ fields["w"].float().t()
+    from radixserve.layers.quantization import gguf_formats as G
+
+    return x.float() @ G.dequantize("Q4_K" if family == "q4_k" else "Q8_0", fields).t()
+
+
+def _compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
+    import torch
+
+    done = 0
+    for family, m, cfg in jobs:
+        try:  # Q4_K's d/dmin row stride (K / 256) is a multiple of 16 at K = 4096, not at 14336: both variants
+            for k in (4096, 14336) if family == "q4_k" else (4096,):
+                fields = make_weight(family, 128, k, 0)
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                call(family, x, fields, 128, GemvConfig(**cfg))
+            done += 1
+        except Exception as e:  # noqa: BLE001 - reported, the main process skips it
+            print(f"compile failed {family} m={m} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(jobs: list[tuple[str, int, GemvConfig]], workers: int) -> None:
+    t = time.time()
+    todo = [(f, m, c.to_dict()) for f, m, c in jobs]
+    chunks = [todo[i::workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        n = sum(pool.map(_compile_worker, [c for c in chunks if c]))
+    print(f"# precompiled {n}/{len(todo)} kernels in {time.time() - t:.1f} s with {workers} processes", flush=True)
+
+
+def time_calls(fn, reps: int, replays: int = 5) -> float:  # noqa: ANN001
+    """Seconds per call of fn(i) for i in 0..reps-1, captured in one CUDA graph (median of the replays)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(reps):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | None], copy_bw: float,
+                min_bytes: int) -> list[dict]:
+    import torch
+
+    w0 = make_weight(family, n, k, 1)
+    per = nbytes(w0)
+    copies = [w0] + [{f: t.clone() for f, t in w0.items()} for _ in range(max(1, -(-min_bytes // per)) - 1)]
+    x = (torch.randn(m, k, device="cuda") * 0.5).to(torch.bfloat16)
+    ref = reference(family, x, w0)
+    reps = max(len(copies), 24)
+    rows = []
+    for cfg in cfgs:
+        try:
+            out = call(family, x, w0, n, cfg)
+            if out is None:
+                continue
+            err = float((out.float() - ref).norm() / ref.norm())
+            sec = time_calls(lambda i: call(family, x, copies[i % len(copies)], n, cfg), reps)  # noqa: B023
+        except Exception as e:  # noqa: BLE001
+            print(f"  failed {family} m={m} {n}x{k} {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            continue
+        rows.append({"family": family, "m": m, "n": n, "k": k, "cfg": cfg.to_dict() if cfg else None,
+                     "us": sec * 1e6, "bytes": per, "gbs": per / sec / 1e9, "util": per / sec / copy_bw,
+                     "rel_err": err, "ok": err < 2e-2})
+    copies.clear()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--families", nargs="+", default=["fp8", "q4_k", "q8_0"])
+    p.add_argument("--m", type=int, nargs="+", default=[1])
+    p.add_argument("--shapes", default="8b")
+    p.add_argument("--baselines", action="store_true", help="also time bf16 cuBLAS and the previous fp8_gemm")
+    p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
+    p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--json-rows", default=None)
+    args = p.parse_args()
+
+    import torch
+
+    from radixserve.bench_one_batch import measure_copy_bandwidth
+
+    shapes = SHAPES_8B
+    copy_bw = measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    plan = [(f, m, c) for f in args.families for m in args.m for c in candidates(f, m, args.quick)]
+    precompile(plan, args.workers)
+    picks: dict[str, dict] = {}
+    all_rows: list[dict] = []
+    for family in args.families:
+        for m in args.m:
+            cfgs = candidates(family, m, args.quick)
+            if not cfgs:
+                continue
+            step_best = step_base = 0.0
+            print(f"\n## {family} M={m}: {len(cfgs)} configs", flush=True)
+            print(f"{'N x K':>12} {'best config':<44} {'us':>7} {'GB/s':>6} {'util':>6} {'2nd us':>7} "
+                  f"{'bf16 us':>8} {'old us':>7}")
+            for n, k in shapes:
+                t = time.time()
+                rows = [r for r in sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20) if r["ok"]]
+                base = old = None
+                if args.baselines:
+                    b = sweep_shape("bf16", m, n, k, [None], copy_bw, args.min_mb << 20)
+                    base = b[0] if b else None
+                    if family == "fp8":
+                        o = sweep_shape("fp8_gemm", m, n, k, [None], copy_bw, args.min_mb << 20)
+                        old = o[0] if o else None
+                    all_rows += ([base] if base else []) + ([old] if old else [])
+                all_rows += rows
+                if not rows:
+                    print(f"{n:>6}x{k:<5} no working config", flush=True)
+                    continue
+                rows.sort(key=lambda r: r["us"])
+                best = rows[0]
+                picks[key(family, m, n, k)] = best["cfg"]
+                step_best += best["us"]
+                step_base += base["us"] if base else 0.0
+                c = best["cfg"]
+                desc = f"{c['kernel']} bn={c['block_n']} bk={c['block_k']} w={c['num_warps']} s={c['num_stages']}" \
+                       f"{' ' + c['variant'] if c['variant'] else ''}"
+                second = f"{rows[1]['us']:7.1f}" if len(rows) > 1 else "      -"
+                print(f"{n:>6}x{k:<5} {desc:<44} {best['us']:7.1f} {best['gbs']:6.0f} {best['util']:6.1%} {second} "
+                      f"{base['us'] if base else float('nan'):8.1f} {old['us'] if old else float('nan'):7.1f}"
+                      f"  ({time.time() - t:.1f} s)", flush=True)
+            base_txt = f" (bf16 cuBLAS {step_base * LAYERS_8B / 1e3:.3f} ms)" if step_base else ""
+            print(f"{family} M={m}: the 4 linears of a layer x {LAYERS_8B} layers = "
+                  f"{step_best * LAYERS_8B / 1e3:.3f} ms{base_txt}", flush=True)
+            result = {"device": torch.cuda.get_device_name(), "copy_bw_gbs": copy_bw / 1e9, "configs": picks}
+            if args.out:  # after every family and M: a sweep cut short still leaves its picks so far
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    result = {"device": torch.cuda.get_device_name(), "copy_bw_gbs": copy_bw / 1e9, "configs": picks}
+    if args.json_rows:
+        with open(args.json_rows, "w") as f:
+            json.dump(all_rows, f)
+    print("\n# picks\n" + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

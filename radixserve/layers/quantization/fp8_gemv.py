@@ -1,0 +1,128 @@
+"""Bandwidth-bound FP8 products for a few activation rows (decode, M = 1..16): out = x @ (W * scale).T.
+
+At batch 1 a linear layer reads its whole weight to produce one row, so its time is the weight's bytes over the
+memory bandwidth; the job of these kernels is to keep every SM streaming the fp8 bytes. Both cut N into many narrow
+programs (no split-K: even the 4,096-row projections of an 8B model give hundreds of programs) and read wide
+contiguous runs of each weight row per step; the weight is widened in registers (W8A16, no activation scales) and
+the per-output-channel scale is applied once at the end.
+
+- `_fp8_gemv_ew_kernel` (elementwise, for M <= 2): BLOCK_N rows x BLOCK_K columns per step, products on the CUDA
+  cores into a [BLOCK_N, BLOCK_K] float32 accumulator per activation row, summed over K once, after the loop.
+  WIDEN_F16 chooses how the fp8 byte is widened: Triton's conversion (False) or by moving its bits into an fp16
+  (True; exact, the factor 2^8 it leaves goes into the epilogue's scale).
+- `_fp8_gemv_dot_kernel` (tensor cores, for larger M): the product transposed, W tile [BLOCK_N, BLOCK_K] (widened
+  to the activation dtype) times x.T [BLOCK_K, 16], so the weight's rows fill the MMA's 16+ rows and x's few rows
+  its narrow side.
+
+Block sizes come from `gemv_configs` (a table swept on the GPU, `benchmarks/sweep_gemv.py`). Per-channel scales only
+([N] or [N, 1]); block-wise checkpoints keep the W8A16 `fp8_gemm`."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.layers.quantization import gemv_configs
+from radixserve.layers.triton_ops.launch import launch
+
+
+@triton.jit
+def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
+                        HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    # Runs of 8 contiguous columns: the fp8 bytes and the 16-bit x then get the same register layout (8 a thread),
+    # so nothing is exchanged through shared memory inside the loop.
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = (offs_k // 8) * 8 + offs_k % 8
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    # x read through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): same layout too
+    x_ptrs = X + offs_k[None, :] + 0 * offs_n[:, None]
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
+        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        if WIDEN_F16:  # e4m3 byte seeeemmm -> fp16 bits s0eeeemmm0000000: the value / 2^8, subnormals included
+            b = w.to(tl.int16)
+            wf = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            wf = w.to(tl.float32)
+        acc0 += wf * tl.load(x_ptrs).to(tl.float32)
+        if TWO_ROWS:
+            acc1 += wf * tl.load(x_ptrs + stride_xm).to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
+    bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    tl.store(Out + offs_n, (tl.sum(acc0, axis=1) * scale + bias).to(Out.dtype.element_ty), mask=mask_n)
+    if TWO_ROWS:
+        tl.store(Out + stride_om + offs_n, (tl.sum(acc1, axis=1) * scale + bias).to(Out.dtype.element_ty),
+                 mask=mask_n)
+
+
+@triton.jit
+def _fp8_gemv_dot_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
+                         HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    xt_ptrs = X + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # x.T tile [BLOCK_K, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        xt = tl.load(xt_ptrs, mask=mask_m[None, :], other=0.0)
+        if FP32:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(xt.dtype), xt)
+        w_ptrs += BLOCK_K
+        xt_ptrs += BLOCK_K
+    out = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[:, None]
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = Out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+
+
+MAX_M = 16
+
+
+def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                    bias: torch.Tensor | None = None, config: gemv_configs.GemvConfig | None = None,
+                    ) -> torch.Tensor | None:
+    """x [M, K] (M <= 16, rows contiguous) times the fp8 weight w [N, K] with per-channel float32 scales ([N] or
+    [N, 1]) -> [M, N] `out_dtype`. None when the shape does not suit these kernels (M > 16, K not a multiple of
+    16, block-wise scales): the caller falls back to `fp8_gemm`. `config` overrides the tuned choice (sweeps)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_M or k % 16 or scale.numel() != n or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k:
+        return None
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or gemv_configs.get("fp8", m, n, k, x.is_cuda)
+    if cfg.kernel == "ew" and m > 2:  # the elementwise kernel takes one or two rows
+        cfg = gemv_configs.default("fp8", m, x.is_cuda)
+    block_k = cfg.block_k
+    while k % block_k:
+        block_k //= 2
+    s = scale.reshape(-1)
+    b = bias if bias is not None else s
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
+    grid = (triton.cdiv(n, cfg.block_n),)
+    if cfg.kernel == "ew" and m <= 2:
+        widen = cfg.variant == "f16"
+        launch(_fp8_gemv_ew_kernel, grid, x, w.view(torch.uint8) if widen else w, s, b, out, m, n, k, x.stride(0),
+               w.stride(0), out.stride(0), 256.0 if widen else 1.0, HAS_BIAS=bias is not None, WIDEN_F16=widen,
+               TWO_ROWS=m == 2, BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts)
+    else:
+        launch(_fp8_gemv_dot_kernel, grid, x, w, s, b, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+               HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=16,
+               BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts)
+    return out

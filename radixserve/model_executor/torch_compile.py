@@ -1,0 +1,104 @@
+"""--enable-torch-compile: the decode forward of batches up to --torch-compile-max-bs compiled with torch.compile
+(inductor) and then captured in the CUDA graphs (`CudaGraphRunner`).
+
+Inside a compiled region the layers run their plain torch code (`use_fused` and the CPU kernels step aside while
+`torch.compiler.is_compiling()`), so inductor generates and fuses the elementwise work itself (residual add with
+RMSNorm, SiLU·mul, rotary). The attention backend is one opaque custom op, `radixserve::attention`: the traced graph
+holds tensors only (no ForwardBatch, no backend metadata), and the op's implementation finds the batch in the
+forward context the runner sets around the call (`forward_context`) and the layer in a registry keyed by
+`RadixAttention.compile_key`. The whole model traces without a graph break (`fullgraph=True` in the tests).
+
+Compiled artefacts are cached on disk under TORCHINDUCTOR_CACHE_DIR, which defaults here to
+`<radixserve cache root>/torch_compile`, so a second start with the same shapes mostly loads instead of compiling."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+_keys = itertools.count()
+_layers: weakref.WeakValueDictionary[int, RadixAttention] = weakref.WeakValueDictionary()
+_batches: list[ForwardBatch] = []
+
+
+def register_attention_layer(layer: RadixAttention) -> int:
+    """A process-unique key for `layer` (the custom op carries it as a constant)."""
+    key = next(_keys)
+    _layers[key] = layer
+    return key
+
+
+@contextlib.contextmanager
+def forward_context(forward_batch: ForwardBatch) -> Iterator[None]:
+    """The batch the attention op runs on while a compiled forward is called (traced, run, or captured)."""
+    _batches.append(forward_batch)
+    try:
+        yield
+    finally:
+        _batches.pop()
+
+
+@torch.library.custom_op("radixserve::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int, out_dim: int,
+                 save_kv_cache: bool) -> torch.Tensor:
+    """RadixAttention of one layer over the current forward batch: [T, out_dim]. Writes the batch's K/V into the
+    pool when `save_kv_cache` (a side effect on state outside the graph, ordered by the data dependence of the
+    layers)."""
+    if not _batches:
+        raise RuntimeError("radixserve::attention called outside forward_context()")
+    forward_batch = _batches[-1]
+    layer = _layers[layer_key]
+    out = forward_batch.attn_backend.forward(q, k, v, layer, forward_batch, save_kv_cache)
+    if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()):
+        out = out.clone()  # a custom op's output may not alias its inputs
+    return out
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int, out_dim: int,
+      save_kv_cache: bool) -> torch.Tensor:
+    return q.new_empty((q.shape[0], out_dim))
+
+
+def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       save_kv_cache: bool) -> torch.Tensor:
+    return attention_op(q, k, v, layer.compile_key, layer.tp_q_head_num * layer.v_head_dim, save_kv_cache)
+
+
+def set_cache_dir() -> str:
+    """TORCHINDUCTOR_CACHE_DIR: the user's own setting, else <radixserve cache root>/torch_compile."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path:
+        from radixserve.model_loader.embedded import cache_root
+
+        path = os.path.join(cache_root(), "torch_compile")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def compile_forward(forward: Callable[..., Any], backend: str = "inductor", fullgraph: bool = True
+                    ) -> Callable[..., Any]:
+    """torch.compile of a model's forward(input_ids, positions, forward_batch); call it inside forward_context.
+    Shapes are left to dynamo's automatic dynamic: the first batch size compiles a static graph, the second one a
+    graph with a symbolic batch size that serves the rest."""
+    import torch._dynamo
+
+    cache = set_cache_dir()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 256)
+    logger.info("torch.compile (%s) of the decode forward; cache %s", backend, cache)
+    return torch.compile(forward, backend=backend, fullgraph=fullgraph)

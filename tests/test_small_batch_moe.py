@@ -1,0 +1,121 @@
+"""The small-batch MoE path (two launches, no sort: `layers/moe/small_batch.py`), run by Triton's interpreter on the
+CPU, against the per-expert torch reference: top-k 1/2/8, uneven loads, an expert with no tokens, experts held by
+another rank, shared experts folded in as extra assignments; and FusedMoE choosing it for small batches only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers.moe.moe_torch import moe_forward_torch
+from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in Triton's interpreter
+
+
+def _weights(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    return w13.to(DEVICE), w2.to(DEVICE)
+
+
+def _skewed_ids(t: int, k: int, e: int, seed: int = 0) -> torch.Tensor:
+    """Distinct top-k ids per token; expert 0 chosen by every token, expert e-1 by none."""
+    g = torch.Generator().manual_seed(seed)
+    rest = [torch.randperm(e - 2, generator=g)[:k - 1] + 1 for _ in range(t)]
+    ids = torch.stack(rest) if k > 1 else torch.empty(t, 0, dtype=torch.int64)
+    return torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], dim=1).to(torch.int32)
+
+
+def _inputs(t: int, k: int, e: int, h: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    ids = _skewed_ids(t, k, e, seed).to(DEVICE)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+    return x, ids, weights
+
+
+@pytest.mark.parametrize("top_k,tokens", [(1, 3), (2, 5), (8, 4)])
+def test_small_batch_moe_matches_reference(top_k: int, tokens: int) -> None:
+    e, h, i = 11, 24, 20  # sizes off the tile sizes: every mask is exercised
+    w13, w2 = _weights(e, h, i)
+    x, ids, weights = _inputs(tokens, top_k, e, h, seed=top_k)
+    assert not (ids == e - 1).any()  # an expert with no tokens
+    ref = moe_forward_torch(x, w13, w2, weights, ids)
+    torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids), ref, atol=1e-5, rtol=1e-5)
+    # other tile shapes: a column block wider than the intermediate size, several K steps in the down kernel
+    cfg = SmallMoEConfig(32, 8, 16, 8, 1, 1)
+    torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, config=cfg), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_small_batch_moe_with_experts_held_elsewhere() -> None:
+    """Expert parallelism: rank r holds experts 4r..4r+3 of 8; the two partial outputs add up to the whole."""
+    e, h, i, t, k = 8, 16, 12, 3, 2
+    w13, w2 = _weights(e, h, i, seed=3)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ids = torch.tensor([[0, 5], [6, 7], [1, 2]], dtype=torch.int32, device=DEVICE)  # token 1: none on rank 0
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    halves = [small_batch_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids, expert_offset=4 * r)
+              for r in range(2)]
+    torch.testing.assert_close(halves[0], moe_forward_torch(x, w13[:4], w2[:4], weights, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(halves[0] + halves[1], moe_forward_torch(x, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_small_batch_moe_folds_the_shared_experts(chunks: int) -> None:
+    """A shared MLP of intermediate size chunks·I ([2S, H] gate rows then up rows, [H, S]) added as weight-1
+    assignments equals the routed experts plus the MLP computed on its own."""
+    e, h, i, t, k = 6, 16, 12, 3, 2
+    w13, w2 = _weights(e, h, i, seed=6)
+    x, ids, weights = _inputs(t, k, e, h, seed=7)
+    g = torch.Generator().manual_seed(8)
+    s = chunks * i
+    sw13, sw2 = (torch.randn(2 * s, h, generator=g) * 0.2).to(DEVICE), (torch.randn(h, s, generator=g) * 0.2).to(DEVICE)
+    gu = F.linear(x, sw13)
+    shared = F.linear(F.silu(gu[:, :s]) * gu[:, s:], sw2)
+    ref = moe_forward_torch(x, w13, w2, weights, ids) + shared
+    got = small_batch_moe(x, w13, w2, weights, ids, shared_w13=sw13, shared_w2=sw2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of"):
+        small_batch_moe(x, w13, w2, weights, ids, shared_w13=sw13[:, :-1], shared_w2=sw2)
+
+
+def test_fused_moe_layer_takes_the_small_path_only_for_small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FusedMoE with the kernels on: up to SMALL_BATCH_TOKENS tokens go through small_batch_moe, more through the
+    sorted grouped GEMM; both equal the reference."""
+    from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    holder = torch.nn.Module()
+    holder.experts = FusedMoE(RouterConfig(8, 2, renormalize=True), 16, 8, reduce_results=False)
+    initialize_dummy_weights(holder, seed=1)
+    holder.to(DEVICE)
+    layer = holder.experts
+    calls: list[int] = []
+    real = small_batch.small_batch_moe
+
+    def counting(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(small_batch, "small_batch_moe", counting)
+    monkeypatch.setattr(small_batch, "SMALL_BATCH_TOKENS", 4)
+    set_fused_kernels(True)
+    try:
+        for t in (3, 4, 5):
+            x = torch.randn(t, 16, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+            logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t + 1)).to(DEVICE)
+            w, ids = _route(logits, layer)
+            ref = moe_forward_torch(x, layer.w13_weight, layer.w2_weight, w, ids)
+            torch.testing.assert_close(layer(x, logits), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        set_fused_kernels(None)
+    assert calls == [3, 4]
+
+
+def _route(logits: torch.Tensor, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    from radixserve.layers.moe import select_experts
+
+    return select_experts(logits, layer.router)

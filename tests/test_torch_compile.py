@@ -1,0 +1,75 @@
+"""torch.compile of the decode forward (model_executor/torch_compile.py), on the CPU: the whole model traces in one
+graph (fullgraph=True: no graph break, attention as the opaque `radixserve::attention` op) and the compiled decode
+gives the uncompiled logits and tokens. aot_eager runs the traced graph through AOTAutograd (fake tensors, the op's
+fake implementation, functionalisation) without inductor's code generation; the GPU test compiles with inductor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import make_runner, make_tiny_model
+
+from radixserve.bench_one_batch import StaticBatch
+from radixserve.model_executor.torch_compile import compile_forward, forward_context
+
+PROMPTS = [[5, 17, 99, 3, 41, 8], [7, 7, 120, 64], [200, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def _use_compiled_decode(runner, backend: str) -> list[int]:
+    """Route the runner's decode batches through the compiled forward; returns the batch sizes it ran."""
+    compiled = compile_forward(runner.model.forward, backend=backend, fullgraph=True)
+    eager = runner.forward
+    seen: list[int] = []
+
+    def forward(fb):  # noqa: ANN001, ANN202
+        if not fb.forward_mode.is_decode():
+            return eager(fb)
+        seen.append(fb.batch_size)
+        with torch.inference_mode(), forward_context(fb):
+            return compiled(fb.input_ids, fb.positions, fb)
+
+    runner.forward = forward
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_compiled_decode_equals_eager(backend: str, tmp_path) -> None:
+    torch._dynamo.reset()
+    path = str(tmp_path / "m")
+    make_tiny_model("qwen2", path)  # q/k/v bias and tied embeddings on top of the Llama blocks
+    runner = make_runner(path, attention_backend=backend)
+    expect = StaticBatch(runner).generate(PROMPTS, 6)
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(PROMPTS)
+    sb.decode(batch)
+    want = sb.last_logits.next_token_logits.clone()
+    sb.release(batch)
+
+    seen = _use_compiled_decode(runner, "aot_eager")
+    got_tokens = StaticBatch(runner).generate(PROMPTS, 6)
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(PROMPTS)
+    sb.decode(batch)
+    got = sb.last_logits.next_token_logits
+    sb.release(batch)
+    assert seen and set(seen) == {3}
+    assert got_tokens == expect
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_op_needs_a_forward_context() -> None:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.torch_compile import compiled_attention
+
+    layer = RadixAttention(2, 8, 8 ** -0.5, 1, 0)
+    q = torch.zeros(1, 16)
+    with pytest.raises(RuntimeError, match="forward_context"):
+        compiled_attention(q, q[:, :8], q[:, :8], layer, True)
+
+
+def test_torch_compile_flag_refused_without_cuda_graphs(tmp_path) -> None:
+    make_tiny_model("llama", str(tmp_path))
+    with pytest.raises(ValueError, match="enable-torch-compile"):
+        make_runner(str(tmp_path), enable_torch_compile=True)
+    with pytest.raises(ValueError, match="torch-compile-max-bs"):
+        make_runner(str(tmp_path), torch_compile_max_bs=0)
