@@ -247,3 +247,27 @@ def test_server_flags_need_the_backend_and_a_channel_file(tmp_path) -> None:  # 
     with pytest.raises(ValueError, match="ds-heavy-token-num"):
         ServerArgs(attention_backend="double_sparsity", ds_channel_config_path=path, ds_heavy_token_num=0).validate()
     ServerArgs(attention_backend="double_sparsity", ds_channel_config_path=path, ds_heavy_token_num=8).validate()
+
+
+# ---------------------------------------------------------------- calibrate + the model path
+def test_calibrated_model_decodes_like_dense_when_every_token_is_kept(tmp_path) -> None:  # noqa: ANN001
+    from model_utils import make_runner as make_model_runner
+    from model_utils import make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.calibrate_double_sparsity import main as calibrate
+
+    path, ch = str(tmp_path / "m"), str(tmp_path / "ch.json")
+    make_tiny_model("llama", path)
+    data = calibrate(["--model-path", path, "--out", ch, "--device", "cpu", "--dtype", "float32", "--num-tokens",
+                      "96", "--seq-len", "48"])
+    assert (data["num_layers"], data["num_kv_heads"], data["head_dim"]) == (2, 2, 16)
+    assert data["tokens"] == 96 and load_channel_file(ch, 2, 2, 16)
+    prompts = [[5, 9, 17, 3, 3, 80, 41], [7] * 20]
+    dense = StaticBatch(make_model_runner(path)).generate(prompts, 12)
+    runner = make_model_runner(path, attention_backend="double_sparsity", ds_channel_config_path=ch,
+                               ds_heavy_channel_num=4, ds_heavy_token_num=64, ds_sparse_decode_threshold=0)
+    assert isinstance(runner.attn_backend, DoubleSparseAttnBackend)
+    assert StaticBatch(runner).generate(prompts, 12) == dense
+    # one label row per KV slot (and the padding slot): 2 KV heads x 4 channels
+    assert runner.attn_backend.labels[0].shape == (runner.token_to_kv_pool.size + 1, 2, 4)
