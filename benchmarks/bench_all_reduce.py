@@ -104,6 +104,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     methods = {"nccl": nccl}
     if ar.enabled:
         methods.update({"one_shot": ar.one_shot, "two_shot": ar.two_shot, "auto": ar.all_reduce})
+    if cuda and "triton" in args.methods:
+        try:
+            from radixserve.distributed.triton_all_reduce import TritonOneShot
+
+            methods["triton"] = TritonOneShot(dist.group.WORLD, device, (dtype,), max_bytes)
+        except Exception as e:  # noqa: BLE001
+            result["triton_error"] = f"{type(e).__name__}: {e}"
+    methods = {k: v for k, v in methods.items() if k in args.methods}
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     for kib in args.sizes_kib:
         numel = kib * 1024 // torch.finfo(dtype).bits * 8
@@ -137,7 +145,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 def report(result: dict[str, Any], result_file: str | None) -> None:
     print(f"custom all-reduce enabled: {result['custom_enabled']} {result['disabled_reason'] or ''}")
-    names = ["nccl", "one_shot", "two_shot", "auto"]
+    if "triton_error" in result:
+        print("triton one-shot not set up:", result["triton_error"])
+    names = [n for n in ("nccl", "one_shot", "two_shot", "auto", "triton") if any(n in r for r in result["rows"])]
     print("microseconds per all-reduce; graph = inside a CUDA graph of back-to-back calls")
     print(f"{'KiB':>6} " + " ".join(f"{n + ' graph':>14} {n + ' eager':>14}" for n in names) + "  exact int sums")
     for row in result["rows"]:
@@ -167,6 +177,9 @@ def main() -> None:
     parser.add_argument("--eager-iters", type=int, default=50)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a gloo dry run (NCCL "
                         "only, no graphs)")
+    parser.add_argument("--methods", nargs="+", default=["nccl", "one_shot", "two_shot", "auto"],
+                        choices=("nccl", "one_shot", "two_shot", "auto", "triton"),
+                        help="triton: the experimental one-barrier kernel (radixserve/distributed/triton_all_reduce)")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:

@@ -4,10 +4,12 @@ and on the base model (no LoRA) in the same run.
     python benchmarks/bench_lora.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
         --num-adapters 8 --rank 16 --batch-size 1 32 128 --result-file lora.json
 
-Adapters are random PEFT folders (rank --rank on all seven projections) written to --adapter-dir. Decode: a static
-batch through the scheduler's ModelRunner (CUDA graphs on), every row with an adapter (rows spread evenly over the
-adapters; batch 1 uses one), median step time. Offline: --num-prompts requests through the in-process scheduler
-(overlap on, radix cache on), spread evenly over the adapters, output throughput. Prints a table; writes JSON."""
+--modes picks the runs (base, lora, lora-separate: the shrink in separate kernels instead of stacked into the base
+GEMM); --profile prints each decode batch's kernels per step. Adapters are random PEFT folders (rank --rank on all
+seven projections) written to --adapter-dir. Decode: a static batch through the scheduler's ModelRunner (CUDA graphs
+on), every row with an adapter (rows spread evenly over the adapters; batch 1 uses one), median step time. Offline:
+--num-prompts requests through the in-process scheduler (overlap on, radix cache on), spread evenly over the
+adapters, output throughput. Prints a table; writes JSON."""
 
 from __future__ import annotations
 
@@ -56,8 +58,25 @@ def sync(s: Scheduler) -> None:
         torch.cuda.synchronize()
 
 
-def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: int, steps: int) -> float:
-    """Median decode step time of a static batch of `bs` rows (row i uses names[i % len(names)])."""
+def profile_summary(prof: torch.profiler.profile, steps: int, top: int = 12) -> str:
+    """The GPU kernels of `steps` profiled steps: launches and microseconds per step, the LoRA ones and the top."""
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.device_time)
+    rows = sorted(((sum(t) / steps, len(t) / steps, n) for n, t in kernels.items()), reverse=True)
+    lora = [r for r in rows if "lora" in r[2].lower() or "shrink" in r[2] or "expand" in r[2]]
+    total = sum(r[0] for r in rows)
+    lines = [f"  kernels/step {sum(r[1] for r in rows):.0f}, GPU busy {total:.0f} us/step; LoRA kernels/step "
+             f"{sum(r[1] for r in lora):.0f}, {sum(r[0] for r in lora):.0f} us/step"]
+    lines += [f"  {us:9.1f} us {n:6.1f}x  {name[:90]}" for us, n, name in rows[:top]]
+    return "\n".join(lines)
+
+
+def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: int, steps: int,
+                   profile: bool = False) -> float:
+    """Median decode step time of a static batch of `bs` rows (row i uses names[i % len(names)]); `profile`: then
+    print the kernels of a few more steps."""
     runner = s.worker.model_runner
     vocab = runner.model_config.vocab_size
     g = torch.Generator().manual_seed(bs)
@@ -86,6 +105,16 @@ def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: in
         run()
         sync(s)
         times.append(time.perf_counter() - t)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                batch.prepare_for_decode()
+                run()
+            sync(s)
+        print(profile_summary(prof, 4), flush=True)
     for r in batch.reqs:
         runner.token_to_kv_pool.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
         runner.req_to_token_pool.free(r.req_pool_idx)
@@ -133,6 +162,9 @@ def main() -> None:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--cuda-graph-max-bs", type=int, default=128)
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--modes", nargs="+", default=["base", "lora"], choices=["base", "lora", "lora-separate"],
+                   help="lora-separate: adapters with the shrink in separate kernels (no stacking)")
+    p.add_argument("--profile", action="store_true", help="print each decode batch's kernels (torch profiler)")
     p.add_argument("--result-file", default="bench_lora.json")
     args = p.parse_args()
 
@@ -141,17 +173,20 @@ def main() -> None:
     names = [x.split("=")[0] for x in lora_paths]
     print(f"wrote {len(names)} adapters of rank {args.rank} in {time.perf_counter() - t:.1f} s", flush=True)
     results: dict[str, Any] = {"args": vars(args), "decode": {}, "offline": {}}
-    for mode in ("base", "lora"):
+    from radixserve.lora.pool import set_lora_stacking
+
+    for mode in args.modes:
         t = time.perf_counter()
-        s = make_scheduler(args, lora_paths if mode == "lora" else None)
+        set_lora_stacking(False if mode == "lora-separate" else None)
+        s = make_scheduler(args, lora_paths if mode != "base" else None)
         print(f"[{mode}] scheduler ready in {time.perf_counter() - t:.1f} s", flush=True)
-        rows = names if mode == "lora" else [None]
+        rows = names if mode != "base" else [None]
         # warm-up: every kernel compiled (prefill, decode, all batch sizes of the runs below)
         offline(s, rows, 2 * len(rows), 32, 64, 4, seed=99)
         for bs in args.batch_size:
             decode_latency(s, bs, rows[:1] if bs == 1 else rows, 16, 2)
             results["decode"].setdefault(str(bs), {})[mode] = decode_latency(
-                s, bs, rows[:1] if bs == 1 else rows, args.input_len, args.decode_steps)
+                s, bs, rows[:1] if bs == 1 else rows, args.input_len, args.decode_steps, args.profile)
             print(f"[{mode}] decode bs={bs}: {results['decode'][str(bs)][mode] * 1e3:.2f} ms/step", flush=True)
         if not args.skip_offline:
             results["offline"][mode] = offline(s, rows, args.num_prompts, *args.offline_input_range,
@@ -160,19 +195,28 @@ def main() -> None:
         if s.worker_client is not None:
             s.worker_client.shutdown()
         del s
+        set_lora_stacking(None)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print(f"\n{'measure':<24}{'base':>12}{'8 adapters' if args.num_adapters == 8 else 'adapters':>12}{'ratio':>8}")
+    others = [m for m in args.modes if m != "base"]
+    print(f"\n{'measure':<24}{'base':>12}" + "".join(f"{m:>14}{'ratio':>8}" for m in others))
     for bs, d in results["decode"].items():
-        ratio = d["base"] / d["lora"]
-        d["ratio_speed"] = ratio
-        print(f"{'decode bs=' + bs + ' (ms/step)':<24}{d['base'] * 1e3:>12.2f}{d['lora'] * 1e3:>12.2f}{ratio:>8.3f}")
+        line = f"{'decode bs=' + bs + ' (ms/step)':<24}{d.get('base', float('nan')) * 1e3:>12.2f}"
+        for m in others:
+            ratio = d["base"] / d[m] if "base" in d else float("nan")
+            d["ratio_speed" if m == "lora" else f"ratio_speed_{m}"] = ratio
+            line += f"{d[m] * 1e3:>14.2f}{ratio:>8.3f}"
+        print(line)
     if results["offline"]:
-        b, lo = results["offline"]["base"], results["offline"]["lora"]
-        results["offline"]["ratio"] = lo["output_tok_s"] / b["output_tok_s"]
-        print(f"{'offline (out tok/s)':<24}{b['output_tok_s']:>12.0f}{lo['output_tok_s']:>12.0f}"
-              f"{results['offline']['ratio']:>8.3f}")
+        off = results["offline"]
+        b = off.get("base", {}).get("output_tok_s", float("nan"))
+        line = f"{'offline (out tok/s)':<24}{b:>12.0f}"
+        for m in others:
+            ratio = off[m]["output_tok_s"] / b
+            off["ratio" if m == "lora" else f"ratio_{m}"] = ratio
+            line += f"{off[m]['output_tok_s']:>14.0f}{ratio:>8.3f}"
+        print(line)
     with open(args.result_file, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -29,7 +29,7 @@ from radixserve.bench_one_batch import (  # noqa: E402
     print_profile,
     profile_decode,
 )
-from radixserve.layers.moe import FusedMoE, select_experts  # noqa: E402
+from radixserve.layers.moe import FusedMoE  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
@@ -48,16 +48,15 @@ def distinct_experts(runner: ModelRunner, batch_size: int, input_len: int, seed:
     counts: list[int] = []
     originals = []
     for layer in layers:
-        orig = layer.forward
+        orig = layer.run_experts
 
-        def recording(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      _layer: FusedMoE = layer, _orig: Any = orig) -> torch.Tensor:
-            _, ids = select_experts(logits, _layer.router, bias)
+        def recording(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *, _orig: Any = orig
+                      ) -> torch.Tensor:
             counts.append(int(ids.unique().numel()))
-            return _orig(x, logits, bias)
+            return _orig(x, weights, ids)
 
         originals.append(orig)
-        layer.forward = recording  # type: ignore[method-assign]
+        layer.run_experts = recording  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, runner.model_config.vocab_size, (batch_size, input_len), generator=g).tolist()
     sb = StaticBatch(runner)
@@ -70,7 +69,7 @@ def distinct_experts(runner: ModelRunner, batch_size: int, input_len: int, seed:
     finally:
         runner.cuda_graph_runner = graphs
         for layer, orig in zip(layers, originals, strict=True):
-            layer.forward = orig  # type: ignore[method-assign]
+            layer.run_experts = orig  # type: ignore[method-assign]
     return counts
 
 
@@ -123,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         r["roofline_s"] = r["step_bytes"] / copy_bw
         r["bandwidth_util"] = r["roofline_s"] / r["median_decode_s"]
         rows.append(r)
+        print(f"batch {bs}: step {r['median_decode_s'] * 1e3:.3f} ms, roofline {r['roofline_s'] * 1e3:.3f} ms, "
+              f"BW util {r['bandwidth_util']:.1%}", flush=True)  # as measured: survives a timeout later on
     name = Path(runner.model_config.model_path).name
     print(f"\n{name}: weights {runner.weight_bytes / 1e9:.2f} GB, copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
           f"KV {runner.token_to_kv_pool.bytes_per_token()} B/token, pool {runner.max_total_num_tokens} tokens")

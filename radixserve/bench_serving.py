@@ -6,7 +6,9 @@
 Requests arrive as a Poisson process at --request-rate (inf: all at once), at most --max-concurrency in flight, and
 stream their output. Printed and written to JSON: request/token throughput, and mean/median/p90/p99 of time to
 first token (TTFT), inter-token latency (ITL, the gaps between streamed chunks), time per output token after the
-first (TPOT) and end-to-end latency. --plot writes a PNG with their distributions and the output throughput over
+first (TPOT) and end-to-end latency. A chunk counts as an arrival when it brings text or, on the native API (whose
+chunks carry the output token count), more tokens: tokens that decode to no text yet are not folded into the next
+gap. --plot writes a PNG with their distributions and the output throughput over
 time.
 
 Backends: `radixserve` (native POST /generate, SSE of cumulative outputs), `openai` (POST /v1/completions) and
@@ -146,7 +148,7 @@ async def send_request(session: Any, base_url: str, backend: str, model: str, re
     last = start
     text = ""
     tokens: int | None = None
-    chunks_with_text = 0
+    arrivals = 0
     try:
         async with session.post(base_url + path, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -168,26 +170,30 @@ async def send_request(session: Any, base_url: str, backend: str, model: str, re
                             res.error = str(chunk["error"].get("message", chunk["error"]))
                             return res
                         delta, n = _delta(backend, chunk, text)
+                        # a chunk counts when it brings tokens: new text, or (native API, which reports the count
+                        # in every chunk) more output tokens even if they decode to no text yet (a partial UTF-8
+                        # character; random weights' ids beyond the tokenizer's vocabulary)
+                        grew = backend == "radixserve" and n is not None and n > (tokens or 0)
                         if n is not None:
                             tokens = n
-                        if not delta:
+                        if not delta and not grew:
                             continue
                         now = time.perf_counter()
-                        if chunks_with_text == 0:
+                        if arrivals == 0:
                             res.ttft = now - start
                         else:
                             res.itl.append(now - last)
                         res.chunk_times.append(now - t0)
                         last = now
-                        chunks_with_text += 1
+                        arrivals += 1
                         text += delta
     except Exception as e:  # connection errors are results, not crashes
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency = time.perf_counter() - start
     res.generated_text = text
-    res.output_len = tokens if tokens is not None else chunks_with_text
-    res.success = chunks_with_text > 0 or res.output_len == 0
+    res.output_len = tokens if tokens is not None else arrivals
+    res.success = arrivals > 0 or res.output_len == 0
     if not res.success:
         res.error = "no output"
     return res

@@ -58,6 +58,10 @@ class ServerArgs:
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype; fp8_e4m3 / fp8_e5m2 store K/V in 8 bits, "
                                 "scaled by the checkpoint's k_scale / v_scale or 1.0)", default="auto",
                                 choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _flag("With an fp8 KV cache: give every attention layer whose checkpoint has no "
+                                      "k_scale / v_scale scales measured at startup (one prefill over a short "
+                                      "built-in English text; 2 x the largest |k|, |v| seen / the fp8 maximum) "
+                                      "instead of 1.0", default=False)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
@@ -74,6 +78,8 @@ class ServerArgs:
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
+    page_size: int = _flag("KV cache page size in tokens: the pool allocates and frees whole pages and the radix "
+                           "cache shares whole pages only (a partial last page is recomputed)", default=1)
     max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
                                              "largest captured batch, else from the pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
@@ -82,6 +88,11 @@ class ServerArgs:
     chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
                                              "4096 on CPU)")
     enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
+    step_token_budget: int | None = _flag("While requests decode and no backlog waits (the waiting prompts fit in "
+                                          "one chunk), one step computes at most this many tokens: the running "
+                                          "decodes ride with a prefill chunk that takes the rest (MIXED), so decodes "
+                                          "keep their pace while prompts are admitted. 0: off (default 256 on CUDA, "
+                                          "off on the CPU, with speculative decoding and DP attention)")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -167,6 +178,10 @@ class ServerArgs:
     balance_rel_threshold: float = _flag("cache_aware: ... and longer than this times the shortest queue",
                                          default=1.5)
     base_gpu_id: int = _flag("First GPU index to use", default=0)
+    enable_dp_attention: bool = _flag("MLA models: attention data-parallel over the TP ranks (each rank schedules its "
+                                      "own requests with its own KV cache; the MoE/MLP layers stay tensor- or "
+                                      "expert-parallel over all ranks' tokens). Needs --dp-size equal to --tp-size",
+                                      default=False)
     disable_custom_all_reduce: bool = _flag("TP on CUDA: send every all-reduce through NCCL (by default decode-sized "
                                             "ones use a one-/two-shot all-reduce over symmetric memory)",
                                             default=False)
@@ -222,12 +237,23 @@ class ServerArgs:
                      "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens",
                      "torch_compile_max_bs"):
             positive(name)
+        positive("page_size", allow_none=False)
+        if self.page_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
+                             "with kept tokens, and pages are freed whole)")
+        if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
+                                                   or isinstance(self.step_token_budget, bool)
+                                                   or self.step_token_budget < 0):
+            raise ValueError(f"--step-token-budget must be a non-negative integer; got {self.step_token_budget!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535; got {self.port}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype fp8_e4m3 or fp8_e5m2); "
+                             f"got --kv-cache-dtype {self.kv_cache_dtype}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -240,6 +266,14 @@ class ServerArgs:
             raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size must be 1 or equal to --tp-size ({self.tp_size}); got {self.ep_size}")
+        if self.enable_dp_attention:
+            if self.tp_size < 2 or self.dp_size != self.tp_size:
+                raise ValueError("--enable-dp-attention needs --tp-size >= 2 and --dp-size equal to it (each TP rank "
+                                 f"is an attention DP rank); got --tp-size {self.tp_size} --dp-size {self.dp_size}")
+            if self.nnodes != 1:
+                raise ValueError("--enable-dp-attention runs on one node")
+            if self.speculative_algorithm is not None:
+                raise ValueError("--enable-dp-attention does not support speculative decoding")
         if self.tp_size % self.nnodes != 0:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if self.schedule_conservativeness <= 0:
@@ -294,6 +328,9 @@ class ServerArgs:
         if bad:
             raise ValueError(f"--lora-target-modules: {', '.join(bad)} not supported (choose among "
                              f"{', '.join(TARGET_MODULES)})")
+        if self.enable_lora and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile cannot serve LoRA adapters (the compiled decode would run the "
+                             "adapters' per-batch grouping as traced torch code); drop one of the two")
         names = [n for n, _ in self.lora_path_pairs()]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-paths: adapter names must be unique; got {names}")
@@ -325,6 +362,15 @@ class ServerArgs:
                 raise ValueError(f"--api-key-file {self.api_key_file!r} is empty")
             return key
         return os.environ.get("RADIXSERVE_API_KEY") or None
+
+    @property
+    def resolved_step_token_budget(self) -> int:
+        """--step-token-budget, or its default: 256 on CUDA without speculative decoding or DP attention, else 0
+        (off)."""
+        if self.step_token_budget is not None:
+            return self.step_token_budget
+        plain = self.speculative_algorithm is None and not self.enable_dp_attention
+        return 256 if self.resolved_device() == "cuda" and plain else 0
 
     @property
     def chunk_size(self) -> int | None:

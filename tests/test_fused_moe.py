@@ -164,3 +164,31 @@ def test_fused_topk_kernel_matches_the_torch_router(scoring: str, renorm: bool, 
     w_ref, ids_ref = select_experts(logits.cpu(), RouterConfig(20, k, scoring, renorm, routed_scaling_factor=2.5),
                                     None if correction is None else correction.cpu())
     _same_choice(w.cpu(), ids.cpu(), w_ref, ids_ref)
+
+
+@pytest.mark.parametrize("scoring,renorm,bias,k,tokens", [("softmax", True, False, 2, 3),
+                                                          ("softmax", False, False, 8, 1),
+                                                          ("sigmoid", True, True, 3, 5)])
+def test_gate_and_topk_in_one_launch_match_linear_then_router(scoring: str, renorm: bool, bias: bool, k: int,
+                                                              tokens: int) -> None:
+    """The router's linear layer + top-k as one kernel (its last program selects) equals the linear layer followed
+    by select_experts; the counter it uses is back at 0 after each launch."""
+    from radixserve.layers.moe.router import RouterConfig, select_experts
+    from radixserve.layers.moe.topk_kernel import fused_gate_topk
+
+    g = torch.Generator().manual_seed(k + tokens)
+    e, h = 20, 24  # 20 experts: the last expert block is partly empty
+    x = torch.randn(tokens, h, generator=g).to(DEVICE)
+    weight = torch.randn(e, h, generator=g).to(DEVICE)
+    correction = (torch.randn(e, generator=g) * 0.5).to(DEVICE) if bias else None
+    done = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    cfg = RouterConfig(e, k, scoring, renorm, routed_scaling_factor=2.5)
+    ref_w, ref_ids = select_experts(torch.nn.functional.linear(x.cpu(), weight.cpu()), cfg,
+                                    None if correction is None else correction.cpu())
+    for _ in range(2):
+        w, ids = fused_gate_topk(x, weight, done, k, scoring == "sigmoid", renorm, 2.5, correction,
+                                 interpreted=DEVICE == "cpu")
+        _same_choice(w.cpu(), ids.cpu(), ref_w, ref_ids)
+        assert int(done) == 0
+    with pytest.raises(ValueError, match="float32"):
+        fused_gate_topk(x, weight.double(), done, k, False, renorm, 1.0)

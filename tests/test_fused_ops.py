@@ -125,6 +125,35 @@ def test_rotary_with_kv_write_equals_rotary_then_store(src_dtype: torch.dtype, p
         apply_rotary_inplace(positions, q, k, cos, sin, d, KVWrite(k_buf, v_buf, loc[:2], v))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_with_qk_norm_equals_rmsnorm_then_rotary(dtype: torch.dtype) -> None:
+    """Qwen3's per-head q/k RMSNorm inside the rotary kernel (with the KV write) gives what the RMSNorm kernel
+    followed by the rotary kernel gives."""
+    from radixserve.layers.triton_ops.rotary import QKNorm
+
+    hq, hk, d, t, slots = 4, 2, 32, 5, 12
+    rope = RotaryEmbedding(d, 256, 10000.0)
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(t, (hq + 2 * hk) * d, generator=g) * 3).to(dtype).to(DEV)
+    qw, kw = (torch.rand(d, generator=g) + 0.5).to(dtype).to(DEV), (torch.rand(d, generator=g) + 0.5).to(dtype).to(DEV)
+    positions, loc = torch.tensor([0, 9, 255, 3, 3]).to(DEV), torch.tensor([1, 0, 11, 4, 7]).to(DEV)
+    cos, sin = rope.cos_cache.to(DEV), rope.sin_cache.to(DEV)
+    ref = qkv.clone()
+    q, k, v = ref.split([hq * d, hk * d, hk * d], dim=-1)
+    qn, kn = rmsnorm(q.reshape(-1, d), qw, 1e-6).view(t, -1), rmsnorm(k.reshape(-1, d), kw, 1e-5).view(t, -1)
+    apply_rotary_inplace(positions, qn, kn, cos, sin, d)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    k_buf = torch.zeros(slots, hk, d, dtype=dtype, device=DEV)
+    v_buf = torch.zeros(slots, hk, d, dtype=dtype, device=DEV)
+    apply_rotary_inplace(positions, q, k, cos, sin, d, KVWrite(k_buf, v_buf, loc, v), QKNorm(qw, kw, 1e-6, 1e-5))
+    _exact_or_ulp(q, qn)
+    _exact_or_ulp(k, kn)
+    _exact_or_ulp(k_buf[loc].reshape(t, -1), kn)
+    assert torch.equal(v_buf[loc].reshape(t, -1), v)
+    with pytest.raises(ValueError, match="norm weights"):
+        apply_rotary_inplace(positions, q, k, cos, sin, d, None, QKNorm(qw[:-1], kw, 1e-6, 1e-6))
+
+
 def test_rotary_bad_input() -> None:
     rope = RotaryEmbedding(16, 32, 10000.0)
     with pytest.raises(ValueError, match="head_dim"):

@@ -125,12 +125,17 @@ def test_bad_adapter_folders_are_clear_errors(lora_setup, tmp_path) -> None:
         make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"], max_lora_rank=8)
     with pytest.raises(ValueError, match="NAME=PATH|not a folder"):
         make_scheduler(lora_setup["base"], lora_paths=["x=/nonexistent"])
+    from radixserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="torch-compile"):
+        ServerArgs(model_path=lora_setup["base"], enable_lora=True, enable_torch_compile=True)
 
 
 # ---------------------------------------------------------------------------------------------- units
 def test_group_rows_groups_tokens_by_slot() -> None:
     packed, groups, max_len = group_rows([2, -1, 0, 2], [3, 2, 1, 2], num_slots=4)
-    head, order = packed[:12].view(3, 4), packed[12:]
+    head, order, sorted_slots = packed[:12].view(3, 4), packed[12:20], packed[20:]
+    assert sorted_slots.tolist() == [-1, -1, 0, 2, 2, 2, 2, 2] and order[:2].tolist() == [3, 4]
     # tokens: req0 rows 0-2 (slot 2), req1 rows 3-4 (base), req2 row 5 (slot 0), req3 rows 6-7 (slot 2)
     assert head[0, :2].tolist() == [0, 2] and head[2].tolist() == [1, 5, 0, 0]
     starts = head[1, :2].tolist()
@@ -140,6 +145,7 @@ def test_group_rows_groups_tokens_by_slot() -> None:
     assert groups[0] == (0, slice(5, 6)) and groups[1][0] == 2 and groups[1][1].tolist() == [0, 1, 2, 6, 7]
     packed, groups, max_len = group_rows([-1, -1], None, num_slots=2)
     assert groups == [] and max_len == 0 and packed[:6].tolist() == [0] * 6
+    assert packed[6:].tolist() == [0, 1, -1, -1]  # the order, the slots
 
 
 def test_slot_table_lru() -> None:

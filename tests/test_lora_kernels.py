@@ -71,13 +71,16 @@ def test_kernels_in_bfloat16() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU model under TRITON_INTERPRET; tests/gpu has the CUDA run")
-def test_model_with_kernels_forced_equals_torch_path(tmp_path) -> None:
-    """A mixed batch through the whole model: Triton LoRA kernels (forced on the CPU) == the torch path."""
+@pytest.mark.parametrize("stack", [False, True])
+def test_model_with_kernels_forced_equals_torch_path(tmp_path, stack) -> None:
+    """A mixed batch through the whole model: Triton LoRA kernels (forced on the CPU) == the torch path; with the
+    shrink in separate kernels, and stacked into the base GEMM (one expand kernel a layer)."""
     from lora_utils import make_adapters
     from model_utils import make_tiny_model
     from test_scheduler import drain, make_scheduler
 
     from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.lora.pool import set_lora_stacking
     from radixserve.managers import io_struct as io
     from radixserve.sampling.sampling_params import SamplingParams
 
@@ -93,21 +96,27 @@ def test_model_with_kernels_forced_equals_torch_path(tmp_path) -> None:
                 params = SamplingParams.from_dict({"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
                 s.process_input_requests([io.TokenizedGenerateReqInput(
                     rid=f"{name}-{i}", input_text=None, input_ids=p, sampling_params=params, lora_id=name)])
+        pool = s.worker.model_runner.lora_manager.pool
+        stacked.append(len(pool.stacked) == len(pool.targets))
         return {k: v["ids"] for k, v in drain(s).items()}
 
+    stacked: list[bool] = []
     ref = run()
     set_fused_kernels(True)
+    set_lora_stacking(stack)
     try:
         got = run()
     finally:
         set_fused_kernels(None)
+        set_lora_stacking(None)
+    assert stacked == [False, stack]  # the tiny model's layers are too small to stack by default
     assert got == ref
 
 
 @pytest.mark.parametrize("graph_bs,req_slots", [(1, [2]), (4, [1, -1, 1]), (8, [0, 2, 1, 2, -1])])
 def test_graph_grid_over_a_static_buffer_equals_eager(graph_bs, req_slots) -> None:
     """What a captured decode graph runs: the grid sized for the graph's batch (min(S, bs) groups, bs rows) over a
-    static buffer into which the batch's grouping was copied (fewer rows than the graph, stale rows past them)."""
+    static buffer into which the grouping of the batch padded to the graph's rows was copied."""
     out_slices = [(0, 32), (32, 16), (48, 16)]
     a, b, scal = make_case(64, out_slices, 16, [16, 8, 4], seed=graph_bs)
     packed, groups, max_len = group_rows(req_slots, None, num_slots=3)
@@ -119,9 +128,94 @@ def test_graph_grid_over_a_static_buffer_equals_eager(graph_bs, req_slots) -> No
     raw = len(req_slots)
     lora_shrink_expand(x[:raw].to(DEV), eager[:raw], *args, LoRABatchInfo(3, packed=packed.to(DEV)).views(),
                        len(groups), max_len)
-    static = torch.full((3 * 3 + graph_bs,), 7, dtype=torch.int64, device=DEV)  # stale values everywhere
-    static[:packed.numel()].copy_(packed.to(DEV))
-    info = LoRABatchInfo(3, num_groups=min(3, graph_bs), max_group_len=graph_bs, packed=static, capturing=True)
+    # the graph's static buffer holds the grouping of the graph's batch, padding rows as base rows
+    static, _, _ = group_rows(req_slots + [-1] * (graph_bs - raw), None, num_slots=3)
+    info = LoRABatchInfo(3, num_groups=min(3, graph_bs), max_group_len=graph_bs, packed=static.to(DEV),
+                         capturing=True)
     graph = base.to(DEV).clone()
     lora_shrink_expand(x.to(DEV), graph, *args, info.views(), info.num_groups, info.max_group_len)
     torch.testing.assert_close(graph, eager)
+
+
+@pytest.mark.parametrize("K,out_slices,R,req_slots,counts", [
+    (64, [(0, 48), (48, 16), (64, 16)], 16, [0, -1, 2, 1, 0], [3, 2, 1, 4, 2]),  # qkv-like: blocks straddle slices
+    (96, [(0, 40), (40, 40)], 8, [1, 1, -1, 0], None),  # gate/up-like, rank < 16
+    (32, [(0, 24)], 16, [2, 0, -1, 2, 2] * 5, None),  # 25 rows: two blocks, each of several adapters
+    (64, [(0, 16)], 16, [-1, -1], None),  # only base rows: a copy
+])
+def test_stacked_expand_matches_torch_reference(K, out_slices, R, req_slots, counts) -> None:
+    """The stacked path: one GEMM over [W; A_0; A_1; A_2] then one expand kernel == the base output + the torch
+    reference's deltas, for every row (base rows copied)."""
+    from radixserve.lora.triton_ops import lora_expand_stacked
+
+    ranks = [R, max(1, R // 2), 4]
+    a, b, scal = make_case(K, out_slices, R, ranks, seed=K + 1)
+    N = sum(n for _, n in out_slices)
+    packed, groups, _ = group_rows(req_slots, counts, num_slots=3)
+    T = sum(counts) if counts else len(req_slots)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    ref = x @ w.T
+    lora_delta_torch(x, ref, a, b, out_slices, groups, ranks, scal)
+    y = x @ torch.cat([w, a.reshape(-1, K)]).T
+    info = LoRABatchInfo(3, packed=packed.to(DEV))
+    _, _, _, order, sorted_slots = info.views()
+    out = lora_expand_stacked(y.to(DEV), b.to(DEV), torch.tensor(scal, device=DEV), out_slices, order, sorted_slots,
+                              info.num_rows)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    if all(s < 0 for s in req_slots):
+        assert torch.equal(out.cpu(), y[:, :N])
+
+
+def test_stacked_expand_in_bfloat16() -> None:
+    from radixserve.lora.triton_ops import lora_expand_stacked
+
+    out_slices = [(0, 32), (32, 32)]
+    a, b, scal = make_case(128, out_slices, 16, [16, 8], seed=9, dtype=torch.bfloat16)
+    packed, groups, _ = group_rows([1, 0, 1, -1], [2, 3, 1, 2], num_slots=2)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 128, generator=g).to(torch.bfloat16)
+    w = (torch.randn(64, 128, generator=g) / 8).to(torch.bfloat16)
+    y = x @ torch.cat([w, a.reshape(-1, 128)]).T
+    ref = y[:, :64].float()
+    lora_delta_torch(x.float(), ref, a.float(), b.float(), out_slices, groups, [16, 8], scal)
+    info = LoRABatchInfo(2, packed=packed.to(DEV))
+    out = lora_expand_stacked(y.to(DEV), b.to(DEV), torch.tensor(scal, device=DEV), out_slices, *info.views()[3:],
+                              info.num_rows)
+    torch.testing.assert_close(out.cpu().float(), ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("graph_bs,req_slots", [(1, [2]), (4, [1, -1, 1]), (8, [0, 2, 1, 2, -1]), (4, [-1, -1])])
+def test_stacked_expand_over_a_graph_buffer_equals_eager(graph_bs, req_slots) -> None:
+    """What a captured decode graph runs on the stacked path: the manager's static buffer, captured for the graph's
+    batch, then loaded with a smaller batch's grouping (padding rows as base rows): the real rows equal eager."""
+    from types import SimpleNamespace
+
+    from radixserve.lora.manager import LoRAManager
+    from radixserve.lora.triton_ops import lora_expand_stacked
+
+    S, K, out_slices = 3, 64, [(0, 48), (48, 16), (64, 16)]
+    a, b, scal = make_case(K, out_slices, 16, [16, 8, 4], seed=graph_bs)
+    m = LoRAManager.__new__(LoRAManager)  # the grouping state alone: no model
+    m.num_slots, m.device, m.is_cuda, m.info = S, DEV, DEV == "cuda", LoRABatchInfo(S)
+    m.init_cuda_graph_state(8)
+    m.begin_capture(graph_bs)
+    captured = m.info.views()  # the kernels' arguments, fixed at capture
+    m.end_capture()
+    raw = len(req_slots)
+    packed, groups, max_len = group_rows(req_slots, None, S)
+    info = LoRABatchInfo(S, num_groups=len(groups), max_group_len=max_len, packed=packed.to(DEV),
+                         req_slots=req_slots)
+    if not groups:
+        info.packed = None
+    m.load_graph_inputs(SimpleNamespace(lora_info=info, batch_size=raw), graph_bs)
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(graph_bs, 80 + S * 3 * 16, generator=g).to(DEV)
+    args = (b.to(DEV), torch.tensor(scal, device=DEV), out_slices)
+    graph = lora_expand_stacked(y, *args, captured[3], captured[4], graph_bs)
+    eager_packed = group_rows(req_slots, None, S)[0].to(DEV)
+    eager_info = LoRABatchInfo(S, packed=eager_packed)
+    eager = lora_expand_stacked(y[:raw], *args, *eager_info.views()[3:], raw)
+    torch.testing.assert_close(graph[:raw], eager)
+    torch.testing.assert_close(graph[raw:], y[raw:, :80])  # padding rows: copied as base rows

@@ -77,3 +77,9 @@ def test_every_registered_model_class_imports() -> None:
         assert get_model_class([arch]).__name__ == arch
     with pytest.raises(ValueError, match="not supported"):
         get_model_class(["NoSuchForCausalLM"])
+
+
+def test_dp_attention_needs_matching_tp_and_dp_sizes() -> None:
+    for kw in ({"tp_size": 1, "dp_size": 1}, {"tp_size": 2, "dp_size": 1}, {"tp_size": 2, "dp_size": 4}):
+        with pytest.raises(ValueError, match="--enable-dp-attention"):
+            ServerArgs(enable_dp_attention=True, **kw)

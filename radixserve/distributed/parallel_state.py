@@ -23,6 +23,7 @@ _TP_CPU_GROUP: dist.ProcessGroup | None = None
 _TP_RANK = 0
 _TP_SIZE = 1
 _EP_SIZE = 1
+_DP_ATTENTION = False
 _CUSTOM_AR = None  # CustomAllReduce on CUDA TP groups of one machine, unless --disable-custom-all-reduce
 
 
@@ -37,6 +38,18 @@ def set_expert_parallel_size(ep_size: int) -> None:
 
 def get_expert_parallel_size() -> int:
     return _EP_SIZE
+
+
+def set_dp_attention(enabled: bool) -> None:
+    """--enable-dp-attention: each TP rank runs attention on its own requests (replicated attention weights and
+    its own KV cache) and the MoE/MLP layers, sharded over the ranks, work on every rank's tokens together. Set by
+    ModelRunner before the model is built; read by the models that support it."""
+    global _DP_ATTENTION
+    _DP_ATTENTION = enabled
+
+
+def is_dp_attention_enabled() -> bool:
+    return _DP_ATTENTION
 
 
 def initialize_model_parallel(tp_rank: int, tp_size: int, init_method: str, backend: str,
@@ -79,6 +92,20 @@ def get_custom_all_reduce() -> Any:
     return _CUSTOM_AR
 
 
+def custom_all_reduce_fuses_norm() -> bool:
+    """Whether the all-reduce can be fused with the residual add + RMSNorm after it (layers then leave their
+    row-parallel outputs unreduced and hand them to the norm: `RMSNorm(x, residual, reduce=True)`)."""
+    return _CUSTOM_AR is not None and getattr(_CUSTOM_AR, "add_norm", None) is not None
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused all-reduce + residual add + RMSNorm, or None when it cannot run on this message."""
+    if _TP_SIZE == 1 or _CUSTOM_AR is None:
+        return None
+    return _CUSTOM_AR.fused_add_rmsnorm(x, residual, weight, eps)
+
+
 def model_parallel_is_initialized() -> bool:
     return _TP_GROUP is not None
 
@@ -104,6 +131,46 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def dp_attention_gather(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """DP attention: every rank's `x` ([n_r, hidden], n_r <= rows) as one [tp_size * rows, hidden] tensor, rank r's
+    rows at r * rows (the rest zero)."""
+    padded = x.new_zeros(rows, x.shape[1]) if x.shape[0] < rows else x
+    if x.shape[0] < rows:
+        padded[: x.shape[0]] = x
+    if _TP_SIZE == 1:
+        return padded
+    if padded.is_cuda:
+        out = x.new_empty(_TP_SIZE * rows, x.shape[1])
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=_TP_GROUP)
+        return out
+    parts = [torch.empty_like(padded) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, padded.contiguous(), group=_TP_GROUP)
+    return torch.cat(parts)
+
+
+def dp_attention_scatter(x: torch.Tensor, n: int) -> torch.Tensor:
+    """DP attention: the inverse of `dp_attention_gather` for partial sums: sum `x` ([tp_size * rows, hidden], the
+    MoE/MLP output of this rank's weight shard) over the ranks and keep this rank's first `n` rows."""
+    if _TP_SIZE == 1:
+        return x[:n]
+    rows = x.shape[0] // _TP_SIZE
+    if x.is_cuda:
+        out = x.new_empty(rows, x.shape[1])
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=_TP_GROUP)
+        return out[:n]
+    dist.all_reduce(x, group=_TP_GROUP)  # gloo has no reduce-scatter
+    return x[_TP_RANK * rows: _TP_RANK * rows + n]
+
+
+def all_gather_pyobj(obj: Any) -> list[Any]:
+    """Every TP rank's `obj` (picklable), in rank order, over the CPU group."""
+    if _TP_SIZE == 1:
+        return [obj]
+    out: list[Any] = [None] * _TP_SIZE
+    dist.all_gather_object(out, obj, group=_TP_CPU_GROUP)
+    return out
 
 
 def broadcast_tensor_from_first_rank(x: torch.Tensor) -> torch.Tensor:

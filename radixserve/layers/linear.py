@@ -47,7 +47,8 @@ class _LinearBase(nn.Module):
             set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
-        # LoRA: a callable (x, base output) -> output set by radixserve.lora on the layers that carry adapters
+        # LoRA: a callable x -> the base output plus the batch's adapter deltas, set by radixserve.lora on the layers
+        # that carry adapters (it runs the base multiply itself: it may fold the adapters' shrink into it)
         self.lora = None
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
@@ -104,12 +105,11 @@ class _LinearBase(nn.Module):
         self._copy(param.data.narrow(dim, dst_off, n), loaded.narrow(dim, src_off, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._plain and self.lora is None and x.is_cuda:
-            return F.linear(x, self.weight, self.bias)
-        out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
-            out = self.lora(x, out)
-        return out
+            return self.lora(x)
+        if self._plain and x.is_cuda:
+            return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(_LinearBase):
@@ -148,6 +148,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         i = self._shard_index(shard_id)
         n = self.shard_sizes[i]
         return sum(self.shard_sizes[:i]), n, self.tp_rank * n
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this [gate; up] layer computed in its product's epilogue, when its quantization
+        method offers that for `x` (fp8 decode GEMVs); None otherwise (the caller applies SiluAndMul)."""
+        fused = getattr(self.quant_method, "apply_silu_and_mul", None)
+        if fused is None or self.lora is not None or len(self.shard_sizes) != 2 \
+                or self.shard_sizes[0] != self.shard_sizes[1]:
+            return None
+        return fused(self, x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -202,12 +211,12 @@ class RowParallelLinear(_LinearBase):
         self._copy(param, loaded.narrow(dim, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._plain and self.lora is None and x.is_cuda:
+        if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
+            out = self.lora(x)
+        elif self._plain and x.is_cuda:
             out = F.linear(x, self.weight, self.bias)
         else:
             out = self.quant_method.apply(self, x, self.bias)
-        if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
-            out = self.lora(x, out)
         if self.tp_size > 1 and self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -14,7 +14,7 @@ from radixserve.layers import cpu_ops
 from radixserve.layers.triton_ops import use_fused
 
 if TYPE_CHECKING:
-    from radixserve.layers.triton_ops.rotary import KVWrite
+    from radixserve.layers.triton_ops.rotary import KVWrite, QKNorm
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -91,19 +91,21 @@ class RotaryEmbedding(nn.Module):
         return (use_fused(q) and self.is_neox_style and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1
                 and k.stride(-1) == 1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_write: KVWrite | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_write: KVWrite | None = None,
+                qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes. On CUDA (and for float32 on the CPU,
         `cpu_ops.rotary_neox_inplace`) q and k are rotated in place
         (they may be views into the qkv projection) and returned. `kv_write` (only where `can_fuse`): the same
-        kernel also writes the rotated k and the v rows into the KV pool."""
+        kernel also writes the rotated k and the v rows into the KV pool; `qk_norm` (only where `can_fuse`): it also
+        RMS-normalises each q and k head first."""
         if self.can_fuse(q, k):
             from radixserve.layers.triton_ops.rotary import apply_rotary_inplace
 
-            apply_rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim, kv_write)
+            apply_rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim, kv_write, qk_norm)
             return q, k
-        if kv_write is not None:
-            raise ValueError("kv_write needs the fused rotary kernel (CUDA tensors, 2-D q/k with unit stride)")
+        if kv_write is not None or qk_norm is not None:
+            raise ValueError("kv_write / qk_norm need the fused rotary kernel (CUDA tensors, 2-D q/k with unit "
+                             "stride)")
         if self.is_neox_style and cpu_ops.rotary_neox_inplace(positions, q, k, self.cos_cache, self.sin_cache,
                                                               self.head_dim):
             return q, k  # rotated in place by the CPU kernel, bit-identical to the torch ops below

@@ -4,9 +4,11 @@ The scheduler gives each request an adapter slot (-1: the base model). Here the 
 slot: `token_order` lists the token rows sorted by slot (stable), and group g covers
 `token_order[group_starts[g] : group_starts[g] + group_lens[g]]`, all of slot `group_slots[g]`. Rows of the base
 model are in no group. A kernel program works on one group's block of rows, so it reads its adapter's weights
-once for many rows. The four arrays travel as one int64 tensor
-`[group_slots (S), group_starts (S), group_lens (S), token_order (T)]` (S = the number of slots; unused groups have
-length 0): one host-to-device copy per batch, and under CUDA graphs one copy into the graph's static buffer."""
+once for many rows. `sorted_slots[p]` is the slot of row `token_order[p]` (-1 for base rows, which sort first): the
+stacked expand kernel (triton_ops.py) walks the sorted rows in blocks, each block mostly of one adapter. The five
+arrays travel as one int64 tensor `[group_slots (S), group_starts (S), group_lens (S), token_order (T),
+sorted_slots (T)]` (S = the number of slots; unused groups have length 0): one host-to-device copy per batch, and
+under CUDA graphs one copy into the graph's static buffer (the graph's batch, padding rows as base rows)."""
 
 from __future__ import annotations
 
@@ -25,16 +27,26 @@ class LoRABatchInfo:
     # host view for the torch path: (slot, rank, scaling, token rows as a slice or an index tensor) per group
     groups_cpu: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     capturing: bool = False  # recording a CUDA graph: launch the kernels whatever the groups
+    req_slots: list[int] | None = None  # each request's slot (decode: one row each), to pad a graph's batch
+    _views: tuple | None = field(default=None, repr=False)  # (packed, its views)
 
     @property
     def active(self) -> bool:
         return self.capturing or self.num_groups > 0
 
-    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(group_slots, group_starts, group_lens, token_order) as views of `packed`."""
-        s = self.num_slots
+    @property
+    def num_rows(self) -> int:
+        """The rows `packed` covers (the graph's batch under a CUDA graph)."""
+        return (self.packed.numel() - 3 * self.num_slots) // 2
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(group_slots, group_starts, group_lens, token_order, sorted_slots) as views of `packed` (made once per
+        batch: every LoRA layer asks)."""
         p = self.packed
-        return p[:s], p[s:2 * s], p[2 * s:3 * s], p[3 * s:]
+        if self._views is None or self._views[0] is not p:
+            s, t = self.num_slots, self.num_rows
+            self._views = (p, (p[:s], p[s:2 * s], p[2 * s:3 * s], p[3 * s:3 * s + t], p[3 * s + t:3 * s + 2 * t]))
+        return self._views[1]
 
 
 def group_rows(req_slots: list[int], token_counts: list[int] | None, num_slots: int
@@ -54,7 +66,7 @@ def group_rows(req_slots: list[int], token_counts: list[int] | None, num_slots: 
     head = np.zeros((3, num_slots), dtype=np.int64)
     g = len(uniq)
     head[0, :g], head[1, :g], head[2, :g] = uniq, starts, lens
-    packed = torch.from_numpy(np.concatenate([head.reshape(-1), order.astype(np.int64)]))
+    packed = torch.from_numpy(np.concatenate([head.reshape(-1), order.astype(np.int64), sorted_slots]))
     groups: list[tuple[int, slice | torch.Tensor]] = []
     for slot, start, n in zip(uniq.tolist(), starts.tolist(), lens.tolist(), strict=True):
         rows = order[start:start + n]

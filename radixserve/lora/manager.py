@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers import cpu_ops
+from radixserve.layers.triton_ops import use_fused
 from radixserve.lora.adapter import read_lora_weights
 from radixserve.lora.batch_info import LoRABatchInfo, group_rows
 from radixserve.lora.config import TARGET_MODULES
@@ -28,16 +30,26 @@ DEFAULT_MAX_LORA_RANK = 64
 
 
 class _LoRAHook:
-    """Set as `base_layer.lora`: adds the batch's LoRA deltas to the base layer's output."""
+    """Set as `base_layer.lora`: the base layer's output for x plus the batch's LoRA deltas."""
 
     def __init__(self, manager: LoRAManager, target: LoRATarget) -> None:
         key = (target.layer_id, target.group)
-        self.manager, self.group, self.out_slices = manager, target.group, target.out_slices
+        self.manager, self.base, self.group, self.out_slices = manager, target.base, target.group, target.out_slices
         self.a, self.b = manager.pool.a[key], manager.pool.b[key]
+        self.stacked = manager.pool.stacked.get(key)  # ([W; A] buffer, padded bias) or None
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        m = self.manager
-        return apply_lora(x, out, self.a, self.b, self.out_slices, m.info, m.pool, self.group)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m, base = self.manager, self.base
+        info = m.info
+        if self.stacked is not None and info.active and use_fused(x):
+            from radixserve.lora.triton_ops import lora_expand_stacked
+
+            _, _, _, order, sorted_slots = info.views()
+            y = cpu_ops.linear(x, *self.stacked)  # the base output and every slot's shrink, one GEMM
+            return lora_expand_stacked(y, self.b, m.pool.scalings, self.out_slices, order, sorted_slots,
+                                       info.num_rows)
+        out = base.quant_method.apply(base, x, base.bias)
+        return apply_lora(x, out, self.a, self.b, self.out_slices, info, m.pool, self.group)
 
 
 class LoRAManager:
@@ -57,6 +69,8 @@ class LoRAManager:
             raise ValueError(f"the model has no layers for LoRA target modules {modules}")
         self.num_slots = server_args.max_loras_per_batch
         self.pool = LoRAMemoryPool(self.targets, self.num_slots, self.max_rank, dtype, device)
+        if self.pool.stacked and torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the base weights moved into the stacked buffers: free their old blocks
         self.adapters: dict[str, HostAdapter] = {}
         for name, weights in start:
             self.adapters[name] = self.pool.host_copy(name, weights)
@@ -65,8 +79,9 @@ class LoRAManager:
             t.base.lora = _LoRAHook(self, t)
         self.graph_packed: torch.Tensor | None = None
         self.is_cuda = torch.device(device).type == "cuda"
-        logger.info("LoRA: %d slot(s) of rank %d on %d layer(s) (%.1f MiB), adapters at start: %s", self.num_slots,
-                    self.max_rank, len(self.targets), self.pool.nbytes / 2**20, ", ".join(self.adapters) or "none")
+        logger.info("LoRA: %d slot(s) of rank %d on %d layer(s) (%.1f MiB, %d stacked with their base weight), "
+                    "adapters at start: %s", self.num_slots, self.max_rank, len(self.targets),
+                    self.pool.nbytes / 2**20, len(self.pool.stacked), ", ".join(self.adapters) or "none")
 
     # ---------------------------------------------------------------- adapters
     def load_adapter(self, name: str, path: str) -> HostAdapter:
@@ -97,6 +112,7 @@ class LoRAManager:
         info = self.info
         info.capturing = False
         forward_batch.lora_info = info
+        info.req_slots = req_slots
         if req_slots is None or max(req_slots, default=-1) < 0:  # only base rows: nothing to group or upload
             info.packed, info.groups_cpu, info.num_groups, info.max_group_len = None, [], 0, 0
             return
@@ -108,14 +124,17 @@ class LoRAManager:
         info.num_groups, info.max_group_len = len(groups), max_len
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        self.graph_packed = torch.zeros(3 * self.num_slots + max_bs, dtype=torch.int64, device=self.device)
+        self.graph_packed = torch.zeros(3 * self.num_slots + 2 * max_bs, dtype=torch.int64, device=self.device)
 
     def begin_capture(self, bs: int) -> None:
-        """The graph reads the static buffer (every group of length 0 while capturing), up to `bs` rows. A batch of
-        `bs` rows has at most min(slots, bs) groups, packed first: the grid covers those."""
+        """The graph reads the static buffer's first 3*slots + 2*bs values (the grouping of a batch of `bs` rows;
+        all base rows while capturing). A batch of `bs` rows has at most min(slots, bs) groups, packed first: the
+        grid covers those."""
         info = self.info
         info.capturing = True
-        info.packed = self.graph_packed[:3 * self.num_slots + bs]
+        packed, _, _ = group_rows([-1] * bs, None, self.num_slots)
+        info.packed = self.graph_packed[:packed.numel()]
+        info.packed.copy_(packed)
         info.num_groups, info.max_group_len, info.groups_cpu = min(self.num_slots, bs), bs, []
 
     def end_capture(self) -> None:
@@ -123,10 +142,15 @@ class LoRAManager:
         self.info.packed = None
         self.info.num_groups = 0
 
-    def load_graph_inputs(self, forward_batch: ForwardBatch) -> None:
-        """Copy the batch's grouping into the graph's static buffer (rows past the batch belong to no group)."""
-        packed = forward_batch.lora_info.packed if forward_batch.lora_info is not None else None
-        if packed is None:
-            self.graph_packed[:3 * self.num_slots].zero_()
-        else:
-            self.graph_packed[:packed.numel()].copy_(packed, non_blocking=True)
+    def load_graph_inputs(self, forward_batch: ForwardBatch, bs: int) -> None:
+        """Copy the batch's grouping into the graph's static buffer, for the graph's `bs` rows (the padding rows
+        past the batch are base rows)."""
+        info = forward_batch.lora_info
+        packed = info.packed if info is not None else None
+        raw = forward_batch.batch_size
+        if packed is None or raw != bs:
+            slots = list(info.req_slots or ()) if info is not None else []
+            packed, _, _ = group_rows(slots + [-1] * (bs - len(slots)), None, self.num_slots)
+            if self.is_cuda:
+                packed = packed.pin_memory()
+        self.graph_packed[:packed.numel()].copy_(packed, non_blocking=True)

@@ -5,7 +5,14 @@ B [S, out_local, R] (S slots, R = --max-lora-rank): sub-projection j's A rows ar
 sub-projection's output range, columns 0 .. r. An adapter of rank r < R, or one that does not target some
 sub-projection, leaves zeros there (the kernels compute with them, the torch path skips them). Loading an adapter
 into a slot is one copy per tensor from its (pinned) host copy, so swapping adapters in and out (LRU) needs no
-disk read."""
+disk read.
+
+Stacking: for an unquantized base layer the pool's A is the tail of one buffer [W; A_0; ...; A_{S-1}] whose head is
+the base weight (the layer's `weight` becomes a view of it), so one GEMM computes the base output and every slot's
+shrink (x @ A^T) at once, and one expand kernel finishes the layer (triton_ops.lora_expand_stacked). This pays
+while the stacked rows are few next to the base rows (the GEMM then reads and computes every slot's A, used or not):
+by default when they are at most a quarter of them; `set_lora_stacking` forces it on or off (tests,
+comparisons)."""
 
 from __future__ import annotations
 
@@ -13,8 +20,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.layers.quantization.base import UnquantizedLinearMethod
 from radixserve.lora.adapter import LoRAWeights
 from radixserve.lora.layers import GROUPS, LoRATarget
+
+_stacking: bool | None = None  # None: when it pays (see the module's docstring)
+
+
+def set_lora_stacking(enabled: bool | None) -> None:
+    """None: stack A under the base weight when it pays (the default); True: whenever the base layer allows it;
+    False: never (separate shrink kernels). Read when a pool is built."""
+    global _stacking
+    _stacking = enabled
+
+
+def _can_stack(t: LoRATarget, extra_rows: int, dtype: torch.dtype) -> bool:
+    base = t.base
+    weight = getattr(base, "weight", None)
+    if _stacking is False or type(base.quant_method) is not UnquantizedLinearMethod or weight is None:
+        return False
+    if weight.dtype != dtype or weight.dim() != 2 or not weight.is_contiguous():
+        return False
+    return _stacking is True or 4 * extra_rows <= weight.shape[0]
 
 
 @dataclass
@@ -39,12 +66,18 @@ class LoRAMemoryPool:
         self.dtype, self.device = dtype, device
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        # stacked layers: (the [W; A] buffer, the bias padded with zeros or None) by target
+        self.stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
         for t in targets:
+            key = (t.layer_id, t.group)
             n_sub = len(t.subs)
             out_local = sum(n for _, n in t.out_slices)
-            self.a[(t.layer_id, t.group)] = torch.zeros(num_slots, n_sub * max_rank, t.in_local, dtype=dtype,
-                                                        device=device)
-            self.b[(t.layer_id, t.group)] = torch.zeros(num_slots, out_local, max_rank, dtype=dtype, device=device)
+            extra = num_slots * n_sub * max_rank
+            if _can_stack(t, extra, dtype):
+                self.a[key] = self._stack(t, extra).view(num_slots, n_sub * max_rank, t.in_local)
+            else:
+                self.a[key] = torch.zeros(num_slots, n_sub * max_rank, t.in_local, dtype=dtype, device=device)
+            self.b[key] = torch.zeros(num_slots, out_local, max_rank, dtype=dtype, device=device)
         self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.scalings_cpu = [0.0] * num_slots
         self.ranks = [0] * num_slots
@@ -52,6 +85,22 @@ class LoRAMemoryPool:
         self.sub_masks = {g: [[False] * len(GROUPS[g]) for _ in range(num_slots)] for g in groups}
         self.slot_names: list[str | None] = [None] * num_slots
         self.nbytes = sum(x.numel() * x.element_size() for x in (*self.a.values(), *self.b.values()))
+
+    def _stack(self, t: LoRATarget, extra: int) -> torch.Tensor:
+        """Move the base weight (and bias) into a buffer with `extra` zero rows under it; returns those rows."""
+        base = t.base
+        w = base.weight
+        n = w.shape[0]
+        buf = torch.zeros(n + extra, w.shape[1], dtype=w.dtype, device=w.device)
+        buf[:n].copy_(w.data)
+        w.data = buf[:n]
+        bias = None
+        if base.bias is not None:
+            bias = torch.zeros(n + extra, dtype=base.bias.dtype, device=base.bias.device)
+            bias[:n].copy_(base.bias.data)
+            base.bias.data = bias[:n]
+        self.stacked[(t.layer_id, t.group)] = (buf, bias)
+        return buf[n:]
 
     def host_copy(self, name: str, weights: LoRAWeights) -> HostAdapter:
         """Shard, pad and cast an adapter's weights into slot layout (pinned when the pool is on CUDA)."""

@@ -7,7 +7,13 @@ expand: out[row, off_j : off_j + n_j] += scale[slot] * (sum over splits of P[:, 
 off_j : off_j + n_j, :]^T for each sub-projection j (q/k/v, gate/up) in one launch.
 
 A program handles one group's block of BLOCK_M rows (one adapter: its weights are read once for the block); blocks
-past a group's length exit at once, so under a CUDA graph the grid can cover every slot and the whole batch."""
+past a group's length exit at once, so under a CUDA graph the grid can cover every slot and the whole batch.
+
+expand_stacked (the path for base layers whose weight the pool stacked with every slot's A, see pool.py): the base
+GEMM has already computed y = x @ [W; A_0; ...; A_{S-1}]^T, i.e. the base output and every slot's shrink; one kernel
+writes out[row] = y[row, :N] + scale[slot] * shrink(row, slot) @ B[slot]^T for every row (base rows copied). Its
+programs walk the rows sorted by slot in blocks of BLOCK_M, so a block is one adapter's rows (two or more only at
+a group boundary, handled one slot after another): B's tile is loaded once per block and slot."""
 
 from __future__ import annotations
 
@@ -130,7 +136,7 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     R = N // n_sub
     if x.stride(1) != 1 or out.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("LoRA kernels need unit stride along the last dimension")
-    group_slots, group_starts, group_lens, order = views
+    group_slots, group_starts, group_lens, order = views[:4]
     # Triton's CPU interpreter gets tl.dot on half types wrong: there the tiles go through float32
     upcast = _INTERPRET and x.dtype != torch.float32
     ieee = x.dtype == torch.float32 or upcast
@@ -156,3 +162,74 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
            offs[2], sizes[2], b.stride(0), b.stride(1), out.stride(0),
            R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_pow2_at_least_16(R),
            SPLITS=triton.next_power_of_2(num_splits), MAX_N=max_n, IEEE=ieee, UPCAST=upcast, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["num_rows", "N", "stride_y", "stride_out", "shrink_col", "slot_cols", "off1", "off2"])
+def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N, stride_y, stride_out, shrink_col,
+                           slot_cols, off1, off2, stride_b_slot, stride_b_row,
+                           R: tl.constexpr, N_SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_R: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p_mask = offs_p < num_rows
+    rows = tl.load(Order + offs_p, mask=p_mask, other=0)
+    slots = tl.load(SortedSlots + offs_p, mask=p_mask, other=-1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    io_mask = p_mask[:, None] & n_mask[None, :]
+    y = tl.load(Y + rows[:, None] * stride_y + offs_n[None, :], mask=io_mask, other=0.0)
+    acc = y.to(tl.float32)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    n_lo = pid_n * BLOCK_N
+    big = 1 << 30
+    cur = tl.min(tl.where(slots >= 0, slots, big), axis=0)  # the block's smallest adapter slot (big: none)
+    while cur < big:
+        sel = slots == cur
+        scale = tl.load(Scalings + cur)
+        s_base = Y + shrink_col + cur.to(tl.int64) * slot_cols
+        b_base = B + cur.to(tl.int64) * stride_b_slot
+        for j in tl.static_range(N_SUB):
+            lo = 0 if j == 0 else (off1 if j == 1 else off2)
+            hi = N if j == N_SUB - 1 else (off1 if j == 0 else off2)
+            if (n_lo < hi) & (n_lo + BLOCK_N > lo):  # this block of columns meets sub-projection j
+                s = tl.load(s_base + rows[:, None] * stride_y + j * R + offs_r[None, :],
+                            mask=sel[:, None] & r_mask[None, :], other=0.0)
+                col = n_mask & (offs_n >= lo) & (offs_n < hi)
+                bt = tl.load(b_base + offs_n[None, :] * stride_b_row + offs_r[:, None],
+                             mask=col[None, :] & r_mask[:, None], other=0.0)
+                if UPCAST:
+                    s = s.to(tl.float32)
+                    bt = bt.to(tl.float32)
+                if IEEE:
+                    acc += tl.dot(s, bt, input_precision="ieee") * scale
+                else:
+                    acc += tl.dot(s, bt) * scale
+        cur = tl.min(tl.where(slots > cur, slots, big), axis=0)
+    tl.store(Out + rows[:, None] * stride_out + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=io_mask)
+
+
+def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, out_slices: list[tuple[int, int]],
+                        order: torch.Tensor, sorted_slots: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The base output plus every row's LoRA delta, from the stacked GEMM's output y [T, N + S*n_sub*R] (columns
+    N + s*n_sub*R + j*R .. + R: slot s's shrink for sub-projection j); b [S, N, R]; rows in `order` sorted by
+    `sorted_slots` (-1: base). Returns a new contiguous [T, N] tensor (rows past `num_rows`: left unwritten)."""
+    T = y.shape[0]
+    S, N, R = b.shape
+    n_sub = len(out_slices)
+    if y.stride(1) != 1 or b.stride(2) != 1 or y.shape[1] != N + S * n_sub * R:
+        raise ValueError(f"stacked LoRA output {tuple(y.shape)} does not fit B {tuple(b.shape)} x {n_sub} slices")
+    out = torch.empty((T, N), dtype=y.dtype, device=y.device)
+    if num_rows == 0:
+        return out
+    upcast = _INTERPRET and y.dtype != torch.float32
+    ieee = y.dtype == torch.float32 or upcast
+    offs = [o for o, _ in out_slices] + [N] * (3 - n_sub)
+    block_m = 16 if num_rows <= 128 else 64
+    block_n = 64 if num_rows <= 128 else 128
+    launch(_expand_stacked_kernel, (triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n)), y, b, out, scalings,
+           order, sorted_slots, num_rows, N, y.stride(0), out.stride(0), N, n_sub * R, offs[1], offs[2],
+           b.stride(0), b.stride(1), R=R, N_SUB=n_sub, BLOCK_M=block_m, BLOCK_N=block_n,
+           BLOCK_R=_pow2_at_least_16(R), IEEE=ieee, UPCAST=upcast, num_warps=4)
+    return out

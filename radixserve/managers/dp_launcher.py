@@ -8,6 +8,8 @@ Layout of one deployment (`--dp-size D --tp-size T --nnodes N`):
   receives the requests and broadcasts them to its replica's other ranks over torch.distributed, and sends the
   outputs to the detokenizer.
 - With D > 1, node 0 also runs the controller process (data_parallel_controller).
+- DP attention (`--enable-dp-attention`, D == T, one node): one world of T ranks; TP rank i is also DP replica i
+  (it has its own request sockets and answers its own requests), so the controller routes to the ranks.
 - Nodes other than 0 serve nothing: `python -m radixserve.launch_server --node-rank K ...` runs their ranks
   (`run_worker_node`) until it is stopped or one of them dies.
 """
@@ -103,12 +105,16 @@ def launch_parallel_schedulers(server_args: ServerArgs, port_args: dict[str, str
         replica_port_args.append(port_args)
 
     starting: list[_Starting] = []
+    dp_attention = server_args.enable_dp_attention
     for i in range(dp):
-        # each replica is its own world: its own address (set before the children copy the args)
-        args_i = dataclasses.replace(server_args, dist_init_addr=addrs[i]) if tp > 1 else server_args
+        # each replica is its own world: its own address (set before the children copy the args); with DP
+        # attention the replicas are the ranks of one world
+        args_i = dataclasses.replace(server_args, dist_init_addr=addrs[0 if dp_attention else i]) if tp > 1 \
+            else server_args
         pargs = replica_port_args[i] if is_head else {}
-        for tp_rank in range(first, first + per_node):
-            gpu_id = server_args.base_gpu_id + i * per_node + (tp_rank - first)
+        ranks = [i] if dp_attention else range(first, first + per_node)
+        for tp_rank in ranks:
+            gpu_id = server_args.base_gpu_id + (i if dp_attention else i * per_node + (tp_rank - first))
             reader, writer = ctx.Pipe(duplex=False)
             name = f"radixserve-scheduler-dp{i}-tp{tp_rank}" if dp > 1 else f"radixserve-scheduler-tp{tp_rank}"
             proc = ctx.Process(target=run_scheduler_process, args=(args_i, pargs, tp_rank, gpu_id, writer),
@@ -118,7 +124,7 @@ def launch_parallel_schedulers(server_args: ServerArgs, port_args: dict[str, str
             starting.append(_Starting(proc, reader, f"scheduler (DP {i}, TP rank {tp_rank})"))
     msgs = _wait_all_ready(starting)
     infos: list[io.SchedulerInfo] = [m["info"] for m in msgs]
-    if is_head:
+    if is_head and not dp_attention:
         infos = infos[::per_node]  # rank 0 of each replica
     if dp > 1 and is_head:
         reader, writer = ctx.Pipe(duplex=False)

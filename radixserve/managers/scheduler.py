@@ -19,7 +19,7 @@ from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers import io_struct as io
 from radixserve.managers.finish_reason import FinishAbort
 from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
-from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy
+from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy, latency_step_budget
 from radixserve.managers.scheduler_grammar import SchedulerGrammarMixin
 from radixserve.managers.scheduler_lora import SchedulerLoRAMixin
 from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
@@ -70,6 +70,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.lora_unloads: list[str] = []  # adapters to unload once no request uses them
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
+        self.step_token_budget = server_args.resolved_step_token_budget
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from radixserve.managers.tokenizer_utils import get_tokenizer
@@ -110,11 +111,15 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.send_to_detokenizer = None
         # tensor parallelism: rank 0 receives and broadcasts to the other ranks, which run the same batches
         self.tp_size = server_args.tp_size
+        # DP attention: every rank receives, schedules and answers its own requests (the DP controller routes them)
+        # and the ranks sync once a step so that all of them run a forward (IDLE when they have nothing) or none
+        self.dp_attention = server_args.enable_dp_attention
+        self.dp_peers_busy = False
         # data parallelism: control replies and load reports go to the controller (when it set this socket)
         self.send_to_controller = None
         self.num_generate_received = 0
         self.last_load_report: tuple[int, int] | None = None
-        if tp_rank == 0 and port_args:
+        if (tp_rank == 0 or self.dp_attention) and port_args:
             ctx = zmq.Context(2)
             self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args["scheduler_input"], bind=True)
             self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args["detokenizer_input"], bind=False)
@@ -135,6 +140,10 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         the previous batch's, the tokens still in flight being referred to by future ids). The event loop, the
         warm-up, the benchmarks and the tests all run this. False when there was nothing to run."""
         batch = self.get_next_batch_to_run()
+        if self.dp_attention and not self.dp_attention_sync(batch):
+            self.flush_results()
+            self.last_batch = None
+            return True  # an IDLE forward ran: other ranks had work
         if batch is not None:
             self.result_queue.append(self.run_batch(batch))
             if not self.enable_overlap or len(self.result_queue) > 1:
@@ -144,6 +153,24 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.last_batch = batch
         return batch is not None
 
+    def dp_attention_sync(self, batch: ScheduleBatch | None) -> bool:
+        """DP attention: tell every rank how many tokens this rank's next forward has; returns False when this rank
+        has none and ran an IDLE forward (others had work), True otherwise (`batch` knows every rank's count)."""
+        from radixserve.distributed.parallel_state import all_gather_pyobj
+
+        mine = (0, True) if batch is None else (int(batch.input_ids.numel()), batch.forward_mode.is_decode())
+        everyone = all_gather_pyobj(mine)
+        counts = [n for n, _ in everyone]
+        all_decode = all(d for _, d in everyone)  # decode or idle everywhere: the ranks may replay a CUDA graph
+        self.dp_peers_busy = any(counts)
+        if batch is not None:
+            batch.dp_num_tokens, batch.dp_all_decode = counts, all_decode
+            return True
+        if not self.dp_peers_busy:
+            return True  # nobody has work: no forward anywhere
+        (self.worker_client or self.worker).forward_idle(counts, all_decode)
+        return False
+
     def flush_results(self) -> None:
         while self.result_queue:
             self.process_batch_result(self.result_queue.popleft())
@@ -151,7 +178,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
     def recv_requests(self) -> list[Any]:
         """The messages that arrived since the last call. With --tp-size > 1 rank 0 receives them and broadcasts
         the list to the other ranks (over the CPU group), so that every rank runs the same batches."""
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not self.dp_attention:
             from radixserve.distributed.parallel_state import broadcast_pyobj
 
             return broadcast_pyobj(self._recv_from_tokenizer() if self.tp_rank == 0 else None)
@@ -163,9 +190,12 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.report_load()
         out = []
         busy = (self.running_batch is not None or self.waiting_queue or self.chunked_req is not None
-                or self.last_batch is not None)  # a prefill that just ran becomes the running batch next
+                or self.last_batch is not None  # a prefill that just ran becomes the running batch next
+                or self.dp_peers_busy)  # DP attention: another rank waits for this one's next forward
         # requests waiting only for their grammar: poll briefly, so they start as soon as it is compiled
-        if not busy and self.recv_from_tokenizer.poll(timeout=5 if self.grammar_queue else 1000) == 0:
+        # DP attention: the other ranks wait in the next step's sync while this one polls, so poll briefly
+        idle_poll_ms = 20 if self.dp_attention else 1000
+        if not busy and self.recv_from_tokenizer.poll(timeout=5 if self.grammar_queue else idle_poll_ms) == 0:
             return out
         while True:
             try:
@@ -223,7 +253,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             error = f"the prompt has {len(ids)} tokens, at least the context length {self.context_len}"
         elif min(ids) < 0 or max(ids) >= self.vocab_size:
             error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
-        elif len(ids) + 1 > self.token_to_kv_pool.size:
+        elif len(ids) + self.token_to_kv_pool.page_size > self.token_to_kv_pool.size:  # + a page's slack
             error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
         status = 400
         lora_error = self.check_lora_id(recv.lora_id)
@@ -299,7 +329,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.send_out(out)
 
     def send_out(self, obj: Any) -> None:
-        if self.tp_rank != 0:
+        if self.tp_rank != 0 and not self.dp_attention:
             return  # every rank computes the outputs; rank 0 alone sends them
         if self.send_to_controller is not None and isinstance(obj, io.FlushCacheReqOutput |
                                                               io.GetInternalStateReqOutput):
@@ -344,10 +374,14 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return None
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        mixed = self.server_args.enable_mixed_chunk and bool(running)
-        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool, running, self.new_token_ratio,
-                             self.server_args.max_prefill_tokens, self.chunk_size,
-                             mixed_decode_tokens=len(running) if mixed else 0)
+        # a step that keeps the decodes' pace: they ride with a prefill chunk cut to the step's token budget
+        budget = latency_step_budget(self.step_token_budget, len(running), self.waiting_queue, self.chunk_size)
+        mixed = (self.server_args.enable_mixed_chunk or budget is not None) and bool(running)
+        max_prefill, chunk = self.server_args.max_prefill_tokens, self.chunk_size
+        if budget is not None:
+            max_prefill, chunk = min(max_prefill, budget), min(chunk or budget, budget)
+        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool, running, self.new_token_ratio, max_prefill,
+                             chunk, mixed_decode_tokens=len(running) if mixed else 0)
         if self.chunked_req is not None and self.chunked_req.to_abort is not None:
             req, self.chunked_req = self.chunked_req, None
             req.finished_reason = FinishAbort(req.to_abort)
@@ -447,6 +481,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         if self.tp_rank == 0 and logger.isEnabledFor(logging.INFO):
             self.log_batch_stats(batch)
         mwb = batch.get_model_worker_batch()
+        mwb.dp_num_tokens, mwb.dp_all_decode = batch.dp_num_tokens, batch.dp_all_decode
         reqs = batch.reqs
         chunked_req = self.chunked_req
         view = LaunchedBatch(bid=bid, reqs=list(reqs), forward_mode=batch.forward_mode, n_prefill=batch.n_prefill,

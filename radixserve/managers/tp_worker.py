@@ -85,6 +85,12 @@ class TpModelWorker:
             self.future_token_ids_map[slots.to(self.device, non_blocking=True)] = result.next_token_ids
         return result
 
+    def forward_idle(self, dp_num_tokens: list[int], all_decode: bool) -> None:
+        """DP attention: this rank's part (no tokens of its own) in a forward other ranks run."""
+        from radixserve.model_executor.forward_batch_info import idle_forward_batch
+
+        self.model_runner.forward(idle_forward_batch(self.model_runner, dp_num_tokens, all_decode))
+
     def copy_result_to_host(self, result: GenerationBatchResult) -> Any:
         """Start the device-to-host copies of what the scheduler reads; returns an event to wait on (or None)."""
         out = result.logits_output

@@ -3,7 +3,11 @@ up to --cuda-graph-max-bs, sharing one memory pool. A batch is padded up to the 
 read request row 0 with seq_len = the backend's fill value and write their KV into padding slot 0. Each graph also
 takes the argmax of its logits, which the sampler uses for all-greedy batches with nothing that changes the logits
 (greedy sampling inside the graph). With --enable-torch-compile the sizes up to --torch-compile-max-bs capture the
-forward compiled by torch.compile instead (model_executor/torch_compile.py)."""
+forward compiled by torch.compile instead (model_executor/torch_compile.py).
+
+DP attention: the graphs hold the MoE/MLP collectives over every rank's rows, so all ranks replay the graph of the
+same size, the one for the largest batch among them (a rank without requests replays it on padding rows only), and
+only when every rank decodes (or idles); the ranks agree on the captured sizes first."""
 
 from __future__ import annotations
 
@@ -34,6 +38,11 @@ class CudaGraphRunner:
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
         self.max_bs = min(model_runner.cuda_graph_max_bs, model_runner.max_running_requests)
+        self.dp_attention = model_runner.server_args.enable_dp_attention and model_runner.tp_size > 1
+        if self.dp_attention:  # request slots follow each GPU's free memory: capture the sizes every rank has
+            from radixserve.distributed.parallel_state import all_gather_pyobj
+
+            self.max_bs = min(all_gather_pyobj(self.max_bs))
         self.capture_bs = capture_batch_sizes(self.max_bs)
         dev = model_runner.device
         self.backend = model_runner.attn_backend
@@ -74,7 +83,9 @@ class CudaGraphRunner:
                             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
                             out_cache_loc=self.out_cache_loc[:bs], seq_lens_sum=bs * self.fill,
                             positions=self.positions[:bs], req_to_token_pool=mr.req_to_token_pool,
-                            token_to_kv_pool=mr.token_to_kv_pool, attn_backend=self.backend)
+                            token_to_kv_pool=mr.token_to_kv_pool, attn_backend=self.backend,
+                            dp_num_tokens=[bs] * mr.tp_size if self.dp_attention else None,
+                            dp_all_decode=self.dp_attention)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -122,17 +133,29 @@ class CudaGraphRunner:
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.capture_bs, took)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
+        cap = self.backend.cuda_graph_max_seq_len()
+        if self.dp_attention:  # the same answer on every rank: it depends on all ranks' counts only
+            return cap is None and forward_batch.dp_all_decode and max(forward_batch.dp_num_tokens) <= self.max_bs
+        if cap is not None and (forward_batch.seq_lens_cpu is None or max(forward_batch.seq_lens_cpu) > cap):
+            return False
         return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         raw = forward_batch.batch_size
-        bs = self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]
-        # one kernel loads the batch and fills padding rows (request row 0, the fill length, KV to slot 0)
-        load_graph_inputs((self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions),
-                          (forward_batch.input_ids, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                           forward_batch.out_cache_loc, forward_batch.positions), bs, self.fill)
+        want = max(forward_batch.dp_num_tokens) if self.dp_attention else raw  # DP attention: the largest rank's
+        bs = self.capture_bs[bisect.bisect_left(self.capture_bs, want)]
+        if raw == 0:  # DP attention, a rank without requests: padding rows only
+            for buf in (self.input_ids, self.req_pool_indices, self.out_cache_loc, self.positions):
+                buf[:bs].zero_()
+            self.seq_lens[:bs].fill_(self.fill)
+        else:
+            # one kernel loads the batch and fills padding rows (request row 0, the fill length, KV to slot 0)
+            load_graph_inputs((self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc,
+                               self.positions), (forward_batch.input_ids, forward_batch.req_pool_indices,
+                                                 forward_batch.seq_lens, forward_batch.out_cache_loc,
+                                                 forward_batch.positions), bs, self.fill)
         if self.lora is not None:
-            self.lora.load_graph_inputs(forward_batch)
+            self.lora.load_graph_inputs(forward_batch, bs)
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
                                                              forward_batch.seq_lens_sum + (bs - raw) * self.fill)
         self.graphs[bs].replay()

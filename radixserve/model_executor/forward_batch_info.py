@@ -39,9 +39,10 @@ def pack_to_device(parts: list[torch.Tensor], device: torch.device | str, pin: b
 
 class ForwardMode(IntEnum):
     """What one forward pass computes; the scheduler produces every value (ScheduleBatch, and the speculative step
-    for TARGET_VERIFY). TP ranks all run the batches rank 0 broadcasts and DP replicas step independently, so no
-    rank ever runs a forward without work (there is no idle mode), and the overlap pipeline starts with the first
-    real batch (there is no dummy one)."""
+    for TARGET_VERIFY). TP ranks all run the batches rank 0 broadcasts and DP replicas step independently, so
+    without DP attention no rank ever runs a forward without work. With --enable-dp-attention each rank schedules
+    its own requests but the MoE/MLP layers are shared by all ranks: a rank with nothing to run while another runs
+    a batch runs an IDLE forward (no tokens of its own) so that the collectives of those layers stay in step."""
 
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
@@ -49,6 +50,7 @@ class ForwardMode(IntEnum):
     # speculative decoding: the target checks each request's last token plus its drafted tokens in one pass, an
     # extend on top of the request's KV that keeps the logits of every position (radixserve/speculative/)
     TARGET_VERIFY = auto()
+    IDLE = auto()  # DP attention: no tokens on this rank; it joins the other ranks' MoE/MLP collectives
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
@@ -61,6 +63,9 @@ class ForwardMode(IntEnum):
 
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
 
 
 @dataclass
@@ -93,6 +98,10 @@ class ForwardBatch:
     # extend: per request "last" / "mean" / None when the batch holds embedding requests (their pooled hidden
     # states are returned next to the logits)
     pooling: list[str | None] | None = None
+    # DP attention: every rank's token count in this forward (the same list on all ranks; None without it). The
+    # MoE/MLP layers gather max(dp_num_tokens) rows from every rank.
+    dp_num_tokens: list[int] | None = None
+    dp_all_decode: bool = False  # every rank decodes or idles: all of them can replay the same CUDA graph
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
@@ -166,6 +175,8 @@ class ForwardBatch:
             extend_logprob_start_lens_cpu=batch.extend_logprob_start_lens_cpu,
             sampling_info=sampling_info,
             pooling=batch.pooling,
+            dp_num_tokens=batch.dp_num_tokens,
+            dp_all_decode=batch.dp_all_decode,
         )
         if ext is not None:
             fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[0], rest[1], rest[2]
@@ -176,3 +187,13 @@ class ForwardBatch:
             lora.prepare(fb, batch.lora_slots)
         model_runner.attn_backend.init_forward_metadata(fb)
         return fb
+
+
+def idle_forward_batch(model_runner: ModelRunner, dp_num_tokens: list[int], all_decode: bool) -> ForwardBatch:
+    """DP attention: the forward of a rank without tokens while other ranks run theirs."""
+    empty = torch.empty(0, dtype=torch.int64, device=model_runner.device)
+    return ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
+                        seq_lens=empty, out_cache_loc=empty, seq_lens_sum=0, positions=empty,
+                        req_to_token_pool=model_runner.req_to_token_pool,
+                        token_to_kv_pool=model_runner.token_to_kv_pool, attn_backend=model_runner.attn_backend,
+                        dp_num_tokens=list(dp_num_tokens), dp_all_decode=all_decode)

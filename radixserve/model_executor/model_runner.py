@@ -13,6 +13,7 @@ from radixserve.distributed.parallel_state import (
     broadcast_tensor_from_first_rank,
     init_custom_all_reduce,
     initialize_model_parallel,
+    set_dp_attention,
     set_expert_parallel_size,
 )
 from radixserve.layers.attention import create_attention_backend
@@ -61,7 +62,8 @@ def cpu_forward_threads(args: ServerArgs) -> int | None:
     if "OMP_NUM_THREADS" in os.environ:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_procs = max(1, args.dp_size * args.tp_size // args.nnodes)
+    procs = args.tp_size if args.enable_dp_attention else args.dp_size * args.tp_size  # DP attention: one world
+    local_procs = max(1, procs // args.nnodes)
     return max(1, cores // local_procs)
 
 
@@ -105,6 +107,8 @@ class ModelRunner:
                                                  or not self.attn_backend.supports_cuda_graph):
             raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
                              "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
+        if server_args.calculate_kv_scales:  # before the CUDA graphs: the scales are baked into them
+            self._calculate_kv_scales()
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
         elif self.is_cuda and not server_args.disable_cuda_graph:
@@ -136,10 +140,14 @@ class ModelRunner:
 
     def _load_model(self) -> torch.nn.Module:
         set_expert_parallel_size(self.server_args.ep_size)  # read by the MoE layers as they are built
+        set_dp_attention(self.server_args.enable_dp_attention)  # read by the models that support it
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
                           seed=self.server_args.random_seed, quantization=self.server_args.quantization)
         model.eval()
+        if self.server_args.enable_dp_attention and not getattr(model, "dp_attention", False):
+            raise ValueError(f"--enable-dp-attention is not supported by {type(model).__name__} (it is by the "
+                             "DeepSeek-V2/V3 MLA models)")
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model
 
@@ -183,11 +191,23 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
         if cfg.is_mla:
             self.token_to_kv_pool = MLATokenToKVPool(size, self.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                                     cfg.num_hidden_layers, self.device)
+                                                     cfg.num_hidden_layers, self.device, page_size=args.page_size)
         else:
             self.token_to_kv_pool = TokenToKVPool(size, self.kv_dtype, num_kv_heads, cfg.head_dim,
-                                                  cfg.num_hidden_layers, self.device)
+                                                  cfg.num_hidden_layers, self.device, page_size=args.page_size)
+        size = self.max_total_num_tokens = self.token_to_kv_pool.size  # whole pages
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
+
+    def _calculate_kv_scales(self) -> None:
+        from radixserve.layers.quantization.kv_calibration import calculate_kv_scales, calibration_text
+        from radixserve.managers.tokenizer_utils import get_tokenizer
+
+        if self.model_config.is_mla:
+            raise ValueError("--calculate-kv-scales is not supported for MLA models (their pool holds a latent "
+                             "vector, not per-head k and v)")
+        tokenizer = get_tokenizer(self.server_args.tokenizer_path or self.model_config.tokenizer_path,
+                                  self.server_args.trust_remote_code)
+        calculate_kv_scales(self, tokenizer.encode(calibration_text()))
 
     # ---------------------------------------------------------------- run
     @torch.inference_mode()
@@ -201,7 +221,7 @@ class ModelRunner:
         info = forward_batch.sampling_info
         next_ids = self.sampler(logits_output, info, forward_batch.return_logprob,
                                 forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)
-        if self.tp_size > 1 and not info.is_all_greedy:
+        if self.tp_size > 1 and not info.is_all_greedy and not self.server_args.enable_dp_attention:
             # every rank saw the same (all-gathered) logits, but a random draw is rank 0's to make
             broadcast_tensor_from_first_rank(next_ids)
         return next_ids

@@ -13,7 +13,13 @@ cached prefix and decode all take this path.
 The queries come from q_proj (q_lora_rank None, V2-Lite) or q_b_proj(RMSNorm(q_a_proj x)). Rotary dims are
 interleaved pairs in DeepSeek's checkpoints (V2 always; V3 when `rope_interleave`), with YaRN scaling as the configs
 use it: cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the softmax scale by
-mscale(factor, mscale_all_dim)^2."""
+mscale(factor, mscale_all_dim)^2.
+
+With --enable-dp-attention each TP rank keeps the whole attention (and embedding, lm_head) and runs it on its own
+requests, with its own latent KV pool; the MoE and dense MLP layers stay sharded (or expert-parallel) over the
+ranks and work on every rank's tokens at once: each rank gathers max(tokens per rank) rows from every rank
+(zero-padded), computes its shard's partial sums for all of them, and a reduce-scatter returns each rank the sums
+of its own rows. A rank without requests runs an IDLE forward: no attention, only its part in those collectives."""
 
 from __future__ import annotations
 
@@ -23,21 +29,30 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
+from radixserve.distributed.parallel_state import (
+    dp_attention_gather,
+    dp_attention_scatter,
+    is_dp_attention_enabled,
+    tensor_model_parallel_all_reduce,
+)
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig, load_expert_weight
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
+from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP, load_plain, rope_params
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from radixserve.layers.logits_processor_output import LogitsProcessorOutput
     from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+
+PREP_TOKENS = 16  # tokens up to which q absorption, rotary, the latent norm and store run as one kernel
 
 
 class DeepseekMLAAttention(nn.Module):
@@ -79,25 +94,59 @@ class DeepseekMLAAttention(nn.Module):
         else:
             q = self.q_proj(hidden)
         q = q.view(t, self.num_heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        kv_a = self.kv_a_proj_with_mqa(hidden)
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [T, H, rank]
-        q_full = torch.cat([q_latent, q_pe.reshape(t, self.num_heads, self.rope)], dim=-1)
-        k_full = torch.cat([latent, k_pe.reshape(t, self.rope)], dim=-1)  # [T, rank + rope]
-        o = self.attn(q_full.reshape(t, -1), k_full, latent, forward_batch)  # [T, H * rank]
+        if 0 < t <= PREP_TOKENS and use_fused(hidden) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
+                and kv_a.stride(1) == 1:
+            q_full, k_full, saved = self._prep_fused(positions, q, kv_a, w_kc, forward_batch)
+            o = self.attn(q_full.reshape(t, -1), k_full, k_full[:, :self.rank], forward_batch,
+                          save_kv_cache=not saved)
+        else:
+            o = self._attend_unfused(positions, q, kv_a, w_kc, forward_batch)
         o = torch.bmm(o.view(t, self.num_heads, self.rank).transpose(0, 1), w_vc.transpose(1, 2))  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
 
+    def _prep_fused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_kc: torch.Tensor,
+                    forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """q_full and the key rows from one kernel (`mla_prep.py`); the key rows go straight into the latent pool
+        when its dtype is the activations' (then the returned k_full is only kv_a, which the backend does not read,
+        and `saved` is True)."""
+        from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+        from radixserve.layers.attention.triton_ops.mla_prep import mla_decode_prep
+
+        rot = self.rotary_emb
+        loc = forward_batch.out_cache_loc
+        pool = forward_batch.token_to_kv_pool
+        kv_buf = pool.get_kv_buffer(self.attn.layer_id)[0] if loc is not None else None
+        saved = kv_buf is not None and kv_buf.dtype == q.dtype and kv_buf.is_contiguous()
+        k_out = kv_buf.view(-1, kv_buf.shape[-1]) if saved else \
+            torch.empty((q.shape[0], self.rank + self.rope), dtype=q.dtype, device=q.device)
+        q_full = mla_decode_prep(q, kv_a, positions, rot.cos_cache, rot.sin_cache, w_kc, self.kv_a_layernorm.weight,
+                                 self.kv_a_layernorm.eps, rot.is_neox_style, k_out, loc if saved else None,
+                                 is_interpreted())
+        return q_full, (kv_a if saved else k_out), saved
+
+    def _attend_unfused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_kc: torch.Tensor,
+                        forward_batch: ForwardBatch) -> torch.Tensor:
+        t = q.shape[0]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [T, H, rank]
+        q_full = torch.cat([q_latent, q_pe.reshape(t, self.num_heads, self.rope)], dim=-1)
+        k_full = torch.cat([latent, k_pe.reshape(t, self.rope)], dim=-1)  # [T, rank + rope]
+        return self.attn(q_full.reshape(t, -1), k_full, latent, forward_batch)  # [T, H * rank]
+
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, v3: bool) -> None:
+    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, v3: bool,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         hidden, num_experts = config.hidden_size, config.n_routed_experts
         self.tp_size = tp_size
+        self.reduce_results = reduce_results
         if v3:
             router = RouterConfig(num_experts, config.num_experts_per_tok, "sigmoid",
                                   bool(getattr(config, "norm_topk_prob", True)), config.n_group, config.topk_group,
@@ -117,47 +166,55 @@ class DeepseekMoE(nn.Module):
             self.experts.attach_shared_experts(self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
+        out = self.experts.forward_gated(x, self.gate)
         if self.shared_experts is not None and not self.experts.shared_folded(x):
             out = out + self.shared_experts(x)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out
 
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, v3: bool,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, dp_attention: bool = False) -> None:
         super().__init__()
-        self.self_attn = DeepseekMLAAttention(config, layer_id, tp_rank, tp_size, rotary_emb)
+        self.dp_attention = dp_attention  # attention whole on every rank, the MLP sharded over all ranks' tokens
+        attn_rank, attn_size = (0, 1) if dp_attention else (tp_rank, tp_size)
+        self.self_attn = DeepseekMLAAttention(config, layer_id, attn_rank, attn_size, rotary_emb)
         if layer_id >= (getattr(config, "first_k_dense_replace", 0) or 0):
-            self.mlp = DeepseekMoE(config, tp_rank, tp_size, v3)
+            self.mlp = DeepseekMoE(config, tp_rank, tp_size, v3, reduce_results=not dp_attention)
         else:
-            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, tp_rank, tp_size)
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, tp_rank, tp_size,
+                                reduce_results=not dp_attention)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if not forward_batch.forward_mode.is_idle():
+            if residual is None:
+                residual = hidden
+                hidden = self.input_layernorm(hidden)
+            else:
+                hidden, residual = self.input_layernorm(hidden, residual)
+            hidden = self.self_attn(positions, hidden, forward_batch)
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.dp_attention:
+            rows = max(forward_batch.dp_num_tokens)
+            return dp_attention_scatter(self.mlp(dp_attention_gather(hidden, rows)), hidden.shape[0]), residual
         return self.mlp(hidden), residual
 
 
 class DeepseekModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, v3: bool,
-                 interleaved_rope: bool) -> None:
+                 interleaved_rope: bool, dp_attention: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        emb_rank, emb_size = (0, 1) if dp_attention else (tp_rank, tp_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
         theta, scaling = rope_params(config)
         rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, theta, scaling,
                                  is_neox_style=not interleaved_rope)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, tp_rank, tp_size, v3, rotary)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, tp_rank, tp_size, v3, rotary, dp_attention)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -166,6 +223,8 @@ class DeepseekModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if forward_batch.forward_mode.is_idle():
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -180,19 +239,23 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{type(self).__name__} needs an MLA config (kv_lora_rank)")
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.dp_attention = is_dp_attention_enabled() and tp_size > 1
         interleaved = bool(getattr(config, "rope_interleave", True)) if self.v3 else True
-        self.model = DeepseekModel(config, tp_rank, tp_size, self.v3, interleaved)
+        self.model = DeepseekModel(config, tp_rank, tp_size, self.v3, interleaved, self.dp_attention)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+            head_rank, head_size = (0, 1) if self.dp_attention else (tp_rank, tp_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, head_rank, head_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden = self.model(input_ids, positions, forward_batch)
+        if forward_batch.forward_mode.is_idle():
+            return LogitsProcessorOutput(next_token_logits=hidden.new_empty(0, self.config.vocab_size).float())
         return self.logits_processor(hidden, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

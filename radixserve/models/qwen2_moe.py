@@ -35,7 +35,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_size and shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts.forward_gated(x, self.gate)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -40,11 +40,26 @@ def run(base: str, lora_paths: list[str], **kw) -> tuple[dict[str, list[int]], b
                                                                    input_ids=prompt, sampling_params=sp,
                                                                    lora_id=name)])
     graphs = s.worker.model_runner.cuda_graph_runner is not None
+    pool = s.worker.model_runner.lora_manager.pool
+    from radixserve.lora import pool as pool_module
+
+    assert (len(pool.stacked) == len(pool.targets)) == bool(pool_module._stacking)
     out = {rid: r["ids"] for rid, r in drain(s).items()}
     return out, graphs
 
 
-def test_cuda_graphs_and_overlap_with_adapters_match_eager_and_peft(tmp_path) -> None:
+@pytest.fixture
+def stacking(request):
+    from radixserve.lora.pool import set_lora_stacking
+
+    set_lora_stacking(request.param)
+    yield request.param
+    set_lora_stacking(None)
+
+
+@pytest.mark.parametrize("stacking", [False, True], indirect=True, ids=["separate", "stacked"])
+def test_cuda_graphs_and_overlap_with_adapters_match_eager_and_peft(tmp_path, stacking) -> None:
+    """With the shrink in separate kernels and stacked into the base GEMM (one expand kernel a layer)."""
     import transformers as tf
 
     base = str(tmp_path / "base")
@@ -101,3 +116,14 @@ def test_kernels_at_8b_shapes_bf16(K, out_slices, rows) -> None:
     lora_shrink_expand(x, out, a, b, torch.tensor(scal, device="cuda"), out_slices,
                        LoRABatchInfo(S, packed=packed.cuda()).views(), len(groups), max_len)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    from radixserve.lora.triton_ops import lora_expand_stacked
+
+    w = (torch.randn(out_total, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    ref = x.float() @ w.float().T
+    lora_delta_torch(x.float(), ref, a.float(), b.float(), out_slices,
+                     [(s, r.cuda() if isinstance(r, torch.Tensor) else r) for s, r in groups], [R] * S, scal)
+    info = LoRABatchInfo(S, packed=packed.cuda())
+    y = x @ torch.cat([w, a.reshape(-1, K)]).T
+    stacked = lora_expand_stacked(y, b, torch.tensor(scal, device="cuda"), out_slices, *info.views()[3:],
+                                  info.num_rows)
+    torch.testing.assert_close(stacked.float(), ref, rtol=2e-2, atol=2e-2)

@@ -21,7 +21,7 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import get_expert_parallel_size, tensor_model_parallel_all_reduce
 from radixserve.layers.moe.methods import MoEMethod, UnquantizedMoEMethod
-from radixserve.layers.moe.router import RouterConfig, select_experts
+from radixserve.layers.moe.router import MoEGate, RouterConfig, select_experts
 
 
 class FusedMoE(nn.Module):
@@ -133,6 +133,17 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.router, correction_bias)
+        return self.run_experts(x, topk_weights, topk_ids)
+
+    def forward_gated(self, x: torch.Tensor, gate: MoEGate) -> torch.Tensor:
+        """`forward(x, gate(x), gate.e_score_correction_bias)`, with the router's linear layer and top-k in one
+        launch where `gate.route` can."""
+        routed = gate.route(x, self.router)
+        if routed is None:
+            return self.forward(x, gate(x), gate.e_score_correction_bias)
+        return self.run_experts(x, *routed)
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)

@@ -100,5 +100,24 @@ class MoEGate(nn.Module):
         else:
             self.register_parameter("e_score_correction_bias", None)
 
+        # the one-launch router's counter (its last program puts it back to 0)
+        self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())
+
+    def route(self, x: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`select_experts(self(x), cfg, bias)` in one launch where it applies (CUDA or forced kernels, at most
+        GATE_TOPK_TOKENS tokens, an ungrouped router, a float32 weight); None elsewhere (the caller then runs the
+        linear layer and select_experts)."""
+        from radixserve.layers.moe import topk_kernel
+
+        if not use_fused(x) or x.shape[0] > topk_kernel.GATE_TOPK_TOKENS or (cfg.num_groups or 1) != 1 \
+                or x.dim() != 2 or x.stride(-1) != 1 or self.weight.dtype != torch.float32 \
+                or self.done_counter.device != x.device:
+            return None
+        from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+
+        return topk_kernel.fused_gate_topk(x, self.weight, self.done_counter, cfg.top_k, cfg.scoring == "sigmoid",
+                                           cfg.renormalize, cfg.routed_scaling_factor, self.e_score_correction_bias,
+                                           is_interpreted())

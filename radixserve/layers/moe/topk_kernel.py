@@ -1,6 +1,9 @@
 """Expert selection for one token per program, in one launch: scores (softmax or sigmoid), the correction bias,
 top-k by repeated argmax, renormalisation and scaling — what `select_experts` does in torch with ~7 kernels. For
-routers without expert groups (Mixtral, Qwen-MoE, DeepSeek-V2-Lite's greedy top-k); grouped routers stay in torch."""
+routers without expert groups (Mixtral, Qwen-MoE, DeepSeek-V2-Lite's greedy top-k); grouped routers stay in torch.
+
+For a few tokens (decode at small batch) `fused_gate_topk` also computes the router's logits in the same launch:
+the float32 cast of the activations, the router GEMM and the top-k are one kernel instead of three."""
 
 from __future__ import annotations
 
@@ -12,13 +15,9 @@ from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit
-def _topk_router_kernel(Logits, Bias, Weights, Ids, num_experts, stride_l, scaling,
-                        E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    valid = offs < num_experts
-    x = tl.load(Logits + t * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+def _select_row(x, offs, valid, Bias, scaling, K: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """One token's (weights, ids) [K_PAD] from its float32 logits x [E_PAD] (invalid lanes -inf)."""
     if SIGMOID:
         scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
     else:
@@ -42,9 +41,51 @@ def _topk_router_kernel(Logits, Bias, Weights, Ids, num_experts, stride_l, scali
         if SIGMOID:
             total += 1e-20
         w_out = w_out / total
-    w_out = w_out * scaling
+    return w_out * scaling, i_out
+
+
+@triton.jit
+def _topk_router_kernel(Logits, Bias, Weights, Ids, num_experts, stride_l, scaling,
+                        E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    valid = offs < num_experts
+    x = tl.load(Logits + t * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    w_out, i_out = _select_row(x, offs, valid, Bias, scaling, K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
+    offs_k = tl.arange(0, K_PAD)
     tl.store(Weights + t * K + offs_k, w_out, mask=offs_k < K)
     tl.store(Ids + t * K + offs_k, i_out, mask=offs_k < K)
+
+
+@triton.jit
+def _gate_topk_kernel(X, W, Logits, Done, Bias, Weights, Ids, num_tokens, num_experts, hidden, stride_x, scaling,
+                      BLOCK_E: tl.constexpr, H_PAD: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
+                      K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """The router's linear layer and the top-k in one launch, for a few tokens. Program p computes the float32
+    logits of experts [p·BLOCK_E, (p+1)·BLOCK_E) for every token (its weight rows read once, held in registers);
+    the last program to finish (a counter in `Done`, put back to 0 by it) selects every token's experts."""
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_h = tl.arange(0, H_PAD)
+    e_ok = offs_e < num_experts
+    h_ok = offs_h < hidden
+    w = tl.load(W + offs_e[:, None].to(tl.int64) * hidden + offs_h[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                other=0.0).to(tl.float32)
+    for t in range(num_tokens):
+        x = tl.load(X + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        tl.store(Logits + t * num_experts + offs_e, tl.sum(w * x[None, :], axis=1), mask=e_ok)
+    tl.debug_barrier()  # every thread's logits are written before the counter moves
+    finished = tl.atomic_add(Done, 1, sem="acq_rel")
+    if finished == tl.num_programs(0) - 1:
+        offs = tl.arange(0, E_PAD)
+        valid = offs < num_experts
+        offs_k = tl.arange(0, K_PAD)
+        for t in range(num_tokens):
+            x = tl.load(Logits + t * num_experts + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            w_out, i_out = _select_row(x, offs, valid, Bias, scaling, K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
+            tl.store(Weights + t * K + offs_k, w_out, mask=offs_k < K)
+            tl.store(Ids + t * K + offs_k, i_out, mask=offs_k < K)
+        tl.atomic_xchg(Done, 0)
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, scaling: float,
@@ -60,4 +101,35 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, sigmoid: bool, renormali
                router_logits.stride(0), float(scaling), E_PAD=triton.next_power_of_2(num_experts), K=top_k,
                K_PAD=triton.next_power_of_2(top_k), SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None,
                RENORM=renormalize, num_warps=4 if num_experts >= 128 else 1)
+    return weights, ids
+
+
+GATE_TOPK_TOKENS = 16  # tokens up to which the router's linear layer and top-k run as one launch
+
+
+def fused_gate_topk(x: torch.Tensor, weight: torch.Tensor, done: torch.Tensor, top_k: int, sigmoid: bool,
+                    renormalize: bool, scaling: float, correction_bias: torch.Tensor | None = None,
+                    interpreted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_topk(F.linear(x.float(), weight), ...)` in one launch: x [T, H] (any float dtype), weight float32
+    [E, H] contiguous, done an int32 [1] counter at 0 (left at 0)."""
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    if weight.shape != (num_experts, hidden) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"fused_gate_topk needs a contiguous float32 [E, {hidden}] weight, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if x.stride(-1) != 1 or done.dtype != torch.int32 or done.numel() < 1:
+        raise ValueError("fused_gate_topk needs x with unit stride in its last dim and an int32 counter")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    if t == 0:
+        return weights, ids
+    logits = torch.empty((t, num_experts), dtype=torch.float32, device=x.device)
+    h_pad = triton.next_power_of_2(hidden)
+    block_e = 4 if interpreted else max(1, min(8, 8192 // h_pad))
+    bias = correction_bias if correction_bias is not None else weights
+    opts = {} if interpreted else {"num_warps": 8 if block_e * h_pad > 8192 else 4}
+    launch(_gate_topk_kernel, (triton.cdiv(num_experts, block_e),), x, weight, logits, done, bias, weights, ids, t,
+           num_experts, hidden, x.stride(0), float(scaling), BLOCK_E=block_e, H_PAD=h_pad,
+           E_PAD=triton.next_power_of_2(num_experts), K=top_k, K_PAD=triton.next_power_of_2(top_k),
+           SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, RENORM=renormalize, **opts)
     return weights, ids
