@@ -207,7 +207,7 @@ def test_labels_hold_the_heavy_channels_of_stored_keys(tmp_path) -> None:  # noq
     ch = backend.k_channels[layer.layer_id]
     want = k.view(-1, 2, 32).gather(2, ch.unsqueeze(0).expand(k.shape[0], -1, -1))
     assert torch.equal(backend.labels[LAYER_ID][fb.out_cache_loc], want)
-    assert backend.labels[LAYER_ID].shape == (runner.token_to_kv_pool.size + 1, 2, 6)
+    assert backend.labels[LAYER_ID].shape == (runner.token_to_kv_pool.get_kv_buffer(0)[0].shape[0], 2, 6)
 
 
 def test_channel_file_is_checked(tmp_path) -> None:  # noqa: ANN001
@@ -265,9 +265,11 @@ def test_calibrated_model_decodes_like_dense_when_every_token_is_kept(tmp_path) 
     assert data["tokens"] == 96 and load_channel_file(ch, 2, 2, 16)
     prompts = [[5, 9, 17, 3, 3, 80, 41], [7] * 20]
     dense = StaticBatch(make_model_runner(path)).generate(prompts, 12)
+    # with pages of 16 tokens: the labels follow the KV slots, wherever the page table puts them
     runner = make_model_runner(path, attention_backend="double_sparsity", ds_channel_config_path=ch,
-                               ds_heavy_channel_num=4, ds_heavy_token_num=64, ds_sparse_decode_threshold=0)
+                               ds_heavy_channel_num=4, ds_heavy_token_num=64, ds_sparse_decode_threshold=0,
+                               page_size=16)
     assert isinstance(runner.attn_backend, DoubleSparseAttnBackend)
     assert StaticBatch(runner).generate(prompts, 12) == dense
-    # one label row per KV slot (and the padding slot): 2 KV heads x 4 channels
-    assert runner.attn_backend.labels[0].shape == (runner.token_to_kv_pool.size + 1, 2, 4)
+    # one label row per row of the K buffer: 2 KV heads x 4 channels
+    assert runner.attn_backend.labels[0].shape == (runner.token_to_kv_pool.get_kv_buffer(0)[0].shape[0], 2, 4)

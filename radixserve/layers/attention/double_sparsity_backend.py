@@ -156,9 +156,10 @@ class DoubleSparseAttnBackend(AttentionBackend):
         self.label_dtype = getattr(model_runner, "dtype", None) or pool.dtype
         if self.label_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             self.label_dtype = torch.bfloat16
-        # the label cache: one row per KV slot (slot 0 is the pool's padding slot), as the pool's K buffer
-        self.labels = [torch.zeros((pool.size + 1, self.num_kv_heads, hc), dtype=self.label_dtype,
-                                   device=self.device) for _ in range(cfg.num_hidden_layers)]
+        # the label cache: one row per row of the pool's K buffer (its padding slots included), same slot indices
+        rows = pool.get_kv_buffer(0)[0].shape[0]
+        self.labels = [torch.zeros((rows, self.num_kv_heads, hc), dtype=self.label_dtype, device=self.device)
+                       for _ in range(cfg.num_hidden_layers)]
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.forward_metadata = DoubleSparseMetadata()
 
