@@ -58,6 +58,10 @@ class ServerArgs:
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype; fp8_e4m3 / fp8_e5m2 store K/V in 8 bits, "
                                 "scaled by the checkpoint's k_scale / v_scale or 1.0)", default="auto",
                                 choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _flag("With an fp8 KV cache: give every attention layer whose checkpoint has no "
+                                      "k_scale / v_scale scales measured at startup (one prefill over a short "
+                                      "built-in English text; 2 x the largest |k|, |v| seen / the fp8 maximum) "
+                                      "instead of 1.0", default=False)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
@@ -74,6 +78,8 @@ class ServerArgs:
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
+    page_size: int = _flag("KV cache page size in tokens: the pool allocates and frees whole pages and the radix "
+                           "cache shares whole pages only (a partial last page is recomputed)", default=1)
     max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
                                              "largest captured batch, else from the pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
@@ -223,6 +229,10 @@ class ServerArgs:
                      "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens",
                      "torch_compile_max_bs"):
             positive(name)
+        positive("page_size", allow_none=False)
+        if self.page_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
+                             "with kept tokens, and pages are freed whole)")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):
@@ -233,6 +243,9 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535; got {self.port}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype fp8_e4m3 or fp8_e5m2); "
+                             f"got --kv-cache-dtype {self.kv_cache_dtype}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -344,7 +357,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule or self.speculative_algorithm is not None or self.enable_dp_attention:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

@@ -102,8 +102,9 @@ def reference(tiny_path) -> dict[str, list[int]]:
     {"enable_overlap_schedule": True, "enable_mixed_chunk": True, "chunked_prefill_size": 16},
     {"enable_overlap_schedule": True, "disable_radix_cache": True, "chunked_prefill_size": 16},
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
-def test_configs_give_identical_tokens(tiny_path, reference, kw) -> None:
-    assert run(tiny_path, workload(), **kw) == reference
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_configs_give_identical_tokens(tiny_path, reference, kw, page_size) -> None:
+    assert run(tiny_path, workload(), page_size=page_size, **kw) == reference
 
 
 def test_cached_tokens_reported_for_repeated_prefix(tiny_path) -> None:
@@ -117,11 +118,12 @@ def test_cached_tokens_reported_for_repeated_prefix(tiny_path) -> None:
     assert second["meta"]["cached_tokens"] >= len(prompt)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, reference, overlap) -> None:
+def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, reference, overlap, page_size) -> None:
     # a low reservation ratio admits more than fits, so decoding must retract
-    s = make_scheduler(tiny_path, max_total_tokens=200, chunked_prefill_size=-1, schedule_conservativeness=0.05,
-                       enable_overlap_schedule=overlap)
+    s = make_scheduler(tiny_path, max_total_tokens=200 if page_size == 1 else 128, chunked_prefill_size=-1,
+                       schedule_conservativeness=0.05, enable_overlap_schedule=overlap, page_size=page_size)
     for rid, prompt, n in workload():
         submit(s, rid, prompt, n)
     res = drain(s)
@@ -130,9 +132,10 @@ def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, refer
     assert s.invariant_violations == 0
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_abort_queued_and_running_frees_everything(tiny_path, overlap) -> None:
-    s = make_scheduler(tiny_path, max_running_requests=2, enable_overlap_schedule=overlap)
+def test_abort_queued_and_running_frees_everything(tiny_path, overlap, page_size) -> None:
+    s = make_scheduler(tiny_path, max_running_requests=2, enable_overlap_schedule=overlap, page_size=page_size)
     for i in range(5):
         submit(s, f"x{i}", list(range(5, 30 + i)), 50)
     s.step()  # x0, x1 prefilled; the rest wait
@@ -145,9 +148,10 @@ def test_abort_queued_and_running_frees_everything(tiny_path, overlap) -> None:
         assert res[rid]["finish"]["type"] == "length" and len(res[rid]["ids"]) == 50
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_abort_while_chunked_prefill(tiny_path, overlap) -> None:
-    s = make_scheduler(tiny_path, chunked_prefill_size=8, enable_overlap_schedule=overlap)
+def test_abort_while_chunked_prefill(tiny_path, overlap, page_size) -> None:
+    s = make_scheduler(tiny_path, chunked_prefill_size=8, enable_overlap_schedule=overlap, page_size=page_size)
     submit(s, "long", list(range(3, 100)), 5)
     s.step()
     assert s.chunked_req is not None
@@ -420,3 +424,11 @@ def test_max_queued_requests_counts_waiting_requests_only(tiny_path) -> None:
     assert "--max-queued-requests 3" in res["q3"]["finish"]["message"]
     assert all(len(res[r]["ids"]) == 3 for r in ("q0", "q1", "q2"))
     assert all(len(res[f"run{i}"]["ids"]) == 30 for i in range(2))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flex_backend_gives_identical_tokens(tiny_path, reference, page_size) -> None:
+    # a small pool: on the CPU flex_attention scores every slot of the pool
+    kw = {"attention_backend": "flex", "page_size": page_size, "chunked_prefill_size": 16, "max_total_tokens": 1024}
+    reqs = workload()[:6]
+    assert run(tiny_path, reqs, **kw) == {rid: reference[rid] for rid, _, _ in reqs}

@@ -168,7 +168,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return True
         if not self.dp_peers_busy:
             return True  # nobody has work: no forward anywhere
-        self.worker.forward_idle(counts, all_decode)
+        (self.worker_client or self.worker).forward_idle(counts, all_decode)
         return False
 
     def flush_results(self) -> None:
@@ -253,7 +253,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             error = f"the prompt has {len(ids)} tokens, at least the context length {self.context_len}"
         elif min(ids) < 0 or max(ids) >= self.vocab_size:
             error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
-        elif len(ids) + 1 > self.token_to_kv_pool.size:
+        elif len(ids) + self.token_to_kv_pool.page_size > self.token_to_kv_pool.size:  # + a page's slack
             error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
         status = 400
         lora_error = self.check_lora_id(recv.lora_id)
