@@ -168,7 +168,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return True
         if not self.dp_peers_busy:
             return True  # nobody has work: no forward anywhere
-        self.worker.forward_idle(counts, all_decode)
+        (self.worker_client or self.worker).forward_idle(counts, all_decode)
         return False
 
     def flush_results(self) -> None:

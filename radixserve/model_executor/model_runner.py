@@ -107,6 +107,8 @@ class ModelRunner:
                                                  or not self.attn_backend.supports_cuda_graph):
             raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
                              "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
+        if server_args.calculate_kv_scales:  # before the CUDA graphs: the scales are baked into them
+            self._calculate_kv_scales()
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
         elif self.is_cuda and not server_args.disable_cuda_graph:
@@ -197,6 +199,17 @@ class ModelRunner:
                                                   cfg.num_hidden_layers, self.device, page_size=args.page_size)
         size = self.max_total_num_tokens = self.token_to_kv_pool.size  # whole pages
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
+
+    def _calculate_kv_scales(self) -> None:
+        from radixserve.layers.quantization.kv_calibration import calculate_kv_scales, calibration_text
+        from radixserve.managers.tokenizer_utils import get_tokenizer
+
+        if self.model_config.is_mla:
+            raise ValueError("--calculate-kv-scales is not supported for MLA models (their pool holds a latent "
+                             "vector, not per-head k and v)")
+        tokenizer = get_tokenizer(self.server_args.tokenizer_path or self.model_config.tokenizer_path,
+                                  self.server_args.trust_remote_code)
+        calculate_kv_scales(self, tokenizer.encode(calibration_text()))
 
     # ---------------------------------------------------------------- run
     @torch.inference_mode()
