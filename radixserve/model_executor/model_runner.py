@@ -115,6 +115,12 @@ class ModelRunner:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.cuda_graph_runner = CudaGraphRunner(self)
+        self.prefill_graph_runner = None
+        if self.cuda_graph_runner is not None and server_args.prefill_cuda_graph_max_tokens > 0:
+            from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
+
+            if prefill_graphs_supported(self):
+                self.prefill_graph_runner = PrefillGraphRunner(self, server_args.prefill_cuda_graph_max_tokens)
 
     # ---------------------------------------------------------------- setup
     def _init_distributed(self) -> None:
@@ -210,6 +216,8 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
+        if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run(forward_batch):
+            return self.prefill_graph_runner.replay(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     @torch.inference_mode()
