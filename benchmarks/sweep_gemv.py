@@ -30,7 +30,7 @@ LAYERS_8B = 32
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
     out: list[GemvConfig] = []
-    if family == "fp8":
+    if family in ("fp8", "fp8_silu"):
         if m <= 2:
             for bn in ((2, 4, 8) if m == 1 else (2, 4)):
                 for bk in ((1024, 2048) if m == 1 else (1024,)):
@@ -54,7 +54,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    if family == "fp8":
+    if family in ("fp8", "fp8_silu"):
         from radixserve.layers.quantization.fp8 import quantize_rows
 
         q, s = quantize_rows(w)
@@ -73,10 +73,10 @@ def nbytes(fields: dict) -> int:
 def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa: ANN001, ANN201
     import torch.nn.functional as F
 
-    if family == "fp8":
+    if family in ("fp8", "fp8_silu"):
         from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
 
-        return fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, None, cfg)
+        return fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, None, cfg, silu_mul=family == "fp8_silu")
     if family == "fp8_gemm":  # the previous W8A16 tl.dot kernel
         from radixserve.layers.quantization.fp8_kernels import fp8_gemm
 
@@ -89,8 +89,14 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 
 
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
-    if family in ("fp8", "fp8_gemm"):
-        return x.float() @ (fields["w"].float() * fields["s"].view(-1, 1)).t()
+    import torch
+
+    if family in ("fp8", "fp8_gemm", "fp8_silu"):
+        out = x.float() @ (fields["w"].float() * fields["s"].view(-1, 1)).t()
+        if family == "fp8_silu":
+            gate, up = out.chunk(2, dim=-1)
+            out = torch.nn.functional.silu(gate) * up
+        return out
     if family == "bf16":
         return x.float() @ fields["w"].float().t()
     from radixserve.layers.quantization import gguf_formats as G
@@ -181,7 +187,7 @@ def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | Non
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--families", nargs="+", default=["fp8", "q4_k", "q8_0"])
+    p.add_argument("--families", nargs="+", default=["fp8", "fp8_silu", "q4_k", "q8_0"])
     p.add_argument("--m", type=int, nargs="+", default=[1])
     p.add_argument("--shapes", default="8b")
     p.add_argument("--baselines", action="store_true", help="also time bf16 cuBLAS and the previous fp8_gemm")
@@ -213,6 +219,8 @@ def main() -> None:
             print(f"{'N x K':>12} {'best config':<44} {'us':>7} {'GB/s':>6} {'util':>6} {'2nd us':>7} "
                   f"{'bf16 us':>8} {'old us':>7}")
             for n, k in shapes:
+                if family == "fp8_silu" and (n, k) != shapes[2]:
+                    continue  # the gate_up shape only
                 t = time.time()
                 rows = [r for r in sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20) if r["ok"]]
                 base = old = None

@@ -58,6 +58,10 @@ class ServerArgs:
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype; fp8_e4m3 / fp8_e5m2 store K/V in 8 bits, "
                                 "scaled by the checkpoint's k_scale / v_scale or 1.0)", default="auto",
                                 choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _flag("With an fp8 KV cache: give every attention layer whose checkpoint has no "
+                                      "k_scale / v_scale scales measured at startup (one prefill over a short "
+                                      "built-in English text; 2 x the largest |k|, |v| seen / the fp8 maximum) "
+                                      "instead of 1.0", default=False)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
@@ -98,6 +102,9 @@ class ServerArgs:
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
                                           "256 from 70 GiB, else 160)")
+    prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
+                                               "CUDA graph (one GPU, with decode graphs on); 0: always eager",
+                                               default=0)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
@@ -229,6 +236,9 @@ class ServerArgs:
         if self.page_size > 1 and self.speculative_algorithm is not None:
             raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
                              "with kept tokens, and pages are freed whole)")
+        if not isinstance(self.prefill_cuda_graph_max_tokens, int) or self.prefill_cuda_graph_max_tokens < 0:
+            raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
+                             f"{self.prefill_cuda_graph_max_tokens!r}")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):
@@ -239,6 +249,9 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535; got {self.port}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype fp8_e4m3 or fp8_e5m2); "
+                             f"got --kv-cache-dtype {self.kv_cache_dtype}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:

@@ -113,12 +113,20 @@ class ModelRunner:
                                                  or not self.attn_backend.supports_cuda_graph):
             raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
                              "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
+        if server_args.calculate_kv_scales:  # before the CUDA graphs: the scales are baked into them
+            self._calculate_kv_scales()
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
         elif self.is_cuda and not server_args.disable_cuda_graph:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.cuda_graph_runner = CudaGraphRunner(self)
+        self.prefill_graph_runner = None
+        if self.cuda_graph_runner is not None and server_args.prefill_cuda_graph_max_tokens > 0:
+            from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
+
+            if prefill_graphs_supported(self):
+                self.prefill_graph_runner = PrefillGraphRunner(self, server_args.prefill_cuda_graph_max_tokens)
 
     # ---------------------------------------------------------------- setup
     def _init_distributed(self) -> None:
@@ -198,11 +206,24 @@ class ModelRunner:
         size = self.max_total_num_tokens = self.token_to_kv_pool.size  # whole pages
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
 
+    def _calculate_kv_scales(self) -> None:
+        from radixserve.layers.quantization.kv_calibration import calculate_kv_scales, calibration_text
+        from radixserve.managers.tokenizer_utils import get_tokenizer
+
+        if self.model_config.is_mla:
+            raise ValueError("--calculate-kv-scales is not supported for MLA models (their pool holds a latent "
+                             "vector, not per-head k and v)")
+        tokenizer = get_tokenizer(self.server_args.tokenizer_path or self.model_config.tokenizer_path,
+                                  self.server_args.trust_remote_code)
+        calculate_kv_scales(self, tokenizer.encode(calibration_text()))
+
     # ---------------------------------------------------------------- run
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
+        if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run(forward_batch):
+            return self.prefill_graph_runner.replay(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     @torch.inference_mode()

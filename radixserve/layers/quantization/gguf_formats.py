@@ -179,10 +179,14 @@ def quantize(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def quantize_to_ggml(array: object, type_name: str) -> object:
     """A float32 numpy array [N, K] as GGUF block bytes of `type_name`: the `gguf` package's own quantiser where it
-    has one (Q8_0, Q4_0, Q5_0, ...), ours for Q4_K (which `gguf` can read but not write)."""
+    has one (Q8_0, Q4_0, Q5_0, ...), ours for Q4_K and Q6_K (which `gguf` can read but not write)."""
     if type_name == Q4_K:
         w = torch.from_numpy(array)
         return to_ggml_bytes(Q4_K, quantize(Q4_K, w)).numpy()
+    if type_name == "Q6_K":
+        from radixserve.layers.quantization.gguf_q6_k import quantize_q6_k
+
+        return quantize_q6_k(torch.from_numpy(array)).numpy()
     from gguf import GGMLQuantizationType, quants
 
     return quants.quantize(array, GGMLQuantizationType[type_name])
