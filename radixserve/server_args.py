@@ -102,6 +102,9 @@ class ServerArgs:
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
                                           "256 from 70 GiB, else 160)")
+    prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
+                                               "CUDA graph (one GPU, with decode graphs on); 0: always eager",
+                                               default=0)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
@@ -241,6 +244,9 @@ class ServerArgs:
         if self.page_size > 1 and self.speculative_algorithm is not None:
             raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
                              "with kept tokens, and pages are freed whole)")
+        if not isinstance(self.prefill_cuda_graph_max_tokens, int) or self.prefill_cuda_graph_max_tokens < 0:
+            raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
+                             f"{self.prefill_cuda_graph_max_tokens!r}")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):
