@@ -99,6 +99,7 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
     hit = after["cache_hit_tokens"] - before["cache_hit_tokens"]
     prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
     extra: dict[str, Any] = {"tp_size": server_args.tp_size, "dp_size": server_args.dp_size,
+                             "enable_dp_attention": server_args.enable_dp_attention, "ep_size": server_args.ep_size,
                              "dtype": info.dtype if info else server_args.dtype,
                              "attention_backend": info.attention_backend if info else None}
     if server_args.resolved_device() == "cpu":
@@ -215,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['elapsed_s']:>10.2f} {hit:>9}")
     if "dp_routed" in results[0]:
         r = results[0]
-        print(f"dp {r['dp_size']} x tp {r['tp_size']}, {r['load_balance_method']}: routed {r['dp_routed']} "
+        layout = f"DP attention over tp {r['tp_size']}" if r.get("enable_dp_attention") else \
+            f"dp {r['dp_size']} x tp {r['tp_size']}"
+        print(f"{layout}, {r['load_balance_method']}: routed {r['dp_routed']} "
               f"({r['dp_cache_routed']} to the replica holding their prefix), replica hit rates "
               f"{', '.join(f'{h:.3f}' for h in r['dp_cache_hit_rate'])}")
     if len(results) == 2:

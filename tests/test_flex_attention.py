@@ -18,13 +18,14 @@ from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 LAYER = 1
 
 
-def make_runner(hq: int, hkv: int, d: int, page_size: int, pool_size: int = 512) -> SimpleNamespace:
+def make_runner(hq: int, hkv: int, d: int, page_size: int, pool_size: int = 512, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     cfg = SimpleNamespace(num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d, is_mla=False)
-    kv = TokenToKVPool(pool_size, torch.float32, hkv, d, num_layers=2, device="cpu", page_size=page_size)
+    kv = TokenToKVPool(pool_size, dtype, hkv, d, num_layers=2, device=device, page_size=page_size)
     for buf in kv.k_buffer + kv.v_buffer:
         buf.fill_(1e3)  # garbage in every slot not written: a read of a slot the mask should hide shows
-    return SimpleNamespace(device="cpu", model_config=cfg, tp_size=1, token_to_kv_pool=kv,
-                           req_to_token_pool=ReqToTokenPool(8, 256, "cpu"))
+    return SimpleNamespace(device=device, model_config=cfg, tp_size=1, token_to_kv_pool=kv,
+                           req_to_token_pool=ReqToTokenPool(8, 256, device))
 
 
 def layer(hq: int, hkv: int, d: int, window: int = -1) -> SimpleNamespace:
@@ -35,25 +36,31 @@ def layer(hq: int, hkv: int, d: int, window: int = -1) -> SimpleNamespace:
 def forward_batch(runner: SimpleNamespace, backend: object, rows: list[int], pre: list[int], ext: list[int],
                   out_loc: torch.Tensor, mode: ForwardMode) -> ForwardBatch:
     seq = [p + e for p, e in zip(pre, ext, strict=True)]
-    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(pre, ext, strict=True)])
+    dev = runner.device
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(pre, ext, strict=True)]).to(dev)
     fb = ForwardBatch(forward_mode=mode, batch_size=len(rows), input_ids=torch.zeros(sum(ext), dtype=torch.int64),
-                      req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq), out_cache_loc=out_loc,
+                      req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(seq, device=dev),
+                      out_cache_loc=out_loc.to(dev),
                       seq_lens_sum=sum(seq), positions=positions, req_to_token_pool=runner.req_to_token_pool,
                       token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend, seq_lens_cpu=seq)
     if mode.is_extend():
-        fb.extend_seq_lens = torch.tensor(ext)
-        fb.extend_prefix_lens = torch.tensor(pre)
-        fb.extend_start_loc = torch.tensor([sum(ext[:i]) for i in range(len(ext))])
+        fb.extend_seq_lens = torch.tensor(ext, device=dev)
+        fb.extend_prefix_lens = torch.tensor(pre, device=dev)
+        fb.extend_start_loc = torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=dev)
         fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(ext), list(pre)
     backend.init_forward_metadata(fb)
     return fb
 
 
 def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens: list[int], window: int,
-             seed: int) -> None:
-    d = 16
+             seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32, d: int = 16,
+             tol: float = 2e-5) -> None:
     gen = torch.Generator().manual_seed(seed)
-    runner = make_runner(hq, hkv, d, page_size)
+    runner = make_runner(hq, hkv, d, page_size, device=device, dtype=dtype)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
     kv, r2t = runner.token_to_kv_pool, runner.req_to_token_pool
     flex, ref = FlexAttnBackend(runner), TorchNativeAttnBackend(runner)
     lay = layer(hq, hkv, d, window)
@@ -63,38 +70,50 @@ def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens
     slots = kv.alloc_extend(zeros, prefix_lens, zeros)
     r2t.write_batch(torch.repeat_interleave(torch.tensor(rows), torch.tensor(prefix_lens)),
                     torch.cat([torch.arange(n) for n in prefix_lens]), slots)
+    r2t.apply_writes(r2t.take_pending_writes())
     if sum(prefix_lens):
         fb = forward_batch(runner, flex, rows, zeros, prefix_lens, slots, ForwardMode.EXTEND)
-        k = torch.randn(sum(prefix_lens), hkv * d, generator=gen)
-        v = torch.randn(sum(prefix_lens), hkv * d, generator=gen)
-        flex.forward(torch.randn(sum(prefix_lens), hq * d, generator=gen), k, v, lay, fb)
+        k = randn(sum(prefix_lens), hkv * d)
+        v = randn(sum(prefix_lens), hkv * d)
+        flex.forward(randn(sum(prefix_lens), hq * d), k, v, lay, fb)
     # the new tokens: continue each request's last page
     seq = [p + e for p, e in zip(prefix_lens, ext_lens, strict=True)]
-    last = [int(r2t.req_to_token[r, p - 1]) if p else 0 for r, p in zip(rows, prefix_lens, strict=True)]
+    last = [int(r2t.req_to_token_cpu[r, p - 1]) if p else 0 for r, p in zip(rows, prefix_lens, strict=True)]
     new = kv.alloc_extend(prefix_lens, seq, last)
     r2t.write_batch(torch.repeat_interleave(torch.tensor(rows), torch.tensor(ext_lens)),
                     torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq, strict=True)]), new)
-    q = torch.randn(sum(ext_lens), hq * d, generator=gen)
-    k = torch.randn(sum(ext_lens), hkv * d, generator=gen)
-    v = torch.randn(sum(ext_lens), hkv * d, generator=gen)
+    r2t.apply_writes(r2t.take_pending_writes())
+    q = randn(sum(ext_lens), hq * d)
+    k = randn(sum(ext_lens), hkv * d)
+    v = randn(sum(ext_lens), hkv * d)
     fb = forward_batch(runner, flex, rows, prefix_lens, ext_lens, new, ForwardMode.EXTEND)
     out = flex.forward(q, k, v, lay, fb)
     check_block_coverage(flex, fb, rows, prefix_lens, ext_lens, window)
     fb_ref = forward_batch(runner, ref, rows, prefix_lens, ext_lens, new, ForwardMode.EXTEND)
     expect = ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False)
-    torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, expect, atol=tol, rtol=tol)
     # one decode step for every request
     seq_d = [s + 1 for s in seq]
-    last = torch.tensor([int(r2t.req_to_token[r, s - 1]) for r, s in zip(rows, seq, strict=True)])
+    last = torch.tensor([int(r2t.req_to_token_cpu[r, s - 1]) for r, s in zip(rows, seq, strict=True)])
     loc = kv.alloc_decode(torch.tensor(seq_d), last)
     r2t.write_batch(torch.tensor(rows), torch.tensor(seq), loc)
-    q = torch.randn(len(rows), hq * d, generator=gen)
-    k = torch.randn(len(rows), hkv * d, generator=gen)
-    v = torch.randn(len(rows), hkv * d, generator=gen)
+    r2t.apply_writes(r2t.take_pending_writes())
+    q = randn(len(rows), hq * d)
+    k = randn(len(rows), hkv * d)
+    v = randn(len(rows), hkv * d)
     fb = forward_batch(runner, flex, rows, seq, [1] * len(rows), loc, ForwardMode.DECODE)
     out = flex.forward(q, k, v, lay, fb)
     fb_ref = forward_batch(runner, ref, rows, seq, [1] * len(rows), loc, ForwardMode.DECODE)
-    torch.testing.assert_close(out, ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False), atol=tol, rtol=tol)
+    check_decode_coverage(flex, rows, seq_d, window)
+    # the same step as a CUDA-graph replay would run it: the static metadata of the graphs, refreshed by the hook
+    flex.init_cuda_graph_state(8)
+    flex.init_forward_metadata_capture_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens)
+    flex.init_forward_metadata(fb)
+    flex.init_forward_metadata_replay_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens, sum(seq_d))
+    flex._meta, flex._use_graph_meta = flex._graph, True
+    out = flex.forward(q, k, v, lay, fb)
+    torch.testing.assert_close(out, ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False), atol=tol, rtol=tol)
     check_decode_coverage(flex, rows, seq_d, window)
 
 
@@ -148,3 +167,28 @@ def test_flex_refuses_fp8_and_mla() -> None:
     runner.model_config.is_mla = True
     with pytest.raises(ValueError, match="MLA"):
         FlexAttnBackend(runner)
+
+
+@pytest.mark.parametrize("window", [-1, 5])
+def test_torch_native_static_decode_equals_eager(window: int) -> None:
+    """The decode torch_native captures in CUDA graphs (fixed width, masks, no host reads) equals its eager decode."""
+    runner = make_runner(4, 2, 16, 1)
+    kv, r2t = runner.token_to_kv_pool, runner.req_to_token_pool
+    gen = torch.Generator().manual_seed(0)
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    native = TorchNativeAttnBackend(runner)
+    native.init_cuda_graph_state(4)
+    rows = r2t.alloc(3)
+    lens = [9, 1, 30]
+    for r, n in zip(rows, lens, strict=True):
+        r2t.write(r, 0, kv.alloc(n))
+    lay = layer(4, 2, 16, window)
+    q = torch.randn(3, 64, generator=gen)
+    fb = forward_batch(runner, native, rows, [n - 1 for n in lens], [1, 1, 1], torch.zeros(3, dtype=torch.int64),
+                       ForwardMode.DECODE)
+    eager = native.forward(q, q[:, :32], q[:, :32], lay, fb, save_kv_cache=False)
+    native.init_forward_metadata_capture_cuda_graph(3, fb.req_pool_indices, fb.seq_lens)
+    static = native.forward(q, q[:, :32], q[:, :32], lay, fb, save_kv_cache=False)
+    torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
+    assert native.cuda_graph_max_seq_len() == min(4096, r2t.req_to_token.shape[1])

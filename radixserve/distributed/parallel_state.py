@@ -92,6 +92,20 @@ def get_custom_all_reduce() -> Any:
     return _CUSTOM_AR
 
 
+def custom_all_reduce_fuses_norm() -> bool:
+    """Whether the all-reduce can be fused with the residual add + RMSNorm after it (layers then leave their
+    row-parallel outputs unreduced and hand them to the norm: `RMSNorm(x, residual, reduce=True)`)."""
+    return _CUSTOM_AR is not None and getattr(_CUSTOM_AR, "add_norm", None) is not None
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused all-reduce + residual add + RMSNorm, or None when it cannot run on this message."""
+    if _TP_SIZE == 1 or _CUSTOM_AR is None:
+        return None
+    return _CUSTOM_AR.fused_add_rmsnorm(x, residual, weight, eps)
+
+
 def model_parallel_is_initialized() -> bool:
     return _TP_GROUP is not None
 
