@@ -55,7 +55,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    if family in ("fp8", "fp8_silu"):
+    if family in ("fp8", "fp8_silu", "fp8_gemm"):
         from radixserve.layers.quantization.fp8 import quantize_rows
 
         q, s = quantize_rows(w)
