@@ -46,6 +46,10 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         out += [GemvConfig("ew", bn, bk, 4, 2) for bn in bns for bk in bks]
         out += [GemvConfig("ew", bn, bk, 8, 2) for bn in (4, 8) for bk in bks[-1:]]
         out += [GemvConfig("ew", bn, bk, 4, 2, "magic") for bn in bns[-2:] for bk in bks[-2:]]
+        if family == "q4_k":  # the variant with no reduction inside the loop
+            out += [GemvConfig("acc", bn, bk, w, 2, v) for bn, bk, w in
+                    [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8), (2, 512, 4)]
+                    for v in ("", "magic")]
     return out[:6] if quick else out
 
 
