@@ -199,6 +199,8 @@ def main() -> None:
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--kernels", nargs="+", default=None, help="only candidates of these kernels (ew, dot, acc), plus "
+                   "the configs the table holds now for the swept shapes")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -210,7 +212,16 @@ def main() -> None:
     shapes = SHAPES_8B
     copy_bw = measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    plan = [(f, m, c) for f in args.families for m in args.m for c in candidates(f, m, args.quick)]
+    def cands(family: str, m: int) -> list[GemvConfig]:
+        out = candidates(family, m, args.quick)
+        if args.kernels:
+            from radixserve.layers.quantization import gemv_configs
+
+            out = [c for c in out if c.kernel in args.kernels]
+            out += [c for c in dict.fromkeys(gemv_configs.get(family, m, n, k) for n, k in shapes) if c not in out]
+        return out
+
+    plan = [(f, m, c) for f in args.families for m in args.m for c in cands(f, m)]
     try:
         precompile(plan, args.workers)
     except Exception as e:  # noqa: BLE001 - the sweep still runs, compiling as it goes
@@ -219,7 +230,7 @@ def main() -> None:
     all_rows: list[dict] = []
     for family in args.families:
         for m in args.m:
-            cfgs = candidates(family, m, args.quick)
+            cfgs = cands(family, m)
             if not cfgs:
                 continue
             step_best = step_base = 0.0
