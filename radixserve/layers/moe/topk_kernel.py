@@ -58,7 +58,7 @@ def _topk_router_kernel(Logits, Bias, Weights, Ids, num_experts, stride_l, scali
     tl.store(Ids + t * K + offs_k, i_out, mask=offs_k < K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
 def _gate_topk_kernel(X, W, Logits, Done, Bias, Weights, Ids, num_tokens, num_experts, hidden, stride_x, scaling,
                       BLOCK_E: tl.constexpr, H_PAD: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                       K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
