@@ -102,6 +102,9 @@ class ServerArgs:
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
                                           "256 from 70 GiB, else 160)")
+    prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
+                                               "CUDA graph (one GPU, with decode graphs on); 0: always eager",
+                                               default=0)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
@@ -119,6 +122,14 @@ class ServerArgs:
                                               "--speculative-algorithm", default=4)
     speculative_draft_model_path: str | None = _flag("The draft model of --speculative-algorithm draft_model (an "
                                                      "HF folder; same tokenizer as the target)")
+    # double sparsity (--attention-backend double_sparsity; layers/attention/double_sparsity_backend.py)
+    ds_channel_config_path: str | None = _flag("Channel file of the double_sparsity backend (each head's heavy "
+                                               "channels; python -m radixserve.calibrate_double_sparsity)")
+    ds_heavy_channel_num: int | None = _flag("Channels per KV head in the double-sparsity label cache (default 16)")
+    ds_heavy_token_num: int | None = _flag("Tokens per KV head a double-sparsity decode attends over (default "
+                                           "1024)")
+    ds_sparse_decode_threshold: int | None = _flag("Requests of at most this many tokens decode densely under "
+                                                   "double sparsity (default 4096)")
     cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
                                         "set, else every core, shared out between ranks on one machine)")
     # server
@@ -233,6 +244,9 @@ class ServerArgs:
         if self.page_size > 1 and self.speculative_algorithm is not None:
             raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
                              "with kept tokens, and pages are freed whole)")
+        if not isinstance(self.prefill_cuda_graph_max_tokens, int) or self.prefill_cuda_graph_max_tokens < 0:
+            raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
+                             f"{self.prefill_cuda_graph_max_tokens!r}")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):
@@ -288,6 +302,24 @@ class ServerArgs:
         if self.speculative_draft_model_path is not None and not os.path.exists(self.speculative_draft_model_path):
             raise ValueError(f"--speculative-draft-model-path {self.speculative_draft_model_path!r} does not exist")
         self._validate_lora()
+        self._validate_double_sparsity()
+
+    def _validate_double_sparsity(self) -> None:
+        ds = ("ds_channel_config_path", "ds_heavy_channel_num", "ds_heavy_token_num", "ds_sparse_decode_threshold")
+        if self.attention_backend != "double_sparsity":
+            given = [f"--{n.replace('_', '-')}" for n in ds if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --attention-backend double_sparsity")
+            return
+        if self.ds_channel_config_path is None:
+            raise ValueError("--attention-backend double_sparsity needs --ds-channel-config-path (write one with "
+                             "python -m radixserve.calibrate_double_sparsity)")
+        if not os.path.isfile(self.ds_channel_config_path):
+            raise ValueError(f"--ds-channel-config-path {self.ds_channel_config_path!r} is not a file")
+        for name, low in (("ds_heavy_channel_num", 1), ("ds_heavy_token_num", 1), ("ds_sparse_decode_threshold", 0)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}; got {v!r}")
 
     def _validate_lora(self) -> None:
         from radixserve.lora.config import TARGET_MODULES

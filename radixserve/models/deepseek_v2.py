@@ -102,8 +102,11 @@ class DeepseekMLAAttention(nn.Module):
             q_full, k_full, saved = self._prep_fused(positions, q, kv_a, w_kc, forward_batch)
             o = self.attn(q_full.reshape(t, -1), k_full, k_full[:, :self.rank], forward_batch,
                           save_kv_cache=not saved)
-        else:
-            o = self._attend_unfused(positions, q, kv_a, w_kc, forward_batch)
+            from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+            from radixserve.layers.attention.triton_ops.mla_prep import mla_absorb_out
+
+            return self.o_proj(mla_absorb_out(o.view(t, self.num_heads, self.rank), w_vc, is_interpreted()))
+        o = self._attend_unfused(positions, q, kv_a, w_kc, forward_batch)
         o = torch.bmm(o.view(t, self.num_heads, self.rank).transpose(0, 1), w_vc.transpose(1, 2))  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
 
