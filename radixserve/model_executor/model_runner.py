@@ -69,9 +69,15 @@ def cpu_forward_threads(args: ServerArgs) -> int | None:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
-                 gpu_id: int = 0) -> None:
+                 gpu_id: int = 0, decode_rows_per_request: int | None = None) -> None:
         self.model_config = model_config
         self.server_args = server_args
+        # decode-shaped forwards carry this many rows per running request at most: 1, or 1 + k with speculation
+        # (a verify is one decode row per token), which the CUDA graphs are captured for
+        if decode_rows_per_request is None:
+            decode_rows_per_request = 1 + server_args.speculative_num_draft_tokens \
+                if server_args.speculative_algorithm is not None else 1
+        self.decode_rows_per_request = decode_rows_per_request
         self.tp_rank, self.tp_size = tp_rank, tp_size
         device = server_args.resolved_device()
         if device == "cuda":
@@ -164,6 +170,10 @@ class ModelRunner:
         if cfg.is_mla:  # one latent vector per token and layer, shared by all heads (and all TP ranks)
             cell = MLATokenToKVPool.cell_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
                                                self.kv_dtype)
+        if args.attention_backend == "double_sparsity":  # its label cache holds a row beside every KV slot
+            from radixserve.layers.attention.double_sparsity_backend import label_bytes_per_token
+
+            cell += label_bytes_per_token(cfg, args, self.dtype, self.tp_size)
         self.cuda_graph_max_bs = args.cuda_graph_max_bs or 160
         if self.is_cuda:
             gc.collect()
