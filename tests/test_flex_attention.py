@@ -106,6 +106,15 @@ def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens
     fb_ref = forward_batch(runner, ref, rows, seq, [1] * len(rows), loc, ForwardMode.DECODE)
     torch.testing.assert_close(out, ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False), atol=tol, rtol=tol)
     check_decode_coverage(flex, rows, seq_d, window)
+    # the same step as a CUDA-graph replay would run it: the static metadata of the graphs, refreshed by the hook
+    flex.init_cuda_graph_state(8)
+    flex.init_forward_metadata_capture_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens)
+    flex.init_forward_metadata(fb)
+    flex.init_forward_metadata_replay_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens, sum(seq_d))
+    flex._meta, flex._use_graph_meta = flex._graph, True
+    out = flex.forward(q, k, v, lay, fb)
+    torch.testing.assert_close(out, ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False), atol=tol, rtol=tol)
+    check_decode_coverage(flex, rows, seq_d, window)
 
 
 def visible(row: int, pos: int, window: int, table: torch.Tensor) -> set[int]:

@@ -196,6 +196,10 @@ class ModelRunner:
         if cfg.is_mla:  # one latent vector per token and layer, shared by all heads (and all TP ranks)
             cell = MLATokenToKVPool.cell_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
                                                self.kv_dtype)
+        if args.attention_backend == "double_sparsity":  # its label cache holds a row beside every KV slot
+            from radixserve.layers.attention.double_sparsity_backend import label_bytes_per_token
+
+            cell += label_bytes_per_token(cfg, args, self.dtype, self.tp_size)
         self.cuda_graph_max_bs = args.cuda_graph_max_bs or 160
         if self.is_cuda:
             gc.collect()
