@@ -327,3 +327,31 @@ def test_cpu_dtype_auto_follows_the_cpu_and_the_override(monkeypatch: pytest.Mon
     monkeypatch.setenv(mr.CPU_AUTO_DTYPE_ENV, "fp8")
     with pytest.raises(ValueError, match="RADIXSERVE_CPU_AUTO_DTYPE"):
         mr.resolve_dtype("auto", "cpu")
+
+
+@needs_compiler
+def test_bf16_rows_take_the_kernels_with_the_torch_ops_semantics() -> None:
+    """bfloat16 CPU rows go through the float32 kernels: rotary equals the torch ops (float32 math, one rounding);
+    RMSNorm's residual sum is the bfloat16 sum and its norm within a bfloat16 rounding of the torch ops'."""
+    from radixserve.layers.layernorm import RMSNorm
+    from radixserve.layers.rotary_embedding import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    rope = RotaryEmbedding(64, 128, 10000.0)
+    pos = torch.tensor([0, 5, 17, 100])
+    q, k = torch.randn(4, 3 * 64, generator=g).bfloat16(), torch.randn(4, 64, generator=g).bfloat16()
+    q_ref, k_ref = q.clone(), k.clone()
+    assert cpu_ops.rotary_neox_inplace(pos, q, k, rope.cos_cache, rope.sin_cache, 64)
+    rope.is_neox_style = True
+    cos, sin = rope.cos_cache[pos].unsqueeze(1), rope.sin_cache[pos].unsqueeze(1)
+    for got, x in ((q, q_ref), (k, k_ref)):
+        x3 = x.reshape(4, -1, 64).float()
+        x1, x2 = x3.chunk(2, dim=-1)
+        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).bfloat16().reshape(x.shape)
+        assert torch.equal(got, want)
+    norm = RMSNorm(192).to(torch.bfloat16)
+    norm.weight.data = torch.randn(192, generator=g).bfloat16()
+    x, res = torch.randn(4, 192, generator=g).bfloat16(), torch.randn(4, 192, generator=g).bfloat16()
+    out, new_res = norm(x, res)
+    assert out.dtype == torch.bfloat16 and torch.equal(new_res, x + res)
+    torch.testing.assert_close(out.float(), norm._norm(x + res).float(), rtol=2e-2, atol=2e-2)

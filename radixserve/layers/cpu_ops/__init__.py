@@ -190,7 +190,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
                         sin_cache: torch.Tensor, head_dim: int) -> bool:
     """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 CPU tensors the kernel can
-    take; returns False (touching nothing) otherwise, and the caller runs its torch ops."""
+    take; returns False (touching nothing) otherwise, and the caller runs its torch ops. bfloat16 q/k are rotated in
+    float32 copies and written back (what the torch ops compute: float32 math, one rounding)."""
+    if (not torch.compiler.is_compiling() and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+            and q.device.type == "cpu" and q.dim() == 2
+            and k.dim() == 2 and not q.requires_grad and not k.requires_grad):
+        q32, k32 = q.float(), k.float()
+        if not rotary_neox_inplace(positions, q32, k32, cos_cache, sin_cache, head_dim):
+            return False
+        q.copy_(q32)
+        k.copy_(k32)
+        return True
     if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype != torch.float32
             or k.dtype != torch.float32 or q.dim() != 2 or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1
             or len(q) != len(k) or head_dim % 2
@@ -214,7 +224,18 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 CPU rows;
-    None (nothing done) where the kernel does not apply."""
+    None (nothing done) where the kernel does not apply. bfloat16 rows: the sum is taken in bfloat16 (as the torch
+    ops do), the norm in float32 with one rounding of the result."""
+    if (not torch.compiler.is_compiling() and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+            and not x.requires_grad
+            and (residual is None or (residual.dtype == torch.bfloat16 and residual.shape == x.shape))):
+        if residual is not None:
+            x = x + residual
+        out = rms_norm(x.float(), None, weight.float(), eps)
+        if out is None:
+            return None
+        out = out.to(torch.bfloat16)  # type: ignore[union-attr]
+        return out if residual is None else (out, x)
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
             or x.requires_grad
