@@ -208,7 +208,7 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
 
     channel_file = args.channel_file
     if channel_file is None:
-        channel_file = os.path.join(os.environ.get("RS_DEVICE_TMP", "/tmp"), "ds_channels_embedded.json")
+        channel_file = args.channel_file_out
         calibrate_main(["--out", channel_file, "--num-tokens", str(args.calib_tokens), "--device", args.device,
                         "--dtype", "float32"] + (["--model-path", args.model_path] if args.model_path else []))
     longest = max(args.context) + args.steps
@@ -274,7 +274,7 @@ class _nullcontext:
         return self.text
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     k = sub.add_parser("kernels", help="GPU decode attention, dense Triton vs double sparsity")
@@ -292,7 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--heavy-channel-num", type=int, default=16)
     a.add_argument("--steps", type=int, default=128)
     a.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    a.add_argument("--channel-file", default=None, help="default: calibrate one first")
+    a.add_argument("--channel-file", default=None, help="default: calibrate one first (to --channel-file-out)")
+    a.add_argument("--channel-file-out", default=os.path.join(os.environ.get("RS_DEVICE_TMP", "/tmp"),
+                                                               "ds_channels.json"))
     a.add_argument("--calib-tokens", type=int, default=8192)
     a.add_argument("--text-file", default=None, help="default: this package's Python sources")
     a.add_argument("--device", default="cpu")
@@ -300,7 +302,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="only the teacher-forced runs")
     for p in (k, a):
         p.add_argument("--result-file", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.mode == "kernels":
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("kernels mode needs a CUDA device (or TRITON_INTERPRET=1 for a dry run of tiny shapes)")
