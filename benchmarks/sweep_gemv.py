@@ -48,7 +48,8 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         out += [GemvConfig("ew", bn, bk, 4, 2, "magic") for bn in bns[-2:] for bk in bks[-2:]]
         if family == "q4_k":  # the variant with no reduction inside the loop
             out += [GemvConfig("acc", bn, bk, w, 2, v) for bn, bk, w in
-                    [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8), (2, 512, 4)]
+                    [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8), (2, 512, 4),
+                     (4, 512, 2), (2, 1024, 2), (16, 256, 4)]
                     for v in ("", "magic")]
     return out[:6] if quick else out
 
