@@ -111,7 +111,7 @@ def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens
     flex.init_forward_metadata_capture_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens)
     flex.init_forward_metadata(fb)
     flex.init_forward_metadata_replay_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens, sum(seq_d))
-    flex._meta, flex._use_graph_meta = flex._graph, True
+    flex._meta, flex._use_graph_meta = flex._graph_meta(len(rows)), True
     out = flex.forward(q, k, v, lay, fb)
     torch.testing.assert_close(out, ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False), atol=tol, rtol=tol)
     check_decode_coverage(flex, rows, seq_d, window)
