@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         r["roofline_s"] = r["step_bytes"] / copy_bw
         r["bandwidth_util"] = r["roofline_s"] / r["median_decode_s"]
         rows.append(r)
+        print(f"batch {bs}: step {r['median_decode_s'] * 1e3:.3f} ms, roofline {r['roofline_s'] * 1e3:.3f} ms, "
+              f"BW util {r['bandwidth_util']:.1%}", flush=True)  # as measured: survives a timeout later on
     name = Path(runner.model_config.model_path).name
     print(f"\n{name}: weights {runner.weight_bytes / 1e9:.2f} GB, copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
           f"KV {runner.token_to_kv_pool.bytes_per_token()} B/token, pool {runner.max_total_num_tokens} tokens")

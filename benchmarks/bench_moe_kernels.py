@@ -35,9 +35,9 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 0), "deepseek-v2-lite": (64, 2048
 SMALL_SWEEP = [SmallMoEConfig(16, 512, 8, 128, 4, 4), SmallMoEConfig(8, 512, 8, 128, 4, 4),
                SmallMoEConfig(16, 256, 4, 256, 4, 4), SmallMoEConfig(32, 256, 16, 128, 4, 8),
                SmallMoEConfig(16, 1024, 8, 256, 8, 8), SmallMoEConfig(8, 256, 4, 128, 2, 2)]
-LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(64, 64, 128, 64, 4, 3),
-               MoEConfig(64, 128, 128, 64, 4, 4), MoEConfig(128, 128, 128, 64, 8, 3),
-               MoEConfig(128, 256, 128, 64, 8, 3)]
+LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),
+               MoEConfig(64, 64, 128, 64, 4, 3), MoEConfig(64, 32, 64, 128, 4, 4), MoEConfig(64, 128, 128, 64, 4, 4),
+               MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3)]
 
 
 def cfg_name(c: Any) -> str:

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-MARGINS = {"fp8": 2.0, "fp8 KV e4m3": 2.0, "fp8 KV e4m3 ckpt-scales": 2.0, "fp8 + fp8 KV": 2.0, "GGUF Q8_0": 1.0,
-           "GGUF Q4_K": 8.0, "GGUF Q4_K/Q8_0": 8.0}
+MARGINS = {"fp8": 2.0, "fp8 KV e4m3": 2.0, "fp8 KV e4m3 ckpt-scales": 2.0, "fp8 KV e4m3 calc-scales": 2.0,
+           "fp8 + fp8 KV": 2.0, "GGUF Q8_0": 1.0, "GGUF Q4_K": 8.0, "GGUF Q4_K/Q8_0": 8.0, "GGUF Q4_K_M": 8.0}
 
 
 def license_text() -> tuple[str, str]:
@@ -76,6 +76,8 @@ def write_gguf(folder: str, out: str, kind: str) -> dict[str, str]:
     tensors = load_file(os.path.join(folder, "model.safetensors"))
 
     def qtype(name: str, shape: tuple[int, ...]) -> str | None:
+        if kind == "Q4_K_M":
+            return q4_k_m_type(name, shape, cfg.num_hidden_layers, bool(getattr(cfg, "tie_word_embeddings", False)))
         if ".layers." not in name or not name.endswith("proj.weight"):
             return None
         if kind == "Q8_0":
@@ -83,6 +85,32 @@ def write_gguf(folder: str, out: str, kind: str) -> dict[str, str]:
         return "Q4_K" if shape[1] % 256 == 0 else ("Q8_0" if kind == "Q4_K/Q8_0" else "Q5_0")
 
     return write_llama_gguf(out, tensors, cfg, qtype)
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get more bits in a *_K_M mix: the first and last
+    eighth, and every third layer in between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, shape: tuple[int, ...], n_layers: int, tied: bool) -> str | None:
+    """The type llama.cpp's `llama-quantize ... Q4_K_M` gives a Llama tensor (HF name, [rows, K]): Q4_K by default;
+    Q6_K for attn_v and ffn_down in the use_more_bits layers; Q6_K for the output matrix (the tied embedding);
+    then the fallback for rows that are not whole 256-weight super-blocks (Q4_K -> Q5_0, Q6_K -> Q8_0); 1-D
+    tensors (norms) stay float32."""
+    if len(shape) != 2:
+        return None
+    if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
+        want = "Q6_K"
+    elif name == "model.embed_tokens.weight":
+        want = "Q4_K"
+    else:
+        layer = int(name.split(".")[2])
+        more = name.endswith(("v_proj.weight", "down_proj.weight")) and use_more_bits(layer, n_layers)
+        want = "Q6_K" if more else "Q4_K"
+    if shape[1] % 256:
+        return {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[want]
+    return want
 
 
 def write_kv_scales_checkpoint(folder: str, out: str, calibration_ids: list[int], headroom: float = 1.25) -> str:
@@ -141,8 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     setups: dict[str, dict[str, Any]] = {
         "fp32": {}, "fp8": {"quantization": "fp8"}, "fp8 KV e4m3": {"kv_cache_dtype": "fp8_e4m3"},
         "fp8 KV e4m3 ckpt-scales": {"kv_cache_dtype": "fp8_e4m3", "kv_scales": True},
+        "fp8 KV e4m3 calc-scales": {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True},
         "fp8 + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
-        "GGUF Q8_0": {"gguf": "Q8_0"}, "GGUF Q4_K": {"gguf": "Q4_K"}, "GGUF Q4_K/Q8_0": {"gguf": "Q4_K/Q8_0"}}
+        "GGUF Q8_0": {"gguf": "Q8_0"}, "GGUF Q4_K": {"gguf": "Q4_K"}, "GGUF Q4_K/Q8_0": {"gguf": "Q4_K/Q8_0"},
+        "GGUF Q4_K_M": {"gguf": "Q4_K_M"}}
     rows, base_ppl = [], None
     for name in args.configs.split(","):
         kw = dict(setups[name])

@@ -39,19 +39,32 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+AGREEMENTS = ("agree_fp32_8b", "agree_fp32_small", "agree_bf16_8b")
+MOE_RUNS = ("dsv2_tp2", "dsv2_dpattn", "dsv2_tp2_ep", "dsv2_dpattn_ep", "qwen3moe_tp2", "qwen3moe_tp2_ep")
+
+
 def derive(data: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    tpa = data.get("tp_agreement")
-    if tpa and "results" in tpa:
-        r2 = tpa["results"].get("2", {})
-        out["tp_agreement"] = {"pass": tpa.get("pass"), "tf_agreement": r2.get("tf_agreement"),
-                               "tf_exact_frac": r2.get("tf_exact_frac"), "free_equal_frac": r2.get("free_equal_frac"),
-                               "tp1_floor_tf_agreement": tpa["results"].get("1", {}).get("tf_agreement")}
+    ar = data.get("allreduce") or {}
+    out["allreduce_us"] = {str(r["kib"]): {m: (r.get(m) or {}).get("graph_us") for m in
+                                          ("nccl", "one_shot", "two_shot", "auto", "triton")}
+                           for r in ar.get("rows", [])}
+    out["allreduce_custom_enabled"] = ar.get("custom_enabled")
+    for name in AGREEMENTS:
+        tpa = data.get(name)
+        if tpa and "results" in tpa:
+            r2 = tpa["results"].get("2", {})
+            out[name] = {"pass": tpa.get("pass"), "dtype": (tpa.get("args") or {}).get("dtype"),
+                         "free_equal_frac": r2.get("free_equal_frac"), "tf_agreement": r2.get("tf_agreement"),
+                         "tf_exact_frac": r2.get("tf_exact_frac"), "tokens": r2.get("tokens"),
+                         "tp1_floor_tf_agreement": tpa["results"].get("1", {}).get("tf_agreement")}
     scaling = {}
     for bs in (1, 32):
         one, two = _one_batch(data.get("one_batch_8b_tp1"), bs), _one_batch(data.get("one_batch_8b_tp2"), bs)
-        t1, t2 = (one or {}).get("decode_tok_s"), (two or {}).get("decode_tok_s")
-        scaling[f"bs{bs}"] = {"tp1_decode_tok_s": t1, "tp2_decode_tok_s": t2, "speedup": _ratio(t2, t1)}
+        nccl = _one_batch(data.get("one_batch_8b_tp2_nccl"), bs)
+        t1, t2, tn = (one or {}).get("decode_tok_s"), (two or {}).get("decode_tok_s"), (nccl or {}).get("decode_tok_s")
+        scaling[f"bs{bs}"] = {"tp1_decode_tok_s": t1, "tp2_decode_tok_s": t2, "speedup": _ratio(t2, t1),
+                              "tp2_nccl_decode_tok_s": tn, "nccl_speedup": _ratio(tn, t1)}
     scaling["bs1_target_1_7x_met"] = (scaling["bs1"]["speedup"] or 0) >= 1.7
     out["decode_scaling_8b"] = scaling
     b70 = data.get("one_batch_70b_tp2")
@@ -72,6 +85,12 @@ def derive(data: dict[str, Any]) -> dict[str, Any]:
                                   "dp_cache_routed", "dp_cache_hit_rate")} for m, r in (("round_robin", rr),
                                                                                       ("cache_aware", ca))}
     out["dp_shared_prefix"]["cache_aware_speedup"] = _ratio(ca.get("output_tok_s"), rr.get("output_tok_s"))
+    moe = {name: offline(name).get("output_tok_s") for name in MOE_RUNS}
+    moe["dsv2_dpattn_over_tp2"] = _ratio(moe["dsv2_dpattn"], moe["dsv2_tp2"])
+    moe["dsv2_dpattn_ep_over_tp2"] = _ratio(moe["dsv2_dpattn_ep"], moe["dsv2_tp2"])
+    moe["dsv2_ep_over_tp2"] = _ratio(moe["dsv2_tp2_ep"], moe["dsv2_tp2"])
+    moe["qwen3moe_ep_over_tp2"] = _ratio(moe["qwen3moe_tp2_ep"], moe["qwen3moe_tp2"])
+    out["moe_offline_output_tok_s"] = moe
     return out
 
 
@@ -79,21 +98,32 @@ def print_table(d: dict[str, Any], steps: list[str]) -> None:
     print("\n================ multi-GPU summary")
     for line in steps:
         print("  step", line)
-    a = d.get("tp_agreement", {})
-    print(f"\n1. TP=2 vs TP=1 greedy (8B dummy, bf16, graphs + overlap): teacher-forced agreement "
-          f"{_fmt(a.get('tf_agreement'), '.2%')} (exact {_fmt(a.get('tf_exact_frac'), '.2%')}; TP=1's own floor "
-          f"{_fmt(a.get('tp1_floor_tf_agreement'), '.2%')}), free-running equal {_fmt(a.get('free_equal_frac'), '.2%')}"
-          f" -> {'PASS' if a.get('pass') else 'FAIL/missing'} (>= 99%)")
+    print(f"\n0. all-reduce, us per call inside a CUDA graph (custom enabled: {d.get('allreduce_custom_enabled')}):")
+    methods = ("nccl", "one_shot", "two_shot", "auto")
+    print(f"   {'KiB':>6} " + " ".join(f"{m:>9}" for m in methods))
+    for kib, r in d.get("allreduce_us", {}).items():
+        print(f"   {kib:>6} " + " ".join(f"{_fmt(r.get(m), '.2f'):>9}" for m in methods))
+    print("\n1. TP=2 vs TP=1 greedy (dummy weights, graphs + overlap): free-running = tokens equal up to each "
+          "request's first divergence; TF = teacher-forced top-1 (+ near-ties)")
+    for name in AGREEMENTS:
+        a = d.get(name)
+        if not a:
+            print(f"   {name}: missing")
+            continue
+        print(f"   {name:<17} ({a['dtype']}, {a['tokens']} tokens): free-running {_fmt(a['free_equal_frac'], '.2%')}, "
+              f"TF {_fmt(a['tf_agreement'], '.2%')} (exact {_fmt(a['tf_exact_frac'], '.2%')}, TP=1 floor "
+              f"{_fmt(a['tp1_floor_tf_agreement'], '.2%')}) -> {'PASS' if a['pass'] else 'FAIL'}")
     s = d["decode_scaling_8b"]
     print("\n2. 8B decode (bench_one_batch, input 512):")
-    print(f"   {'batch':>5} {'TP1 tok/s':>10} {'TP2 tok/s':>10} {'speedup':>8}")
+    print(f"   {'batch':>5} {'TP1 tok/s':>10} {'TP2 tok/s':>10} {'speedup':>8} {'TP2 NCCL':>9} {'speedup':>8}")
     for bs in (1, 32):
         r = s[f"bs{bs}"]
         print(f"   {bs:>5} {_fmt(r['tp1_decode_tok_s']):>10} {_fmt(r['tp2_decode_tok_s']):>10} "
-              f"{_fmt(r['speedup'], '.2f'):>7}x")
+              f"{_fmt(r['speedup'], '.2f'):>7}x {_fmt(r['tp2_nccl_decode_tok_s']):>9} "
+              f"{_fmt(r['nccl_speedup'], '.2f'):>7}x")
     print(f"   batch-1 target >= 1.7x: {'met' if s['bs1_target_1_7x_met'] else 'NOT met'}")
     o = d["offline_8b"]
-    print(f"   offline 8B (400 prompts <=1024 in / <=512 out): TP1xDP2 {_fmt(o['tp1_dp2_output_tok_s'])} out tok/s, "
+    print(f"   offline 8B (prompts in/out 512-1024): TP1xDP2 {_fmt(o['tp1_dp2_output_tok_s'])} out tok/s, "
           f"TP2 {_fmt(o['tp2_output_tok_s'])} out tok/s, DP2/TP2 {_fmt(o['dp2_over_tp2'], '.2f')}x")
     print("   70B TP2:", ", ".join(
         f"batch {bs}: {_fmt(r['decode_tok_s'])} tok/s "
@@ -108,6 +138,14 @@ def print_table(d: dict[str, Any], steps: list[str]) -> None:
         print(f"   {m:<12} {_fmt(r['output_tok_s']):>10} {_fmt(r['input_tok_s']):>10} {_fmt(r['elapsed_s'], '.2f'):>9} "
               f"{_fmt(r['cache_hit_rate'], '.3f'):>9}  {r['dp_routed']} ({r['dp_cache_routed']} by prefix)")
     print(f"   cache_aware / round_robin throughput: {_fmt(p['cache_aware_speedup'], '.2f')}x")
+    m = d["moe_offline_output_tok_s"]
+    print("\n4. MoE / MLA offline, output tok/s:")
+    print(f"   DeepSeek-V2-Lite: TP2 {_fmt(m['dsv2_tp2'])}, DP attention {_fmt(m['dsv2_dpattn'])} "
+          f"({_fmt(m['dsv2_dpattn_over_tp2'], '.2f')}x; target >= 1.3x), TP2+EP2 {_fmt(m['dsv2_tp2_ep'])} "
+          f"({_fmt(m['dsv2_ep_over_tp2'], '.2f')}x), DP attention+EP2 {_fmt(m['dsv2_dpattn_ep'])} "
+          f"({_fmt(m['dsv2_dpattn_ep_over_tp2'], '.2f')}x)")
+    print(f"   Qwen3-30B-A3B: TP2 {_fmt(m['qwen3moe_tp2'])}, TP2+EP2 {_fmt(m['qwen3moe_tp2_ep'])} "
+          f"({_fmt(m['qwen3moe_ep_over_tp2'], '.2f')}x)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,7 +30,7 @@ LAYERS_8B = 32
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
     out: list[GemvConfig] = []
-    if family == "fp8":
+    if family in ("fp8", "fp8_silu"):
         if m <= 2:
             for bn in ((2, 4, 8) if m == 1 else (2, 4)):
                 for bk in ((1024, 2048) if m == 1 else (1024,)):
@@ -45,6 +45,12 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         bks = (256, 512, 1024) if family == "q4_k" else (512, 1024)
         out += [GemvConfig("ew", bn, bk, 4, 2) for bn in bns for bk in bks]
         out += [GemvConfig("ew", bn, bk, 8, 2) for bn in (4, 8) for bk in bks[-1:]]
+        out += [GemvConfig("ew", bn, bk, 4, 2, "magic") for bn in bns[-2:] for bk in bks[-2:]]
+        if family == "q4_k":  # the variant with no reduction inside the loop
+            out += [GemvConfig("acc", bn, bk, w, 2, v) for bn, bk, w in
+                    [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8), (2, 512, 4),
+                     (4, 512, 2), (2, 1024, 2), (16, 256, 4)]
+                    for v in ("", "magic")]
     return out[:6] if quick else out
 
 
@@ -54,7 +60,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    if family == "fp8":
+    if family in ("fp8", "fp8_silu", "fp8_gemm"):
         from radixserve.layers.quantization.fp8 import quantize_rows
 
         q, s = quantize_rows(w)
@@ -73,10 +79,10 @@ def nbytes(fields: dict) -> int:
 def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa: ANN001, ANN201
     import torch.nn.functional as F
 
-    if family == "fp8":
+    if family in ("fp8", "fp8_silu"):
         from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
 
-        return fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, None, cfg)
+        return fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, None, cfg, silu_mul=family == "fp8_silu")
     if family == "fp8_gemm":  # the previous W8A16 tl.dot kernel
         from radixserve.layers.quantization.fp8_kernels import fp8_gemm
 
@@ -89,8 +95,14 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 
 
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
-    if family in ("fp8", "fp8_gemm"):
-        return x.float() @ (fields["w"].float() * fields["s"].view(-1, 1)).t()
+    import torch
+
+    if family in ("fp8", "fp8_gemm", "fp8_silu"):
+        out = x.float() @ (fields["w"].float() * fields["s"].view(-1, 1)).t()
+        if family == "fp8_silu":
+            gate, up = out.chunk(2, dim=-1)
+            out = torch.nn.functional.silu(gate) * up
+        return out
     if family == "bf16":
         return x.float() @ fields["w"].float().t()
     from radixserve.layers.quantization import gguf_formats as G
@@ -181,13 +193,15 @@ def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | Non
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--families", nargs="+", default=["fp8", "q4_k", "q8_0"])
+    p.add_argument("--families", nargs="+", default=["fp8", "fp8_silu", "q4_k", "q8_0"])
     p.add_argument("--m", type=int, nargs="+", default=[1])
     p.add_argument("--shapes", default="8b")
     p.add_argument("--baselines", action="store_true", help="also time bf16 cuBLAS and the previous fp8_gemm")
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--kernels", nargs="+", default=None, help="only candidates of these kernels (ew, dot, acc), plus "
+                   "the configs the table holds now for the swept shapes")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -199,13 +213,25 @@ def main() -> None:
     shapes = SHAPES_8B
     copy_bw = measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    plan = [(f, m, c) for f in args.families for m in args.m for c in candidates(f, m, args.quick)]
-    precompile(plan, args.workers)
+    def cands(family: str, m: int) -> list[GemvConfig]:
+        out = candidates(family, m, args.quick)
+        if args.kernels:
+            from radixserve.layers.quantization import gemv_configs
+
+            out = [c for c in out if c.kernel in args.kernels]
+            out += [c for c in dict.fromkeys(gemv_configs.get(family, m, n, k) for n, k in shapes) if c not in out]
+        return out
+
+    plan = [(f, m, c) for f in args.families for m in args.m for c in cands(f, m)]
+    try:
+        precompile(plan, args.workers)
+    except Exception as e:  # noqa: BLE001 - the sweep still runs, compiling as it goes
+        print(f"# precompile failed ({type(e).__name__}: {e}); compiling in the sweep", flush=True)
     picks: dict[str, dict] = {}
     all_rows: list[dict] = []
     for family in args.families:
         for m in args.m:
-            cfgs = candidates(family, m, args.quick)
+            cfgs = cands(family, m)
             if not cfgs:
                 continue
             step_best = step_base = 0.0
@@ -213,6 +239,8 @@ def main() -> None:
             print(f"{'N x K':>12} {'best config':<44} {'us':>7} {'GB/s':>6} {'util':>6} {'2nd us':>7} "
                   f"{'bf16 us':>8} {'old us':>7}")
             for n, k in shapes:
+                if family == "fp8_silu" and (n, k) != shapes[2]:
+                    continue  # the gate_up shape only
                 t = time.time()
                 rows = [r for r in sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20) if r["ok"]]
                 base = old = None

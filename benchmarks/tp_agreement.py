@@ -14,7 +14,13 @@ The reference is TP=1's free-running greedy output. For each TP size:
   Random bf16 models have many: their logits are nearly flat (the default 0.06 is ~1% of the largest |logit| of
   an 8B dummy shape, the rule tests/gpu uses).
 TP=1's own teacher-forced pass against its free run is the floor (prefill vs decode kernels, no TP at all).
-Passes when the teacher-forced agreement (exact + near-ties) is >= --min-agreement for every TP size."""
+Passes when the teacher-forced agreement (exact + near-ties) is >= --min-agreement for every TP size and the
+free-running greedy agreement (tokens equal to the reference up to each request's first divergence, over all
+reference tokens) is >= --min-free-agreement. In float32 (--dtype float32) rounding differences between TP sizes
+are ~1e-6 of a logit, so near-ties stop mattering and the free-running figure is the one to judge:
+
+    python benchmarks/tp_agreement.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
+        --dtype float32 --tp-sizes 1 2 --num-prompts 64 --output-len 128 --min-free-agreement 0.995"""
 
 from __future__ import annotations
 
@@ -30,9 +36,10 @@ from typing import Any
 from radixserve.server_args import ServerArgs
 
 
-def mixed_workload(n: int, max_in: int, max_out: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+def mixed_workload(n: int, max_in: int, max_out: int, vocab: int, seed: int,
+                   fixed_out: bool = False) -> list[tuple[list[int], int]]:
     """Prompts of 16..max_in random tokens (a quarter of them behind one of two shared prefixes, so the radix cache
-    and chunked prefill take part), outputs of max_out/4..max_out tokens."""
+    and chunked prefill take part), outputs of max_out/4..max_out tokens (all max_out with `fixed_out`)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(100, vocab - 100) for _ in range(max(8, max_in // 2))] for _ in range(2)]
     reqs = []
@@ -41,7 +48,8 @@ def mixed_workload(n: int, max_in: int, max_out: int, vocab: int, seed: int) -> 
         ids = [rng.randrange(100, vocab - 100) for _ in range(length)]
         if i % 4 == 0:
             ids = prefixes[i % 8 // 4] + ids[: max(1, length // 4)]
-        reqs.append((ids, rng.randint(max(1, max_out // 4), max_out)))
+        n_out = rng.randint(max(1, max_out // 4), max_out)
+        reqs.append((ids, max_out if fixed_out else n_out))
     return reqs
 
 
@@ -141,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="every request generates exactly this many tokens (instead of up to --max-output-len)")
     parser.add_argument("--top-k", type=int, default=5, help="logprobs kept per position (for the near-tie rule)")
     parser.add_argument("--near-tie", type=float, default=0.06, help="nats; see the module docstring")
     parser.add_argument("--min-agreement", type=float, default=0.99)
+    parser.add_argument("--min-free-agreement", type=float, default=0.0,
+                        help="also require this free-running greedy agreement (e.g. 0.995 in float32)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--result-file", default="tp_agreement.json")
     args = parser.parse_args(argv)
@@ -152,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = ModelConfig(base.model_path, load_format=base.load_format)
     base.model_path = cfg.model_path
-    reqs = mixed_workload(args.num_prompts, args.max_input_len, args.max_output_len, cfg.vocab_size, args.seed)
+    reqs = mixed_workload(args.num_prompts, args.max_input_len, args.output_len or args.max_output_len,
+                          cfg.vocab_size, args.seed, fixed_out=args.output_len is not None)
     runs: dict[int, dict[str, Any]] = {}
     ref = None
     for tp in args.tp_sizes:
@@ -166,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_tp = args.tp_sizes[0]
     results = {tp: compare(ref, runs[tp], args.near_tie, None if tp == ref_tp else runs[ref_tp])
                for tp in args.tp_sizes}
-    ok = all(r["tf_agreement"] >= args.min_agreement for r in results.values())
+    ok = all(r["tf_agreement"] >= args.min_agreement and r["free_equal_frac"] >= args.min_free_agreement
+             for r in results.values())
     print(f"\nreference: TP={ref_tp} free-running greedy; near-tie < {args.near_tie} nats")
     print(f"{'tp':>3} {'free equal':>10} {'same reqs':>9} {'div (near)':>11} {'TF exact':>9} {'TF near':>8} "
           f"{'TF agree':>9} {'gap med':>8} {'vs TP1 TF':>10}")
@@ -176,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tp:>3} {r['free_equal_frac']:>10.2%} {r['free_identical_requests']:>4}/{r['requests']:<4} "
               f"{r['free_divergences']:>5} ({r['free_divergences_near_tie']:>3}) {r['tf_exact_frac']:>9.2%} "
               f"{r['tf_near_tie_frac']:>8.2%} {r['tf_agreement']:>9.2%} {med:>8} {vs:>10}")
-    print(f"{'PASS' if ok else 'FAIL'}: teacher-forced agreement >= {args.min_agreement:.0%} at every TP size")
+    print(f"{'PASS' if ok else 'FAIL'}: teacher-forced agreement >= {args.min_agreement:.0%} and free-running "
+          f">= {args.min_free_agreement:.1%} at every TP size (dtype {base.dtype})")
     timings = {tp: {k: runs[tp][k] for k in ("start_s", "free_s", "tf_s")} for tp in args.tp_sizes}
     with open(args.result_file, "w") as f:
         json.dump({"args": vars(args), "pass": ok, "results": {str(k): v for k, v in results.items()},

@@ -99,6 +99,7 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
     hit = after["cache_hit_tokens"] - before["cache_hit_tokens"]
     prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
     extra: dict[str, Any] = {"tp_size": server_args.tp_size, "dp_size": server_args.dp_size,
+                             "enable_dp_attention": server_args.enable_dp_attention, "ep_size": server_args.ep_size,
                              "dtype": info.dtype if info else server_args.dtype,
                              "attention_backend": info.attention_backend if info else None}
     if server_args.resolved_device() == "cpu":
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--fixed-output", action="store_true", help="every request generates --random-output-len")
     parser.add_argument("--peer", choices=["none", "transformers"], default="none")
+    parser.add_argument("--peer-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="the peer's dtype (default: the one the engine ran in)")
     parser.add_argument("--peer-batch-size", type=int, default=0,
                         help="prompts per transformers generate call (0: all in one padded batch)")
     parser.add_argument("--seed", type=int, default=1)
@@ -205,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     results = [run_radixserve(server_args, reqs)]
     if args.peer == "transformers":
         device = server_args.resolved_device()
-        dtype = results[0]["dtype"].removeprefix("torch.")  # the dtype the engine ran in
+        # the dtype the engine ran in, unless --peer-dtype names one (e.g. transformers' own default)
+        dtype = args.peer_dtype or results[0]["dtype"].removeprefix("torch.")
         results.append(run_transformers(cfg.model_path, reqs, device, dtype, args.peer_batch_size,
                                         results[0].get("threads") or None))
     print(f"\n{'engine':<14} {'req/s':>8} {'in tok/s':>10} {'out tok/s':>10} {'elapsed s':>10} {'hit rate':>9}")
@@ -215,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['elapsed_s']:>10.2f} {hit:>9}")
     if "dp_routed" in results[0]:
         r = results[0]
-        print(f"dp {r['dp_size']} x tp {r['tp_size']}, {r['load_balance_method']}: routed {r['dp_routed']} "
+        layout = f"DP attention over tp {r['tp_size']}" if r.get("enable_dp_attention") else \
+            f"dp {r['dp_size']} x tp {r['tp_size']}"
+        print(f"{layout}, {r['load_balance_method']}: routed {r['dp_routed']} "
               f"({r['dp_cache_routed']} to the replica holding their prefix), replica hit rates "
               f"{', '.join(f'{h:.3f}' for h in r['dp_cache_hit_rate'])}")
     if len(results) == 2:

@@ -50,7 +50,8 @@ class ServerArgs:
     model_path: str | None = _flag("HF folder, .gguf file, or none for the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _flag("Tokenizer folder (defaults to the model folder)")
     load_format: str = _flag("How to load weights", default="auto", choices=LOAD_FORMATS)
-    dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA, fp32 on CPU)", default="auto",
+    dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA; on a CPU bf16 where it has "
+                             "AVX512-BF16 or AMX, else fp32; $RADIXSERVE_CPU_AUTO_DTYPE overrides)", default="auto",
                        choices=DTYPES)
     quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
                                      "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "
@@ -58,6 +59,10 @@ class ServerArgs:
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype; fp8_e4m3 / fp8_e5m2 store K/V in 8 bits, "
                                 "scaled by the checkpoint's k_scale / v_scale or 1.0)", default="auto",
                                 choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _flag("With an fp8 KV cache: give every attention layer whose checkpoint has no "
+                                      "k_scale / v_scale scales measured at startup (one prefill over a short "
+                                      "built-in English text; 2 x the largest |k|, |v| seen / the fp8 maximum) "
+                                      "instead of 1.0", default=False)
     context_length: int | None = _flag("Override the model's context length")
     trust_remote_code: bool = _flag("Allow custom code from the model folder", default=False)
     served_model_name: str | None = _flag("Model name reported by the API (default: the model path)")
@@ -74,6 +79,8 @@ class ServerArgs:
     device: str = _flag("Where to run", default="auto", choices=DEVICES)
     mem_fraction_static: float | None = _flag("GPU memory fraction for weights + KV pool (default 0.85)")
     max_total_tokens: int | None = _flag("KV pool size in tokens (CPU default 16384; GPU: from memory)")
+    page_size: int = _flag("KV cache page size in tokens: the pool allocates and frees whole pages and the radix "
+                           "cache shares whole pages only (a partial last page is recomputed)", default=1)
     max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
                                              "largest captured batch, else from the pool size)")
     max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
@@ -96,6 +103,9 @@ class ServerArgs:
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
                                           "256 from 70 GiB, else 160)")
+    prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
+                                               "CUDA graph (one GPU, with decode graphs on); 0: always eager",
+                                               default=0)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
@@ -113,6 +123,14 @@ class ServerArgs:
                                               "--speculative-algorithm", default=4)
     speculative_draft_model_path: str | None = _flag("The draft model of --speculative-algorithm draft_model (an "
                                                      "HF folder; same tokenizer as the target)")
+    # double sparsity (--attention-backend double_sparsity; layers/attention/double_sparsity_backend.py)
+    ds_channel_config_path: str | None = _flag("Channel file of the double_sparsity backend (each head's heavy "
+                                               "channels; python -m radixserve.calibrate_double_sparsity)")
+    ds_heavy_channel_num: int | None = _flag("Channels per KV head in the double-sparsity label cache (default 16)")
+    ds_heavy_token_num: int | None = _flag("Tokens per KV head a double-sparsity decode attends over (default "
+                                           "1024)")
+    ds_sparse_decode_threshold: int | None = _flag("Requests of at most this many tokens decode densely under "
+                                                   "double sparsity (default 4096)")
     cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
                                         "set, else every core, shared out between ranks on one machine)")
     # server
@@ -223,6 +241,13 @@ class ServerArgs:
                      "stream_interval", "decode_log_interval", "cpu_num_threads", "speculative_num_draft_tokens",
                      "torch_compile_max_bs"):
             positive(name)
+        positive("page_size", allow_none=False)
+        if self.page_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
+                             "with kept tokens, and pages are freed whole)")
+        if not isinstance(self.prefill_cuda_graph_max_tokens, int) or self.prefill_cuda_graph_max_tokens < 0:
+            raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
+                             f"{self.prefill_cuda_graph_max_tokens!r}")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):
@@ -233,6 +258,9 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535; got {self.port}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype fp8_e4m3 or fp8_e5m2); "
+                             f"got --kv-cache-dtype {self.kv_cache_dtype}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -275,6 +303,24 @@ class ServerArgs:
         if self.speculative_draft_model_path is not None and not os.path.exists(self.speculative_draft_model_path):
             raise ValueError(f"--speculative-draft-model-path {self.speculative_draft_model_path!r} does not exist")
         self._validate_lora()
+        self._validate_double_sparsity()
+
+    def _validate_double_sparsity(self) -> None:
+        ds = ("ds_channel_config_path", "ds_heavy_channel_num", "ds_heavy_token_num", "ds_sparse_decode_threshold")
+        if self.attention_backend != "double_sparsity":
+            given = [f"--{n.replace('_', '-')}" for n in ds if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --attention-backend double_sparsity")
+            return
+        if self.ds_channel_config_path is None:
+            raise ValueError("--attention-backend double_sparsity needs --ds-channel-config-path (write one with "
+                             "python -m radixserve.calibrate_double_sparsity)")
+        if not os.path.isfile(self.ds_channel_config_path):
+            raise ValueError(f"--ds-channel-config-path {self.ds_channel_config_path!r} is not a file")
+        for name, low in (("ds_heavy_channel_num", 1), ("ds_heavy_token_num", 1), ("ds_sparse_decode_threshold", 0)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}; got {v!r}")
 
     def _validate_lora(self) -> None:
         from radixserve.lora.config import TARGET_MODULES
@@ -344,7 +390,7 @@ class ServerArgs:
 
     @property
     def use_overlap(self) -> bool:
-        if self.disable_overlap_schedule or self.speculative_algorithm is not None or self.enable_dp_attention:
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
             return False
         return self.enable_overlap_schedule or self.resolved_device() == "cuda"
 

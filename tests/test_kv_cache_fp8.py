@@ -201,3 +201,52 @@ def test_fp8_kv_model_runs_and_stays_close(tmp_path) -> None:
     assert agree >= 14, (base, fp8)
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         ServerArgs(kv_cache_dtype="fp8", device="cpu")
+
+
+def test_calculated_kv_scales(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--calculate-kv-scales`: one calibration prefill at startup sets every layer's k/v scale to 2 x the largest
+    |k| / |v| it saw over the fp8 maximum (checked against hooks on a float32-cache runner over the same tokens),
+    leaves a layer whose checkpoint has scales alone, frees what it allocated, and needs an fp8 cache."""
+    from model_utils import make_runner, peaky_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.layers.quantization import kv_calibration as kc
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.server_args import ServerArgs
+
+    text = kc.calibration_text()
+    assert text.startswith("The Zen of Python") and "Beautiful is better than ugly." in text and len(text) > 500
+    peaky_tiny_model("llama", str(tmp_path))
+
+    class CharTokenizer:
+        def encode(self, s: str) -> list[int]:
+            return [(ord(c) * 7) % 2048 for c in s[:300]]
+
+    monkeypatch.setattr("radixserve.managers.tokenizer_utils.get_tokenizer", lambda *a, **k: CharTokenizer())
+    ids = CharTokenizer().encode(text)
+    ref = make_runner(str(tmp_path))  # float32 cache: record what each layer's attention receives
+    amax: dict[int, tuple[float, float]] = {}
+    for m in ref.model.modules():
+        if isinstance(m, RadixAttention):
+            m.register_forward_pre_hook(lambda mod, a: amax.__setitem__(
+                mod.layer_id, (float(a[1].abs().max()), float(a[2].abs().max()))))
+    batch, _ = StaticBatch(ref).prefill([ids])
+
+    runner = make_runner(str(tmp_path), kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    attns = [m for m in runner.model.modules() if isinstance(m, RadixAttention)]
+    assert len(attns) == len(amax) == 4
+    for a in attns:
+        k_ref, v_ref = (2.0 * x / 448.0 for x in amax[a.layer_id])
+        assert a.k_scale == pytest.approx(k_ref, rel=0.1) and a.v_scale == pytest.approx(v_ref, rel=0.1)
+    assert runner.token_to_kv_pool.available_size() == runner.max_total_num_tokens  # the calibration freed its KV
+    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+
+    attns[0].kv_scales_from_checkpoint = True  # as `set_kv_scale` marks a layer; later calibrations skip it
+    attns[0].k_scale = attns[0].v_scale = 0.5
+    set_by = kc.calculate_kv_scales(runner, ids[:50])
+    assert attns[0].k_scale == 0.5 and attns[0].layer_id not in set_by and len(set_by) == 3
+
+    prompts = [[5, 17, 99, 3, 42, 7, 100, 8, 9, 10]]
+    assert len(StaticBatch(runner).generate(prompts, 4)[0]) == 4
+    with pytest.raises(ValueError, match="calculate-kv-scales"):
+        ServerArgs(calculate_kv_scales=True, device="cpu")

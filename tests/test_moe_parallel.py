@@ -33,7 +33,8 @@ def test_deepseek_v2_mla_tp2_matches_tp1(tmp_path) -> None:
 
 
 @pytest.mark.integration
-def test_deepseek_v2_dp_attention_matches_tp1(tmp_path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_deepseek_v2_dp_attention_matches_tp1(tmp_path, overlap: bool) -> None:
     """--enable-dp-attention over 2 gloo ranks: each rank runs attention on its own requests (the controller
     routes them) and the MoE/MLP layers over both ranks' tokens; requests of different lengths leave one rank
     without work while the other decodes, so it runs IDLE forwards. Every request gets TP=1's greedy tokens."""
@@ -42,7 +43,7 @@ def test_deepseek_v2_dp_attention_matches_tp1(tmp_path) -> None:
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (10, 2, 14, 5)]
     want = [reference_outputs(path, [p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
     with Engine(model_path=path, tp_size=2, dp_size=2, enable_dp_attention=True, dist_timeout=60,
-                **SERVER_KW) as engine:
+                enable_overlap_schedule=overlap, **SERVER_KW) as engine:
         got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         state = engine.get_internal_state()
     assert got == want

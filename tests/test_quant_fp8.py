@@ -316,6 +316,39 @@ def test_fp8_skinny_gemv_matches_reference(m: int, kernel: str, block_n: int, bl
     assert fp8_skinny_gemv(torch.randn(17, k), q, s, torch.float32) is None  # more rows than they take
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_fp8_mlp_fuses_silu_mul_into_gate_up(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An online-fp8 Llama MLP on the fused-kernel path: at decode sizes gate_up's GEMV writes silu(gate) * up
+    itself (one kernel less), giving what the GEMV + SiluAndMul path gives; with LoRA on the layer it does not."""
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.models.llama import LlamaMLP
+
+    g = torch.Generator().manual_seed(m)
+    mlp = LlamaMLP(64, 96, False, 0, 1).to(torch.bfloat16)
+    apply_quantization(mlp, Fp8Config(serialized=False))
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.data.copy_(torch.randn(lin.weight.shape, generator=g).to(torch.bfloat16) * 0.1)
+    finish_quantization(mlp)
+    x = torch.randn(m, 64, generator=g).to(torch.bfloat16).to(DEV)
+    mlp = mlp.to(DEV)
+    set_fused_kernels(True if DEV == "cpu" else None)
+    try:
+        calls = []
+        real = fp8mod.Fp8LinearMethod.apply_silu_and_mul
+        monkeypatch.setattr(fp8mod.Fp8LinearMethod, "apply_silu_and_mul",
+                            lambda self, *a: calls.append(1) or real(self, *a))
+        fused = mlp(x)
+        assert calls and mlp.gate_up_proj.silu_and_mul(x) is not None
+        monkeypatch.setattr(fp8mod.Fp8LinearMethod, "apply_silu_and_mul", lambda self, *a: None)
+        plain = mlp(x)
+        torch.testing.assert_close(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
+        mlp.gate_up_proj.lora = object()  # a layer with adapters keeps the unfused path (LoRA adds to gate_up)
+        monkeypatch.setattr(fp8mod.Fp8LinearMethod, "apply_silu_and_mul", real)
+        assert mlp.gate_up_proj.silu_and_mul(x) is None
+    finally:
+        set_fused_kernels(None)
+
+
 def test_gemv_config_table_and_override(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from radixserve.layers.quantization import gemv_configs as gc
 

@@ -116,8 +116,11 @@ def test_numpy_bytes_shape() -> None:
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
-@pytest.mark.parametrize("m,block_n,block_k", [(1, 2, 256), (3, 2, 256), (1, 8, 512), (2, 4, 1024)])
-def test_gguf_gemv_kernel_matches_reference(fmt: str, m: int, block_n: int, block_k: int) -> None:
+@pytest.mark.parametrize("kernel,m,block_n,block_k,variant", [
+    ("ew", 1, 2, 256, ""), ("ew", 3, 2, 256, "magic"), ("ew", 1, 8, 512, "magic"), ("ew", 2, 4, 1024, ""),
+    ("acc", 1, 4, 512, ""), ("acc", 2, 2, 256, "magic")])
+def test_gguf_gemv_kernel_matches_reference(fmt: str, kernel: str, m: int, block_n: int, block_k: int,
+                                            variant: str) -> None:
     """The decode GEMV at several tile sizes (rows not a multiple of block_n; block_k above K falls back to K)."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
@@ -128,7 +131,7 @@ def test_gguf_gemv_kernel_matches_reference(fmt: str, m: int, block_n: int, bloc
     x = torch.randn(m, k, generator=g)
     bias = torch.randn(n, generator=g)
     out = gguf_gemv(x.to(DEV), fmt, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV),
-                    GemvConfig("ew", block_n, block_k))
+                    GemvConfig(kernel, block_n, block_k, variant=variant))
     ref = torch.nn.functional.linear(x, G.dequantize(fmt, fields), bias)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
     assert gguf_gemv(x[:, :96].contiguous().to(DEV), fmt, fields, n) is None  # K not a multiple of 256
@@ -168,3 +171,30 @@ def test_packed_fields_shard_for_tensor_parallelism(fmt: str) -> None:
         torch.testing.assert_close(torch.cat([p[i] for p in parts], dim=1), out[i])
     h = torch.randn(3, 1024, generator=g)
     torch.testing.assert_close(ranks[0][1](h[:, :512]) + ranks[1][1](h[:, 512:]), whole[1](h), rtol=1e-4, atol=1e-4)
+
+
+def test_q6_k_writer_matches_gguf_reader() -> None:
+    """Our Q6_K bytes (the `gguf` package cannot write Q6_K) read back through gguf's own dequantiser: within
+    6-bit error of the weights, all-zero blocks exactly zero, and no worse than the round-to-nearest fit on a grid
+    set by the largest weight (what the candidate search must beat or match)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from radixserve.layers.quantization.gguf_q6_k import TYPE_SIZE, quantize_q6_k
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 512, generator=g) * 0.05
+    w[5] = 0.0
+    w[6, :256] = 0.0
+    raw = quantize_q6_k(w)
+    assert raw.shape == (24, 2 * TYPE_SIZE) and raw.dtype == torch.uint8
+    assert G.quantize_to_ggml(w.numpy(), "Q6_K").shape == (24, 2 * TYPE_SIZE)
+    back = torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType.Q6_K)).reshape(24, 512)
+    assert torch.equal(back[5], torch.zeros(512)) and torch.equal(back[6, :256], torch.zeros(256))
+    rel = float((back - w).norm() / w.norm())
+    assert rel < 0.025, rel
+    x = w.view(24, 32, 16).numpy()  # the plain fit: scale = largest signed value / -32, round to nearest
+    top = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)
+    scale = np.where(top == 0, 1.0, top / -32.0)
+    plain = (np.clip(np.round(x / scale), -32, 31) * scale).reshape(24, 512)
+    assert rel <= float(np.linalg.norm(plain - w.numpy()) / np.linalg.norm(w.numpy())) * 1.05

@@ -102,8 +102,9 @@ def reference(tiny_path) -> dict[str, list[int]]:
     {"enable_overlap_schedule": True, "enable_mixed_chunk": True, "chunked_prefill_size": 16},
     {"enable_overlap_schedule": True, "disable_radix_cache": True, "chunked_prefill_size": 16},
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
-def test_configs_give_identical_tokens(tiny_path, reference, kw) -> None:
-    assert run(tiny_path, workload(), **kw) == reference
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_configs_give_identical_tokens(tiny_path, reference, kw, page_size) -> None:
+    assert run(tiny_path, workload(), page_size=page_size, **kw) == reference
 
 
 def test_cached_tokens_reported_for_repeated_prefix(tiny_path) -> None:
@@ -117,11 +118,12 @@ def test_cached_tokens_reported_for_repeated_prefix(tiny_path) -> None:
     assert second["meta"]["cached_tokens"] >= len(prompt)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, reference, overlap) -> None:
+def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, reference, overlap, page_size) -> None:
     # a low reservation ratio admits more than fits, so decoding must retract
-    s = make_scheduler(tiny_path, max_total_tokens=200, chunked_prefill_size=-1, schedule_conservativeness=0.05,
-                       enable_overlap_schedule=overlap)
+    s = make_scheduler(tiny_path, max_total_tokens=200 if page_size == 1 else 128, chunked_prefill_size=-1,
+                       schedule_conservativeness=0.05, enable_overlap_schedule=overlap, page_size=page_size)
     for rid, prompt, n in workload():
         submit(s, rid, prompt, n)
     res = drain(s)
@@ -130,9 +132,10 @@ def test_tiny_pool_forces_retraction_and_every_request_finishes(tiny_path, refer
     assert s.invariant_violations == 0
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_abort_queued_and_running_frees_everything(tiny_path, overlap) -> None:
-    s = make_scheduler(tiny_path, max_running_requests=2, enable_overlap_schedule=overlap)
+def test_abort_queued_and_running_frees_everything(tiny_path, overlap, page_size) -> None:
+    s = make_scheduler(tiny_path, max_running_requests=2, enable_overlap_schedule=overlap, page_size=page_size)
     for i in range(5):
         submit(s, f"x{i}", list(range(5, 30 + i)), 50)
     s.step()  # x0, x1 prefilled; the rest wait
@@ -145,9 +148,10 @@ def test_abort_queued_and_running_frees_everything(tiny_path, overlap) -> None:
         assert res[rid]["finish"]["type"] == "length" and len(res[rid]["ids"]) == 50
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_abort_while_chunked_prefill(tiny_path, overlap) -> None:
-    s = make_scheduler(tiny_path, chunked_prefill_size=8, enable_overlap_schedule=overlap)
+def test_abort_while_chunked_prefill(tiny_path, overlap, page_size) -> None:
+    s = make_scheduler(tiny_path, chunked_prefill_size=8, enable_overlap_schedule=overlap, page_size=page_size)
     submit(s, "long", list(range(3, 100)), 5)
     s.step()
     assert s.chunked_req is not None
@@ -201,9 +205,10 @@ def run_sampled(path: str, **kw) -> dict[str, dict]:
 @pytest.mark.parametrize("kw", [{}, {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
                                 {"max_total_tokens": 400, "schedule_conservativeness": 0.05}],
                          ids=["plain", "chunked-mixed", "retracting"])
-def test_overlap_gives_identical_outputs_with_sampling_features(tiny_path, kw) -> None:
-    off = run_sampled(tiny_path, **kw)
-    on = run_sampled(tiny_path, enable_overlap_schedule=True, **kw)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_overlap_gives_identical_outputs_with_sampling_features(tiny_path, kw, page_size) -> None:
+    off = run_sampled(tiny_path, page_size=page_size, **kw)
+    on = run_sampled(tiny_path, enable_overlap_schedule=True, page_size=page_size, **kw)
     assert off.keys() == on.keys()
     for rid in off:
         assert on[rid]["ids"] == off[rid]["ids"], rid
@@ -214,9 +219,10 @@ def test_overlap_gives_identical_outputs_with_sampling_features(tiny_path, kw) -
     assert all(len(r["ids"]) >= 6 for r in min_new)
 
 
-def test_logprobs_identical_under_overlap(tiny_path) -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_logprobs_identical_under_overlap(tiny_path, page_size) -> None:
     def collect(overlap: bool) -> dict[str, list]:
-        s = make_scheduler(tiny_path, enable_overlap_schedule=overlap)
+        s = make_scheduler(tiny_path, enable_overlap_schedule=overlap, page_size=page_size)
         for rid, prompt, sp in sampled_workload()[:9]:
             s.process_input_requests([io.TokenizedGenerateReqInput(
                 rid=rid, input_text=None, input_ids=prompt, sampling_params=SamplingParams.from_dict(sp),
@@ -237,16 +243,18 @@ def test_logprobs_identical_under_overlap(tiny_path) -> None:
             assert ta == tb and a == pytest.approx(b, abs=1e-5)
 
 
-def test_requests_sharing_a_new_prefix_in_one_round_share_it(tiny_path) -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_requests_sharing_a_new_prefix_in_one_round_share_it(tiny_path, page_size) -> None:
     """Two requests arriving together with the same uncached 40-token head: the second waits one round and then
-    reuses the first one's KV instead of computing the head twice (and disable-radix-cache does not wait)."""
+    reuses the first one's KV instead of computing the head twice (and disable-radix-cache does not wait). With
+    pages the whole pages of the head are shared."""
     head = list(range(100, 140))
-    s = make_scheduler(tiny_path)
+    s = make_scheduler(tiny_path, page_size=page_size)
     submit(s, "first", head + [1, 2], 3)
     submit(s, "second", head + [3, 4], 3)
     res = drain(s)
     assert res["first"]["meta"]["cached_tokens"] == 0
-    assert res["second"]["meta"]["cached_tokens"] >= len(head)
+    assert res["second"]["meta"]["cached_tokens"] >= len(head) - len(head) % page_size
     plain = make_scheduler(tiny_path, disable_radix_cache=True)
     submit(plain, "first", head + [1, 2], 3)
     submit(plain, "second", head + [3, 4], 3)
@@ -358,8 +366,9 @@ def test_stale_prefix_match_is_rematched_not_locked(tiny_path) -> None:
     assert all(res[f"f{i}"]["finish"]["type"] == "length" for i in range(LPM_MAX_QUEUE))
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random"])
-def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy) -> None:
+@pytest.mark.parametrize("policy,page_size", [("fcfs", 1), ("lpm", 1), ("dfs-weight", 1), ("lof", 1), ("random", 1),
+                                              ("fcfs", 16), ("lpm", 16)])
+def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy, page_size) -> None:
     """A tiny pool, long decodes and a queue of requests sharing prefixes (more prefixes than fit at once): every
     request finishes with the tokens it gets alone, retraction happens, and the pools balance when idle."""
     rng = random.Random(7)
@@ -371,7 +380,8 @@ def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy) -> 
         alone = make_scheduler(tiny_path, disable_radix_cache=True)
         submit(alone, rid, prompt, n)
         ref[rid] = drain(alone)[rid]["ids"]
-    s = make_scheduler(tiny_path, max_total_tokens=260, schedule_policy=policy, schedule_conservativeness=0.1)
+    s = make_scheduler(tiny_path, max_total_tokens=260, schedule_policy=policy, schedule_conservativeness=0.1,
+                       page_size=page_size)
     for rid, prompt, n in reqs:
         submit(s, rid, prompt, n)
     res = drain(s)  # checks free + evictable + protected == pool size
@@ -420,3 +430,11 @@ def test_max_queued_requests_counts_waiting_requests_only(tiny_path) -> None:
     assert "--max-queued-requests 3" in res["q3"]["finish"]["message"]
     assert all(len(res[r]["ids"]) == 3 for r in ("q0", "q1", "q2"))
     assert all(len(res[f"run{i}"]["ids"]) == 30 for i in range(2))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flex_backend_gives_identical_tokens(tiny_path, reference, page_size) -> None:
+    # a small pool: on the CPU flex_attention scores every slot of the pool
+    kw = {"attention_backend": "flex", "page_size": page_size, "chunked_prefill_size": 16, "max_total_tokens": 1024}
+    reqs = workload()[:6]
+    assert run(tiny_path, reqs, **kw) == {rid: reference[rid] for rid, _, _ in reqs}

@@ -73,3 +73,15 @@ def test_torch_compile_flag_refused_without_cuda_graphs(tmp_path) -> None:
         make_runner(str(tmp_path), enable_torch_compile=True)
     with pytest.raises(ValueError, match="torch-compile-max-bs"):
         make_runner(str(tmp_path), torch_compile_max_bs=0)
+
+
+def test_prefill_graph_buckets_and_flag() -> None:
+    from radixserve.model_executor.prefill_graph_runner import prefill_buckets
+    from radixserve.server_args import ServerArgs
+
+    assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert prefill_buckets(16) == [16]
+    assert prefill_buckets(8) == [8]
+    with pytest.raises(ValueError, match="prefill-cuda-graph-max-tokens"):
+        ServerArgs(device="cpu", prefill_cuda_graph_max_tokens=-1)

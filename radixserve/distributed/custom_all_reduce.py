@@ -13,8 +13,9 @@ Messages above `max_bytes`, non-contiguous ones and unsupported dtypes go to NCC
 on the current stream with fixed buffer addresses, so decode steps capture them in CUDA graphs. NVLink multicast
 (multimem operations, NVLS) is never used: TORCH_SYMM_MEM_DISABLE_MULTICAST is set before the first allocation.
 
-RADIXSERVE_ONE_SHOT=triton swaps PyTorch's one-shot kernel for the experimental one-barrier Triton kernel of
-`triton_all_reduce.py` (default: torch).
+RADIXSERVE_ONE_SHOT=triton swaps PyTorch's one-shot kernel for the one-barrier Triton kernel of
+`triton_all_reduce.py` (default: torch), and lets the Llama-family layers fuse each all-reduce with the residual
+add and RMSNorm that follow it (`fused_add_rmsnorm`).
 
 A rank that cannot set this up (no peer access, an old torch, a wrong self-test sum) makes every rank fall back to
 NCCL: the ranks agree over the CPU group, so collectives always stay matched.
@@ -60,6 +61,7 @@ class CustomAllReduce:
         if int(ok.item()) == 0:
             self.disabled_reason = self.disabled_reason or "another rank could not set it up"
             self.buffers.clear()
+            self.add_norm = None
             logger.warning("custom all-reduce disabled (NCCL for every message): %s", self.disabled_reason)
         else:
             logger.info("custom all-reduce on: one-shot <= %d KiB, two-shot <= %d KiB, NCCL above",
@@ -88,13 +90,15 @@ class CustomAllReduce:
                 warnings.simplefilter("ignore")
                 enable(self.group_name)
         self._triton = None
+        self.add_norm = None
         impl = os.environ.get("RADIXSERVE_ONE_SHOT", "torch")
         if impl not in ("torch", "triton"):
             raise ValueError(f"RADIXSERVE_ONE_SHOT must be 'torch' or 'triton', got {impl!r}")
         if impl == "triton":
-            from radixserve.distributed.triton_all_reduce import TritonOneShot
+            from radixserve.distributed.triton_all_reduce import TritonAllReduceAddNorm, TritonOneShot
 
             self._triton = TritonOneShot(self._group, self.device, dtypes, self.one_shot_max_bytes)
+            self.add_norm = TritonAllReduceAddNorm(self._group, self.device, dtypes, self.one_shot_max_bytes)
         for dtype in dtypes:
             buf = symm_mem.empty(self.max_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=self.device)
             symm_mem.rendezvous(buf, self.group_name)
@@ -113,6 +117,14 @@ class CustomAllReduce:
             if not torch.equal(got, expect):
                 raise RuntimeError(f"self-test: the {reduce.__name__} sum of {numel} elements is wrong")
         torch.cuda.synchronize(self.device)
+
+    def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(all-reduce(x) + residual) * weight, all-reduce(x) + residual) in one kernel, or None when this
+        message cannot take that path."""
+        if self.add_norm is None or not self.should_use(x) or not self.add_norm.can_fuse(x, residual):
+            return None
+        return self.add_norm(x, residual, weight, eps)
 
     def should_use(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()

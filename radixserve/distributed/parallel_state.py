@@ -92,6 +92,20 @@ def get_custom_all_reduce() -> Any:
     return _CUSTOM_AR
 
 
+def custom_all_reduce_fuses_norm() -> bool:
+    """Whether the all-reduce can be fused with the residual add + RMSNorm after it (layers then leave their
+    row-parallel outputs unreduced and hand them to the norm: `RMSNorm(x, residual, reduce=True)`)."""
+    return _CUSTOM_AR is not None and getattr(_CUSTOM_AR, "add_norm", None) is not None
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused all-reduce + residual add + RMSNorm, or None when it cannot run on this message."""
+    if _TP_SIZE == 1 or _CUSTOM_AR is None:
+        return None
+    return _CUSTOM_AR.fused_add_rmsnorm(x, residual, weight, eps)
+
+
 def model_parallel_is_initialized() -> bool:
     return _TP_GROUP is not None
 
@@ -157,6 +171,17 @@ def all_gather_pyobj(obj: Any) -> list[Any]:
     out: list[Any] = [None] * _TP_SIZE
     dist.all_gather_object(out, obj, group=_TP_CPU_GROUP)
     return out
+
+
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Every TP rank's `values` (the same number of ints on every rank), in rank order, over the CPU group: one
+    small tensor collective, no pickling (the per-step sync of DP attention)."""
+    if _TP_SIZE == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, mine, group=_TP_CPU_GROUP)
+    return [p.tolist() for p in parts]
 
 
 def broadcast_tensor_from_first_rank(x: torch.Tensor) -> torch.Tensor:

@@ -99,3 +99,75 @@ class TritonOneShot:
         _one_shot_kernel[(triton.cdiv(n, BLOCK),)](x, out, ptrs, self.flag_ptrs, self.counters, n, half,
                                                    RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, num_warps=4)
         return out
+
+
+@triton.jit
+def _one_shot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_ptrs, flag_ptrs, counters,
+                                 n_cols, half_numel, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    """One row per program: the row's sum over the ranks (rounded to the activation dtype, as an all-reduce
+    returns it), + residual (rounded: the new residual), RMSNorm as layers/triton_ops/norm.py rounds it."""
+    row = tl.program_id(0)
+    epoch = tl.load(counters + row) + 1
+    tl.store(counters + row, epoch)
+    base = (epoch % 2) * half_numel + row * n_cols
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(dt))
+    tl.store(mine + base + cols, x, mask=mask)
+    _fence_sys(row)
+    tl.debug_barrier()
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer_flags + row * WORLD + RANK, epoch, sem="release", scope="sys")
+    my_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            seen = tl.atomic_add(my_flags + row * WORLD + r, 0, sem="acquire", scope="sys")
+            while seen - epoch < 0:
+                seen = tl.atomic_add(my_flags + row * WORLD + r, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            acc += x.to(tl.float32)
+        else:
+            peer = tl.load(buf_ptrs + r).to(tl.pointer_type(dt))
+            acc += tl.load(peer + base + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+    res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    s = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
+    tl.store(res_out_ptr + row * n_cols + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    var = tl.sum(sf * sf, axis=0) / n_cols
+    normed = (sf * tl.rsqrt(var + eps)).to(dt)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n_cols + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(dt), mask=mask)
+
+
+class TritonAllReduceAddNorm:
+    """all-reduce(x) + residual, then RMSNorm, in one kernel (rows of x: one program each). Buffers, flags and
+    counters of its own: a buffer region must always be written by the same program slot (see the module doc)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device | str, dtypes: tuple[torch.dtype, ...],
+                 max_bytes: int) -> None:
+        self.inner = TritonOneShot(group, device, dtypes, max_bytes)
+
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return (x.dtype in self.inner.bufs and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous()
+                and residual.shape == x.shape and x.shape[0] <= MAX_PROGRAMS
+                and x.numel() * x.element_size() <= self.inner.max_bytes)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        _, ptrs, half = self.inner.bufs[x.dtype]
+        out, new_residual = torch.empty_like(x), torch.empty_like(x)
+        if x.shape[0]:
+            inner = self.inner
+            _one_shot_add_rmsnorm_kernel[(x.shape[0],)](x, residual, weight, out, new_residual, ptrs,
+                                                         inner.flag_ptrs, inner.counters, x.shape[1], half, eps,
+                                                         RANK=inner.rank, WORLD=inner.world,
+                                                         BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=8)
+        return out, new_residual

@@ -22,8 +22,18 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """reduce: `x` is this TP rank's partial sum (a row-parallel output left unreduced): sum it over the ranks
+        first, in the same kernel as the add and the norm when the custom all-reduce can."""
+        if reduce:
+            from radixserve.distributed.parallel_state import all_reduce_add_rmsnorm, tensor_model_parallel_all_reduce
+
+            if residual is not None:
+                fused = all_reduce_add_rmsnorm(x, residual, self.weight, self.eps)
+                if fused is not None:
+                    return fused
+            x = tensor_model_parallel_all_reduce(x)
         if use_fused(x) and x.dim() == 2 and x.stride(-1) == 1:
             from radixserve.layers.triton_ops.norm import fused_add_rmsnorm, rmsnorm
 

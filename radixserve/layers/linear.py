@@ -149,6 +149,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         n = self.shard_sizes[i]
         return sum(self.shard_sizes[:i]), n, self.tp_rank * n
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this [gate; up] layer computed in its product's epilogue, when its quantization
+        method offers that for `x` (fp8 decode GEMVs); None otherwise (the caller applies SiluAndMul)."""
+        fused = getattr(self.quant_method, "apply_silu_and_mul", None)
+        if fused is None or self.lora is not None or len(self.shard_sizes) != 2 \
+                or self.shard_sizes[0] != self.shard_sizes[1]:
+            return None
+        return fused(self, x, self.bias)
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k, v projections in one matrix. KV heads are split across ranks, or replicated when fewer than ranks."""

@@ -234,12 +234,16 @@ class ScheduleBatch:
 
     # ---------------------------------------------------------------- memory
     def alloc_token_slots(self, n: int) -> torch.Tensor:
-        out = self.token_to_kv_pool.alloc(n)
+        return self._alloc(n, lambda: self.token_to_kv_pool.alloc(n))
+
+    def _alloc(self, need: int, alloc: Any) -> torch.Tensor:
+        """Run `alloc` (a pool allocation taking `need` tokens of pages), evicting from the cache if it fails."""
+        out = alloc()
         if out is None and self.tree_cache is not None:
-            self.tree_cache.evict(n - self.token_to_kv_pool.available_size())
-            out = self.token_to_kv_pool.alloc(n)
+            self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
+            out = alloc()
         if out is None:
-            raise RuntimeError(f"out of KV memory: need {n} slots, {self.token_to_kv_pool.available_size()} free "
+            raise RuntimeError(f"out of KV memory: need {need} slots, {self.token_to_kv_pool.available_size()} free "
                                f"(admission should have prevented this)")
         return out
 
@@ -271,13 +275,23 @@ class ScheduleBatch:
                 r.req_pool_idx = s
         self.prefix_lens = [len(r.prefix_indices) for r in reqs]
         self.extend_lens = [r.extend_input_len for r in reqs]
+        for r, pre in zip(reqs, self.prefix_lens, strict=True):
+            if (r.kv_committed_len or 0) > pre:
+                # the next chunk of a paged request: the tokens of its partly filled last page (its own slots past
+                # the cached whole pages) are recomputed, so their page goes back first
+                self.token_to_kv_pool.free(self.req_to_token_pool.read(r.req_pool_idx, pre, r.kv_committed_len))
         input_ids = [tok for r, pre in zip(reqs, self.prefix_lens, strict=True) for tok in r.fill_ids[pre:]]
-        self.out_cache_loc = self.alloc_token_slots(sum(self.extend_lens))
         # rows: the cached prefix (from the tree) then the newly allocated slots
         pre_rows = [(r.req_pool_idx, r.prefix_indices) for r in reqs if len(r.prefix_indices)]
         if pre_rows:
             self._write_req_to_token([p[0] for p in pre_rows], [0] * len(pre_rows), [len(p[1]) for p in pre_rows],
                                      torch.cat([p[1] for p in pre_rows]))
+        pool = self.token_to_kv_pool
+        seq_lens = [pre + n for pre, n in zip(self.prefix_lens, self.extend_lens, strict=True)]
+        last_locs = [int(r.prefix_indices[-1]) if len(r.prefix_indices) else 0 for r in reqs] \
+            if pool.page_size > 1 else [0] * len(reqs)
+        self.out_cache_loc = self._alloc(pool.extend_tokens_needed(self.prefix_lens, seq_lens),
+                                         lambda: pool.alloc_extend(self.prefix_lens, seq_lens, last_locs))
         self._write_req_to_token([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens,
                                  self.out_cache_loc)
         for r in reqs:
@@ -315,7 +329,6 @@ class ScheduleBatch:
         """One new token per request: its input is the last sampled token (or -(future slot) while in flight)."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
-        self.out_cache_loc = self.alloc_token_slots(len(reqs))
         # one pass over the requests, one tensor for the three per-request columns (this runs every step)
         ids: list[int] = []
         rows: list[int] = []
@@ -341,10 +354,21 @@ class ScheduleBatch:
         self.num_future_refs = num_pending
         # the new token's KV slot goes at position seq_len - 1 of each row; that is also its position
         self.positions = self.seq_lens - 1
+        pool = self.token_to_kv_pool
+        if pool.page_size == 1:
+            self.out_cache_loc = self.alloc_token_slots(len(reqs))
+        else:  # the next slot of each request's last page, or a new page
+            last = self.req_to_token_pool.req_to_token_cpu[self.req_pool_indices, (self.seq_lens - 2).clamp(min=0)]
+            self.out_cache_loc = self._alloc(pool.decode_tokens_needed(self.seq_lens),
+                                             lambda: pool.alloc_decode(self.seq_lens, last))
         self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc)
 
     def check_decode_mem(self) -> bool:
-        need = len(self.reqs)
+        pool = self.token_to_kv_pool
+        if pool.page_size == 1:
+            need = len(self.reqs)
+        else:  # a new page for each request whose next token starts one
+            need = pool.decode_tokens_needed(torch.tensor([r.seqlen for r in self.reqs], dtype=torch.int64))
         cache = self.tree_cache
         avail = self.token_to_kv_pool.available_size() + (cache.evictable_size() if cache is not None else 0)
         return avail >= need
@@ -361,7 +385,8 @@ class ScheduleBatch:
         def avail() -> int:
             return self.token_to_kv_pool.available_size() + (cache.evictable_size() if cache is not None else 0)
 
-        while order and (avail() < len(keep) * 4 or not retracted):
+        per_req = max(4, self.token_to_kv_pool.page_size)  # a few tokens each, or a new page each
+        while order and (avail() < len(keep) * per_req or not retracted):
             if len(keep) == 1:
                 break
             i = order.pop(0)

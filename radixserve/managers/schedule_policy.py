@@ -98,16 +98,21 @@ class PrefillAdder:
     """Admits requests into one prefill batch under the token budgets and the memory left.
 
     rem_total: KV slots we may still promise (free + evictable - what running requests will still decode, scaled by
-    new_token_ratio). rem_input: --max-prefill-tokens left. rem_chunk: --chunked-prefill-size left (None = off).
+    new_token_ratio). With pages each request may also leave up to page_size - 1 slots of its last page unused
+    (`page_slack`): counted in full for a new request's prompt (its pages are taken at once), scaled like the rest
+    of the reservation for a running one (a decode step short of memory retracts). rem_input: --max-prefill-tokens
+    left. rem_chunk: --chunked-prefill-size left (None = off).
     """
 
     def __init__(self, tree_cache: BasePrefixCache | None, token_to_kv_pool: TokenToKVPool,
                  running_reqs: list[Req], new_token_ratio: float, max_prefill_tokens: int, chunk_size: int | None,
                  mixed_decode_tokens: int = 0) -> None:
         self.tree_cache = tree_cache
+        self.page_size = getattr(token_to_kv_pool, "page_size", 1)
+        self.page_slack = self.page_size - 1
         evictable = tree_cache.evictable_size() if tree_cache is not None else 0
-        reserved = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), 4096) * new_token_ratio
-                       for r in running_reqs)
+        reserved = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), 4096) + self.page_slack
+                       for r in running_reqs) * new_token_ratio
         self.rem_total = token_to_kv_pool.available_size() + evictable - reserved - mixed_decode_tokens
         self.rem_input = max_prefill_tokens - mixed_decode_tokens
         self.rem_chunk = None if chunk_size is None else chunk_size - mixed_decode_tokens
@@ -119,7 +124,7 @@ class PrefillAdder:
         return self.rem_total > 0 and self.rem_input > 0 and (self.rem_chunk is None or self.rem_chunk > 0)
 
     def _take(self, ext: int, max_new: int) -> None:
-        self.rem_total -= ext + max_new
+        self.rem_total -= ext + max_new + self.page_slack
         self.rem_input -= ext
         if self.rem_chunk is not None:
             self.rem_chunk -= ext
@@ -130,12 +135,26 @@ class PrefillAdder:
         if self.rem_chunk is not None and ext > self.rem_chunk:
             ext = max(1, self.rem_chunk)
         ext = min(ext, max(1, int(self.rem_input)))
+        if ext < req.extend_input_len:
+            ext = self._page_aligned_chunk(req, ext)
         truncated = ext < req.extend_input_len
         req.extend_input_len = ext
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + ext]
         self.can_run.append(req)
         self._take(ext, 0 if truncated else self._reserve(req))
         return req if truncated else None
+
+    def _page_aligned_chunk(self, req: Req, ext: int) -> int:
+        """A chunk of about `ext` tokens that ends on a page boundary: the longest that fits in `ext`, else the one
+        up to the next boundary (the tokens of a partly filled last page are recomputed with the next chunk, so a
+        chunk that ended short of a page would never make progress)."""
+        p, pre = self.page_size, len(req.prefix_indices)
+        if p == 1:
+            return ext
+        aligned = (pre + ext) // p * p - pre
+        if aligned <= 0:
+            aligned = (pre // p + 1) * p - pre
+        return min(aligned, req.extend_input_len)
 
     def _reserve(self, req: Req) -> int:
         return int(min(req.sampling_params.max_new_tokens - len(req.output_ids), 4096) * self.new_token_ratio)
@@ -144,14 +163,15 @@ class PrefillAdder:
         """Try to admit `req`; returns False when it does not fit (the caller stops adding)."""
         ext = req.extend_input_len
         reserve = self._reserve(req)
-        if ext + reserve > self.rem_total and self.can_run:
+        slack = self.page_slack
+        if ext + reserve + slack > self.rem_total and self.can_run:
             return False
-        if ext > self.rem_total:  # not even the prompt fits, and nothing else is in the batch
+        if ext + slack > self.rem_total:  # not even the prompt fits, and nothing else is in the batch
             return False
         lock = self.tree_cache is not None and req.last_node is not None
         # locking the matched prefix takes it out of the evictable pool we counted on
         lock_cost = self.tree_cache.lock_cost(req.last_node) if lock else 0
-        if ext + lock_cost > self.rem_total:
+        if ext + slack + lock_cost > self.rem_total:
             return False
         # prompt logprobs need the whole prompt in one extend, so such a request is never chunked
         whole = req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
@@ -168,7 +188,7 @@ class PrefillAdder:
             return False
         if lock:
             self.rem_total -= self.tree_cache.inc_lock_ref(req.last_node) or 0
-        ext = self.rem_chunk
+        ext = self._page_aligned_chunk(req, self.rem_chunk)
         req.extend_input_len = ext
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + ext]
         req.is_chunked += 1

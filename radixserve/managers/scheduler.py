@@ -156,10 +156,10 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
     def dp_attention_sync(self, batch: ScheduleBatch | None) -> bool:
         """DP attention: tell every rank how many tokens this rank's next forward has; returns False when this rank
         has none and ran an IDLE forward (others had work), True otherwise (`batch` knows every rank's count)."""
-        from radixserve.distributed.parallel_state import all_gather_pyobj
+        from radixserve.distributed.parallel_state import all_gather_ints
 
-        mine = (0, True) if batch is None else (int(batch.input_ids.numel()), batch.forward_mode.is_decode())
-        everyone = all_gather_pyobj(mine)
+        mine = [0, 1] if batch is None else [int(batch.input_ids.numel()), int(batch.forward_mode.is_decode())]
+        everyone = all_gather_ints(mine)
         counts = [n for n, _ in everyone]
         all_decode = all(d for _, d in everyone)  # decode or idle everywhere: the ranks may replay a CUDA graph
         self.dp_peers_busy = any(counts)
@@ -168,7 +168,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return True
         if not self.dp_peers_busy:
             return True  # nobody has work: no forward anywhere
-        self.worker.forward_idle(counts, all_decode)
+        (self.worker_client or self.worker).forward_idle(counts, all_decode)
         return False
 
     def flush_results(self) -> None:
@@ -253,7 +253,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             error = f"the prompt has {len(ids)} tokens, at least the context length {self.context_len}"
         elif min(ids) < 0 or max(ids) >= self.vocab_size:
             error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
-        elif len(ids) + 1 > self.token_to_kv_pool.size:
+        elif len(ids) + self.token_to_kv_pool.page_size > self.token_to_kv_pool.size:  # + a page's slack
             error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
         status = 400
         lora_error = self.check_lora_id(recv.lora_id)

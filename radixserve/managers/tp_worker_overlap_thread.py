@@ -52,6 +52,10 @@ class TpModelWorkerClient:
         self.input_queue.put((batch, slots))
         return slots
 
+    def forward_idle(self, dp_num_tokens: list[int], all_decode: bool) -> None:
+        """DP attention: queue this rank's IDLE forward behind the batches already queued (it has no result)."""
+        self.input_queue.put(((dp_num_tokens, all_decode), None))
+
     def resolve_batch_result(self) -> GenerationBatchResult:
         """The oldest unresolved batch's result, with its tensors on the host."""
         item = self.output_queue.get()
@@ -70,6 +74,13 @@ class TpModelWorkerClient:
                 batch, slots = self.input_queue.get()
                 if batch is None:
                     return
+                if isinstance(batch, tuple):  # an IDLE forward: nothing to hand back unless it fails
+                    try:
+                        self.worker.forward_idle(*batch)
+                    except BaseException as e:  # the scheduler's next wait for a result raises it
+                        logger.exception("forward thread failed")
+                        self.output_queue.put(e)
+                    continue
                 try:
                     result = self.worker.forward_batch_generation(batch, future_slots=slots)
                     event = self.worker.copy_result_to_host(result)

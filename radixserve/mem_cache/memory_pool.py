@@ -3,11 +3,17 @@
 ReqToTokenPool: a [max_requests, max_context_len] int32 table on the device; row = request slot, entries = the
 KV slot of each of that request's tokens. Free rows are a Python list.
 
-TokenToKVPool: per-layer K and V buffers [size + 1, num_kv_heads, head_dim]; slot 0 is padding (writes of padded
-tokens land there). With an fp8 dtype (float8_e4m3fn / float8_e5m2) a slot holds k / k_scale (v / v_scale),
-saturated to the format's range; readers multiply by the layer's scale (`store_kv_values` / `load_kv_values`).
-The free slots are an int64 tensor on the CPU: alloc is a slice, free a concatenation, so the scheduler never waits
-for the device.
+TokenToKVPool: per-layer K and V buffers [size + page_size (rounded up to 128), num_kv_heads, head_dim]; slot 0 is
+padding (writes of padded tokens land there). With --page-size P > 1 the allocator hands out whole pages: page p
+holds slots p*P .. p*P + P-1, page 0 (which holds the padding slot) is never handed out, and the free list holds page
+ids. A request's slots stay token-level in the request table (backends that read through it are unchanged); a
+request's last page is filled slot by slot (`alloc_extend` continues it from the request's last slot, `alloc_decode`
+takes the next slot of the last page or a new page), and `free` frees every page that one of the given slots lies in,
+so whoever owns a page frees it whole. With an fp8 dtype (float8_e4m3fn / float8_e5m2) a slot holds k / k_scale (v /
+v_scale), saturated to the format's range; readers multiply by the layer's scale (`store_kv_values` /
+`load_kv_values`).
+The free slots (pages) are an int64 tensor on the CPU: alloc is a slice, free a concatenation, so the scheduler never
+waits for the device.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import torch
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+BUFFER_ROW_ALIGN = 128
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -131,51 +138,128 @@ class ReqToTokenPool:
 
 class TokenToKVPool:
     def __init__(self, size: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int, num_layers: int,
-                 device: str, debug_checks: bool = True) -> None:
-        if size <= 0:
-            raise ValueError(f"TokenToKVPool needs a positive size; got {size}")
-        self.size = size
+                 device: str, debug_checks: bool = True, page_size: int = 1) -> None:
+        self._init_pages(size, page_size)
         self.dtype = dtype
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_layers = num_layers
-        self.k_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.k_buffer = [torch.zeros((self.buffer_rows, num_kv_heads, head_dim), dtype=dtype, device=device)
                          for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros((size + 1, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.v_buffer = [torch.zeros((self.buffer_rows, num_kv_heads, head_dim), dtype=dtype, device=device)
                          for _ in range(num_layers)]
         # Double-free / range checks keep a CPU bitmap; it costs O(n) CPU work per call, never a device sync.
         self.debug_checks = debug_checks
         self.clear()
 
+    def _init_pages(self, size: int, page_size: int) -> None:
+        if page_size <= 0:
+            raise ValueError(f"--page-size must be a positive integer; got {page_size}")
+        if size < page_size:
+            raise ValueError(f"the KV pool needs at least one page ({page_size} tokens); got {size} tokens")
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.size = self.num_pages * page_size  # whole pages only
+        # rows of each buffer: page 0 and the pages, rounded up to 128 (never handed out): the same shape at every
+        # page size, and whole blocks for kernels that read the pool in blocks (flex)
+        self.buffer_rows = -(-(self.size + page_size) // BUFFER_ROW_ALIGN) * BUFFER_ROW_ALIGN
+
     # ---------------------------------------------------------------- allocator (CPU only)
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
-        self._is_free = torch.ones(self.size + 1, dtype=torch.bool)
+        self.free_slots = torch.arange(1, self.num_pages + 1, dtype=torch.int64)  # page ids when page_size > 1
+        self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
         self._is_free[0] = False
 
     def available_size(self) -> int:
-        return len(self.free_slots)
+        """Free tokens (free pages times the page size)."""
+        return len(self.free_slots) * self.page_size
 
-    def alloc(self, need: int) -> torch.Tensor | None:
-        """`need` free slots as a CPU int64 tensor, or None if there are not enough."""
-        if need < 0:
-            raise ValueError(f"cannot allocate {need} slots")
-        if need > len(self.free_slots):
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        if n > len(self.free_slots):
             return None
-        out, self.free_slots = self.free_slots[:need], self.free_slots[need:]
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         if self.debug_checks:
             self._is_free[out] = False
         return out
 
+    def alloc(self, need: int) -> torch.Tensor | None:
+        """`need` free slots as a CPU int64 tensor, or None if there are not enough. With pages: the first `need`
+        slots of ceil(need / page_size) fresh pages (the caller owns those pages whole)."""
+        if need < 0:
+            raise ValueError(f"cannot allocate {need} slots")
+        p = self.page_size
+        pages = self._take_pages(-(-need // p))
+        if pages is None or p == 1:
+            return pages
+        return (pages[:, None] * p + torch.arange(p)).flatten()[:need]
+
+    def extend_tokens_needed(self, prefix_lens: list[int], seq_lens: list[int]) -> int:
+        """Tokens (whole new pages) that `alloc_extend` will take for these requests."""
+        p = self.page_size
+        if p == 1:
+            return sum(seq_lens) - sum(prefix_lens)
+        return p * sum(-(-s // p) - -(-pre // p) for pre, s in zip(prefix_lens, seq_lens, strict=True))
+
+    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """Slots for positions prefix_len .. seq_len-1 of each request, concatenated. A request whose prefix ends
+        inside a page (its own: the prefix cache only shares whole pages) continues that page after its last slot
+        `last_locs[i]`; the rest comes from new pages. None if there are not enough free pages."""
+        p = self.page_size
+        if p == 1:
+            return self.alloc(sum(seq_lens) - sum(prefix_lens))
+        pages = self._take_pages(self.extend_tokens_needed(prefix_lens, seq_lens) // p)
+        if pages is None:
+            return None
+        parts: list[torch.Tensor] = []
+        used = 0
+        for pre, s, last in zip(prefix_lens, seq_lens, last_locs, strict=True):
+            if s <= pre:
+                continue
+            head = min(s, -(-pre // p) * p) - pre  # slots left in the prefix's last page
+            if head > 0:
+                if last < p or last % p != (pre - 1) % p:
+                    raise ValueError(f"alloc_extend: slot {last} does not continue a partly filled page")
+                parts.append(torch.arange(last + 1, last + 1 + head, dtype=torch.int64))
+            n_new = -(-s // p) - -(-pre // p)
+            if n_new:
+                mine = pages[used:used + n_new]
+                used += n_new
+                parts.append((mine[:, None] * p + torch.arange(p)).flatten()[:s - pre - head])
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def decode_tokens_needed(self, seq_lens: torch.Tensor) -> int:
+        """Tokens (whole new pages) that `alloc_decode` will take: one page per request whose new token starts one."""
+        if self.page_size == 1:
+            return len(seq_lens)
+        return int(((seq_lens - 1) % self.page_size == 0).sum()) * self.page_size
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_locs: torch.Tensor) -> torch.Tensor | None:
+        """One slot per request for its token at position seq_len - 1: the slot after `last_locs` (the slot of
+        position seq_len - 2) in the same page, or the first slot of a new page. None if no page is free."""
+        p = self.page_size
+        if p == 1:
+            return self.alloc(len(seq_lens))
+        new_page = (seq_lens - 1) % p == 0
+        pages = self._take_pages(int(new_page.sum()))
+        if pages is None:
+            return None
+        out = last_locs.to(torch.int64) + 1
+        out[new_page] = pages * p
+        return out
+
     def free(self, idx: torch.Tensor) -> None:
+        """Free the given slots; with pages, every page that one of them lies in (each page once)."""
         if idx.numel() == 0:
             return
         idx = idx.to("cpu", torch.int64).flatten()
+        if self.page_size > 1:
+            idx = torch.unique(idx // self.page_size)
         if self.debug_checks:
             lo, hi = int(idx.min()), int(idx.max())
-            if lo < 1 or hi > self.size:
-                raise ValueError(f"KV slot out of range 1..{self.size}: min={lo} max={hi}")
+            if lo < 1 or hi > self.num_pages:
+                what = "KV slot" if self.page_size == 1 else "KV page"
+                raise ValueError(f"{what} out of range 1..{self.num_pages}: min={lo} max={hi}")
             if bool(self._is_free[idx].any()) or idx.unique().numel() != idx.numel():
                 raise ValueError("KV slot freed twice")
             self._is_free[idx] = True

@@ -17,6 +17,11 @@ subtree of its own (`namespace` = the adapter's name; None = the base model at t
 hangs under the root with an empty key and is never evicted; `drop_namespace` frees a whole subtree when its adapter
 is unloaded.
 
+Pages (--page-size P > 1): every key in the tree is a whole number of pages, a node's children are keyed by their
+first page of tokens, a match or a split only ever ends on a page boundary, and `insert` takes page-aligned keys.
+So a page is owned whole by the tree or by one request: a request's partly filled last page is never shared, and
+after a chunk of a chunked prefill the tokens past the last whole page are recomputed with the next chunk.
+
 Accounting: `evictable_size()` is the number of tokens in unlocked nodes (lock_ref == 0), `protected_size()` the
 number in locked nodes. Both are kept exact on every operation, so that when the scheduler is idle
 `token_to_kv_pool.available_size() + evictable_size() + protected_size() == token_to_kv_pool.size`.
@@ -130,6 +135,7 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.disable = disable
+        self.page_size = getattr(token_to_kv_pool, "page_size", 1)
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -157,6 +163,8 @@ class RadixCache(BasePrefixCache):
         prefix (the caller locks it). Touches every node on the path (LRU).
         """
         key = _as_key(key)
+        if self.page_size > 1:
+            key = key[:self._aligned(len(key))]
         node = self._namespace_root(namespace, create=False)
         if self.disable or not key or node is None:
             return _empty_indices(), self.root
@@ -164,10 +172,10 @@ class RadixCache(BasePrefixCache):
         node.last_access_time = _tick()
         pos = 0
         while pos < len(key):
-            child = node.children.get(key[pos])
+            child = node.children.get(self._child_key(key, pos))
             if child is None:
                 break
-            k = _match_len(child.key, key, pos)
+            k = self._aligned(_match_len(child.key, key, pos))
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_access_time = _tick()
@@ -188,17 +196,21 @@ class RadixCache(BasePrefixCache):
         value = _as_value(value, len(key))
         if self.disable:
             return len(key)
+        if len(key) % self.page_size:
+            raise ValueError(f"radix cache: insert of {len(key)} tokens, not a whole number of "
+                             f"{self.page_size}-token pages")
         node = self._namespace_root(namespace, create=True)
         node.last_access_time = _tick()
         pos = 0
         while pos < len(key):
-            child = node.children.get(key[pos])
+            ck = self._child_key(key, pos)
+            child = node.children.get(ck)
             if child is None:
                 new = TreeNode(key[pos:], value[pos:].clone(), parent=node)
-                node.children[key[pos]] = new
+                node.children[ck] = new
                 self._evictable_size += len(new.key)
                 return pos
-            k = _match_len(child.key, key, pos)
+            k = self._aligned(_match_len(child.key, key, pos))
             if k < len(child.key):
                 child = self._split(child, k)
             child.last_access_time = _tick()
@@ -225,10 +237,12 @@ class RadixCache(BasePrefixCache):
             # Nothing is in the tree: every slot of the row is the request's own (chunks included).
             self.token_to_kv_pool.free(indices)
         else:
-            new_prefix_len = self.insert(all_ids[:kv_len], indices, _namespace(req))
+            aligned = self._aligned(kv_len)  # whole pages go to the tree, the partly filled last one is freed
+            new_prefix_len = self.insert(all_ids[:aligned], indices[:aligned], _namespace(req))
             if new_prefix_len < prefix_len:
                 raise RuntimeError(f"radix cache lost a locked prefix: matched {prefix_len}, found {new_prefix_len}")
             self.token_to_kv_pool.free(indices[prefix_len:new_prefix_len])
+            self.token_to_kv_pool.free(indices[aligned:])
         self.req_to_token_pool.free(row)
         self.dec_lock_ref(req.last_node)
 
@@ -237,7 +251,9 @@ class RadixCache(BasePrefixCache):
 
         Inserts the chunk's tokens, frees the request's slots that duplicate cached ones, rewrites the request's
         row with the tree's slots, moves the lock from the old last node to the new one, and updates
-        `req.prefix_indices` / `req.last_node`.
+        `req.prefix_indices` / `req.last_node`. With pages only the whole pages are cached: the slots of a partly
+        filled last page stay the request's own (past its prefix in the row), for its decode steps to continue;
+        a next chunk recomputes those tokens (`ScheduleBatch.prepare_for_extend` frees them first).
         """
         fill_ids = _as_key(req.fill_ids)
         row = self._row(req)
@@ -250,7 +266,8 @@ class RadixCache(BasePrefixCache):
             if getattr(req, "last_node", None) is None:
                 req.last_node = self.root
             return
-        new_prefix_len = self.insert(fill_ids, indices, _namespace(req))
+        fill_ids = fill_ids[:self._aligned(len(fill_ids))]
+        new_prefix_len = self.insert(fill_ids, indices[:len(fill_ids)], _namespace(req))
         if new_prefix_len < prefix_len:
             raise RuntimeError(f"radix cache lost a locked prefix: matched {prefix_len}, found {new_prefix_len}")
         self.token_to_kv_pool.free(indices[prefix_len:new_prefix_len])
@@ -326,7 +343,7 @@ class RadixCache(BasePrefixCache):
             if parent is None:
                 raise RuntimeError("radix cache: a leaf with no parent in the eviction heap")
             self.token_to_kv_pool.free(leaf.value)
-            del parent.children[leaf.key[0]]
+            del parent.children[self._child_key(leaf.key, 0)]
             leaf.parent = None
             n = len(leaf.key)
             self._evictable_size -= n
@@ -391,6 +408,13 @@ class RadixCache(BasePrefixCache):
         print(f"#tokens: {self.total_size()}")
 
     # ------------------------------------------------------------------ internals
+    def _child_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
+        """A child's key in its parent's dict: its first token, or its first page of tokens."""
+        return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
     def _namespace_root(self, namespace: str | None, create: bool) -> TreeNode | None:
         """The node under which `namespace`'s keys live (the root for None); made on first insert."""
         if namespace is None:
@@ -406,7 +430,7 @@ class RadixCache(BasePrefixCache):
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         """Split `child` after its first `k` tokens (0 < k < len); returns the new upper node."""
-        if not 0 < k < len(child.key):
+        if not 0 < k < len(child.key) or k % self.page_size:
             raise RuntimeError(f"radix cache: bad split at {k} of a {len(child.key)}-token node")
         parent = child.parent
         if parent is None:
@@ -417,8 +441,8 @@ class RadixCache(BasePrefixCache):
         child.key = child.key[k:]
         child.value = child.value[k:]
         child.parent = upper
-        upper.children[child.key[0]] = child
-        parent.children[upper.key[0]] = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        parent.children[self._child_key(upper.key, 0)] = upper
         return upper
 
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:

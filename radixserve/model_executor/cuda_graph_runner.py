@@ -37,7 +37,8 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
-        self.max_bs = min(model_runner.cuda_graph_max_bs, model_runner.max_running_requests)
+        self.max_bs = min(model_runner.cuda_graph_max_bs,
+                          model_runner.max_running_requests * getattr(model_runner, "decode_rows_per_request", 1))
         self.dp_attention = model_runner.server_args.enable_dp_attention and model_runner.tp_size > 1
         if self.dp_attention:  # request slots follow each GPU's free memory: capture the sizes every rank has
             from radixserve.distributed.parallel_state import all_gather_pyobj
@@ -133,8 +134,11 @@ class CudaGraphRunner:
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.capture_bs, took)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
+        cap = self.backend.cuda_graph_max_seq_len()
         if self.dp_attention:  # the same answer on every rank: it depends on all ranks' counts only
-            return forward_batch.dp_all_decode and max(forward_batch.dp_num_tokens) <= self.max_bs
+            return cap is None and forward_batch.dp_all_decode and max(forward_batch.dp_num_tokens) <= self.max_bs
+        if cap is not None and (forward_batch.seq_lens_cpu is None or max(forward_batch.seq_lens_cpu) > cap):
+            return False
         return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

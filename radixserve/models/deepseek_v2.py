@@ -42,13 +42,18 @@ from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig, load_expert_weight
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
+from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP, load_plain, rope_params
+from radixserve.models.qwen2_moe import norm_then_moe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+
+PREP_TOKENS = 16  # tokens up to which q absorption, rotary, the latent norm and store run as one kernel
 
 
 class DeepseekMLAAttention(nn.Module):
@@ -90,18 +95,53 @@ class DeepseekMLAAttention(nn.Module):
         else:
             q = self.q_proj(hidden)
         q = q.view(t, self.num_heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        kv_a = self.kv_a_proj_with_mqa(hidden)
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
+        if 0 < t <= PREP_TOKENS and use_fused(hidden) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
+                and kv_a.stride(1) == 1:
+            q_full, k_full, saved = self._prep_fused(positions, q, kv_a, w_kc, forward_batch)
+            o = self.attn(q_full.reshape(t, -1), k_full, k_full[:, :self.rank], forward_batch,
+                          save_kv_cache=not saved)
+            from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+            from radixserve.layers.attention.triton_ops.mla_prep import mla_absorb_out
+
+            return self.o_proj(mla_absorb_out(o.view(t, self.num_heads, self.rank), w_vc, is_interpreted()))
+        o = self._attend_unfused(positions, q, kv_a, w_kc, forward_batch)
+        o = torch.bmm(o.view(t, self.num_heads, self.rank).transpose(0, 1), w_vc.transpose(1, 2))  # [H, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+
+    def _prep_fused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_kc: torch.Tensor,
+                    forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """q_full and the key rows from one kernel (`mla_prep.py`); the key rows go straight into the latent pool
+        when its dtype is the activations' (then the returned k_full is only kv_a, which the backend does not read,
+        and `saved` is True)."""
+        from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+        from radixserve.layers.attention.triton_ops.mla_prep import mla_decode_prep
+
+        rot = self.rotary_emb
+        loc = forward_batch.out_cache_loc
+        pool = forward_batch.token_to_kv_pool
+        kv_buf = pool.get_kv_buffer(self.attn.layer_id)[0] if loc is not None else None
+        saved = kv_buf is not None and kv_buf.dtype == q.dtype and kv_buf.is_contiguous()
+        k_out = kv_buf.view(-1, kv_buf.shape[-1]) if saved else \
+            torch.empty((q.shape[0], self.rank + self.rope), dtype=q.dtype, device=q.device)
+        q_full = mla_decode_prep(q, kv_a, positions, rot.cos_cache, rot.sin_cache, w_kc, self.kv_a_layernorm.weight,
+                                 self.kv_a_layernorm.eps, rot.is_neox_style, k_out, loc if saved else None,
+                                 is_interpreted())
+        return q_full, (kv_a if saved else k_out), saved
+
+    def _attend_unfused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_kc: torch.Tensor,
+                        forward_batch: ForwardBatch) -> torch.Tensor:
+        t = q.shape[0]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [T, H, rank]
         q_full = torch.cat([q_latent, q_pe.reshape(t, self.num_heads, self.rope)], dim=-1)
         k_full = torch.cat([latent, k_pe.reshape(t, self.rope)], dim=-1)  # [T, rank + rope]
-        o = self.attn(q_full.reshape(t, -1), k_full, latent, forward_batch)  # [T, H * rank]
-        o = torch.bmm(o.view(t, self.num_heads, self.rank).transpose(0, 1), w_vc.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+        return self.attn(q_full.reshape(t, -1), k_full, latent, forward_batch)  # [T, H * rank]
 
 
 class DeepseekMoE(nn.Module):
@@ -130,7 +170,13 @@ class DeepseekMoE(nn.Module):
             self.experts.attach_shared_experts(self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts.forward_gated(x, self.gate)
+        return self._finish(x, self.experts.forward_gated(x, self.gate))
+
+    def forward_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm_then_moe(self, hidden, residual, norm)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_experts is not None and not self.experts.shared_folded(x):
             out = out + self.shared_experts(x)
         if self.tp_size > 1 and self.reduce_results:
@@ -162,6 +208,8 @@ class DeepseekDecoderLayer(nn.Module):
             else:
                 hidden, residual = self.input_layernorm(hidden, residual)
             hidden = self.self_attn(positions, hidden, forward_batch)
+            if isinstance(self.mlp, DeepseekMoE) and not self.dp_attention:  # the norm in the router's launch
+                return self.mlp.forward_norm(hidden, residual, self.post_attention_layernorm)
             hidden, residual = self.post_attention_layernorm(hidden, residual)
         if self.dp_attention:
             rows = max(forward_batch.dp_num_tokens)

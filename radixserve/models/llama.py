@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from radixserve.configs.model_config import sliding_window_size
+from radixserve.distributed.parallel_state import custom_all_reduce_fuses_norm
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -46,7 +47,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        act = self.gate_up_proj.silu_and_mul(x)  # fused into the product where the layer can (fp8 decode)
+        return self.down_proj(act if act is not None else self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -118,6 +120,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp_factory(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # With the fused all-reduce + add + RMSNorm, o_proj and a dense MLP's down_proj leave their outputs
+        # unreduced and the norm after them sums over the ranks (the next layer's input norm, for the MLP)
+        self.fuse_reduce = tp_size > 1 and custom_all_reduce_fuses_norm()
+        self.mlp_partial = self.fuse_reduce and isinstance(self.mlp, LlamaMLP)
+        self.input_partial = False  # set by LlamaModel: the previous layer's MLP output comes unreduced
+        if self.fuse_reduce:
+            self.self_attn.o_proj.reduce_results = False
+        if self.mlp_partial:
+            self.mlp.down_proj.reduce_results = False
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +136,13 @@ class LlamaDecoderLayer(nn.Module):
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, reduce=self.input_partial)
         hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        # MoE blocks: for a few tokens the norm runs inside the router's launch (not with the fused all-reduce)
+        forward_norm = None if self.fuse_reduce else getattr(self.mlp, "forward_norm", None)
+        if forward_norm is not None:
+            return forward_norm(hidden, residual, self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=self.fuse_reduce)
         return self.mlp(hidden), residual
 
 
@@ -139,13 +154,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, qkv_bias, qk_norm, mlp_factory)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        for prev, layer in zip(self.layers[:-1], self.layers[1:], strict=True):  # fused all-reduce + norm
+            layer.input_partial = prev.mlp_partial
+        self.final_partial = bool(len(self.layers)) and self.layers[-1].mlp_partial
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, reduce=self.final_partial)
         return hidden
 
 

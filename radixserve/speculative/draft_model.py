@@ -5,7 +5,10 @@ The draft has its own ModelRunner and its own KV pool and request table (sized l
 it touches the target's accounting. Per request it keeps the KV of the committed sequence only: a round first runs
 the tokens committed since the last round as one extend (the whole prompt the first time), whose last logits give
 the first draft, then k - 1 one-token decodes; the slots of those speculative decodes are freed at the end of the
-round. Greedy proposals are point masses, so the target's verify keeps exact semantics for sampling too.
+round. A catch-up of at most CATCHUP_AS_DECODE tokens per request (every round after a request's first: the tokens the
+last verify kept) runs as decode rows (`verify.as_decode_rows`), so on a GPU all of a round's draft forwards replay
+the draft's decode CUDA graphs; only a request's first round (its prompt) is a real extend.
+Greedy proposals are point masses, so the target's verify keeps exact semantics for sampling too.
 A request's draft state is released when it finishes (and found and released lazily if it finished elsewhere).
 """
 
@@ -19,8 +22,11 @@ import torch
 
 from radixserve.managers.schedule_batch import ModelWorkerBatch
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixserve.speculative.verify import as_decode_rows
 
 logger = logging.getLogger(__name__)
+
+CATCHUP_AS_DECODE = 16  # catch-up extends with at most this many tokens per request run as decode rows
 
 
 class DraftState:
@@ -43,7 +49,7 @@ class DraftModelDrafter:
             raise ValueError("--speculative-algorithm draft_model runs with --tp-size 1 only")
         args = dataclasses.replace(server_args, model_path=path, tokenizer_path=None, speculative_algorithm=None,
                                    speculative_draft_model_path=None, enable_lora=False, lora_paths=None,
-                                   quantization=None, disable_cuda_graph=True,
+                                   quantization=None,
                                    # as many tokens as the target's pool (the draft's cells are far smaller); on
                                    # a GPU it takes them from what the target left, not another fraction of it
                                    max_total_tokens=pool_size or server_args.max_total_tokens,
@@ -51,7 +57,9 @@ class DraftModelDrafter:
                                    mem_fraction_static=0.99 if server_args.resolved_device() == "cuda" else None)
         self.config = ModelConfig(path, context_length=server_args.context_length, load_format=args.load_format,
                                   trust_remote_code=args.trust_remote_code)
-        self.runner = ModelRunner(self.config, args, tp_rank=0, tp_size=1)
+        # its catch-up runs up to 1 + k decode rows per request (the tokens the last verify kept)
+        self.runner = ModelRunner(self.config, args, tp_rank=0, tp_size=1,
+                                  decode_rows_per_request=1 + server_args.speculative_num_draft_tokens)
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.token_to_kv_pool = self.runner.token_to_kv_pool
         self.states: dict[int, tuple[Any, DraftState]] = {}  # id(req) -> (req, state)
@@ -90,7 +98,13 @@ class DraftModelDrafter:
             req_to_token_writes=self.req_to_token_pool.take_pending_writes(),
             positions=torch.tensor(seq_lens, dtype=torch.int64) - 1 if mode.is_decode() else None)
         self.req_to_token_pool.apply_writes(mwb.req_to_token_writes)
+        last = None
+        if ext is not None and max(ext) <= CATCHUP_AS_DECODE:
+            mwb = as_decode_rows(mwb)  # one decode row per token: the decode CUDA graphs, no eager extend
+            last = torch.tensor(ext, dtype=torch.int64).cumsum(0) - 1
         logits = self.runner.forward(ForwardBatch.init_new(mwb, self.runner)).next_token_logits
+        if last is not None:
+            logits = logits[last.to(logits.device)]
         return torch.argmax(logits, dim=-1).cpu()
 
     def _alloc(self, n: int) -> torch.Tensor | None:

@@ -1,6 +1,13 @@
 """The worker side of speculative decoding: one TARGET_VERIFY forward over each request's last token followed by its
 drafts, then the target's own token at every position, and the longest agreeing run.
 
+The forward is decode-shaped: a request with prefix p and k drafts becomes k + 1 decode rows of the same request,
+row j at position p + j reading the request's KV up to p + j + 1. Every layer stores the new tokens' K/V before its
+attention reads the pool, so row j sees the drafts before it and not those after: exactly the causal verify. The
+rows go through the decode kernels and, on a GPU, replay the decode CUDA graph of batch size sum(k_i + 1) (captured
+once per size, shared with plain decoding) instead of running an eager extend; each prefix is read k + 1 times, a
+small cost next to the weights at the k of speculation.
+
 Exactness. Position 0 of every request is sampled by the ordinary Sampler on a [bs, vocab] batch, exactly as a
 decode step would (penalties, logit bias, grammar mask, seeds, logprobs, then `update_penalties`). Later positions
 exist only for requests the scheduler let draft (no penalties, no seed: see `scheduler_mixin.spec_eligible`), so
@@ -15,6 +22,7 @@ renormalised, i.e. (p - q)+ — the target's distribution is kept.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +34,7 @@ from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
 from radixserve.managers.schedule_batch import ModelWorkerBatch
 from radixserve.managers.tp_worker import _vocab_mask
-from radixserve.model_executor.forward_batch_info import ForwardBatch
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 
 @dataclass
@@ -75,6 +83,26 @@ def accept(drafts: list[list[int]], targets: list[list[int]]) -> list[list[int]]
     return out
 
 
+def as_decode_rows(batch: ModelWorkerBatch) -> ModelWorkerBatch:
+    """An extend batch (TARGET_VERIFY, or a short catch-up extend of a draft model) as one decode row per new token:
+    the row of new token j of a request with prefix p has that request's table row, seq_len p + j + 1 and position
+    p + j. The logits come back one row per token, in the extend's order."""
+    ext, pre = batch.extend_seq_lens, batch.extend_prefix_lens
+    if ext is None or pre is None:
+        raise ValueError("as_decode_rows needs an extend batch (extend_seq_lens and extend_prefix_lens)")
+    seq = [p + j + 1 for p, n in zip(pre, ext, strict=True) for j in range(n)]
+    seq_t = torch.tensor(seq, dtype=torch.int64)
+    counts = torch.tensor(ext, dtype=torch.int64)
+    lora = None
+    if batch.lora_slots is not None:
+        lora = [s for s, n in zip(batch.lora_slots, ext, strict=True) for _ in range(n)]
+    return dataclasses.replace(
+        batch, forward_mode=ForwardMode.DECODE, req_pool_indices=batch.req_pool_indices.repeat_interleave(counts),
+        seq_lens=seq_t, seq_lens_cpu=seq, seq_lens_sum=sum(seq), extend_seq_lens=None, extend_prefix_lens=None,
+        extend_logprob_start_lens_cpu=None, positions=seq_t - 1, num_future_refs=None, lora_slots=lora,
+        pooling=None)
+
+
 def run_verify_batch(runner: Any, batch: ModelWorkerBatch, drafts: list[list[int]],
                      pos_bitmask: torch.Tensor | None = None) -> VerifyResult:
     """Everything a verify step does on the device, in the order run_model_worker_batch does it for a decode.
@@ -87,9 +115,11 @@ def run_verify_batch(runner: Any, batch: ModelWorkerBatch, drafts: list[list[int
     info.vocab_mask = None
     if isinstance(batch.grammar_bitmask, torch.Tensor):
         info.vocab_mask = _vocab_mask(batch.grammar_bitmask, info, runner)
-    fb = ForwardBatch.init_new(batch, runner, sampling_info=info)
+    fb = ForwardBatch.init_new(as_decode_rows(batch), runner, sampling_info=info)
     logits = runner.forward(fb).next_token_logits  # [sum(1 + k_i), vocab]
     lens = [1 + len(d) for d in drafts]
+    fb.top_logprobs_nums = batch.top_logprobs_nums or [0] * len(lens)  # sampling sees one row per request
+    fb.return_logprob = batch.return_logprob
     starts = [0] * len(lens)
     for i in range(1, len(lens)):
         starts[i] = starts[i - 1] + lens[i - 1]
@@ -99,7 +129,7 @@ def run_verify_batch(runner: Any, batch: ModelWorkerBatch, drafts: list[list[int
     info.vocab_mask = None
     info.update_penalties(t0)
     want_lp = batch.return_logprob
-    top_nums = fb.top_logprobs_nums or [0] * len(lens)
+    top_nums = fb.top_logprobs_nums
     targets = [[t] for t in t0.tolist()]
     lps = [[v] for v in first.next_token_logprobs.tolist()] if want_lp else None
     tops = None

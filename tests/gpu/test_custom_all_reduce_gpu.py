@@ -64,6 +64,30 @@ def _rank(rank: int, port: int, results: dict) -> None:
                     torch.cuda.synchronize()
                     expect = torch.full_like(x.float(), 2.0 * rep + 1.0)  # sum of rank + rep over 2 ranks
                     out[f"{dtype}-{numel}-graph{rep}"] = torch.equal(y.float(), expect)
+    # the Triton one-shot and its fusion with residual add + RMSNorm
+    import os
+
+    from radixserve.layers.triton_ops.norm import fused_add_rmsnorm
+
+    os.environ["RADIXSERVE_ONE_SHOT"] = "triton"
+    tr = CustomAllReduce(dist.group.WORLD, cpu_group, f"cuda:{rank}", max_bytes=1 << 20, one_shot_max_bytes=256 << 10)
+    out["triton_enabled"] = tr.enabled and tr.add_norm is not None
+    if out["triton_enabled"]:
+        g = torch.Generator(device="cuda").manual_seed(10 + rank)
+        for rows in (1, 3, 32):
+            x = torch.randn(rows, 4096, device="cuda", generator=g).to(torch.bfloat16)
+            res = torch.randn(rows, 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
+            res = res.to(torch.bfloat16)
+            w = torch.rand(4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
+            w = w.to(torch.bfloat16)
+            summed = x.clone()
+            dist.all_reduce(summed)
+            want_out, want_res = fused_add_rmsnorm(summed, res, w, 1e-5)
+            for rep in range(3):  # back to back: the buffer halves alternate
+                got_out, got_res = tr.fused_add_rmsnorm(x, res, w, 1e-5)
+                out[f"fused-{rows}-{rep}-res"] = torch.equal(got_res, want_res)
+                out[f"fused-{rows}-{rep}-out"] = torch.equal(got_out, want_out)
+                out[f"oneshot-{rows}-{rep}"] = torch.equal(tr.one_shot(x), summed)
     results[rank] = out
     dist.barrier()
     dist.destroy_process_group()
@@ -76,13 +100,14 @@ def test_custom_all_reduce_equals_nccl_eager_and_in_graphs() -> None:
         got = dict(results)
     for rank in (0, 1):
         assert got[rank]["enabled"], got[rank]["reason"]
+        assert got[rank]["triton_enabled"]
         bad = [k for k, v in got[rank].items() if v is False and k != "enabled"]
         assert not bad, bad
 
 
-def test_tp2_greedy_with_and_without_custom_all_reduce(tmp_path) -> None:
-    """Float32 tiny llama: TP=2 through the custom all-reduce (CUDA graphs on) decodes what TP=2 with NCCL only
-    does, and what TP=1 does."""
+def test_tp2_greedy_with_and_without_custom_all_reduce(tmp_path, monkeypatch) -> None:
+    """Float32 tiny llama: TP=2 through the custom all-reduce (CUDA graphs on; PyTorch's one-shot, then the Triton
+    one fused with add + RMSNorm) decodes what TP=2 with NCCL only does, and what TP=1 does."""
     from model_utils import make_tiny_model
 
     from radixserve import Engine
@@ -92,8 +117,10 @@ def test_tp2_greedy_with_and_without_custom_all_reduce(tmp_path) -> None:
     greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     outs = {}
     for name, kw in (("tp1", {"tp_size": 1}), ("tp2", {"tp_size": 2}),
-                     ("tp2_nccl", {"tp_size": 2, "disable_custom_all_reduce": True})):
+                     ("tp2_nccl", {"tp_size": 2, "disable_custom_all_reduce": True}), ("tp2_triton", {"tp_size": 2})):
+        if name == "tp2_triton":
+            monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "triton")  # the scheduler processes inherit it
         with Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", max_total_tokens=4096,
                     log_level="warning", **kw) as engine:
             outs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
-    assert outs["tp2"] == outs["tp2_nccl"] == outs["tp1"]
+    assert outs["tp2"] == outs["tp2_nccl"] == outs["tp1"] == outs["tp2_triton"]

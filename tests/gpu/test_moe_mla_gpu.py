@@ -79,6 +79,61 @@ def test_mla_decode_at_deepseek_v2_lite_shape(bs: int, seq: int) -> None:
     torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "deepseek-v2-lite"])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_small_batch_moe_bf16_at_real_shapes_and_in_a_graph(shape: str, tokens: int) -> None:
+    """The two-launch small-batch path (router in one launch too) at Qwen3-30B-A3B's and DeepSeek-V2-Lite's layer
+    shapes (the latter with its two shared experts folded in) against the float32 reference, then captured in a
+    CUDA graph and replayed on new activations: the same as eager."""
+    import torch.nn.functional as F
+
+    from radixserve.layers.moe.moe_torch import moe_forward_torch
+    from radixserve.layers.moe.router import RouterConfig, select_experts
+    from radixserve.layers.moe.small_batch import small_batch_moe
+    from radixserve.layers.moe.topk_kernel import fused_gate_topk
+
+    e, h, i, k, shared = {"qwen3-30b-a3b": (128, 2048, 768, 8, 0), "deepseek-v2-lite": (64, 2048, 1408, 6, 2816)}[shape]
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    bf = torch.bfloat16
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=g, dtype=bf) * 0.02
+    w2 = torch.randn(e, h, i, device="cuda", generator=g, dtype=bf) * 0.02
+    sw13 = torch.randn(2 * shared, h, device="cuda", generator=g, dtype=bf) * 0.02 if shared else None
+    sw2 = torch.randn(h, shared, device="cuda", generator=g, dtype=bf) * 0.02 if shared else None
+    gate = torch.randn(e, h, device="cuda", generator=g) * 0.05
+    done = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.randn(tokens, h, device="cuda", generator=g, dtype=bf)
+    cfg = RouterConfig(e, k, renormalize=shape == "qwen3-30b-a3b")
+
+    def layer(inp: torch.Tensor) -> torch.Tensor:
+        w, ids, _, _ = fused_gate_topk(inp, gate, done, k, False, cfg.renormalize, 1.0)
+        return small_batch_moe(inp, w13, w2, w, ids, 0, sw13, sw2)
+
+    def reference(inp: torch.Tensor) -> torch.Tensor:
+        w, ids = select_experts(F.linear(inp.float(), gate), cfg)
+        out = moe_forward_torch(inp.float(), w13.float(), w2.float(), w, ids)
+        if shared:
+            gu = F.linear(inp.float(), sw13.float())
+            out = out + F.linear(F.silu(gu[:, :shared]) * gu[:, shared:], sw2.float())
+        return out
+
+    ref = reference(x)
+    err = (layer(x).float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, err
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        layer(static_x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            graph_out = layer(static_x)
+    torch.cuda.synchronize()
+    static_x.copy_(torch.randn(tokens, h, device="cuda", generator=g, dtype=bf))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_out, layer(static_x))
+    assert int(done) == 0
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3", "deepseek_v2_lora"])
 def test_tiny_moe_and_mla_cuda_graph_and_eager_match_transformers(kind: str, tmp_path) -> None:
     hf = make_tiny_model(kind, str(tmp_path), initializer_range=0.08)

@@ -109,3 +109,40 @@ def test_fp8_kv_cache_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
     base = StaticBatch(runner()).generate(ps, 24)
     first = sum(x[0] == y[0] for x, y in zip(got, base, strict=True))
     assert first >= 15, f"fp8 agreed with bf16 on the first token of {first} of 19 prompts"
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
+    """The decode GEMV kernels of `fp8_gemv` with the tuned table's configs (and each kernel explicitly) on an 8B
+    shape and on rows that are not a multiple of any tile, bf16 in and out, against the float32 reference."""
+    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in [(4096, 14336), (1000, 4096)]:
+        q, s = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+        ref = fp8_linear_ref(x.float(), q, s, 1, k, bias.float(), None)
+        cfgs = [None, GemvConfig("dot", 32, 256, 4, 3)] + ([GemvConfig("ew", 4, 1024, 4, 2, "f16")] if m <= 2 else [])
+        for cfg in cfgs:
+            out = fp8_skinny_gemv(x, q, s, torch.bfloat16, bias, cfg)
+            assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+            assert _rel(out, ref) < 1e-2, (n, k, cfg)
+            act = fp8_skinny_gemv(x, q, s, torch.bfloat16, bias, cfg, silu_mul=True)  # [gate; up] -> silu * up
+            gate, up = ref.chunk(2, dim=-1)
+            assert act.shape == (m, n // 2) and _rel(act, torch.nn.functional.silu(gate) * up) < 2e-2, (n, k, cfg)
+
+
+@pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
+    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in [(4096, 14336), (1000, 4096)]:
+        fields = G.quantize(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        out = gguf_gemv(x, fmt, fields, n)
+        ref = torch.nn.functional.linear(x.float(), G.dequantize(fmt, fields))
+        assert _rel(out, ref) < 1e-2, (n, k)

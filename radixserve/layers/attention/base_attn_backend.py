@@ -13,6 +13,11 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
+    """Required: init_forward_metadata, forward_extend, forward_decode. Optional, for CUDA graphs (decode): a backend
+    that sets `supports_cuda_graph` implements init_cuda_graph_state and the capture / replay hooks; the model runner
+    checks the flag at start and runs decode eagerly for a backend without it. cuda_graph_input_buffers,
+    get_cuda_graph_seq_len_fill_value and cuda_graph_max_seq_len have defaults."""
+
     # whether decode can be captured in a CUDA graph (the init_*_cuda_graph hooks below are implemented, and the
     # decode forward never reads device values on the host)
     supports_cuda_graph: bool = False
@@ -41,6 +46,10 @@ class AttentionBackend(ABC):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_len written into the padded rows of a replayed graph."""
         return 1
+
+    def cuda_graph_max_seq_len(self) -> int | None:
+        """The longest sequence a captured decode serves (None: any); a batch with a longer one runs eagerly."""
+        return None
 
     # ---------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,

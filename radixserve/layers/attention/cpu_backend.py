@@ -36,6 +36,8 @@ def _is_mla(layer: RadixAttention) -> bool:
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
+    supports_cuda_graph = False  # CPU only
+
     def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
         if str(self.device) != "cpu":

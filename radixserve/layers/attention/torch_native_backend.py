@@ -1,5 +1,9 @@
 """Pure-PyTorch attention: scaled_dot_product_attention over each request's gathered KV. Runs anywhere; the
-reference the other backends are tested against."""
+reference the other backends are tested against.
+
+Decode is also captured in CUDA graphs: the captured decode gathers a fixed GRAPH_MAX_SEQ_LEN columns of each row
+(masked past its length) in groups of static size, reading nothing on the host; a batch with a longer sequence runs
+eagerly (`cuda_graph_max_seq_len`)."""
 
 from __future__ import annotations
 
@@ -18,13 +22,34 @@ if TYPE_CHECKING:
 
 
 DECODE_GROUP_ELEMENTS = 1 << 22  # padded key positions × KV heads gathered per decode SDPA call
+GRAPH_MAX_SEQ_LEN = 4096  # key positions a captured decode reads per row
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, model_runner: ModelRunner) -> None:
         self.device = model_runner.device
+        self.graph_width = min(GRAPH_MAX_SEQ_LEN, model_runner.req_to_token_pool.req_to_token.shape[1])
+        self._static = False  # the forward being run is a graph capture
+
+    # ---------------------------------------------------------------- CUDA graphs (decode)
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self._static = False
+
+    def cuda_graph_max_seq_len(self) -> int | None:
+        return self.graph_width
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        self._static = True
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        pass  # the captured decode reads the graph's own input buffers
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self._static = False
         if forward_batch.seq_lens_cpu is None:
             forward_batch.seq_lens_cpu = forward_batch.seq_lens.tolist()
 
@@ -82,6 +107,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         key mask (a group holds at most DECODE_GROUP_ELEMENTS padded key positions × heads)."""
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)
+        if self._static:
+            return self._decode_static(q, layer, forward_batch)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         h, hkv, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, value_head_dim(layer)
         q = q.view(-1, h, d)
@@ -117,4 +144,35 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                scale=layer.scaling)  # [n, H, 1, D]
             out[start:end] = o.squeeze(2)
             start = end
+        return out.view(-1, h * dv)
+
+    def _decode_static(self, q: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Decode with static shapes and no host reads (captured in CUDA graphs): graph_width columns of every row,
+        masked past its length (and before its window), in groups of a size fixed by the batch size."""
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        h, hkv, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, value_head_dim(layer)
+        bs, width = forward_batch.batch_size, self.graph_width
+        q = q.view(bs, h, d)
+        out = q.new_empty(bs, h, dv)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        window = sliding_window(layer)
+        ks, vs = kv_scales(layer)
+        cols = torch.arange(width, device=q.device)[None, :]
+        group = max(1, DECODE_GROUP_ELEMENTS // (width * hkv))
+        for start in range(0, bs, group):
+            end = min(bs, start + group)
+            seq = forward_batch.seq_lens[start:end, None]
+            mask = cols < seq  # [n, width]
+            if window > 0:
+                mask &= cols >= seq - window
+            slots = req_to_token[forward_batch.req_pool_indices[start:end], :width].long()
+            keep = mask[:, :, None, None]
+            kk = torch.where(keep, load_kv_values(gather_kv(k_buf, slots), q.dtype, ks), 0).permute(0, 2, 1, 3)
+            vv = torch.where(keep, load_kv_values(gather_kv(v_buf, slots), q.dtype, vs), 0).permute(0, 2, 1, 3)
+            if h != hkv:
+                kk = kk.repeat_interleave(h // hkv, dim=1)
+                vv = vv.repeat_interleave(h // hkv, dim=1)
+            o = F.scaled_dot_product_attention(q[start:end].unsqueeze(2), kk, vv, attn_mask=mask[:, None, None, :],
+                                               scale=layer.scaling)
+            out[start:end] = o.squeeze(2)
         return out.view(-1, h * dv)

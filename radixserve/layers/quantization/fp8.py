@@ -213,6 +213,20 @@ class Fp8LinearMethod(LinearMethodBase):
                                  input_scale)
         return out.view(*shape[:-1], out.shape[-1])
 
+    def apply_silu_and_mul(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+                           ) -> torch.Tensor | None:
+        """silu(gate) * up of a [gate; up] layer from the decode GEMV's epilogue (`fp8_gemv`, per-channel weights,
+        at most SMALL_M rows, on the GPU); None where that does not apply."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.block is not None or not SKINNY or x2.shape[0] > SMALL_M or getattr(layer, "input_scale", None) \
+                is not None or not _on_gpu_kernels(x2):
+            return None
+        from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        out = fp8_skinny_gemv(x2, layer.weight, layer.weight_scale, x2.dtype, bias, silu_mul=True)
+        return None if out is None else out.view(*x.shape[:-1], out.shape[-1])
+
     def _apply_kernels(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int,
                        small: bool, input_scale: torch.Tensor | None) -> torch.Tensor:
         from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv

@@ -28,9 +28,28 @@ from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit
+def _widen(w, WIDEN_F16: tl.constexpr):
+    if WIDEN_F16:  # e4m3 byte seeeemmm -> fp16 bits s0eeeemmm0000000: the value / 2^8, subnormals included
+        b = w.to(tl.int16)
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up with the roundings of the unfused path: the GEMV's output in the activation dtype, silu in
+    float32 rounded to it, the product rounded."""
+    g = gate.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
                         HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
+    silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     # Runs of 8 contiguous columns: the fp8 bytes and the 16-bit x then get the same register layout (8 a thread),
@@ -38,25 +57,29 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     offs_k = tl.arange(0, BLOCK_K)
     offs_k = (offs_k // 8) * 8 + offs_k % 8
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_rows = N * stride_wn.to(tl.int64)
     # x read through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): same layout too
     x_ptrs = X + offs_k[None, :] + 0 * offs_n[:, None]
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # the second row of x, or the up rows
     for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
-        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-        if WIDEN_F16:  # e4m3 byte seeeemmm -> fp16 bits s0eeeemmm0000000: the value / 2^8, subnormals included
-            b = w.to(tl.int16)
-            wf = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            wf = w.to(tl.float32)
-        acc0 += wf * tl.load(x_ptrs).to(tl.float32)
+        wf = _widen(tl.load(w_ptrs, mask=mask_n[:, None], other=0.0), WIDEN_F16)
+        x0 = tl.load(x_ptrs).to(tl.float32)
+        acc0 += wf * x0
         if TWO_ROWS:
             acc1 += wf * tl.load(x_ptrs + stride_xm).to(tl.float32)
+        if SILU_MUL:
+            acc1 += _widen(tl.load(w_ptrs + up_rows, mask=mask_n[:, None], other=0.0), WIDEN_F16) * x0
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
     bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
-    tl.store(Out + offs_n, (tl.sum(acc0, axis=1) * scale + bias).to(Out.dtype.element_ty), mask=mask_n)
+    out0 = tl.sum(acc0, axis=1) * scale + bias
+    if SILU_MUL:
+        scale_u = tl.load(S + N + offs_n, mask=mask_n, other=0.0) * out_factor
+        bias_u = tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+        out0 = _silu_mul(out0, tl.sum(acc1, axis=1) * scale_u + bias_u, Out.dtype.element_ty)
+    tl.store(Out + offs_n, out0.to(Out.dtype.element_ty), mask=mask_n)
     if TWO_ROWS:
         tl.store(Out + stride_om + offs_n, (tl.sum(acc1, axis=1) * scale + bias).to(Out.dtype.element_ty),
                  mask=mask_n)
@@ -64,16 +87,20 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
 
 @triton.jit
 def _fp8_gemv_dot_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
-                         HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, FP32: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """SILU_MUL: W is [gate; up] (2N rows); the program multiplies the gate rows n and the up rows N + n and writes
+    silu(gate) * up ([M, N])."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_rows = N * stride_wn.to(tl.int64)
     xt_ptrs = X + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # x.T tile [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
         w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
         xt = tl.load(xt_ptrs, mask=mask_m[None, :], other=0.0)
@@ -81,11 +108,22 @@ def _fp8_gemv_dot_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stri
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(w.to(xt.dtype), xt)
+        if SILU_MUL:
+            wu = tl.load(w_ptrs + up_rows, mask=mask_n[:, None], other=0.0)
+            if FP32:
+                acc_u += tl.dot(wu.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            else:
+                acc_u += tl.dot(wu.to(xt.dtype), xt)
         w_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
     out = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[:, None]
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    if SILU_MUL:
+        up = acc_u * tl.load(S + N + offs_n, mask=mask_n, other=0.0)[:, None]
+        if HAS_BIAS:
+            up += tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out = _silu_mul(out, up, Out.dtype.element_ty)
     o_ptrs = Out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
 
@@ -95,34 +133,40 @@ MAX_M = 16
 
 def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                     bias: torch.Tensor | None = None, config: gemv_configs.GemvConfig | None = None,
-                    ) -> torch.Tensor | None:
+                    silu_mul: bool = False) -> torch.Tensor | None:
     """x [M, K] (M <= 16, rows contiguous) times the fp8 weight w [N, K] with per-channel float32 scales ([N] or
-    [N, 1]) -> [M, N] `out_dtype`. None when the shape does not suit these kernels (M > 16, K not a multiple of
-    16, block-wise scales): the caller falls back to `fp8_gemm`. `config` overrides the tuned choice (sweeps)."""
+    [N, 1]) -> [M, N] `out_dtype`; with `silu_mul`, w is [gate; up] and the result silu(gate) * up [M, N / 2]
+    (the activation of a gated MLP in the GEMV's epilogue). None when the shape does not suit these kernels (M > 16,
+    K not a multiple of 16, block-wise scales): the caller falls back to `fp8_gemm`. `config` overrides the tuned
+    choice (sweeps; with `silu_mul` the "fp8_silu" entry of the stacked N, and an "ew" tile reads block_n / 2 rows
+    of each half)."""
     m, k = x.shape
     n = w.shape[0]
-    if m > MAX_M or k % 16 or scale.numel() != n or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k:
+    if m > MAX_M or k % 16 or scale.numel() != n or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k \
+            or (silu_mul and n % 2):
         return None
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    n_out = n // 2 if silu_mul else n
+    out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or gemv_configs.get("fp8", m, n, k, x.is_cuda)
-    if cfg.kernel == "ew" and m > 2:  # the elementwise kernel takes one or two rows
-        cfg = gemv_configs.default("fp8", m, x.is_cuda)
+    cfg = config or gemv_configs.get("fp8_silu" if silu_mul else "fp8", m, n, k, x.is_cuda)
+    if cfg.kernel == "ew" and (m > 2 or (silu_mul and m > 1)):  # the elementwise kernel takes one or two rows
+        cfg = gemv_configs.default("fp8", 16, x.is_cuda)
     block_k = cfg.block_k
     while k % block_k:
         block_k //= 2
     s = scale.reshape(-1)
     b = bias if bias is not None else s
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
-    grid = (triton.cdiv(n, cfg.block_n),)
-    if cfg.kernel == "ew" and m <= 2:
+    if cfg.kernel == "ew":
+        block_n = max(1, cfg.block_n // 2) if silu_mul else cfg.block_n
         widen = cfg.variant == "f16"
-        launch(_fp8_gemv_ew_kernel, grid, x, w.view(torch.uint8) if widen else w, s, b, out, m, n, k, x.stride(0),
-               w.stride(0), out.stride(0), 256.0 if widen else 1.0, HAS_BIAS=bias is not None, WIDEN_F16=widen,
-               TWO_ROWS=m == 2, BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts)
+        launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
+               out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0,
+               HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
+               BLOCK_K=block_k, **opts)
     else:
-        launch(_fp8_gemv_dot_kernel, grid, x, w, s, b, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-               HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=16,
-               BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts)
+        launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
+               w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,
+               SILU_MUL=silu_mul, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts)
     return out

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "q4_k", "q8_0")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    variant: str = ""  # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion
+    # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion; q4_k / q8_0: "magic" turns the
+    # integers to floats with the 2^23 trick
+    variant: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,11 +65,14 @@ def default(family: str, m: int, cuda: bool) -> GemvConfig:
 
 
 def get(family: str, m: int, n: int, k: int, cuda: bool = True) -> GemvConfig:
+    """The table's entry, else for "fp8_silu" (gate_up with SiLU·mul in the epilogue) the "fp8" entry of the same
+    shape, else the family's default."""
     if cuda:
-        hit = _table().get(key(family, m, n, k))
-        if hit is not None:
-            return hit
-    return default(family, m, cuda)
+        for fam in (family, "fp8") if family == "fp8_silu" else (family,):
+            hit = _table().get(key(fam, m, n, k))
+            if hit is not None:
+                return hit
+    return default("fp8" if family == "fp8_silu" else family, m, cuda)
 
 
 def reload() -> None:

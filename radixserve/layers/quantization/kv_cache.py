@@ -29,3 +29,4 @@ def set_kv_scale(attn: torch.nn.Module, which: str, value: torch.Tensor) -> None
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"a KV-cache {which}_scale must be positive and finite, got {scale}")
     setattr(attn, f"{which}_scale", scale)
+    attn.kv_scales_from_checkpoint = True  # `--calculate-kv-scales` leaves this layer as the checkpoint has it

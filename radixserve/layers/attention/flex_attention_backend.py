@@ -1,0 +1,328 @@
+"""FlexAttention (torch.nn.attention.flex_attention) over the paged KV pool, without copying K/V.
+
+The pool's K/V buffers [slots, Hkv, D] are the keys and values of one long "sequence" (viewed [1, Hkv, slots, D]).
+A block mask lists, for each block of queries, the KV blocks (runs of `kv_block` physical slots) its requests'
+tokens live in, read from the request table (with --page-size a multiple of the block, a request's blocks are its
+pages); its mask_mod admits a slot for a query only if the slot really holds a key the query may see:
+
+    kp = slot_pos[slot]                          the position whose KV the slot holds (written with the KV)
+    req_to_token[row(q), kp] == slot             ... in the query's own request (another request's slot, a stale
+                                                 or free slot in a listed block fails here)
+    kp <= pos(q)                                 causal, which also covers the cached prefix
+    kp > pos(q) - window                         sliding window (layers that have one)
+
+Extend flattens all the batch's new tokens into one query sequence (blocks of `q_block` tokens; a block that spans
+several requests lists the union of their KV blocks, each request cut to what its queries can see). Decode puts
+one request per batch row (query length 1, the KV batch broadcast) and always runs a fixed number of rows (the
+largest captured batch), so one compiled kernel serves every batch size; the metadata is built by tensor ops with
+static shapes, so decode is captured in CUDA graphs (the replay hook refreshes the metadata buffers).
+
+On CUDA the calls go through torch.compile (fused Triton kernels; the decode rows take the flex-decoding kernel);
+on the CPU flex_attention runs eagerly, which materialises the scores over every slot of the pool (tests only).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window, value_head_dim
+from radixserve.mem_cache.memory_pool import is_fp8
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+    from radixserve.model_executor.model_runner import ModelRunner
+
+# the eager CPU path warns once per process that it is not fused; that is expected here
+warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+
+
+def _block_mask(num: torch.Tensor, idx: torch.Tensor, block: tuple[int, int], mask_mod: Any,
+                lengths: tuple[int, int]) -> BlockMask:
+    try:
+        return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=lengths,
+                                        compute_q_blocks=False)
+    except TypeError:  # older torch: no compute_q_blocks
+        return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=lengths)
+
+
+class FlexAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+    q_block = 128  # extend: queries per block
+    kv_block_extend = 128  # extend: physical slots per KV block
+    kv_block_decode = 16  # decode: physical slots per KV block
+    eager_decode_rows = 16  # eager decode runs a power of two rows, at least this many
+
+    def __init__(self, model_runner: ModelRunner) -> None:
+        cfg = model_runner.model_config
+        if getattr(cfg, "is_mla", False):
+            raise ValueError("attention backend 'flex' does not serve MLA models; use triton or torch_native")
+        pool = model_runner.token_to_kv_pool
+        if is_fp8(pool.dtype):
+            raise ValueError("attention backend 'flex' reads the KV pool in the model dtype; --kv-cache-dtype fp8 "
+                             "needs triton or torch_native")
+        self.device = torch.device(model_runner.device)
+        self.is_cuda = self.device.type == "cuda"
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.page_size = pool.page_size
+        self.num_slots = pool.k_buffer[0].shape[0]
+        kb = max(self.kv_block_decode, self.kv_block_extend)
+        # slot -> the position whose KV it holds (-1: never written); padded so every slot of a listed block exists,
+        # plus a last entry that takes the writes of padded decode rows
+        self.dump = -(-self.num_slots // kb) * kb
+        self.slot_pos = torch.full((self.dump + 1,), -1, dtype=torch.int64, device=self.device)
+        self.windows: set[int] = {-1}  # the layers' windows seen so far (-1: full attention)
+        self._flex_extend: Any = flex_attention
+        self._flex_decode: Any = flex_attention
+        if self.is_cuda:
+            import torch._dynamo as dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):  # eager decode compiles per row bucket
+                if hasattr(dynamo.config, name):
+                    setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
+            self._flex_extend = torch.compile(flex_attention, dynamic=True)
+            self._flex_decode = torch.compile(flex_attention, dynamic=False)
+        else:
+            # the unfused reference implementation, called directly (by default each eager call is traced by dynamo
+            # first, which costs seconds per new shape on a CPU and buys nothing there)
+            import torch.nn.attention.flex_attention as flex_module
+
+            flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        self._meta: dict[str, Any] | None = None
+        self._graph: dict[str, Any] | None = None  # static decode metadata of the captured graphs
+        self._use_graph_meta = False
+        self._longest: int | None = None
+
+    # ---------------------------------------------------------------- metadata
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self._use_graph_meta = False
+        self._meta = None
+        if forward_batch.forward_mode.is_decode():
+            # built by the first layer if this batch runs eagerly; a graph replay refreshes the graphs' own set and
+            # only takes the longest row from here (its hook gets no host lengths)
+            lens = forward_batch.seq_lens_cpu
+            self._longest = max(lens) if lens else None
+            return
+        self._meta = self._extend_meta(forward_batch)
+
+    def _eager_decode_meta(self, forward_batch: ForwardBatch) -> dict[str, Any]:
+        bs = forward_batch.batch_size
+        rows = max(self.eager_decode_rows, 1 << (bs - 1).bit_length())
+        if self._graph is not None and bs <= self._graph["rows"]:
+            rows = self._graph["rows"]  # the compiled kernel of the graphs serves eager batches as well
+        meta = self._new_decode_meta(rows, self._decode_width(rows))
+        longest = self._longest if self._longest is not None else int(forward_batch.seq_lens.max())
+        self._fill_decode_meta(meta, forward_batch.req_pool_indices, forward_batch.seq_lens, longest)
+        return meta
+
+    def _decode_width(self, rows: int) -> int:
+        """Most KV blocks one decode row may list."""
+        kb = self.kv_block_decode
+        return min(-(-self.req_to_token.shape[1] // kb) + 1, -(-self.num_slots // kb))
+
+    def _new_decode_meta(self, rows: int, width: int) -> dict[str, Any]:
+        dev = self.device
+        meta: dict[str, Any] = {"rows": rows, "width": width,
+                                "row": torch.zeros(rows, dtype=torch.int64, device=dev),
+                                "pos": torch.full((rows,), -1, dtype=torch.int64, device=dev), "masks": {}}
+        for w in sorted(self.windows):
+            self._add_window(meta, w)
+        return meta
+
+    def _add_window(self, meta: dict[str, Any], window: int) -> None:
+        rows, width, dev = meta["rows"], meta["width"], self.device
+        num = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
+        idx = torch.zeros((rows, 1, 1, width), dtype=torch.int32, device=dev)
+        mask_mod = self._decode_mask_mod(meta["row"], meta["pos"], window)
+        meta["masks"][window] = (num, idx, _block_mask(num, idx, (self.q_block, self.kv_block_decode), mask_mod,
+                                                       (1, self.num_slots)))
+
+    def _decode_mask_mod(self, row: torch.Tensor, pos: torch.Tensor, window: int) -> Any:
+        slot_pos, table = self.slot_pos, self.req_to_token
+
+        def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+            kp = slot_pos[kv_idx]
+            p = pos[b]
+            ok = (kp >= 0) & (kp <= p) & (table[row[b], kp.clamp(min=0)] == kv_idx)
+            if window > 0:
+                ok = ok & (kp > p - window)
+            return ok
+
+        return mask_mod
+
+    def _fill_decode_meta(self, meta: dict[str, Any], rows: torch.Tensor, seq_lens: torch.Tensor,
+                          longest: int) -> None:
+        """Refresh a decode metadata set in place (tensor ops only: also between graph replays). Rows with
+        seq_len < 2 are padding (a decode row has at least its prompt token and the new one): they list nothing."""
+        bs = rows.numel()
+        seq = seq_lens.to(torch.int64)
+        real = seq >= 2
+        pos = torch.where(real, seq - 1, -1)
+        meta["row"][:bs].copy_(rows)
+        meta["row"][bs:].zero_()
+        meta["pos"][:bs].copy_(pos)
+        meta["pos"][bs:].fill_(-1)
+        # the new tokens' slots now hold their positions (padding rows write the dump entry)
+        new_slot = self.req_to_token[rows, (seq - 1).clamp(min=0)].to(torch.int64)
+        self.slot_pos[torch.where(real, new_slot, self.dump)] = pos
+        kb = self.kv_block_decode
+        for window, (num, idx, _) in meta["masks"].items():
+            num[bs:].zero_()
+            first = (seq - window).clamp(min=0) if window > 0 else torch.zeros_like(seq)  # first visible position
+            if self.page_size % kb == 0:
+                # pages are whole blocks: a row's blocks are the blocks of its positions 0, kb, 2kb, ...
+                width = min(meta["width"], -(-longest // kb) + 1)
+                b0 = first // kb
+                n = torch.where(real, (seq + kb - 1) // kb - b0, 0)
+                cols = ((b0[:, None] + torch.arange(width, device=self.device)) * kb).clamp(
+                    max=self.req_to_token.shape[1] - 1)
+                blocks = self.req_to_token[rows[:, None], cols] // kb
+                num[:bs, 0, 0] = n.to(torch.int32)
+                idx[:bs, 0, 0, :width] = blocks.to(torch.int32)
+                continue
+            # any other page size: the distinct blocks of each row's slots (sorted, first occurrences compacted)
+            length = max(1, min(longest, self.req_to_token.shape[1]))
+            cols = torch.arange(length, device=self.device)
+            valid = (cols[None, :] < seq[:, None]) & (cols[None, :] >= first[:, None]) & real[:, None]
+            big = self.dump // kb + 1
+            blocks = torch.where(valid, self.req_to_token[rows[:, None], cols[None, :]].to(torch.int64) // kb, big)
+            blocks, _ = blocks.sort(dim=1)
+            new = torch.ones_like(blocks, dtype=torch.bool)
+            new[:, 1:] = blocks[:, 1:] != blocks[:, :-1]
+            new &= blocks != big
+            dest = torch.where(new, new.cumsum(1) - 1, length)
+            packed = torch.zeros((bs, length + 1), dtype=torch.int64, device=self.device)
+            packed.scatter_(1, dest, blocks)
+            take = min(length, meta["width"])
+            num[:bs, 0, 0] = new.sum(1).to(torch.int32)
+            idx[:bs, 0, 0, :take] = packed[:, :take].to(torch.int32)
+
+    def _extend_meta(self, forward_batch: ForwardBatch) -> dict[str, Any]:
+        """Extend (and mixed / verify) metadata, built on the host from the request table (one device read)."""
+        pre = forward_batch.extend_prefix_lens_cpu
+        ext = forward_batch.extend_seq_lens_cpu
+        rows_t = forward_batch.req_pool_indices
+        total = sum(ext)
+        qb, kb = self.q_block, self.kv_block_extend
+        n_qblocks = max(1, -(-total // qb))
+        padded = n_qblocks * qb
+        self.slot_pos[forward_batch.out_cache_loc] = forward_batch.positions
+        seq = [p + e for p, e in zip(pre, ext, strict=True)]
+        longest = max(seq) if seq else 1
+        slots = self.req_to_token[rows_t, :longest].to(torch.int64).cpu().numpy()
+        row_of = np.repeat(np.arange(len(ext)), ext)
+        starts = np.concatenate([[0], np.cumsum(ext)[:-1]]).astype(np.int64) if ext else np.zeros(0, np.int64)
+        q_req = torch.zeros(padded, dtype=torch.int64)
+        q_pos = torch.full((padded,), -1, dtype=torch.int64)
+        if total:
+            q_req[:total] = forward_batch.req_pool_indices.cpu()[torch.from_numpy(row_of)]
+            q_pos[:total] = forward_batch.positions.cpu()
+        meta: dict[str, Any] = {"row": q_req.to(self.device), "pos": q_pos.to(self.device), "masks": {},
+                                "total": total, "padded": padded}
+        for window in sorted(self.windows):
+            lists: list[np.ndarray] = []
+            for j in range(n_qblocks):
+                lo, hi = j * qb, min(total, (j + 1) * qb)
+                parts = []
+                if hi > lo:
+                    for i in range(int(row_of[lo]), int(row_of[hi - 1]) + 1):
+                        a = pre[i] + max(lo, starts[i]) - starts[i]  # positions of this block's queries of req i
+                        b = pre[i] + min(hi, starts[i] + ext[i]) - 1 - starts[i]
+                        if b < a:
+                            continue
+                        first = max(0, a - window + 1) if window > 0 else 0
+                        parts.append(slots[i, first:b + 1] // kb)
+                lists.append(np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64))
+            width = max(1, max(len(x) for x in lists))
+            idx = np.zeros((1, 1, n_qblocks, width), dtype=np.int32)
+            for j, x in enumerate(lists):
+                idx[0, 0, j, :len(x)] = x
+            num = torch.tensor([len(x) for x in lists], dtype=torch.int32).view(1, 1, n_qblocks)
+            num, idx_t = num.to(self.device), torch.from_numpy(idx).to(self.device)
+            mask_mod = self._decode_mask_mod(meta["row"], meta["pos"], window)
+            meta["masks"][window] = (num, idx_t, _block_mask(num, idx_t, (qb, kb), _as_query_mask(mask_mod),
+                                                             (padded, self.num_slots)))
+        return meta
+
+    # ---------------------------------------------------------------- CUDA graphs (decode)
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self._graph = self._new_decode_meta(max_bs, self._decode_width(max_bs))
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        if self._graph is None:
+            raise RuntimeError("init_cuda_graph_state must run before a capture")
+        self._fill_decode_meta(self._graph, req_pool_indices, seq_lens, 1)
+        self._meta = self._graph
+        self._longest = None
+        self._use_graph_meta = True
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        if self._graph is None:
+            raise RuntimeError("init_cuda_graph_state must run before a replay")
+        # the batch's longest row (seq_lens_sum bounds it where the host lengths were not given)
+        longest = self._longest if self._longest is not None else seq_lens_sum
+        self._fill_decode_meta(self._graph, req_pool_indices, seq_lens, longest)
+
+    # ---------------------------------------------------------------- forward
+    def _save(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, forward_batch.out_cache_loc, k.view(-1, layer.tp_k_head_num, layer.head_dim),
+            v.view(-1, layer.tp_v_head_num, value_head_dim(layer)), *kv_scales(layer))
+
+    def _kv(self, layer: RadixAttention, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        return k_buf.permute(1, 0, 2).unsqueeze(0), v_buf.permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, slots, D]
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
+        if save_kv_cache:
+            self._save(k, v, layer, forward_batch)
+        window = sliding_window(layer)
+        if window not in self._meta["masks"]:
+            self.windows.add(window)
+            self._meta = self._extend_meta(forward_batch)
+        meta = self._meta
+        h, d, dv = layer.tp_q_head_num, layer.head_dim, value_head_dim(layer)
+        total, padded = meta["total"], meta["padded"]
+        qq = q.view(total, h, d)
+        if padded != total:
+            qq = torch.cat([qq, qq.new_zeros(padded - total, h, d)])
+        kk, vv = self._kv(layer, forward_batch)
+        out = self._flex_extend(qq.transpose(0, 1).unsqueeze(0), kk, vv, block_mask=meta["masks"][window][2],
+                                scale=layer.scaling, enable_gqa=h != layer.tp_k_head_num)
+        return out[0, :, :total].transpose(0, 1).reshape(total, h * dv)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
+        if save_kv_cache:
+            self._save(k, v, layer, forward_batch)
+        window = sliding_window(layer)
+        if self._meta is None:
+            self._meta = self._eager_decode_meta(forward_batch)
+        meta = self._meta
+        if window not in meta["masks"]:
+            if self._use_graph_meta:
+                raise RuntimeError(f"flex backend: sliding window {window} was not seen before the capture")
+            self.windows.add(window)
+            meta = self._meta = self._eager_decode_meta(forward_batch)
+        h, d, dv = layer.tp_q_head_num, layer.head_dim, value_head_dim(layer)
+        bs, rows = forward_batch.batch_size, meta["rows"]
+        qq = q.new_zeros(rows, h, 1, d)
+        qq[:bs] = q.view(bs, h, 1, d)
+        kk, vv = self._kv(layer, forward_batch)
+        out = self._flex_decode(qq, kk, vv, block_mask=meta["masks"][window][2], scale=layer.scaling,
+                                enable_gqa=h != layer.tp_k_head_num)
+        return out[:bs, :, 0].reshape(bs, h * dv)
+
+
+def _as_query_mask(mask_mod: Any) -> Any:
+    """The decode mask_mod reads a row's request and position by batch index; extend reads them by query index."""
+    def by_query(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return mask_mod(q_idx, h, q_idx, kv_idx)
+
+    return by_query
