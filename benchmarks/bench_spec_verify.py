@@ -44,7 +44,8 @@ def make_batch(runner: ModelRunner, mode: ForwardMode, rows: list[int], ctx: int
                      torch.arange(ctx, ctx + n_new, dtype=torch.int64).repeat(bs), loc)
     decode = mode.is_decode()
     return ModelWorkerBatch(
-        forward_mode=mode, input_ids=torch.randint(0, 1000, (bs * n_new,), dtype=torch.int64),
+        forward_mode=mode,
+        input_ids=torch.randint(0, min(1000, runner.model_config.vocab_size), (bs * n_new,), dtype=torch.int64),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64), seq_lens=torch.tensor(seq, dtype=torch.int64),
         seq_lens_cpu=seq, out_cache_loc=loc, seq_lens_sum=sum(seq),
         extend_seq_lens=None if decode else [n_new] * bs, extend_prefix_lens=None if decode else [ctx] * bs,
@@ -124,6 +125,7 @@ def main() -> None:
             row[f"extend_k{k}_ms"] = med * 1e3
             row[f"extend_k{k}_ratio"] = med / base
         results.append(row)
+        print("row", json.dumps(row), flush=True)  # as it comes, in case a time limit cuts the run short
         runner.token_to_kv_pool.free(torch.cat([prompt_loc, new_loc]))
         runner.req_to_token_pool.free(rows)
     print(f"\n{'bs':>4} {'decode ms':>10} " + " ".join(f"{'k=' + str(k):>15}" for k in args.draft_tokens)

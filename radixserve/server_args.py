@@ -50,7 +50,8 @@ class ServerArgs:
     model_path: str | None = _flag("HF folder, .gguf file, or none for the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _flag("Tokenizer folder (defaults to the model folder)")
     load_format: str = _flag("How to load weights", default="auto", choices=LOAD_FORMATS)
-    dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA, fp32 on CPU)", default="auto",
+    dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA; on a CPU bf16 where it has "
+                             "AVX512-BF16 or AMX, else fp32; $RADIXSERVE_CPU_AUTO_DTYPE overrides)", default="auto",
                        choices=DTYPES)
     quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
                                      "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "
@@ -122,6 +123,14 @@ class ServerArgs:
                                               "--speculative-algorithm", default=4)
     speculative_draft_model_path: str | None = _flag("The draft model of --speculative-algorithm draft_model (an "
                                                      "HF folder; same tokenizer as the target)")
+    # double sparsity (--attention-backend double_sparsity; layers/attention/double_sparsity_backend.py)
+    ds_channel_config_path: str | None = _flag("Channel file of the double_sparsity backend (each head's heavy "
+                                               "channels; python -m radixserve.calibrate_double_sparsity)")
+    ds_heavy_channel_num: int | None = _flag("Channels per KV head in the double-sparsity label cache (default 16)")
+    ds_heavy_token_num: int | None = _flag("Tokens per KV head a double-sparsity decode attends over (default "
+                                           "1024)")
+    ds_sparse_decode_threshold: int | None = _flag("Requests of at most this many tokens decode densely under "
+                                                   "double sparsity (default 4096)")
     cpu_num_threads: int | None = _flag("Intra-op threads of the forward on the CPU (default: $OMP_NUM_THREADS if "
                                         "set, else every core, shared out between ranks on one machine)")
     # server
@@ -294,6 +303,24 @@ class ServerArgs:
         if self.speculative_draft_model_path is not None and not os.path.exists(self.speculative_draft_model_path):
             raise ValueError(f"--speculative-draft-model-path {self.speculative_draft_model_path!r} does not exist")
         self._validate_lora()
+        self._validate_double_sparsity()
+
+    def _validate_double_sparsity(self) -> None:
+        ds = ("ds_channel_config_path", "ds_heavy_channel_num", "ds_heavy_token_num", "ds_sparse_decode_threshold")
+        if self.attention_backend != "double_sparsity":
+            given = [f"--{n.replace('_', '-')}" for n in ds if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --attention-backend double_sparsity")
+            return
+        if self.ds_channel_config_path is None:
+            raise ValueError("--attention-backend double_sparsity needs --ds-channel-config-path (write one with "
+                             "python -m radixserve.calibrate_double_sparsity)")
+        if not os.path.isfile(self.ds_channel_config_path):
+            raise ValueError(f"--ds-channel-config-path {self.ds_channel_config_path!r} is not a file")
+        for name, low in (("ds_heavy_channel_num", 1), ("ds_heavy_token_num", 1), ("ds_sparse_decode_threshold", 0)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}; got {v!r}")
 
     def _validate_lora(self) -> None:
         from radixserve.lora.config import TARGET_MODULES

@@ -24,6 +24,11 @@ def test_mla_chunked_prefill_and_radix_hit_match_transformers(overlap: bool, tmp
     check_scheduler("deepseek_v3", str(tmp_path), overlap)
 
 
+def test_mla_latent_pool_with_pages(tmp_path) -> None:
+    """The latent pool takes the paged allocator as it is: chunks of 8 and a 16-token radix hit on 8-token pages."""
+    check_scheduler("deepseek_v3", str(tmp_path), page_size=8)
+
+
 def test_latent_pool_stores_one_vector_per_token() -> None:
     pool = MLATokenToKVPool(16, torch.float32, kv_lora_rank=8, qk_rope_head_dim=4, num_layers=2, device="cpu")
     slots = pool.alloc(3)

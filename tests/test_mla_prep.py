@@ -47,3 +47,15 @@ def test_mla_prep_matches_the_torch_path(neox: bool, into_pool: bool) -> None:
     with pytest.raises(ValueError, match="do not fit"):
         mla_decode_prep(q.to(DEV), kv_a[:, 1:].to(DEV), positions.to(DEV), rot.cos_cache.to(DEV),
                         rot.sin_cache.to(DEV), w_kc.to(DEV), norm.weight.to(DEV), 1e-6, neox, k_out)
+
+
+def test_mla_absorb_out_matches_bmm() -> None:
+    from radixserve.layers.attention.triton_ops.mla_prep import mla_absorb_out
+
+    g = torch.Generator().manual_seed(3)
+    t, heads, rank, v = 3, 2, 40, 24
+    o = torch.randn(t, heads, rank, generator=g)
+    w_vc = torch.randn(heads, v + 8, rank, generator=g)[:, :v]  # a strided view, as split from kv_b_proj
+    want = torch.bmm(o.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1).reshape(t, heads * v)
+    got = mla_absorb_out(o.to(DEV), w_vc.to(DEV), interpreted=DEV == "cpu")
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)

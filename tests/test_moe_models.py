@@ -30,11 +30,11 @@ def test_moe_greedy_matches_transformers(kind: str, tmp_path) -> None:
 
 
 def run_scheduler(path: str, requests: list[tuple[str, list[int]]], new_tokens: int,
-                  overlap: bool = False) -> dict[str, dict]:
+                  overlap: bool = False, page_size: int = 1) -> dict[str, dict]:
     """Requests submitted one after another (each drained before the next), chunked prefill every 8 tokens."""
     sched = Scheduler(ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=2048,
                                  skip_tokenizer_init=True, chunked_prefill_size=8,
-                                 enable_overlap_schedule=overlap), port_args={})
+                                 enable_overlap_schedule=overlap, page_size=page_size), port_args={})
     out: dict[str, dict] = {}
     for rid, prompt in requests:
         params = SamplingParams.from_dict({"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
@@ -54,12 +54,12 @@ def run_scheduler(path: str, requests: list[tuple[str, list[int]]], new_tokens: 
     return out
 
 
-def check_scheduler(kind: str, path: str, overlap: bool = False) -> None:
+def check_scheduler(kind: str, path: str, overlap: bool = False, page_size: int = 1) -> None:
     """A 21-token prompt prefilled in chunks of 8, then one sharing its first 16 tokens (a radix hit)."""
     hf = make_tiny_model(kind, path, initializer_range=0.08)
     first = [(7 * i + 3) % 250 + 2 for i in range(21)]
     second = first[:16] + [9, 8, 7]
-    res = run_scheduler(path, [("first", first), ("second", second)], 10, overlap)
+    res = run_scheduler(path, [("first", first), ("second", second)], 10, overlap, page_size)
     assert res["first"]["meta"]["cached_tokens"] == 0
     assert res["second"]["meta"]["cached_tokens"] >= 16
     assert res["first"]["ids"] == hf_greedy(hf, first, 10)

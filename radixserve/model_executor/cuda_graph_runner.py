@@ -37,7 +37,8 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
-        self.max_bs = min(model_runner.cuda_graph_max_bs, model_runner.max_running_requests)
+        self.max_bs = min(model_runner.cuda_graph_max_bs,
+                          model_runner.max_running_requests * getattr(model_runner, "decode_rows_per_request", 1))
         self.dp_attention = model_runner.server_args.enable_dp_attention and model_runner.tp_size > 1
         if self.dp_attention:  # request slots follow each GPU's free memory: capture the sizes every rank has
             from radixserve.distributed.parallel_state import all_gather_pyobj

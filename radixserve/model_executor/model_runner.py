@@ -43,11 +43,37 @@ def default_cuda_graph_max_bs(total_gib: float) -> int:
     return 160
 
 
+CPU_AUTO_DTYPE_ENV = "RADIXSERVE_CPU_AUTO_DTYPE"
+
+
+def cpu_has_fast_bf16(flags: str | None = None) -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16): there oneDNN's bf16 products run at
+    about twice float32's speed and the small-batch kernel reads half the bytes."""
+    if flags is None:
+        from radixserve.layers.cpu_ops import _cpu_signature
+
+        flags = _cpu_signature()
+    words = set(flags.split())
+    return bool(words & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_auto_dtype() -> torch.dtype:
+    """What --dtype auto means on the CPU: $RADIXSERVE_CPU_AUTO_DTYPE (float32 / bfloat16) when set, else bfloat16
+    where the CPU has fast bf16 and float32 elsewhere. (The test suite sets float32: its correctness checks compare
+    float32 tokens.)"""
+    forced = os.environ.get(CPU_AUTO_DTYPE_ENV)
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"${CPU_AUTO_DTYPE_ENV} must be float32 or bfloat16; got {forced!r}")
+        return _DTYPES[forced]
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
 def resolve_dtype(name: str, device: str, config_dtype: torch.dtype | None = None) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     if device == "cpu":
-        return torch.float32
+        return cpu_auto_dtype()
     # On a GPU: the checkpoint's half type, bf16 when the checkpoint is fp32 or says nothing.
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
@@ -69,9 +95,15 @@ def cpu_forward_threads(args: ServerArgs) -> int | None:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
-                 gpu_id: int = 0) -> None:
+                 gpu_id: int = 0, decode_rows_per_request: int | None = None) -> None:
         self.model_config = model_config
         self.server_args = server_args
+        # decode-shaped forwards carry this many rows per running request at most: 1, or 1 + k with speculation
+        # (a verify is one decode row per token), which the CUDA graphs are captured for
+        if decode_rows_per_request is None:
+            decode_rows_per_request = 1 + server_args.speculative_num_draft_tokens \
+                if server_args.speculative_algorithm is not None else 1
+        self.decode_rows_per_request = decode_rows_per_request
         self.tp_rank, self.tp_size = tp_rank, tp_size
         device = server_args.resolved_device()
         if device == "cuda":
@@ -164,6 +196,10 @@ class ModelRunner:
         if cfg.is_mla:  # one latent vector per token and layer, shared by all heads (and all TP ranks)
             cell = MLATokenToKVPool.cell_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
                                                self.kv_dtype)
+        if args.attention_backend == "double_sparsity":  # its label cache holds a row beside every KV slot
+            from radixserve.layers.attention.double_sparsity_backend import label_bytes_per_token
+
+            cell += label_bytes_per_token(cfg, args, self.dtype, self.tp_size)
         self.cuda_graph_max_bs = args.cuda_graph_max_bs or 160
         if self.is_cuda:
             gc.collect()

@@ -57,7 +57,9 @@ class DraftModelDrafter:
                                    mem_fraction_static=0.99 if server_args.resolved_device() == "cuda" else None)
         self.config = ModelConfig(path, context_length=server_args.context_length, load_format=args.load_format,
                                   trust_remote_code=args.trust_remote_code)
-        self.runner = ModelRunner(self.config, args, tp_rank=0, tp_size=1)
+        # its catch-up runs up to 1 + k decode rows per request (the tokens the last verify kept)
+        self.runner = ModelRunner(self.config, args, tp_rank=0, tp_size=1,
+                                  decode_rows_per_request=1 + server_args.speculative_num_draft_tokens)
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.token_to_kv_pool = self.runner.token_to_kv_pool
         self.states: dict[int, tuple[Any, DraftState]] = {}  # id(req) -> (req, state)

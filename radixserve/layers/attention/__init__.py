@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 # name -> "module:class"; also --attention-backend's choices (ServerArgs reads the names)
 ATTENTION_BACKENDS: dict[str, str] = {
     "cpu": "radixserve.layers.attention.cpu_backend:CpuAttnBackend",
+    "double_sparsity": "radixserve.layers.attention.double_sparsity_backend:DoubleSparseAttnBackend",
     "flex": "radixserve.layers.attention.flex_attention_backend:FlexAttnBackend",
     "torch_native": "radixserve.layers.attention.torch_native_backend:TorchNativeAttnBackend",
     "triton": "radixserve.layers.attention.triton_backend:TritonAttnBackend",

@@ -54,6 +54,11 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.quant_method = quant_method or UnquantizedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.inter_per_rank)
+        from radixserve.layers.moe.small_batch import counters_needed
+
+        # the small-batch path's per-block counters (each put back to 0 by the launch that uses it)
+        self.register_buffer("small_counters", torch.zeros(counters_needed(hidden_size), dtype=torch.int32),
+                             persistent=False)
 
     # ---------------------------------------------------------------- loading
     def full_shape(self, param_name: str) -> tuple[int, ...]:
@@ -141,7 +146,7 @@ class FusedMoE(nn.Module):
         routed = gate.route(x, self.router)
         if routed is None:
             return self.forward(x, gate(x), gate.e_score_correction_bias)
-        return self.run_experts(x, *routed)
+        return self.run_experts(x, routed[0], routed[1])
 
     def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, topk_weights, topk_ids)

@@ -23,7 +23,9 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    variant: str = ""  # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion
+    # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion; q4_k / q8_0: "magic" turns the
+    # integers to floats with the 2^23 trick
+    variant: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

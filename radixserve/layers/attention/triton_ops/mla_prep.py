@@ -7,6 +7,9 @@ token (the head's W_UK block read once, held in registers). Program (h, R): q_fu
 program (0, R) also writes every token's key row [RMSNorm(c) · w, rope(k_pe)] — into the latent pool at the token's
 slot (`loc`) when given, else into `k_out`. Rotation pairs are interleaved (DeepSeek's checkpoints) or neox halves.
 The arithmetic is the torch path's: float32, the RMSNorm rounded as `RMSNorm` rounds, one rounding per output.
+
+`mla_absorb_out` is the output side: o_proj's input [T, H·v] = per head the attention output (over the latent)
+times W_UV^T, in one launch instead of a bmm and a transposing copy.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def _rope_row(Src, Dst, pos_cos, pos_sin, HALF: tl.constexpr, HALF_PAD: tl.const
     tl.store(Dst + i2, (x2 * c + x1 * s).to(Dst.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
 def _mla_prep_kernel(Q, KVA, Positions, Cos, Sin, WKC, NormW, QOut, KOut, Loc, num_tokens, eps,
                      stride_qt, stride_qh, stride_kva, stride_wh, stride_wn, stride_qot, stride_qoh, stride_ko,
                      stride_cache,
@@ -112,3 +115,34 @@ def mla_decode_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor
            BLOCK_R=block_r, NUM_RB=num_rb, NEOX=neox, USE_LOC=loc is not None,
            **({} if interpreted else {"num_warps": 4}))
     return q_full
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
+def _mla_out_kernel(Att, WVC, Out, num_tokens, stride_ot, stride_oh, stride_wh, stride_wv, stride_out,
+                    RANK: tl.constexpr, RANK_PAD: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    h = tl.program_id(0)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, RANK_PAD)
+    v_ok = offs_v < V
+    w = tl.load(WVC + h * stride_wh + offs_v[:, None] * stride_wv + offs_r[None, :],
+                mask=v_ok[:, None] & (offs_r < RANK)[None, :], other=0.0).to(tl.float32)
+    for t in range(num_tokens):
+        o = tl.load(Att + t * stride_ot + h * stride_oh + offs_r, mask=offs_r < RANK, other=0.0).to(tl.float32)
+        out = tl.sum(w * o[None, :], axis=1)
+        tl.store(Out + t * stride_out + h * V + offs_v, out.to(Out.dtype.element_ty), mask=v_ok)
+
+
+def mla_absorb_out(o: torch.Tensor, w_vc: torch.Tensor, interpreted: bool = False) -> torch.Tensor:
+    """o [T, H, rank] (attention over the latent), w_vc [H, v, rank] (W_UV, unit stride in rank) -> [T, H·v]."""
+    t, heads, rank = o.shape
+    v = w_vc.shape[1]
+    if w_vc.shape != (heads, v, rank) or o.stride(2) != 1 or w_vc.stride(2) != 1:
+        raise ValueError(f"mla_absorb_out: o {tuple(o.shape)} and w_vc {tuple(w_vc.shape)} do not fit together")
+    out = torch.empty((t, heads * v), dtype=o.dtype, device=o.device)
+    if t == 0:
+        return out
+    block_v = 16
+    launch(_mla_out_kernel, (heads, triton.cdiv(v, block_v)), o, w_vc, out, t, o.stride(0), o.stride(1),
+           w_vc.stride(0), w_vc.stride(1), out.stride(0), RANK=rank, RANK_PAD=triton.next_power_of_2(rank), V=v,
+           BLOCK_V=block_v, **({} if interpreted else {"num_warps": 4}))
+    return out
