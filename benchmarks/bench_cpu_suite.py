@@ -41,7 +41,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="cpu_suite")
     parser.add_argument("--model-path", default=None)
-    parser.add_argument("--dtype", default="float32", help="engine and transformers (default float32)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the engine's, and transformers' unless --peer-dtype (default float32; auto: bfloat16 on "
+                             "a CPU with AVX512-BF16 / AMX)")
+    parser.add_argument("--peer-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="transformers' dtype (default: the engine's; float32 is its own default for the "
+                             "embedded model, whose config says float32)")
     parser.add_argument("--quick", action="store_true", help="4 prompts, short outputs, contexts 64/300")
     parser.add_argument("--skip-threads", action="store_true", help="no cores-1 comparison")
     parser.add_argument("--threads", type=int, default=None,
@@ -63,9 +68,10 @@ def main() -> None:
     f = {k: os.path.join(args.out, f"{k}.json") for k in
          ("chat64", "chat8_128", "decode", "chat64_fewer_threads", "decode_fewer_threads")}
     offline += threads
+    peer_args = ["--peer", "transformers"] + (["--peer-dtype", args.peer_dtype] if args.peer_dtype else [])
     one_batch += threads
-    run(offline + chat64 + ["--peer", "transformers", "--result-file", f["chat64"]], f["chat64"][:-5] + ".log")
-    run(offline + chat8_128 + ["--peer", "transformers", "--result-file", f["chat8_128"]],
+    run(offline + chat64 + peer_args + ["--result-file", f["chat64"]], f["chat64"][:-5] + ".log")
+    run(offline + chat8_128 + peer_args + ["--result-file", f["chat8_128"]],
         f["chat8_128"][:-5] + ".log")
     run(one_batch + ["--input-len", *contexts, "--result-file", f["decode"]], f["decode"][:-5] + ".log")
     fewer = max(1, cores - 1)
@@ -81,13 +87,15 @@ def main() -> None:
             return json.load(fh)
 
     rows: list[tuple[str, str, str, str]] = []
-    summary: dict[str, Any] = {"cores": cores, "quick": args.quick, "dtype": args.dtype}
+    summary: dict[str, Any] = {"cores": cores, "quick": args.quick, "dtype": args.dtype,
+                               "peer_dtype": args.peer_dtype or args.dtype}
     for k, label in (("chat64", f"{n} chat prompts x {chat64[1]} new tokens"),
                      ("chat8_128", f"{n} chat prompts x {int(int(chat8_128[1]) * 0.0625)}-{chat8_128[1]} new")):
         ours, peer = load(k)["results"]
         ratio = ours["output_tok_s"] / peer["output_tok_s"]
         summary[k] = {"radixserve_tok_s": ours["output_tok_s"], "transformers_tok_s": peer["output_tok_s"],
-                      "ratio": ratio, "threads": ours.get("threads")}
+                      "ratio": ratio, "threads": ours.get("threads"), "radixserve_dtype": ours.get("dtype"),
+                      "transformers_dtype": peer.get("dtype")}
         rows.append((label, f"{ours['output_tok_s']:.1f} vs {peer['output_tok_s']:.1f} tok/s",
                      f"{ratio:.2f}x", f">= {TARGETS[k]}x {'met' if ratio >= TARGETS[k] else 'MISSED'}"))
     dec = {r["input_len"]: r["median_decode_s"] * 1e3 for r in load("decode")["results"]}
@@ -113,7 +121,8 @@ def main() -> None:
             rows.append((f"threads {cores} vs {fewer}: decode ctx {c}", f"{dec[c]:.1f} vs {fdec[c]:.1f} ms",
                          f"{fdec[c] / dec[c]:.2f}x", "above 1: all cores faster"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(f"\ncores {cores}, dtype {args.dtype}{' (quick: not the targets workload)' if args.quick else ''}")
+    print(f"\ncores {cores}, dtype {args.dtype} (engine ran {summary['chat64'].get('radixserve_dtype')}, transformers "
+          f"{summary['chat64'].get('transformers_dtype')}){' (quick: not the targets workload)' if args.quick else ''}")
     for r in rows:
         print("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)))
     with open(os.path.join(args.out, "summary.json"), "w") as fh:

@@ -75,7 +75,11 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         kv_split_cap,
         split_capacity,
     )
-    from radixserve.layers.attention.triton_ops.double_sparsity import ds_score_fwd, ds_sparse_decode_fwd
+    from radixserve.layers.attention.triton_ops.double_sparsity import (
+        ds_score_fwd,
+        ds_sparse_decode_fwd,
+        topk_positions,
+    )
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, hkv, d, hc = args.num_heads, args.num_kv_heads, args.head_dim, args.heavy_channel_num
@@ -109,7 +113,7 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores)
 
     def select() -> None:
-        state["top"].copy_(scores.topk(state["k"], dim=-1, sorted=False).indices)
+        state["top"].copy_(topk_positions(scores, state["k"], state["chunks"]))
 
     def attend() -> None:
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, state["top"], 0, mid_o, mid_lse,
@@ -117,24 +121,30 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
 
     def full() -> None:
         score()
-        top = scores.topk(state["k"], dim=-1, sorted=False).indices
+        top = topk_positions(scores, state["k"], state["chunks"])
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, top, 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
     t_dense = _graph_time(dense)
+    t_score = _graph_time(score)
     kv_bytes = 2 * n * hkv * d * 2
+    label_bytes = n * hkv * hc * 2
     rows = []
     for top_k in args.heavy_token_num:
         state["k"], state["top"] = top_k, torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int64)
-        t_score, t_select, t_attend = _graph_time(score), _graph_time(select), _graph_time(attend)
-        t_ds = _graph_time(full)
-        row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
-               "dense_ms": t_dense, "ds_ms": t_ds, "speedup": t_dense / t_ds, "score_ms": t_score,
-               "topk_ms": t_select, "sparse_attn_ms": t_attend, "dense_kv_tb_s": kv_bytes / t_dense / 1e9}
-        rows.append(row)
-        print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d}: dense {t_dense * 1e3:8.1f} us "
-              f"({row['dense_kv_tb_s']:.2f} TB/s)  ds {t_ds * 1e3:8.1f} us = score {t_score * 1e3:6.1f} + topk "
-              f"{t_select * 1e3:6.1f} + attn {t_attend * 1e3:6.1f}  speedup {row['speedup']:.2f}x", flush=True)
+        for chunks in args.topk_chunks:
+            state["chunks"] = chunks
+            t_select, t_attend = _graph_time(select), _graph_time(attend)
+            t_ds = _graph_time(full)
+            row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
+                   "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds, "speedup": t_dense / t_ds,
+                   "score_ms": t_score, "topk_ms": t_select, "sparse_attn_ms": t_attend,
+                   "dense_kv_tb_s": kv_bytes / t_dense / 1e9, "score_label_tb_s": label_bytes / t_score / 1e9}
+            rows.append(row)
+            print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} chunks {chunks:2d}: dense {t_dense * 1e3:7.1f} us "
+                  f"({row['dense_kv_tb_s']:.2f} TB/s)  ds {t_ds * 1e3:7.1f} us = score {t_score * 1e3:6.1f} "
+                  f"({row['score_label_tb_s']:.2f} TB/s) + topk {t_select * 1e3:6.1f} + attn {t_attend * 1e3:6.1f}"
+                  f"  speedup {row['speedup']:.2f}x", flush=True)
     return rows
 
 
@@ -282,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     k.add_argument("--heavy-token-num", type=int, nargs="+", default=[1024])
     k.add_argument("--heavy-channel-num", type=int, default=16)
+    k.add_argument("--topk-chunks", type=int, nargs="+", default=[1, 8],
+                   help="pieces each score row is cut into for the top-k (topk_positions)")
     k.add_argument("--num-heads", type=int, default=32)
     k.add_argument("--num-kv-heads", type=int, default=8)
     k.add_argument("--head-dim", type=int, default=128)

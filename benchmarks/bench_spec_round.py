@@ -144,6 +144,7 @@ def main() -> None:
         row["round_over_decode"] = row["round_ms"] / row["decode_ms"]
         row["break_even_accept_len"] = row["round_over_decode"]  # tokens per round at which speculation pays
         results.append(row)
+        print("row", json.dumps(row), flush=True)  # as it comes, in case a time limit cuts the run short
         for req in list(s.running_batch.reqs if s.running_batch else []):
             req.sampling_params.max_new_tokens = len(req.output_ids) + 1
         while not s.is_idle():

@@ -4,7 +4,7 @@ same run, on a workload where the output copies the input (repeat / edit a passa
     python benchmarks/bench_speculative.py --batch-size 1 4 --num-draft-tokens 3 4 --output-len 128 --repeats 2 \
         --out spec.json
 
-Runs the scheduler in-process (no ZMQ) on the embedded SmolLM2 (or --model-path), greedy, float32. For each
+Runs the scheduler in-process (no ZMQ) on the embedded SmolLM2 (or --model-path), greedy, float32 (--dtype). For each
 workload and batch size the same requests run with plain decoding and with --speculative-algorithm ngram (the
 radix cache is flushed before every run; runs alternate --repeats times and the best time of each is kept). The
 outputs of the two must be identical (the script fails otherwise). Reported: output tokens/s (wall time from
@@ -100,14 +100,16 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=4, help="requests per workload and batch size")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4],
-                    help="one speculative run per value (on the CPU, k + 1 <= 4 rows keeps the verify's linears on "
+                    help="one speculative run per value (on the CPU, k + 1 <= 8 rows keeps the verify's linears on "
                          "the small-M kernel at batch 1)")
     ap.add_argument("--workloads", nargs="+", default=["repeat_edit", "chat"], choices=["repeat_edit", "chat"])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, or auto (bf16 on a CPU with "
+                                                     "AVX512-BF16)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
-    common = dict(model_path=args.model_path, device="cpu", dtype="float32", random_seed=0, max_total_tokens=16384,
+    common = dict(model_path=args.model_path, device="cpu", dtype=args.dtype, random_seed=0, max_total_tokens=16384,
                   max_running_requests=max(max(args.batch_size), 8), chunked_prefill_size=-1)
     plain = Scheduler(ServerArgs(**common), port_args={})
     specs = {k: Scheduler(ServerArgs(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=k),

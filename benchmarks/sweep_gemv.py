@@ -46,6 +46,11 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         out += [GemvConfig("ew", bn, bk, 4, 2) for bn in bns for bk in bks]
         out += [GemvConfig("ew", bn, bk, 8, 2) for bn in (4, 8) for bk in bks[-1:]]
         out += [GemvConfig("ew", bn, bk, 4, 2, "magic") for bn in bns[-2:] for bk in bks[-2:]]
+        if family == "q4_k":  # the variant with no reduction inside the loop
+            out += [GemvConfig("acc", bn, bk, w, 2, v) for bn, bk, w in
+                    [(4, 512, 4), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8), (2, 512, 4),
+                     (4, 512, 2), (2, 1024, 2), (16, 256, 4)]
+                    for v in ("", "magic")]
     return out[:6] if quick else out
 
 
@@ -55,7 +60,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    if family in ("fp8", "fp8_silu"):
+    if family in ("fp8", "fp8_silu", "fp8_gemm"):
         from radixserve.layers.quantization.fp8 import quantize_rows
 
         q, s = quantize_rows(w)
@@ -195,6 +200,8 @@ def main() -> None:
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--kernels", nargs="+", default=None, help="only candidates of these kernels (ew, dot, acc), plus "
+                   "the configs the table holds now for the swept shapes")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -206,7 +213,16 @@ def main() -> None:
     shapes = SHAPES_8B
     copy_bw = measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    plan = [(f, m, c) for f in args.families for m in args.m for c in candidates(f, m, args.quick)]
+    def cands(family: str, m: int) -> list[GemvConfig]:
+        out = candidates(family, m, args.quick)
+        if args.kernels:
+            from radixserve.layers.quantization import gemv_configs
+
+            out = [c for c in out if c.kernel in args.kernels]
+            out += [c for c in dict.fromkeys(gemv_configs.get(family, m, n, k) for n, k in shapes) if c not in out]
+        return out
+
+    plan = [(f, m, c) for f in args.families for m in args.m for c in cands(f, m)]
     try:
         precompile(plan, args.workers)
     except Exception as e:  # noqa: BLE001 - the sweep still runs, compiling as it goes
@@ -215,7 +231,7 @@ def main() -> None:
     all_rows: list[dict] = []
     for family in args.families:
         for m in args.m:
-            cfgs = candidates(family, m, args.quick)
+            cfgs = cands(family, m)
             if not cfgs:
                 continue
             step_best = step_base = 0.0

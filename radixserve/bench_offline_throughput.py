@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--fixed-output", action="store_true", help="every request generates --random-output-len")
     parser.add_argument("--peer", choices=["none", "transformers"], default="none")
+    parser.add_argument("--peer-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="the peer's dtype (default: the one the engine ran in)")
     parser.add_argument("--peer-batch-size", type=int, default=0,
                         help="prompts per transformers generate call (0: all in one padded batch)")
     parser.add_argument("--seed", type=int, default=1)
@@ -206,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     results = [run_radixserve(server_args, reqs)]
     if args.peer == "transformers":
         device = server_args.resolved_device()
-        dtype = results[0]["dtype"].removeprefix("torch.")  # the dtype the engine ran in
+        # the dtype the engine ran in, unless --peer-dtype names one (e.g. transformers' own default)
+        dtype = args.peer_dtype or results[0]["dtype"].removeprefix("torch.")
         results.append(run_transformers(cfg.model_path, reqs, device, dtype, args.peer_batch_size,
                                         results[0].get("threads") or None))
     print(f"\n{'engine':<14} {'req/s':>8} {'in tok/s':>10} {'out tok/s':>10} {'elapsed s':>10} {'hit rate':>9}")

@@ -50,7 +50,8 @@ class ServerArgs:
     model_path: str | None = _flag("HF folder, .gguf file, or none for the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _flag("Tokenizer folder (defaults to the model folder)")
     load_format: str = _flag("How to load weights", default="auto", choices=LOAD_FORMATS)
-    dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA, fp32 on CPU)", default="auto",
+    dtype: str = _flag("Weights and activations dtype (auto: bf16 on CUDA; on a CPU bf16 where it has "
+                             "AVX512-BF16 or AMX, else fp32; $RADIXSERVE_CPU_AUTO_DTYPE overrides)", default="auto",
                        choices=DTYPES)
     quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
                                      "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "

@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+# --dtype auto stays float32 on CPUs with fast bf16 (it would pick bfloat16 there): the correctness tests compare
+# float32 tokens. Server and engine processes the tests start inherit it.
+os.environ.setdefault("RADIXSERVE_CPU_AUTO_DTYPE", "float32")
+
 # Triton kernels run on the CPU through its interpreter; it must be chosen before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -199,7 +199,7 @@ def test_kernel_rejects_bad_input() -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_linear_matches_f_linear(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
@@ -211,11 +211,14 @@ def test_linear_matches_f_linear(rows: int) -> None:
 
 @needs_compiler
 def test_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
-    """A request's output is bit-identical alone, in a batch of four, and on one thread or all of them."""
+    """A request's output is bit-identical alone, in a batch of four or eight (a verify's rows), and on one thread or
+    all of them."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(4, 576, generator=g), torch.randn(1000, 576, generator=g)
+    x, w = torch.randn(8, 576, generator=g), torch.randn(1000, 576, generator=g)
     alone = cpu_ops.linear(x[:1], w)
+    assert torch.equal(cpu_ops.linear(x[:4], w)[:1], alone)
     assert torch.equal(cpu_ops.linear(x, w)[:1], alone)
+    assert torch.equal(cpu_ops.linear(x[5:6], w), cpu_ops.linear(x, w)[5:6])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -227,10 +230,27 @@ def test_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
 def test_linear_falls_back_where_the_kernel_does_not_apply() -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(50, 32, generator=g)
-    for x in (torch.randn(5, 32, generator=g), torch.randn(2, 32, generator=g).double(),
+    for x in (torch.randn(9, 32, generator=g), torch.randn(2, 32, generator=g).double(),
               torch.randn(2, 3, 32, generator=g)):
         ref = F.linear(x, w.to(x.dtype))
         assert torch.equal(cpu_ops.linear(x, w.to(x.dtype)), ref)
+
+
+@needs_compiler
+@pytest.mark.skipif(not cpu_ops.has_fast_bf16(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_bf16_weight_linear_matches_f_linear_on_rounded_inputs(rows: int) -> None:
+    """bfloat16 weights: x is rounded to bfloat16 and the products summed in float32 (to float32 rounding of the
+    exact product of the rounded operands); rows independent of the batch, results in x's dtype."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 200, generator=g), torch.randn(70, 200, generator=g).bfloat16(), \
+        torch.randn(70, generator=g)
+    want = F.linear(x.bfloat16().double(), w.double(), b.double()).float()
+    torch.testing.assert_close(cpu_ops.linear(x, w, b), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(cpu_ops.linear(x[:1], w), cpu_ops.linear(x, w)[:1])
+    out = cpu_ops.linear(x.bfloat16(), w)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want - b, rtol=1e-2, atol=1e-2)
 
 
 def test_forward_threads_default_to_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,3 +307,51 @@ def test_rms_norm_matches_the_torch_ops() -> None:
     assert torch.equal(residual, x + r)  # the next residual is exactly the sum
     torch.testing.assert_close(out, norm._norm(x + r), rtol=2e-6, atol=1e-6)
     assert cpu_ops.rms_norm(x.double(), None, norm.weight, 1e-5) is None  # not float32: the torch ops run
+
+
+def test_cpu_dtype_auto_follows_the_cpu_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.model_executor import model_runner as mr
+
+    assert mr.cpu_has_fast_bf16("flags\t: fpu avx2 avx512f avx512_bf16 avx512_vnni")
+    assert mr.cpu_has_fast_bf16("flags\t: fpu amx_bf16 amx_tile")
+    assert not mr.cpu_has_fast_bf16("flags\t: fpu avx2 avx512f avx512_vnni")
+    monkeypatch.delenv(mr.CPU_AUTO_DTYPE_ENV, raising=False)
+    for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(mr, "cpu_has_fast_bf16", lambda flags=None, fast=fast: fast)
+        assert mr.resolve_dtype("auto", "cpu") == want
+        assert mr.resolve_dtype("float32", "cpu") == torch.float32  # an explicit dtype is kept
+    monkeypatch.setattr(mr, "cpu_has_fast_bf16", lambda flags=None: True)
+    monkeypatch.setenv(mr.CPU_AUTO_DTYPE_ENV, "float32")
+    assert mr.resolve_dtype("auto", "cpu") == torch.float32
+    assert mr.resolve_dtype("auto", "cuda") == torch.bfloat16  # the GPU's rule is untouched
+    monkeypatch.setenv(mr.CPU_AUTO_DTYPE_ENV, "fp8")
+    with pytest.raises(ValueError, match="RADIXSERVE_CPU_AUTO_DTYPE"):
+        mr.resolve_dtype("auto", "cpu")
+
+
+@needs_compiler
+def test_bf16_rows_take_the_kernels_with_the_torch_ops_semantics() -> None:
+    """bfloat16 CPU rows go through the float32 kernels: rotary equals the torch ops (float32 math, one rounding);
+    RMSNorm's residual sum is the bfloat16 sum and its norm within a bfloat16 rounding of the torch ops'."""
+    from radixserve.layers.layernorm import RMSNorm
+    from radixserve.layers.rotary_embedding import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    rope = RotaryEmbedding(64, 128, 10000.0)
+    pos = torch.tensor([0, 5, 17, 100])
+    q, k = torch.randn(4, 3 * 64, generator=g).bfloat16(), torch.randn(4, 64, generator=g).bfloat16()
+    q_ref, k_ref = q.clone(), k.clone()
+    assert cpu_ops.rotary_neox_inplace(pos, q, k, rope.cos_cache, rope.sin_cache, 64)
+    rope.is_neox_style = True
+    cos, sin = rope.cos_cache[pos].unsqueeze(1), rope.sin_cache[pos].unsqueeze(1)
+    for got, x in ((q, q_ref), (k, k_ref)):
+        x3 = x.reshape(4, -1, 64).float()
+        x1, x2 = x3.chunk(2, dim=-1)
+        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).bfloat16().reshape(x.shape)
+        assert torch.equal(got, want)
+    norm = RMSNorm(192).to(torch.bfloat16)
+    norm.weight.data = torch.randn(192, generator=g).bfloat16()
+    x, res = torch.randn(4, 192, generator=g).bfloat16(), torch.randn(4, 192, generator=g).bfloat16()
+    out, new_res = norm(x, res)
+    assert out.dtype == torch.bfloat16 and torch.equal(new_res, x + res)
+    torch.testing.assert_close(out.float(), norm._norm(x + res).float(), rtol=2e-2, atol=2e-2)

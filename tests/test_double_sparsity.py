@@ -30,7 +30,11 @@ from radixserve.layers.attention.double_sparsity_backend import (  # noqa: E402
     sparse_attention_ref,
 )
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from radixserve.layers.attention.triton_ops.double_sparsity import ds_score_fwd, ds_sparse_decode_fwd  # noqa: E402
+from radixserve.layers.attention.triton_ops.double_sparsity import (  # noqa: E402
+    ds_score_fwd,
+    ds_sparse_decode_fwd,
+    topk_positions,
+)
 from radixserve.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
@@ -90,6 +94,17 @@ def test_score_kernel_matches_torch(num_heads: int, num_kv_heads: int, channels:
         ref = torch.einsum("kgc,lkc->kgl", q_label[b].view(num_kv_heads, group, channels), kl).amax(dim=1)
         torch.testing.assert_close(out[b, :, :n], ref, rtol=1e-5, atol=1e-5)
         assert torch.isneginf(out[b, :, n:]).all()
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 4, 50])
+def test_chunked_topk_keeps_the_same_positions(chunks: int) -> None:
+    gen = torch.Generator().manual_seed(chunks)
+    scores = torch.randn(2, 3, 1003, generator=gen)
+    scores[1, :, 700:] = float("-inf")  # a shorter request's padding
+    got = topk_positions(scores, 40, chunks)
+    want = scores.topk(40, dim=-1).indices
+    assert got.shape == want.shape
+    assert torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
 
 
 def _sparse_case(lens: list[int], dense_len: int, top_k: int, num_heads: int, num_kv_heads: int, head_dim: int,

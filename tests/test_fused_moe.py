@@ -186,9 +186,22 @@ def test_gate_and_topk_in_one_launch_match_linear_then_router(scoring: str, reno
     ref_w, ref_ids = select_experts(torch.nn.functional.linear(x.cpu(), weight.cpu()), cfg,
                                     None if correction is None else correction.cpu())
     for _ in range(2):
-        w, ids = fused_gate_topk(x, weight, done, k, scoring == "sigmoid", renorm, 2.5, correction,
-                                 interpreted=DEVICE == "cpu")
+        w, ids, no_x, no_res = fused_gate_topk(x, weight, done, k, scoring == "sigmoid", renorm, 2.5, correction,
+                                               interpreted=DEVICE == "cpu")
         _same_choice(w.cpu(), ids.cpu(), ref_w, ref_ids)
-        assert int(done) == 0
+        assert int(done) == 0 and no_x is None and no_res is None
+    # with the residual add and RMSNorm in the same launch: fused_add_rmsnorm's outputs, then the same routing
+    from radixserve.layers.triton_ops.norm import fused_add_rmsnorm
+
+    residual = torch.randn(tokens, h, generator=g).to(DEVICE)
+    norm_w = (torch.rand(h, generator=g) + 0.5).to(DEVICE)
+    want_x, want_res = fused_add_rmsnorm(x, residual, norm_w, 1e-6)
+    ref_w, ref_ids = select_experts(torch.nn.functional.linear(want_x.cpu(), weight.cpu()), cfg,
+                                    None if correction is None else correction.cpu())
+    w, ids, got_x, got_res = fused_gate_topk(x, weight, done, k, scoring == "sigmoid", renorm, 2.5, correction,
+                                             interpreted=DEVICE == "cpu", norm=(residual, norm_w, 1e-6))
+    _same_choice(w.cpu(), ids.cpu(), ref_w, ref_ids)
+    torch.testing.assert_close(got_x, want_x, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_res, want_res) and int(done) == 0
     with pytest.raises(ValueError, match="float32"):
         fused_gate_topk(x, weight.double(), done, k, False, renorm, 1.0)

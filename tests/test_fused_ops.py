@@ -190,7 +190,7 @@ def test_store_kv_matches_index_put(src_dtype: torch.dtype, pool_dtype: torch.dt
         store_kv(k_buf, v_buf, loc[:2].to(DEV), k.to(DEV), v.to(DEV))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek_v2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek_v2", "mixtral"])
 def test_models_with_fused_kernels_match_transformers(kind: str, tmp_path) -> None:
     """The whole model with every fused kernel and the Triton attention backend (interpreted on the CPU) is still
     greedy token-identical to transformers: the kernels compose (in-place rotary on qkv views, strided K/V stores)."""

@@ -116,9 +116,11 @@ def test_numpy_bytes_shape() -> None:
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
-@pytest.mark.parametrize("m,block_n,block_k,variant", [(1, 2, 256, ""), (3, 2, 256, "magic"), (1, 8, 512, "magic"),
-                                                      (2, 4, 1024, "")])
-def test_gguf_gemv_kernel_matches_reference(fmt: str, m: int, block_n: int, block_k: int, variant: str) -> None:
+@pytest.mark.parametrize("kernel,m,block_n,block_k,variant", [
+    ("ew", 1, 2, 256, ""), ("ew", 3, 2, 256, "magic"), ("ew", 1, 8, 512, "magic"), ("ew", 2, 4, 1024, ""),
+    ("acc", 1, 4, 512, ""), ("acc", 2, 2, 256, "magic")])
+def test_gguf_gemv_kernel_matches_reference(fmt: str, kernel: str, m: int, block_n: int, block_k: int,
+                                            variant: str) -> None:
     """The decode GEMV at several tile sizes (rows not a multiple of block_n; block_k above K falls back to K)."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
@@ -129,7 +131,7 @@ def test_gguf_gemv_kernel_matches_reference(fmt: str, m: int, block_n: int, bloc
     x = torch.randn(m, k, generator=g)
     bias = torch.randn(n, generator=g)
     out = gguf_gemv(x.to(DEV), fmt, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV),
-                    GemvConfig("ew", block_n, block_k, variant=variant))
+                    GemvConfig(kernel, block_n, block_k, variant=variant))
     ref = torch.nn.functional.linear(x, G.dequantize(fmt, fields), bias)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
     assert gguf_gemv(x[:, :96].contiguous().to(DEV), fmt, fields, n) is None  # K not a multiple of 256

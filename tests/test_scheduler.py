@@ -205,9 +205,10 @@ def run_sampled(path: str, **kw) -> dict[str, dict]:
 @pytest.mark.parametrize("kw", [{}, {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
                                 {"max_total_tokens": 400, "schedule_conservativeness": 0.05}],
                          ids=["plain", "chunked-mixed", "retracting"])
-def test_overlap_gives_identical_outputs_with_sampling_features(tiny_path, kw) -> None:
-    off = run_sampled(tiny_path, **kw)
-    on = run_sampled(tiny_path, enable_overlap_schedule=True, **kw)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_overlap_gives_identical_outputs_with_sampling_features(tiny_path, kw, page_size) -> None:
+    off = run_sampled(tiny_path, page_size=page_size, **kw)
+    on = run_sampled(tiny_path, enable_overlap_schedule=True, page_size=page_size, **kw)
     assert off.keys() == on.keys()
     for rid in off:
         assert on[rid]["ids"] == off[rid]["ids"], rid
@@ -218,9 +219,10 @@ def test_overlap_gives_identical_outputs_with_sampling_features(tiny_path, kw) -
     assert all(len(r["ids"]) >= 6 for r in min_new)
 
 
-def test_logprobs_identical_under_overlap(tiny_path) -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_logprobs_identical_under_overlap(tiny_path, page_size) -> None:
     def collect(overlap: bool) -> dict[str, list]:
-        s = make_scheduler(tiny_path, enable_overlap_schedule=overlap)
+        s = make_scheduler(tiny_path, enable_overlap_schedule=overlap, page_size=page_size)
         for rid, prompt, sp in sampled_workload()[:9]:
             s.process_input_requests([io.TokenizedGenerateReqInput(
                 rid=rid, input_text=None, input_ids=prompt, sampling_params=SamplingParams.from_dict(sp),
@@ -241,16 +243,18 @@ def test_logprobs_identical_under_overlap(tiny_path) -> None:
             assert ta == tb and a == pytest.approx(b, abs=1e-5)
 
 
-def test_requests_sharing_a_new_prefix_in_one_round_share_it(tiny_path) -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_requests_sharing_a_new_prefix_in_one_round_share_it(tiny_path, page_size) -> None:
     """Two requests arriving together with the same uncached 40-token head: the second waits one round and then
-    reuses the first one's KV instead of computing the head twice (and disable-radix-cache does not wait)."""
+    reuses the first one's KV instead of computing the head twice (and disable-radix-cache does not wait). With
+    pages the whole pages of the head are shared."""
     head = list(range(100, 140))
-    s = make_scheduler(tiny_path)
+    s = make_scheduler(tiny_path, page_size=page_size)
     submit(s, "first", head + [1, 2], 3)
     submit(s, "second", head + [3, 4], 3)
     res = drain(s)
     assert res["first"]["meta"]["cached_tokens"] == 0
-    assert res["second"]["meta"]["cached_tokens"] >= len(head)
+    assert res["second"]["meta"]["cached_tokens"] >= len(head) - len(head) % page_size
     plain = make_scheduler(tiny_path, disable_radix_cache=True)
     submit(plain, "first", head + [1, 2], 3)
     submit(plain, "second", head + [3, 4], 3)
@@ -362,8 +366,9 @@ def test_stale_prefix_match_is_rematched_not_locked(tiny_path) -> None:
     assert all(res[f"f{i}"]["finish"]["type"] == "length" for i in range(LPM_MAX_QUEUE))
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random"])
-def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy) -> None:
+@pytest.mark.parametrize("policy,page_size", [("fcfs", 1), ("lpm", 1), ("dfs-weight", 1), ("lof", 1), ("random", 1),
+                                              ("fcfs", 16), ("lpm", 16)])
+def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy, page_size) -> None:
     """A tiny pool, long decodes and a queue of requests sharing prefixes (more prefixes than fit at once): every
     request finishes with the tokens it gets alone, retraction happens, and the pools balance when idle."""
     rng = random.Random(7)
@@ -375,7 +380,8 @@ def test_memory_pressure_every_policy_finishes_everything(tiny_path, policy) -> 
         alone = make_scheduler(tiny_path, disable_radix_cache=True)
         submit(alone, rid, prompt, n)
         ref[rid] = drain(alone)[rid]["ids"]
-    s = make_scheduler(tiny_path, max_total_tokens=260, schedule_policy=policy, schedule_conservativeness=0.1)
+    s = make_scheduler(tiny_path, max_total_tokens=260, schedule_policy=policy, schedule_conservativeness=0.1,
+                       page_size=page_size)
     for rid, prompt, n in reqs:
         submit(s, rid, prompt, n)
     res = drain(s)  # checks free + evictable + protected == pool size

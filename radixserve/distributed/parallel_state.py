@@ -173,6 +173,17 @@ def all_gather_pyobj(obj: Any) -> list[Any]:
     return out
 
 
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Every TP rank's `values` (the same number of ints on every rank), in rank order, over the CPU group: one
+    small tensor collective, no pickling (the per-step sync of DP attention)."""
+    if _TP_SIZE == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, mine, group=_TP_CPU_GROUP)
+    return [p.tolist() for p in parts]
+
+
 def broadcast_tensor_from_first_rank(x: torch.Tensor) -> torch.Tensor:
     """Overwrite `x` on every TP rank with TP rank 0's `x` (in place; same shape and dtype on all ranks)."""
     if _TP_SIZE == 1:

@@ -156,10 +156,10 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
     def dp_attention_sync(self, batch: ScheduleBatch | None) -> bool:
         """DP attention: tell every rank how many tokens this rank's next forward has; returns False when this rank
         has none and ran an IDLE forward (others had work), True otherwise (`batch` knows every rank's count)."""
-        from radixserve.distributed.parallel_state import all_gather_pyobj
+        from radixserve.distributed.parallel_state import all_gather_ints
 
-        mine = (0, True) if batch is None else (int(batch.input_ids.numel()), batch.forward_mode.is_decode())
-        everyone = all_gather_pyobj(mine)
+        mine = [0, 1] if batch is None else [int(batch.input_ids.numel()), int(batch.forward_mode.is_decode())]
+        everyone = all_gather_ints(mine)
         counts = [n for n, _ in everyone]
         all_decode = all(d for _, d in everyone)  # decode or idle everywhere: the ranks may replay a CUDA graph
         self.dp_peers_busy = any(counts)

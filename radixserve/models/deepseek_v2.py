@@ -45,6 +45,7 @@ from radixserve.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
 from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP, load_plain, rope_params
+from radixserve.models.qwen2_moe import norm_then_moe
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -169,7 +170,13 @@ class DeepseekMoE(nn.Module):
             self.experts.attach_shared_experts(self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts.forward_gated(x, self.gate)
+        return self._finish(x, self.experts.forward_gated(x, self.gate))
+
+    def forward_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm_then_moe(self, hidden, residual, norm)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_experts is not None and not self.experts.shared_folded(x):
             out = out + self.shared_experts(x)
         if self.tp_size > 1 and self.reduce_results:
@@ -201,6 +208,8 @@ class DeepseekDecoderLayer(nn.Module):
             else:
                 hidden, residual = self.input_layernorm(hidden, residual)
             hidden = self.self_attn(positions, hidden, forward_batch)
+            if isinstance(self.mlp, DeepseekMoE) and not self.dp_attention:  # the norm in the router's launch
+                return self.mlp.forward_norm(hidden, residual, self.post_attention_layernorm)
             hidden, residual = self.post_attention_layernorm(hidden, residual)
         if self.dp_attention:
             rows = max(forward_batch.dp_num_tokens)

@@ -138,6 +138,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual, reduce=self.input_partial)
         hidden = self.self_attn(positions, hidden, forward_batch)
+        # MoE blocks: for a few tokens the norm runs inside the router's launch (not with the fused all-reduce)
+        forward_norm = None if self.fuse_reduce else getattr(self.mlp, "forward_norm", None)
+        if forward_norm is not None:
+            return forward_norm(hidden, residual, self.post_attention_layernorm)
         hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=self.fuse_reduce)
         return self.mlp(hidden), residual
 

@@ -35,7 +35,15 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_size and shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts.forward_gated(x, self.gate)
+        return self._finish(x, self.experts.forward_gated(x, self.gate))
+
+    def forward_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block(norm(hidden + residual)), hidden + residual): for a few tokens the residual add, the norm, the
+        router's linear layer and the top-k are one launch."""
+        return norm_then_moe(self, hidden, residual, norm)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -44,6 +52,18 @@ class SparseMoeBlock(nn.Module):
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+def norm_then_moe(block: nn.Module, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x, residual = norm(hidden, residual); return block(x), residual` for an MoE block with `gate`, `experts`
+    and `_finish(x, routed_out)`, with the norm folded into the router's launch where it can be."""
+    routed = block.gate.route(hidden, block.experts.router, (residual, norm))
+    if routed is None:
+        x, residual = norm(hidden, residual)
+        return block(x), residual
+    weights, ids, x, new_residual = routed
+    return block._finish(x, block.experts.run_experts(x, weights, ids)), new_residual
 
 
 def _num_experts(config: PretrainedConfig) -> int:

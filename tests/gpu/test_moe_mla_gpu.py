@@ -105,7 +105,7 @@ def test_small_batch_moe_bf16_at_real_shapes_and_in_a_graph(shape: str, tokens: 
     cfg = RouterConfig(e, k, renormalize=shape == "qwen3-30b-a3b")
 
     def layer(inp: torch.Tensor) -> torch.Tensor:
-        w, ids = fused_gate_topk(inp, gate, done, k, False, cfg.renormalize, 1.0)
+        w, ids, _, _ = fused_gate_topk(inp, gate, done, k, False, cfg.renormalize, 1.0)
         return small_batch_moe(inp, w13, w2, w, ids, 0, sw13, sw2)
 
     def reference(inp: torch.Tensor) -> torch.Tensor:

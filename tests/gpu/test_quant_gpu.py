@@ -129,6 +129,9 @@ def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
             out = fp8_skinny_gemv(x, q, s, torch.bfloat16, bias, cfg)
             assert out.dtype == torch.bfloat16 and out.shape == (m, n)
             assert _rel(out, ref) < 1e-2, (n, k, cfg)
+            act = fp8_skinny_gemv(x, q, s, torch.bfloat16, bias, cfg, silu_mul=True)  # [gate; up] -> silu * up
+            gate, up = ref.chunk(2, dim=-1)
+            assert act.shape == (m, n // 2) and _rel(act, torch.nn.functional.silu(gate) * up) < 2e-2, (n, k, cfg)
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])

@@ -40,6 +40,7 @@ CHANNEL_FILE_FORMAT = "radixserve-double-sparsity/1"
 DEFAULT_HEAVY_CHANNEL_NUM = 16
 DEFAULT_HEAVY_TOKEN_NUM = 1024
 DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
+TOPK_MAX_CHUNKS = 8
 
 
 def load_channel_file(path: str, num_layers: int, num_kv_heads: int, head_dim: int) -> list[list[list[int]]]:
@@ -206,13 +207,22 @@ class DoubleSparseAttnBackend(AttentionBackend):
             o = self._sparse_decode_torch(q3, layer, forward_batch)
         return o.reshape(-1, layer.tp_q_head_num * layer.head_dim)
 
+    def topk_chunks(self, max_len: int) -> int:
+        """Pieces each score row is cut into for the top-k (`topk_positions`): rows of at least 8x the kept tokens
+        each, at most TOPK_MAX_CHUNKS."""
+        return max(1, min(TOPK_MAX_CHUNKS, max_len // (8 * self.heavy_token_num)))
+
     def q_labels(self, q3: torch.Tensor, layer_id: int) -> torch.Tensor:
         ch = self.q_channels[layer_id]
         return q3.gather(2, ch.unsqueeze(0).expand(q3.shape[0], -1, -1))
 
     def _sparse_decode_triton(self, q3: torch.Tensor, layer: RadixAttention,
                               forward_batch: ForwardBatch) -> torch.Tensor:
-        from radixserve.layers.attention.triton_ops.double_sparsity import ds_score_fwd, ds_sparse_decode_fwd
+        from radixserve.layers.attention.triton_ops.double_sparsity import (
+            ds_score_fwd,
+            ds_sparse_decode_fwd,
+            topk_positions,
+        )
 
         dense = self.dense
         bs = q3.shape[0]
@@ -220,7 +230,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
         ds_score_fwd(self.q_labels(q3, layer.layer_id), self.labels[layer.layer_id], self.req_to_token,
                      forward_batch.req_pool_indices, forward_batch.seq_lens, scores)
-        top = scores.topk(min(self.heavy_token_num, meta.max_len), dim=-1, sorted=False).indices
+        top = topk_positions(scores, min(self.heavy_token_num, meta.max_len), self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]
         mid_o, mid_lse = dense._ensure_eager_scratch(bs, self.num_heads, self.head_dim,  # type: ignore[attr-defined]
                                                      splits)

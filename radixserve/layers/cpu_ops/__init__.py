@@ -99,9 +99,11 @@ def load() -> ctypes.CDLL | None:
         fn = lib.rmsnorm
         fn.restype = _I
         fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-        fn = lib.small_m_linear
-        fn.restype = _I
-        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+        for name in ("small_m_linear", "small_m_linear_bf16"):
+            fn = getattr(lib, name)
+            fn.restype = _I
+            fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+        lib.has_bf16_linear.restype = _I
         _lib = lib
         return _lib
 
@@ -140,37 +142,65 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-SMALL_M = 4  # rows of x up to which `linear` uses the kernel (MKL's matrix products take over above)
+SMALL_M = 8  # rows of x up to which `linear` uses the kernel (MKL / oneDNN matrix products take over above)
+
+
+def has_fast_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 dot products and the kernels were built to use them."""
+    lib = load()
+    return lib is not None and bool(lib.has_bf16_linear())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); for float32 CPU inputs of 1..SMALL_M rows through the multithreaded kernel
-    (each output feature computed the same way whatever the batch or thread count)."""
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M
-            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.requires_grad or weight.requires_grad):
+    """F.linear(x, weight, bias); for CPU inputs of 1..SMALL_M rows through the multithreaded kernel (each output
+    feature computed the same way whatever the batch or thread count): float32 weights with float32 x, or bfloat16
+    weights (x rounded to bfloat16, products summed in float32, the result in x's dtype) where the CPU has
+    AVX512-BF16."""
+    if (x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M or x.requires_grad
+            or weight.requires_grad or weight.dim() != 2):
+        return F.linear(x, weight, bias)
+    bf16 = weight.dtype == torch.bfloat16
+    if not (weight.dtype == torch.float32 and x.dtype == torch.float32) \
+            and not (bf16 and x.dtype in (torch.float32, torch.bfloat16)):
         return F.linear(x, weight, bias)
     lib = load()
-    if lib is None:
+    if lib is None or (bf16 and not lib.has_bf16_linear()):
         return F.linear(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"linear: x has {k} features, the weight {tuple(weight.shape)}")
+    out_dtype = x.dtype
+    if x.dtype != torch.float32:
+        x = x.float()
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.small_m_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                       y.data_ptr(), n, m, n, k, torch.get_num_threads())
-    return y
+    fn = lib.small_m_linear_bf16 if bf16 else lib.small_m_linear
+    rc = fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+            m, n, k, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"small-M linear kernel failed (error {rc})")
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
                         sin_cache: torch.Tensor, head_dim: int) -> bool:
     """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 CPU tensors the kernel can
-    take; returns False (touching nothing) otherwise, and the caller runs its torch ops."""
+    take; returns False (touching nothing) otherwise, and the caller runs its torch ops. bfloat16 q/k are rotated in
+    float32 copies and written back (what the torch ops compute: float32 math, one rounding)."""
+    if (not torch.compiler.is_compiling() and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+            and q.device.type == "cpu" and q.dim() == 2
+            and k.dim() == 2 and not q.requires_grad and not k.requires_grad):
+        q32, k32 = q.float(), k.float()
+        if not rotary_neox_inplace(positions, q32, k32, cos_cache, sin_cache, head_dim):
+            return False
+        q.copy_(q32)
+        k.copy_(k32)
+        return True
     if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype != torch.float32
             or k.dtype != torch.float32 or q.dim() != 2 or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1
             or len(q) != len(k) or head_dim % 2
@@ -194,7 +224,18 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 CPU rows;
-    None (nothing done) where the kernel does not apply."""
+    None (nothing done) where the kernel does not apply. bfloat16 rows: the sum is taken in bfloat16 (as the torch
+    ops do), the norm in float32 with one rounding of the result."""
+    if (not torch.compiler.is_compiling() and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+            and not x.requires_grad
+            and (residual is None or (residual.dtype == torch.bfloat16 and residual.shape == x.shape))):
+        if residual is not None:
+            x = x + residual
+        out = rms_norm(x.float(), None, weight.float(), eps)
+        if out is None:
+            return None
+        out = out.to(torch.bfloat16)  # type: ignore[union-attr]
+        return out if residual is None else (out, x)
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
             or x.requires_grad

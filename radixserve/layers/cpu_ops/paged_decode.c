@@ -99,9 +99,94 @@ static inline __attribute__((always_inline)) void attend_chunk_impl(const float 
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 K/V elements as float32, from a float32 or bfloat16 row */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int bf16, int d) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))), 16));
+    return _mm512_loadu_ps((const float *)row + d);
+}
+
+#define MAX_DV 16 /* D up to 256 */
+
+/* The same item with explicit AVX-512 (D a multiple of 16, G <= 8): each K/V row is loaded (and widened from
+ * bf16) once and used by all G heads of its group, and the G dot products of a token are reduced together. */
+static inline __attribute__((always_inline)) void attend_chunk_avx512(
+    const float *q, const void *k_pool, const void *v_pool, int bf16, const int32_t *slots, int64_t t0, int64_t t1,
+    int64_t row_elems, int64_t head_off, const int G, const int D, float scale, float *m_out, float *l_out,
+    float *acc) {
+    const int n = (int)(t1 - t0), nv = D / 16, esz = bf16 ? 2 : 4;
+    float s[8 * CHUNK];
+    __m512 qv[8][MAX_DV];
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < nv; c++) qv[j][c] = _mm512_mul_ps(_mm512_loadu_ps(q + (int64_t)j * D + 16 * c),
+                                                              _mm512_set1_ps(scale));
+    for (int i = 0; i < n; i++) {
+        const char *row = (const char *)k_pool + ((int64_t)slots[t0 + i] * row_elems + head_off) * esz;
+        if (i + PREFETCH < n) prefetch_row(k_pool, bf16, (int64_t)slots[t0 + i + PREFETCH] * row_elems + head_off, D);
+        __m512 a[8];
+        for (int j = 0; j < G; j++) a[j] = _mm512_setzero_ps();
+        for (int c = 0; c < nv; c++) {
+            const __m512 kv = load16(row, bf16, 16 * c);
+            for (int j = 0; j < G; j++) a[j] = _mm512_fmadd_ps(qv[j][c], kv, a[j]);
+        }
+        for (int j = 0; j < G; j++) s[j * CHUNK + i] = _mm512_reduce_add_ps(a[j]);
+    }
+    for (int j = 0; j < G; j++) {
+        float m = -INFINITY, l = 0.f;
+        float *sj = s + j * CHUNK;
+        for (int i = 0; i < n; i++) m = sj[i] > m ? sj[i] : m;
+#pragma omp simd
+        for (int i = 0; i < n; i++) sj[i] = expf(sj[i] - m);
+#pragma omp simd reduction(+ : l)
+        for (int i = 0; i < n; i++) l += sj[i];
+        m_out[j] = m;
+        l_out[j] = l;
+    }
+    __m512 o[8][MAX_DV];
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < nv; c++) o[j][c] = _mm512_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        const char *row = (const char *)v_pool + ((int64_t)slots[t0 + i] * row_elems + head_off) * esz;
+        if (i + PREFETCH < n) prefetch_row(v_pool, bf16, (int64_t)slots[t0 + i + PREFETCH] * row_elems + head_off, D);
+        for (int c = 0; c < nv; c++) {
+            const __m512 vv = load16(row, bf16, 16 * c);
+            for (int j = 0; j < G; j++) o[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[j * CHUNK + i]), vv, o[j][c]);
+        }
+    }
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + (int64_t)j * D + 16 * c, o[j][c]);
+}
+#endif
+
 static void attend_chunk(const float *q, const void *k_pool, const void *v_pool, int bf16, const int32_t *slots,
                          int64_t t0, int64_t t1, int64_t row_elems, int64_t head_off, int G, int D, float scale,
                          float *m_out, float *l_out, float *acc) {
+#if defined(__AVX512F__)
+#define CALL512(GG, DD) attend_chunk_avx512(q, k_pool, v_pool, bf16, slots, t0, t1, row_elems, head_off, GG, DD, \
+                                            scale, m_out, l_out, acc)
+    if (D == 64 || D == 128) {
+        switch (G * 1000 + D) {
+        case 1064: CALL512(1, 64); return;
+        case 2064: CALL512(2, 64); return;
+        case 3064: CALL512(3, 64); return;
+        case 4064: CALL512(4, 64); return;
+        case 1128: CALL512(1, 128); return;
+        case 2128: CALL512(2, 128); return;
+        case 4128: CALL512(4, 128); return;
+        case 8128: CALL512(8, 128); return;
+        default: break;
+        }
+    }
+    if (D % 16 == 0 && D <= 16 * MAX_DV && G <= 8) {
+        CALL512(G, D);
+        return;
+    }
+#undef CALL512
+#endif
 #define CALL(DD) attend_chunk_impl(q, k_pool, v_pool, bf16, slots, t0, t1, row_elems, head_off, G, DD, scale, m_out, \
                                    l_out, acc)
     if (D == 64) CALL(64);

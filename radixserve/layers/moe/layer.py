@@ -141,7 +141,7 @@ class FusedMoE(nn.Module):
         routed = gate.route(x, self.router)
         if routed is None:
             return self.forward(x, gate(x), gate.e_score_correction_bias)
-        return self.run_experts(x, *routed)
+        return self.run_experts(x, routed[0], routed[1])
 
     def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, topk_weights, topk_ids)

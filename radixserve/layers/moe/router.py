@@ -106,18 +106,28 @@ class MoEGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())
 
-    def route(self, x: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def route(self, x: torch.Tensor, cfg: RouterConfig, norm: tuple[torch.Tensor, nn.Module] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """`select_experts(self(x), cfg, bias)` in one launch where it applies (CUDA or forced kernels, at most
-        GATE_TOPK_TOKENS tokens, an ungrouped router, a float32 weight); None elsewhere (the caller then runs the
-        linear layer and select_experts)."""
+        GATE_TOPK_TOKENS tokens, an ungrouped router, a float32 weight): (weights, ids, the experts' input, the new
+        residual or None); None elsewhere (the caller then runs the linear layer and select_experts).
+        With `norm` = (residual, an RMSNorm), x is the block's input before that norm: the same launch does the
+        residual add and the norm (`fused_add_rmsnorm`'s arithmetic) and returns its two outputs."""
         from radixserve.layers.moe import topk_kernel
 
         if not use_fused(x) or x.shape[0] > topk_kernel.GATE_TOPK_TOKENS or (cfg.num_groups or 1) != 1 \
                 or x.dim() != 2 or x.stride(-1) != 1 or self.weight.dtype != torch.float32 \
                 or self.done_counter.device != x.device:
             return None
+        norm_args = None
+        if norm is not None:
+            residual, rms = norm
+            if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+                return None
+            norm_args = (residual, rms.weight, rms.eps)
         from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
 
-        return topk_kernel.fused_gate_topk(x, self.weight, self.done_counter, cfg.top_k, cfg.scoring == "sigmoid",
-                                           cfg.renormalize, cfg.routed_scaling_factor, self.e_score_correction_bias,
-                                           is_interpreted())
+        w, ids, x_out, res_out = topk_kernel.fused_gate_topk(
+            x, self.weight, self.done_counter, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize,
+            cfg.routed_scaling_factor, self.e_score_correction_bias, is_interpreted(), norm_args)
+        return w, ids, (x if x_out is None else x_out), res_out

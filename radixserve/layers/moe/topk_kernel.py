@@ -58,21 +58,38 @@ def _topk_router_kernel(Logits, Bias, Weights, Ids, num_experts, stride_l, scali
     tl.store(Ids + t * K + offs_k, i_out, mask=offs_k < K)
 
 
-@triton.jit
-def _gate_topk_kernel(X, W, Logits, Done, Bias, Weights, Ids, num_tokens, num_experts, hidden, stride_x, scaling,
+@triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
+def _gate_topk_kernel(X, W, Logits, Done, Bias, Weights, Ids, Res, NormW, XOut, ResOut, num_tokens, num_experts,
+                      hidden, stride_x, stride_r, scaling, eps,
                       BLOCK_E: tl.constexpr, H_PAD: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
-                      K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                      K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                      NORM: tl.constexpr):
     """The router's linear layer and the top-k in one launch, for a few tokens. Program p computes the float32
     logits of experts [p·BLOCK_E, (p+1)·BLOCK_E) for every token (its weight rows read once, held in registers);
-    the last program to finish (a counter in `Done`, put back to 0 by it) selects every token's experts."""
+    the last program to finish (a counter in `Done`, put back to 0 by it) selects every token's experts.
+    NORM: the router's input is RMSNorm(X + Res) · NormW, rounded as `fused_add_rmsnorm` rounds; every program
+    computes it for itself and program 0 also stores it (XOut) and the new residual (ResOut)."""
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_h = tl.arange(0, H_PAD)
     e_ok = offs_e < num_experts
     h_ok = offs_h < hidden
     w = tl.load(W + offs_e[:, None].to(tl.int64) * hidden + offs_h[None, :], mask=e_ok[:, None] & h_ok[None, :],
                 other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(NormW + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     for t in range(num_tokens):
-        x = tl.load(X + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        if NORM:
+            s = tl.load(X + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            s += tl.load(Res + t * stride_r + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            s = s.to(XOut.dtype.element_ty).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
+            y = ((s * rstd).to(XOut.dtype.element_ty).to(tl.float32) * nw).to(XOut.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(ResOut + t * hidden + offs_h, s.to(ResOut.dtype.element_ty), mask=h_ok)
+                tl.store(XOut + t * hidden + offs_h, y, mask=h_ok)
+            x = y.to(tl.float32)
+        else:
+            x = tl.load(X + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
         tl.store(Logits + t * num_experts + offs_e, tl.sum(w * x[None, :], axis=1), mask=e_ok)
     tl.debug_barrier()  # every thread's logits are written before the counter moves
     finished = tl.atomic_add(Done, 1, sem="acq_rel")
@@ -109,9 +126,12 @@ GATE_TOPK_TOKENS = 16  # tokens up to which the router's linear layer and top-k 
 
 def fused_gate_topk(x: torch.Tensor, weight: torch.Tensor, done: torch.Tensor, top_k: int, sigmoid: bool,
                     renormalize: bool, scaling: float, correction_bias: torch.Tensor | None = None,
-                    interpreted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    interpreted: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`fused_topk(F.linear(x.float(), weight), ...)` in one launch: x [T, H] (any float dtype), weight float32
-    [E, H] contiguous, done an int32 [1] counter at 0 (left at 0)."""
+    [E, H] contiguous, done an int32 [1] counter at 0 (left at 0). Returns (weights, ids, None, None).
+    With `norm` = (residual [T, H], norm weight [H], eps) the router's input is `fused_add_rmsnorm(x, residual,
+    norm weight, eps)`'s output, and that output and the new residual are returned too."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape != (num_experts, hidden) or weight.dtype != torch.float32 or not weight.is_contiguous():
@@ -119,17 +139,26 @@ def fused_gate_topk(x: torch.Tensor, weight: torch.Tensor, done: torch.Tensor, t
                          f"{tuple(weight.shape)} {weight.dtype}")
     if x.stride(-1) != 1 or done.dtype != torch.int32 or done.numel() < 1:
         raise ValueError("fused_gate_topk needs x with unit stride in its last dim and an int32 counter")
+    if norm is not None and (norm[0].shape != x.shape or norm[0].stride(-1) != 1 or norm[1].shape != (hidden,)):
+        raise ValueError(f"fused_gate_topk: residual {tuple(norm[0].shape)} / norm weight {tuple(norm[1].shape)} "
+                         f"do not match x {tuple(x.shape)}")
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    x_out = res_out = None
+    if norm is not None:
+        x_out, res_out = torch.empty_like(x, memory_format=torch.contiguous_format), \
+            torch.empty_like(x, memory_format=torch.contiguous_format)
     if t == 0:
-        return weights, ids
+        return weights, ids, x_out, res_out
     logits = torch.empty((t, num_experts), dtype=torch.float32, device=x.device)
     h_pad = triton.next_power_of_2(hidden)
     block_e = 4 if interpreted else max(1, min(8, 8192 // h_pad))
     bias = correction_bias if correction_bias is not None else weights
+    res, nw, eps = norm if norm is not None else (x, x, 0.0)
     opts = {} if interpreted else {"num_warps": 8 if block_e * h_pad > 8192 else 4}
-    launch(_gate_topk_kernel, (triton.cdiv(num_experts, block_e),), x, weight, logits, done, bias, weights, ids, t,
-           num_experts, hidden, x.stride(0), float(scaling), BLOCK_E=block_e, H_PAD=h_pad,
+    launch(_gate_topk_kernel, (triton.cdiv(num_experts, block_e),), x, weight, logits, done, bias, weights, ids, res,
+           nw, x_out if x_out is not None else x, res_out if res_out is not None else x, t, num_experts, hidden,
+           x.stride(0), res.stride(0), float(scaling), float(eps), BLOCK_E=block_e, H_PAD=h_pad,
            E_PAD=triton.next_power_of_2(num_experts), K=top_k, K_PAD=triton.next_power_of_2(top_k),
-           SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, RENORM=renormalize, **opts)
-    return weights, ids
+           SIGMOID=sigmoid, HAS_BIAS=correction_bias is not None, RENORM=renormalize, NORM=norm is not None, **opts)
+    return weights, ids, x_out, res_out

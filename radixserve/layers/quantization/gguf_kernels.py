@@ -139,6 +139,47 @@ def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride
 
 
 @triton.jit
+def _q4_k_gemv_acc_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn,
+                          stride_om, HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
+                          NCH: tl.constexpr):
+    """As `_q4_k_gemv_kernel`, but every weight is dequantised in registers (d * sc * q - dmin * m, the sub-block's
+    factors broadcast along its 32 weights) and multiplied into a [BLOCK_N, NCH, 32] accumulator that is reduced
+    once after the loop: no reduction across threads inside the loop."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    ch = tl.arange(0, NCH)
+    offs_l = tl.arange(0, 32)
+    offs_l = (offs_l // 8) * 8 + offs_l % 8
+    rows = offs_n.to(tl.int64)
+    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
+    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((BLOCK_N, NCH, 32), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        b = tl.load(w_ptrs + g0 * 32, mask=mask_w, other=0).to(tl.int32)
+        x_lo = tl.load(x_ptrs + g0 * 64).to(tl.float32)
+        x_hi = tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32)
+        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        s_lo = (d * tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32))[:, :, None]
+        s_hi = (d * tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32))[:, :, None]
+        m_lo = (dm * tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32))[:, :, None]
+        m_hi = (dm * tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32))[:, :, None]
+        acc += (_small_int_to_f32(b & 0xF, MAGIC) * s_lo - m_lo) * x_lo
+        acc += (_small_int_to_f32(b >> 4, MAGIC) * s_hi - m_hi) * x_hi
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q8_0 rows, NB contiguous 32-weight blocks of every row per
@@ -193,7 +234,8 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
         sc = fields["scales"]
-        launch(_q4_k_gemv_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k, x.stride(0),
+        kernel = _q4_k_gemv_acc_kernel if cfg.kernel == "acc" else _q4_k_gemv_kernel
+        launch(kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k, x.stride(0),
                wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                MAGIC=cfg.variant == "magic", BLOCK_N=cfg.block_n, NCH=block_k // 64, **opts)
     else:

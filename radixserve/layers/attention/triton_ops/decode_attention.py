@@ -6,7 +6,9 @@ own softmax sum) plus the base-2 log-sum-exp of its scores. Stage 2 launches one
 and merges the partials of the non-empty splits.
 
 An fp8 pool (k / k_scale, v / v_scale) costs nothing extra: k's scale is folded into the score scale, v's into the
-partial output.
+partial output; its tiles are widened to fp16 (one conversion instruction per two values, where bf16 needs a second
+one), and q and the softmax weights go to fp16 for those products (more mantissa than bf16; |q| and k / k_scale are
+far inside fp16's range).
 
 The grid depends only on the batch size (its split axis is `num_kv_splits`, which the caller picks from the batch
 size alone), so both launches can be captured in a CUDA graph. How many splits a request really uses is decided
@@ -50,6 +52,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -75,6 +78,8 @@ def _decode_stage1_kernel(
         q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         if not USE_DOT:
             q = q.to(tl.float32)
+        elif KV_F16:  # fp8 pool: the products in fp16, which fp8 widens to in one instruction (bf16 takes two)
+            q = q.to(tl.float16)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -306,6 +311,7 @@ def decode_attention_fwd(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
+        KV_F16=use_dot and not dot_fp32 and k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
         num_warps=num_warps, num_stages=num_stages,
     )
     grid2 = (bs, num_heads)

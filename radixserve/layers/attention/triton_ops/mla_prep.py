@@ -39,7 +39,7 @@ def _rope_row(Src, Dst, pos_cos, pos_sin, HALF: tl.constexpr, HALF_PAD: tl.const
     tl.store(Dst + i2, (x2 * c + x1 * s).to(Dst.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
 def _mla_prep_kernel(Q, KVA, Positions, Cos, Sin, WKC, NormW, QOut, KOut, Loc, num_tokens, eps,
                      stride_qt, stride_qh, stride_kva, stride_wh, stride_wn, stride_qot, stride_qoh, stride_ko,
                      stride_cache,
@@ -117,7 +117,7 @@ def mla_decode_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor
     return q_full
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
 def _mla_out_kernel(Att, WVC, Out, num_tokens, stride_ot, stride_oh, stride_wh, stride_wv, stride_out,
                     RANK: tl.constexpr, RANK_PAD: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     h = tl.program_id(0)
