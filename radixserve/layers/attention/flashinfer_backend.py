@@ -120,6 +120,9 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
+        if forward_batch.batch_size == 0:  # an idle rank: no attention runs
+            self.plan = None
+            return
         if forward_batch.seq_lens_cpu is None:
             forward_batch.seq_lens_cpu = forward_batch.seq_lens.tolist()
         lens = forward_batch.seq_lens_cpu
