@@ -255,13 +255,27 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
                    "steps": args.steps, "teacher_forced_agreement": agree,
                    "logit_max_abs_err": diff.max().item(), "logit_mean_abs_err": diff.mean().item(),
                    "ref_logit_scale": scale, "kl_dense_to_ds": kl, "dense_run_s": dense_s}
+            # how close dense itself was at each teacher-forced miss: its logit lead of its token over the one
+            # double sparsity chose (a near-tie is a lead under 1% of the step's largest |logit|)
+            misses = [i for i in range(1, args.steps) if forced[i] != ref[i]]
+            leads = [(ref_logits[i, ref[i]] - ref_logits[i, forced[i]]).item() for i in misses]
+            row["miss_steps"], row["miss_dense_leads"] = misses, leads
+            row["miss_near_ties"] = sum(lead < 0.01 * ref_logits[i].abs().max().item()
+                                        for i, lead in zip(misses, leads, strict=True))
             line = ""
             if free is not None:
                 prefix = next((i for i, (a, b) in enumerate(zip(free, ref, strict=True)) if a != b), args.steps)
+                if prefix < args.steps:  # dense's lead at the first free-running difference
+                    row["free_running_first_diff_dense_lead"] = (ref_logits[prefix, ref[prefix]]
+                                                                 - ref_logits[prefix, free[prefix]]).item()
                 row["free_running_equal_prefix"] = prefix
                 row["free_running_positional_agreement"] = sum(
                     a == b for a, b in zip(free, ref, strict=True)) / args.steps
                 line = f"  free-running equal prefix {prefix:3d}/{args.steps}"
+                if prefix < args.steps:
+                    line += f" (dense lead there {row['free_running_first_diff_dense_lead']:.3f})"
+            line += f"  misses {len(misses)} (near-ties {row['miss_near_ties']}, dense leads " \
+                    f"{', '.join(f'{x:.2f}' for x in leads)})"
             rows.append(row)
             print(f"ctx {ctx:5d} K {top_k:5d} ch {args.heavy_channel_num:3d}: teacher-forced agreement "
                   f"{agree * 100:5.1f}%{line}  logit err max {row['logit_max_abs_err']:.3f} mean "

@@ -15,8 +15,9 @@ most important first.
 - Extend (prefill, chunked prefill, mixed batches) is the dense backend's, unchanged.
 
 On CUDA the scoring and the sparse attention are Triton kernels (`triton_ops/double_sparsity.py`) and the dense
-parts are the Triton backend's; on the CPU the same algorithm runs in PyTorch next to the CPU backend. Decode runs
-without CUDA graphs (how many tokens are scored depends on the batch's longest request).
+parts are the Triton backend's; on the CPU the same algorithm runs in PyTorch next to the CPU backend. A decode batch
+whose requests are all at most the threshold replays the dense backend's CUDA graphs; a longer one decodes
+sparsely without them (how many positions are scored depends on its longest request).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class DoubleSparseMetadata:
 
 
 class DoubleSparseAttnBackend(AttentionBackend):
-    supports_cuda_graph = False
+    # decode batches whose longest request is at most the threshold are dense: they replay the dense backend's CUDA
+    # graphs (label writes included); longer ones decode sparsely, eagerly (`cuda_graph_max_seq_len`)
+    supports_cuda_graph = True
 
     def __init__(self, model_runner: ModelRunner, channel_config_path: str | None = None,
                  heavy_channel_num: int | None = None, heavy_token_num: int | None = None,
@@ -174,6 +177,28 @@ class DoubleSparseAttnBackend(AttentionBackend):
             meta.max_len = max(forward_batch.seq_lens_cpu)
             meta.sparse = meta.max_len > self.threshold
         self.forward_metadata = meta
+
+    # ---------------------------------------------------------------- CUDA graphs (dense decode)
+    def cuda_graph_max_seq_len(self) -> int | None:
+        return self.threshold
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.dense.init_cuda_graph_state(max_bs)
+
+    def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.dense.cuda_graph_input_buffers()
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        self.dense.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens)
+        self.forward_metadata = DoubleSparseMetadata()  # captured decode is the dense one
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        self.dense.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.dense.get_cuda_graph_seq_len_fill_value()
 
     # ---------------------------------------------------------------- label cache
     def store_labels(self, k: torch.Tensor, layer_id: int, loc: torch.Tensor) -> None:

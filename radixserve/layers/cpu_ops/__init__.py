@@ -156,8 +156,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     feature computed the same way whatever the batch or thread count): float32 weights with float32 x, or bfloat16
     weights (x rounded to bfloat16, products summed in float32, the result in x's dtype) where the CPU has
     AVX512-BF16."""
-    if (x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M or x.requires_grad
-            or weight.requires_grad or weight.dim() != 2):
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M
+            or x.requires_grad or weight.requires_grad or weight.dim() != 2):
         return F.linear(x, weight, bias)
     bf16 = weight.dtype == torch.bfloat16
     if not (weight.dtype == torch.float32 and x.dtype == torch.float32) \
