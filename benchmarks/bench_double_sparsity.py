@@ -75,7 +75,11 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         kv_split_cap,
         split_capacity,
     )
-    from radixserve.layers.attention.triton_ops.double_sparsity import ds_score_fwd, ds_sparse_decode_fwd
+    from radixserve.layers.attention.triton_ops.double_sparsity import (
+        ds_score_fwd,
+        ds_sparse_decode_fwd,
+        topk_positions,
+    )
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, hkv, d, hc = args.num_heads, args.num_kv_heads, args.head_dim, args.heavy_channel_num
@@ -109,7 +113,7 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores)
 
     def select() -> None:
-        state["top"].copy_(scores.topk(state["k"], dim=-1, sorted=False).indices)
+        state["top"].copy_(topk_positions(scores, state["k"], state["chunks"]))
 
     def attend() -> None:
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, state["top"], 0, mid_o, mid_lse,
@@ -117,24 +121,30 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
 
     def full() -> None:
         score()
-        top = scores.topk(state["k"], dim=-1, sorted=False).indices
+        top = topk_positions(scores, state["k"], state["chunks"])
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, top, 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
     t_dense = _graph_time(dense)
+    t_score = _graph_time(score)
     kv_bytes = 2 * n * hkv * d * 2
+    label_bytes = n * hkv * hc * 2
     rows = []
     for top_k in args.heavy_token_num:
         state["k"], state["top"] = top_k, torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int64)
-        t_score, t_select, t_attend = _graph_time(score), _graph_time(select), _graph_time(attend)
-        t_ds = _graph_time(full)
-        row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
-               "dense_ms": t_dense, "ds_ms": t_ds, "speedup": t_dense / t_ds, "score_ms": t_score,
-               "topk_ms": t_select, "sparse_attn_ms": t_attend, "dense_kv_tb_s": kv_bytes / t_dense / 1e9}
-        rows.append(row)
-        print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d}: dense {t_dense * 1e3:8.1f} us "
-              f"({row['dense_kv_tb_s']:.2f} TB/s)  ds {t_ds * 1e3:8.1f} us = score {t_score * 1e3:6.1f} + topk "
-              f"{t_select * 1e3:6.1f} + attn {t_attend * 1e3:6.1f}  speedup {row['speedup']:.2f}x", flush=True)
+        for chunks in args.topk_chunks:
+            state["chunks"] = chunks
+            t_select, t_attend = _graph_time(select), _graph_time(attend)
+            t_ds = _graph_time(full)
+            row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
+                   "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds, "speedup": t_dense / t_ds,
+                   "score_ms": t_score, "topk_ms": t_select, "sparse_attn_ms": t_attend,
+                   "dense_kv_tb_s": kv_bytes / t_dense / 1e9, "score_label_tb_s": label_bytes / t_score / 1e9}
+            rows.append(row)
+            print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} chunks {chunks:2d}: dense {t_dense * 1e3:7.1f} us "
+                  f"({row['dense_kv_tb_s']:.2f} TB/s)  ds {t_ds * 1e3:7.1f} us = score {t_score * 1e3:6.1f} "
+                  f"({row['score_label_tb_s']:.2f} TB/s) + topk {t_select * 1e3:6.1f} + attn {t_attend * 1e3:6.1f}"
+                  f"  speedup {row['speedup']:.2f}x", flush=True)
     return rows
 
 
@@ -208,7 +218,7 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
 
     channel_file = args.channel_file
     if channel_file is None:
-        channel_file = os.path.join(os.environ.get("RS_DEVICE_TMP", "/tmp"), "ds_channels_embedded.json")
+        channel_file = args.channel_file_out
         calibrate_main(["--out", channel_file, "--num-tokens", str(args.calib_tokens), "--device", args.device,
                         "--dtype", "float32"] + (["--model-path", args.model_path] if args.model_path else []))
     longest = max(args.context) + args.steps
@@ -245,13 +255,27 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
                    "steps": args.steps, "teacher_forced_agreement": agree,
                    "logit_max_abs_err": diff.max().item(), "logit_mean_abs_err": diff.mean().item(),
                    "ref_logit_scale": scale, "kl_dense_to_ds": kl, "dense_run_s": dense_s}
+            # how close dense itself was at each teacher-forced miss: its logit lead of its token over the one
+            # double sparsity chose (a near-tie is a lead under 1% of the step's largest |logit|)
+            misses = [i for i in range(1, args.steps) if forced[i] != ref[i]]
+            leads = [(ref_logits[i, ref[i]] - ref_logits[i, forced[i]]).item() for i in misses]
+            row["miss_steps"], row["miss_dense_leads"] = misses, leads
+            row["miss_near_ties"] = sum(lead < 0.01 * ref_logits[i].abs().max().item()
+                                        for i, lead in zip(misses, leads, strict=True))
             line = ""
             if free is not None:
                 prefix = next((i for i, (a, b) in enumerate(zip(free, ref, strict=True)) if a != b), args.steps)
+                if prefix < args.steps:  # dense's lead at the first free-running difference
+                    row["free_running_first_diff_dense_lead"] = (ref_logits[prefix, ref[prefix]]
+                                                                 - ref_logits[prefix, free[prefix]]).item()
                 row["free_running_equal_prefix"] = prefix
                 row["free_running_positional_agreement"] = sum(
                     a == b for a, b in zip(free, ref, strict=True)) / args.steps
                 line = f"  free-running equal prefix {prefix:3d}/{args.steps}"
+                if prefix < args.steps:
+                    line += f" (dense lead there {row['free_running_first_diff_dense_lead']:.3f})"
+            line += f"  misses {len(misses)} (near-ties {row['miss_near_ties']}, dense leads " \
+                    f"{', '.join(f'{x:.2f}' for x in leads)})"
             rows.append(row)
             print(f"ctx {ctx:5d} K {top_k:5d} ch {args.heavy_channel_num:3d}: teacher-forced agreement "
                   f"{agree * 100:5.1f}%{line}  logit err max {row['logit_max_abs_err']:.3f} mean "
@@ -274,7 +298,7 @@ class _nullcontext:
         return self.text
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     k = sub.add_parser("kernels", help="GPU decode attention, dense Triton vs double sparsity")
@@ -282,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     k.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     k.add_argument("--heavy-token-num", type=int, nargs="+", default=[1024])
     k.add_argument("--heavy-channel-num", type=int, default=16)
+    k.add_argument("--topk-chunks", type=int, nargs="+", default=[1, 8],
+                   help="pieces each score row is cut into for the top-k (topk_positions)")
     k.add_argument("--num-heads", type=int, default=32)
     k.add_argument("--num-kv-heads", type=int, default=8)
     k.add_argument("--head-dim", type=int, default=128)
@@ -292,7 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--heavy-channel-num", type=int, default=16)
     a.add_argument("--steps", type=int, default=128)
     a.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    a.add_argument("--channel-file", default=None, help="default: calibrate one first")
+    a.add_argument("--channel-file", default=None, help="default: calibrate one first (to --channel-file-out)")
+    a.add_argument("--channel-file-out", default=os.path.join(os.environ.get("RS_DEVICE_TMP", "/tmp"),
+                                                               "ds_channels.json"))
     a.add_argument("--calib-tokens", type=int, default=8192)
     a.add_argument("--text-file", default=None, help="default: this package's Python sources")
     a.add_argument("--device", default="cpu")
@@ -300,7 +328,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="only the teacher-forced runs")
     for p in (k, a):
         p.add_argument("--result-file", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.mode == "kernels":
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("kernels mode needs a CUDA device (or TRITON_INTERPRET=1 for a dry run of tiny shapes)")

@@ -32,9 +32,9 @@ from radixserve.layers.moe.small_batch import DEFAULT, INTERPRETED, SmallMoEConf
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 0), "deepseek-v2-lite": (64, 2048, 1408, 6, 2816),
           "mixtral-8x7b": (8, 4096, 14336, 2, 0), "tiny": (8, 32, 16, 2, 32)}  # tiny: a CPU check of the script
 
-SMALL_SWEEP = [SmallMoEConfig(16, 512, 8, 128, 4, 4), SmallMoEConfig(8, 512, 8, 128, 4, 4),
-               SmallMoEConfig(16, 256, 4, 256, 4, 4), SmallMoEConfig(32, 256, 16, 128, 4, 8),
-               SmallMoEConfig(16, 1024, 8, 256, 8, 8), SmallMoEConfig(8, 256, 4, 128, 2, 2)]
+SMALL_SWEEP = [SmallMoEConfig(32, 128, 64, 128, 4, 4), SmallMoEConfig(16, 256, 32, 256, 4, 3),
+               SmallMoEConfig(64, 128, 128, 128, 4, 4), SmallMoEConfig(32, 256, 64, 256, 8, 3),
+               SmallMoEConfig(16, 128, 32, 128, 4, 6), SmallMoEConfig(32, 64, 64, 64, 4, 8)]
 LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),
                MoEConfig(64, 64, 128, 64, 4, 3), MoEConfig(64, 32, 64, 128, 4, 4), MoEConfig(64, 128, 128, 64, 4, 4),
                MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3)]
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     sw2 = [torch.randn(hidden, shared, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)] \
         if shared else None
     expert_bytes = 3 * hidden * inter * 2
+    counters = torch.zeros(64 * hidden, dtype=torch.int32, device=dev)  # the small path's, at any block size
     rows: list[dict[str, Any]] = []
     print(f"{args.shape}: {num_e} experts, hidden {hidden}, intermediate {inter}, top-{top_k}, shared {shared}; "
           f"{args.layers} layers cycled; roofline at {args.copy_bw / 1e9:.0f} GB/s")
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         def small(layer: int, cfg: SmallMoEConfig | None = None, x: torch.Tensor = x, ids: torch.Tensor = ids,
                   weights: torch.Tensor = weights) -> torch.Tensor:
             return small_batch_moe(x, w13[layer], w2[layer], weights, ids, 0, sw13[layer] if shared else None,
-                                   sw2[layer] if shared else None, config=cfg)
+                                   sw2[layer] if shared else None, config=cfg, counters=counters)
 
         ref = grouped(0).float()
         variants: list[tuple[str, str, Any]] = [("grouped", cfg_name(moe_config(t, top_k, num_e, inter, hidden,

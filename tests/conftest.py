@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 # run): `slow`, so that `make test-fast` (not integration, not slow) stays an inner loop of about a minute.
 # `make test` runs them all. Parametrised tests are listed once, by function.
 SLOW_TESTS = frozenset({
+    "tests/test_double_sparsity.py::test_embedded_model_agrees_with_dense_at_2k_context",
     "tests/test_fused_ops.py::test_models_with_fused_kernels_match_transformers",
     "tests/test_kv_cache_fp8.py::test_triton_decode_reads_fp8_pool_like_torch_native",
     "tests/test_loader.py::test_embedded_weights_equal_transformers_gguf_dequantization",

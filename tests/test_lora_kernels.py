@@ -143,10 +143,15 @@ def test_graph_grid_over_a_static_buffer_equals_eager(graph_bs, req_slots) -> No
     (32, [(0, 24)], 16, [2, 0, -1, 2, 2] * 5, None),  # 25 rows: two blocks, each of several adapters
     (64, [(0, 16)], 16, [-1, -1], None),  # only base rows: a copy
 ])
-def test_stacked_expand_matches_torch_reference(K, out_slices, R, req_slots, counts) -> None:
+@pytest.mark.parametrize("mixed_dot", [True, False], ids=["one-dot", "slot-loop"])
+def test_stacked_expand_matches_torch_reference(K, out_slices, R, req_slots, counts, mixed_dot, monkeypatch) -> None:
     """The stacked path: one GEMM over [W; A_0; A_1; A_2] then one expand kernel == the base output + the torch
-    reference's deltas, for every row (base rows copied)."""
+    reference's deltas, for every row (base rows copied); blocks of several adapters in one dot, or slot by slot."""
+    from radixserve.lora import triton_ops
     from radixserve.lora.triton_ops import lora_expand_stacked
+
+    if not mixed_dot:
+        monkeypatch.setattr(triton_ops, "_MIXED_DOT_K", 0)
 
     ranks = [R, max(1, R // 2), 4]
     a, b, scal = make_case(K, out_slices, R, ranks, seed=K + 1)

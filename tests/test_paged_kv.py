@@ -21,7 +21,7 @@ def pool(size: int = 32, page_size: int = P) -> TokenToKVPool:
 def test_pool_is_whole_pages_and_page_zero_is_padding() -> None:
     kv = pool(size=30)
     assert kv.size == 28 and kv.num_pages == 7 and kv.available_size() == 28
-    assert kv.k_buffer[0].shape[0] == 28 + P  # page 0 holds the padding slot 0
+    assert kv.k_buffer[0].shape[0] == 128  # page 0 (the padding slot) and 7 pages, rounded up to 128 rows
     slots = kv.alloc(28)
     assert slots is not None and int(slots.min()) == P and int(slots.max()) == 31
     assert kv.alloc(1) is None

@@ -44,7 +44,7 @@ def test_small_batch_moe_matches_reference(top_k: int, tokens: int) -> None:
     ref = moe_forward_torch(x, w13, w2, weights, ids)
     torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids), ref, atol=1e-5, rtol=1e-5)
     # other tile shapes: a column block wider than the intermediate size, several K steps in the down kernel
-    cfg = SmallMoEConfig(32, 8, 16, 8, 1, 1)
+    cfg = SmallMoEConfig(32, 16, 32, 16, 1, 1)
     torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, config=cfg), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -12,8 +12,10 @@ past a group's length exit at once, so under a CUDA graph the grid can cover eve
 expand_stacked (the path for base layers whose weight the pool stacked with every slot's A, see pool.py): the base
 GEMM has already computed y = x @ [W; A_0; ...; A_{S-1}]^T, i.e. the base output and every slot's shrink; one kernel
 writes out[row] = y[row, :N] + scale[slot] * shrink(row, slot) @ B[slot]^T for every row (base rows copied). Its
-programs walk the rows sorted by slot in blocks of BLOCK_M, so a block is one adapter's rows (two or more only at
-a group boundary, handled one slot after another): B's tile is loaded once per block and slot."""
+programs walk the rows sorted by slot in blocks of BLOCK_M, so a block is mostly one adapter's rows: B's tile is
+loaded once per block. A block of several adapters (a group boundary, or groups smaller than a block: 32 rows over
+8 adapters) runs one dot over every slot's B tile, each row's shrink placed in its own slot's columns (while slots x
+rank <= 256; past that, one slot after another)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from radixserve.layers.triton_ops.launch import launch
 
 BLOCK_M = 16
 MAX_SPLITS = 16
+_MIXED_DOT_K = 256  # the stacked expand's one-dot path for blocks of several adapters: up to slots x rank = 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -166,9 +169,10 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
 
 @triton.jit(do_not_specialize=["num_rows", "N", "stride_y", "stride_out", "shrink_col", "slot_cols", "off1", "off2"])
 def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N, stride_y, stride_out, shrink_col,
-                           slot_cols, off1, off2, stride_b_slot, stride_b_row,
+                           slot_cols, off1, off2, stride_b_slot, stride_b_row, num_slots,
                            R: tl.constexpr, N_SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_R: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                           BLOCK_R: tl.constexpr, S_PAD: tl.constexpr, MIXED_DOT: tl.constexpr, IEEE: tl.constexpr,
+                           UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -185,6 +189,29 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     n_lo = pid_n * BLOCK_N
     big = 1 << 30
     cur = tl.min(tl.where(slots >= 0, slots, big), axis=0)  # the block's smallest adapter slot (big: none)
+    if MIXED_DOT and (cur < tl.max(slots, axis=0)):
+        # rows of several adapters (a group boundary, or small groups): one dot over every slot's rank columns,
+        # each row's shrink kept in its own slot's columns and scaled there (float32 operands)
+        offs_k = tl.arange(0, S_PAD * BLOCK_R)
+        k_slot = offs_k // BLOCK_R
+        k_r = offs_k % BLOCK_R
+        k_mask = (k_slot < num_slots) & (k_r < R)
+        scale_k = tl.load(Scalings + k_slot, mask=k_mask, other=0.0)
+        mine = p_mask[:, None] & k_mask[None, :] & (slots[:, None] == k_slot[None, :])
+        for j in tl.static_range(N_SUB):
+            lo = 0 if j == 0 else (off1 if j == 1 else off2)
+            hi = N if j == N_SUB - 1 else (off1 if j == 0 else off2)
+            if (n_lo < hi) & (n_lo + BLOCK_N > lo):
+                s = tl.load(Y + rows[:, None] * stride_y + shrink_col + k_slot[None, :] * slot_cols + j * R
+                            + k_r[None, :], mask=mine, other=0.0).to(tl.float32) * scale_k[None, :]
+                col = n_mask & (offs_n >= lo) & (offs_n < hi)
+                bt = tl.load(B + k_slot[:, None].to(tl.int64) * stride_b_slot + offs_n[None, :] * stride_b_row
+                             + k_r[:, None], mask=k_mask[:, None] & col[None, :], other=0.0).to(tl.float32)
+                if IEEE:
+                    acc += tl.dot(s, bt, input_precision="ieee")
+                else:
+                    acc += tl.dot(s, bt)
+        cur = cur * 0 + big  # done: skip the loop below (int64, like cur)
     while cur < big:
         sel = slots == cur
         scale = tl.load(Scalings + cur)
@@ -228,8 +255,10 @@ def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor
     offs = [o for o, _ in out_slices] + [N] * (3 - n_sub)
     block_m = 16 if num_rows <= 128 else 64
     block_n = 64 if num_rows <= 128 else 128
+    block_r = _pow2_at_least_16(R)
+    s_pad = triton.next_power_of_2(S)
     launch(_expand_stacked_kernel, (triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n)), y, b, out, scalings,
            order, sorted_slots, num_rows, N, y.stride(0), out.stride(0), N, n_sub * R, offs[1], offs[2],
-           b.stride(0), b.stride(1), R=R, N_SUB=n_sub, BLOCK_M=block_m, BLOCK_N=block_n,
-           BLOCK_R=_pow2_at_least_16(R), IEEE=ieee, UPCAST=upcast, num_warps=4)
+           b.stride(0), b.stride(1), S, R=R, N_SUB=n_sub, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+           S_PAD=s_pad, MIXED_DOT=s_pad * block_r <= _MIXED_DOT_K, IEEE=ieee, UPCAST=upcast, num_warps=4)
     return out

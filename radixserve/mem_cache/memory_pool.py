@@ -3,14 +3,14 @@
 ReqToTokenPool: a [max_requests, max_context_len] int32 table on the device; row = request slot, entries = the
 KV slot of each of that request's tokens. Free rows are a Python list.
 
-TokenToKVPool: per-layer K and V buffers [size + page_size, num_kv_heads, head_dim]; slot 0 is padding (writes of
-padded tokens land there). With --page-size P > 1 the allocator hands out whole pages: page p holds slots
-p*P .. p*P + P-1, page 0 (which holds the padding slot) is never handed out, and the free list holds page ids. A
-request's slots stay token-level in the request table (backends that read through it are unchanged); a request's
-last page is filled slot by slot (`alloc_extend` continues it from the request's last slot, `alloc_decode` takes
-the next slot of the last page or a new page), and `free` frees every page that one of the given slots lies in,
-so whoever owns a page frees it whole. With an fp8 dtype (float8_e4m3fn / float8_e5m2) a slot holds k / k_scale
-(v / v_scale), saturated to the format's range; readers multiply by the layer's scale (`store_kv_values` /
+TokenToKVPool: per-layer K and V buffers [size + page_size (rounded up to 128), num_kv_heads, head_dim]; slot 0 is
+padding (writes of padded tokens land there). With --page-size P > 1 the allocator hands out whole pages: page p
+holds slots p*P .. p*P + P-1, page 0 (which holds the padding slot) is never handed out, and the free list holds page
+ids. A request's slots stay token-level in the request table (backends that read through it are unchanged); a
+request's last page is filled slot by slot (`alloc_extend` continues it from the request's last slot, `alloc_decode`
+takes the next slot of the last page or a new page), and `free` frees every page that one of the given slots lies in,
+so whoever owns a page frees it whole. With an fp8 dtype (float8_e4m3fn / float8_e5m2) a slot holds k / k_scale (v /
+v_scale), saturated to the format's range; readers multiply by the layer's scale (`store_kv_values` /
 `load_kv_values`).
 The free slots (pages) are an int64 tensor on the CPU: alloc is a slice, free a concatenation, so the scheduler never
 waits for the device.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+BUFFER_ROW_ALIGN = 128
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -144,9 +145,9 @@ class TokenToKVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_layers = num_layers
-        self.k_buffer = [torch.zeros((self.size + page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.k_buffer = [torch.zeros((self.buffer_rows, num_kv_heads, head_dim), dtype=dtype, device=device)
                          for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros((self.size + page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.v_buffer = [torch.zeros((self.buffer_rows, num_kv_heads, head_dim), dtype=dtype, device=device)
                          for _ in range(num_layers)]
         # Double-free / range checks keep a CPU bitmap; it costs O(n) CPU work per call, never a device sync.
         self.debug_checks = debug_checks
@@ -160,6 +161,9 @@ class TokenToKVPool:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size  # whole pages only
+        # rows of each buffer: page 0 and the pages, rounded up to 128 (never handed out): the same shape at every
+        # page size, and whole blocks for kernels that read the pool in blocks (flex)
+        self.buffer_rows = -(-(self.size + page_size) // BUFFER_ROW_ALIGN) * BUFFER_ROW_ALIGN
 
     # ---------------------------------------------------------------- allocator (CPU only)
     def clear(self) -> None:

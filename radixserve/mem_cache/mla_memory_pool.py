@@ -3,7 +3,7 @@
 MLA caches one vector per token per layer: the compressed KV latent (kv_lora_rank values, already RMS-normalised)
 followed by the rotated shared key part (qk_rope_head_dim values), for all heads at once. Attention runs on it as
 multi-query attention after weight absorption: the key is the whole vector, the value its first kv_lora_rank
-values. So `get_kv_buffer` returns the buffer [size + page_size, 1, kv_lora_rank + rope] as K and a view of its
+values. So `get_kv_buffer` returns the buffer [buffer_rows, 1, kv_lora_rank + rope] as K and a view of its
 latent part as V, and `set_kv_buffer` stores K only (V is part of it).
 
 The allocator (free slots on the CPU, slot 0 the padding slot) is TokenToKVPool's; only the device buffers differ.
@@ -34,7 +34,7 @@ class MLATokenToKVPool(TokenToKVPool):
         self.num_kv_heads = 1
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.num_layers = num_layers
-        self.kv_buffer = [torch.zeros((self.size + page_size, 1, self.head_dim), dtype=dtype, device=device)
+        self.kv_buffer = [torch.zeros((self.buffer_rows, 1, self.head_dim), dtype=dtype, device=device)
                           for _ in range(num_layers)]
         self.k_buffer = self.kv_buffer
         self.v_buffer = [buf[..., :kv_lora_rank] for buf in self.kv_buffer]

@@ -30,6 +30,9 @@ def _rank(rank: int, port: int, results: dict) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank))
     cpu_group = dist.new_group(backend="gloo")
+    import os
+
+    os.environ["RADIXSERVE_ONE_SHOT"] = "torch"  # PyTorch's one-shot kernel first, then the Triton one
     ar = CustomAllReduce(dist.group.WORLD, cpu_group, f"cuda:{rank}", max_bytes=1 << 20,
                          one_shot_max_bytes=64 << 10)
     out = {"enabled": ar.enabled, "reason": ar.disabled_reason}
@@ -65,8 +68,6 @@ def _rank(rank: int, port: int, results: dict) -> None:
                     expect = torch.full_like(x.float(), 2.0 * rep + 1.0)  # sum of rank + rep over 2 ranks
                     out[f"{dtype}-{numel}-graph{rep}"] = torch.equal(y.float(), expect)
     # the Triton one-shot and its fusion with residual add + RMSNorm
-    import os
-
     from radixserve.layers.triton_ops.norm import fused_add_rmsnorm
 
     os.environ["RADIXSERVE_ONE_SHOT"] = "triton"
@@ -106,8 +107,8 @@ def test_custom_all_reduce_equals_nccl_eager_and_in_graphs() -> None:
 
 
 def test_tp2_greedy_with_and_without_custom_all_reduce(tmp_path, monkeypatch) -> None:
-    """Float32 tiny llama: TP=2 through the custom all-reduce (CUDA graphs on; PyTorch's one-shot, then the Triton
-    one fused with add + RMSNorm) decodes what TP=2 with NCCL only does, and what TP=1 does."""
+    """Float32 tiny llama: TP=2 through the custom all-reduce (CUDA graphs on; the Triton one-shot fused with add +
+    RMSNorm, then PyTorch's one-shot) decodes what TP=2 with NCCL only does, and what TP=1 does."""
     from model_utils import make_tiny_model
 
     from radixserve import Engine
@@ -117,10 +118,10 @@ def test_tp2_greedy_with_and_without_custom_all_reduce(tmp_path, monkeypatch) ->
     greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     outs = {}
     for name, kw in (("tp1", {"tp_size": 1}), ("tp2", {"tp_size": 2}),
-                     ("tp2_nccl", {"tp_size": 2, "disable_custom_all_reduce": True}), ("tp2_triton", {"tp_size": 2})):
-        if name == "tp2_triton":
-            monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "triton")  # the scheduler processes inherit it
+                     ("tp2_nccl", {"tp_size": 2, "disable_custom_all_reduce": True}), ("tp2_torch", {"tp_size": 2})):
+        if name == "tp2_torch":
+            monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "torch")  # the scheduler processes inherit it
         with Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", max_total_tokens=4096,
                     log_level="warning", **kw) as engine:
             outs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
-    assert outs["tp2"] == outs["tp2_nccl"] == outs["tp1"] == outs["tp2_triton"]
+    assert outs["tp2"] == outs["tp2_nccl"] == outs["tp1"] == outs["tp2_torch"]

@@ -15,8 +15,9 @@ most important first.
 - Extend (prefill, chunked prefill, mixed batches) is the dense backend's, unchanged.
 
 On CUDA the scoring and the sparse attention are Triton kernels (`triton_ops/double_sparsity.py`) and the dense
-parts are the Triton backend's; on the CPU the same algorithm runs in PyTorch next to the CPU backend. Decode runs
-without CUDA graphs (how many tokens are scored depends on the batch's longest request).
+parts are the Triton backend's; on the CPU the same algorithm runs in PyTorch next to the CPU backend. A decode batch
+whose requests are all at most the threshold replays the dense backend's CUDA graphs; a longer one decodes
+sparsely without them (how many positions are scored depends on its longest request).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CHANNEL_FILE_FORMAT = "radixserve-double-sparsity/1"
 DEFAULT_HEAVY_CHANNEL_NUM = 16
 DEFAULT_HEAVY_TOKEN_NUM = 1024
 DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
+TOPK_MAX_CHUNKS = 8
 
 
 def load_channel_file(path: str, num_layers: int, num_kv_heads: int, head_dim: int) -> list[list[list[int]]]:
@@ -95,7 +97,9 @@ class DoubleSparseMetadata:
 
 
 class DoubleSparseAttnBackend(AttentionBackend):
-    supports_cuda_graph = False
+    # decode batches whose longest request is at most the threshold are dense: they replay the dense backend's CUDA
+    # graphs (label writes included); longer ones decode sparsely, eagerly (`cuda_graph_max_seq_len`)
+    supports_cuda_graph = True
 
     def __init__(self, model_runner: ModelRunner, channel_config_path: str | None = None,
                  heavy_channel_num: int | None = None, heavy_token_num: int | None = None,
@@ -174,6 +178,28 @@ class DoubleSparseAttnBackend(AttentionBackend):
             meta.sparse = meta.max_len > self.threshold
         self.forward_metadata = meta
 
+    # ---------------------------------------------------------------- CUDA graphs (dense decode)
+    def cuda_graph_max_seq_len(self) -> int | None:
+        return self.threshold
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.dense.init_cuda_graph_state(max_bs)
+
+    def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.dense.cuda_graph_input_buffers()
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        self.dense.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens)
+        self.forward_metadata = DoubleSparseMetadata()  # captured decode is the dense one
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        self.dense.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.dense.get_cuda_graph_seq_len_fill_value()
+
     # ---------------------------------------------------------------- label cache
     def store_labels(self, k: torch.Tensor, layer_id: int, loc: torch.Tensor) -> None:
         """Write the heavy channels of new keys k [T, Hkv*D] at KV slots loc."""
@@ -206,13 +232,22 @@ class DoubleSparseAttnBackend(AttentionBackend):
             o = self._sparse_decode_torch(q3, layer, forward_batch)
         return o.reshape(-1, layer.tp_q_head_num * layer.head_dim)
 
+    def topk_chunks(self, max_len: int) -> int:
+        """Pieces each score row is cut into for the top-k (`topk_positions`): rows of at least 8x the kept tokens
+        each, at most TOPK_MAX_CHUNKS."""
+        return max(1, min(TOPK_MAX_CHUNKS, max_len // (8 * self.heavy_token_num)))
+
     def q_labels(self, q3: torch.Tensor, layer_id: int) -> torch.Tensor:
         ch = self.q_channels[layer_id]
         return q3.gather(2, ch.unsqueeze(0).expand(q3.shape[0], -1, -1))
 
     def _sparse_decode_triton(self, q3: torch.Tensor, layer: RadixAttention,
                               forward_batch: ForwardBatch) -> torch.Tensor:
-        from radixserve.layers.attention.triton_ops.double_sparsity import ds_score_fwd, ds_sparse_decode_fwd
+        from radixserve.layers.attention.triton_ops.double_sparsity import (
+            ds_score_fwd,
+            ds_sparse_decode_fwd,
+            topk_positions,
+        )
 
         dense = self.dense
         bs = q3.shape[0]
@@ -220,7 +255,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
         ds_score_fwd(self.q_labels(q3, layer.layer_id), self.labels[layer.layer_id], self.req_to_token,
                      forward_batch.req_pool_indices, forward_batch.seq_lens, scores)
-        top = scores.topk(min(self.heavy_token_num, meta.max_len), dim=-1, sorted=False).indices
+        top = topk_positions(scores, min(self.heavy_token_num, meta.max_len), self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]
         mid_o, mid_lse = dense._ensure_eager_scratch(bs, self.num_heads, self.head_dim,  # type: ignore[attr-defined]
                                                      splits)

@@ -54,6 +54,11 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.quant_method = quant_method or UnquantizedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.inter_per_rank)
+        from radixserve.layers.moe.small_batch import counters_needed
+
+        # the small-batch path's per-block counters (each put back to 0 by the launch that uses it)
+        self.register_buffer("small_counters", torch.zeros(counters_needed(hidden_size), dtype=torch.int32),
+                             persistent=False)
 
     # ---------------------------------------------------------------- loading
     def full_shape(self, param_name: str) -> tuple[int, ...]:

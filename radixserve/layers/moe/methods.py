@@ -56,8 +56,10 @@ class UnquantizedMoEMethod(MoEMethod):
 
             if x.shape[0] <= small_batch.SMALL_BATCH_TOKENS:
                 shared = layer.folded_shared_weights(x)
+                counters = layer.small_counters if layer.small_counters.device == x.device else None
                 return small_batch.small_batch_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                                   layer.expert_offset, *(shared or (None, None)))
+                                                   layer.expert_offset, *(shared or (None, None)),
+                                                   counters=counters)
             from radixserve.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,

@@ -1,13 +1,15 @@
 """The experts for a few tokens (decode at small batch) in two launches, with no sorting step.
 
-At a handful of tokens the expert GEMMs are matrix-vector products: what costs is reading the chosen experts'
-weights once and launching as little as possible. So instead of bucketing the assignments by expert (align, padded
-row blocks, a separate top-k sum), each assignment (token t, its j-th expert) is one row of work:
+At a handful of tokens what costs is reading the chosen experts' weights once and launching as little as possible.
+So instead of bucketing the assignments by expert (align, padded row blocks, a separate top-k sum), each assignment
+(token t, its j-th expert) is one row of work, multiplied on the tensor cores as row 0 of a 16-row tile (the other
+rows are zeros: compute is free here, and `tl.dot` gets Triton's pipelined loads):
 
 1. gate/up: program (assignment, column block) reads x[t] and the expert's gate and up rows of that column block,
    and stores SiLU(gate)·up for the assignment (fp32 accumulation, one store in the model dtype);
-2. down: program (token, output column block) reads the token's k activated rows and its k experts' W_down
-   columns, applies the routing weights and sums over k in registers: one store of the layer's output per token.
+2. down: program (assignment, output column block) multiplies the activated row by the expert's W_down block and
+   its routing weight into a float32 partial; the last of the token's programs for that block (a counter per
+   (token, block), put back to 0 by it) sums the token's partials in slot order and stores the output.
 
 Shared experts (DeepSeek's `shared_experts`) may ride along as extra assignments of weight 1: a shared MLP whose
 intermediate size (per rank) is c times the routed one is c more "experts" for every token, read from its own
@@ -31,22 +33,31 @@ SMALL_BATCH_TOKENS = 16  # tokens up to which the MoE layer takes this path
 
 @dataclass(frozen=True)
 class SmallMoEConfig:
-    block_n_gate_up: int = 16
-    block_k_gate_up: int = 512
-    block_n_down: int = 8
+    block_n_gate_up: int = 32
+    block_k_gate_up: int = 128
+    block_n_down: int = 64
     block_k_down: int = 128
-    warps_gate_up: int = 4
-    warps_down: int = 4
+    warps: int = 4
+    stages: int = 4
 
 
 DEFAULT = SmallMoEConfig()
-INTERPRETED = SmallMoEConfig(8, 16, 8, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick
+INTERPRETED = SmallMoEConfig(16, 16, 16, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick
+ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute is free here, bytes are not)
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
 def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_local, inter_size, shared_inter,
                           hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
     j = a % slots
@@ -65,62 +76,84 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     up_shift = tl.where(is_routed, inter_size, shared_inter).to(tl.int64)
     stride_row = tl.where(is_routed, stride_wn, stride_ws).to(tl.int64)
     base = tl.where(is_routed, W13 + e64 * stride_we, W13S)
-    g_ptrs = base + gate_rows[:, None] * stride_row
-    u_ptrs = base + (gate_rows + up_shift)[:, None] * stride_row
-    x_row = X + tok.to(tl.int64) * stride_x
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, 16)
+    g_ptrs = base + gate_rows[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptrs = base + (gate_rows + up_shift)[None, :] * stride_row + offs_k[:, None]
+    x_ptrs = X + tok.to(tl.int64) * stride_x + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
+    acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < hidden
-        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        m = n_read[:, None] & k_ok[None, :]
-        wg = tl.load(g_ptrs + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(u_ptrs + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_g += tl.sum(wg * x[None, :], axis=1)
-        acc_u += tl.sum(wu * x[None, :], axis=1)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        k_ok = offs_k < hidden - k0
+        x = tl.load(x_ptrs, mask=(rows == 0)[:, None] & k_ok[None, :], other=0.0)
+        m = k_ok[:, None] & n_read[None, :]
+        wg = tl.load(g_ptrs, mask=m, other=0.0)
+        wu = tl.load(u_ptrs, mask=m, other=0.0)
+        acc_g = acc_g + _dot(x, wg, FP32)
+        acc_u = acc_u + _dot(x, wu, FP32)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    g = tl.sum(tl.where((rows == 0)[:, None], acc_g, 0.0), axis=0)
+    u = tl.sum(tl.where((rows == 0)[:, None], acc_u, 0.0), axis=0)
+    act = g / (1.0 + tl.exp(-g)) * u
     tl.store(Inter + a.to(tl.int64) * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _small_down_kernel(Inter, W2, W2S, Out, Weights, Ids, top_k, slots, offset, num_local, hidden, inter_size,
-                       stride_i, stride_we, stride_wn, stride_ws, stride_o,
-                       S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tok = tl.program_id(0)
-    offs_j = tl.arange(0, S_PAD)
-    is_routed = offs_j < top_k
-    e = tl.load(Ids + tok * top_k + offs_j, mask=is_routed, other=0).to(tl.int32) - offset
-    held = is_routed & (e >= 0) & (e < num_local)
-    use = held | ((offs_j >= top_k) & (offs_j < slots))
-    # routing weights; shared chunks add with weight 1
-    wt = tl.load(Weights + tok * top_k + offs_j, mask=held, other=0.0).to(tl.float32)
-    wt = tl.where(is_routed, wt, tl.where(use, 1.0, 0.0))
+def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k, slots, offset, num_local, hidden,
+                       inter_size, stride_i, stride_we, stride_wn, stride_ws, stride_o,
+                       S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+    """Program (assignment, column block): its weighted down-projection into Partial (float32); the last of a
+    token's `slots` programs for a column block (a counter per block in Count, put back to 0 by it) sums them in
+    slot order and stores the token's output."""
+    a = tl.program_id(0)
+    nb = tl.program_id(1)
+    tok = a // slots
+    j = a % slots
+    is_routed = j < top_k
+    e = tl.load(Ids + tok * top_k + j, mask=is_routed, other=0).to(tl.int32) - offset
+    held = (e >= 0) & (e < num_local)
+    use = held | (j >= top_k)
+    wt = tl.where(is_routed, tl.load(Weights + tok * top_k + j, mask=is_routed & held, other=0.0).to(tl.float32),
+                  1.0)  # shared chunks add with weight 1
     e64 = tl.where(held, e, 0).to(tl.int64)
-    chunk = (offs_j - top_k).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
+    n_read = offs_n < tl.where(use, hidden, 0)
     # routed: W2[e][n, k]; shared chunk c: the shared down weight's [n, c·I + k]
-    row_stride = tl.where(is_routed, stride_wn, stride_ws).to(tl.int64)
-    col0 = tl.where(is_routed, 0, chunk * inter_size)
-    base = tl.where(is_routed, W2 + e64 * stride_we, W2S + col0)
-    w_ptrs = base[:, None, None] + offs_n.to(tl.int64)[None, :, None] * row_stride[:, None, None]
-    a_ptrs = Inter + (tok * slots + offs_j).to(tl.int64)[:, None] * stride_i
-    acc = tl.zeros([S_PAD, BLOCK_N], dtype=tl.float32)
+    chunk = (j - top_k).to(tl.int64)
+    stride_row = tl.where(is_routed, stride_wn, stride_ws).to(tl.int64)
+    base = tl.where(is_routed, W2 + e64 * stride_we, W2S + chunk * inter_size)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, 16)
+    w_ptrs = base + offs_n.to(tl.int64)[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    a_ptrs = Inter + a.to(tl.int64) * stride_i + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < inter_size
-        act = tl.load(a_ptrs + offs_k[None, :], mask=use[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        m = use[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-        w = tl.load(w_ptrs + offs_k[None, None, :], mask=m, other=0.0).to(tl.float32)
-        acc += tl.sum(w * act[:, None, :], axis=2)
-    out = tl.sum(acc * wt[:, None], axis=0)
-    tl.store(Out + tok.to(tl.int64) * stride_o + offs_n, out.to(Out.dtype.element_ty), mask=n_ok)
+        k_ok = offs_k < inter_size - k0
+        act = tl.load(a_ptrs, mask=(rows == 0)[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_read[None, :], other=0.0)
+        acc = acc + _dot(act, w, FP32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    part = tl.sum(tl.where((rows == 0)[:, None], acc, 0.0), axis=0) * wt
+    tl.store(Partial + a.to(tl.int64) * hidden + offs_n, part, mask=n_ok)
+    tl.debug_barrier()  # every thread's partial is written before the counter moves
+    counter = Count + tok * tl.num_programs(1) + nb
+    if tl.atomic_add(counter, 1, sem="acq_rel") == slots - 1:
+        offs_j = tl.arange(0, S_PAD)
+        parts = tl.load(Partial + (tok * slots + offs_j).to(tl.int64)[:, None] * hidden + offs_n[None, :],
+                        mask=(offs_j < slots)[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(Out + tok.to(tl.int64) * stride_o + offs_n, tl.sum(parts, axis=0).to(Out.dtype.element_ty),
+                 mask=n_ok)
+        tl.atomic_xchg(counter, 0)
 
 
 def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, expert_offset: int = 0, shared_w13: torch.Tensor | None = None,
-                    shared_w2: torch.Tensor | None = None, config: SmallMoEConfig | None = None) -> torch.Tensor:
+                    shared_w2: torch.Tensor | None = None, config: SmallMoEConfig | None = None,
+                    counters: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t]) (+ the shared MLP SiLU(x G^T)·(x U^T) D^T when
     `shared_w13` [2S, H] / `shared_w2` [H, S] are given, S a multiple of the routed intermediate size), for
     x [T, H], w13 [E, 2I, H], w2 [E, H, I]; experts outside [expert_offset, expert_offset + E) add nothing."""
@@ -149,19 +182,34 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
     interp = is_interpreted()
     cfg = config or (INTERPRETED if interp else DEFAULT)
+    blocks_down = triton.cdiv(hidden, cfg.block_n_down)
+    if counters is None:
+        counters = torch.zeros(num_tokens * blocks_down, dtype=torch.int32, device=x.device)
+    elif counters.dtype != torch.int32 or counters.numel() < num_tokens * blocks_down:
+        raise ValueError(f"small_batch_moe: {num_tokens * blocks_down} int32 counters needed, got "
+                         f"{counters.numel()} {counters.dtype}")
     x = x.contiguous()
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     slots = top_k + chunks
     act = torch.empty((num_tokens * slots, inter), dtype=x.dtype, device=x.device)
+    partial = torch.empty((num_tokens * slots, hidden), dtype=torch.float32, device=x.device)
     sw13 = w13 if shared_w13 is None else shared_w13
     sw2 = w2 if shared_w2 is None else shared_w2
+    fp32 = x.dtype == torch.float32
+    opts = {} if interp else {"num_warps": cfg.warps, "num_stages": cfg.stages}
     launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13, act,
            ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0), w13.stride(0),
            w13.stride(1), sw13.stride(-2), act.stride(0), BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
-           **({} if interp else {"num_warps": cfg.warps_gate_up}))
-    launch(_small_down_kernel, (num_tokens, triton.cdiv(hidden, cfg.block_n_down)), act, w2, sw2, out, weights, ids,
+           FP32=fp32, **opts)
+    launch(_small_down_kernel, (num_tokens * slots, blocks_down), act, w2, sw2, out, partial, counters, weights, ids,
            top_k, slots, expert_offset, num_local, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
            sw2.stride(-2), out.stride(0), S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k_down, **({} if interp else {"num_warps": cfg.warps_down}))
+           BLOCK_K=cfg.block_k_down, FP32=fp32, **opts)
     return out
+
+
+def counters_needed(hidden: int, config: SmallMoEConfig | None = None) -> int:
+    """int32 counters `small_batch_moe` needs for SMALL_BATCH_TOKENS tokens (one per token and output block)."""
+    cfg = config or DEFAULT
+    return SMALL_BATCH_TOKENS * triton.cdiv(hidden, min(cfg.block_n_down, INTERPRETED.block_n_down))

@@ -2,10 +2,12 @@
 exactly over them.
 
 The label cache holds, for every KV slot and KV head, the key's values on that head's heavy channels (a few of
-head_dim). `ds_score_fwd` launches one program per (request, KV head, block of BLOCK_N positions): it reads the
-positions' slots through req_to_token, their labels, and the query's values on the same channels (the q label,
-gathered by the caller), and writes one approximate score per position: the largest q-label . k-label over the
-query heads that share the KV head (a token stays if any head of the group would look at it). Positions at or past
+head_dim). `ds_score_fwd` launches one program per (request, block of BLOCK_N positions): it reads the positions'
+slots through req_to_token and their label rows (all KV heads: one contiguous row per token), and multiplies them
+(tl.dot) with a block-diagonal matrix of the query's values on the same channels (the q labels, laid out by
+`block_q_labels`), which gives q-label . k-label for every query head against its own KV head. A position's score
+for a KV head is the largest over the query heads that share it (a token stays if any head of the group would look
+at it). Positions at or past
 a request's seq_len score -inf, so `torch.topk` over the row never picks them while real tokens remain.
 
 `ds_sparse_decode_fwd` is the split-KV decode of `decode_attention.py` over a list of positions instead of a range:
@@ -32,37 +34,40 @@ from radixserve.layers.triton_ops.launch import launch
 
 @triton.jit(do_not_specialize=["n_cols"])
 def _ds_score_kernel(
-    QLabel, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, n_cols,
-    stride_qb, stride_qh,
-    stride_lt, stride_lh,
+    QBlock, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, n_cols,
+    stride_qb, stride_qr,
+    stride_lt,
     stride_r2t,
     stride_sb, stride_sh,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    CHANNELS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     mask_n = offs_n < seq_len
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_c = offs_c < CHANNELS
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < GROUP
-
     row = tl.load(Req_pool_indices + b).to(tl.int64)
     loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-    ql = tl.load(QLabel + b.to(tl.int64) * stride_qb + (kv_head * GROUP + offs_g)[:, None] * stride_qh
-                 + offs_c[None, :], mask=mask_g[:, None] & mask_c[None, :], other=0.0).to(tl.float32)  # [G, C]
-    kl = tl.load(Labels + loc[:, None] * stride_lt + kv_head * stride_lh + offs_c[None, :],
-                 mask=mask_n[:, None] & mask_c[None, :], other=0.0).to(tl.float32)  # [N, C]
-    s = tl.sum(ql[:, None, :] * kl[None, :, :], axis=2)  # [G, N]
-    s = tl.where(mask_g[:, None], s, float("-inf"))
-    best = tl.where(mask_n, tl.max(s, axis=0), float("-inf"))
-    tl.store(Scores + b.to(tl.int64) * stride_sb + kv_head * stride_sh + offs_n, best, mask=offs_n < n_cols)
+    offs_k = tl.arange(0, BLOCK_K)
+    # every KV head's labels of a token are one contiguous row of ROW = Hkv * C values
+    kl = tl.load(Labels + loc[:, None] * stride_lt + offs_k[None, :],
+                 mask=mask_n[:, None] & (offs_k[None, :] < ROW), other=0.0)  # [N, K]
+    offs_j = tl.arange(0, KV_PAD * G_PAD)  # column j: query head j % G_PAD of KV head j // G_PAD
+    qb = tl.load(QBlock + b.to(tl.int64) * stride_qb + offs_j[None, :] * stride_qr + offs_k[:, None])  # [K, J]
+    s = mma(kl, qb, DOT_FP32)  # [N, J]: q_label . k_label of each (KV head, query head of the group)
+    real = ((offs_j % G_PAD) < GROUP) & ((offs_j // G_PAD) < NUM_KV_HEADS)
+    s = tl.where(real[None, :], s, float("-inf"))
+    best = tl.max(tl.reshape(s, (BLOCK_N, KV_PAD, G_PAD)), axis=2)  # [N, KV_PAD]: the group's best
+    best = tl.where(mask_n[:, None], best, float("-inf"))
+    offs_h = tl.arange(0, KV_PAD)
+    tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
+             mask=(offs_n[:, None] < n_cols) & (offs_h[None, :] < NUM_KV_HEADS))
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "dense_len", "top_k"])
@@ -145,13 +150,38 @@ def _ds_sparse_stage1_kernel(
         tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
 
 
+def score_layout(num_heads: int, num_kv_heads: int, channels: int) -> tuple[int, int, int]:
+    """(KV_PAD, G_PAD, BLOCK_K) of the scoring kernel: padded KV heads x padded group >= 16 columns for tl.dot, and
+    the padded label row (Hkv * C values)."""
+    kv_pad = triton.next_power_of_2(num_kv_heads)
+    g_pad = max(triton.next_power_of_2(num_heads // num_kv_heads), triton.cdiv(16, kv_pad))
+    return kv_pad, g_pad, max(16, triton.next_power_of_2(num_kv_heads * channels))
+
+
+def block_q_labels(q_label: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q_label [bs, H, C] -> [bs, KV_PAD * G_PAD, BLOCK_K]: row kv * G_PAD + g holds query head kv * G + g's label at
+    columns kv * C .. kv * C + C - 1 and zeros elsewhere (so one product with a token's label row scores every head
+    against its own KV head's channels)."""
+    bs, num_heads, channels = q_label.shape
+    group = num_heads // num_kv_heads
+    kv_pad, g_pad, block_k = score_layout(num_heads, num_kv_heads, channels)
+    out = q_label.new_zeros(bs, kv_pad, g_pad, kv_pad, channels)
+    idx = torch.arange(num_kv_heads, device=q_label.device)
+    out[:, idx, :group, idx, :] = q_label.view(bs, num_kv_heads, group, channels).transpose(0, 1)
+    out = out.view(bs, kv_pad * g_pad, kv_pad * channels)[:, :, :num_kv_heads * channels]
+    if block_k > out.shape[2]:
+        out = torch.nn.functional.pad(out, (0, block_k - out.shape[2]))
+    return out.contiguous()
+
+
 def ds_score_fwd(q_label: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor,
                  block_n: int | None = None) -> None:
     """scores[b, g, p] = max over the query heads h of KV head g of q_label[b, h] . labels[slot of position p of
     request b, g], for p < seq_lens[b]; -inf for seq_lens[b] <= p < scores.shape[2].
 
-    q_label: [bs, H, C]; labels: [slots, Hkv, C]; scores: [bs, Hkv, n_cols] float32 (written in place)."""
+    q_label: [bs, H, C]; labels: [slots, Hkv, C] (contiguous rows); scores: [bs, Hkv, n_cols] float32 (written in
+    place). One program scores BLOCK_N positions of a request for all its KV heads."""
     if q_label.dim() != 3 or labels.dim() != 3 or scores.dim() != 3:
         raise ValueError(f"q_label [bs, H, C], labels [slots, Hkv, C] and scores [bs, Hkv, L] expected; got "
                          f"{tuple(q_label.shape)}, {tuple(labels.shape)}, {tuple(scores.shape)}")
@@ -160,24 +190,47 @@ def ds_score_fwd(q_label: torch.Tensor, labels: torch.Tensor, req_to_token: torc
     if labels.shape[2] != channels or num_heads % num_kv_heads or tuple(scores.shape[:2]) != (bs, num_kv_heads):
         raise ValueError(f"shapes disagree: q_label {tuple(q_label.shape)}, labels {tuple(labels.shape)}, scores "
                          f"{tuple(scores.shape)}")
-    if scores.dtype != torch.float32 or q_label.stride(-1) != 1 or labels.stride(-1) != 1 or scores.stride(-1) != 1:
-        raise ValueError("scores must be float32, and every tensor needs a unit stride in its last dimension")
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1 or labels.stride(2) != 1 \
+            or labels.stride(1) != channels:
+        raise ValueError("scores must be float32 with a unit last stride, labels rows contiguous")
     n_cols = scores.shape[2]
     if bs == 0 or n_cols == 0:
         return
-    group = num_heads // num_kv_heads
+    kv_pad, g_pad, block_k = score_layout(num_heads, num_kv_heads, channels)
+    qb = block_q_labels(q_label.to(labels.dtype), num_kv_heads)
+    interp = is_interpreted()
     if block_n is None:
-        block_n = 32 if is_interpreted() else 128
-    grid = (bs, num_kv_heads, triton.cdiv(n_cols, block_n))
+        block_n = 32 if interp else 128
+    grid = (bs, triton.cdiv(n_cols, block_n))
     launch(_ds_score_kernel, grid,
-        q_label, labels, req_to_token, req_pool_indices, seq_lens, scores, n_cols,
-        q_label.stride(0), q_label.stride(1),
-        labels.stride(0), labels.stride(1),
+        qb, labels, req_to_token, req_pool_indices, seq_lens, scores, n_cols,
+        qb.stride(0), qb.stride(1),
+        labels.stride(0),
         req_to_token.stride(0),
         scores.stride(0), scores.stride(1),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), CHANNELS=channels,
-        BLOCK_C=max(2, triton.next_power_of_2(channels)), BLOCK_N=block_n, num_warps=4, num_stages=2,
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, KV_PAD=kv_pad, G_PAD=g_pad,
+        ROW=num_kv_heads * channels, BLOCK_K=block_k, BLOCK_N=block_n,
+        DOT_FP32=interp or labels.dtype == torch.float32, num_warps=4, num_stages=2,
     )
+
+
+def topk_positions(scores: torch.Tensor, k: int, chunks: int = 1) -> torch.Tensor:
+    """Positions [..., k] of the k best scores of each row of scores [..., L], in no particular order. With chunks > 1
+    each row is cut into `chunks` pieces, the best k of every piece are taken first and the best k of those after:
+    the same positions (up to ties), from more and shorter rows, which suits torch.topk better on long rows."""
+    n = scores.shape[-1]
+    if chunks <= 1 or n < 2 * chunks * k:
+        return scores.topk(k, dim=-1, sorted=False).indices
+    width = n // chunks
+    body = scores[..., :width * chunks].unflatten(-1, (chunks, width))
+    values, idx = body.topk(k, dim=-1, sorted=False)  # [..., chunks, k]
+    idx = idx + torch.arange(0, width * chunks, width, device=scores.device).unsqueeze(-1)
+    values, idx = values.flatten(-2), idx.flatten(-2)
+    if width * chunks < n:  # the remainder joins the candidates whole
+        tail = torch.arange(width * chunks, n, device=scores.device).expand(*scores.shape[:-1], -1)
+        values = torch.cat([values, scores[..., width * chunks:]], dim=-1)
+        idx = torch.cat([idx, tail], dim=-1)
+    return idx.gather(-1, values.topk(k, dim=-1, sorted=False).indices)
 
 
 def ds_sparse_decode_fwd(
@@ -255,4 +308,4 @@ def ds_sparse_decode_fwd(
     )
 
 
-__all__ = ["ds_score_fwd", "ds_sparse_decode_fwd", "split_capacity"]
+__all__ = ["ds_score_fwd", "ds_sparse_decode_fwd", "split_capacity", "topk_positions"]
