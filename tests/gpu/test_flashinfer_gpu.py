@@ -109,7 +109,9 @@ def test_cuda_graph_hooks_match_eager() -> None:
     torch.testing.assert_close(out[:3].float(), eager.float(), atol=1e-2, rtol=1e-2)
 
 
-def test_model_greedy_matches_triton(tmp_path) -> None:  # noqa: ANN001
+def test_model_decodes_like_triton_teacher_forced(tmp_path) -> None:  # noqa: ANN001
+    """bf16, CUDA graphs on both, page size 16: flashinfer decodes triton's greedy tokens (teacher-forced) with the
+    same argmax at every step but near-ties (triton's own lead under 2% of the step's largest |logit|)."""
     from model_utils import make_tiny_model
 
     from radixserve.bench_one_batch import StaticBatch
@@ -120,14 +122,34 @@ def test_model_greedy_matches_triton(tmp_path) -> None:  # noqa: ANN001
     hf = make_tiny_model("llama", str(tmp_path), hidden_size=256, intermediate_size=256, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=512)
     with torch.no_grad():
-        hf.get_output_embeddings().weight.mul_(30.0)  # clear winners: bf16 rounding decides no token
+        hf.get_output_embeddings().weight.mul_(30.0)
     hf.save_pretrained(str(tmp_path))
     prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14], [1, 2, 3], list(range(30, 90))]
-    outs = {}
-    for name in ("flashinfer", "triton"):
+
+    def run(name: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
         args = ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=4096,
                           max_running_requests=8, cuda_graph_max_bs=8, attention_backend=name, page_size=16)
         runner = ModelRunner(ModelConfig(str(tmp_path)), args)
         assert runner.cuda_graph_runner is not None
-        outs[name] = StaticBatch(runner).generate(prompts, 16)
-    assert outs["flashinfer"] == outs["triton"]
+        sb = StaticBatch(runner)
+        batch, _ = sb.prefill(prompts)
+        logits = [sb.last_logits.next_token_logits.float().cpu()]
+        for step in range(15):
+            if forced is not None:
+                for req, toks in zip(batch.reqs, forced, strict=True):
+                    req.output_ids[-1] = toks[step]
+            sb.decode(batch)
+            logits.append(sb.last_logits.next_token_logits.float().cpu())
+        return [list(r.output_ids) for r in batch.reqs], logits
+
+    ref_tokens, ref_logits = run("triton", None)
+    _, fi_logits = run("flashinfer", ref_tokens)
+    misses = near = 0
+    for step, (a, b) in enumerate(zip(ref_logits, fi_logits, strict=True)):
+        for row in range(len(prompts)):
+            want, got = ref_tokens[row][step], int(b[row].argmax())
+            if got != want:
+                misses += 1
+                near += bool(a[row, want] - a[row, got] < 0.02 * a[row].abs().max())
+        assert (a - b).abs().max() < 0.05 * a.abs().max() + 0.5
+    assert misses == near, (misses, near)
