@@ -94,8 +94,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
     dtype = getattr(torch, args.dtype)
     max_bytes = max(args.sizes_kib) * 1024
+    os.environ["RADIXSERVE_ONE_SHOT"] = "torch"  # PyTorch's one- and two-shot kernels
+    torch_ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
+    os.environ["RADIXSERVE_ONE_SHOT"] = "triton"  # the default: the Triton one-shot, PyTorch's two-shot above
     ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
-    result: dict[str, Any] = {"custom_enabled": ar.enabled, "disabled_reason": ar.disabled_reason, "rows": []}
+    result: dict[str, Any] = {"custom_enabled": ar.enabled and torch_ar.enabled,
+                              "disabled_reason": ar.disabled_reason or torch_ar.disabled_reason, "rows": [],
+                              "auto_one_shot_max_kib": ar.one_shot_max_bytes // 1024}
 
     def nccl(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
@@ -103,14 +108,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
     methods = {"nccl": nccl}
     if ar.enabled:
-        methods.update({"one_shot": ar.one_shot, "two_shot": ar.two_shot, "auto": ar.all_reduce})
-    if cuda and "triton" in args.methods:
-        try:
-            from radixserve.distributed.triton_all_reduce import TritonOneShot
-
-            methods["triton"] = TritonOneShot(dist.group.WORLD, device, (dtype,), max_bytes)
-        except Exception as e:  # noqa: BLE001
-            result["triton_error"] = f"{type(e).__name__}: {e}"
+        methods.update({"one_shot": torch_ar.one_shot, "two_shot": torch_ar.two_shot, "triton": ar.one_shot,
+                        "auto": ar.all_reduce})
     methods = {k: v for k, v in methods.items() if k in args.methods}
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     for kib in args.sizes_kib:
@@ -147,7 +146,7 @@ def report(result: dict[str, Any], result_file: str | None) -> None:
     print(f"custom all-reduce enabled: {result['custom_enabled']} {result['disabled_reason'] or ''}")
     if "triton_error" in result:
         print("triton one-shot not set up:", result["triton_error"])
-    names = [n for n in ("nccl", "one_shot", "two_shot", "auto", "triton") if any(n in r for r in result["rows"])]
+    names = [n for n in ("nccl", "one_shot", "two_shot", "triton", "auto") if any(n in r for r in result["rows"])]
     print("microseconds per all-reduce; graph = inside a CUDA graph of back-to-back calls")
     print(f"{'KiB':>6} " + " ".join(f"{n + ' graph':>14} {n + ' eager':>14}" for n in names) + "  exact int sums")
     for row in result["rows"]:
@@ -177,9 +176,11 @@ def main() -> None:
     parser.add_argument("--eager-iters", type=int, default=50)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a gloo dry run (NCCL "
                         "only, no graphs)")
-    parser.add_argument("--methods", nargs="+", default=["nccl", "one_shot", "two_shot", "auto"],
+    parser.add_argument("--methods", nargs="+", default=["nccl", "one_shot", "two_shot", "triton", "auto"],
                         choices=("nccl", "one_shot", "two_shot", "auto", "triton"),
-                        help="triton: the experimental one-barrier kernel (radixserve/distributed/triton_all_reduce)")
+                        help="one_shot / two_shot: PyTorch's symmetric-memory kernels; triton: the one-barrier "
+                             "Triton one-shot (radixserve/distributed/triton_all_reduce.py); auto: what the engine "
+                             "does (Triton one-shot, then PyTorch's two-shot, then NCCL)")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:

@@ -99,7 +99,7 @@ def print_table(d: dict[str, Any], steps: list[str]) -> None:
     for line in steps:
         print("  step", line)
     print(f"\n0. all-reduce, us per call inside a CUDA graph (custom enabled: {d.get('allreduce_custom_enabled')}):")
-    methods = ("nccl", "one_shot", "two_shot", "auto")
+    methods = ("nccl", "one_shot", "two_shot", "triton", "auto")
     print(f"   {'KiB':>6} " + " ".join(f"{m:>9}" for m in methods))
     for kib, r in d.get("allreduce_us", {}).items():
         print(f"   {kib:>6} " + " ".join(f"{_fmt(r.get(m), '.2f'):>9}" for m in methods))

@@ -160,6 +160,24 @@ def profile_decode(runner: ModelRunner, batch_size: int, input_len: int, steps: 
         sb.decode(batch)
     plain_wall = (time.perf_counter() - t0) / steps
     del runner.forward
+    # the graph floor: this batch's decode graph replayed back to back with no host work in between (CUDA events):
+    # a step's GPU time when the host is never late, which the overlap loop of the server comes within ~1% of
+    floor = None
+    cgr = runner.cuda_graph_runner
+    if cgr is not None and batch_size <= cgr.max_bs:
+        import bisect
+
+        graph = cgr.graphs[cgr.capture_bs[bisect.bisect_left(cgr.capture_bs, batch_size)]]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        floor = start.elapsed_time(end) / 50
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -185,7 +203,7 @@ def profile_decode(runner: ModelRunner, batch_size: int, input_len: int, steps: 
     table = [{"kernel": name[:90], "calls_per_step": len(ts) / steps, "us_per_step": sum(ts) / steps,
               "share": sum(ts) / max(busy, 1e-9)} for name, ts in ranked]
     return {"batch_size": batch_size, "input_len": input_len, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-            "unprofiled_wall_ms_per_step": plain_wall * 1e3,
+            "unprofiled_wall_ms_per_step": plain_wall * 1e3, "graph_floor_ms": floor,
             "host_forward_call_ms_per_step": sum(inner) / max(1, len(inner)) * 1e3,
             "gpu_busy_ms_per_step": busy / steps / 1e3, "kernels_per_step": len(kernels) / steps,
             "top_kernels": table}
@@ -195,7 +213,9 @@ def print_profile(p: dict[str, Any]) -> None:
     print(f"\nprofile, batch {p['batch_size']}: wall {p['wall_ms_per_step']:.3f} ms/step, GPU busy "
           f"{p['gpu_busy_ms_per_step']:.3f} ms/step, {p['kernels_per_step']:.0f} kernels/step; without the profiler "
           f"{p['unprofiled_wall_ms_per_step']:.3f} ms/step, of which {p['host_forward_call_ms_per_step']:.3f} ms "
-          f"in the ModelRunner.forward call (host)")
+          f"in the ModelRunner.forward call (host); graph floor "
+          f"{'-' if p['graph_floor_ms'] is None else format(p['graph_floor_ms'], '.3f')} ms (the decode graph "
+          f"replayed back to back)")
     print(f"{'us/step':>9} {'calls':>6} {'share':>6}  kernel")
     for k in p["top_kernels"]:
         print(f"{k['us_per_step']:>9.1f} {k['calls_per_step']:>6.0f} {k['share']:>6.1%}  {k['kernel']}")
