@@ -20,7 +20,8 @@ TOKARG=()
 $PY -m radixserve.launch_server --model-path "$MODEL" "${LOAD[@]}" "${TOKARG[@]}" --port "$PORT" "$@" \
   > "$OUT/latency_server.log" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null' EXIT
+echo $SERVER > "$OUT/latency_server.pid"
+trap 'kill $SERVER 2>/dev/null' EXIT TERM INT
 t=$(date +%s)
 until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
   if ! kill -0 $SERVER 2>/dev/null || [ $(( $(date +%s) - t )) -gt "${START_S:-120}" ]; then

@@ -115,6 +115,21 @@ def _compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
 
     done = 0
     for family, m, cfg in jobs:
+        if family == "fp8_warm":  # compile what a model's decode graphs will use (table picks, defaults)
+            try:
+                from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+
+                n, k = cfg["block_n"], cfg["block_k"]  # the shape, carried in the config's fields
+                fields = make_weight("fp8", n, k, 0)
+                for rows in (1, 2, 3, 16):
+                    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                    fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype)
+                    if (n, k) == SHAPES_8B[2]:
+                        fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, silu_mul=True)
+                done += 1
+            except Exception as e:  # noqa: BLE001
+                print(f"warm-up failed for {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
         try:  # Q4_K's d/dmin row stride (K / 256) is a multiple of 16 at K = 4096, not at 14336: both variants
             for k in (4096, 14336) if family == "q4_k" else (4096,):
                 fields = make_weight(family, 128, k, 0)
@@ -200,6 +215,8 @@ def main() -> None:
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--warm-fp8", action="store_true", help="also compile (into Triton's cache) the fp8 decode "
+                   "kernels a model's CUDA graphs use on these shapes at 1-16 rows, for the runs that follow")
     p.add_argument("--kernels", nargs="+", default=None, help="only candidates of these kernels (ew, dot, acc), plus "
                    "the configs the table holds now for the swept shapes")
     p.add_argument("--out", default=None)
@@ -223,6 +240,8 @@ def main() -> None:
         return out
 
     plan = [(f, m, c) for f in args.families for m in args.m for c in cands(f, m)]
+    if args.warm_fp8:
+        plan = [("fp8_warm", 1, GemvConfig("ew", n, k)) for n, k in shapes] + plan
     try:
         precompile(plan, args.workers)
     except Exception as e:  # noqa: BLE001 - the sweep still runs, compiling as it goes

@@ -111,7 +111,7 @@ def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens
     flex.init_forward_metadata_capture_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens)
     flex.init_forward_metadata(fb)
     flex.init_forward_metadata_replay_cuda_graph(len(rows), fb.req_pool_indices, fb.seq_lens, sum(seq_d))
-    flex._meta, flex._use_graph_meta = flex._graph, True
+    flex._meta, flex._use_graph_meta = flex._graph_meta(len(rows)), True
     out = flex.forward(q, k, v, lay, fb)
     torch.testing.assert_close(out, ref.forward(q, k, v, lay, fb_ref, save_kv_cache=False), atol=tol, rtol=tol)
     check_decode_coverage(flex, rows, seq_d, window)
@@ -192,3 +192,35 @@ def test_torch_native_static_decode_equals_eager(window: int) -> None:
     static = native.forward(q, q[:, :32], q[:, :32], lay, fb, save_kv_cache=False)
     torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
     assert native.cuda_graph_max_seq_len() == min(4096, r2t.req_to_token.shape[1])
+
+
+def test_graph_runner_sends_sequences_past_the_backend_bound_to_eager() -> None:
+    from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    runner = make_runner(2, 1, 16, 1)
+    stub = SimpleNamespace(backend=TorchNativeAttnBackend(runner), dp_attention=False, max_bs=8)
+    bound = stub.backend.cuda_graph_max_seq_len()
+
+    def batch(lens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(lens), seq_lens_cpu=lens)
+
+    assert CudaGraphRunner.can_run(stub, batch([5, bound]))
+    assert not CudaGraphRunner.can_run(stub, batch([5, bound + 1]))
+    assert not CudaGraphRunner.can_run(stub, batch([5] * 9))
+    stub.backend = FlexAttnBackend(runner)  # no bound
+    assert CudaGraphRunner.can_run(stub, batch([5, 10 ** 6]))
+
+
+def test_prefill_graphs_only_for_backends_whose_extend_is_capturable() -> None:
+    """flex builds its extend block masks on the host and torch_native loops over requests there: a captured
+    one-request prefill would replay the metadata of the capture, so neither takes prefill graphs."""
+    from radixserve.model_executor.prefill_graph_runner import prefill_graphs_supported
+
+    runner = make_runner(2, 1, 16, 1)
+    stub = SimpleNamespace(is_cuda=True, tp_size=1, lora_manager=None, model_config=SimpleNamespace(is_mla=False),
+                           server_args=SimpleNamespace(is_embedding=False, enable_dp_attention=False))
+    for backend in (FlexAttnBackend(runner), TorchNativeAttnBackend(runner)):
+        stub.attn_backend = backend
+        assert backend.supports_cuda_graph and not prefill_graphs_supported(stub)
+    stub.attn_backend = SimpleNamespace(supports_cuda_graph=True, supports_prefill_cuda_graph=True)
+    assert prefill_graphs_supported(stub)

@@ -310,10 +310,11 @@ def test_batch_stats_are_logged(tiny_path, caplog) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_warmup_leaves_no_trace(tiny_path, reference, overlap) -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_warmup_leaves_no_trace(tiny_path, reference, overlap, page_size) -> None:
     """The start-up warm-up (run on CUDA before the scheduler reports ready) sends nothing, frees every slot, resets
     the counters and the cache, and later requests give the same tokens as without it."""
-    s = make_scheduler(tiny_path, enable_overlap_schedule=overlap)
+    s = make_scheduler(tiny_path, enable_overlap_schedule=overlap, page_size=page_size)
     sent: list = []
     s.send_to_detokenizer = SimpleNamespace(send_pyobj=sent.append)  # a socket: the warm-up must not use it
     s.warmup()

@@ -137,6 +137,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
+        self.prefill_graph_runner = None
         if server_args.enable_torch_compile and (not self.is_cuda or server_args.disable_cuda_graph
                                                  or not self.attn_backend.supports_cuda_graph):
             raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
@@ -149,7 +150,6 @@ class ModelRunner:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.cuda_graph_runner = CudaGraphRunner(self)
-        self.prefill_graph_runner = None
         if self.cuda_graph_runner is not None and server_args.prefill_cuda_graph_max_tokens > 0:
             from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
 

@@ -10,13 +10,15 @@ most important first.
   `--ds-heavy-channel-num` channels, written whenever K is stored (extend and decode).
 - Decode: each request longer than `--ds-sparse-decode-threshold` tokens scores all its tokens on the labels (one
   score per KV head: the best over the query heads sharing it), keeps the `--ds-heavy-token-num` best of each KV
-  head, and attends exactly (full head_dim, softmax over the kept tokens) over those. Shorter requests attend over
+  head (the first KEEP_FIRST and last KEEP_LAST positions always among them), and attends exactly (full head_dim,
+  softmax over the kept tokens) over those. Shorter requests attend over
   everything. Layers with a sliding window attend densely (their window is the sparsity).
 - Extend (prefill, chunked prefill, mixed batches) is the dense backend's, unchanged.
 
 On CUDA the scoring and the sparse attention are Triton kernels (`triton_ops/double_sparsity.py`) and the dense
-parts are the Triton backend's; on the CPU the same algorithm runs in PyTorch next to the CPU backend. Decode runs
-without CUDA graphs (how many tokens are scored depends on the batch's longest request).
+parts are the Triton backend's; on the CPU the same algorithm runs in PyTorch next to the CPU backend. A decode batch
+whose requests are all at most the threshold replays the dense backend's CUDA graphs; a longer one decodes
+sparsely without them (how many positions are scored depends on its longest request).
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ CHANNEL_FILE_FORMAT = "radixserve-double-sparsity/1"
 DEFAULT_HEAVY_CHANNEL_NUM = 16
 DEFAULT_HEAVY_TOKEN_NUM = 1024
 DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
-TOPK_MAX_CHUNKS = 8
+TOPK_MAX_CHUNKS = 1  # chunked top-k measured slower on the H200 (docs/perf-log.md): off
+# Always among the kept tokens (within --ds-heavy-token-num): the first few (attention sinks) and the most recent ones,
+# whose weight the heavy channels underestimate (RoPE's fast-turning channels, which favour nearby tokens, are
+# rarely heavy). At most a quarter / half of the kept tokens.
+KEEP_FIRST, KEEP_LAST = 4, 64
+
+
+def kept_ends(heavy_token_num: int) -> tuple[int, int]:
+    """(first, last) positions always kept for a top-k of heavy_token_num tokens."""
+    return min(KEEP_FIRST, heavy_token_num // 4), min(KEEP_LAST, heavy_token_num // 2)
 
 
 def load_channel_file(path: str, num_layers: int, num_kv_heads: int, head_dim: int) -> list[list[list[int]]]:
@@ -96,7 +107,9 @@ class DoubleSparseMetadata:
 
 
 class DoubleSparseAttnBackend(AttentionBackend):
-    supports_cuda_graph = False
+    # decode batches whose longest request is at most the threshold are dense: they replay the dense backend's CUDA
+    # graphs (label writes included); longer ones decode sparsely, eagerly (`cuda_graph_max_seq_len`)
+    supports_cuda_graph = True
 
     def __init__(self, model_runner: ModelRunner, channel_config_path: str | None = None,
                  heavy_channel_num: int | None = None, heavy_token_num: int | None = None,
@@ -175,6 +188,28 @@ class DoubleSparseAttnBackend(AttentionBackend):
             meta.sparse = meta.max_len > self.threshold
         self.forward_metadata = meta
 
+    # ---------------------------------------------------------------- CUDA graphs (dense decode)
+    def cuda_graph_max_seq_len(self) -> int | None:
+        return self.threshold
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.dense.init_cuda_graph_state(max_bs)
+
+    def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.dense.cuda_graph_input_buffers()
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        self.dense.init_forward_metadata_capture_cuda_graph(bs, req_pool_indices, seq_lens)
+        self.forward_metadata = DoubleSparseMetadata()  # captured decode is the dense one
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        self.dense.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.dense.get_cuda_graph_seq_len_fill_value()
+
     # ---------------------------------------------------------------- label cache
     def store_labels(self, k: torch.Tensor, layer_id: int, loc: torch.Tensor) -> None:
         """Write the heavy channels of new keys k [T, Hkv*D] at KV slots loc."""
@@ -209,7 +244,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
 
     def topk_chunks(self, max_len: int) -> int:
         """Pieces each score row is cut into for the top-k (`topk_positions`): rows of at least 8x the kept tokens
-        each, at most TOPK_MAX_CHUNKS."""
+        each, at most TOPK_MAX_CHUNKS (1: one torch.topk over the whole row)."""
         return max(1, min(TOPK_MAX_CHUNKS, max_len // (8 * self.heavy_token_num)))
 
     def q_labels(self, q3: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -229,7 +264,8 @@ class DoubleSparseAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
         ds_score_fwd(self.q_labels(q3, layer.layer_id), self.labels[layer.layer_id], self.req_to_token,
-                     forward_batch.req_pool_indices, forward_batch.seq_lens, scores)
+                     forward_batch.req_pool_indices, forward_batch.seq_lens, scores,
+                     *kept_ends(self.heavy_token_num))
         top = topk_positions(scores, min(self.heavy_token_num, meta.max_len), self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]
         mid_o, mid_lse = dense._ensure_eager_scratch(bs, self.num_heads, self.head_dim,  # type: ignore[attr-defined]
@@ -258,18 +294,23 @@ class DoubleSparseAttnBackend(AttentionBackend):
             slots = self.req_to_token[rows[i], :seq_len].long()
             selected = None
             if seq_len > self.threshold:
-                selected = select_heavy_tokens(ql[i], self.labels[layer.layer_id][slots], self.heavy_token_num)
+                selected = select_heavy_tokens(ql[i], self.labels[layer.layer_id][slots], self.heavy_token_num,
+                                               *kept_ends(self.heavy_token_num))
             o[i] = sparse_attention_ref(q3[i], load_kv_values(k_buf[slots], q3.dtype, ks),
                                         load_kv_values(v_buf[slots], q3.dtype, vs), selected, layer.scaling)
         return o
 
 
-def select_heavy_tokens(q_label: torch.Tensor, k_labels: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Positions [Hkv, min(top_k, L)] each KV head keeps: the best label scores, a score being the largest
-    q_label[h] . k_label over the query heads h of that KV head. q_label [H, C], k_labels [L, Hkv, C]."""
+def select_heavy_tokens(q_label: torch.Tensor, k_labels: torch.Tensor, top_k: int, keep_first: int = 0,
+                        keep_last: int = 0) -> torch.Tensor:
+    """Positions [Hkv, min(top_k, L)] each KV head keeps: the first `keep_first` and last `keep_last`, then the best
+    label scores, a score being the largest q_label[h] . k_label over the query heads h of that KV head.
+    q_label [H, C], k_labels [L, Hkv, C]."""
     num_kv_heads = k_labels.shape[1]
     ql = q_label.float().view(num_kv_heads, -1, q_label.shape[-1])  # [Hkv, G, C]
     scores = torch.einsum("kgc,lkc->kgl", ql, k_labels.float()).amax(dim=1)  # [Hkv, L]
+    pos = torch.arange(scores.shape[1], device=scores.device)
+    scores[:, (pos < keep_first) | (pos >= scores.shape[1] - keep_last)] = float("inf")
     return scores.topk(min(top_k, scores.shape[1]), dim=-1).indices
 
 

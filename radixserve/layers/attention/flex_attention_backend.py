@@ -13,9 +13,10 @@ pages); its mask_mod admits a slot for a query only if the slot really holds a k
 
 Extend flattens all the batch's new tokens into one query sequence (blocks of `q_block` tokens; a block that spans
 several requests lists the union of their KV blocks, each request cut to what its queries can see). Decode puts
-one request per batch row (query length 1, the KV batch broadcast) and always runs a fixed number of rows (the
-largest captured batch), so one compiled kernel serves every batch size; the metadata is built by tensor ops with
-static shapes, so decode is captured in CUDA graphs (the replay hook refreshes the metadata buffers).
+one request per batch row (query length 1, the KV batch broadcast) and runs a power-of-two number of rows (capped
+at the largest captured batch), so a handful of compiled kernels serve every batch size, each split over the GPU
+for its row count; the metadata is built by tensor ops with static shapes, so decode is captured in CUDA graphs
+(the replay hook refreshes the metadata buffers of the graph's row count).
 
 On CUDA the calls go through torch.compile (fused Triton kernels; the decode rows take the flex-decoding kernel);
 on the CPU flex_attention runs eagerly, which materialises the scores over every slot of the pool (tests only).
@@ -56,7 +57,6 @@ class FlexAttnBackend(AttentionBackend):
     q_block = 128  # extend: queries per block
     kv_block_extend = 128  # extend: physical slots per KV block
     kv_block_decode = 16  # decode: physical slots per KV block
-    eager_decode_rows = 16  # eager decode runs a power of two rows, at least this many
 
     def __init__(self, model_runner: ModelRunner) -> None:
         cfg = model_runner.model_config
@@ -94,7 +94,9 @@ class FlexAttnBackend(AttentionBackend):
 
             flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
         self._meta: dict[str, Any] | None = None
-        self._graph: dict[str, Any] | None = None  # static decode metadata of the captured graphs
+        # static decode metadata of the captured graphs, one set per row bucket; None: no graphs
+        self._graphs: dict[int, dict[str, Any]] | None = None
+        self._graph_max_bs = 0
         self._use_graph_meta = False
         self._longest: int | None = None
 
@@ -111,14 +113,17 @@ class FlexAttnBackend(AttentionBackend):
         self._meta = self._extend_meta(forward_batch)
 
     def _eager_decode_meta(self, forward_batch: ForwardBatch) -> dict[str, Any]:
-        bs = forward_batch.batch_size
-        rows = max(self.eager_decode_rows, 1 << (bs - 1).bit_length())
-        if self._graph is not None and bs <= self._graph["rows"]:
-            rows = self._graph["rows"]  # the compiled kernel of the graphs serves eager batches as well
+        rows = self._rows(forward_batch.batch_size)
         meta = self._new_decode_meta(rows, self._decode_width(rows))
         longest = self._longest if self._longest is not None else int(forward_batch.seq_lens.max())
         self._fill_decode_meta(meta, forward_batch.req_pool_indices, forward_batch.seq_lens, longest)
         return meta
+
+    def _rows(self, bs: int) -> int:
+        """Decode rows run for a batch of bs: the next power of two (capped at the largest captured batch), so a
+        handful of compiled kernels serve every batch size, each split over the GPU for its own row count."""
+        rows = 1 << (bs - 1).bit_length()
+        return min(rows, self._graph_max_bs) if bs <= self._graph_max_bs else rows
 
     def _decode_width(self, rows: int) -> int:
         """Most KV blocks one decode row may list."""
@@ -251,24 +256,29 @@ class FlexAttnBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        self._graph = self._new_decode_meta(max_bs, self._decode_width(max_bs))
+        self._graphs, self._graph_max_bs = {}, max_bs
+
+    def _graph_meta(self, bs: int) -> dict[str, Any]:
+        if self._graphs is None:
+            raise RuntimeError("init_cuda_graph_state must run before a capture or replay")
+        rows = self._rows(bs)
+        if rows not in self._graphs:
+            self._graphs[rows] = self._new_decode_meta(rows, self._decode_width(rows))
+        return self._graphs[rows]
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor) -> None:
-        if self._graph is None:
-            raise RuntimeError("init_cuda_graph_state must run before a capture")
-        self._fill_decode_meta(self._graph, req_pool_indices, seq_lens, 1)
-        self._meta = self._graph
+        meta = self._graph_meta(bs)
+        self._fill_decode_meta(meta, req_pool_indices, seq_lens, 1)
+        self._meta = meta
         self._longest = None
         self._use_graph_meta = True
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
-        if self._graph is None:
-            raise RuntimeError("init_cuda_graph_state must run before a replay")
         # the batch's longest row (seq_lens_sum bounds it where the host lengths were not given)
         longest = self._longest if self._longest is not None else seq_lens_sum
-        self._fill_decode_meta(self._graph, req_pool_indices, seq_lens, longest)
+        self._fill_decode_meta(self._graph_meta(bs), req_pool_indices, seq_lens, longest)
 
     # ---------------------------------------------------------------- forward
     def _save(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
@@ -312,8 +322,11 @@ class FlexAttnBackend(AttentionBackend):
             meta = self._meta = self._eager_decode_meta(forward_batch)
         h, d, dv = layer.tp_q_head_num, layer.head_dim, value_head_dim(layer)
         bs, rows = forward_batch.batch_size, meta["rows"]
-        qq = q.new_zeros(rows, h, 1, d)
-        qq[:bs] = q.view(bs, h, 1, d)
+        if rows == bs:
+            qq = q.view(bs, h, 1, d)
+        else:  # rows past the batch list no blocks; their queries only need to be finite
+            qq = q.new_zeros(rows, h, 1, d)
+            qq[:bs] = q.view(bs, h, 1, d)
         kk, vv = self._kv(layer, forward_batch)
         out = self._flex_decode(qq, kk, vv, block_mask=meta["masks"][window][2], scale=layer.scaling,
                                 enable_gqa=h != layer.tp_k_head_num)

@@ -48,6 +48,7 @@ class TritonForwardMetadata:
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_prefill_cuda_graph = True
 
     def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 64) -> None:
         self.device = torch.device(model_runner.device)

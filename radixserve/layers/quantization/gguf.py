@@ -14,7 +14,6 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.quantization import gguf_formats as fmts
@@ -133,6 +132,8 @@ class GGUFLinearMethod(LinearMethodBase):
                 if x2.shape[0] <= GEMV_MAX_M else None
             if out is None:
                 out = gguf_gemm(x2, self.fmt, self.fields(layer), layer.output_size, bias)
-        else:
-            out = F.linear(x2, fmts.dequantize(self.fmt, self.fields(layer)).to(x.dtype), bias)
+        else:  # the dequantised weight through the same CPU product as an unquantized layer (same numerics)
+            from radixserve.layers import cpu_ops
+
+            out = cpu_ops.linear(x2, fmts.dequantize(self.fmt, self.fields(layer)).to(x.dtype), bias)
         return out.view(*shape[:-1], out.shape[-1])
