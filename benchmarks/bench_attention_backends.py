@@ -19,7 +19,13 @@ import time
 
 import torch
 
-from radixserve.bench_one_batch import add_bandwidth, latency_test, measure_copy_bandwidth
+from radixserve.bench_one_batch import (
+    add_bandwidth,
+    latency_test,
+    measure_copy_bandwidth,
+    print_profile,
+    profile_decode,
+)
 from radixserve.entrypoints.engine import resolve_model
 from radixserve.layers.attention import create_attention_backend
 from radixserve.model_executor import cuda_graph_runner
@@ -59,6 +65,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 64, 160])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--profile", action="store_true", help="also profile decode of every run (CUDA only)")
     parser.add_argument("--result-file", default="bench_attention_backends.json")
     args = parser.parse_args()
     server_args = ServerArgs.from_cli_args(args)
@@ -97,6 +104,10 @@ def main() -> None:
             print(f"{backend:>8} {page:>5} {bs:>6} {r['prefill_latency_s'] * 1e3:>11.2f} "
                   f"{r['median_decode_s'] * 1e3:>10.3f} {r['decode_tok_s'] or 0:>13.1f} {util:>8}  "
                   f"(setup {setup_s:.1f} s, warm-up {warm_s:.1f} s)", flush=True)
+            if args.profile and runner.is_cuda:
+                r["profile"] = profile_decode(runner, bs, args.input_len, 10, server_args.random_seed, top=8)
+                print(f"[{backend}:{page}]", end="")
+                print_profile(r["profile"])
     for bs in sorted(set(args.batch_size)):
         rows = [r for r in results if r["batch_size"] == bs]
         best = min(r["median_decode_s"] for r in rows)

@@ -212,6 +212,7 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
     from radixserve.calibrate_double_sparsity import default_text
     from radixserve.calibrate_double_sparsity import main as calibrate_main
     from radixserve.entrypoints.engine import resolve_model
+    from radixserve.layers.attention import double_sparsity_backend as ds_backend
     from radixserve.managers.tokenizer_utils import get_tokenizer
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
@@ -242,8 +243,10 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
         cont = Continuations(runner, ids[:ctx])
         ref, ref_logits = cont.run(args.steps, None)
         dense_s = time.perf_counter() - t0
-        for top_k in args.heavy_token_num:
+        for top_k, keep in [(k, e) for k in args.heavy_token_num for e in args.keep_ends]:
             backend.threshold, backend.heavy_token_num = 0, top_k  # every decode step sparse
+            if keep is not None:  # the positions always kept (defaults: the backend's)
+                ds_backend.KEEP_FIRST, ds_backend.KEEP_LAST = keep
             forced, forced_logits = cont.run(args.steps, ref)
             free, _ = cont.run(args.steps, None) if args.free_running else (None, None)
             agree = sum(a == b for a, b in zip(forced[1:], ref[1:], strict=True)) / (args.steps - 1)
@@ -252,6 +255,7 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
             p_ref = torch.log_softmax(ref_logits[1:], -1)
             kl = (p_ref.exp() * (p_ref - torch.log_softmax(forced_logits[1:], -1))).sum(-1).mean().item()
             row = {"context": ctx, "heavy_token_num": top_k, "heavy_channel_num": args.heavy_channel_num,
+                   "kept_ends": list(ds_backend.kept_ends(top_k)),
                    "steps": args.steps, "teacher_forced_agreement": agree,
                    "logit_max_abs_err": diff.max().item(), "logit_mean_abs_err": diff.mean().item(),
                    "ref_logit_scale": scale, "kl_dense_to_ds": kl, "dense_run_s": dense_s}
@@ -277,7 +281,8 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
             line += f"  misses {len(misses)} (near-ties {row['miss_near_ties']}, dense leads " \
                     f"{', '.join(f'{x:.2f}' for x in leads)})"
             rows.append(row)
-            print(f"ctx {ctx:5d} K {top_k:5d} ch {args.heavy_channel_num:3d}: teacher-forced agreement "
+            print(f"ctx {ctx:5d} K {top_k:5d} ch {args.heavy_channel_num:3d} keep {row['kept_ends']}: "
+                  f"teacher-forced agreement "
                   f"{agree * 100:5.1f}%{line}  logit err max {row['logit_max_abs_err']:.3f} mean "
                   f"{row['logit_mean_abs_err']:.4f} (|logit| max ~{scale:.1f})  KL {kl:.2e}", flush=True)
         cont.close()
@@ -296,6 +301,11 @@ class _nullcontext:
 
     def read(self) -> str:
         return self.text
+
+
+def _pair(text: str) -> tuple[int, int]:
+    first, last = text.split(",")
+    return int(first), int(last)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--calib-tokens", type=int, default=8192)
     a.add_argument("--text-file", default=None, help="default: this package's Python sources")
     a.add_argument("--device", default="cpu")
+    a.add_argument("--keep-ends", type=_pair, nargs="+", default=[None],
+                   help="FIRST,LAST positions always kept, one run each (default: the backend's)")
     a.add_argument("--no-free-running", dest="free_running", action="store_false",
                    help="only the teacher-forced runs")
     for p in (k, a):

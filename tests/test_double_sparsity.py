@@ -86,12 +86,13 @@ def test_score_kernel_matches_torch(num_heads: int, num_kv_heads: int, channels:
     scores = torch.full((len(lens), num_kv_heads, n_cols), 7.0)
     dev = torch.device(DEVICE)
     out = scores.to(dev)
-    ds_score_fwd(q_label.to(dev), labels.to(dev), r2t.to(dev), rows.to(dev), seq_lens.to(dev), out)
+    ds_score_fwd(q_label.to(dev), labels.to(dev), r2t.to(dev), rows.to(dev), seq_lens.to(dev), out, 2, 3)
     out = out.cpu()
     group = num_heads // num_kv_heads
     for b, n in enumerate(lens):
         kl = labels[r2t[rows[b], :n].long()]  # [n, Hkv, C]
         ref = torch.einsum("kgc,lkc->kgl", q_label[b].view(num_kv_heads, group, channels), kl).amax(dim=1)
+        ref[:, :2] = ref[:, n - 3:] = float("inf")  # the first 2 and last 3 positions: always kept
         torch.testing.assert_close(out[b, :, :n], ref, rtol=1e-5, atol=1e-5)
         assert torch.isneginf(out[b, :, n:]).all()
 
@@ -152,6 +153,7 @@ def test_select_heavy_tokens_keeps_the_best_by_group_max() -> None:
     k_labels = torch.tensor([[[0.1, 0.1]], [[5.0, -9.0]], [[-9.0, 4.0]], [[1.0, 1.0]]])
     # group max: 0.1, 5.0, 4.0, 1.0 -> positions 1 and 2 (each liked by one head only; a sum would drop 1 and 2)
     assert sorted(select_heavy_tokens(q_label, k_labels, 2)[0].tolist()) == [1, 2]
+    assert sorted(select_heavy_tokens(q_label, k_labels, 2, keep_last=1)[0].tolist()) == [1, 3]  # 3: the newest
 
 
 # ---------------------------------------------------------------- the backend

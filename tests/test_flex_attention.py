@@ -209,3 +209,18 @@ def test_graph_runner_sends_sequences_past_the_backend_bound_to_eager() -> None:
     assert not CudaGraphRunner.can_run(stub, batch([5] * 9))
     stub.backend = FlexAttnBackend(runner)  # no bound
     assert CudaGraphRunner.can_run(stub, batch([5, 10 ** 6]))
+
+
+def test_prefill_graphs_only_for_backends_whose_extend_is_capturable() -> None:
+    """flex builds its extend block masks on the host and torch_native loops over requests there: a captured
+    one-request prefill would replay the metadata of the capture, so neither takes prefill graphs."""
+    from radixserve.model_executor.prefill_graph_runner import prefill_graphs_supported
+
+    runner = make_runner(2, 1, 16, 1)
+    stub = SimpleNamespace(is_cuda=True, tp_size=1, lora_manager=None, model_config=SimpleNamespace(is_mla=False),
+                           server_args=SimpleNamespace(is_embedding=False, enable_dp_attention=False))
+    for backend in (FlexAttnBackend(runner), TorchNativeAttnBackend(runner)):
+        stub.attn_backend = backend
+        assert backend.supports_cuda_graph and not prefill_graphs_supported(stub)
+    stub.attn_backend = SimpleNamespace(supports_cuda_graph=True, supports_prefill_cuda_graph=True)
+    assert prefill_graphs_supported(stub)

@@ -336,3 +336,30 @@ def test_constrained_requests_draft_within_their_grammar(embedded_model_path) ->
         assert s.check_memory()
     assert outs["ngram"] == outs[None]
     assert sum(drafted) > 0  # constrained requests did draft
+
+
+def test_verify_batch_becomes_one_decode_row_per_token() -> None:
+    """A verify of prefixes 5 and 9 with 3 and 1 new tokens: 3 + 1 decode rows of the two requests, row j of a
+    request at position prefix + j reading seq_len prefix + j + 1 (causal over the drafts), LoRA slots repeated."""
+    import torch
+
+    from radixserve.managers.schedule_batch import ModelWorkerBatch
+    from radixserve.model_executor.forward_batch_info import ForwardMode
+    from radixserve.speculative.verify import as_decode_rows
+
+    mwb = ModelWorkerBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, input_ids=torch.arange(4), req_pool_indices=torch.tensor([3, 7]),
+        seq_lens=torch.tensor([8, 10]), seq_lens_cpu=[8, 10], out_cache_loc=torch.arange(100, 104), seq_lens_sum=18,
+        extend_seq_lens=[3, 1], extend_prefix_lens=[5, 9], return_logprob=False, top_logprobs_nums=None,
+        extend_logprob_start_lens_cpu=None, sampling_info=None, sampling_ops=[], req_to_token_writes=[],
+        lora_slots=[2, -1])
+    rows = as_decode_rows(mwb)
+    assert rows.forward_mode == ForwardMode.DECODE
+    assert rows.req_pool_indices.tolist() == [3, 3, 3, 7]
+    assert rows.seq_lens.tolist() == rows.seq_lens_cpu == [6, 7, 8, 10]
+    assert rows.positions.tolist() == [5, 6, 7, 9] and rows.seq_lens_sum == 31
+    assert rows.input_ids is mwb.input_ids  # tokens and their KV slots keep the extend's order
+    assert rows.lora_slots == [2, 2, 2, -1]
+    assert rows.out_cache_loc is mwb.out_cache_loc and rows.extend_seq_lens is None
+    with pytest.raises(ValueError, match="extend batch"):
+        as_decode_rows(rows)

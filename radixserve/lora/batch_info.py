@@ -24,11 +24,22 @@ class LoRABatchInfo:
     num_groups: int = 0  # groups with rows (the grid; under a CUDA graph min(S, batch size): an upper bound)
     max_group_len: int = 0  # rows of the largest group (the grid's row blocks; the batch size under a graph)
     packed: torch.Tensor | None = None  # the int64 arrays above, on the device
-    # host view for the torch path: (slot, rank, scaling, token rows as a slice or an index tensor) per group
-    groups_cpu: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    # the torch path's groups on the host (`pack_rows`), made into `groups_cpu` only when asked for
+    host_groups: HostGroups | None = None
     capturing: bool = False  # recording a CUDA graph: launch the kernels whatever the groups
     req_slots: list[int] | None = None  # each request's slot (decode: one row each), to pad a graph's batch
     _views: tuple | None = field(default=None, repr=False)  # (packed, its views)
+    _groups: tuple | None = field(default=None, repr=False)  # (host_groups, their groups_of)
+
+    @property
+    def groups_cpu(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """(slot, token rows as a slice or an index tensor) per group, for the torch path."""
+        host = self.host_groups
+        if host is None:
+            return []
+        if self._groups is None or self._groups[0] is not host:
+            self._groups = (host, groups_of(*host))
+        return self._groups[1]
 
     @property
     def active(self) -> bool:
@@ -49,29 +60,47 @@ class LoRABatchInfo:
         return self._views[1]
 
 
-def group_rows(req_slots: list[int], token_counts: list[int] | None, num_slots: int
-               ) -> tuple[torch.Tensor, list[tuple[int, slice | torch.Tensor]], int]:
-    """The packed host tensor, the groups for the torch path, and the largest group's length.
+HostGroups = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # order, slots, starts, lengths of the groups
+
+
+def pack_rows(req_slots: list[int], token_counts: list[int] | None, num_slots: int
+              ) -> tuple[torch.Tensor, HostGroups, int]:
+    """The packed host tensor, the groups on the host (for `groups_of`), and the largest group's length.
 
     `req_slots[i]` is request i's slot (-1: none); `token_counts[i]` its tokens in this forward (None: one each)."""
     slots = np.asarray(req_slots, dtype=np.int64)
     if len(slots) and (slots.max() >= num_slots or slots.min() < -1):
         raise ValueError(f"LoRA slot out of range 0..{num_slots - 1}: {req_slots}")
     tok_slot = slots if token_counts is None else np.repeat(slots, np.asarray(token_counts, dtype=np.int64))
+    t = len(tok_slot)
     order = np.argsort(tok_slot, kind="stable")
-    sorted_slots = tok_slot[order]
-    uniq, starts, lens = np.unique(sorted_slots, return_index=True, return_counts=True)
-    keep = uniq >= 0
-    uniq, starts, lens = uniq[keep], starts[keep], lens[keep]
-    head = np.zeros((3, num_slots), dtype=np.int64)
-    g = len(uniq)
-    head[0, :g], head[1, :g], head[2, :g] = uniq, starts, lens
-    packed = torch.from_numpy(np.concatenate([head.reshape(-1), order.astype(np.int64), sorted_slots]))
+    counts = np.bincount(tok_slot + 1, minlength=num_slots + 1)  # [base rows, slot 0, slot 1, ...]
+    present = np.flatnonzero(counts[1:])  # the slots with rows, ascending
+    starts = np.cumsum(counts)[present]  # rows before slot s: the base rows and slots < s
+    lens = counts[present + 1]
+    g = len(present)
+    packed = np.zeros(3 * num_slots + 2 * t, dtype=np.int64)
+    packed[:g], packed[num_slots:num_slots + g], packed[2 * num_slots:2 * num_slots + g] = present, starts, lens
+    packed[3 * num_slots:3 * num_slots + t] = order
+    packed[3 * num_slots + t:] = tok_slot[order]
+    return torch.from_numpy(packed), (order, present, starts, lens), int(lens.max()) if g else 0
+
+
+def groups_of(order: np.ndarray, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray
+              ) -> list[tuple[int, slice | torch.Tensor]]:
+    """The torch path's groups: (slot, its token rows as a slice when consecutive, else an index tensor)."""
     groups: list[tuple[int, slice | torch.Tensor]] = []
-    for slot, start, n in zip(uniq.tolist(), starts.tolist(), lens.tolist(), strict=True):
+    for slot, start, n in zip(slots.tolist(), starts.tolist(), lens.tolist(), strict=True):
         rows = order[start:start + n]
         if rows[-1] - rows[0] == n - 1:  # consecutive rows (one request, or neighbours): a slice, no gather
             groups.append((slot, slice(int(rows[0]), int(rows[0]) + n)))
         else:
             groups.append((slot, torch.from_numpy(rows.copy())))
-    return packed, groups, int(lens.max()) if g else 0
+    return groups
+
+
+def group_rows(req_slots: list[int], token_counts: list[int] | None, num_slots: int
+               ) -> tuple[torch.Tensor, list[tuple[int, slice | torch.Tensor]], int]:
+    """`pack_rows` with the torch path's groups made at once."""
+    packed, host, max_len = pack_rows(req_slots, token_counts, num_slots)
+    return packed, groups_of(*host), max_len

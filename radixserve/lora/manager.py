@@ -15,7 +15,7 @@ import torch
 from radixserve.layers import cpu_ops
 from radixserve.layers.triton_ops import use_fused
 from radixserve.lora.adapter import read_lora_weights
-from radixserve.lora.batch_info import LoRABatchInfo, group_rows
+from radixserve.lora.batch_info import LoRABatchInfo, pack_rows
 from radixserve.lora.config import TARGET_MODULES
 from radixserve.lora.layers import GROUP_OF, LoRATarget, find_lora_targets
 from radixserve.lora.ops import apply_lora
@@ -114,14 +114,14 @@ class LoRAManager:
         forward_batch.lora_info = info
         info.req_slots = req_slots
         if req_slots is None or max(req_slots, default=-1) < 0:  # only base rows: nothing to group or upload
-            info.packed, info.groups_cpu, info.num_groups, info.max_group_len = None, [], 0, 0
+            info.packed, info.host_groups, info.num_groups, info.max_group_len = None, None, 0, 0
             return
         counts = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
-        packed, groups, max_len = group_rows(req_slots, counts, self.num_slots)
+        packed, host, max_len = pack_rows(req_slots, counts, self.num_slots)
         if self.is_cuda:
             packed = packed.pin_memory().to(self.device, non_blocking=True)
-        info.packed, info.groups_cpu = packed, groups
-        info.num_groups, info.max_group_len = len(groups), max_len
+        info.packed, info.host_groups = packed, host
+        info.num_groups, info.max_group_len = len(host[1]), max_len
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self.graph_packed = torch.zeros(3 * self.num_slots + 2 * max_bs, dtype=torch.int64, device=self.device)
@@ -132,10 +132,10 @@ class LoRAManager:
         grid covers those."""
         info = self.info
         info.capturing = True
-        packed, _, _ = group_rows([-1] * bs, None, self.num_slots)
+        packed, _, _ = pack_rows([-1] * bs, None, self.num_slots)
         info.packed = self.graph_packed[:packed.numel()]
         info.packed.copy_(packed)
-        info.num_groups, info.max_group_len, info.groups_cpu = min(self.num_slots, bs), bs, []
+        info.num_groups, info.max_group_len, info.host_groups = min(self.num_slots, bs), bs, None
 
     def end_capture(self) -> None:
         self.info.capturing = False
@@ -150,7 +150,7 @@ class LoRAManager:
         raw = forward_batch.batch_size
         if packed is None or raw != bs:
             slots = list(info.req_slots or ()) if info is not None else []
-            packed, _, _ = group_rows(slots + [-1] * (bs - len(slots)), None, self.num_slots)
+            packed, _, _ = pack_rows(slots + [-1] * (bs - len(slots)), None, self.num_slots)
             if self.is_cuda:
                 packed = packed.pin_memory()
         self.graph_packed[:packed.numel()].copy_(packed, non_blocking=True)

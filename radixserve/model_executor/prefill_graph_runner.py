@@ -44,7 +44,7 @@ def prefill_graphs_supported(model_runner: ModelRunner) -> bool:
     args = model_runner.server_args
     return (model_runner.is_cuda and model_runner.tp_size == 1 and model_runner.lora_manager is None
             and not model_runner.model_config.is_mla and not args.is_embedding and not args.enable_dp_attention
-            and model_runner.attn_backend.supports_cuda_graph)
+            and model_runner.attn_backend.supports_prefill_cuda_graph)
 
 
 class PrefillGraphRunner:

@@ -21,6 +21,9 @@ class AttentionBackend(ABC):
     # whether decode can be captured in a CUDA graph (the init_*_cuda_graph hooks below are implemented, and the
     # decode forward never reads device values on the host)
     supports_cuda_graph: bool = False
+    # whether a one-request extend can be captured (model_executor/prefill_graph_runner.py): the extend forward
+    # reads the request's lengths from the device only, after an init_forward_metadata made at capture time
+    supports_prefill_cuda_graph: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

@@ -10,7 +10,8 @@ most important first.
   `--ds-heavy-channel-num` channels, written whenever K is stored (extend and decode).
 - Decode: each request longer than `--ds-sparse-decode-threshold` tokens scores all its tokens on the labels (one
   score per KV head: the best over the query heads sharing it), keeps the `--ds-heavy-token-num` best of each KV
-  head, and attends exactly (full head_dim, softmax over the kept tokens) over those. Shorter requests attend over
+  head (the first KEEP_FIRST and last KEEP_LAST positions always among them), and attends exactly (full head_dim,
+  softmax over the kept tokens) over those. Shorter requests attend over
   everything. Layers with a sliding window attend densely (their window is the sparsity).
 - Extend (prefill, chunked prefill, mixed batches) is the dense backend's, unchanged.
 
@@ -41,7 +42,16 @@ CHANNEL_FILE_FORMAT = "radixserve-double-sparsity/1"
 DEFAULT_HEAVY_CHANNEL_NUM = 16
 DEFAULT_HEAVY_TOKEN_NUM = 1024
 DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
-TOPK_MAX_CHUNKS = 8
+TOPK_MAX_CHUNKS = 1  # chunked top-k measured slower on the H200 (docs/perf-log.md): off
+# Always among the kept tokens (within --ds-heavy-token-num): the first few (attention sinks) and the most recent ones,
+# whose weight the heavy channels underestimate (RoPE's fast-turning channels, which favour nearby tokens, are
+# rarely heavy). At most a quarter / half of the kept tokens.
+KEEP_FIRST, KEEP_LAST = 4, 64
+
+
+def kept_ends(heavy_token_num: int) -> tuple[int, int]:
+    """(first, last) positions always kept for a top-k of heavy_token_num tokens."""
+    return min(KEEP_FIRST, heavy_token_num // 4), min(KEEP_LAST, heavy_token_num // 2)
 
 
 def load_channel_file(path: str, num_layers: int, num_kv_heads: int, head_dim: int) -> list[list[list[int]]]:
@@ -115,7 +125,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
         if path is None:
             raise ValueError("the double_sparsity backend needs --ds-channel-config-path (write one with python -m "
                              "radixserve.calibrate_double_sparsity)")
-        tp_size = getattr(model_runner, "tp_size", 1) or 1
+        tp_size = getattr(model_runner, "attn_tp_size", None) or getattr(model_runner, "tp_size", 1) or 1
         tp_rank = getattr(model_runner, "tp_rank", 0) or 0
         if cfg.num_key_value_heads % tp_size:
             raise ValueError(f"double sparsity needs the {cfg.num_key_value_heads} KV heads split evenly over "
@@ -234,7 +244,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
 
     def topk_chunks(self, max_len: int) -> int:
         """Pieces each score row is cut into for the top-k (`topk_positions`): rows of at least 8x the kept tokens
-        each, at most TOPK_MAX_CHUNKS."""
+        each, at most TOPK_MAX_CHUNKS (1: one torch.topk over the whole row)."""
         return max(1, min(TOPK_MAX_CHUNKS, max_len // (8 * self.heavy_token_num)))
 
     def q_labels(self, q3: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -254,7 +264,8 @@ class DoubleSparseAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
         ds_score_fwd(self.q_labels(q3, layer.layer_id), self.labels[layer.layer_id], self.req_to_token,
-                     forward_batch.req_pool_indices, forward_batch.seq_lens, scores)
+                     forward_batch.req_pool_indices, forward_batch.seq_lens, scores,
+                     *kept_ends(self.heavy_token_num))
         top = topk_positions(scores, min(self.heavy_token_num, meta.max_len), self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]
         mid_o, mid_lse = dense._ensure_eager_scratch(bs, self.num_heads, self.head_dim,  # type: ignore[attr-defined]
@@ -283,18 +294,23 @@ class DoubleSparseAttnBackend(AttentionBackend):
             slots = self.req_to_token[rows[i], :seq_len].long()
             selected = None
             if seq_len > self.threshold:
-                selected = select_heavy_tokens(ql[i], self.labels[layer.layer_id][slots], self.heavy_token_num)
+                selected = select_heavy_tokens(ql[i], self.labels[layer.layer_id][slots], self.heavy_token_num,
+                                               *kept_ends(self.heavy_token_num))
             o[i] = sparse_attention_ref(q3[i], load_kv_values(k_buf[slots], q3.dtype, ks),
                                         load_kv_values(v_buf[slots], q3.dtype, vs), selected, layer.scaling)
         return o
 
 
-def select_heavy_tokens(q_label: torch.Tensor, k_labels: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Positions [Hkv, min(top_k, L)] each KV head keeps: the best label scores, a score being the largest
-    q_label[h] . k_label over the query heads h of that KV head. q_label [H, C], k_labels [L, Hkv, C]."""
+def select_heavy_tokens(q_label: torch.Tensor, k_labels: torch.Tensor, top_k: int, keep_first: int = 0,
+                        keep_last: int = 0) -> torch.Tensor:
+    """Positions [Hkv, min(top_k, L)] each KV head keeps: the first `keep_first` and last `keep_last`, then the best
+    label scores, a score being the largest q_label[h] . k_label over the query heads h of that KV head.
+    q_label [H, C], k_labels [L, Hkv, C]."""
     num_kv_heads = k_labels.shape[1]
     ql = q_label.float().view(num_kv_heads, -1, q_label.shape[-1])  # [Hkv, G, C]
     scores = torch.einsum("kgc,lkc->kgl", ql, k_labels.float()).amax(dim=1)  # [Hkv, L]
+    pos = torch.arange(scores.shape[1], device=scores.device)
+    scores[:, (pos < keep_first) | (pos >= scores.shape[1] - keep_last)] = float("inf")
     return scores.topk(min(top_k, scores.shape[1]), dim=-1).indices
 
 

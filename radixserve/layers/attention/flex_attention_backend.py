@@ -322,8 +322,11 @@ class FlexAttnBackend(AttentionBackend):
             meta = self._meta = self._eager_decode_meta(forward_batch)
         h, d, dv = layer.tp_q_head_num, layer.head_dim, value_head_dim(layer)
         bs, rows = forward_batch.batch_size, meta["rows"]
-        qq = q.new_zeros(rows, h, 1, d)
-        qq[:bs] = q.view(bs, h, 1, d)
+        if rows == bs:
+            qq = q.view(bs, h, 1, d)
+        else:  # rows past the batch list no blocks; their queries only need to be finite
+            qq = q.new_zeros(rows, h, 1, d)
+            qq[:bs] = q.view(bs, h, 1, d)
         kk, vv = self._kv(layer, forward_batch)
         out = self._flex_decode(qq, kk, vv, block_mask=meta["masks"][window][2], scale=layer.scaling,
                                 enable_gqa=h != layer.tp_k_head_num)

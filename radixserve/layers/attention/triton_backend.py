@@ -48,6 +48,7 @@ class TritonForwardMetadata:
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_prefill_cuda_graph = True
 
     def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 64) -> None:
         self.device = torch.device(model_runner.device)
@@ -57,7 +58,7 @@ class TritonAttnBackend(AttentionBackend):
         if max_kv_splits < 1:
             raise ValueError(f"max_kv_splits must be positive; got {max_kv_splits}")
         cfg = model_runner.model_config
-        tp_size = getattr(model_runner, "tp_size", 1) or 1
+        tp_size = getattr(model_runner, "attn_tp_size", None) or getattr(model_runner, "tp_size", 1) or 1
         # MLA (DeepSeek): multi-query attention over the latent pool, value/output dim = the latent rank
         self.is_mla = bool(getattr(cfg, "is_mla", False))
         if self.is_mla:

@@ -65,47 +65,53 @@ def _build(target: str, compiler: str) -> None:
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, building them the first time; None where they cannot be built (logged once)."""
     global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-        if compiler is None or platform.system() != "Linux":
-            logger.warning("no C compiler found: CPU attention falls back to its pure-torch path")
-            return None
-        from radixserve.model_loader.embedded import cache_root
-
-        source = b""
-        for path in _SOURCES:
-            with open(path, "rb") as f:
-                source += f.read()
-        key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()
-                             + torch.__version__.encode()).hexdigest()[:16]
-        target = os.path.join(cache_root(), "cpu_kernels", f"cpu_kernels-{key}.so")
-        try:
-            if not os.path.exists(target):
-                _build(target, compiler)
-            lib = ctypes.CDLL(target)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            logger.warning("building the CPU attention kernel failed (%s): falling back to pure torch", detail)
-            return None
-        fn = lib.paged_decode_attention
-        fn.restype = _I
-        fn.argtypes = [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I]
-        fn = lib.rotary_neox_inplace
-        fn.restype = _I
-        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
-        fn = lib.rmsnorm
-        fn.restype = _I
-        fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-        for name in ("small_m_linear", "small_m_linear_bf16"):
-            fn = getattr(lib, name)
-            fn.restype = _I
-            fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
-        lib.has_bf16_linear.restype = _I
-        _lib = lib
+    if _tried:  # every kernel call asks: no lock once settled (_lib is set before _tried, under the lock)
         return _lib
+    with _lock:
+        if not _tried:
+            _lib = _build_and_load()
+            _tried = True
+        return _lib
+
+
+def _build_and_load() -> ctypes.CDLL | None:
+    """Build (once per source, flags and CPU) or find the shared library and declare its functions."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or platform.system() != "Linux":
+        logger.warning("no C compiler found: CPU attention falls back to its pure-torch path")
+        return None
+    from radixserve.model_loader.embedded import cache_root
+
+    source = b""
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            source += f.read()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    target = os.path.join(cache_root(), "cpu_kernels", f"cpu_kernels-{key}.so")
+    try:
+        if not os.path.exists(target):
+            _build(target, compiler)
+        lib = ctypes.CDLL(target)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("building the CPU attention kernel failed (%s): falling back to pure torch", detail)
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = _I
+    fn.argtypes = [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I]
+    fn = lib.rotary_neox_inplace
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
+    fn = lib.rmsnorm
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
+    for name in ("small_m_linear", "small_m_linear_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = _I
+        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+    lib.has_bf16_linear.restype = _I
+    return lib
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

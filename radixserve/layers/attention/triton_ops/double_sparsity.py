@@ -32,9 +32,9 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
 from radixserve.layers.triton_ops.launch import launch
 
 
-@triton.jit(do_not_specialize=["n_cols"])
+@triton.jit(do_not_specialize=["n_cols", "keep_first", "keep_last"])
 def _ds_score_kernel(
-    QBlock, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, n_cols,
+    QBlock, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, n_cols, keep_first, keep_last,
     stride_qb, stride_qr,
     stride_lt,
     stride_r2t,
@@ -64,6 +64,8 @@ def _ds_score_kernel(
     real = ((offs_j % G_PAD) < GROUP) & ((offs_j // G_PAD) < NUM_KV_HEADS)
     s = tl.where(real[None, :], s, float("-inf"))
     best = tl.max(tl.reshape(s, (BLOCK_N, KV_PAD, G_PAD)), axis=2)  # [N, KV_PAD]: the group's best
+    kept = (offs_n < keep_first) | (offs_n >= seq_len - keep_last)  # always selected: +inf
+    best = tl.where(kept[:, None], float("inf"), best)
     best = tl.where(mask_n[:, None], best, float("-inf"))
     offs_h = tl.arange(0, KV_PAD)
     tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
@@ -176,9 +178,10 @@ def block_q_labels(q_label: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def ds_score_fwd(q_label: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor,
-                 block_n: int | None = None) -> None:
+                 keep_first: int = 0, keep_last: int = 0, block_n: int | None = None) -> None:
     """scores[b, g, p] = max over the query heads h of KV head g of q_label[b, h] . labels[slot of position p of
-    request b, g], for p < seq_lens[b]; -inf for seq_lens[b] <= p < scores.shape[2].
+    request b, g], for p < seq_lens[b]; -inf for seq_lens[b] <= p < scores.shape[2]. The first `keep_first` and the
+    last `keep_last` positions of each request score +inf (a top-k always keeps them).
 
     q_label: [bs, H, C]; labels: [slots, Hkv, C] (contiguous rows); scores: [bs, Hkv, n_cols] float32 (written in
     place). One program scores BLOCK_N positions of a request for all its KV heads."""
@@ -203,7 +206,7 @@ def ds_score_fwd(q_label: torch.Tensor, labels: torch.Tensor, req_to_token: torc
         block_n = 32 if interp else 128
     grid = (bs, triton.cdiv(n_cols, block_n))
     launch(_ds_score_kernel, grid,
-        qb, labels, req_to_token, req_pool_indices, seq_lens, scores, n_cols,
+        qb, labels, req_to_token, req_pool_indices, seq_lens, scores, n_cols, keep_first, keep_last,
         qb.stride(0), qb.stride(1),
         labels.stride(0),
         req_to_token.stride(0),
