@@ -105,7 +105,7 @@ class ServerArgs:
                                           "256 from 70 GiB, else 160)")
     prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
                                                "CUDA graph (one GPU, with decode graphs on); 0: always eager",
-                                               default=0)
+                                               default=512)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
