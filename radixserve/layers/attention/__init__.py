@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,6 +18,9 @@ ATTENTION_BACKENDS: dict[str, str] = {
     "torch_native": "radixserve.layers.attention.torch_native_backend:TorchNativeAttnBackend",
     "triton": "radixserve.layers.attention.triton_backend:TritonAttnBackend",
 }
+# optional dependency (pip install flashinfer-python): a choice only where the package is installed
+if importlib.util.find_spec("flashinfer") is not None:
+    ATTENTION_BACKENDS["flashinfer"] = "radixserve.layers.attention.flashinfer_backend:FlashInferAttnBackend"
 
 
 def create_attention_backend(name: str, model_runner: ModelRunner) -> AttentionBackend:

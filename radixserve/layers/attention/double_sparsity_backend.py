@@ -42,7 +42,7 @@ CHANNEL_FILE_FORMAT = "radixserve-double-sparsity/1"
 DEFAULT_HEAVY_CHANNEL_NUM = 16
 DEFAULT_HEAVY_TOKEN_NUM = 1024
 DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
-TOPK_MAX_CHUNKS = 8
+TOPK_MAX_CHUNKS = 1  # chunked top-k measured slower on the H200 (docs/perf-log.md): off
 # Always among the kept tokens (within --ds-heavy-token-num): the first few (attention sinks) and the most recent ones,
 # whose weight the heavy channels underestimate (RoPE's fast-turning channels, which favour nearby tokens, are
 # rarely heavy). At most a quarter / half of the kept tokens.
@@ -125,7 +125,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
         if path is None:
             raise ValueError("the double_sparsity backend needs --ds-channel-config-path (write one with python -m "
                              "radixserve.calibrate_double_sparsity)")
-        tp_size = getattr(model_runner, "tp_size", 1) or 1
+        tp_size = getattr(model_runner, "attn_tp_size", None) or getattr(model_runner, "tp_size", 1) or 1
         tp_rank = getattr(model_runner, "tp_rank", 0) or 0
         if cfg.num_key_value_heads % tp_size:
             raise ValueError(f"double sparsity needs the {cfg.num_key_value_heads} KV heads split evenly over "
@@ -244,7 +244,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
 
     def topk_chunks(self, max_len: int) -> int:
         """Pieces each score row is cut into for the top-k (`topk_positions`): rows of at least 8x the kept tokens
-        each, at most TOPK_MAX_CHUNKS."""
+        each, at most TOPK_MAX_CHUNKS (1: one torch.topk over the whole row)."""
         return max(1, min(TOPK_MAX_CHUNKS, max_len // (8 * self.heavy_token_num)))
 
     def q_labels(self, q3: torch.Tensor, layer_id: int) -> torch.Tensor:

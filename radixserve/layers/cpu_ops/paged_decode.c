@@ -201,43 +201,47 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
                            float *out, int64_t B, int H, int HKV, int D, float scale, int num_threads) {
     const int G = H / HKV;
     if (G < 1 || G > 64) return 2;
+    /* items: (request, chunk of tokens), every KV head of the chunk in turn, so that a chunk's K/V rows (all heads
+     * of a token are adjacent in the pool) stream from memory once and the later heads read them from cache */
     int64_t n_items = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = ends[b] - starts[b];
-        n_items += HKV * (len > 0 ? (len + CHUNK - 1) / CHUNK : 0);
+        n_items += len > 0 ? (len + CHUNK - 1) / CHUNK : 0;
     }
     item_t *items = malloc(sizeof(item_t) * (size_t)(n_items > 0 ? n_items : 1));
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B * HKV + 1)); /* first item of each (b, g) */
-    float *part = malloc(sizeof(float) * (size_t)(n_items > 0 ? n_items : 1) * G * (D + 2));
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first item of each request */
+    float *part = malloc(sizeof(float) * (size_t)(n_items > 0 ? n_items : 1) * HKV * G * (D + 2));
     if (!items || !first || !part) {
         free(items); free(first); free(part);
         return 1;
     }
     int64_t k = 0;
-    for (int64_t b = 0; b < B; b++)
-        for (int g = 0; g < HKV; g++) {
-            first[b * HKV + g] = k;
-            for (int64_t t = starts[b]; t < ends[b]; t += CHUNK, k++) {
-                items[k].b = b;
-                items[k].g = g;
-                items[k].t0 = t;
-                items[k].t1 = t + CHUNK < ends[b] ? t + CHUNK : ends[b];
-            }
+    for (int64_t b = 0; b < B; b++) {
+        first[b] = k;
+        for (int64_t t = starts[b]; t < ends[b]; t += CHUNK, k++) {
+            items[k].b = b;
+            items[k].g = 0;
+            items[k].t0 = t;
+            items[k].t1 = t + CHUNK < ends[b] ? t + CHUNK : ends[b];
         }
-    first[B * HKV] = k;
+    }
+    first[B] = k;
     const int64_t row_elems = (int64_t)HKV * D;
+    const int64_t part_sz = (int64_t)G * (D + 2); /* per (item, KV head): [G] max, [G] sum, [G, D] acc */
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t i = 0; i < n_items; i++) {
         const item_t it = items[i];
-        float *p = part + i * G * (D + 2); /* [G] max, [G] sum, [G, D] acc */
-        attend_chunk(q + (it.b * H + it.g * G) * (int64_t)D, k_pool, v_pool, bf16, table + rows[it.b] * table_stride,
-                     it.t0, it.t1, row_elems, (int64_t)it.g * D, G, D, scale, p, p + G, p + 2 * G);
+        for (int g = 0; g < HKV; g++) {
+            float *p = part + (i * HKV + g) * part_sz;
+            attend_chunk(q + (it.b * H + g * G) * (int64_t)D, k_pool, v_pool, bf16, table + rows[it.b] * table_stride,
+                         it.t0, it.t1, row_elems, (int64_t)g * D, G, D, scale, p, p + G, p + 2 * G);
+        }
     }
 
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t bg = 0; bg < B * HKV; bg++) {
-        const int64_t lo = first[bg], hi = first[bg + 1];
+        const int64_t b = bg / HKV, g = bg % HKV, lo = first[b], hi = first[b + 1];
         float *o = out + bg * (int64_t)G * D; /* heads g*G .. g*G+G-1 of request b are contiguous */
         for (int j = 0; j < G; j++) {
             float *oj = o + (int64_t)j * D;
@@ -247,13 +251,13 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
             }
             float m = -INFINITY;
             for (int64_t c = lo; c < hi; c++) {
-                const float mc = part[c * G * (D + 2) + j];
+                const float mc = part[(c * HKV + g) * part_sz + j];
                 m = mc > m ? mc : m;
             }
             float l = 0.f;
             memset(oj, 0, sizeof(float) * (size_t)D);
             for (int64_t c = lo; c < hi; c++) {
-                const float *p = part + c * G * (D + 2);
+                const float *p = part + (c * HKV + g) * part_sz;
                 const float w = expf(p[j] - m);
                 l += w * p[G + j];
                 const float *a = p + 2 * G + (int64_t)j * D;

@@ -1,0 +1,224 @@
+"""FlashInfer attention backend (optional: the `flashinfer-python` package, CUDA only).
+
+FlashInfer reads a paged KV cache through a page table in CSR form: per request, `kv_indptr` (where its pages start
+in `kv_indices`), the page ids, and how many tokens its last page holds. Our pool is such a cache: with page size P
+its K buffer [rows, Hkv, D] is viewed as [rows / P, P, Hkv, D] (page p = slots p*P .. p*P+P-1, a request's
+positions i*P .. i*P+P-1 in one page), so the page ids of a request are req_to_token[row, 0:len:P] // P.
+
+- extend: `BatchPrefillWithPagedKVCacheWrapper` (causal over the cached prefix and the new tokens, which are stored
+  in the pool first);
+- decode: `BatchDecodeWithPagedKVCacheWrapper` with tensor cores (the query heads of a KV head are one tile: GQA);
+- both use FlashInfer's FA2 kernels (one JIT module per dtype / head_dim / sliding-window setting); a model whose
+  layers have a sliding window gets a second pair of wrappers planned with `window_left = W - 1`;
+- CUDA graphs: one decode wrapper per captured batch size, bound to static index buffers; the replay hook plans it
+  (on the host, outside the graph) for the batch at hand.
+
+Planning happens once per forward in `init_forward_metadata`; every layer then calls `run`. MLA, an fp8 KV cache
+and logit soft-capping are not served (a clear error at start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+    from radixserve.model_executor.model_runner import ModelRunner
+
+import flashinfer  # noqa: E402  (an ImportError here tells the registry the backend is not installed)
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], page_size: int,
+               out_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_indptr [bs+1] int32 on the host, kv_indices int32 on the device, last_page_len [bs] int32 on the host)
+    for requests in rows `rows` (device) of the request table with host lengths `seq_lens`."""
+    pages = [(n + page_size - 1) // page_size for n in seq_lens]
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(seq_lens, pages, strict=True)],
+                        dtype=torch.int32)
+    total = int(indptr[-1])
+    dev = req_to_token.device
+    if total:
+        owner = torch.repeat_interleave(torch.arange(len(pages), device=dev),
+                                        torch.tensor(pages, device=dev), output_size=total)
+        first = indptr[:-1].to(dev, torch.int64)
+        pos = (torch.arange(total, device=dev) - first[owner]) * page_size
+        indices = (req_to_token[rows.to(torch.int64)[owner], pos] // page_size).to(torch.int32)
+    else:
+        indices = torch.zeros(0, dtype=torch.int32, device=dev)
+    if out_indices is not None:
+        out_indices[:total].copy_(indices)
+        indices = out_indices
+    return indptr, indices, last
+
+
+@dataclass
+class _Plan:
+    decode: bool
+    wrappers: dict[int, Any]  # window_left -> the planned wrapper
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner: ModelRunner, sliding_windows: list[int] | None = None) -> None:
+        """sliding_windows: the layers' windows in tokens (-1: none), read from the model when not given."""
+        self.device = torch.device(model_runner.device)
+        if self.device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        cfg = model_runner.model_config
+        if getattr(cfg, "is_mla", False):
+            raise ValueError("the flashinfer backend does not serve MLA models here (use triton)")
+        pool = model_runner.token_to_kv_pool
+        if pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError("the flashinfer backend does not serve an fp8 KV cache here (use triton)")
+        tp = getattr(model_runner, "tp_size", 1) or 1
+        self.num_heads = cfg.num_attention_heads // tp
+        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp)
+        self.head_dim = cfg.head_dim
+        self.page_size = getattr(pool, "page_size", 1)
+        self.kv_dtype = pool.dtype
+        self.q_dtype = getattr(model_runner, "dtype", pool.dtype)
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        # every layer's window (W tokens: window_left = W - 1; -1 full) and softmax scale
+        layers = _attention_layers(model_runner)
+        if sliding_windows is None:
+            sliding_windows = [sliding_window(m) for m in layers]
+        self.windows = sorted({w - 1 if w > 0 else -1 for w in sliding_windows} or {-1})
+        scales = {float(m.scaling) for m in layers}
+        if len(scales) > 1:
+            raise ValueError(f"the flashinfer backend plans one softmax scale per model; layers use {scales}")
+        self.sm_scale = scales.pop() if scales else self.head_dim ** -0.5
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+                        for w in self.windows}
+        self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                         use_tensor_cores=True, backend="fa2")
+                       for w in self.windows}
+        self.plan: _Plan | None = None
+        self._cg: dict[int, dict[int, Any]] = {}  # captured bs -> window_left -> graph-bound decode wrapper
+        self._cg_rpi: torch.Tensor | None = None
+        self._cg_seq_lens: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- planning
+    def _plan_decode(self, wrappers: dict[int, Any], rows: torch.Tensor, seq_lens: list[int],
+                     out_indices: torch.Tensor | None = None) -> None:
+        indptr, indices, last = page_table(self.req_to_token, rows, seq_lens, self.page_size, out_indices)
+        for w, wrapper in wrappers.items():
+            wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                         window_left=w, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
+                         sm_scale=self.sm_scale)
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        if forward_batch.batch_size == 0:  # an idle rank: no attention runs
+            self.plan = None
+            return
+        if forward_batch.seq_lens_cpu is None:
+            forward_batch.seq_lens_cpu = forward_batch.seq_lens.tolist()
+        lens = forward_batch.seq_lens_cpu
+        if mode.is_decode():
+            self._plan_decode(self.decode, forward_batch.req_pool_indices, lens)
+            self.plan = _Plan(True, self.decode)
+            return
+        ext = forward_batch.extend_seq_lens_cpu
+        if ext is None:
+            raise ValueError("an extend ForwardBatch needs extend_seq_lens_cpu")
+        qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0)
+        indptr, indices, last = page_table(self.req_to_token, forward_batch.req_pool_indices, lens, self.page_size)
+        for w, wrapper in self.prefill.items():
+            wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.page_size, causal=True, window_left=w, q_data_type=self.q_dtype,
+                         kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
+        self.plan = _Plan(False, self.prefill)
+
+    # ---------------------------------------------------------------- CUDA graphs (decode)
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be positive; got {max_bs}")
+        self.cg_max_bs = max_bs
+        self._cg_rpi = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self._cg_seq_lens = torch.ones(max_bs, dtype=torch.int64, device=self.device)
+        max_pages = self.req_to_token.shape[1] // self.page_size + 1
+        self._cg_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._cg_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device)
+        self._cg_last = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+
+    def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._cg_rpi is None or self._cg_seq_lens is None:
+            return None
+        return self._cg_rpi, self._cg_seq_lens
+
+    def _load(self, bs: int, rpi: torch.Tensor, seq_lens: torch.Tensor) -> list[int]:
+        if self._cg_rpi is None or self._cg_seq_lens is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a CUDA graph")
+        if rpi.data_ptr() != self._cg_rpi.data_ptr():
+            self._cg_rpi[:bs].copy_(rpi[:bs])
+        if seq_lens.data_ptr() != self._cg_seq_lens.data_ptr():
+            self._cg_seq_lens[:bs].copy_(seq_lens[:bs])
+        return self._cg_seq_lens[:bs].tolist()  # the plan is made on the host (FlashInfer's scheduler)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        lens = self._load(bs, req_pool_indices, seq_lens)
+        wrappers = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=self._cg_indptr[:bs + 1], paged_kv_indices_buffer=self._cg_indices,
+            paged_kv_last_page_len_buffer=self._cg_last[:bs], backend="fa2") for w in self.windows}
+        self._cg[bs] = wrappers
+        self._plan_decode(wrappers, self._cg_rpi[:bs], lens)
+        self.plan = _Plan(True, wrappers)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        lens = self._load(bs, req_pool_indices, seq_lens)
+        self._plan_decode(self._cg[bs], self._cg_rpi[:bs], lens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ---------------------------------------------------------------- forward
+    def _paged(self, forward_batch: ForwardBatch, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer_id)
+        p = self.page_size
+        return (k_buf.view(-1, p, self.num_kv_heads, self.head_dim),
+                v_buf.view(-1, p, self.num_kv_heads, self.head_dim))
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+             forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        if self.plan is None:
+            raise RuntimeError("init_forward_metadata must run before the attention layers")
+        if save_kv_cache:
+            forward_batch.token_to_kv_pool.set_kv_buffer(
+                layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, layer.tp_k_head_num, layer.head_dim),
+                v.reshape(-1, layer.tp_v_head_num, layer.head_dim), *kv_scales(layer))
+        w = sliding_window(layer)
+        wrapper = self.plan.wrappers[w - 1 if w > 0 else -1]
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+        o = wrapper.run(q3, self._paged(forward_batch, layer.layer_id))
+        return o.reshape(-1, layer.tp_q_head_num * layer.head_dim)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def _attention_layers(model_runner: ModelRunner) -> list[Any]:
+    from radixserve.layers.radix_attention import RadixAttention
+
+    model = getattr(model_runner, "model", None)
+    return [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
