@@ -134,14 +134,27 @@ def offline(s: Scheduler, names: list[str | None], n: int, in_lo: int, in_hi: in
         s.process_input_requests([io.TokenizedGenerateReqInput(
             rid=f"o{seed}-{i}", input_text=None, input_ids=torch.randint(0, vocab, (length,), generator=g).tolist(),
             sampling_params=sp, lora_id=names[i % len(names)])])
-    while s.step() or not s.is_idle():
-        pass
+    graph = s.worker.model_runner.cuda_graph_runner
+    graph_bs = graph.max_bs if graph is not None else 0
+    steps: dict[str, list[float]] = {}  # kind of batch launched -> [steps, seconds] (overlap: its wait included)
+    while True:
+        t = time.perf_counter()
+        ran = s.step()
+        b = s.last_batch
+        if b is not None:
+            kind = ("prefill" if b.forward_mode.is_extend() else
+                    "decode (graph)" if len(b.reqs) <= graph_bs else "decode (eager)")
+            acc = steps.setdefault(kind, [0, 0.0])
+            acc[0] += 1
+            acc[1] += time.perf_counter() - t
+        if not ran and s.is_idle():
+            break
     sync(s)
     dt = time.perf_counter() - t0
     done = sum(len(m.rids) for m in s.outbox if isinstance(m, io.BatchTokenIDOut))
     s.outbox.clear()
     return {"seconds": dt, "output_tok_s": n * out_len / dt, "total_tok_s": (total_in + n * out_len) / dt,
-            "messages": done}
+            "messages": done, "steps": {k: {"steps": v[0], "seconds": round(v[1], 4)} for k, v in steps.items()}}
 
 
 def main() -> None:

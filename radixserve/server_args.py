@@ -91,9 +91,9 @@ class ServerArgs:
     enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
     step_token_budget: int | None = _flag("While requests decode and no backlog waits (the waiting prompts fit in "
                                           "one chunk), one step computes at most this many tokens: the running "
-                                          "decodes ride with a prefill chunk that takes the rest (MIXED), so decodes "
-                                          "keep their pace while prompts are admitted. 0: off (default 256 on CUDA, "
-                                          "off on the CPU, with speculative decoding and DP attention)")
+                                          "decodes ride with a prefill chunk that takes the rest (MIXED). 0 or "
+                                          "unset: off (mixed steps run eagerly, so on an 8B model they did not pay "
+                                          "yet: docs/PERFORMANCE.md)")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -105,7 +105,7 @@ class ServerArgs:
                                           "256 from 70 GiB, else 160)")
     prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
                                                "CUDA graph (one GPU, with decode graphs on); 0: always eager",
-                                               default=0)
+                                               default=512)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
@@ -252,6 +252,9 @@ class ServerArgs:
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):
             raise ValueError(f"--step-token-budget must be a non-negative integer; got {self.step_token_budget!r}")
+        if self.step_token_budget and (self.speculative_algorithm is not None or self.enable_dp_attention):
+            raise ValueError("--step-token-budget mixes decodes into prefill steps, which speculative decoding and "
+                             "--enable-dp-attention do not support")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -372,12 +375,8 @@ class ServerArgs:
 
     @property
     def resolved_step_token_budget(self) -> int:
-        """--step-token-budget, or its default: 256 on CUDA without speculative decoding or DP attention, else 0
-        (off)."""
-        if self.step_token_budget is not None:
-            return self.step_token_budget
-        plain = self.speculative_algorithm is None and not self.enable_dp_attention
-        return 256 if self.resolved_device() == "cuda" and plain else 0
+        """--step-token-budget, or 0 (off)."""
+        return self.step_token_budget or 0
 
     @property
     def chunk_size(self) -> int | None:

@@ -32,8 +32,11 @@ def test_latency_step_budget_policy() -> None:
 def test_default_budget_by_device() -> None:
     assert ServerArgs(device="cpu").resolved_step_token_budget == 0
     assert ServerArgs(device="cpu", step_token_budget=64).resolved_step_token_budget == 64
+    assert ServerArgs(device="cuda").resolved_step_token_budget == 0  # off by default (mixed steps run eagerly)
     with pytest.raises(ValueError, match="step-token-budget"):
         ServerArgs(device="cpu", step_token_budget=-1)
+    with pytest.raises(ValueError, match="step-token-budget"):
+        ServerArgs(device="cpu", step_token_budget=64, speculative_algorithm="ngram")
 
 
 def _staggered(path: str, **kw) -> tuple[dict[str, list[int]], list[tuple[ForwardMode, int]]]:

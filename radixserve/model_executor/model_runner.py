@@ -105,6 +105,8 @@ class ModelRunner:
                 if server_args.speculative_algorithm is not None else 1
         self.decode_rows_per_request = decode_rows_per_request
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # the ranks the attention heads are split over: none with DP attention (each rank has every head)
+        self.attn_tp_size = 1 if server_args.enable_dp_attention else tp_size
         device = server_args.resolved_device()
         if device == "cuda":
             if not torch.cuda.is_available():

@@ -125,7 +125,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
         if path is None:
             raise ValueError("the double_sparsity backend needs --ds-channel-config-path (write one with python -m "
                              "radixserve.calibrate_double_sparsity)")
-        tp_size = getattr(model_runner, "tp_size", 1) or 1
+        tp_size = getattr(model_runner, "attn_tp_size", None) or getattr(model_runner, "tp_size", 1) or 1
         tp_rank = getattr(model_runner, "tp_rank", 0) or 0
         if cfg.num_key_value_heads % tp_size:
             raise ValueError(f"double sparsity needs the {cfg.num_key_value_heads} KV heads split evenly over "

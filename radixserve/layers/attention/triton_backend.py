@@ -58,7 +58,7 @@ class TritonAttnBackend(AttentionBackend):
         if max_kv_splits < 1:
             raise ValueError(f"max_kv_splits must be positive; got {max_kv_splits}")
         cfg = model_runner.model_config
-        tp_size = getattr(model_runner, "tp_size", 1) or 1
+        tp_size = getattr(model_runner, "attn_tp_size", None) or getattr(model_runner, "tp_size", 1) or 1
         # MLA (DeepSeek): multi-query attention over the latent pool, value/output dim = the latent rank
         self.is_mla = bool(getattr(cfg, "is_mla", False))
         if self.is_mla:
