@@ -158,6 +158,13 @@ def test_flex_long_extend_spans_several_query_blocks() -> None:
     run_case(2, 1, 16, prefix_lens=[3, 0], ext_lens=[150, 130], window=-1, seed=5)
 
 
+def test_flex_knows_the_config_windows_before_any_request() -> None:
+    """CUDA-graph capture runs decode before any extend: the windows must come from the config, not from traffic."""
+    runner = make_runner(2, 1, 16, 1)
+    runner.model_config.sliding_windows = [-1, 6]
+    assert FlexAttnBackend(runner).windows == {-1, 6}
+
+
 def test_flex_refuses_fp8_and_mla() -> None:
     runner = make_runner(2, 1, 16, 1)
     runner.token_to_kv_pool.dtype = torch.float8_e4m3fn

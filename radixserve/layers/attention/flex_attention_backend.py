@@ -76,7 +76,9 @@ class FlexAttnBackend(AttentionBackend):
         # plus a last entry that takes the writes of padded decode rows
         self.dump = -(-self.num_slots // kb) * kb
         self.slot_pos = torch.full((self.dump + 1,), -1, dtype=torch.int64, device=self.device)
-        self.windows: set[int] = {-1}  # the layers' windows seen so far (-1: full attention)
+        # the layers' windows (-1: full attention), known from the config so that CUDA-graph capture builds a mask
+        # for each before any request has run; a window first seen in an extend is added there
+        self.windows: set[int] = {-1} | set(getattr(cfg, "sliding_windows", None) or ())
         self._flex_extend: Any = flex_attention
         self._flex_decode: Any = flex_attention
         if self.is_cuda:
