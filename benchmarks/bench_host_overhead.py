@@ -96,7 +96,7 @@ class Meter:
 def run(path: str, bs: int, overlap: bool, input_len: int, steps: int, warmup: int,
         profile: bool, device: str = "cpu") -> dict[str, Any]:
     output_len = warmup + steps + 16  # every measured step is a full decode batch
-    real = device != "cpu"  # a real (dummy-weight) model on the GPU: device time and launches included
+    real = device != "cpu"  # a real (dummy-weight) model on the GPU: GPU time and launches included
     extra: dict[str, Any] = dict(load_format="dummy", cuda_graph_max_bs=max(bs, 8)) if real else \
         dict(dtype="float32")
     args = ServerArgs(model_path=path, device=device, **extra, skip_tokenizer_init=True, random_seed=0,
