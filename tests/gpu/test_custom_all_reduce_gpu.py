@@ -1,4 +1,5 @@
-"""On two GPUs: the symmetric-memory all-reduce (one-shot and two-shot) gives NCCL's sums, eagerly and replayed
+"""On two GPUs: the symmetric-memory all-reduce (PyTorch's one-shot and two-shot, the Triton pull one-shot, the
+push one-shot) gives NCCL's sums, eagerly and replayed
 from a CUDA graph, for decode-sized messages; TP=2 with it decodes the same greedy tokens as with NCCL only and
 as TP=1. Skipped with fewer than two GPUs.
 
@@ -139,6 +140,16 @@ def _rank(rank: int, port: int, results: dict) -> None:
     if out["triton_enabled"]:
         _check_triton(tr, rank, out)
     stage("Triton one-shot and fused add + RMSNorm checked")
+    os.environ["RADIXSERVE_ONE_SHOT"] = "push"
+    pu = CustomAllReduce(dist.group.WORLD, cpu_group, f"cuda:{rank}", max_bytes=1 << 20, one_shot_max_bytes=256 << 10)
+    out["push_enabled"] = pu.enabled and pu.add_norm is not None
+    out["push_reason"] = pu.disabled_reason
+    stage(f"push one-shot set up (enabled: {out['push_enabled']})")
+    if out["push_enabled"]:
+        sub: dict = {}
+        _check_triton(pu, rank, sub)
+        out.update({f"push-{k}": v for k, v in sub.items()})
+    stage("push one-shot and its fused add + RMSNorm checked")
     results[rank] = out
     dist.barrier(group=cpu_group)
     sys.stdout.flush()
@@ -154,7 +165,8 @@ def test_custom_all_reduce_equals_nccl_eager_and_in_graphs() -> None:
     for rank in (0, 1):
         assert got[rank]["enabled"], got[rank]["reason"]
         assert got[rank]["triton_enabled"], got[rank]["triton_reason"]
-        bad = [k for k, v in got[rank].items() if v is False and k not in ("enabled", "triton_enabled")]
+        assert got[rank]["push_enabled"], got[rank]["push_reason"]
+        bad = [k for k, v in got[rank].items() if v is False and not k.endswith("enabled")]
         assert not bad, bad
 
 
@@ -187,6 +199,13 @@ def tiny_llama(tmp_path_factory) -> tuple[str, list[list[int]]]:
 def test_tp2_custom_all_reduce_greedy_equals_tp1(tiny_llama) -> None:
     """TP=2 through the Triton one-shot fused with add + RMSNorm, CUDA graphs on (the default path)."""
     path, want = tiny_llama
+    assert _generate(path, tp_size=2) == want
+
+
+def test_tp2_push_all_reduce_greedy_equals_tp1(tiny_llama, monkeypatch) -> None:
+    """TP=2 through the flag-free push one-shot fused with add + RMSNorm (RADIXSERVE_ONE_SHOT=push)."""
+    path, want = tiny_llama
+    monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "push")  # the scheduler processes inherit it
     assert _generate(path, tp_size=2) == want
 
 
