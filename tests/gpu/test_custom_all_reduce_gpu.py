@@ -1,4 +1,5 @@
-"""On two GPUs: the symmetric-memory all-reduce (one-shot and two-shot) gives NCCL's sums, eagerly and replayed
+"""On two GPUs: the symmetric-memory all-reduce (PyTorch's one-shot and two-shot, the Triton pull one-shot, the
+push one-shot) gives NCCL's sums, eagerly and replayed
 from a CUDA graph, for decode-sized messages; TP=2 with it decodes the same greedy tokens as with NCCL only and
 as TP=1. Skipped with fewer than two GPUs.
 
@@ -139,6 +140,24 @@ def _rank(rank: int, port: int, results: dict) -> None:
     if out["triton_enabled"]:
         _check_triton(tr, rank, out)
     stage("Triton one-shot and fused add + RMSNorm checked")
+    os.environ["RADIXSERVE_ONE_SHOT"] = "push"
+    pu = CustomAllReduce(dist.group.WORLD, cpu_group, f"cuda:{rank}", max_bytes=1 << 20, one_shot_max_bytes=256 << 10)
+    out["push_enabled"] = pu.enabled and pu.add_norm is not None
+    out["push_reason"] = pu.disabled_reason
+    stage(f"push one-shot set up (enabled: {out['push_enabled']})")
+    if out["push_enabled"]:
+        sub: dict = {}
+        _check_triton(pu, rank, sub)
+        out.update({f"push-{k}": v for k, v in sub.items()})
+        # with the next weight's start asked into the L2 by the spare programs: the same results
+        pu.add_norm.prefetch_bytes = 8 << 20
+        nxt = torch.zeros(32 << 20, dtype=torch.uint8, device="cuda")
+        x = torch.full((2, 4096), float(rank + 1), device="cuda", dtype=torch.bfloat16)
+        for rep in range(4):
+            normed, new_res = pu.fused_add_rmsnorm(x, torch.ones_like(x), torch.ones_like(x[0]), 1e-6, nxt)
+            out[f"push-prefetch-{rep}"] = torch.equal(new_res, torch.full_like(x, 4.0)) and \
+                torch.equal(normed, torch.ones_like(x))
+    stage("push one-shot and its fused add + RMSNorm checked")
     results[rank] = out
     dist.barrier(group=cpu_group)
     sys.stdout.flush()
@@ -154,7 +173,8 @@ def test_custom_all_reduce_equals_nccl_eager_and_in_graphs() -> None:
     for rank in (0, 1):
         assert got[rank]["enabled"], got[rank]["reason"]
         assert got[rank]["triton_enabled"], got[rank]["triton_reason"]
-        bad = [k for k, v in got[rank].items() if v is False and k not in ("enabled", "triton_enabled")]
+        assert got[rank]["push_enabled"], got[rank]["push_reason"]
+        bad = [k for k, v in got[rank].items() if v is False and not k.endswith("enabled")]
         assert not bad, bad
 
 
@@ -187,6 +207,14 @@ def tiny_llama(tmp_path_factory) -> tuple[str, list[list[int]]]:
 def test_tp2_custom_all_reduce_greedy_equals_tp1(tiny_llama) -> None:
     """TP=2 through the Triton one-shot fused with add + RMSNorm, CUDA graphs on (the default path)."""
     path, want = tiny_llama
+    assert _generate(path, tp_size=2) == want
+
+
+def test_tp2_push_all_reduce_greedy_equals_tp1(tiny_llama, monkeypatch) -> None:
+    """TP=2 through the flag-free push one-shot fused with add + RMSNorm (RADIXSERVE_ONE_SHOT=push)."""
+    path, want = tiny_llama
+    monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "push")  # the scheduler processes inherit it
+    monkeypatch.setenv("RADIXSERVE_AR_PREFETCH_MB", "16")  # and the next weight asked into the L2
     assert _generate(path, tp_size=2) == want
 
 
