@@ -240,7 +240,8 @@ def test_flex_graph_block_kernel_equals_torch_lists(page_size: int) -> None:
     if not FlexAttnBackend(make_runner(2, 1, 16, page_size))._fill_in_graph:
         pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(page_size)
-    runner = make_runner(2, 1, 16, page_size, pool_size=1024)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # tests/gpu/ runs this file's kernel test on the GPU too
+    runner = make_runner(2, 1, 16, page_size, pool_size=1024, device=dev)
     runner.model_config.sliding_windows = [-1, 5, 40]
     kv, r2t = runner.token_to_kv_pool, runner.req_to_token_pool
     rows = r2t.alloc(5)
@@ -253,12 +254,13 @@ def test_flex_graph_block_kernel_equals_torch_lists(page_size: int) -> None:
             slots = kv.alloc_extend([step], [step + n], [last[i]])
             r2t.write(rows[i], step, slots)
             last[i] = int(slots[-1])
+    r2t.apply_writes(r2t.take_pending_writes())
     if page_size == 1:  # shuffle slot order inside rows, as frees and reuse leave it
         table = r2t.req_to_token
         for r, n in zip(rows, lens, strict=True):
-            table[r, :n] = table[r, :n][torch.randperm(n, generator=gen)]
-    seq = torch.tensor(lens)
-    req = torch.tensor(rows)
+            table[r, :n] = table[r, :n][torch.randperm(n, generator=gen).to(dev)]
+    seq = torch.tensor(lens, device=dev)
+    req = torch.tensor(rows, device=dev)
     ref, ker = FlexAttnBackend(runner), FlexAttnBackend(runner)
     for b in (ref, ker):
         b.init_cuda_graph_state(8)
