@@ -156,6 +156,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for prev, layer in zip(self.layers[:-1], self.layers[1:], strict=True):  # fused all-reduce + norm
             layer.input_partial = prev.mlp_partial
+            layer.input_layernorm.prefetch_next(layer.self_attn.qkv_proj)
+        for layer in self.layers:
+            layer.post_attention_layernorm.prefetch_next(getattr(layer.mlp, "gate_up_proj", None))
         self.final_partial = bool(len(self.layers)) and self.layers[-1].mlp_partial
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -186,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.model.norm.prefetch_next(self.lm_head)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()
