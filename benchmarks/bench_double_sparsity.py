@@ -155,7 +155,8 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
             t_select, t_attend = _graph_time(select), _graph_time(attend)
             t_ds = _graph_time(full)
             row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
-                   "topk_method": method, "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds, "speedup": t_dense / t_ds,
+                   "topk_method": method, "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds,
+                   "speedup": t_dense / t_ds,
                    "score_ms": t_score, "topk_ms": t_select, "sparse_attn_ms": t_attend,
                    "dense_kv_tb_s": kv_bytes / t_dense / 1e9, "score_label_tb_s": label_bytes / t_score / 1e9}
             rows.append(row)
