@@ -149,7 +149,12 @@ class ModelRunner:
             from radixserve.layers.moe.fused_moe import precompile
 
             t0 = time.perf_counter()
-            n = precompile(self.model, max(server_args.max_prefill_tokens, server_args.chunk_size or 0))
+            try:
+                n = precompile(self.model, max(server_args.max_prefill_tokens, server_args.chunk_size or 0))
+            except Exception as e:  # noqa: BLE001 - a warm-up: the batch that needs the kernel raises it again
+                logger.warning("compiling the fused MoE kernels ahead failed (%s: %s); they compile on first use",
+                               type(e).__name__, e)
+                n = 0
             if n:
                 logger.info("compiled the fused MoE kernels for %d block configs in %.1f s", n,
                             time.perf_counter() - t0)
