@@ -30,7 +30,7 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
     split_capacity,
 )
 from radixserve.layers.attention.triton_ops.topk_select import _SHIFT1 as SHIFT1
-from radixserve.layers.attention.triton_ops.topk_select import NBINS, _order_key
+from radixserve.layers.attention.triton_ops.topk_select import NBINS, _masked_hist, _order_key
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -79,7 +79,7 @@ def _ds_score_kernel(
     if WITH_HIST:  # the threshold top-k's first round (topk_select.py), from the scores still in registers
         for g in tl.static_range(NUM_KV_HEADS):
             col = tl.sum(tl.where(offs_h[None, :] == g, best, 0.0), axis=1)
-            h = tl.histogram((_order_key(col) >> SHIFT1) + NB // 2, NB, mask=offs_n < n_cols)
+            h = _masked_hist((_order_key(col) >> SHIFT1) + NB // 2, offs_n < n_cols, NB)
             tl.atomic_add(Hist + (b * NUM_KV_HEADS + g).to(tl.int64) * stride_hist + tl.arange(0, NB), h,
                           mask=h > 0, sem="relaxed")
 

@@ -35,6 +35,14 @@ def _order_key(s):
 
 
 @triton.jit
+def _masked_hist(bins, mask, NB: tl.constexpr):
+    """tl.histogram of bins where mask (without its mask argument, which older Triton releases lack)."""
+    h = tl.histogram(tl.where(mask, bins, 0), NB)
+    masked_out = tl.sum((mask == 0).to(tl.int32), 0)
+    return h - tl.where(tl.arange(0, NB) == 0, masked_out, 0)
+
+
+@triton.jit
 def _boundary(Hist, k, NB: tl.constexpr):
     """(bin, count above it): the highest bin whose count from the top reaches k, and the count of higher bins."""
     offs = tl.arange(0, NB)
@@ -56,11 +64,11 @@ def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
     bin1 = (key >> SHIFT1) + NB // 2
     hist = Hist + r.to(tl.int64) * stride_h
     if ROUND == 1:
-        h = tl.histogram(bin1, NB, mask=m)
+        h = _masked_hist(bin1, m, NB)
         tl.atomic_add(hist + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
     else:
         b1, _ = _boundary(hist, k, NB)
-        h = tl.histogram((key >> SHIFT2) & (NB - 1), NB, mask=m & (bin1 == b1))
+        h = _masked_hist((key >> SHIFT2) & (NB - 1), m & (bin1 == b1), NB)
         tl.atomic_add(hist + NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
 
 
