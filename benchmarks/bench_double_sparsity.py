@@ -110,9 +110,9 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rpi, seq_lens, mid_o, mid_lse, d ** -0.5,
                              num_kv_splits=splits)
 
-    def score() -> None:
+    def score(block_n: int | None = None, hist: torch.Tensor | None = None) -> None:
         ql = q.gather(2, q_ch.unsqueeze(0).expand(bs, -1, -1))
-        ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores)
+        ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n, hist=hist)
 
     def pick() -> torch.Tensor:
         if state["method"] in ("threshold", "fused"):
@@ -144,6 +144,11 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     t_score = _graph_time(score)
     kv_bytes = 2 * n * hkv * d * 2
     label_bytes = n * hkv * hc * 2
+    for block_n in args.score_block_n:  # the scoring kernel's tile, alone and making the first histograms
+        t_plain = _graph_time(lambda b=block_n: score(b))
+        t_hist = _graph_time(lambda b=block_n: (scratch.zero_(), score(b, scratch)))
+        print(f"ctx {ctx:6d} bs {bs:3d} score BLOCK_N {block_n:4d}: {t_plain * 1e3:6.1f} us "
+              f"({label_bytes / t_plain / 1e9:.2f} TB/s), with the histograms {t_hist * 1e3:6.1f} us", flush=True)
     rows = []
     for top_k in args.heavy_token_num:
         state["k"], state["top"] = top_k, torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int64)
@@ -349,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     k.add_argument("--heavy-token-num", type=int, nargs="+", default=[1024])
     k.add_argument("--heavy-channel-num", type=int, default=16)
+    k.add_argument("--score-block-n", type=int, nargs="*", default=[],
+                   help="also time the scoring kernel with these tiles (positions per program)")
     k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold", "fused"],
                    default=["torch", "threshold", "fused"],
                    help="torch.topk (with --topk-chunks), the histogram-threshold select (topk_select.py), and "
