@@ -69,6 +69,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             out += [GemvConfig("mma", bn, bk, w, st) for bn, bk, w, st in
                     [(16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2),
                      (32, 1024, 8, 2), (64, 256, 4, 2), (64, 512, 8, 2), (16, 512, 2, 2), (32, 512, 4, 3)]]
+            out += [GemvConfig("mma", bn, bk, w, 2, "2d") for bn, bk, w in [(16, 256, 4), (32, 256, 4), (16, 512, 2)]]
     return out[:6] if quick else out
 
 

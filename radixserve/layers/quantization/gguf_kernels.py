@@ -244,6 +244,44 @@ def _q4_k_gemv_mma_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
 
 
 @triton.jit
+def _q4_k_gemv_mma2d_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn,
+                            stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """`_q4_k_gemv_mma_kernel` with one 2-D int8 dot per sub-block ([BLOCK_N, 32] x [32, 16]) in an unrolled loop
+    over the NCH chunks of a step, instead of one batched dot."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_l = tl.arange(0, 32)
+    first = (tl.arange(0, 16) == 0)[None, :]
+    rows = offs_n.to(tl.int64)
+    w_ptrs = Wq + rows[:, None] * stride_wn + offs_l[None, :]  # [BLOCK_N, 32]
+    x_ptrs = X + m * stride_xm + offs_l
+    s_ptrs = Sc + rows * stride_sn
+    m_ptrs = Mn + rows * stride_sn
+    d_ptrs = D + rows * stride_dn
+    dm_ptrs = Dmin + rows * stride_dn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        for c in tl.static_range(NCH):
+            g = g0 + c
+            b = tl.load(w_ptrs + g * 32, mask=mask_n[:, None], other=0)
+            d = tl.load(d_ptrs + g // 4, mask=mask_n, other=0.0).to(tl.float32)
+            dm = tl.load(dm_ptrs + g // 4, mask=mask_n, other=0.0).to(tl.float32)
+            for half in tl.static_range(2):
+                q = ((b >> (4 * half)) & 0xF).to(tl.int8) - 8
+                x = tl.load(x_ptrs + g * 64 + 32 * half).to(tl.float32)  # [32]
+                xs = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 127.0
+                xt = tl.where(first, _round_to_int8(x / xs)[:, None], 0).to(tl.int8)  # [32, 16], x in column 0
+                dot = tl.sum(tl.dot(q, xt, out_dtype=tl.int32), axis=1).to(tl.float32)  # [BLOCK_N]
+                sc = tl.load(s_ptrs + 2 * g + half, mask=mask_n, other=0).to(tl.float32)
+                mn = tl.load(m_ptrs + 2 * g + half, mask=mask_n, other=0).to(tl.float32)
+                acc += d * sc * xs * dot + (8.0 * d * sc - dm * mn) * tl.sum(x, axis=0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q8_0 rows, NB contiguous 32-weight blocks of every row per
@@ -300,7 +338,8 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     if q4k:
         sc = fields["scales"]
         if cfg.kernel == "mma":
-            launch(_q4_k_gemv_mma_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
+            kernel = _q4_k_gemv_mma2d_kernel if cfg.variant == "2d" else _q4_k_gemv_mma_kernel
+            launch(kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
                    x.stride(0), wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                    BLOCK_N=block_n, NCH=block_k // 64, **opts)
             return out
