@@ -265,7 +265,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
         out = candidates(family, m, args.quick)
-        if args.kernels:
+        if args.kernels and out:  # (none: the family does not take m rows)
             from radixserve.layers.quantization import gemv_configs
 
             out = [c for c in out if c.kernel in args.kernels]
