@@ -16,7 +16,8 @@ on the current stream with fixed buffer addresses, so decode steps capture them 
 One-shot messages go to the one-barrier Triton kernel of `triton_all_reduce.py` (5.1 us against PyTorch's 6.6
 and NCCL's 16.8 for 8 KiB inside a CUDA graph, 2 x H200), which also lets the Llama-family layers fuse each
 all-reduce with the residual add and RMSNorm after it (`fused_add_rmsnorm`); RADIXSERVE_ONE_SHOT=torch keeps
-PyTorch's one-shot kernel and the unfused layers instead.
+PyTorch's one-shot kernel and the unfused layers instead; RADIXSERVE_ONE_SHOT=push takes the flag-free push kernels
+of `push_all_reduce.py` (each rank stores into its peers' buffers, the data marks its own arrival).
 
 A rank that cannot set this up (no peer access, an old torch, a wrong self-test sum) makes every rank fall back to
 NCCL: the ranks agree over the CPU group, so collectives always stay matched.
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 # one-shot up to here (latency-bound), two-shot above it. Measured on 2 x H200 inside CUDA graphs: PyTorch's
 # one-shot beats its two-shot up to 256 KiB (9.5 / 10.0 us); the Triton one-shot beats the two-shot up to 1 MiB
 # (10.3 / 13.2 us)
-ONE_SHOT_MAX_BYTES = {"torch": 256 * 1024, "triton": 1024 * 1024}
+ONE_SHOT_MAX_BYTES = {"torch": 256 * 1024, "triton": 1024 * 1024, "push": 1024 * 1024}
+FUSED_MAX_ROWS = 128  # the push kernel's fused add + RMSNorm: rows (tokens) per call
 MAX_BYTES = 8 * 1024 * 1024  # NCCL above it (prefill-sized messages: bandwidth-bound, NCCL does well)
 _ALIGN_BYTES = 16  # the kernels' vector width; other sizes go to NCCL
 
@@ -97,8 +99,13 @@ class CustomAllReduce:
                 enable(self.group_name)
         self._triton = None
         self.add_norm = None
-        if self.impl not in ("torch", "triton"):
-            raise ValueError(f"RADIXSERVE_ONE_SHOT must be 'torch' or 'triton', got {self.impl!r}")
+        if self.impl not in ("torch", "triton", "push"):
+            raise ValueError(f"RADIXSERVE_ONE_SHOT must be 'torch', 'triton' or 'push', got {self.impl!r}")
+        if self.impl == "push":
+            from radixserve.distributed.push_all_reduce import PushAddRMSNorm, PushOneShot
+
+            self._triton = PushOneShot.from_symm_mem(self._group, self.device, dtypes, self.one_shot_max_bytes)
+            self.add_norm = PushAddRMSNorm.from_symm_mem(self._group, self.device, dtypes, FUSED_MAX_ROWS)
         if self.impl == "triton":
             from radixserve.distributed.triton_all_reduce import TritonAllReduceAddNorm, TritonOneShot
 
@@ -129,12 +136,15 @@ class CustomAllReduce:
                 raise RuntimeError("self-test: the fused all-reduce + add + RMSNorm is wrong")
         torch.cuda.synchronize(self.device)
 
-    def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                          prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(all-reduce(x) + residual) * weight, all-reduce(x) + residual) in one kernel, or None when this
-        message cannot take that path."""
+        message cannot take that path. `prefetch` (push kernel only): the next layer's weight, see
+        push_all_reduce.py."""
         if self.add_norm is None or not self.should_use(x) or not self.add_norm.can_fuse(x, residual):
             return None
+        if prefetch is not None and getattr(self.add_norm, "prefetch_bytes", 0):
+            return self.add_norm(x, residual, weight, eps, prefetch)
         return self.add_norm(x, residual, weight, eps)
 
     def should_use(self, x: torch.Tensor) -> bool:
