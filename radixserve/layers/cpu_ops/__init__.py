@@ -1,7 +1,7 @@
 """CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes:
 `paged_decode_attention` (decode attention read in place from the KV pool), `linear` (x W^T for the few rows of a
-small decode batch on every thread; MKL runs a one-row product on a single thread), `rotary_neox_inplace` and
-`rms_norm`.
+small decode batch on every thread; MKL runs a one-row product on a single thread), `rotary_neox_inplace`,
+and `rms_norm` (float32 and bfloat16 rows).
 
 The shared library (every .c file here) is built once per source and machine into `<cache root>/cpu_kernels/`
 (`-O3 -march=native -fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1`
@@ -104,6 +104,12 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn.restype = _I
     fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
     fn = lib.rmsnorm
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
+    fn = lib.rotary_neox_inplace_bf16
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
+    fn = lib.rmsnorm_bf16
     fn.restype = _I
     fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
     for name in ("small_m_linear", "small_m_linear_bf16"):
@@ -248,20 +254,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
                         sin_cache: torch.Tensor, head_dim: int) -> bool:
-    """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 CPU tensors the kernel can
-    take; returns False (touching nothing) otherwise, and the caller runs its torch ops. bfloat16 q/k are rotated in
-    float32 copies and written back (what the torch ops compute: float32 math, one rounding)."""
-    if (not torch.compiler.is_compiling() and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
-            and q.device.type == "cpu" and q.dim() == 2
-            and k.dim() == 2 and not q.requires_grad and not k.requires_grad):
-        q32, k32 = q.float(), k.float()
-        if not rotary_neox_inplace(positions, q32, k32, cos_cache, sin_cache, head_dim):
-            return False
-        q.copy_(q32)
-        k.copy_(k32)
-        return True
-    if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype != torch.float32
-            or k.dtype != torch.float32 or q.dim() != 2 or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1
+    """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 or bfloat16 CPU tensors the
+    kernel can take; returns False (touching nothing) otherwise, and the caller runs its torch ops. bfloat16 q/k are
+    rotated in float32 and rounded back once (what rotating float copies and copying them back computes)."""
+    if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
+            or k.dtype != q.dtype or q.dim() != 2 or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1
             or len(q) != len(k) or head_dim % 2
             or q.shape[1] % head_dim or k.shape[1] % head_dim or cos_cache.dtype != torch.float32
             or cos_cache.shape != (cos_cache.shape[0], head_dim // 2) or not cos_cache.is_contiguous()
@@ -271,10 +268,12 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     lib = load()
     if lib is None:
         return False
-    positions = positions.to(torch.int64).contiguous()
-    rc = lib.rotary_neox_inplace(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
-                                 cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], len(q),
-                                 q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, torch.get_num_threads())
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    fn = lib.rotary_neox_inplace if q.dtype == torch.float32 else lib.rotary_neox_inplace_bf16
+    rc = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(), cos_cache.data_ptr(),
+            sin_cache.data_ptr(), cos_cache.shape[0], len(q), q.shape[1] // head_dim, k.shape[1] // head_dim,
+            head_dim, torch.get_num_threads())
     if rc:
         raise ValueError(f"rotary: a position is outside 0..{cos_cache.shape[0] - 1}")
     return True
@@ -282,33 +281,26 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 CPU rows;
-    None (nothing done) where the kernel does not apply. bfloat16 rows: the sum is taken in bfloat16 (as the torch
-    ops do), the norm in float32 with one rounding of the result."""
-    if (not torch.compiler.is_compiling() and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-            and not x.requires_grad
-            and (residual is None or (residual.dtype == torch.bfloat16 and residual.shape == x.shape))):
-        if residual is not None:
-            x = x + residual
-        out = rms_norm(x.float(), None, weight.float(), eps)
-        if out is None:
-            return None
-        out = out.to(torch.bfloat16)  # type: ignore[union-attr]
-        return out if residual is None else (out, x)
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
+    """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 or bfloat16
+    CPU rows (the weight in the same dtype); None (nothing done) where the kernel does not apply. bfloat16 rows as
+    transformers computes them: the sum rounded to bfloat16, the norm in float32 rounded to bfloat16, then times the
+    weight and rounded again."""
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
+            or weight.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
             or x.requires_grad
-            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape
                                           or residual.stride(1) != 1))):
         return None
     lib = load()
     if lib is None:
         return None
-    weight = weight.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32)
-    res_out = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
-    lib.rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                0 if residual is None else residual.stride(0), out.data_ptr(),
-                None if res_out is None else res_out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
-                float(eps), torch.get_num_threads())
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    fn = lib.rmsnorm if x.dtype == torch.float32 else lib.rmsnorm_bf16
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+       0 if residual is None else residual.stride(0), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
+       weight.data_ptr(), x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     return out if res_out is None else (out, res_out)
+
