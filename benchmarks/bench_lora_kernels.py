@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from radixserve.lora import triton_ops
 from radixserve.lora.batch_info import LoRABatchInfo, group_rows
 from radixserve.lora.ops import lora_delta_torch
 from radixserve.lora.triton_ops import lora_expand_stacked, lora_shrink_expand
@@ -108,6 +109,21 @@ def check(layer_shapes, S: int, R: int) -> list[str]:
     return lines
 
 
+_UNSPEC = None
+
+
+def _unspecialized():
+    """The stacked expand compiled as before 2026-11-30 evening: sizes and strides not specialised (Triton then
+    cannot prove 16-byte alignment of a row and loads and stores one element at a time) - for comparison."""
+    global _UNSPEC
+    if _UNSPEC is None:
+        import triton
+
+        _UNSPEC = triton.jit(do_not_specialize=["num_rows", "N", "stride_y", "stride_out", "shrink_col", "slot_cols",
+                                                "off1", "off2"])(triton_ops._expand_stacked_kernel.fn)
+    return _UNSPEC
+
+
 def time_batch(bs: int, layers: list[dict], layer_shapes: list, scal: torch.Tensor, args: argparse.Namespace
                ) -> dict[str, float]:
     """ms of one graph replay per mode at batch `bs`."""
@@ -151,12 +167,18 @@ def time_batch(bs: int, layers: list[dict], layer_shapes: list, scal: torch.Tens
 
     fns = {"base": base, "separate": separate, "stacked": stacked, "sep-only": sep_only, "exp-only": exp_only}
     for cfg in args.expand_configs or ():
-        bm, bn, w, mixed = (int(v) for v in cfg.split("x"))
+        bm, bn, w, mixed = (int(v) for v in cfg.rstrip("u").split("x"))
+        kernel = _unspecialized() if cfg.endswith("u") else triton_ops._expand_stacked_kernel
 
-        def exp_cfg(c=(bm, bn, w, bool(mixed))):
-            for d in layers:
-                for name, _, sl in layer_shapes:
-                    lora_expand_stacked(ys[name], d[name][3], scal, sl, views[3], views[4], info.num_rows, config=c)
+        def exp_cfg(c=(bm, bn, w, bool(mixed)), kernel=kernel):
+            own, triton_ops._expand_stacked_kernel = triton_ops._expand_stacked_kernel, kernel
+            try:
+                for d in layers:
+                    for name, _, sl in layer_shapes:
+                        lora_expand_stacked(ys[name], d[name][3], scal, sl, views[3], views[4], info.num_rows,
+                                            config=c)
+            finally:
+                triton_ops._expand_stacked_kernel = own
 
         fns[f"exp-{cfg}"] = exp_cfg
     row = {}
@@ -180,13 +202,17 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["base", "separate", "stacked", "sep-only", "exp-only"])
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--expand-configs", nargs="*", default=None, metavar="BMxBNxWARPSxMIXED",
-                   help="also time the stacked expand alone with these configurations, e.g. 16x64x4x1")
+                   help="also time the stacked expand alone with these configurations, e.g. 16x64x4x1 (a trailing "
+                        "u: the kernel without its size and stride specialisation)")
+    p.add_argument("--groups", nargs="*", default=None, help="only these projections (qkv, o, gate_up, down)")
     p.add_argument("--result-file", default="bench_lora_kernels.json")
     p.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (tiny shapes)")
     args = p.parse_args()
     global DEV
     DEV = args.device
     layer_shapes, num_layers = shapes(args.model_path)
+    if args.groups:
+        layer_shapes = [x for x in layer_shapes if x[0] in args.groups]
     L = args.layers or num_layers
     S, R = args.slots, args.rank
     if not args.skip_check:

@@ -15,7 +15,12 @@ writes out[row] = y[row, :N] + scale[slot] * shrink(row, slot) @ B[slot]^T for e
 programs walk the rows sorted by slot in blocks of BLOCK_M, so a block is mostly one adapter's rows: B's tile is
 loaded once per block. A block of several adapters (a group boundary, or groups smaller than a block: 32 rows over
 8 adapters) runs one dot over every slot's B tile, each row's shrink placed in its own slot's columns (while slots x
-rank <= 256; past that, one slot after another)."""
+rank <= 256; past that, one slot after another).
+
+Only `num_rows` is left unspecialised: the sizes, strides and offsets are fixed per layer, and Triton needs to know
+they are multiples of 16 to move a row's elements 16 bytes at a time (without it, every load and store of a bf16
+tile is one element wide). One compiled kernel per kind of layer and block configuration, all compiled at start
+(manager.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ _MIXED_DOT_K = 256  # the stacked expand's one-dot path for blocks of several ad
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@triton.jit(do_not_specialize=["K", "N", "k_per_split", "num_rows"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_per_split, num_rows,
                    stride_x, stride_a_slot, stride_a_row,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
@@ -75,7 +80,7 @@ def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_p
     tl.store(p_ptr, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_rows", "N_s", "off0", "n0", "off1", "n1", "off2", "n2"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _expand_kernel(P, B, Out, Scalings, GroupSlots, GroupStarts, GroupLens, Order, num_splits, num_rows, N_s,
                    off0, n0, off1, n1, off2, n2, stride_b_slot, stride_b_row, stride_out,
                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -167,7 +172,7 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
            SPLITS=triton.next_power_of_2(num_splits), MAX_N=max_n, IEEE=ieee, UPCAST=upcast, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["num_rows", "N", "stride_y", "stride_out", "shrink_col", "slot_cols", "off1", "off2"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N, stride_y, stride_out, shrink_col,
                            slot_cols, off1, off2, stride_b_slot, stride_b_row, num_slots,
                            R: tl.constexpr, N_SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
