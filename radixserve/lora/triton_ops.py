@@ -187,8 +187,7 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     io_mask = p_mask[:, None] & n_mask[None, :]
-    y = tl.load(Y + rows[:, None] * stride_y + offs_n[None, :], mask=io_mask, other=0.0)
-    acc = y.to(tl.float32)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the dots accumulate here (their own layout)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     n_lo = pid_n * BLOCK_N
@@ -196,7 +195,7 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     cur = tl.min(tl.where(slots >= 0, slots, big), axis=0)  # the block's smallest adapter slot (big: none)
     if MIXED_DOT and (cur < tl.max(slots, axis=0)):
         # rows of several adapters (a group boundary, or small groups): one dot over every slot's rank columns,
-        # each row's shrink kept in its own slot's columns and scaled there (float32 operands)
+        # each row's shrink kept in its own slot's columns and scaled there
         offs_k = tl.arange(0, S_PAD * BLOCK_R)
         k_slot = offs_k // BLOCK_R
         k_r = offs_k % BLOCK_R
@@ -211,11 +210,15 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
                             + k_r[None, :], mask=mine, other=0.0).to(tl.float32) * scale_k[None, :]
                 col = n_mask & (offs_n >= lo) & (offs_n < hi)
                 bt = tl.load(B + k_slot[:, None].to(tl.int64) * stride_b_slot + offs_n[None, :] * stride_b_row
-                             + k_r[:, None], mask=k_mask[:, None] & col[None, :], other=0.0).to(tl.float32)
-                if IEEE:
-                    acc += tl.dot(s, bt, input_precision="ieee")
+                             + k_r[:, None], mask=k_mask[:, None] & col[None, :], other=0.0)
+                if UPCAST:
+                    bt = bt.to(tl.float32)
                 else:
-                    acc += tl.dot(s, bt)
+                    s = s.to(bt.dtype)
+                if IEEE:
+                    delta = tl.dot(s, bt, delta, input_precision="ieee")
+                else:
+                    delta = tl.dot(s, bt, delta)
         cur = cur * 0 + big  # done: skip the loop below (int64, like cur)
     while cur < big:
         sel = slots == cur
@@ -227,18 +230,21 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
             hi = N if j == N_SUB - 1 else (off1 if j == 0 else off2)
             if (n_lo < hi) & (n_lo + BLOCK_N > lo):  # this block of columns meets sub-projection j
                 s = tl.load(s_base + rows[:, None] * stride_y + j * R + offs_r[None, :],
-                            mask=sel[:, None] & r_mask[None, :], other=0.0)
+                            mask=sel[:, None] & r_mask[None, :], other=0.0).to(tl.float32) * scale
                 col = n_mask & (offs_n >= lo) & (offs_n < hi)
                 bt = tl.load(b_base + offs_n[None, :] * stride_b_row + offs_r[:, None],
                              mask=col[None, :] & r_mask[:, None], other=0.0)
                 if UPCAST:
-                    s = s.to(tl.float32)
                     bt = bt.to(tl.float32)
-                if IEEE:
-                    acc += tl.dot(s, bt, input_precision="ieee") * scale
                 else:
-                    acc += tl.dot(s, bt) * scale
+                    s = s.to(bt.dtype)
+                if IEEE:
+                    delta = tl.dot(s, bt, delta, input_precision="ieee")
+                else:
+                    delta = tl.dot(s, bt, delta)
         cur = tl.min(tl.where(slots > cur, slots, big), axis=0)
+    y = tl.load(Y + rows[:, None] * stride_y + offs_n[None, :], mask=io_mask, other=0.0)
+    acc = y.to(tl.float32) + delta
     tl.store(Out + rows[:, None] * stride_out + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=io_mask)
 
 
