@@ -248,12 +248,26 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     tl.store(Out + rows[:, None] * stride_out + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=io_mask)
 
 
+# the stacked expand's (BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) by batch rows: up to the first value, the
+# second (the mixed dot where slots x rank allow it)
+_EXPAND_CONFIGS: list[tuple[float, tuple[int, int, int, bool]]] = [(128, (16, 64, 4, True)),
+                                                                   (float("inf"), (64, 128, 4, True))]
+
+
 def expand_stacked_config(num_rows: int, num_slots: int, rank: int) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) of the stacked expand for `num_rows` rows."""
-    mixed = triton.next_power_of_2(num_slots) * _pow2_at_least_16(rank) <= _MIXED_DOT_K
-    if num_rows <= 128:
-        return 16, 64, 4, mixed
-    return 64, 128, 4, mixed
+    fits = triton.next_power_of_2(num_slots) * _pow2_at_least_16(rank) <= _MIXED_DOT_K
+    cfg = next(c for bound, c in _EXPAND_CONFIGS if num_rows <= bound)
+    return cfg[0], cfg[1], cfg[2], cfg[3] and fits
+
+
+def expand_warmup_rows() -> list[int]:
+    """Row counts that reach every configuration of `expand_stacked_config` (to compile them all at start)."""
+    out, lo = [], 1
+    for bound, _ in _EXPAND_CONFIGS:
+        out.append(lo)
+        lo = int(bound) + 1 if bound != float("inf") else lo
+    return out
 
 
 def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, out_slices: list[tuple[int, int]],
