@@ -248,26 +248,25 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     tl.store(Out + rows[:, None] * stride_out + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=io_mask)
 
 
-# the stacked expand's (BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) by batch rows: up to the first value, the
-# second (the mixed dot where slots x rank allow it)
-_EXPAND_CONFIGS: list[tuple[float, tuple[int, int, int, bool]]] = [(128, (16, 64, 4, True)),
-                                                                   (float("inf"), (64, 128, 4, True))]
+# The stacked expand's (BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) by batch rows and output width, from the
+# configurations timed on an H200 at the Llama-3.1-8B shapes (docs/perf-log.md, 2026-11-30, run 1): up to 16 rows
+# (decode of a few requests) small tiles; up to 64 rows, blocks that hold several adapters' rows run the mixed dot
+# (wide tiles for the wide gate_up); above, 32 x 128 tiles walking one adapter at a time (the fewest registers:
+# the most programs resident to keep memory busy), best at every projection from 128 to 4,096 rows.
+_WIDE = 16384  # outputs from which a projection counts as wide
 
 
-def expand_stacked_config(num_rows: int, num_slots: int, rank: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) of the stacked expand for `num_rows` rows."""
+def expand_stacked_config(num_rows: int, n: int, num_slots: int, rank: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) of the stacked expand for `num_rows` rows of `n` outputs."""
     fits = triton.next_power_of_2(num_slots) * _pow2_at_least_16(rank) <= _MIXED_DOT_K
-    cfg = next(c for bound, c in _EXPAND_CONFIGS if num_rows <= bound)
-    return cfg[0], cfg[1], cfg[2], cfg[3] and fits
+    if num_rows <= 16:
+        return 16, 64, 4, fits
+    if num_rows <= 64:
+        return (64, 128, 4, fits) if n >= _WIDE else (32, 64, 4, fits)
+    return 32, 128, 4, False
 
 
-def expand_warmup_rows() -> list[int]:
-    """Row counts that reach every configuration of `expand_stacked_config` (to compile them all at start)."""
-    out, lo = [], 1
-    for bound, _ in _EXPAND_CONFIGS:
-        out.append(lo)
-        lo = int(bound) + 1 if bound != float("inf") else lo
-    return out
+EXPAND_WARMUP_ROWS = (1, 17, 65)  # a batch of each row class of `expand_stacked_config` (compiled at start)
 
 
 def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, out_slices: list[tuple[int, int]],
@@ -288,7 +287,7 @@ def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor
     upcast = _INTERPRET and y.dtype != torch.float32
     ieee = y.dtype == torch.float32 or upcast
     offs = [o for o, _ in out_slices] + [N] * (3 - n_sub)
-    block_m, block_n, warps, mixed = config or expand_stacked_config(num_rows, S, R)
+    block_m, block_n, warps, mixed = config or expand_stacked_config(num_rows, N, S, R)
     block_r = _pow2_at_least_16(R)
     s_pad = triton.next_power_of_2(S)
     launch(_expand_stacked_kernel, (triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n)), y, b, out, scalings,
