@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixserve.configs.model_config import ModelConfig
+from radixserve.layers import cpu_ops
 from radixserve.layers.quantization import gguf_formats as G
 from radixserve.layers.quantization.gguf import GGUFLinearMethod
 from radixserve.layers.quantization.gguf_kernels import gguf_gemm
@@ -51,7 +52,7 @@ def test_gguf_gemm_kernel_matches_reference(fmt: str, m: int) -> None:
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 
 
-def test_gguf_file_loads_packed_and_matches_dequantised(tmp_path, gguf_writer) -> None:
+def test_gguf_file_loads_packed_and_matches_dequantised(tmp_path, gguf_writer, monkeypatch) -> None:
     import gguf
     from conftest import random_llama_tensors
 
@@ -85,6 +86,9 @@ def test_gguf_file_loads_packed_and_matches_dequantised(tmp_path, gguf_writer) -
             assert torch.equal(G.dequantize(module.quant_method.fmt, module.quant_method.fields(module)), ref), name
     ids = torch.tensor([5, 17, 99, 3, 42, 7])
     x = packed.model.embed_tokens(ids)
+    # the same product on both sides (the float layer would otherwise take oneDNN's reordered weight at 6 rows, which
+    # sums in another order than the F.linear the dequantised weight goes through)
+    monkeypatch.setattr(cpu_ops, "PACKED", False)
     torch.testing.assert_close(layers[0].mlp(x), plain.model.layers[0].mlp(x))
     packed_bytes = sum(p.numel() * p.element_size() for p in qkv.parameters())
     assert packed_bytes * 8 == qkv.output_size * qkv.input_size * 4.625  # Q4_K as held: 4.625 bits a weight
@@ -210,10 +214,13 @@ def _q8_blocks_ref(x: torch.Tensor) -> torch.Tensor:
     return (q * s).view(x.shape)
 
 
-@pytest.mark.parametrize("m,block_n,block_k", [(1, 16, 256), (2, 32, 512), (1, 16, 1024)])
-def test_q4_k_mma_gemv_matches_reference(m: int, block_n: int, block_k: int) -> None:
-    """The Q4_K GEMV on the integer tensor cores (`_q4_k_gemv_mma_kernel`): x quantised per 32-column block to int8
-    in the kernel, the sub-blocks' scales after the MMA. Against the dequantised weight times that x (exact integer
+@pytest.mark.parametrize("kernel,m,block_n,block_k,variant", [
+    ("mma", 1, 16, 256, ""), ("mma", 2, 32, 512, ""), ("mma", 1, 16, 1024, ""), ("mma", 2, 16, 256, "2d"),
+    ("dp4a", 1, 4, 256, ""), ("dp4a", 2, 2, 512, "")])
+def test_q4_k_int8_gemv_matches_reference(kernel: str, m: int, block_n: int, block_k: int, variant: str) -> None:
+    """The Q4_K GEMVs with integer products (`_q4_k_gemv_mma_kernel` on the tensor cores, `_q4_k_gemv_dp4a_kernel`
+    by dp4a, elementwise under the interpreter): x quantised per 32-column block to int8 in the kernel, the
+    sub-blocks' scales after the integer dot. Against the dequantised weight times that x (exact integer
     products: float32 rounding only), and within the int8 error of the float x; rows not a multiple of the tile."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
@@ -225,7 +232,7 @@ def test_q4_k_mma_gemv_matches_reference(m: int, block_n: int, block_k: int) -> 
     x[0, :32] *= 1e-3  # a block of small values: its own scale
     bias = torch.randn(n, generator=g)
     out = gguf_gemv(x.to(DEV), G.Q4_K, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV),
-                    GemvConfig("mma", block_n, block_k))
+                    GemvConfig(kernel, block_n, block_k, variant=variant))
     w = G.dequantize(G.Q4_K, fields)
     ref_q = _q8_blocks_ref(x) @ w.t() + bias
     # w = d sc (q - 8) + (8 d sc - dmin m): only the first part meets x's int8 rounding, the second the float x

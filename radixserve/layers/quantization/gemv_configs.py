@@ -1,4 +1,5 @@
-"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`), per kernel family, row count and weight shape.
+"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`, and "bf16": `triton_ops.decode_gemv` for the
+16-bit one-row products of the MoE / MLA models' attention), per kernel family, row count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two); RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
@@ -13,7 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "bf16")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ def default(family: str, m: int, cuda: bool) -> GemvConfig:
         return GemvConfig("ew", 2, 256)
     if family == "fp8":
         return GemvConfig("ew", 4, 1024) if m <= 2 else GemvConfig("dot", 32, 256, 4, 3)
+    if family == "bf16":
+        return GemvConfig("ew", 4, 1024)
     return GemvConfig("ew", 4, 512)
 
 
