@@ -251,6 +251,7 @@ def main() -> None:
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--print-all", action="store_true", help="print every working candidate, not only the best")
     p.add_argument("--warm-fp8", action="store_true", help="also compile (into Triton's cache) the fp8 decode "
                    "kernels a model's CUDA graphs use on these shapes at 1-16 rows, for the runs that follow")
     p.add_argument("--kernels", nargs="+", default=None, help="only candidates of these kernels (ew, dot, acc), plus "
@@ -305,7 +306,12 @@ def main() -> None:
                 if family == "fp8_silu" and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
                 t = time.time()
-                rows = [r for r in sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20) if r["ok"]]
+                rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)
+                for r in rows:
+                    if not r["ok"]:
+                        print(f"  wrong result (rel err {r['rel_err']:.2e}): {family} m={m} {n}x{k} {r['cfg']}",
+                              flush=True)
+                rows = [r for r in rows if r["ok"]]
                 base = old = None
                 if args.baselines:
                     b = sweep_shape("bf16", m, n, k, [None], copy_bw, args.min_mb << 20)
@@ -319,6 +325,12 @@ def main() -> None:
                     print(f"{n:>6}x{k:<5} no working config", flush=True)
                     continue
                 rows.sort(key=lambda r: r["us"])
+                if args.print_all:  # every working candidate, fastest first
+                    for r in rows:
+                        c = r["cfg"]
+                        print(f"    {n}x{k} {c['kernel']:<9} bn={c['block_n']:<3} bk={c['block_k']:<5} "
+                              f"w={c['num_warps']} s={c['num_stages']} {c['variant'] or '-':<5} {r['us']:7.1f} us "
+                              f"{r['util']:6.1%} err {r['rel_err']:.1e}", flush=True)
                 best = rows[0]
                 picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
                 step_best += best["us"]
