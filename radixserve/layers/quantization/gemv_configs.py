@@ -1,4 +1,5 @@
-"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`), per kernel family, row count and weight shape.
+"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`, `triton_ops/gemv`), per kernel family, row
+count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two); RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
@@ -13,7 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "bf16", "bf16_silu")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,12 @@ def get(family: str, m: int, n: int, k: int, cuda: bool = True) -> GemvConfig:
             if hit is not None:
                 return hit
     return default("fp8" if family == "fp8_silu" else family, m, cuda)
+
+
+def lookup(family: str, m: int, n: int, k: int) -> GemvConfig | None:
+    """The table's entry for exactly this family and shape, or None (no fallback: for the 16-bit GEMV of
+    `triton_ops/gemv.py` a missing entry means cuBLAS keeps the shape)."""
+    return _table().get(key(family, m, n, k))
 
 
 def reload() -> None:
