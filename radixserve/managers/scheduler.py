@@ -72,6 +72,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.chunk_size = server_args.chunk_size
         self.step_token_budget = server_args.resolved_step_token_budget
         self.decode_turn = False  # the last step was a budgeted prefill chunk: the running decodes go next
+        if self.step_token_budget:
+            logger.info("step token budget: %d tokens a prefill chunk while requests decode", self.step_token_budget)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from radixserve.managers.tokenizer_utils import get_tokenizer
