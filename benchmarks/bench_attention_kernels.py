@@ -68,6 +68,7 @@ def make_kv(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 
 def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
+    from radixserve.layers.attention.triton_ops import decode_attention as da
     from radixserve.layers.attention.triton_ops.decode_attention import (
         decode_attention_fwd,
         decode_partial_shapes,
@@ -76,6 +77,10 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
 
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    decode_configs: list[tuple[int, ...] | None] = [None]
+    if args.decode_configs:
+        decode_configs = [tuple(parse_ints(c)) for c in args.decode_configs.split(";")]
+    early_default = da.EARLY_V_MAX_BS
     rows = []
     for bs in parse_ints(args.batch_sizes):
         for seq_len in parse_ints(args.seq_lens):
@@ -90,22 +95,33 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
             sl = torch.tensor(seq_lens, device="cuda", dtype=torch.int64)
             caps = sorted({kv_split_cap(bs, h, hkv, sms, m, pps) for m in parse_ints(args.max_kv_splits)
                            for pps in parse_ints(args.programs_per_sm)})
-            for cap in caps:
+            for cap, cfg in [(c, g) for c in caps for g in decode_configs]:
                 shape_o, shape_lse = decode_partial_shapes(bs, h, d, cap)
                 mid_o = torch.empty(shape_o, device="cuda", dtype=torch.float32)
                 mid_lse = torch.empty(shape_lse, device="cuda", dtype=torch.float32)
-
+                tiles = {}
+                if cfg is not None:
+                    tiles = dict(zip(("block_n", "num_warps", "num_stages"), cfg[:3], strict=True))
+                    # the 4th field: V loaded beside K (1) or after the scores (0) at this batch size
+                    da.EARLY_V_MAX_BS = (bs if cfg[3] else 0) if len(cfg) > 3 else early_default
                 run = functools.partial(decode_attention_fwd, q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o,
                                         mid_lse, d ** -0.5, min_split_len=args.min_split_len,
                                         use_dot={"auto": None, "on": True, "off": False}[args.decode_dot],
-                                        num_kv_splits=cap)
-                secs = time_graph(run, args.iters)
+                                        num_kv_splits=cap, **tiles)
+                try:
+                    secs = time_graph(run, args.iters)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit: reported, skipped
+                    print(f"decode  bs={bs:4d} seq={seq_len:6d} cfg={cfg} failed: {type(e).__name__}: "
+                          f"{str(e)[:120]}", flush=True)
+                    continue
+                finally:
+                    da.EARLY_V_MAX_BS = early_default
                 kv_bytes = bs * seq_len * hkv * d * 2 * k_buf.element_size() + bs * seq_len * 4
                 row = {"kernel": "decode", "batch_size": bs, "seq_len": seq_len, "heads": h, "kv_heads": hkv,
                        "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "kv_splits": cap,
-                       "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
+                       "config": cfg or "default", "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
                 rows.append(row)
-                print(f"decode  bs={bs:4d} seq={seq_len:6d} splits={cap:3d}  "
+                print(f"decode  bs={bs:4d} seq={seq_len:6d} splits={cap:3d} cfg={str(cfg or 'default'):<14} "
                       f"{row['time_us']:9.1f} us  {row['kv_read_gb_per_s']:8.0f} GB/s", flush=True)
             del k_buf, v_buf, req_to_token
             torch.cuda.empty_cache()
@@ -169,6 +185,9 @@ def main() -> None:
     p.add_argument("--extend-configs", default="", help="'BLOCK_M,BLOCK_N,WARPS,STAGES;...' to compare "
                                                         "(default: the kernel's own choice)")
     p.add_argument("--min-split-len", type=int, default=64)
+    p.add_argument("--decode-configs", default="", help="'BLOCK_N,WARPS,STAGES[,EARLY_V];...' decode stage-1 "
+                   "tiles to compare (EARLY_V 1: V loaded beside K); default: the kernel's own choice")
+    p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--decode-dot", choices=["auto", "on", "off"], default="auto",
                    help="force the tl.dot (on) or elementwise (off, MHA only) decode path")
     p.add_argument("--contiguous", action="store_true", help="lay each request's KV out contiguously "
@@ -181,7 +200,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     t0 = time.time()
-    rows = bench_decode(args, dtype)
+    rows = [] if args.skip_decode else bench_decode(args, dtype)
     if not args.skip_extend:
         rows += bench_extend(args, dtype)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
