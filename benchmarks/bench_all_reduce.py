@@ -78,9 +78,13 @@ def _time_eager(fn: Any, x: torch.Tensor, iters: int) -> float:
     return start.elapsed_time(end) * 1000.0 / iters
 
 
-def _fused(ar: Any, hidden: int, device: str, dtype: torch.dtype) -> Any:
+def _fused(ar: Any, hidden: int, device: str, dtype: torch.dtype, prefetch_mb: int = 0) -> Any:
     zeros: dict[int, torch.Tensor] = {}
     weight = torch.ones(hidden, device=device, dtype=dtype)
+    kw = {}
+    if prefetch_mb:  # the spare programs ask the L2 for the first prefetch_mb of a 256 MiB "next weight"
+        ar.add_norm.prefetch_bytes = prefetch_mb << 20
+        kw["prefetch"] = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         x = t.view(-1, hidden)
@@ -88,7 +92,7 @@ def _fused(ar: Any, hidden: int, device: str, dtype: torch.dtype) -> Any:
             zeros[x.shape[0]] = torch.zeros_like(x)
         if not ar.add_norm.can_fuse(x, zeros[x.shape[0]]):
             raise ValueError(f"{x.shape[0]} rows of {hidden} cannot take the fused kernel")
-        return ar.add_norm(x, zeros[x.shape[0]], weight, 1e-6)[1].view(-1)
+        return ar.add_norm(x, zeros[x.shape[0]], weight, 1e-6, **kw)[1].view(-1)
 
     return fn
 
@@ -114,7 +118,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ["RADIXSERVE_ONE_SHOT"] = "triton"  # the default: the Triton one-shot, PyTorch's two-shot above
     ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
     push_ar = None
-    if "push" in args.methods or "push_fused" in args.methods:  # the flag-free push one-shot
+    if {"push", "push_fused", "push_fused_pf"} & set(args.methods):  # the flag-free push one-shot
         os.environ["RADIXSERVE_ONE_SHOT"] = "push"
         push_ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
     result: dict[str, Any] = {"custom_enabled": ar.enabled and torch_ar.enabled,
@@ -136,6 +140,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         for name, impl in (("triton_fused", ar), ("push_fused", push_ar)):
             if impl is not None and impl.enabled and impl.add_norm is not None:
                 methods[name] = _fused(impl, args.hidden, device, dtype)
+        if push_ar is not None and push_ar.enabled and "push_fused_pf" in args.methods:
+            os.environ["RADIXSERVE_ONE_SHOT"] = "push"
+            pf_ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
+            methods["push_fused_pf"] = _fused(pf_ar, args.hidden, device, dtype, args.prefetch_mb)
     methods = {k: v for k, v in methods.items() if k in args.methods}
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     for kib in args.sizes_kib:
@@ -179,7 +187,8 @@ def report(result: dict[str, Any], result_file: str | None) -> None:
     print(f"custom all-reduce enabled: {result['custom_enabled']} {result['disabled_reason'] or ''}")
     if "triton_error" in result:
         print("triton one-shot not set up:", result["triton_error"])
-    names = [n for n in ("nccl", "one_shot", "two_shot", "triton", "push", "triton_fused", "push_fused", "auto")
+    names = [n for n in ("nccl", "one_shot", "two_shot", "triton", "push", "triton_fused", "push_fused",
+                         "push_fused_pf", "auto")
              if any(n in r for r in result["rows"])]
     print("microseconds per all-reduce; graph = inside a CUDA graph of back-to-back calls")
     print(f"{'KiB':>6} " + " ".join(f"{n + ' graph':>14} {n + ' eager':>14}" for n in names) + "  exact int sums")
@@ -212,13 +221,15 @@ def main() -> None:
                         "only, no graphs)")
     parser.add_argument("--methods", nargs="+", default=["nccl", "one_shot", "two_shot", "triton", "auto"],
                         choices=("nccl", "one_shot", "two_shot", "auto", "triton", "push", "triton_fused",
-                                 "push_fused"),
+                                 "push_fused", "push_fused_pf"),
                         help="one_shot / two_shot: PyTorch's symmetric-memory kernels; triton: the one-barrier "
                              "Triton one-shot (radixserve/distributed/triton_all_reduce.py); push: the flag-free "
                              "push one-shot (push_all_reduce.py); auto: what the engine does (Triton one-shot, then "
                              "PyTorch's two-shot, then NCCL)")
     parser.add_argument("--hidden", type=int, default=4096, help="row width of the *_fused methods (all-reduce + "
                         "residual add + RMSNorm in one kernel)")
+    parser.add_argument("--prefetch-mb", type=int, default=16, help="push_fused_pf: MiB of the next weight the "
+                        "fused kernel's spare programs ask into the L2")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:

@@ -80,6 +80,7 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         ds_sparse_decode_fwd,
         topk_positions,
     )
+    from radixserve.layers.attention.triton_ops.topk_select import NBINS, threshold_topk
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, hkv, d, hc = args.num_heads, args.num_kv_heads, args.head_dim, args.heavy_channel_num
@@ -102,6 +103,7 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     mid_o = torch.empty(bs, h, cap, d, device=dev, dtype=torch.float32)
     mid_lse = torch.empty(bs, h, cap, device=dev, dtype=torch.float32)
     scores = torch.empty(bs, hkv, ctx, device=dev, dtype=torch.float32)
+    scratch = torch.empty(bs * hkv * (2 * NBINS + 2), device=dev, dtype=torch.int32)
     state: dict[str, Any] = {}
 
     def dense() -> None:
@@ -112,8 +114,15 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         ql = q.gather(2, q_ch.unsqueeze(0).expand(bs, -1, -1))
         ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores)
 
+    def pick() -> torch.Tensor:
+        if state["method"] == "threshold":
+            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch)
+        return topk_positions(scores, state["k"], state["chunks"])
+
     def select() -> None:
-        state["top"].copy_(topk_positions(scores, state["k"], state["chunks"]))
+        top = pick()
+        if top is not state["top32"]:
+            state["top"].copy_(top)
 
     def attend() -> None:
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, state["top"], 0, mid_o, mid_lse,
@@ -121,7 +130,7 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
 
     def full() -> None:
         score()
-        top = topk_positions(scores, state["k"], state["chunks"])
+        top = pick()
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, top, 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
@@ -132,16 +141,26 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     rows = []
     for top_k in args.heavy_token_num:
         state["k"], state["top"] = top_k, torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int64)
-        for chunks in args.topk_chunks:
-            state["chunks"] = chunks
+        state["top32"] = torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int32)
+        variants = [(m, c) for m in args.topk_method for c in (args.topk_chunks if m == "torch" else [1])]
+        for method, chunks in variants:
+            state["method"], state["chunks"] = method, chunks
+            if method == "threshold":  # the attention reads the positions it selected
+                state["top"] = state["top32"]
+                select()
+                want = topk_positions(scores, top_k).sort(-1).values
+                got_vals = scores.gather(-1, state["top32"].long()).sort(-1).values
+                same = bool(torch.equal(got_vals, scores.gather(-1, want).sort(-1).values))
+                print(f"threshold top-k keeps the scores torch.topk keeps: {same}", flush=True)
             t_select, t_attend = _graph_time(select), _graph_time(attend)
             t_ds = _graph_time(full)
             row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
-                   "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds, "speedup": t_dense / t_ds,
+                   "topk_method": method, "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds,
+                   "speedup": t_dense / t_ds,
                    "score_ms": t_score, "topk_ms": t_select, "sparse_attn_ms": t_attend,
                    "dense_kv_tb_s": kv_bytes / t_dense / 1e9, "score_label_tb_s": label_bytes / t_score / 1e9}
             rows.append(row)
-            print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} chunks {chunks:2d}: dense {t_dense * 1e3:7.1f} us "
+            print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} {method:>9} chunks {chunks:2d}: dense {t_dense * 1e3:7.1f} us "
                   f"({row['dense_kv_tb_s']:.2f} TB/s)  ds {t_ds * 1e3:7.1f} us = score {t_score * 1e3:6.1f} "
                   f"({row['score_label_tb_s']:.2f} TB/s) + topk {t_select * 1e3:6.1f} + attn {t_attend * 1e3:6.1f}"
                   f"  speedup {row['speedup']:.2f}x", flush=True)
@@ -316,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     k.add_argument("--heavy-token-num", type=int, nargs="+", default=[1024])
     k.add_argument("--heavy-channel-num", type=int, default=16)
+    k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold"], default=["torch", "threshold"],
+                   help="torch.topk (with --topk-chunks) and/or the histogram-threshold select (topk_select.py)")
     k.add_argument("--topk-chunks", type=int, nargs="+", default=[1, 8],
                    help="pieces each score row is cut into for the top-k (topk_positions)")
     k.add_argument("--num-heads", type=int, default=32)

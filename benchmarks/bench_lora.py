@@ -5,11 +5,15 @@ and on the base model (no LoRA) in the same run.
         --num-adapters 8 --rank 16 --batch-size 1 32 128 --result-file lora.json
 
 --modes picks the runs (base, lora, lora-separate: the shrink in separate kernels instead of stacked into the base
-GEMM); --profile prints each decode batch's kernels per step. Adapters are random PEFT folders (rank --rank on all
-seven projections) written to --adapter-dir. Decode: a static batch through the scheduler's ModelRunner (CUDA graphs
-on), every row with an adapter (rows spread evenly over the adapters; batch 1 uses one), median step time. Offline:
---num-prompts requests through the in-process scheduler (overlap on, radix cache on), spread evenly over the
-adapters, output throughput. Prints a table; writes JSON."""
+GEMM); --profile prints each decode batch's kernels per step, and (with --extend-batch) a prefill step's. Adapters
+are random PEFT folders (rank --rank on all seven projections) written to --adapter-dir.
+
+Decode: a static batch through the scheduler's ModelRunner (CUDA graphs on), every row with an adapter (rows spread
+evenly over the adapters; batch 1 uses one), median step time. Prefill (--extend-batch N L): one extend step of N
+requests of L new tokens each, median of 3. Offline: --num-prompts requests through the in-process scheduler
+(overlap on, radix cache on), spread evenly over the adapters, output throughput, --offline-repeats times (with the
+time by kind of step, the slowest steps, and how many Triton kernels were compiled while it ran: none should be).
+CUDA graphs up to the server's default batch unless --cuda-graph-max-bs. Prints a table; writes JSON."""
 
 from __future__ import annotations
 
@@ -73,13 +77,27 @@ def profile_summary(prof: torch.profiler.profile, steps: int, top: int = 12) -> 
     return "\n".join(lines)
 
 
-def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: int, steps: int,
-                   profile: bool = False) -> float:
-    """Median decode step time of a static batch of `bs` rows (row i uses names[i % len(names)]); `profile`: then
-    print the kernels of a few more steps."""
-    runner = s.worker.model_runner
+def compiled_kernels() -> int:
+    """Triton kernels compiled (or loaded from the disk cache) by this process so far, counted by our launcher's
+    keys and the cache folder's entries."""
+    import os
+
+    from radixserve.layers.triton_ops import launch as tl_launch
+
+    keys = sum(len(x.compiled) for x in tl_launch._launchers.values() if x is not None)
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    return keys + (len(os.listdir(cache)) if cache and os.path.isdir(cache) else 0)
+
+
+def free_reqs(runner: Any, reqs: list[Req]) -> None:
+    for r in reqs:
+        runner.token_to_kv_pool.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
+        runner.req_to_token_pool.free(r.req_pool_idx)
+
+
+def make_reqs(runner: Any, bs: int, names: list[str | None], input_len: int, seed: int) -> list[Req]:
     vocab = runner.model_config.vocab_size
-    g = torch.Generator().manual_seed(bs)
+    g = torch.Generator().manual_seed(seed)
     reqs = []
     for i in range(bs):
         sp = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1 << 30})
@@ -87,6 +105,45 @@ def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: in
                 lora_id=names[i % len(names)])
         r.init_next_round_input(None)
         reqs.append(r)
+    return reqs
+
+
+def extend_latency(s: Scheduler, bs: int, input_len: int, names: list[str | None], repeats: int = 3,
+                   profile: bool = False) -> float:
+    """Median time of one prefill step of `bs` requests of `input_len` new tokens (rows over `names`)."""
+    runner = s.worker.model_runner
+    times = []
+    for i in range(repeats + (1 if profile else 0)):
+        reqs = make_reqs(runner, bs, names, input_len, seed=1000 + i)
+        batch = ScheduleBatch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
+                              runner.model_config.vocab_size)
+        batch.lora_table = s.lora_table
+        batch.prepare_for_extend()
+        sync(s)
+        if i == repeats:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run_model_worker_batch(runner, batch.get_model_worker_batch()).next_token_ids.tolist()
+                sync(s)
+            print(profile_summary(prof, 1), flush=True)
+        else:
+            t = time.perf_counter()
+            run_model_worker_batch(runner, batch.get_model_worker_batch()).next_token_ids.tolist()
+            sync(s)
+            times.append(time.perf_counter() - t)
+        free_reqs(runner, reqs)
+    return statistics.median(times)
+
+
+def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: int, steps: int,
+                   profile: bool = False) -> float:
+    """Median decode step time of a static batch of `bs` rows (row i uses names[i % len(names)]); `profile`: then
+    print the kernels of a few more steps."""
+    runner = s.worker.model_runner
+    vocab = runner.model_config.vocab_size
+    reqs = make_reqs(runner, bs, names, input_len, seed=bs)
     batch = ScheduleBatch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device, vocab)
     batch.lora_table = s.lora_table
 
@@ -115,9 +172,7 @@ def decode_latency(s: Scheduler, bs: int, names: list[str | None], input_len: in
                 run()
             sync(s)
         print(profile_summary(prof, 4), flush=True)
-    for r in batch.reqs:
-        runner.token_to_kv_pool.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
-        runner.req_to_token_pool.free(r.req_pool_idx)
+    free_reqs(runner, batch.reqs)
     return statistics.median(times)
 
 
@@ -137,6 +192,8 @@ def offline(s: Scheduler, names: list[str | None], n: int, in_lo: int, in_hi: in
     graph = s.worker.model_runner.cuda_graph_runner
     graph_bs = graph.max_bs if graph is not None else 0
     steps: dict[str, list[float]] = {}  # kind of batch launched -> [steps, seconds] (overlap: its wait included)
+    slow: list[tuple[float, str, int]] = []  # (seconds, kind, rows) of every step, the slowest kept
+    compiled = compiled_kernels()
     while True:
         t = time.perf_counter()
         ran = s.step()
@@ -147,6 +204,7 @@ def offline(s: Scheduler, names: list[str | None], n: int, in_lo: int, in_hi: in
             acc = steps.setdefault(kind, [0, 0.0])
             acc[0] += 1
             acc[1] += time.perf_counter() - t
+            slow.append((round(time.perf_counter() - t, 4), kind, len(b.reqs)))
         if not ran and s.is_idle():
             break
     sync(s)
@@ -154,7 +212,9 @@ def offline(s: Scheduler, names: list[str | None], n: int, in_lo: int, in_hi: in
     done = sum(len(m.rids) for m in s.outbox if isinstance(m, io.BatchTokenIDOut))
     s.outbox.clear()
     return {"seconds": dt, "output_tok_s": n * out_len / dt, "total_tok_s": (total_in + n * out_len) / dt,
-            "messages": done, "steps": {k: {"steps": v[0], "seconds": round(v[1], 4)} for k, v in steps.items()}}
+            "messages": done, "steps": {k: {"steps": v[0], "seconds": round(v[1], 4)} for k, v in steps.items()},
+            "slowest_steps": sorted(slow, reverse=True)[:5], "kernels_compiled": compiled_kernels() - compiled,
+            "graph_max_bs": graph_bs}
 
 
 def main() -> None:
@@ -173,7 +233,10 @@ def main() -> None:
     p.add_argument("--offline-output-len", type=int, default=96)
     p.add_argument("--max-total-tokens", type=int, default=200_000)
     p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--cuda-graph-max-bs", type=int, default=128)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the server's (by GPU memory)")
+    p.add_argument("--offline-repeats", type=int, default=1, help="offline runs per mode (the table shows the last)")
+    p.add_argument("--extend-batch", type=int, nargs=2, default=None, metavar=("N", "LEN"),
+                   help="also time one prefill step of N requests of LEN new tokens")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--modes", nargs="+", default=["base", "lora"], choices=["base", "lora", "lora-separate"],
                    help="lora-separate: adapters with the shrink in separate kernels (no stacking)")
@@ -201,10 +264,19 @@ def main() -> None:
             results["decode"].setdefault(str(bs), {})[mode] = decode_latency(
                 s, bs, rows[:1] if bs == 1 else rows, args.input_len, args.decode_steps, args.profile)
             print(f"[{mode}] decode bs={bs}: {results['decode'][str(bs)][mode] * 1e3:.2f} ms/step", flush=True)
+        if args.extend_batch:
+            n, length = args.extend_batch
+            extend_latency(s, n, 32, rows, repeats=1)  # warm-up
+            ms = extend_latency(s, n, length, rows, profile=args.profile) * 1e3
+            results.setdefault("prefill", {})[mode] = ms
+            print(f"[{mode}] prefill {n} x {length} tokens: {ms:.2f} ms", flush=True)
         if not args.skip_offline:
-            results["offline"][mode] = offline(s, rows, args.num_prompts, *args.offline_input_range,
-                                               args.offline_output_len, seed=1)
-            print(f"[{mode}] offline: {results['offline'][mode]}", flush=True)
+            runs = []
+            for rep in range(args.offline_repeats):
+                runs.append(offline(s, rows, args.num_prompts, *args.offline_input_range, args.offline_output_len,
+                                    seed=1 + rep))
+                print(f"[{mode}] offline run {rep + 1}: {runs[-1]}", flush=True)
+            results["offline"][mode] = dict(runs[-1], runs=[r["output_tok_s"] for r in runs])
         if s.worker_client is not None:
             s.worker_client.shutdown()
         del s
@@ -220,6 +292,12 @@ def main() -> None:
             ratio = d["base"] / d[m] if "base" in d else float("nan")
             d["ratio_speed" if m == "lora" else f"ratio_speed_{m}"] = ratio
             line += f"{d[m] * 1e3:>14.2f}{ratio:>8.3f}"
+        print(line)
+    if results.get("prefill"):
+        pf = results["prefill"]
+        line = f"{'prefill step (ms)':<24}{pf.get('base', float('nan')):>12.2f}"
+        for m in others:
+            line += f"{pf[m]:>14.2f}{pf.get('base', float('nan')) / pf[m]:>8.3f}"
         print(line)
     if results["offline"]:
         off = results["offline"]

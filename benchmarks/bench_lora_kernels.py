@@ -150,8 +150,17 @@ def time_batch(bs: int, layers: list[dict], layer_shapes: list, scal: torch.Tens
                 lora_expand_stacked(ys[name], d[name][3], scal, sl, views[3], views[4], info.num_rows)
 
     fns = {"base": base, "separate": separate, "stacked": stacked, "sep-only": sep_only, "exp-only": exp_only}
+    for cfg in args.expand_configs or ():
+        bm, bn, w, mixed = (int(v) for v in cfg.split("x"))
+
+        def exp_cfg(c=(bm, bn, w, bool(mixed))):
+            for d in layers:
+                for name, _, sl in layer_shapes:
+                    lora_expand_stacked(ys[name], d[name][3], scal, sl, views[3], views[4], info.num_rows, config=c)
+
+        fns[f"exp-{cfg}"] = exp_cfg
     row = {}
-    for m in args.modes:
+    for m in [*args.modes, *(f"exp-{c}" for c in args.expand_configs or ())]:
         try:
             row[m] = graph_time(fns[m], args.iters)
         except Exception as e:  # noqa: BLE001 - report and go on with the other modes
@@ -170,6 +179,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--modes", nargs="+", default=["base", "separate", "stacked", "sep-only", "exp-only"])
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--expand-configs", nargs="*", default=None, metavar="BMxBNxWARPSxMIXED",
+                   help="also time the stacked expand alone with these configurations, e.g. 16x64x4x1")
     p.add_argument("--result-file", default="bench_lora_kernels.json")
     p.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (tiny shapes)")
     args = p.parse_args()
@@ -197,13 +208,14 @@ def main() -> None:
     scal = torch.full((S,), 2.0, device=DEV)
     results: dict = {"args": vars(args), "ms_per_step": {}}
     print(f"\n{L} layers, {S} slots of rank {R}: ms per step (all layers' four LoRA projections)", flush=True)
-    print(f"{'batch':>6}" + "".join(f"{m:>11}" for m in args.modes) + f"{'sep/base':>10}{'stk/base':>10}")
+    cols = [*args.modes, *(f"exp-{c}" for c in args.expand_configs or ())]
+    print(f"{'batch':>6}" + "".join(f"{m:>15}" for m in cols) + f"{'sep/base':>10}{'stk/base':>10}")
     for bs in args.batch_size:
         row = time_batch(bs, layers, layer_shapes, scal, args)
         results["ms_per_step"][str(bs)] = row
         ratios = "".join(f"{row[m] / row['base']:>10.3f}" for m in ("separate", "stacked")
                          if "base" in row and m in row)
-        print(f"{bs:>6}" + "".join(f"{row[m]:>11.3f}" for m in args.modes) + ratios, flush=True)
+        print(f"{bs:>6}" + "".join(f"{row[m]:>15.3f}" for m in cols) + ratios, flush=True)
     with open(args.result_file, "w") as f:
         json.dump(results, f, indent=1)
 

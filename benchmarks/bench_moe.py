@@ -101,7 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--moe-small-batch-tokens", type=int, default=None,
                         help="tokens up to which the MoE layers take the two-launch small-batch path "
                              "(0: never; default: the layer's own bound)")
+    parser.add_argument("--no-decode-gemv", action="store_true",
+                        help="one-row attention products through cuBLAS (and the input norm on its own), not the "
+                             "decode GEMV kernel (for comparisons)")
     args = parser.parse_args(argv)
+    if args.no_decode_gemv:
+        from radixserve.layers.triton_ops import set_decode_gemv
+
+        set_decode_gemv(False)
     if args.moe_small_batch_tokens is not None:
         from radixserve.layers.moe import small_batch
 

@@ -50,11 +50,13 @@ def run_one(args: argparse.Namespace) -> dict:
 
     kw = CONFIGS[args.config]
     t0 = time.perf_counter()
-    sa = ServerArgs(model_path=args.model_path, load_format="dummy", device="cuda", dtype="bfloat16",
-                    cuda_graph_max_bs=max(args.batch_size), max_running_requests=max(args.batch_size) + 8, **kw)
+    top_bs = max(args.batch_size + (args.profile or []))
+    sa = ServerArgs(model_path=args.model_path, load_format="dummy", device=args.device,
+                    dtype="bfloat16" if args.device == "cuda" else "float32",
+                    cuda_graph_max_bs=top_bs, max_running_requests=top_bs + 8, **kw)
     runner = ModelRunner(ModelConfig(args.model_path, load_format="dummy"), sa)
     init_s = time.perf_counter() - t0
-    copy_bw = measure_copy_bandwidth("cuda")
+    copy_bw = measure_copy_bandwidth(args.device)
     latency_test(runner, 1, args.input_len, 3, seed=0)  # warm-up: prefill kernels compile outside the timing
     rows = []
     for bs in args.batch_size:
@@ -65,10 +67,18 @@ def run_one(args: argparse.Namespace) -> dict:
                  achieved_bw_gbs=(wbytes + kvbytes) / r["median_decode_s"] / 1e9)
         rows.append(r)
         print(json.dumps(r), file=sys.stderr)
-    out = {"config": args.config, "flags": kw, "init_s": init_s, "copy_bw_gbs": copy_bw / 1e9,
+    profiles = []
+    for bs in args.profile or []:  # kernels of one decode step (CUDA graph replay), top by GPU time
+        from radixserve.bench_one_batch import print_profile, profile_decode
+
+        profiles.append(profile_decode(runner, bs, args.input_len, args.profile_steps, seed=2, top=args.profile_top))
+        print(f"[{args.config}]", end="")
+        print_profile(profiles[-1])
+    out = {"config": args.config, "flags": kw, "init_s": init_s, "copy_bw_gbs": copy_bw / 1e9, "profiles": profiles,
            "weight_bytes": runner.weight_bytes, "kv_bytes_per_token": runner.token_to_kv_pool.bytes_per_token(),
-           "pool_tokens": runner.max_total_num_tokens, "max_memory_allocated": torch.cuda.max_memory_allocated(),
-           "gpu": torch.cuda.get_device_name(), "rows": rows}
+           "pool_tokens": runner.max_total_num_tokens,
+           "max_memory_allocated": torch.cuda.max_memory_allocated() if args.device == "cuda" else 0,
+           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "rows": rows}
     return out
 
 
@@ -95,9 +105,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", choices=sorted(CONFIGS))
     p.add_argument("--model-path", default=SHAPE)
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64, 160])
+    p.add_argument("--batch-size", type=int, nargs="*", default=[1, 64, 160])
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a tiny shape")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--profile", type=int, nargs="*", default=None, help="also profile decode at these batch sizes")
+    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--profile-top", type=int, default=18)
     p.add_argument("--result-file", default=None)
     p.add_argument("--summarize", default=None)
     args = p.parse_args()

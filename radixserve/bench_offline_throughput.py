@@ -72,30 +72,45 @@ def shared_prefix_requests(n: int, num_groups: int, prefix_len: int, suffix_len:
 
 
 def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+    return run_radixserve_workloads(server_args, [("radixserve", reqs)])[0]
+
+
+def run_radixserve_workloads(server_args: ServerArgs, workloads: list[tuple[str, list[tuple[list[int], int]]]]
+                             ) -> list[dict[str, Any]]:
+    """Each (name, requests) workload timed in turn through one engine (one start-up), the cache flushed before
+    each; a row per workload."""
     from radixserve import Engine
 
+    rows = []
     with Engine(**dataclasses.asdict(server_args)) as engine:
         # warm up (compiles kernels / captures nothing new; excluded from timing)
-        engine.generate(input_ids=[reqs[0][0][:16]], sampling_params={"max_new_tokens": 4, "temperature": 0})
-        engine.flush_cache()
-        before = engine.get_internal_state()
-        params = [{"max_new_tokens": lo, "temperature": 0, "ignore_eos": True} for _, lo in reqs]
-        obj = io.GenerateReqInput(input_ids=[p for p, _ in reqs], sampling_params=params)
-        bar = tqdm(total=len(reqs), desc="radixserve", unit="req")
+        engine.generate(input_ids=[workloads[0][1][0][0][:16]],
+                        sampling_params={"max_new_tokens": 4, "temperature": 0})
+        for name, reqs in workloads:
+            rows.append(_timed(engine, server_args, name, reqs))
+    return rows
 
-        async def collect() -> list[dict[str, Any]]:
-            outs = []
-            async for out in engine.tokenizer_manager.generate_request(obj):  # each as it finishes, no streaming
-                outs.append(out)
-                bar.update(1)
-            return outs
 
-        t0 = time.perf_counter()
-        outs = engine._run(collect())
-        elapsed = time.perf_counter() - t0
-        bar.close()
-        after = engine.get_internal_state()
-        info = engine.tokenizer_manager.scheduler_info
+def _timed(engine: Any, server_args: ServerArgs, name: str, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+    engine.flush_cache()
+    before = engine.get_internal_state()
+    params = [{"max_new_tokens": lo, "temperature": 0, "ignore_eos": True} for _, lo in reqs]
+    obj = io.GenerateReqInput(input_ids=[p for p, _ in reqs], sampling_params=params)
+    bar = tqdm(total=len(reqs), desc=name, unit="req")
+
+    async def collect() -> list[dict[str, Any]]:
+        outs = []
+        async for out in engine.tokenizer_manager.generate_request(obj):  # each as it finishes, no streaming
+            outs.append(out)
+            bar.update(1)
+        return outs
+
+    t0 = time.perf_counter()
+    outs = engine._run(collect())
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    after = engine.get_internal_state()
+    info = engine.tokenizer_manager.scheduler_info
     hit = after["cache_hit_tokens"] - before["cache_hit_tokens"]
     prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
     extra: dict[str, Any] = {"tp_size": server_args.tp_size, "dp_size": server_args.dp_size,
@@ -115,8 +130,9 @@ def run_radixserve(server_args: ServerArgs, reqs: list[tuple[list[int], int]]) -
             (a["cache_hit_tokens"] - b["cache_hit_tokens"])
             / max(a["prompt_tokens_total"] - b["prompt_tokens_total"], 1)
             for a, b in zip(after.get("dp_states", []), before.get("dp_states", []), strict=True)]
-    return summarize("radixserve", reqs, [o["meta_info"]["completion_tokens"] for o in outs], elapsed,
-                     cache_hit_rate=hit / max(prompt, 1), retractions=after["num_retractions"], **extra)
+    return summarize(name, reqs, [o["meta_info"]["completion_tokens"] for o in outs], elapsed,
+                     cache_hit_rate=hit / max(prompt, 1), retractions=after["num_retractions"] -
+                     before["num_retractions"], **extra)
 
 
 def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device: str, dtype: str,
@@ -181,6 +197,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--fixed-output", action="store_true", help="every request generates --random-output-len")
+    parser.add_argument("--subset-prompts", type=int, default=0,
+                        help="first time the first N prompts with --subset-output-len tokens each through the same "
+                             "engine (the subset a slower peer runs; benchmarks/peers/hf_peer.py with the same "
+                             "seed, lengths and --num-prompts N --fixed-output makes the same requests)")
+    parser.add_argument("--subset-output-len", type=int, default=256)
     parser.add_argument("--peer", choices=["none", "transformers"], default="none")
     parser.add_argument("--peer-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="the peer's dtype (default: the one the engine ran in)")
@@ -205,17 +226,24 @@ def main(argv: list[str] | None = None) -> None:
                                       args.random_output_len, cfg.vocab_size, args.seed)
     if args.fixed_output:
         reqs = [(p, args.random_output_len) for p, _ in reqs]
-    results = [run_radixserve(server_args, reqs)]
+    workloads = [("radixserve", reqs)]
+    if args.subset_prompts:
+        if not 0 < args.subset_prompts <= len(reqs):
+            raise ValueError(f"--subset-prompts must be in [1, {len(reqs)}]; got {args.subset_prompts}")
+        subset = [(p, args.subset_output_len) for p, _ in reqs[:args.subset_prompts]]
+        workloads.insert(0, ("radixserve_subset", subset))
+    results = run_radixserve_workloads(server_args, workloads)
+    results.sort(key=lambda r: r["engine"] != "radixserve")  # the whole workload's row first
     if args.peer == "transformers":
         device = server_args.resolved_device()
         # the dtype the engine ran in, unless --peer-dtype names one (e.g. transformers' own default)
         dtype = args.peer_dtype or results[0]["dtype"].removeprefix("torch.")
         results.append(run_transformers(cfg.model_path, reqs, device, dtype, args.peer_batch_size,
                                         results[0].get("threads") or None))
-    print(f"\n{'engine':<14} {'req/s':>8} {'in tok/s':>10} {'out tok/s':>10} {'elapsed s':>10} {'hit rate':>9}")
+    print(f"\n{'engine':<17} {'req/s':>8} {'in tok/s':>10} {'out tok/s':>10} {'elapsed s':>10} {'hit rate':>9}")
     for r in results:
         hit = f"{r['cache_hit_rate']:.3f}" if "cache_hit_rate" in r else "-"
-        print(f"{r['engine']:<14} {r['requests_per_s']:>8.2f} {r['input_tok_s']:>10.1f} {r['output_tok_s']:>10.1f} "
+        print(f"{r['engine']:<17} {r['requests_per_s']:>8.2f} {r['input_tok_s']:>10.1f} {r['output_tok_s']:>10.1f} "
               f"{r['elapsed_s']:>10.2f} {hit:>9}")
     if "dp_routed" in results[0]:
         r = results[0]
@@ -224,10 +252,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{layout}, {r['load_balance_method']}: routed {r['dp_routed']} "
               f"({r['dp_cache_routed']} to the replica holding their prefix), replica hit rates "
               f"{', '.join(f'{h:.3f}' for h in r['dp_cache_hit_rate'])}")
-    if len(results) == 2:
-        results[0]["ratio_vs_transformers"] = results[0]["output_tok_s"] / results[1]["output_tok_s"]
-        print(f"output throughput ratio radixserve / transformers: "
-              f"{results[0]['output_tok_s'] / results[1]['output_tok_s']:.2f}x")
+    if results[-1]["engine"] == "transformers":
+        results[0]["ratio_vs_transformers"] = results[0]["output_tok_s"] / results[-1]["output_tok_s"]
+        print(f"output throughput ratio radixserve / transformers: {results[0]['ratio_vs_transformers']:.2f}x")
     with open(args.result_file, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
     print(f"wrote {args.result_file}")

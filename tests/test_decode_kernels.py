@@ -69,8 +69,8 @@ def test_linear_uses_gemv_only_where_the_table_has_the_shape(tmp_path, monkeypat
     from radixserve.layers.triton_ops import gemv
 
     table = tmp_path / "picks.json"
-    table.write_text(json.dumps({"configs": {gemv_configs.key("bf16", 1, 8, 32): GemvConfig("ew", 2, 16).to_dict(),
-                                             gemv_configs.key("bf16_silu", 1, 16, 32):
+    table.write_text(json.dumps({"configs": {gemv_configs.key("row16", 1, 8, 32): GemvConfig("ew", 2, 16).to_dict(),
+                                             gemv_configs.key("row16_silu", 1, 16, 32):
                                                  GemvConfig("ew", 2, 16).to_dict()}}))
     monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(table))
     gemv_configs.reload()

@@ -231,3 +231,54 @@ def test_prefill_graphs_only_for_backends_whose_extend_is_capturable() -> None:
         assert backend.supports_cuda_graph and not prefill_graphs_supported(stub)
     stub.attn_backend = SimpleNamespace(supports_cuda_graph=True, supports_prefill_cuda_graph=True)
     assert prefill_graphs_supported(stub)
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 16, 32])
+def test_flex_graph_block_kernel_equals_torch_lists(page_size: int) -> None:
+    """The Triton kernel a CUDA graph runs to build the decode block lists (TRITON_INTERPRET=1 on the CPU) gives the
+    torch reference's lists, positions and slot records, for interleaved pages, windows and padding rows."""
+    if not FlexAttnBackend(make_runner(2, 1, 16, page_size))._fill_in_graph:
+        pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(page_size)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # tests/gpu/ runs this file's kernel test on the GPU too
+    runner = make_runner(2, 1, 16, page_size, pool_size=1024, device=dev)
+    runner.model_config.sliding_windows = [-1, 5, 40]
+    kv, r2t = runner.token_to_kv_pool, runner.req_to_token_pool
+    rows = r2t.alloc(5)
+    lens = [70, 1, 33, 130, 17]  # a length-1 row is padding
+    last = [0] * len(rows)
+    for step in range(max(lens)):  # grow the requests together, so their pages interleave in the pool
+        grow = [i for i, n in enumerate(lens) if n > step and (step % page_size == 0 or page_size == 1)]
+        for i in grow:
+            n = min(page_size, lens[i] - step)
+            slots = kv.alloc_extend([step], [step + n], [last[i]])
+            r2t.write(rows[i], step, slots)
+            last[i] = int(slots[-1])
+    r2t.apply_writes(r2t.take_pending_writes())
+    if page_size == 1:  # shuffle slot order inside rows, as frees and reuse leave it
+        table = r2t.req_to_token
+        for r, n in zip(rows, lens, strict=True):
+            table[r, :n] = table[r, :n][torch.randperm(n, generator=gen).to(dev)]
+    seq = torch.tensor(lens, device=dev)
+    req = torch.tensor(rows, device=dev)
+    ref, ker = FlexAttnBackend(runner), FlexAttnBackend(runner)
+    for b in (ref, ker):
+        b.init_cuda_graph_state(8)
+    meta_ref, meta_ker = ref._graph_meta(len(rows)), ker._graph_meta(len(rows))
+    assert meta_ker["rows"] == 8
+    for _ in range(2):  # twice: the bitmap must be clean after the first fill
+        ref._fill_decode_meta(meta_ref, req, seq, max(lens))
+        ker._fill_decode_meta_kernel(meta_ker, req, seq)
+        torch.testing.assert_close(ker.slot_pos, ref.slot_pos)
+        torch.testing.assert_close(meta_ker["pos"], meta_ref["pos"])
+        torch.testing.assert_close(meta_ker["row"], meta_ref["row"])
+        for window in (-1, 5, 40):
+            num_r, idx_r, _ = meta_ref["masks"][window]
+            num_k, idx_k, _ = meta_ker["masks"][window]
+            torch.testing.assert_close(num_k, num_r)
+            for b in range(len(rows)):
+                n = int(num_r[b])
+                assert idx_k[b, 0, 0, :n].tolist() == idx_r[b, 0, 0, :n].tolist()
+            assert int(num_k[1]) == 0 and int(num_k[len(rows):].sum()) == 0
+        if "bitmap" in meta_ker:
+            assert int(meta_ker["bitmap"].abs().sum()) == 0

@@ -11,7 +11,7 @@ from lora_utils import ADAPTERS, make_adapters, peft_greedy
 from model_utils import make_tiny_model
 from test_scheduler import drain, make_scheduler
 
-from radixserve.lora.batch_info import group_rows
+from radixserve.lora.batch_info import LoRABatchInfo, group_rows
 from radixserve.lora.slots import LoRASlotTable
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -146,6 +146,20 @@ def test_group_rows_groups_tokens_by_slot() -> None:
     packed, groups, max_len = group_rows([-1, -1], None, num_slots=2)
     assert groups == [] and max_len == 0 and packed[:6].tolist() == [0] * 6
     assert packed[6:].tolist() == [0, 1, -1, -1]  # the order, the slots
+
+
+@pytest.mark.parametrize("num_slots,rows", [(3, 3), (3, 4), (4, 5), (5, 1)])
+def test_packed_rows_start_on_16_bytes(num_slots: int, rows: int) -> None:
+    """token_order and sorted_slots start on 16 bytes for odd slot and row counts (one compiled kernel for all)."""
+    req_slots = [i % num_slots - (i == 0) for i in range(rows)]  # row 0 a base row
+    packed, _, _ = group_rows(req_slots, None, num_slots)
+    info = LoRABatchInfo(num_slots, packed=packed)
+    assert info.num_rows == rows
+    _, _, _, order, sorted_slots = info.views()
+    assert order.data_ptr() % 16 == 0 and sorted_slots.data_ptr() % 16 == 0
+    assert sorted(order.tolist()) == list(range(rows))
+    assert sorted_slots.tolist() == sorted(req_slots)
+    assert [req_slots[i] for i in order.tolist()] == sorted_slots.tolist()
 
 
 def test_slot_table_lru() -> None:

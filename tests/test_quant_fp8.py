@@ -394,3 +394,55 @@ def test_online_fp8_on_moe_and_mla_models(kind: str, tmp_path) -> None:
                 if hasattr(m, "w13_weight"):
                     assert m.w13_weight.dtype == torch.float32
     assert _rel(logits[1], logits[0]) < 0.1
+
+
+@pytest.mark.parametrize("kernel,m,block_n,block_m,block_k", [
+    ("w8a8", 20, 32, 16, 64), ("w8a8", 33, 16, 32, 128), ("w8a16", 24, 32, 32, 64), ("w8a16", 17, 16, 16, 32)])
+def test_fp8_mid_kernel_matches_reference(kernel: str, m: int, block_n: int, block_m: int, block_k: int) -> None:
+    """The transposed product for 17..256 rows (`fp8_mid`): W8A8 (x quantised per token) against the reference with
+    the same activation quantisation, W8A16 against the W8A16 reference; N and M not multiples of the tiles, bias;
+    configs it does not run give None."""
+    from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator().manual_seed(m + block_k)
+    n, k = 45, 256
+    q, s = quantize_rows(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    cfg = GemvConfig(kernel, block_n, block_k, block_m=block_m)
+    out = fp8_mid_mm(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, cfg, bias.to(DEV))
+    if kernel == "w8a8":  # x as the kernel quantised it (the interpreter's fp8 rounding drops a carry, see above)
+        xq, xs = per_token_group_quant_fp8(x.to(DEV), k)
+        ref = (xq.cpu().float() * xs.cpu()) @ (q.float() * s[:, None]).t() + bias
+        assert_fp8_equal_but_interpreter_carry(xq, fp8mod.quantize_groups_ref(x, k)[0])
+    else:
+        ref = fp8_linear_ref(x, q, s, 1, k, bias, None)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-3)
+    assert fp8_mid_mm(x, q, s, torch.float32, GemvConfig("scaled_mm", 0, 0)) is None
+    assert fp8_mid_mm(torch.randn(257, k), q, s, torch.float32, cfg) is None
+
+
+def test_mid_table_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """`gemv_configs.get_mid`: the entry swept at the smallest M >= m, the largest within a quarter above it, None
+    past that or for a shape the table lacks; the fp8 layer runs what the entry names."""
+    import json
+
+    from radixserve.layers.quantization import gemv_configs
+
+    table = {"configs": {"fp8_mid/64/96/256": {"kernel": "w8a16", "block_n": 16, "block_k": 64, "block_m": 32},
+                         "fp8_mid/160/96/256": {"kernel": "scaled_mm", "block_n": 0, "block_k": 0}}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(path))
+    gemv_configs.reload()
+    try:
+        assert gemv_configs.get_mid(17, 96, 256).kernel == "w8a16"
+        assert gemv_configs.get_mid(64, 96, 256).kernel == "w8a16"
+        assert gemv_configs.get_mid(65, 96, 256).kernel == "scaled_mm"
+        assert gemv_configs.get_mid(200, 96, 256).kernel == "scaled_mm"
+        assert gemv_configs.get_mid(201, 96, 256) is None
+        assert gemv_configs.get_mid(32, 128, 256) is None
+    finally:
+        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
+        gemv_configs.reload()

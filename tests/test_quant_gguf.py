@@ -198,3 +198,46 @@ def test_q6_k_writer_matches_gguf_reader() -> None:
     scale = np.where(top == 0, 1.0, top / -32.0)
     plain = (np.clip(np.round(x / scale), -32, 31) * scale).reshape(24, 512)
     assert rel <= float(np.linalg.norm(plain - w.numpy()) / np.linalg.norm(w.numpy())) * 1.05
+
+
+def _q8_blocks_ref(x: torch.Tensor) -> torch.Tensor:
+    """x with every 32-column block rounded to int8 levels of amax / 127 (halves away from zero): what the Q4_K
+    integer-MMA kernel multiplies by."""
+    b = x.float().view(x.shape[0], -1, 32)
+    s = b.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0
+    v = b / s
+    q = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
+    return (q * s).view(x.shape)
+
+
+@pytest.mark.parametrize("m,block_n,block_k", [(1, 16, 256), (2, 32, 512), (1, 16, 1024)])
+def test_q4_k_mma_gemv_matches_reference(m: int, block_n: int, block_k: int) -> None:
+    """The Q4_K GEMV on the integer tensor cores (`_q4_k_gemv_mma_kernel`): x quantised per 32-column block to int8
+    in the kernel, the sub-blocks' scales after the MMA. Against the dequantised weight times that x (exact integer
+    products: float32 rounding only), and within the int8 error of the float x; rows not a multiple of the tile."""
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+
+    g = torch.Generator().manual_seed(block_k + m)
+    n, k = 37, 1024
+    fields = G.quantize(G.Q4_K, torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] *= 1e-3  # a block of small values: its own scale
+    bias = torch.randn(n, generator=g)
+    out = gguf_gemv(x.to(DEV), G.Q4_K, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV),
+                    GemvConfig("mma", block_n, block_k))
+    w = G.dequantize(G.Q4_K, fields)
+    ref_q = _q8_blocks_ref(x) @ w.t() + bias
+    # w = d sc (q - 8) + (8 d sc - dmin m): only the first part meets x's int8 rounding, the second the float x
+    exact = ref_q + (x - _q8_blocks_ref(x)).view(m, -1, 32).sum(-1) @ _offset_terms(fields).t()
+    torch.testing.assert_close(out.cpu(), exact, rtol=1e-4, atol=2e-3)
+    ref = torch.nn.functional.linear(x, w, bias)
+    assert float((out.cpu() - ref).norm() / ref.norm()) < 1e-2
+
+
+def _offset_terms(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    """8 d sc - dmin m per (row, 32-weight sub-block) [N, K / 32]: the part of each weight that the kernel takes
+    out of its integer dot product."""
+    d = fields["d"].float().repeat_interleave(8, dim=1)
+    dmin = fields["dmin"].float().repeat_interleave(8, dim=1)
+    return 8.0 * d * fields["scales"].float() - dmin * fields["mins"].float()

@@ -136,12 +136,15 @@ class CustomAllReduce:
                 raise RuntimeError("self-test: the fused all-reduce + add + RMSNorm is wrong")
         torch.cuda.synchronize(self.device)
 
-    def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def fused_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                          prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(all-reduce(x) + residual) * weight, all-reduce(x) + residual) in one kernel, or None when this
-        message cannot take that path."""
+        message cannot take that path. `prefetch` (push kernel only): the next layer's weight, see
+        push_all_reduce.py."""
         if self.add_norm is None or not self.should_use(x) or not self.add_norm.can_fuse(x, residual):
             return None
+        if prefetch is not None and getattr(self.add_norm, "prefetch_bytes", 0):
+            return self.add_norm(x, residual, weight, eps, prefetch)
         return self.add_norm(x, residual, weight, eps)
 
     def should_use(self, x: torch.Tensor) -> bool:

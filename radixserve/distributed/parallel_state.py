@@ -98,12 +98,13 @@ def custom_all_reduce_fuses_norm() -> bool:
     return _CUSTOM_AR is not None and getattr(_CUSTOM_AR, "add_norm", None) is not None
 
 
-def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The fused all-reduce + residual add + RMSNorm, or None when it cannot run on this message."""
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused all-reduce + residual add + RMSNorm, or None when it cannot run on this message. `prefetch`: the
+    weight the next layer reads (the push kernel can start pulling it into the L2)."""
     if _TP_SIZE == 1 or _CUSTOM_AR is None:
         return None
-    return _CUSTOM_AR.fused_add_rmsnorm(x, residual, weight, eps)
+    return _CUSTOM_AR.fused_add_rmsnorm(x, residual, weight, eps, prefetch)
 
 
 def model_parallel_is_initialized() -> bool:

@@ -23,6 +23,8 @@ shared-memory tensors mapped by two processes and run the kernels under TRITON_I
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import triton
@@ -31,6 +33,8 @@ import triton.language as tl
 BLOCK = 1024  # elements per program of the plain one-shot
 MAX_PROGRAMS = 2048
 ROW_STRIDE = 8192  # elements reserved per row in the fused kernel's slots: rows up to this width are fused
+PF_LINES = 1024  # 128-byte lines each prefetching program asks the L2 for
+PF_MAX_ROWS = 8  # prefetch only at decode-sized batches (bandwidth-bound GEMMs after the norm)
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _SENTINEL = {torch.int16: -(1 << 15), torch.int32: -(1 << 31)}  # the bits of -0.0
 
@@ -71,52 +75,66 @@ def _push_one_shot_kernel(x_ptr, out_ptr, buf_ptrs, slots, numel, slot_numel, SE
 
 
 @triton.jit
-def _push_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_ptrs, slots, widths, n_cols,
-                             slot_numel, eps, SENT: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                             STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+def _prefetch_l2(addr):
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _push_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_ptrs, slots, widths, n_rows, n_cols,
+                             slot_numel, eps, pf_addr, pf_bytes, SENT: tl.constexpr, RANK: tl.constexpr,
+                             WORLD: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr,
+                             PF_LINES: tl.constexpr):
     """One row per program: the row's sum over the ranks (rounded to the activation dtype, as an all-reduce
-    returns it), + residual (rounded: the new residual), RMSNorm as layers/triton_ops/norm.py rounds it."""
+    returns it), + residual (rounded: the new residual), RMSNorm as layers/triton_ops/norm.py rounds it.
+    Programs past the rows (PF_LINES > 0) ask the L2 for the first `pf_bytes` of the weight the next layer reads,
+    PF_LINES 128-byte lines each: the memory works while the all-reduce waits on the link."""
     row = tl.program_id(0)
-    cur = (tl.load(slots + row) + 1) % 3
-    tl.store(slots + row, cur)
-    prev = (cur + 2) % 3
-    prev_width = tl.load(widths + row)
-    tl.store(widths + row, n_cols)
-    bits = x_ptr.dtype.element_ty
-    dt = out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    b = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0)
-    b = tl.where(b == SENT, 0, b).to(bits)
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer = tl.load(buf_ptrs + r).to(tl.pointer_type(bits))
-            tl.store(peer + (cur * WORLD + RANK) * slot_numel + row * STRIDE + cols, b, mask=mask)
-    mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(bits))
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(WORLD):
-        if r == RANK:
-            acc += b.to(dt, bitcast=True).to(tl.float32)
-        else:
-            src = mine + (cur * WORLD + r) * slot_numel + row * STRIDE + cols
-            v = tl.load(src, mask=mask, other=0, volatile=True)
-            while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
-                v = tl.load(src, mask=mask, other=0, volatile=True)
-            acc += v.to(dt, bitcast=True).to(tl.float32)
-    res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    s = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
-    tl.store(res_out_ptr + row * n_cols + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    var = tl.sum(sf * sf, axis=0) / n_cols
-    normed = (sf * tl.rsqrt(var + eps)).to(dt)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(dt), mask=mask)
-    clear = (b * 0 + SENT).to(bits)
-    for start in range(0, prev_width, BLOCK):  # what this row's previous call received, whatever its width
+    if row < n_rows:
+        cur = (tl.load(slots + row) + 1) % 3
+        tl.store(slots + row, cur)
+        prev = (cur + 2) % 3
+        prev_width = tl.load(widths + row)
+        tl.store(widths + row, n_cols)
+        bits = x_ptr.dtype.element_ty
+        dt = out_ptr.dtype.element_ty
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        b = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0)
+        b = tl.where(b == SENT, 0, b).to(bits)
         for r in tl.static_range(WORLD):
             if r != RANK:
-                tl.store(mine + (prev * WORLD + r) * slot_numel + row * STRIDE + start + cols, clear,
-                         mask=start + cols < prev_width)
+                peer = tl.load(buf_ptrs + r).to(tl.pointer_type(bits))
+                tl.store(peer + (cur * WORLD + RANK) * slot_numel + row * STRIDE + cols, b, mask=mask)
+        mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(bits))
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                acc += b.to(dt, bitcast=True).to(tl.float32)
+            else:
+                src = mine + (cur * WORLD + r) * slot_numel + row * STRIDE + cols
+                v = tl.load(src, mask=mask, other=0, volatile=True)
+                while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
+                    v = tl.load(src, mask=mask, other=0, volatile=True)
+                acc += v.to(dt, bitcast=True).to(tl.float32)
+        res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        s = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + row * n_cols + cols, s, mask=mask)
+        sf = s.to(tl.float32)
+        var = tl.sum(sf * sf, axis=0) / n_cols
+        normed = (sf * tl.rsqrt(var + eps)).to(dt)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + row * n_cols + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(dt), mask=mask)
+        clear = (b * 0 + SENT).to(bits)
+        for start in range(0, prev_width, BLOCK):  # what this row's previous call received, whatever its width
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    tl.store(mine + (prev * WORLD + r) * slot_numel + row * STRIDE + start + cols, clear,
+                             mask=start + cols < prev_width)
+    elif PF_LINES > 0:
+        lines = (row - n_rows) * PF_LINES + tl.arange(0, PF_LINES)
+        offs = tl.minimum(lines.to(tl.int64) * 128, pf_bytes - 1)
+        _prefetch_l2(pf_addr + offs)
 
 
 class PushBuffers:
@@ -186,9 +204,11 @@ class PushOneShot:
 class PushAddRMSNorm:
     """all-reduce(x) + residual, then RMSNorm, in one kernel: rows of x up to `ROW_STRIDE` wide, one program each."""
 
-    def __init__(self, buffers: PushBuffers, max_rows: int) -> None:
+    def __init__(self, buffers: PushBuffers, max_rows: int, prefetch_bytes: int | None = None) -> None:
         self.b = buffers
         self.max_rows = min(max_rows, MAX_PROGRAMS)
+        self.prefetch_bytes = int(float(os.environ.get("RADIXSERVE_AR_PREFETCH_MB", "0")) * 2**20) \
+            if prefetch_bytes is None else prefetch_bytes
 
     @classmethod
     def from_symm_mem(cls, group: dist.ProcessGroup, device: torch.device | str, dtypes: tuple[torch.dtype, ...],
@@ -201,16 +221,23 @@ class PushAddRMSNorm:
                 and residual.shape == x.shape and x.shape[0] <= self.max_rows and 0 < x.shape[1] <= ROW_STRIDE
                 and x.shape[0] * ROW_STRIDE <= self.b.bufs[x.dtype][2])
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefetch`: a CUDA tensor (the next layer's weight) whose first `prefetch_bytes` the idle SMs pull into
+        the L2 while the all-reduce waits."""
         _, ptrs, slot_numel = self.b.bufs[x.dtype]
         out, new_residual = torch.empty_like(x), torch.empty_like(x)
-        if x.shape[0]:
+        rows = x.shape[0]
+        if rows:
             bits = _BITS[x.dtype]
-            _push_add_rmsnorm_kernel[(x.shape[0],)](x.view(bits), residual, weight, out, new_residual, ptrs,
-                                                    self.b.slots[x.dtype], self.b.widths[x.dtype], x.shape[1],
-                                                    slot_numel, eps,
-                                                    SENT=_SENTINEL[bits], RANK=self.b.rank, WORLD=self.b.world,
-                                                    STRIDE=ROW_STRIDE, BLOCK=triton.next_power_of_2(x.shape[1]),
-                                                    num_warps=8)
+            pf_bytes = 0
+            if prefetch is not None and self.prefetch_bytes > 0 and prefetch.is_cuda and rows <= PF_MAX_ROWS:
+                pf_bytes = min(self.prefetch_bytes, prefetch.numel() * prefetch.element_size())
+            pf_programs = triton.cdiv(pf_bytes, PF_LINES * 128)
+            _push_add_rmsnorm_kernel[(rows + pf_programs,)](
+                x.view(bits), residual, weight, out, new_residual, ptrs, self.b.slots[x.dtype],
+                self.b.widths[x.dtype], rows, x.shape[1], slot_numel, eps,
+                prefetch.data_ptr() if pf_bytes else 0, max(pf_bytes, 1), SENT=_SENTINEL[bits], RANK=self.b.rank,
+                WORLD=self.b.world, STRIDE=ROW_STRIDE, BLOCK=triton.next_power_of_2(x.shape[1]),
+                PF_LINES=PF_LINES if pf_bytes else 0, num_warps=8)
         return out, new_residual

@@ -15,6 +15,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self._next: list[nn.Module] = []  # the layer after this norm (a list: not registered as a submodule)
+
+    def prefetch_next(self, module: nn.Module | None) -> None:
+        """With the fused all-reduce (push kernel, RADIXSERVE_AR_PREFETCH_MB > 0), the start of `module`'s weight
+        is asked into the L2 while the all-reduce waits on the link."""
+        self._next = [module] if module is not None else []
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -30,7 +36,9 @@ class RMSNorm(nn.Module):
             from radixserve.distributed.parallel_state import all_reduce_add_rmsnorm, tensor_model_parallel_all_reduce
 
             if residual is not None:
-                fused = all_reduce_add_rmsnorm(x, residual, self.weight, self.eps)
+                nxt = getattr(self._next[0], "weight", None) if self._next else None
+                fused = all_reduce_add_rmsnorm(x, residual, self.weight, self.eps,
+                                               nxt if isinstance(nxt, torch.Tensor) else None)
                 if fused is not None:
                     return fused
             x = tensor_model_parallel_all_reduce(x)

@@ -16,6 +16,7 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from radixserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod, set_weight_attrs
+from radixserve.layers.triton_ops import decode_gemv_enabled
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -50,6 +51,9 @@ class _LinearBase(nn.Module):
         # LoRA: a callable x -> the base output plus the batch's adapter deltas, set by radixserve.lora on the layers
         # that carry adapters (it runs the base multiply itself: it may fold the adapters' shrink into it)
         self.lora = None
+        # one-row products through `triton_ops.decode_gemv` instead of cuBLAS (set by the models whose small
+        # attention projections cuBLAS splits over K at batch 1: the MoE / MLA families)
+        self.decode_gemv = False
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
         """Replace how this layer stores its weight and multiplies (before the weights load)."""
@@ -126,9 +130,18 @@ class _LinearBase(nn.Module):
         out = self._row_gemv(x) if x.shape[0] == 1 else None
         return F.linear(x, self.weight, self.bias) if out is None else out
 
+    def gemv_ok(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes through the one-row decode GEMV kernel (see `decode_gemv`)."""
+        return self.decode_gemv and self._plain and self.lora is None and x.shape[0] == 1 and x.dim() == 2 \
+            and x.stride(-1) == 1 and x.dtype == self.weight.dtype and decode_gemv_enabled(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:
             return self.lora(x)
+        if self.decode_gemv and self.gemv_ok(x):
+            from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+
+            return decode_gemv(x, self.weight, self.bias)[0]
         if self._plain and x.is_cuda:
             return self._plain_cuda(x)
         return self.quant_method.apply(self, x, self.bias)
@@ -237,6 +250,10 @@ class RowParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
             out = self.lora(x)
+        elif self.decode_gemv and self.gemv_ok(x):
+            from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+
+            out = decode_gemv(x, self.weight, self.bias)[0]
         elif self._plain and x.is_cuda:
             out = self._plain_cuda(x)
         else:

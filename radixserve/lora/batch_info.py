@@ -6,9 +6,12 @@ slot: `token_order` lists the token rows sorted by slot (stable), and group g co
 model are in no group. A kernel program works on one group's block of rows, so it reads its adapter's weights
 once for many rows. `sorted_slots[p]` is the slot of row `token_order[p]` (-1 for base rows, which sort first): the
 stacked expand kernel (triton_ops.py) walks the sorted rows in blocks, each block mostly of one adapter. The five
-arrays travel as one int64 tensor `[group_slots (S), group_starts (S), group_lens (S), token_order (T),
+arrays travel as one int64 tensor `[group_slots (S), group_starts (S), group_lens (S), pad, token_order (T), pad,
 sorted_slots (T)]` (S = the number of slots; unused groups have length 0): one host-to-device copy per batch, and
-under CUDA graphs one copy into the graph's static buffer (the graph's batch, padding rows as base rows)."""
+under CUDA graphs one copy into the graph's static buffer (the graph's batch, padding rows as base rows). The pads
+(one zero where the part before has an odd length) start `token_order` and `sorted_slots` on 16 bytes whatever S
+and T: Triton compiles a kernel per alignment of each pointer, so without them an odd row count would be a kernel
+of its own, compiled the first time a batch had one (a second of stall in the middle of serving)."""
 
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class LoRABatchInfo:
     @property
     def num_rows(self) -> int:
         """The rows `packed` covers (the graph's batch under a CUDA graph)."""
-        return (self.packed.numel() - 3 * self.num_slots) // 2
+        return rows_of(self.num_slots, self.packed.numel())
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(group_slots, group_starts, group_lens, token_order, sorted_slots) as views of `packed` (made once per
@@ -56,8 +59,22 @@ class LoRABatchInfo:
         p = self.packed
         if self._views is None or self._views[0] is not p:
             s, t = self.num_slots, self.num_rows
-            self._views = (p, (p[:s], p[s:2 * s], p[2 * s:3 * s], p[3 * s:3 * s + t], p[3 * s + t:3 * s + 2 * t]))
+            o, so, _ = layout(s, t)
+            self._views = (p, (p[:s], p[s:2 * s], p[2 * s:3 * s], p[o:o + t], p[so:so + t]))
         return self._views[1]
+
+
+def layout(num_slots: int, num_rows: int) -> tuple[int, int, int]:
+    """(offset of token_order, offset of sorted_slots, length) of the packed tensor: both offsets even (16 bytes)."""
+    head = 3 * num_slots + (3 * num_slots) % 2
+    sorted_at = head + num_rows + num_rows % 2
+    return head, sorted_at, sorted_at + num_rows
+
+
+def rows_of(num_slots: int, numel: int) -> int:
+    """The row count of a packed tensor of `numel` values (the inverse of `layout`'s length)."""
+    rest = numel - layout(num_slots, 0)[0]  # 2T (T even) or 2T + 1 (T odd)
+    return rest // 2
 
 
 HostGroups = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # order, slots, starts, lengths of the groups
@@ -79,10 +96,11 @@ def pack_rows(req_slots: list[int], token_counts: list[int] | None, num_slots: i
     starts = np.cumsum(counts)[present]  # rows before slot s: the base rows and slots < s
     lens = counts[present + 1]
     g = len(present)
-    packed = np.zeros(3 * num_slots + 2 * t, dtype=np.int64)
+    order_at, sorted_at, size = layout(num_slots, t)
+    packed = np.zeros(size, dtype=np.int64)
     packed[:g], packed[num_slots:num_slots + g], packed[2 * num_slots:2 * num_slots + g] = present, starts, lens
-    packed[3 * num_slots:3 * num_slots + t] = order
-    packed[3 * num_slots + t:] = tok_slot[order]
+    packed[order_at:order_at + t] = order
+    packed[sorted_at:] = tok_slot[order]
     return torch.from_numpy(packed), (order, present, starts, lens), int(lens.max()) if g else 0
 
 

@@ -15,7 +15,7 @@ import torch
 from radixserve.layers import cpu_ops
 from radixserve.layers.triton_ops import use_fused
 from radixserve.lora.adapter import read_lora_weights
-from radixserve.lora.batch_info import LoRABatchInfo, pack_rows
+from radixserve.lora.batch_info import LoRABatchInfo, layout, pack_rows
 from radixserve.lora.config import TARGET_MODULES
 from radixserve.lora.layers import GROUP_OF, LoRATarget, find_lora_targets
 from radixserve.lora.ops import apply_lora
@@ -79,6 +79,8 @@ class LoRAManager:
             t.base.lora = _LoRAHook(self, t)
         self.graph_packed: torch.Tensor | None = None
         self.is_cuda = torch.device(device).type == "cuda"
+        if self.is_cuda:
+            self.warmup()
         logger.info("LoRA: %d slot(s) of rank %d on %d layer(s) (%.1f MiB, %d stacked with their base weight), "
                     "adapters at start: %s", self.num_slots, self.max_rank, len(self.targets),
                     self.pool.nbytes / 2**20, len(self.pool.stacked), ", ".join(self.adapters) or "none")
@@ -106,6 +108,30 @@ class LoRAManager:
                 raise RuntimeError(f"LoRA adapter {name!r} was unloaded while a batch needed it")
             self.pool.load(slot, host)
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the LoRA kernels of every kind of layer for small and large batches now, not in the middle of
+        serving (a compile takes about a second; a graph's capture covers only the decode batches it captures)."""
+        if not use_fused(torch.empty(0, device=self.device)):
+            return
+        seen: set[tuple] = set()
+        info = self.info
+        for t in self.targets:
+            hook: _LoRAHook = t.base.lora
+            kind = (t.group, hook.stacked is not None, type(t.base.quant_method))
+            if kind in seen:
+                continue
+            seen.add(kind)
+            for rows in (1, 2, 129, 130):  # each block configuration (<= 128 rows or more), odd and even
+                slots = [i % self.num_slots for i in range(rows)]
+                packed, host, max_len = pack_rows(slots, None, self.num_slots)
+                info.packed, info.host_groups = packed.to(self.device), host
+                info.num_groups, info.max_group_len, info.capturing = len(host[1]), max_len, False
+                hook(torch.zeros(rows, t.in_local, dtype=self.pool.dtype, device=self.device))
+        info.packed, info.host_groups, info.num_groups, info.max_group_len = None, None, 0, 0
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
     # ---------------------------------------------------------------- batches
     def prepare(self, forward_batch: ForwardBatch, req_slots: list[int] | None) -> None:
         """Group the batch's rows by adapter slot (one upload) for the layers' hooks."""
@@ -124,7 +150,8 @@ class LoRAManager:
         info.num_groups, info.max_group_len = len(host[1]), max_len
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        self.graph_packed = torch.zeros(3 * self.num_slots + 2 * max_bs, dtype=torch.int64, device=self.device)
+        size = layout(self.num_slots, max_bs)[2]
+        self.graph_packed = torch.zeros(size, dtype=torch.int64, device=self.device)
 
     def begin_capture(self, bs: int) -> None:
         """The graph reads the static buffer's first 3*slots + 2*bs values (the grouping of a batch of `bs` rows;

@@ -237,11 +237,21 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     tl.store(Out + rows[:, None] * stride_out + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=io_mask)
 
 
+def expand_stacked_config(num_rows: int, num_slots: int, rank: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) of the stacked expand for `num_rows` rows."""
+    mixed = triton.next_power_of_2(num_slots) * _pow2_at_least_16(rank) <= _MIXED_DOT_K
+    if num_rows <= 128:
+        return 16, 64, 4, mixed
+    return 64, 128, 4, mixed
+
+
 def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, out_slices: list[tuple[int, int]],
-                        order: torch.Tensor, sorted_slots: torch.Tensor, num_rows: int) -> torch.Tensor:
+                        order: torch.Tensor, sorted_slots: torch.Tensor, num_rows: int,
+                        config: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
     """The base output plus every row's LoRA delta, from the stacked GEMM's output y [T, N + S*n_sub*R] (columns
     N + s*n_sub*R + j*R .. + R: slot s's shrink for sub-projection j); b [S, N, R]; rows in `order` sorted by
-    `sorted_slots` (-1: base). Returns a new contiguous [T, N] tensor (rows past `num_rows`: left unwritten)."""
+    `sorted_slots` (-1: base). Returns a new contiguous [T, N] tensor (rows past `num_rows`: left unwritten).
+    `config`: (BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) instead of `expand_stacked_config`'s (benchmarks)."""
     T = y.shape[0]
     S, N, R = b.shape
     n_sub = len(out_slices)
@@ -253,12 +263,12 @@ def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor
     upcast = _INTERPRET and y.dtype != torch.float32
     ieee = y.dtype == torch.float32 or upcast
     offs = [o for o, _ in out_slices] + [N] * (3 - n_sub)
-    block_m = 16 if num_rows <= 128 else 64
-    block_n = 64 if num_rows <= 128 else 128
+    block_m, block_n, warps, mixed = config or expand_stacked_config(num_rows, S, R)
     block_r = _pow2_at_least_16(R)
     s_pad = triton.next_power_of_2(S)
     launch(_expand_stacked_kernel, (triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n)), y, b, out, scalings,
            order, sorted_slots, num_rows, N, y.stride(0), out.stride(0), N, n_sub * R, offs[1], offs[2],
            b.stride(0), b.stride(1), S, R=R, N_SUB=n_sub, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-           S_PAD=s_pad, MIXED_DOT=s_pad * block_r <= _MIXED_DOT_K, IEEE=ieee, UPCAST=upcast, num_warps=4)
+           S_PAD=s_pad, MIXED_DOT=mixed and s_pad * block_r <= _MIXED_DOT_K, IEEE=ieee, UPCAST=upcast,
+           num_warps=warps)
     return out

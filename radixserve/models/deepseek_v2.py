@@ -88,14 +88,38 @@ class DeepseekMLAAttention(nn.Module):
         self.attn = RadixAttention(self.num_heads, self.rank + self.rope, softmax_scale, 1, layer_id,
                                    v_head_dim=self.rank)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        t = hidden.shape[0]
-        if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+    def use_decode_gemv(self) -> None:
+        """One-row products through `decode_gemv`: the two projections of the input in one launch (with the input
+        norm, `norm_project`) and o_proj without cuBLAS's split-K."""
+        for proj in (self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa, self.o_proj):
+            proj.decode_gemv = True
+
+    def norm_project(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(q or q_a, kv_a, new residual) of one row from a single launch: the residual add, the input norm and
+        both projections of its output; None when `decode_gemv` does not apply."""
+        first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        kv = self.kv_a_proj_with_mqa
+        if not (first.gemv_ok(hidden) and kv.gemv_ok(hidden)) or first.bias is not None or kv.bias is not None:
+            return None
+        from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+
+        out, new_residual = decode_gemv(hidden, first.weight, None, kv.weight,
+                                        norm=(residual, norm.weight, norm.eps))
+        n = first.weight.shape[0]
+        return out[:, :n], out[:, n:], (hidden if new_residual is None else new_residual)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | None, forward_batch: ForwardBatch,
+                projected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """projected: (q_proj's or q_a_proj's output, kv_a_proj_with_mqa's output) already made (`norm_project`)."""
+        if projected is not None:
+            first, kv_a = projected
         else:
-            q = self.q_proj(hidden)
+            first = self.q_a_proj(hidden) if self.q_lora_rank else self.q_proj(hidden)
+            kv_a = self.kv_a_proj_with_mqa(hidden)
+        t = first.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
         q = q.view(t, self.num_heads, self.nope + self.rope)
-        kv_a = self.kv_a_proj_with_mqa(hidden)
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
         if 0 < t <= PREP_TOKENS and use_fused(hidden) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
@@ -202,12 +226,17 @@ class DeepseekDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if not forward_batch.forward_mode.is_idle():
-            if residual is None:
-                residual = hidden
-                hidden = self.input_layernorm(hidden)
+            projected = self.self_attn.norm_project(hidden, residual, self.input_layernorm)
+            if projected is not None:  # one row: the residual add, the norm and both projections in one launch
+                first, kv_a, residual = projected
+                hidden = self.self_attn(positions, None, forward_batch, projected=(first, kv_a))
             else:
-                hidden, residual = self.input_layernorm(hidden, residual)
-            hidden = self.self_attn(positions, hidden, forward_batch)
+                if residual is None:
+                    residual = hidden
+                    hidden = self.input_layernorm(hidden)
+                else:
+                    hidden, residual = self.input_layernorm(hidden, residual)
+                hidden = self.self_attn(positions, hidden, forward_batch)
             if isinstance(self.mlp, DeepseekMoE) and not self.dp_attention:  # the norm in the router's launch
                 return self.mlp.forward_norm(hidden, residual, self.post_attention_layernorm)
             hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -243,6 +272,7 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     v3 = False
+    decode_gemv_attention = True  # V2-Lite: q_proj + kv_a 15 MB, o_proj 8 MB (one-row products, `use_decode_gemv`)
     stacked_params = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -254,6 +284,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.dp_attention = is_dp_attention_enabled() and tp_size > 1
         interleaved = bool(getattr(config, "rope_interleave", True)) if self.v3 else True
         self.model = DeepseekModel(config, tp_rank, tp_size, self.v3, interleaved, self.dp_attention)
+        if self.decode_gemv_attention:
+            for layer in self.model.layers:
+                layer.self_attn.use_decode_gemv()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -288,3 +321,4 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     v3 = True
+    decode_gemv_attention = False  # its projections (7168 wide) were not measured against cuBLAS

@@ -74,8 +74,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | None, forward_batch: ForwardBatch,
+                qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv: the projection already made (by the decoder layer, with its input norm in the same launch)."""
+        if qkv is None:
+            qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         norm = None
         if self.qk_norm:
@@ -132,12 +135,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+        qkv_proj = self.self_attn.qkv_proj
+        if qkv_proj.decode_gemv and not self.input_partial and qkv_proj.gemv_ok(hidden):
+            # one row: the residual add, the input norm and q/k/v in one launch (`decode_gemv`)
+            from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+
+            norm = self.input_layernorm
+            qkv, new_residual = decode_gemv(hidden, qkv_proj.weight, qkv_proj.bias,
+                                            norm=(residual, norm.weight, norm.eps))
+            residual = hidden if new_residual is None else new_residual
+            hidden = self.self_attn(positions, None, forward_batch, qkv=qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, reduce=self.input_partial)
-        hidden = self.self_attn(positions, hidden, forward_batch)
+            if residual is None:
+                residual = hidden
+                hidden = self.input_layernorm(hidden)
+            else:
+                hidden, residual = self.input_layernorm(hidden, residual, reduce=self.input_partial)
+            hidden = self.self_attn(positions, hidden, forward_batch)
         # MoE blocks: for a few tokens the norm runs inside the router's launch (not with the fused all-reduce)
         forward_norm = None if self.fuse_reduce else getattr(self.mlp, "forward_norm", None)
         if forward_norm is not None:
@@ -156,6 +170,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for prev, layer in zip(self.layers[:-1], self.layers[1:], strict=True):  # fused all-reduce + norm
             layer.input_partial = prev.mlp_partial
+            layer.input_layernorm.prefetch_next(layer.self_attn.qkv_proj)
+        for layer in self.layers:
+            layer.post_attention_layernorm.prefetch_next(getattr(layer.mlp, "gate_up_proj", None))
         self.final_partial = bool(len(self.layers)) and self.layers[-1].mlp_partial
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -186,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.model.norm.prefetch_next(self.lm_head)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()

@@ -89,7 +89,17 @@ def qwen2_moe_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size
 
 
 class MoECausalLM(LlamaForCausalLM):
-    """A Llama-family model whose feed-forward blocks may be sparse: expert tensors load into stacked parameters."""
+    """A Llama-family model whose feed-forward blocks may be sparse: expert tensors load into stacked parameters.
+    `decode_gemv_attention`: q/k/v (with the input norm) and o_proj of one row through `decode_gemv` (families whose
+    attention projections are a few MB, where cuBLAS splits K at batch 1)."""
+
+    decode_gemv_attention = False
+
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, tp_rank, tp_size)
+        if self.decode_gemv_attention:
+            for layer in self.model.layers:
+                layer.self_attn.qkv_proj.decode_gemv = layer.self_attn.o_proj.decode_gemv = True
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
         target = load_expert_weight(params, name, tensor)

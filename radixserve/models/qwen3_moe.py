@@ -22,4 +22,5 @@ def qwen3_moe_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size
 
 class Qwen3MoeForCausalLM(MoECausalLM):
     qk_norm = True
+    decode_gemv_attention = True  # 30B-A3B: qkv 21 MB, o_proj 17 MB
     mlp_factory = staticmethod(qwen3_moe_mlp)

@@ -149,6 +149,14 @@ def _rank(rank: int, port: int, results: dict) -> None:
         sub: dict = {}
         _check_triton(pu, rank, sub)
         out.update({f"push-{k}": v for k, v in sub.items()})
+        # with the next weight's start asked into the L2 by the spare programs: the same results
+        pu.add_norm.prefetch_bytes = 8 << 20
+        nxt = torch.zeros(32 << 20, dtype=torch.uint8, device="cuda")
+        x = torch.full((2, 4096), float(rank + 1), device="cuda", dtype=torch.bfloat16)
+        for rep in range(4):
+            normed, new_res = pu.fused_add_rmsnorm(x, torch.ones_like(x), torch.ones_like(x[0]), 1e-6, nxt)
+            out[f"push-prefetch-{rep}"] = torch.equal(new_res, torch.full_like(x, 4.0)) and \
+                torch.equal(normed, torch.ones_like(x))
     stage("push one-shot and its fused add + RMSNorm checked")
     results[rank] = out
     dist.barrier(group=cpu_group)
@@ -206,6 +214,7 @@ def test_tp2_push_all_reduce_greedy_equals_tp1(tiny_llama, monkeypatch) -> None:
     """TP=2 through the flag-free push one-shot fused with add + RMSNorm (RADIXSERVE_ONE_SHOT=push)."""
     path, want = tiny_llama
     monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "push")  # the scheduler processes inherit it
+    monkeypatch.setenv("RADIXSERVE_AR_PREFETCH_MB", "16")  # and the next weight asked into the L2
     assert _generate(path, tp_size=2) == want
 
 

@@ -52,9 +52,9 @@ def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
     for mod in plain.model.modules():
         if isinstance(mod, _LinearBase):
             n, k = mod.weight.shape
-            table[gemv_configs.key("bf16", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
+            table[gemv_configs.key("row16", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
             if isinstance(mod, MergedColumnParallelLinear):
-                table[gemv_configs.key("bf16_silu", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
+                table[gemv_configs.key("row16_silu", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
     picks = tmp_path / "picks.json"
     picks.write_text(json.dumps({"configs": table}))
     monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(picks))

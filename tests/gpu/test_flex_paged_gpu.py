@@ -92,3 +92,11 @@ def test_flex_sliding_window_with_graphs(tmp_path) -> None:
     model.save_pretrained(str(tmp_path))
     native = StaticBatch(runner(str(tmp_path), "torch_native", graphs=False)).generate(PROMPTS, 16)
     assert StaticBatch(runner(str(tmp_path), "flex", page_size=16)).generate(PROMPTS, 16) == native
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flex_graph_block_kernel_on_the_gpu(page_size) -> None:
+    """The compiled block-list kernel of flex's decode graphs against the torch lists (the CPU test, on CUDA)."""
+    from test_flex_attention import test_flex_graph_block_kernel_equals_torch_lists
+
+    test_flex_graph_block_kernel_equals_torch_lists(page_size)

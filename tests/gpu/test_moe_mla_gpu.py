@@ -134,13 +134,16 @@ def test_small_batch_moe_bf16_at_real_shapes_and_in_a_graph(shape: str, tokens: 
     assert int(done) == 0
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3", "deepseek_v2_lora"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "deepseek_v2_lora"])
 def test_tiny_moe_and_mla_cuda_graph_and_eager_match_transformers(kind: str, tmp_path) -> None:
+    """Batches of 3 and of 1 (one-row steps: the decode GEMV with the input norm, except on DeepSeek-V3)."""
     hf = make_tiny_model(kind, str(tmp_path), initializer_range=0.08)
     prompts = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3], [200, 100, 50, 25, 12, 6, 3, 1, 9, 10, 11, 12, 13]]
     want = [hf_greedy(hf, p, 12) for p in prompts]
     graph = make_runner(str(tmp_path), device="cuda", cuda_graph_max_bs=8)
     assert graph.cuda_graph_runner is not None
     assert StaticBatch(graph).generate(prompts, 12) == want
+    for prompt, tokens in zip(prompts, want, strict=True):
+        assert StaticBatch(graph).generate([prompt], 12) == [tokens]
     eager = make_runner(str(tmp_path), device="cuda", disable_cuda_graph=True)
     assert StaticBatch(eager).generate(prompts, 12) == want

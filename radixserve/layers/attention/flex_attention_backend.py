@@ -15,8 +15,11 @@ Extend flattens all the batch's new tokens into one query sequence (blocks of `q
 several requests lists the union of their KV blocks, each request cut to what its queries can see). Decode puts
 one request per batch row (query length 1, the KV batch broadcast) and runs a power-of-two number of rows (capped
 at the largest captured batch), so a handful of compiled kernels serve every batch size, each split over the GPU
-for its row count; the metadata is built by tensor ops with static shapes, so decode is captured in CUDA graphs
-(the replay hook refreshes the metadata buffers of the graph's row count).
+for its row count. Decode runs in CUDA graphs: the first attention layer of the captured forward rebuilds the
+graph's block lists from the request table with one Triton kernel (`triton_ops/flex_blocks.py`, loops bounded by the
+rows' lengths read on the GPU), so a replay does no host work beyond loading the graph's inputs. Eager decode (past
+the largest graph, or on a CPU without the Triton interpreter) builds the same lists with torch ops
+(`_fill_decode_meta`, also the kernel's test reference).
 
 On CUDA the calls go through torch.compile (fused Triton kernels; the decode rows take the flex-decoding kernel);
 on the CPU flex_attention runs eagerly, which materialises the scores over every slot of the pool (tests only).
@@ -32,6 +35,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window, value_head_dim
+from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
 from radixserve.mem_cache.memory_pool import is_fp8
 
 if TYPE_CHECKING:
@@ -101,6 +105,10 @@ class FlexAttnBackend(AttentionBackend):
         self._graph_max_bs = 0
         self._use_graph_meta = False
         self._longest: int | None = None
+        # graphs build their block lists inside the graph (a Triton kernel at the forward's first attention layer)
+        self._fill_in_graph = self.is_cuda or is_interpreted()
+        self._graph_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fill_layer: int | None = None
 
     # ---------------------------------------------------------------- metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -130,6 +138,8 @@ class FlexAttnBackend(AttentionBackend):
     def _decode_width(self, rows: int) -> int:
         """Most KV blocks one decode row may list."""
         kb = self.kv_block_decode
+        if self.page_size % kb:  # a row's tokens may each sit in a block of its own (decode interleaves requests)
+            return min(self.req_to_token.shape[1], -(-self.num_slots // kb))
         return min(-(-self.req_to_token.shape[1] // kb) + 1, -(-self.num_slots // kb))
 
     def _new_decode_meta(self, rows: int, width: int) -> dict[str, Any]:
@@ -137,9 +147,22 @@ class FlexAttnBackend(AttentionBackend):
         meta: dict[str, Any] = {"rows": rows, "width": width,
                                 "row": torch.zeros(rows, dtype=torch.int64, device=dev),
                                 "pos": torch.full((rows,), -1, dtype=torch.int64, device=dev), "masks": {}}
+        if self._fill_in_graph and self.page_size % self.kv_block_decode:
+            # the kernel's per-row block marks (zero between fills)
+            meta["bitmap"] = torch.zeros((rows, self.dump // self.kv_block_decode), dtype=torch.int8, device=dev)
         for w in sorted(self.windows):
             self._add_window(meta, w)
         return meta
+
+    def _fill_decode_meta_kernel(self, meta: dict[str, Any], rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """`_fill_decode_meta` in one Triton launch per window, with no host work (captured in the graphs)."""
+        from radixserve.layers.attention.triton_ops.flex_blocks import fill_decode_blocks
+
+        kb = self.kv_block_decode
+        for i, (window, (num, idx, _)) in enumerate(sorted(meta["masks"].items())):
+            fill_decode_blocks(rows, seq_lens, self.req_to_token, self.slot_pos, meta["row"], meta["pos"],
+                               num.view(-1), idx.view(idx.shape[0], -1), meta.get("bitmap"), window, kb,
+                               self.page_size % kb == 0, write_pos=i == 0)
 
     def _add_window(self, meta: dict[str, Any], window: int) -> None:
         rows, width, dev = meta["rows"], meta["width"], self.device
@@ -271,13 +294,19 @@ class FlexAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor) -> None:
         meta = self._graph_meta(bs)
-        self._fill_decode_meta(meta, req_pool_indices, seq_lens, 1)
         self._meta = meta
         self._longest = None
         self._use_graph_meta = True
+        if self._fill_in_graph:  # the captured forward's first attention layer fills the lists
+            self._graph_inputs = (req_pool_indices, seq_lens)
+            self._fill_layer = None
+        else:
+            self._fill_decode_meta(meta, req_pool_indices, seq_lens, 1)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        if self._fill_in_graph:
+            return  # the graph rebuilds its block lists itself
         # the batch's longest row (seq_lens_sum bounds it where the host lengths were not given)
         longest = self._longest if self._longest is not None else seq_lens_sum
         self._fill_decode_meta(self._graph_meta(bs), req_pool_indices, seq_lens, longest)
@@ -317,6 +346,11 @@ class FlexAttnBackend(AttentionBackend):
         if self._meta is None:
             self._meta = self._eager_decode_meta(forward_batch)
         meta = self._meta
+        if self._use_graph_meta and self._graph_inputs is not None:
+            if self._fill_layer is None:
+                self._fill_layer = layer.layer_id
+            if layer.layer_id == self._fill_layer:
+                self._fill_decode_meta_kernel(meta, *self._graph_inputs)
         if window not in meta["masks"]:
             if self._use_graph_meta:
                 raise RuntimeError(f"flex backend: sliding window {window} was not seen before the capture")

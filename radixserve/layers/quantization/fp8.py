@@ -12,7 +12,9 @@ product reads the fp8 bytes once and needs no activation scales; per-channel wei
 GEMV kernels of `fp8_gemv`, block-wise ones through `fp8_gemm`); above it the activations get dynamic scales
 (per token, or per token and 128-column group for block-wise weights; static per-tensor when the checkpoint
 says so) and the product runs on fp8 tensor cores: `torch._scaled_mm` for per-channel weights, the Triton
-block-scaled kernel for block-wise ones. On the CPU the same arithmetic runs as a dequantising torch reference."""
+block-scaled kernel for block-wise ones; per-channel weights at batch sizes the swept table covers (up to
+MID_MAX_M rows) take the kernel it names (`fp8_mid`). On the CPU the same arithmetic runs as a dequantising torch
+reference."""
 
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ FP8_GEMV_MAX_M = int(os.environ.get("RADIXSERVE_FP8_GEMV_MAX_M", "0"))
 # Per-channel weights at up to SMALL_M rows go through the bandwidth-bound kernels of `fp8_gemv` (block sizes swept
 # per shape, `gemv_configs`); RADIXSERVE_FP8_SKINNY=0 sends them to the W8A16 `fp8_gemm` instead (comparisons).
 SKINNY = os.environ.get("RADIXSERVE_FP8_SKINNY", "1") != "0"
+# Above SMALL_M and up to this many rows, per-channel products run the kernel the swept table names for the shape
+# and batch size (`fp8_mid`: a transposed W8A8 or W8A16 Triton product that keeps every SM streaming the weight),
+# where it has one; 0 turns the table off (torch._scaled_mm throughout).
+MID_MAX_M = int(os.environ.get("RADIXSERVE_FP8_MID_MAX_M", "256"))
 _EPS = 1e-10
 
 
@@ -246,6 +252,10 @@ class Fp8LinearMethod(LinearMethodBase):
             elif x.shape[0] <= FP8_GEMV_MAX_M:
                 out = fp8_gemv(x, w, ws2, bn, bk, x.dtype, bias)
             return out if out is not None else fp8_gemm(x, w, ws2, bn, bk, x.dtype, bias=bias)
+        if self.block is None and input_scale is None and x.is_cuda and x.shape[0] <= MID_MAX_M:
+            out = _mid_product(x, w, ws, bias)
+            if out is not None:
+                return out
         if input_scale is not None:
             s = input_scale.float()
             xq = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -257,6 +267,19 @@ class Fp8LinearMethod(LinearMethodBase):
             return out if bias is None else out + bias
         return fp8_gemm(xq, w, ws.view(-1, 1) if ws.dim() == 1 else ws, bn, bk, x.dtype, a_scale=xs,
                         a_group_k=bk if self.block is not None else w.shape[1], bias=bias)
+
+
+def _mid_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+                 ) -> torch.Tensor | None:
+    """The swept kernel of `fp8_mid` for this batch size and weight shape, or None (no entry, or the entry is
+    `torch._scaled_mm`)."""
+    from radixserve.layers.quantization import gemv_configs
+    from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
+
+    cfg = gemv_configs.get_mid(x.shape[0], w.shape[0], w.shape[1])
+    if cfg is None or cfg.kernel == "scaled_mm":
+        return None
+    return fp8_mid_mm(x, w, ws, x.dtype, cfg, bias)
 
 
 def _scaled_mm_ok(n: int, k: int) -> bool:

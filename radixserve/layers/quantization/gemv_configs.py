@@ -1,5 +1,7 @@
-"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`, `triton_ops/gemv`), per kernel family, row
-count and weight shape.
+"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "bf16": `triton_ops.decode_gemv` for the
+16-bit one-row products of the MoE / MLA models' attention; "row16" / "row16_silu": `triton_ops.gemv` for the dense
+models' linear layers at batch 1, only where a sweep found it faster than cuBLAS), per kernel family, row count and
+weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two); RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
@@ -14,7 +16,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "bf16", "bf16_silu")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "bf16", "row16", "row16_silu")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class GemvConfig:
     # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion; q4_k / q8_0: "magic" turns the
     # integers to floats with the 2^23 trick
     variant: str = ""
+    block_m: int = 16  # "fp8_mid" only: batch rows per program
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +65,8 @@ def default(family: str, m: int, cuda: bool) -> GemvConfig:
         return GemvConfig("ew", 2, 256)
     if family == "fp8":
         return GemvConfig("ew", 4, 1024) if m <= 2 else GemvConfig("dot", 32, 256, 4, 3)
+    if family == "bf16":
+        return GemvConfig("ew", 4, 1024)
     return GemvConfig("ew", 4, 512)
 
 
@@ -82,5 +87,30 @@ def lookup(family: str, m: int, n: int, k: int) -> GemvConfig | None:
     return _table().get(key(family, m, n, k))
 
 
+@functools.lru_cache(maxsize=256)
+def _mid_rows(n: int, k: int) -> tuple[tuple[int, GemvConfig], ...]:
+    found = []
+    for name, cfg in _table().items():
+        fam, m, nn, kk = name.split("/")
+        if fam == "fp8_mid" and int(nn) == n and int(kk) == k:
+            found.append((int(m), cfg))
+    return tuple(sorted(found, key=lambda t: t[0]))
+
+
+def get_mid(m: int, n: int, k: int) -> GemvConfig | None:
+    """The "fp8_mid" entry for an M-row product (17..256 rows) of an [N, K] fp8 weight: the entry swept at the
+    smallest M >= m ("fp8_mid/<M>/N/K", M as swept, not bucketed), else the largest swept M if m is within 1/4 of
+    it; None when the table has none for the shape (the caller keeps `torch._scaled_mm`). Its `kernel` is
+    "w8a8", "w8a16" or "scaled_mm"."""
+    rows = _mid_rows(n, k)
+    for swept, cfg in rows:
+        if m <= swept:
+            return cfg
+    if rows and m <= rows[-1][0] * 5 // 4:
+        return rows[-1][1]
+    return None
+
+
 def reload() -> None:
     _table.cache_clear()
+    _mid_rows.cache_clear()

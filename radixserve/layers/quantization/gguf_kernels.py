@@ -180,6 +180,70 @@ def _q4_k_gemv_acc_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
 
 
 @triton.jit
+def _round_to_int8(v):
+    """|v| <= 127 to the nearest int8, halves away from zero (llama.cpp's roundf)."""
+    return tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32).to(tl.int8)
+
+
+@triton.jit
+def _q4_k_gemv_mma_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn,
+                          stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """As `_q4_k_gemv_kernel`, with the products on the integer tensor cores: each 32-weight sub-block of x is
+    quantised to int8 in the program (amax / 127, as llama.cpp's q8_1 activations), the nibbles are unpacked to
+    int8 and centred (q - 8), and one batched int8 dot per loop step (batch = the NCH chunks, [BLOCK_N, 32] x
+    [32, 16] with x in column 0) gives each sub-block's integer dot product; the sub-block's scales are applied
+    after the MMA: d * sc * x_scale * dot + (8 d * sc - dmin * m) * sum(x). Per weight that leaves a mask or shift
+    and a share of the MMA and its epilogue, where the CUDA-core kernels spend a conversion and two
+    multiply-adds."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    ch = tl.arange(0, NCH)
+    offs_l = tl.arange(0, 32)
+    col = tl.arange(0, 16)
+    rows = offs_n.to(tl.int64)
+    # q bytes as [NCH, BLOCK_N, 32] (the dot's batch first); chunk c holds sub-blocks 2c (low) and 2c + 1 (high)
+    w_ptrs = Wq + rows[None, :, None] * stride_wn + (ch[:, None, None] * 32 + offs_l[None, None, :])
+    x_ptrs = X + m * stride_xm + ch[:, None] * 64 + offs_l[None, :]  # [NCH, 32]
+    s_ptrs = Sc + rows[None, :] * stride_sn + 2 * ch[:, None]  # [NCH, BLOCK_N]
+    m_ptrs = Mn + rows[None, :] * stride_sn + 2 * ch[:, None]
+    d_ptrs = D + rows[None, :] * stride_dn + ch[:, None] // 4
+    dm_ptrs = Dmin + rows[None, :] * stride_dn + ch[:, None] // 4
+    mask_w = mask_n[None, :, None]
+    mask_s = mask_n[None, :]
+    first = (col == 0)[None, None, :]  # [1, 1, 16]
+    acc = tl.zeros((NCH, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        b = tl.load(w_ptrs + g0 * 32, mask=mask_w, other=0)
+        q_lo = (b & 0xF).to(tl.int8) - 8  # centred: the int8 rounding of x then meets half the magnitude
+        q_hi = (b >> 4).to(tl.int8) - 8
+        x_lo = tl.load(x_ptrs + g0 * 64).to(tl.float32)  # [NCH, 32]
+        x_hi = tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32)
+        xs_lo = tl.maximum(tl.max(tl.abs(x_lo), axis=1), 1e-30) / 127.0  # [NCH]
+        xs_hi = tl.maximum(tl.max(tl.abs(x_hi), axis=1), 1e-30) / 127.0
+        xq_lo = _round_to_int8(x_lo / xs_lo[:, None])
+        xq_hi = _round_to_int8(x_hi / xs_hi[:, None])
+        xt_lo = tl.where(first, xq_lo[:, :, None], 0).to(tl.int8)  # [NCH, 32, 16], x in column 0
+        xt_hi = tl.where(first, xq_hi[:, :, None], 0).to(tl.int8)
+        dot_lo = tl.sum(tl.dot(q_lo, xt_lo, out_dtype=tl.int32), axis=2).to(tl.float32)  # [NCH, BLOCK_N]
+        dot_hi = tl.sum(tl.dot(q_hi, xt_hi, out_dtype=tl.int32), axis=2).to(tl.float32)
+        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        # w = d sc (q - 8) + (8 d sc - dmin m): the second part times the float sum of x
+        acc += d * (sc_lo * dot_lo * xs_lo[:, None] + sc_hi * dot_hi * xs_hi[:, None]) \
+            + (8.0 * d * sc_lo - dm * mn_lo) * tl.sum(x_lo, axis=1)[:, None] \
+            + (8.0 * d * sc_hi - dm * mn_hi) * tl.sum(x_hi, axis=1)[:, None]
+    out = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q8_0 rows, NB contiguous 32-weight blocks of every row per
@@ -230,10 +294,16 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
         block_k //= 2
     wq, d = fields["qweight"], fields["d"]
     b = bias if bias is not None else d
-    grid = (triton.cdiv(n, cfg.block_n), m)
+    block_n = max(16, cfg.block_n) if cfg.kernel == "mma" else cfg.block_n  # an MMA takes 16 rows or more
+    grid = (triton.cdiv(n, block_n), m)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
         sc = fields["scales"]
+        if cfg.kernel == "mma":
+            launch(_q4_k_gemv_mma_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
+                   x.stride(0), wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   BLOCK_N=block_n, NCH=block_k // 64, **opts)
+            return out
         kernel = _q4_k_gemv_acc_kernel if cfg.kernel == "acc" else _q4_k_gemv_kernel
         launch(kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k, x.stride(0),
                wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,

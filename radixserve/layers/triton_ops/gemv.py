@@ -10,9 +10,10 @@ With `silu_mul` the weight is a stacked [gate; up] (2N rows) and the program rea
 writes silu(gate) * up: the gated MLP's activation in the product's epilogue (one kernel and one [1, 2N] round
 trip less a layer).
 
-Which shapes use it, with which tiles, comes from the `gemv_configs` table (families "bf16" / "bf16_silu"): only
-shapes where a sweep on the GPU (`benchmarks/sweep_gemv.py --families bf16 bf16_silu --baselines`) found it faster
-than cuBLAS have an entry; every other shape stays on `F.linear`."""
+Which shapes use it, with which tiles, comes from the `gemv_configs` table (families "row16" / "row16_silu"): only
+shapes where a sweep on the GPU (`benchmarks/sweep_gemv.py --families row16 row16_silu --baselines`) found it faster
+than cuBLAS have an entry; every other shape stays on `F.linear`. (`decode_gemv` is the MoE / MLA models' one-row
+kernel, with the input RMSNorm folded in, opted into per layer.)"""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def gemv_config(w: torch.Tensor, silu_mul: bool = False) -> gemv_configs.GemvCon
     if not ENABLED or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 2 \
             or w.stride(-1) != 1:
         return None
-    return gemv_configs.lookup("bf16_silu" if silu_mul else "bf16", 1, w.shape[0], w.shape[1])
+    return gemv_configs.lookup("row16_silu" if silu_mul else "row16", 1, w.shape[0], w.shape[1])
 
 
 def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
