@@ -119,3 +119,50 @@ def test_dense_llama_opts_into_decode_gemv_by_table(tmp_path, monkeypatch) -> No
     finally:
         monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
         gemv_configs.reload()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model under the interpreter (GPU: tests/gpu)")
+def test_dense_llama_with_table_decodes_token_identical(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A tiny dense Llama whose q/k/v (with the input norm) and gate_up (with the norm before the MLP and SiLU·mul)
+    have table entries: its one-row decode steps take `decode_gemv` for both and stay greedy token-identical to
+    transformers in float32 (fused kernels on, interpreted on the CPU)."""
+    from model_utils import hf_greedy, make_runner, make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.layers.triton_ops import decode_gemv as gemv_mod
+    from radixserve.layers.triton_ops import set_fused_kernels
+
+    hf = make_tiny_model("llama", str(tmp_path / "m"), initializer_range=0.08)
+    cfg = hf.config
+    head = cfg.hidden_size // cfg.num_attention_heads
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head
+    tiles = GemvConfig("ew", 4, 32).to_dict()
+    table = tmp_path / "picks.json"
+    table.write_text(json.dumps({"configs": {
+        gemv_configs.key("bf16", 1, qkv_rows, cfg.hidden_size): tiles,
+        gemv_configs.key("bf16_silu", 1, 2 * cfg.intermediate_size, cfg.hidden_size): tiles}}))
+    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(table))
+    gemv_configs.reload()
+    calls: list[tuple[int, bool, bool]] = []
+    real = gemv_mod.decode_gemv
+
+    def counting(x: torch.Tensor, w: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append((w.shape[0], kwargs.get("norm") is not None, bool(kwargs.get("silu_mul"))))
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_mod, "decode_gemv", counting)
+    try:
+        runner = make_runner(str(tmp_path / "m"))
+        prompt = [5, 17, 42, 99, 3, 250, 7]
+        set_fused_kernels(True)
+        try:
+            ours = StaticBatch(runner).generate([prompt], 4)[0]
+        finally:
+            set_fused_kernels(None)
+    finally:
+        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
+        gemv_configs.reload()
+    assert ours == hf_greedy(hf, prompt, 4)
+    layers = cfg.num_hidden_layers
+    assert sorted(set(calls)) == [(qkv_rows, True, False), (2 * cfg.intermediate_size, True, True)]
+    assert len(calls) == 3 * layers * 2  # three decode steps: q/k/v and gate_up of every layer
