@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # P99 inter-token latency under load for several server configurations in one run, on one GPU:
 #   bash benchmarks/step_budget_suite.sh "" "--step-token-budget 0" "--step-token-budget 384"
-# Every argument is one server's extra flags (""= the defaults). The servers start at the same time (each with
-# MEM of the GPU's memory), then the ITL load (ITL_N prompts of 1024 in / 256 out at 16 requests/s) runs against
-# each in turn, so only one of them computes at a time; then the TTFT load (128-token prompts at 1 request/s)
-# against the first. Each step prints bench_serving's table and a one-line summary; the servers' start-up lines too.
-# Env: MODEL (default the 8B shape, dummy weights), TOK (tokenizer folder: $RS_BENCH_TOK), PORT0 (31100), OUT
-# (JSON and logs, default /tmp), MEM (0.28), ITL_N (96), ITL_IN / ITL_OUT / TTFT_IN (lengths, for a CPU dry run),
-# TTFT_N (6; 0 skips), START_S (seconds to wait for the servers), PY (python3), DEVICE_ARGS (e.g. "--device cpu").
+# Every argument is one server's extra flags (""= the defaults). The servers start at the same time, each with a
+# KV pool of TOKENS tokens (MEM, the --mem-fraction-static, then only sets the memory kept free), then the ITL load
+# (ITL_N prompts of 1024 in / 256 out at 16 requests/s) runs against each in turn, so only one of them computes at
+# a time; then the TTFT load (128-token prompts at 1 request/s) against the first. Each step prints a one-line
+# summary; the servers' start-up lines too.
+# Env: MODEL (default the 8B shape, dummy weights; set and empty: the embedded model), TOK (tokenizer folder:
+# $RS_BENCH_TOK), PORT0 (31100), OUT (JSON and logs, default /tmp), MEM (0.85), TOKENS (150000), ITL_N (96),
+# ITL_IN / ITL_OUT / TTFT_IN (lengths, for a CPU dry run), TTFT_N (6; 0 skips), START_S (seconds to wait for the
+# servers), PY (python3), DEVICE_ARGS (e.g. "--device cpu").
 set -u
-MODEL=${MODEL-radixserve/configs/shapes/llama-3.1-8b}  # set and empty: the embedded model
+MODEL=${MODEL-radixserve/configs/shapes/llama-3.1-8b}
 TOK=${TOK:-${RS_BENCH_TOK:-}}
 PORT0=${PORT0:-31100}
 OUT=${OUT:-/tmp}
 PY=${PY:-python3}
-MEM=${MEM:-0.28}
+MEM=${MEM:-0.85}
+TOKENS=${TOKENS:-150000}
 LOAD=()
 [ -n "$MODEL" ] && LOAD=(--model-path "$MODEL")
 [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ] && [ ! -f "$MODEL/model.safetensors" ] && [ ! -f "$MODEL/model.safetensors.index.json" ] \
@@ -28,7 +31,7 @@ for flags in "$@"; do
   port=$((PORT0 + i))
   # shellcheck disable=SC2086  # the flags are meant to split
   $PY -m radixserve.launch_server "${LOAD[@]}" "${TOKARG[@]}" --port "$port" \
-    --mem-fraction-static "$MEM" ${DEVICE_ARGS:-} $flags > "$OUT/budget_server_$i.log" 2>&1 &
+    --mem-fraction-static "$MEM" --max-total-tokens "$TOKENS" ${DEVICE_ARGS:-} $flags > "$OUT/budget_server_$i.log" 2>&1 &
   PIDS+=($!)
   i=$((i + 1))
 done
