@@ -275,3 +275,43 @@ def test_bad_input_raises_value_error() -> None:
     backend = TritonAttnBackend(runner)
     with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
         backend.init_forward_metadata_replay_cuda_graph(1, idx, idx, 0)
+
+
+@pytest.mark.parametrize("window", [-1, 20])
+def test_decode_merged_in_stage_one_matches_two_stages(window: int) -> None:
+    """Small batches merge the splits in stage 1 (the last program of each request and head block, counted in
+    int32 counters that it sets back to zero): the same output as stage 2's merge, many splits, a sliding window,
+    an empty request; the counters are all zero afterwards, so the next call (layer, step) starts clean."""
+    h, hkv, d = 8, 2, 32
+    gen = torch.Generator().manual_seed(9)
+    seq_lens = [0, 1, 37, 130]
+    slots = sum(seq_lens) + 1
+    k_buf = torch.randn(slots, hkv, d, generator=gen).to(DEVICE)
+    v_buf = torch.randn(slots, hkv, d, generator=gen).to(DEVICE)
+    req_to_token = torch.zeros(len(seq_lens), 256, dtype=torch.int32)
+    start = 1
+    for i, n in enumerate(seq_lens):
+        req_to_token[i, :n] = torch.arange(start, start + n, dtype=torch.int32)
+        start += n
+    req_to_token = req_to_token.to(DEVICE)
+    q = torch.randn(len(seq_lens), h, d, generator=gen).to(DEVICE)
+    rpi = torch.arange(len(seq_lens), dtype=torch.int64, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE)
+    shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, 8)
+    outs = []
+    counters = torch.zeros(len(seq_lens) * h, dtype=torch.int32, device=DEVICE)
+    for merge in (None, counters, counters):  # twice merged: the counters were left at zero
+        o = torch.full_like(q, float("nan"))
+        mid_o = torch.zeros(shape_o, device=DEVICE)
+        mid_lse = torch.zeros(shape_lse, device=DEVICE)
+        decode_attention.decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o, mid_lse, d ** -0.5,
+                                              min_split_len=16, block_n=16, num_kv_splits=8, sliding_window=window,
+                                              merge_counters=merge)
+        outs.append(o.cpu())
+    assert torch.equal(counters.cpu(), torch.zeros_like(counters.cpu()))
+    assert torch.equal(outs[0][0], torch.zeros_like(outs[0][0]))  # seq_len 0: zeros
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[2], outs[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="merge_counters"):
+        decode_attention.decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o, mid_lse, 1.0,
+                                              num_kv_splits=8, merge_counters=counters[:3])
