@@ -80,7 +80,7 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         ds_sparse_decode_fwd,
         topk_positions,
     )
-    from radixserve.layers.attention.triton_ops.topk_select import NBINS, threshold_topk
+    from radixserve.layers.attention.triton_ops.topk_select import new_scratch, threshold_topk
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, hkv, d, hc = args.num_heads, args.num_kv_heads, args.head_dim, args.heavy_channel_num
@@ -103,19 +103,19 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     mid_o = torch.empty(bs, h, cap, d, device=dev, dtype=torch.float32)
     mid_lse = torch.empty(bs, h, cap, device=dev, dtype=torch.float32)
     scores = torch.empty(bs, hkv, ctx, device=dev, dtype=torch.float32)
-    scratch = torch.empty(bs * hkv * (2 * NBINS + 2), device=dev, dtype=torch.int32)
+    scratch = new_scratch(bs * hkv, dev)
     state: dict[str, Any] = {}
 
     def dense() -> None:
         decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rpi, seq_lens, mid_o, mid_lse, d ** -0.5,
                              num_kv_splits=splits)
 
-    def score() -> None:
+    def score(block_n: int | None = None, hist: torch.Tensor | None = None) -> None:
         ql = q.gather(2, q_ch.unsqueeze(0).expand(bs, -1, -1))
-        ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores)
+        ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n, hist=hist)
 
     def pick() -> torch.Tensor:
-        if state["method"] == "threshold":
+        if state["method"] in ("threshold", "fused"):
             return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch)
         return topk_positions(scores, state["k"], state["chunks"])
 
@@ -129,8 +129,14 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
                              d ** -0.5, splits)
 
     def full() -> None:
-        score()
-        top = pick()
+        if state["method"] == "fused":  # the scoring kernel makes the first histograms
+            scratch.zero_()
+            ql = q.gather(2, q_ch.unsqueeze(0).expand(bs, -1, -1))
+            ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores, hist=scratch)
+            top = threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, hist_ready=True)
+        else:
+            score()
+            top = pick()
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, top, 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
@@ -138,6 +144,11 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     t_score = _graph_time(score)
     kv_bytes = 2 * n * hkv * d * 2
     label_bytes = n * hkv * hc * 2
+    for block_n in args.score_block_n:  # the scoring kernel's tile, alone and making the first histograms
+        t_plain = _graph_time(lambda b=block_n: score(b))
+        t_hist = _graph_time(lambda b=block_n: (scratch.zero_(), score(b, scratch)))
+        print(f"ctx {ctx:6d} bs {bs:3d} score BLOCK_N {block_n:4d}: {t_plain * 1e3:6.1f} us "
+              f"({label_bytes / t_plain / 1e9:.2f} TB/s), with the histograms {t_hist * 1e3:6.1f} us", flush=True)
     rows = []
     for top_k in args.heavy_token_num:
         state["k"], state["top"] = top_k, torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int64)
@@ -145,6 +156,12 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         variants = [(m, c) for m in args.topk_method for c in (args.topk_chunks if m == "torch" else [1])]
         for method, chunks in variants:
             state["method"], state["chunks"] = method, chunks
+            if method == "fused":
+                full()
+                select_ok = scores.gather(-1, state["top32"].long()).sort(-1).values
+                ref = scores.gather(-1, topk_positions(scores, top_k)).sort(-1).values
+                print(f"fused top-k keeps the scores torch.topk keeps: {bool(torch.equal(select_ok, ref))}",
+                      flush=True)
             if method == "threshold":  # the attention reads the positions it selected
                 state["top"] = state["top32"]
                 select()
@@ -152,8 +169,10 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
                 got_vals = scores.gather(-1, state["top32"].long()).sort(-1).values
                 same = bool(torch.equal(got_vals, scores.gather(-1, want).sort(-1).values))
                 print(f"threshold top-k keeps the scores torch.topk keeps: {same}", flush=True)
-            t_select, t_attend = _graph_time(select), _graph_time(attend)
+            t_attend = _graph_time(attend)
             t_ds = _graph_time(full)
+            # fused: the top-k's share is what the step adds to scoring and attention
+            t_select = t_ds - t_score - t_attend if method == "fused" else _graph_time(select)
             row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
                    "topk_method": method, "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds,
                    "speedup": t_dense / t_ds,
@@ -335,8 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     k.add_argument("--heavy-token-num", type=int, nargs="+", default=[1024])
     k.add_argument("--heavy-channel-num", type=int, default=16)
-    k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold"], default=["torch", "threshold"],
-                   help="torch.topk (with --topk-chunks) and/or the histogram-threshold select (topk_select.py)")
+    k.add_argument("--score-block-n", type=int, nargs="*", default=[],
+                   help="also time the scoring kernel with these tiles (positions per program)")
+    k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold", "fused"],
+                   default=["torch", "threshold", "fused"],
+                   help="torch.topk (with --topk-chunks), the histogram-threshold select (topk_select.py), and "
+                   "the same with its first round made by the scoring kernel (fused; the backend's default)")
     k.add_argument("--topk-chunks", type=int, nargs="+", default=[1, 8],
                    help="pieces each score row is cut into for the top-k (topk_positions)")
     k.add_argument("--num-heads", type=int, default=32)

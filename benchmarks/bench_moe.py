@@ -88,6 +88,28 @@ def active_bytes(runner: ModelRunner, result: dict[str, Any], experts_hit: list[
             "experts_hit_per_layer": sum(experts_hit) / max(1, len(experts_hit))}
 
 
+def compare_without_gemv(runner: ModelRunner, input_len: int, output_len: int, seed: int) -> list[float]:
+    """Batch-1 decode step (seconds) with the one-row attention products back on cuBLAS and the input norm on its
+    own (the CUDA graphs captured again that way); the GEMV is switched back on after, graphs recaptured."""
+    from radixserve.layers.triton_ops import set_decode_gemv
+    from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    def recapture() -> None:
+        if runner.cuda_graph_runner is not None:
+            runner.cuda_graph_runner = None
+            torch.cuda.empty_cache()
+            runner.cuda_graph_runner = CudaGraphRunner(runner)
+
+    set_decode_gemv(False)
+    try:
+        recapture()
+        latency_test(runner, 1, input_len, 4, seed)
+        return [latency_test(runner, 1, input_len, output_len, seed)["median_decode_s"]]
+    finally:
+        set_decode_gemv(True)
+        recapture()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
@@ -101,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--moe-small-batch-tokens", type=int, default=None,
                         help="tokens up to which the MoE layers take the two-launch small-batch path "
                              "(0: never; default: the layer's own bound)")
+    parser.add_argument("--compare-decode-gemv", action="store_true",
+                        help="after the table (and profiles), batch 1 again with the decode GEMV off (CUDA graphs "
+                             "captured again): the same process and weights, for the before/after")
     parser.add_argument("--no-decode-gemv", action="store_true",
                         help="one-row attention products through cuBLAS (and the input norm on its own), not the "
                              "decode GEMV kernel (for comparisons)")
@@ -146,12 +171,23 @@ def main(argv: list[str] | None = None) -> None:
             profiles.append(profile_decode(runner, bs, args.input_len, 10, server_args.random_seed,
                                            top=args.profile_top))
             print_profile(profiles[-1])
+    compare = []
+    if args.compare_decode_gemv and runner.is_cuda and 1 in args.batch_size:
+        try:
+            compare = compare_without_gemv(runner, args.input_len, args.output_len, server_args.random_seed)
+        except Exception as e:  # noqa: BLE001 - the main table is printed already; report and write the JSON
+            print(f"comparison without the decode GEMV failed: {type(e).__name__}: {e}")
+        if compare:
+            with_gemv = next(r for r in rows if r["batch_size"] == 1)["median_decode_s"]
+            print(f"batch 1 with the decode GEMV {with_gemv * 1e3:.3f} ms, without {compare[0] * 1e3:.3f} ms "
+                  f"({compare[0] / with_gemv:.3f}x)")
     meta = {"model": runner.model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "weight_bytes": runner.weight_bytes, "copy_bw": copy_bw,
             "kv_bytes_per_token": runner.token_to_kv_pool.bytes_per_token(),
             "pool_tokens": runner.max_total_num_tokens}
     with open(args.result_file, "w") as f:
-        json.dump({"meta": meta, "results": rows, "profiles": profiles}, f, indent=2)
+        json.dump({"meta": meta, "results": rows, "profiles": profiles, "batch1_without_decode_gemv_s": compare},
+                  f, indent=2)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,11 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 0), "deepseek-v2-lite": (64, 2048
 
 SMALL_SWEEP = [SmallMoEConfig(32, 128, 64, 128, 4, 4), SmallMoEConfig(16, 256, 32, 256, 4, 3),
                SmallMoEConfig(64, 128, 128, 128, 4, 4), SmallMoEConfig(32, 256, 64, 256, 8, 3),
-               SmallMoEConfig(16, 128, 32, 128, 4, 6), SmallMoEConfig(32, 64, 64, 64, 4, 8)]
+               SmallMoEConfig(16, 128, 32, 128, 4, 6), SmallMoEConfig(32, 64, 64, 64, 4, 8),
+               # the down projection varied alone (gate/up as DEFAULT)
+               SmallMoEConfig(32, 128, 32, 128, 4, 4), SmallMoEConfig(32, 128, 32, 256, 4, 3),
+               SmallMoEConfig(32, 128, 128, 64, 4, 4), SmallMoEConfig(32, 128, 64, 256, 4, 3),
+               SmallMoEConfig(32, 128, 64, 128, 2, 4)]
 LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),
                MoEConfig(64, 64, 128, 64, 4, 3), MoEConfig(64, 32, 64, 128, 4, 4), MoEConfig(64, 128, 128, 64, 4, 4),
                MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3)]

@@ -205,3 +205,20 @@ def test_gate_and_topk_in_one_launch_match_linear_then_router(scoring: str, reno
     assert torch.equal(got_res, want_res) and int(done) == 0
     with pytest.raises(ValueError, match="float32"):
         fused_gate_topk(x, weight.double(), done, k, False, renorm, 1.0)
+
+
+def test_precompile_runs_every_block_config_a_batch_may_pick() -> None:
+    """`precompile` runs the grouped GEMM once per distinct config of batches up to max_tokens (here the heuristic's
+    first two), on the model's first MoE layer, and leaves its weights as they were."""
+    from radixserve.layers.moe import FusedMoE, RouterConfig
+    from radixserve.layers.moe.fused_moe import moe_config, precompile
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    holder = torch.nn.Module()
+    holder.experts = FusedMoE(RouterConfig(8, 2, renormalize=True), 16, 8, reduce_results=False)
+    initialize_dummy_weights(holder, seed=3)
+    before = holder.experts.w13_weight.clone()
+    assert precompile(holder, 256) == 0  # weights on the CPU: nothing to compile unless forced
+    assert len({moe_config(n, 2, 8, 8, 16) for n in (9, 256)}) == 2
+    assert precompile(holder, 256, force=True) == 2
+    assert torch.equal(holder.experts.w13_weight, before)

@@ -23,7 +23,7 @@ class LogitsProcessor(nn.Module):
 
     def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         if hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
-            logits = cpu_ops.linear(hidden, lm_head.weight)
+            logits = cpu_ops.linear(hidden, lm_head.weight, persistent=True)
         else:
             logits = torch.matmul(hidden, lm_head.weight.T)
         if lm_head.tp_size > 1:

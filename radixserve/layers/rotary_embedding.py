@@ -93,7 +93,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_write: KVWrite | None = None,
                 qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes. On CUDA (and for float32 on the CPU,
+        """q: [T, H*D], k: [T, Hkv*D] → rotated, same shapes and dtypes. On CUDA (and for float32 / bfloat16 on the CPU,
         `cpu_ops.rotary_neox_inplace`) q and k are rotated in place
         (they may be views into the qkv projection) and returned. `kv_write` (only where `can_fuse`): the same
         kernel also writes the rotated k and the v rows into the KV pool; `qk_norm` (only where `can_fuse`): it also

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 
 import torch
 
@@ -144,6 +145,19 @@ class ModelRunner:
                              "needs a CUDA device, CUDA graphs on and an attention backend that supports them")
         if server_args.calculate_kv_scales:  # before the CUDA graphs: the scales are baked into them
             self._calculate_kv_scales()
+        if self.is_cuda:  # MoE models: every block config of the grouped GEMM compiled before serving
+            from radixserve.layers.moe.fused_moe import precompile
+
+            t0 = time.perf_counter()
+            try:
+                n = precompile(self.model, max(server_args.max_prefill_tokens, server_args.chunk_size or 0))
+            except Exception as e:  # noqa: BLE001 - a warm-up: the batch that needs the kernel raises it again
+                logger.warning("compiling the fused MoE kernels ahead failed (%s: %s); they compile on first use",
+                               type(e).__name__, e)
+                n = 0
+            if n:
+                logger.info("compiled the fused MoE kernels for %d block configs in %.1f s", n,
+                            time.perf_counter() - t0)
         if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
             logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
         elif self.is_cuda and not server_args.disable_cuda_graph:

@@ -266,14 +266,17 @@ class DoubleSparseAttnBackend(AttentionBackend):
         bs = q3.shape[0]
         meta = self.forward_metadata
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
+        k = min(self.heavy_token_num, meta.max_len)
+        hist = None
+        if TOPK_METHOD == "threshold":  # the scoring kernel also makes the top-k's first histograms
+            from radixserve.layers.attention.triton_ops.topk_select import new_scratch, threshold_topk
+
+            hist = new_scratch(bs * self.num_kv_heads, q3.device)
         ds_score_fwd(self.q_labels(q3, layer.layer_id), self.labels[layer.layer_id], self.req_to_token,
                      forward_batch.req_pool_indices, forward_batch.seq_lens, scores,
-                     *kept_ends(self.heavy_token_num))
-        k = min(self.heavy_token_num, meta.max_len)
-        if TOPK_METHOD == "threshold":
-            from radixserve.layers.attention.triton_ops.topk_select import threshold_topk
-
-            top = threshold_topk(scores, k)
+                     *kept_ends(self.heavy_token_num), hist=hist)
+        if hist is not None:
+            top = threshold_topk(scores, k, scratch=hist, hist_ready=True)
         else:
             top = topk_positions(scores, k, self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes:
 `paged_decode_attention` (decode attention read in place from the KV pool), `linear` (x W^T for the few rows of a
-small decode batch on every thread; MKL runs a one-row product on a single thread), `rotary_neox_inplace` and
-`rms_norm`.
+small decode batch on every thread; MKL runs a one-row product on a single thread), `rotary_neox_inplace`,
+and `rms_norm` (float32 and bfloat16 rows).
 
 The shared library (every .c file here) is built once per source and machine into `<cache root>/cpu_kernels/`
 (`-O3 -march=native -fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1`
@@ -106,6 +106,12 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn = lib.rmsnorm
     fn.restype = _I
     fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
+    fn = lib.rotary_neox_inplace_bf16
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
+    fn = lib.rmsnorm_bf16
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
     for name in ("small_m_linear", "small_m_linear_bf16"):
         fn = getattr(lib, name)
         fn.restype = _I
@@ -157,11 +163,64 @@ def has_fast_bf16() -> bool:
     return lib is not None and bool(lib.has_bf16_linear())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+# A model's weights (`linear(..., persistent=True)`) are multiplied above a few rows in oneDNN's own blocked layout,
+# reordered once and kept beside the weight: F.linear (MKL sgemm, or oneDNN without a prepacked weight) re-packs the
+# whole weight on every call, which at 4-64 rows of a decode batch costs more than the product. SmolLM2-135M, one
+# thread, thread CPU time of a decode step: float32 batch 8 / 9 / 16 / 32 77.7 (this kernel) / 99.6 / 112.7 / 169.4
+# ms -> 51.6 / 50.3 / 69.0 / 118.4; bfloat16 batch 16 / 32 66.9 / 92.7 -> 48.3 / 73.3. On two threads the kernel
+# keeps bfloat16 up to 8 rows (bandwidth-bound there: 17.1 ms at 2 rows against 24.3 reordered) and float32 up to 4
+# (its float32 arithmetic, not the weight stream, bounds 5-8 rows). RADIXSERVE_CPU_PACKED_LINEAR=0 turns the
+# reordered path off; RADIXSERVE_CPU_PACKED_MIN_ROWS=N takes it from N rows on for both dtypes.
+PACKED = os.environ.get("RADIXSERVE_CPU_PACKED_LINEAR", "1") not in ("0", "false", "off", "")
+_PACKED_MIN_ROWS = {torch.float32: 5, torch.bfloat16: SMALL_M + 1}
+if os.environ.get("RADIXSERVE_CPU_PACKED_MIN_ROWS"):
+    _PACKED_MIN_ROWS = dict.fromkeys(_PACKED_MIN_ROWS, int(os.environ["RADIXSERVE_CPU_PACKED_MIN_ROWS"]))
+_PACKED_ATTR = "_rs_cpu_packed"
+
+
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` reordered for oneDNN's inner product, made on first use and kept as an attribute of the parameter
+    (None where oneDNN is not there or refuses the weight). The values are read once: a later in-place change of a
+    parameter (no code path does that after loading) would not reach the reordered copy, but a new tensor (another
+    data pointer, shape or dtype) is reordered again."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    cached = getattr(weight, _PACKED_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    packed = None
+    if torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        except RuntimeError as e:  # a dtype or shape this oneDNN build has no inner product for
+            logger.warning("oneDNN cannot reorder a %s %s weight (%s): F.linear there", weight.dtype,
+                           tuple(weight.shape), e)
+    setattr(weight, _PACKED_ATTR, (key, packed))
+    return packed
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T (+ bias) with the reordered weight, or None where that path does not apply."""
+    if (not PACKED or torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2
+            or x.shape[0] < _PACKED_MIN_ROWS.get(x.dtype, 1 << 62) or weight.dtype != x.dtype or weight.dim() != 2
+            or x.requires_grad or weight.requires_grad or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    packed = _packed_weight(weight)
+    if packed is None:
+        return None
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, persistent: bool = False
+           ) -> torch.Tensor:
     """F.linear(x, weight, bias); for CPU inputs of 1..SMALL_M rows through the multithreaded kernel (each output
     feature computed the same way whatever the batch or thread count): float32 weights with float32 x, or bfloat16
     weights (x rounded to bfloat16, products summed in float32, the result in x's dtype) where the CPU has
-    AVX512-BF16."""
+    AVX512-BF16. `persistent`: the weight is a model parameter that stays as it is (not a tensor made for this call),
+    so that from a few rows on it is reordered once for oneDNN and the reordered copy kept (see PACKED)."""
+    if persistent:
+        out = _packed_linear(x, weight, bias)
+        if out is not None:
+            return out
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M
             or x.requires_grad or weight.requires_grad or weight.dim() != 2):
         return F.linear(x, weight, bias)
@@ -195,20 +254,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
                         sin_cache: torch.Tensor, head_dim: int) -> bool:
-    """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 CPU tensors the kernel can
-    take; returns False (touching nothing) otherwise, and the caller runs its torch ops. bfloat16 q/k are rotated in
-    float32 copies and written back (what the torch ops compute: float32 math, one rounding)."""
-    if (not torch.compiler.is_compiling() and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
-            and q.device.type == "cpu" and q.dim() == 2
-            and k.dim() == 2 and not q.requires_grad and not k.requires_grad):
-        q32, k32 = q.float(), k.float()
-        if not rotary_neox_inplace(positions, q32, k32, cos_cache, sin_cache, head_dim):
-            return False
-        q.copy_(q32)
-        k.copy_(k32)
-        return True
-    if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype != torch.float32
-            or k.dtype != torch.float32 or q.dim() != 2 or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1
+    """Rotate q [T, H*D] and k [T, Hkv*D] in place (neox layout) when they are float32 or bfloat16 CPU tensors the
+    kernel can take; returns False (touching nothing) otherwise, and the caller runs its torch ops. bfloat16 q/k are
+    rotated in float32 and rounded back once (what rotating float copies and copying them back computes)."""
+    if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
+            or k.dtype != q.dtype or q.dim() != 2 or k.dim() != 2 or q.stride(1) != 1 or k.stride(1) != 1
             or len(q) != len(k) or head_dim % 2
             or q.shape[1] % head_dim or k.shape[1] % head_dim or cos_cache.dtype != torch.float32
             or cos_cache.shape != (cos_cache.shape[0], head_dim // 2) or not cos_cache.is_contiguous()
@@ -218,10 +268,12 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     lib = load()
     if lib is None:
         return False
-    positions = positions.to(torch.int64).contiguous()
-    rc = lib.rotary_neox_inplace(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
-                                 cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], len(q),
-                                 q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, torch.get_num_threads())
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    fn = lib.rotary_neox_inplace if q.dtype == torch.float32 else lib.rotary_neox_inplace_bf16
+    rc = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(), cos_cache.data_ptr(),
+            sin_cache.data_ptr(), cos_cache.shape[0], len(q), q.shape[1] // head_dim, k.shape[1] // head_dim,
+            head_dim, torch.get_num_threads())
     if rc:
         raise ValueError(f"rotary: a position is outside 0..{cos_cache.shape[0] - 1}")
     return True
@@ -229,33 +281,26 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 CPU rows;
-    None (nothing done) where the kernel does not apply. bfloat16 rows: the sum is taken in bfloat16 (as the torch
-    ops do), the norm in float32 with one rounding of the result."""
-    if (not torch.compiler.is_compiling() and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-            and not x.requires_grad
-            and (residual is None or (residual.dtype == torch.bfloat16 and residual.shape == x.shape))):
-        if residual is not None:
-            x = x + residual
-        out = rms_norm(x.float(), None, weight.float(), eps)
-        if out is None:
-            return None
-        out = out.to(torch.bfloat16)  # type: ignore[union-attr]
-        return out if residual is None else (out, x)
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
+    """RMSNorm of x (after adding `residual`: then also returns the sum, the next residual) for float32 or bfloat16
+    CPU rows (the weight in the same dtype); None (nothing done) where the kernel does not apply. bfloat16 rows as
+    transformers computes them: the sum rounded to bfloat16, the norm in float32 rounded to bfloat16, then times the
+    weight and rounded again."""
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
+            or weight.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],)
             or x.requires_grad
-            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape
                                           or residual.stride(1) != 1))):
         return None
     lib = load()
     if lib is None:
         return None
-    weight = weight.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32)
-    res_out = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
-    lib.rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                0 if residual is None else residual.stride(0), out.data_ptr(),
-                None if res_out is None else res_out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
-                float(eps), torch.get_num_threads())
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    fn = lib.rmsnorm if x.dtype == torch.float32 else lib.rmsnorm_bf16
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+       0 if residual is None else residual.stride(0), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
+       weight.data_ptr(), x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     return out if res_out is None else (out, res_out)
+

@@ -295,3 +295,37 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
            BLOCK_K=cfg.block_k, FP32=fp32, **opts)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
 
+
+
+def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> int:
+    """Compile the grouped-GEMM kernels for every block config that a batch of up to `max_tokens` tokens may pick
+    (`moe_config`), by running each once on 16 tokens of the model's first unquantized MoE layer, so that no large
+    prefill in service pays Triton's compilation (seconds each; the start-up warm-up's short request reaches only
+    the small-batch path). CUDA only, unless `force` (tests, under the interpreter). Returns how many configs ran."""
+    from radixserve.layers.moe import small_batch
+    from radixserve.layers.moe.layer import FusedMoE
+    from radixserve.layers.moe.methods import UnquantizedMoEMethod
+
+    layer = next((m for m in model.modules()
+                  if isinstance(m, FusedMoE) and type(m.quant_method) is UnquantizedMoEMethod), None)
+    if layer is None or not (layer.w13_weight.is_cuda or force):
+        return 0
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    num_local, inter, hidden = w13.shape[0], w2.shape[2], w2.shape[1]
+    top_k = layer.router.top_k
+    sizes, t = [], small_batch.SMALL_BATCH_TOKENS + 1
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    sizes.append(max(max_tokens, small_batch.SMALL_BATCH_TOKENS + 1))
+    configs = list(dict.fromkeys(moe_config(n, top_k, num_local, inter, hidden) for n in sizes))
+    rows = 16
+    x = torch.zeros(rows, hidden, dtype=w13.dtype, device=w13.device)
+    ids = (torch.arange(rows * top_k, device=w13.device) % num_local).view(rows, top_k).to(torch.int32) \
+        + layer.expert_offset
+    weights = torch.full((rows, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
+    for cfg in configs:
+        fused_moe(x, w13, w2, weights, ids, layer.expert_offset, layer.num_experts, config=cfg)
+    if w13.is_cuda:
+        torch.cuda.synchronize(w13.device)
+    return len(configs)

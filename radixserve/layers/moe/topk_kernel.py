@@ -125,16 +125,21 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, sigmoid: bool, renormali
 # and one program selects for all of them, so its time grows with the batch: on the H200 at Qwen3-30B-A3B's shape
 # it took 6.9 us a layer at 1 token (the four launches it replaces, ~10 us) and 37 us at 8 tokens.
 GATE_TOPK_TOKENS = 1
+# (expert rows per program, warps) of that launch; None: the heuristic in `fused_gate_topk` (one row of 2048 per
+# program at 4 warps for the 2048-wide routers). benchmarks/bench_router.py times the choices.
+GATE_TOPK_CONFIG: tuple[int, int] | None = None
 
 
 def fused_gate_topk(x: torch.Tensor, weight: torch.Tensor, done: torch.Tensor, top_k: int, sigmoid: bool,
                     renormalize: bool, scaling: float, correction_bias: torch.Tensor | None = None,
-                    interpreted: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                    interpreted: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                    config: tuple[int, int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`fused_topk(F.linear(x.float(), weight), ...)` in one launch: x [T, H] (any float dtype), weight float32
     [E, H] contiguous, done an int32 [1] counter at 0 (left at 0). Returns (weights, ids, None, None).
     With `norm` = (residual [T, H], norm weight [H], eps) the router's input is `fused_add_rmsnorm(x, residual,
-    norm weight, eps)`'s output, and that output and the new residual are returned too."""
+    norm weight, eps)`'s output, and that output and the new residual are returned too. `config`: (expert rows per
+    program, warps), else GATE_TOPK_CONFIG, else the heuristic."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape != (num_experts, hidden) or weight.dtype != torch.float32 or not weight.is_contiguous():
@@ -155,10 +160,13 @@ def fused_gate_topk(x: torch.Tensor, weight: torch.Tensor, done: torch.Tensor, t
         return weights, ids, x_out, res_out
     logits = torch.empty((t, num_experts), dtype=torch.float32, device=x.device)
     h_pad = triton.next_power_of_2(hidden)
-    block_e = 4 if interpreted else max(1, min(8, 2048 // h_pad))  # many programs: each reads few rows
+    block_e, warps = config or GATE_TOPK_CONFIG or (max(1, min(8, 2048 // h_pad)),  # many programs: few rows each
+                                                    8 if max(1, min(8, 2048 // h_pad)) * h_pad > 8192 else 4)
+    if interpreted:
+        block_e = 4
     bias = correction_bias if correction_bias is not None else weights
     res, nw, eps = norm if norm is not None else (x, x, 0.0)
-    opts = {} if interpreted else {"num_warps": 8 if block_e * h_pad > 8192 else 4}
+    opts = {} if interpreted else {"num_warps": warps}
     launch(_gate_topk_kernel, (triton.cdiv(num_experts, block_e),), x, weight, logits, done, bias, weights, ids, res,
            nw, x_out if x_out is not None else x, res_out if res_out is not None else x, t, num_experts, hidden,
            x.stride(0), res.stride(0), float(scaling), float(eps), BLOCK_E=block_e, H_PAD=h_pad,

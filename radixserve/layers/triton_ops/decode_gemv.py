@@ -58,8 +58,9 @@ def _decode_gemv_kernel(X, Res, NormW, ResOut, W1, W2, Bias, Out, N1, N, K, eps,
             mask_k = offs_k < K
             s = _normed_chunk(X, Res, NormW, offs_k, mask_k, 1.0, HAS_RES, False, dtype)
             sq += s * s
-            if HAS_RES and pid == 0:
-                tl.store(ResOut + offs_k, s.to(ResOut.dtype.element_ty), mask=mask_k)
+            if HAS_RES:
+                if pid == 0:
+                    tl.store(ResOut + offs_k, s.to(ResOut.dtype.element_ty), mask=mask_k)
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)

@@ -35,6 +35,14 @@ def _order_key(s):
 
 
 @triton.jit
+def _masked_hist(bins, mask, NB: tl.constexpr):
+    """tl.histogram of bins where mask (without its mask argument, which older Triton releases lack)."""
+    h = tl.histogram(tl.where(mask, bins, 0), NB)
+    masked_out = tl.sum((mask == 0).to(tl.int32), 0)
+    return h - tl.where(tl.arange(0, NB) == 0, masked_out, 0)
+
+
+@triton.jit
 def _boundary(Hist, k, NB: tl.constexpr):
     """(bin, count above it): the highest bin whose count from the top reaches k, and the count of higher bins."""
     offs = tl.arange(0, NB)
@@ -56,11 +64,11 @@ def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
     bin1 = (key >> SHIFT1) + NB // 2
     hist = Hist + r.to(tl.int64) * stride_h
     if ROUND == 1:
-        h = tl.histogram(bin1, NB, mask=m)
+        h = _masked_hist(bin1, m, NB)
         tl.atomic_add(hist + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
     else:
         b1, _ = _boundary(hist, k, NB)
-        h = tl.histogram((key >> SHIFT2) & (NB - 1), NB, mask=m & (bin1 == b1))
+        h = _masked_hist((key >> SHIFT2) & (NB - 1), m & (bin1 == b1), NB)
         tl.atomic_add(hist + NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
 
 
@@ -90,11 +98,21 @@ def _select_kernel(Scores, Hist, Out, n_cols, k, stride_s, stride_h, stride_o,
     tl.store(out + above + at, offs.to(Out.dtype.element_ty), mask=tie & (at < k - above))
 
 
+SCRATCH_WIDTH = 2 * NBINS + 2  # per row: two histograms, then the counters of kept keys and of ties taken
+
+
+def new_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed histograms and counters for `rows` score rows (int32 [rows, SCRATCH_WIDTH])."""
+    return torch.zeros((rows, SCRATCH_WIDTH), dtype=torch.int32, device=device)
+
+
 def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                   scratch: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
+                   scratch: torch.Tensor | None = None, block: int | None = None,
+                   hist_ready: bool = False) -> torch.Tensor:
     """Positions [..., k] (int32, no particular order) of the k largest of each row of float32 scores [..., L]
     (unit last stride), L >= k. Ties at the threshold are broken arbitrarily. `scratch` (int32, at least
-    rows x (2 * NBINS + 2)) and `out` may be passed to avoid allocations."""
+    rows x SCRATCH_WIDTH) and `out` may be passed to avoid allocations. hist_ready: `scratch` already holds the
+    first round's histograms and zeroed the rest (the scoring kernel made them: `ds_score_fwd(hist=...)`)."""
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("threshold_topk needs float32 scores with a unit last stride")
     n_cols = scores.shape[-1]
@@ -105,17 +123,20 @@ def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     if out is None:
         out = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=scores.device)
     out2d = out.view(n_rows, k)
-    width = 2 * NBINS + 2  # two histograms, then the counters of kept keys and of ties taken
+    width = SCRATCH_WIDTH
+    if hist_ready and (scratch is None or scratch.numel() < n_rows * width):
+        raise ValueError("threshold_topk: hist_ready needs the scratch the histograms were made in")
     if scratch is None or scratch.numel() < n_rows * width:
         scratch = torch.empty(n_rows * width, dtype=torch.int32, device=scores.device)
-    hist = scratch[:n_rows * width].view(n_rows, width)
-    hist.zero_()
+    hist = scratch.view(-1)[:n_rows * width].view(n_rows, width)
+    if not hist_ready:
+        hist.zero_()
     if n_rows == 0:
         return out
     if block is None:
         block = 2048
     grid = (n_rows, triton.cdiv(n_cols, block))
-    for rnd in (1, 2):
+    for rnd in ((2,) if hist_ready else (1, 2)):
         launch(_hist_kernel, grid, rows2d, hist, n_cols, k, rows2d.stride(0), hist.stride(0),
                ROUND=rnd, NB=NBINS, SHIFT1=_SHIFT1, SHIFT2=_SHIFT2, BLOCK=block, num_warps=8)
     launch(_select_kernel, grid, rows2d, hist, out2d, n_cols, k, rows2d.stride(0), hist.stride(0), out2d.stride(0),

@@ -1,0 +1,112 @@
+"""The one-launch router (`topk_kernel.fused_gate_topk`: residual add + RMSNorm + float32 router GEMV + top-k) for
+one token at the MoE models' shapes, in CUDA graphs, per (expert rows per program, warps), against the launches it
+replaces (add + norm, the float32 linear, the top-k kernel).
+
+    python benchmarks/bench_router.py
+
+Prints us per layer (`--layers` distinct router weights cycled in one graph) and writes JSON (`--result-file`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixserve.layers.moe.topk_kernel import fused_gate_topk, fused_topk  # noqa: E402
+from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
+
+# name: (experts, hidden, top-k, renormalise)
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 8, True), "deepseek-v2-lite": (64, 2048, 6, False)}
+CONFIGS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (8, 8)]
+
+
+def graph_us(fn: Any, layers: int, reps: int) -> float:
+    if not torch.cuda.is_available():  # the interpreter: checks the script only
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            fn(layer)
+        return (time.perf_counter() - t0) / layers * 1e6
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(layers):
+            fn(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps / layers)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--result-file", default="bench_router.json")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    configs = CONFIGS if cuda else [(4, 4)]
+    rows = []
+    print(f"{'shape':<18} {'path':<26} {'us/layer':>9} {'same ids':>9}")
+    for name, (e, h, k, renorm) in SHAPES.items():
+        if not cuda:
+            e, h = 16, 64
+        g = torch.Generator(device=dev).manual_seed(e)
+        ws = [torch.randn(e, h, generator=g, device=dev) / h ** 0.5 for _ in range(args.layers)]
+        x = torch.randn(1, h, generator=g, device=dev, dtype=dt)
+        res = torch.randn(1, h, generator=g, device=dev, dtype=dt)
+        nw = torch.rand(h, generator=g, device=dev, dtype=dt) + 0.5
+        done = torch.zeros(1, dtype=torch.int32, device=dev)
+
+        def unfused(layer: int, ws: list = ws, x: torch.Tensor = x, res: torch.Tensor = res, nw: torch.Tensor = nw,
+                    k: int = k, renorm: bool = renorm) -> tuple[torch.Tensor, torch.Tensor]:
+            y, _ = fused_add_rmsnorm(x, res, nw, 1e-6)
+            return fused_topk(F.linear(y.float(), ws[layer]), k, False, renorm, 1.0)
+
+        ref_ids = unfused(0)[1]
+        us = graph_us(unfused, args.layers, args.reps)
+        rows.append({"shape": name, "path": "add+norm, linear, top-k", "us": us})
+        print(f"{name:<18} {'add+norm, linear, top-k':<26} {us:>9.2f} {'-':>9}", flush=True)
+        for cfg in configs:
+            def fused(layer: int, cfg: tuple[int, int] = cfg, ws: list = ws, x: torch.Tensor = x,
+                      res: torch.Tensor = res, nw: torch.Tensor = nw, k: int = k, renorm: bool = renorm,
+                      done: torch.Tensor = done) -> tuple[torch.Tensor, ...]:
+                return fused_gate_topk(x, ws[layer], done, k, False, renorm, 1.0, None, not cuda,
+                                       (res, nw, 1e-6), config=cfg)
+
+            try:
+                same = bool(torch.equal(fused(0)[1], ref_ids))
+                us = graph_us(fused, args.layers, args.reps)
+            except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
+                print(f"{name:<18} one launch {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            label = f"one launch, {cfg[0]} rows/{cfg[1]} warps"
+            rows.append({"shape": name, "path": label, "rows": cfg[0], "warps": cfg[1], "us": us, "same_ids": same})
+            print(f"{name:<18} {label:<26} {us:>9.2f} {str(same):>9}", flush=True)
+    with open(args.result_file, "w") as f:
+        json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
