@@ -15,7 +15,6 @@ import torch
 
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
 from radixserve.layers.attention.triton_ops.decode_attention import (
-    MERGE_MAX_BS,
     decode_attention_fwd,
     is_interpreted,
     kv_split_cap,
@@ -75,8 +74,6 @@ class TritonAttnBackend(AttentionBackend):
         self.programs_per_sm = 8  # split a small batch until stage 1 has this many programs per SM
         self.decode_block_n: int | None = None  # None: the kernel's default
         self.decode_use_dot: bool | None = None  # None: tl.dot; False: elementwise (MHA only, slower on GPUs)
-        self.decode_merge_max_bs = MERGE_MAX_BS  # decode batches up to this size merge their splits in stage 1
-        self._merge_cnt: torch.Tensor | None = None
         if self.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -258,21 +255,8 @@ class TritonAttnBackend(AttentionBackend):
             q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
             use_dot=self.decode_use_dot, num_kv_splits=splits, k_scale=kv_scales(layer)[0],
-            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer),
-            merge_counters=self._merge_counters(bs, num_heads))
+            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
         return o.view(-1, num_heads * head_dim)
-
-    def _merge_counters(self, bs: int, num_heads: int) -> torch.Tensor | None:
-        """Zeroed int32 counters (one per request and query head, more than stage 1's head blocks need) with
-        which decode stage 1 merges its own splits, for batches up to `decode_merge_max_bs`; the kernel sets them
-        back to zero, so one buffer serves every layer, step and graph replay. Allocated on first use (the warm-up
-        forward before any capture)."""
-        if bs > self.decode_merge_max_bs:
-            return None
-        n = self.decode_merge_max_bs * num_heads
-        if self._merge_cnt is None or self._merge_cnt.numel() < n:
-            self._merge_cnt = torch.zeros(n, dtype=torch.int32, device=self.device)
-        return self._merge_cnt
 
     # ---------------------------------------------------------------- MLA (latent pool)
     def _mla_store(self, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:

@@ -38,7 +38,7 @@ from radixserve.layers.triton_ops.launch import launch
 # otherwise compile its own variant the first time some batch size produced it, in the middle of serving).
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
 def _decode_stage1_kernel(
-    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Counters, Out,
+    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE,
     sm_scale_log2, v_scale, num_kv_splits, min_split_len, window,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
@@ -46,7 +46,6 @@ def _decode_stage1_kernel(
     stride_r2t,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
-    stride_ob, stride_oh,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -58,7 +57,6 @@ def _decode_stage1_kernel(
     KV_F16: tl.constexpr,
     SLIDING: tl.constexpr = False,
     EARLY_V: tl.constexpr = False,
-    MERGE: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -133,31 +131,6 @@ def _decode_stage1_kernel(
         tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
                  mask=mask_h)
 
-    if MERGE:  # the last program of this (request, head block) to finish merges the splits: no stage 2 launch
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        counter = Counters + b * tl.num_programs(1) + pid_h
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_kv_splits - 1:
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (the next layer, the next replay)
-            n_valid = tl.where(seq_len > kv_start, tl.cdiv(seq_len - kv_start, tl.maximum(chunk, 1)), 0)
-            m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            lse_ptrs = Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh
-            o_ptrs = Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + offs_d[None, :]
-            mask_hd = mask_h[:, None] & mask_d[None, :]
-            for s in range(0, n_valid):  # the splits in order, as stage 2 merges them
-                lse = tl.load(lse_ptrs + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(o_ptrs + s * stride_mos, mask=mask_hd, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse)
-                w = tl.exp2(lse - m_new)
-                scale = tl.exp2(m - m_new)
-                acc = acc * scale[:, None] + w[:, None] * part
-                denom = denom * scale + w
-                m = m_new
-            out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # an empty request (seq_len 0) writes zeros
-            tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     out.to(Out.dtype.element_ty), mask=mask_hd)
-
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
 def _decode_stage2_kernel(
@@ -214,9 +187,6 @@ def _early_v(bs: int) -> bool:
     hundred programs of one or two KV blocks each, bound by the latency of its dependent loads, not by bandwidth.
     RADIXSERVE_DECODE_EARLY_V_MAX_BS sets the limit (0: never)."""
     return bs <= EARLY_V_MAX_BS
-
-
-MERGE_MAX_BS = int(os.environ.get("RADIXSERVE_DECODE_MERGE_MAX_BS", "0"))  # stage 1 merges (no stage 2) up to this
 
 
 def is_interpreted() -> bool:
@@ -311,7 +281,6 @@ def decode_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int = -1,
-    merge_counters: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request over its first seq_len KV slots (the last `sliding_window` of them
     when it is positive); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless it is fp8).
@@ -321,11 +290,6 @@ def decode_attention_fwd(
     float32 scratch buffers (`decode_partial_shapes`). num_kv_splits (default S), the number of splits launched per
     request, is the cap: a request of seq_len L uses min(num_kv_splits, cdiv(L, min_split_len)) of them
     (`kv_split_cap` picks it for a batch size).
-
-    merge_counters: int32 zeros, one per (request, head block) of stage 1's grid at least: stage 1 then merges the
-    splits itself (the last program of each request and head block to finish does it, counting the finished ones
-    in these counters and setting them back to zero), and stage 2 is not launched. For small batches, where stage
-    2's launch and its chain of loads are most of its cost.
     """
     if mid_lse.dim() != 3:
         raise ValueError(f"mid_lse must be [bs, H, S]; got {tuple(mid_lse.shape)}")
@@ -362,13 +326,8 @@ def decode_attention_fwd(
     dot_fp32 = use_dot and (interp or q.dtype == torch.float32)
 
     grid1 = (bs, num_kv_heads * head_blocks, num_kv_splits)
-    merge = merge_counters is not None
-    if merge and (merge_counters.dtype != torch.int32 or merge_counters.numel() < bs * num_kv_heads * head_blocks):
-        raise ValueError(f"merge_counters must be int32 with at least {bs * num_kv_heads * head_blocks} entries; got "
-                         f"{merge_counters.dtype} [{merge_counters.numel()}]")
     launch(_decode_stage1_kernel, grid1,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        merge_counters if merge else mid_lse, o,
         sm_scale * k_scale * LOG2E, v_scale, num_kv_splits, min_split_len, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -376,15 +335,12 @@ def decode_attention_fwd(
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
         KV_F16=use_dot and not dot_fp32 and k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
-        SLIDING=window > 0, EARLY_V=_early_v(bs), MERGE=merge,
+        SLIDING=window > 0, EARLY_V=_early_v(bs),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if merge:
-        return
     grid2 = (bs, num_heads)
     launch(_decode_stage2_kernel, grid2,
         mid_o, mid_lse, o, seq_lens,
