@@ -46,7 +46,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
-    elif family in ("row16", "row16_silu", "bf16", "bf16_silu"):  # one-row 16-bit GEMVs: gemv, decode_gemv
+    elif family in ("row16", "row16_silu", "bf16"):  # one-row 16-bit GEMVs: triton_ops/gemv, decode_gemv (M = 1)
         if m == 1:
             out += [GemvConfig("ew", bn, bk, w, 2) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
                     for w in (4, 8) if bn * bk <= 8192]
@@ -91,7 +91,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
         q, s = quantize_rows(w)
         return {"w": q, "s": s}
-    if family in ("cublas", "cublas_silu", "row16", "row16_silu", "bf16", "bf16_silu"):
+    if family in ("cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
         return {"w": w.to(torch.bfloat16)}
     from radixserve.layers.quantization import gguf_formats as G
 
@@ -134,11 +134,11 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
         from radixserve.layers.triton_ops.gemv import gemv_row
 
         return gemv_row(x, fields["w"], None, cfg, silu_mul=family == "row16_silu")
-    if family in ("bf16", "bf16_silu"):  # decode_gemv (the MoE / MLA attention's, and a dense model's where it wins)
+    if family == "bf16":  # the MoE / MLA models' one-row kernel, on the same shapes
         from radixserve.layers.triton_ops.decode_gemv import decode_gemv
 
         tiles = None if cfg is None else (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
-        return decode_gemv(x, fields["w"], config=tiles, silu_mul=family == "bf16_silu")[0]
+        return decode_gemv(x, fields["w"], config=tiles)[0]
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
 
     return gguf_gemv(x, "Q4_K" if family == "q4_k" else "Q8_0", fields, n, None, cfg)
@@ -147,8 +147,7 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
     import torch
 
-    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu", "bf16",
-                  "bf16_silu"):
+    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
         w = fields["w"].float() * fields["s"].view(-1, 1) if "s" in fields else fields["w"].float()
         out = x.float() @ w.t()
         if family.endswith("_silu"):
@@ -335,9 +334,9 @@ def main() -> None:
                 rows.sort(key=lambda r: r["us"])
                 best = rows[0]
                 # the one-row 16-bit GEMVs replace cuBLAS only where they win by 2% or more (no entry: cuBLAS keeps
-                # the shape); decode_gemv on q/k/v and on gate_up + SiLU·mul also takes the norm launch before it
-                credit = NORM_US if (family, (n, k)) in (("bf16", SHAPES_8B[0]), ("bf16_silu", SHAPES_8B[2])) else 0.0
-                if family not in ("row16", "row16_silu", "bf16", "bf16_silu") or \
+                # the shape); decode_gemv ("bf16") on q/k/v also takes the place of the RMSNorm launch before it
+                credit = NORM_US if family == "bf16" and (n, k) == SHAPES_8B[0] else 0.0
+                if family not in ("row16", "row16_silu", "bf16") or \
                         (base is not None and best["us"] - credit < 0.98 * base["us"]):
                     picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
                 per_step = 1 / LAYERS_8B if (n, k) == LM_HEAD_8B else 1  # the LM head runs once a step

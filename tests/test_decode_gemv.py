@@ -109,31 +109,3 @@ def test_models_decode_through_the_gemv_token_identical(kind: str, tmp_path, mon
     layers = hf.config.num_hidden_layers
     assert sum(norm for _, norm in calls) == 3 * layers  # three decode steps, every layer's input norm fused
     assert len(calls) == 3 * layers * 2  # and o_proj
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("residual,bias", [(False, False), (True, True)])
-def test_decode_gemv_norm_and_silu_mul_match_the_mlp(dtype: torch.dtype, residual: bool, bias: bool) -> None:
-    """The post-attention norm, gate_up and SiLU·mul of a dense MLP in one launch, against RMSNorm, F.linear and
-    SiluAndMul."""
-    from radixserve.layers.activation import SiluAndMul
-
-    k, d = 80, 20
-    g = torch.Generator().manual_seed(11 + residual)
-    norm = RMSNorm(k, 1e-6)
-    norm.weight.data = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    x = (torch.randn(1, k, generator=g) * 3).to(dtype)
-    r = torch.randn(1, k, generator=g).to(dtype)
-    w = (torch.randn(2 * d, k, generator=g) / k ** 0.5).to(dtype)
-    b = torch.randn(2 * d, generator=g).to(dtype) if bias else None
-    normed, ref_res = norm(x, r) if residual else (norm(x), None)
-    ref = SiluAndMul()(torch.nn.functional.linear(normed.float(), w.float(), None if b is None else b.float())
-                       .to(dtype))
-    out, res = decode_gemv(x.to(DEV), w.to(DEV), None if b is None else b.to(DEV),
-                           norm=(r.to(DEV) if residual else None, norm.weight.to(DEV), 1e-6), config=CFG,
-                           silu_mul=True)
-    assert out.shape == (1, d)
-    _close(out.cpu(), ref)
-    assert (res is None) == (not residual)
-    with pytest.raises(ValueError, match="silu_mul"):
-        decode_gemv(x.to(DEV), w[:-1].contiguous().to(DEV), silu_mul=True)

@@ -46,30 +46,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size,
                                            reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
-        # one row: the norm before the MLP, gate_up and SiLU·mul in one `decode_gemv` launch where the GEMV table
-        # has gate_up's shape ("bf16_silu": a sweep on the GPU found it faster than cuBLAS + the norm + SiLU·mul)
-        gate_up = self.gate_up_proj
-        if gemv_configs.lookup("bf16_silu", 1, gate_up.output_size, gate_up.input_size) is not None:
-            gate_up.decode_gemv = True
-            self.forward_norm = self._forward_norm_gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = self.gate_up_proj.silu_and_mul(x)  # fused into the product where the layer can (fp8 decode)
         return self.down_proj(act if act is not None else self.act_fn(self.gate_up_proj(x)))
-
-    def _forward_norm_gemv(self, hidden: torch.Tensor, residual: torch.Tensor,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layer's `norm(hidden, residual)` then this MLP; one launch for the norm, gate_up and
-        SiLU·mul when the batch is one row."""
-        gate_up = self.gate_up_proj
-        if residual is not None and gate_up.gemv_ok(hidden):
-            from radixserve.layers.triton_ops.decode_gemv import decode_gemv
-
-            act, residual = decode_gemv(hidden, gate_up.weight, gate_up.bias, norm=(residual, norm.weight, norm.eps),
-                                        silu_mul=True)
-            return self.down_proj(act), residual
-        hidden, residual = norm(hidden, residual)
-        return self(hidden), residual
 
 
 class LlamaAttention(nn.Module):

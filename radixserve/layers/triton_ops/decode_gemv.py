@@ -39,9 +39,7 @@ def _normed_chunk(X, Res, NormW, offs_k, mask_k, rstd, HAS_RES: tl.constexpr, NO
 @triton.jit
 def _decode_gemv_kernel(X, Res, NormW, ResOut, W1, W2, Bias, Out, N1, N, K, eps,
                         NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr = False):
-    """SILU_MUL: W1 is a stacked [gate; up] (2N rows, no W2); the program reads gate row n and up row N + n and
-    writes silu(gate) * up ([1, N])."""
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -63,47 +61,34 @@ def _decode_gemv_kernel(X, Res, NormW, ResOut, W1, W2, Bias, Out, N1, N, K, eps,
                     tl.store(ResOut + offs_k, s.to(ResOut.dtype.element_ty), mask=mask_k)
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs
         mask_k = offs_k < K
         x = _normed_chunk(X, Res, NormW, offs_k, mask_k, rstd, HAS_RES, NORM, dtype)
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-        if SILU_MUL:
-            wu = tl.load(w_rows + N * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            acc_up += wu.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if SILU_MUL:  # the unfused path's roundings: both products in the activation dtype, silu rounded, the product
-        up = tl.sum(acc_up, axis=1)
-        if HAS_BIAS:
-            up += tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        g = out.to(dtype).to(tl.float32)
-        out = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
     tl.store(Out + offs_n, out.to(dtype), mask=mask_n)
 
 
-def _config(n: int, k: int, cuda: bool, family: str = "bf16") -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) from the "bf16" family of `gemv_configs` ("bf16_silu": gate_up with
-    SiLU·mul, N its stacked rows; swept on the GPU by benchmarks/bench_decode_gemv.py and sweep_gemv.py;
-    RADIXSERVE_GEMV_CONFIGS=picks.json overrides)."""
+def _config(n: int, k: int, cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) from the "bf16" family of `gemv_configs` (swept on the GPU by
+    benchmarks/bench_decode_gemv.py; RADIXSERVE_GEMV_CONFIGS=picks.json overrides)."""
     from radixserve.layers.quantization import gemv_configs
 
-    cfg = gemv_configs.lookup(family, 1, n, k) if family != "bf16" else None
-    cfg = cfg or gemv_configs.get("bf16", 1, n, k, cuda)
+    cfg = gemv_configs.get("bf16", 1, n, k, cuda)
     return cfg.block_n, min(cfg.block_k, triton.next_power_of_2(k)), cfg.num_warps, cfg.num_stages
 
 
 def decode_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w2: torch.Tensor | None = None,
                 norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-                config: tuple[int, int, int, int] | None = None, silu_mul: bool = False,
+                config: tuple[int, int, int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [1, N1 (+ N2)], new residual or None) for x [1, K]: out = x' @ [w; w2].T (+ bias), where x' is x, or
     with `norm` = (residual or None, norm weight [K], eps) RMSNorm(x + residual) * norm weight; the new residual
-    (x + residual, in x's dtype) is returned when a residual was given. w, w2 [N, K] contiguous in x's dtype.
-    `silu_mul`: w is a stacked [gate; up] (no w2) and out = silu(x' @ gate.T) * (x' @ up.T), [1, N / 2]."""
+    (x + residual, in x's dtype) is returned when a residual was given. w, w2 [N, K] contiguous in x's dtype."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
         raise ValueError(f"decode_gemv takes one contiguous row; got {tuple(x.shape)}")
     k = x.shape[1]
@@ -115,19 +100,15 @@ def decode_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     n = n1 + (w2.shape[0] if w2 is not None else 0)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"decode_gemv: bias {tuple(bias.shape)} for {n} outputs")
-    if silu_mul and (w2 is not None or n % 2):
-        raise ValueError(f"decode_gemv with silu_mul takes one stacked [gate; up] weight (even rows), got {n1}"
-                         f"{' and a second weight' if w2 is not None else ''}")
-    n_out = n // 2 if silu_mul else n
-    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
     if norm is not None and (nw.shape != (k,) or (res is not None and (res.shape != x.shape or res.stride(-1) != 1))):
         raise ValueError(f"decode_gemv: norm weight {tuple(nw.shape)} / residual do not match x {tuple(x.shape)}")
     res_out = torch.empty_like(x) if res is not None else None
-    bn, bk, warps, stages = config or _config(n, k, x.is_cuda, "bf16_silu" if silu_mul else "bf16")
+    bn, bk, warps, stages = config or _config(n, k, x.is_cuda)
     opts = dict(num_warps=warps, num_stages=stages) if x.is_cuda else {}
-    launch(_decode_gemv_kernel, (triton.cdiv(n_out, bn),), x, res if res is not None else x, nw,
+    launch(_decode_gemv_kernel, (triton.cdiv(n, bn),), x, res if res is not None else x, nw,
            res_out if res_out is not None else out, w, w2 if w2 is not None else w, bias if bias is not None else out,
-           out, n_out if silu_mul else n1, n_out, k, float(eps), NORM=norm is not None, HAS_RES=res is not None,
-           HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, SILU_MUL=silu_mul, **opts)
+           out, n1, n, k, float(eps), NORM=norm is not None, HAS_RES=res is not None, HAS_BIAS=bias is not None,
+           BLOCK_N=bn, BLOCK_K=bk, **opts)
     return out, res_out
