@@ -29,7 +29,6 @@ from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa:
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 LAYERS_8B = 32
 LM_HEAD_8B = (128256, 4096)  # once a step; swept for the 16-bit GEMV only
-NORM_US = 2.3  # one RMSNorm launch at batch 1 (8B batch-1 profile, 2026-11-30: 65 of them, 149 us a step)
 
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
@@ -48,7 +47,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
     elif family in ("row16", "row16_silu", "bf16"):  # one-row 16-bit GEMVs: triton_ops/gemv, decode_gemv (M = 1)
         if m == 1:
-            out += [GemvConfig("ew", bn, bk, w, 2) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
+            out += [GemvConfig("ew", bn, bk, w, 2) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048)
                     for w in (4, 8) if bn * bk <= 8192]
     elif family == "fp8_mid":  # the transposed W8A8 / W8A16 product at 17..256 rows, against torch._scaled_mm
         out.append(GemvConfig("scaled_mm", 0, 0))
@@ -333,11 +332,8 @@ def main() -> None:
                     continue
                 rows.sort(key=lambda r: r["us"])
                 best = rows[0]
-                # the one-row 16-bit GEMVs replace cuBLAS only where they win by 2% or more (no entry: cuBLAS keeps
-                # the shape); decode_gemv ("bf16") on q/k/v also takes the place of the RMSNorm launch before it
-                credit = NORM_US if family == "bf16" and (n, k) == SHAPES_8B[0] else 0.0
-                if family not in ("row16", "row16_silu", "bf16") or \
-                        (base is not None and best["us"] - credit < 0.98 * base["us"]):
+                # the one-row 16-bit GEMV replaces cuBLAS only where it wins by 2% or more (no entry: cuBLAS keeps it)
+                if family not in ("row16", "row16_silu") or (base is not None and best["us"] < 0.98 * base["us"]):
                     picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
                 per_step = 1 / LAYERS_8B if (n, k) == LM_HEAD_8B else 1  # the LM head runs once a step
                 step_best += best["us"] * per_step

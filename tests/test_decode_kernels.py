@@ -95,27 +95,3 @@ def test_linear_uses_gemv_only_where_the_table_has_the_shape(tmp_path, monkeypat
     finally:
         monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
         gemv_configs.reload()
-
-
-def test_dense_llama_opts_into_decode_gemv_by_table(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """A dense Llama's q/k/v (with its input norm) and o_proj take `decode_gemv` only where the table has a "bf16"
-    entry for their shape."""
-    import transformers as tf
-
-    from radixserve.models.llama import LlamaForCausalLM
-
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128)
-    qkv_rows = 64 + 2 * 2 * 16
-    table = tmp_path / "picks.json"
-    table.write_text(json.dumps({"configs": {gemv_configs.key("bf16", 1, qkv_rows, 64):
-                                             GemvConfig("ew", 2, 32).to_dict()}}))
-    assert not LlamaForCausalLM(cfg).model.layers[0].self_attn.qkv_proj.decode_gemv
-    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(table))
-    gemv_configs.reload()
-    try:
-        attn = LlamaForCausalLM(cfg).model.layers[1].self_attn
-        assert attn.qkv_proj.decode_gemv and not attn.o_proj.decode_gemv
-    finally:
-        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
-        gemv_configs.reload()

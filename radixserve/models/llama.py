@@ -15,7 +15,6 @@ from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor
-from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.quantization.kv_cache import kv_scale_name, set_kv_scale
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
@@ -129,11 +128,6 @@ class LlamaDecoderLayer(nn.Module):
         self.fuse_reduce = tp_size > 1 and custom_all_reduce_fuses_norm()
         self.mlp_partial = self.fuse_reduce and isinstance(self.mlp, LlamaMLP)
         self.input_partial = False  # set by LlamaModel: the previous layer's MLP output comes unreduced
-        # q/k/v (with the input norm) and o_proj take the one-row `decode_gemv` where the GEMV table has their
-        # shape: a sweep on the GPU found it faster than cuBLAS there (the MoE / MLA models opt in by family)
-        for proj in (self.self_attn.qkv_proj, self.self_attn.o_proj):
-            if gemv_configs.lookup("bf16", 1, proj.output_size, proj.input_size) is not None:
-                proj.decode_gemv = True
         if self.fuse_reduce:
             self.self_attn.o_proj.reduce_results = False
         if self.mlp_partial:
