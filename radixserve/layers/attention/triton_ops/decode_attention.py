@@ -24,8 +24,6 @@ as an elementwise product on an H200. The elementwise path remains as an option 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -56,7 +54,6 @@ def _decode_stage1_kernel(
     DOT_FP32: tl.constexpr,
     KV_F16: tl.constexpr,
     SLIDING: tl.constexpr = False,
-    EARLY_V: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -103,9 +100,6 @@ def _decode_stage1_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                         mask=mask_kv, other=0.0)
-            if EARLY_V:  # V in flight with K: one memory round trip less per block (small, latency-bound grids)
-                v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                            mask=mask_kv, other=0.0)
             if USE_DOT:
                 qk = mma(q, tl.trans(k), DOT_FP32)
             else:  # BLOCK_H == 1: q [1, D] against k [N, D], all in 2-D
@@ -116,9 +110,8 @@ def _decode_stage1_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not EARLY_V:
-                v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                            mask=mask_kv, other=0.0)
+            v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
             if USE_DOT:
                 acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, DOT_FP32)
             else:
@@ -177,16 +170,6 @@ def _decode_stage2_kernel(
         m = m_new
     out = acc / tl.where(denom > 0, denom, 1.0)  # an empty request (seq_len 0) writes zeros
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
-
-
-EARLY_V_MAX_BS = int(os.environ.get("RADIXSERVE_DECODE_EARLY_V_MAX_BS", "8"))
-
-
-def _early_v(bs: int) -> bool:
-    """Load V beside K (rather than after the scores) up to this batch size: at batch 1-8 stage 1 is a few
-    hundred programs of one or two KV blocks each, bound by the latency of its dependent loads, not by bandwidth.
-    RADIXSERVE_DECODE_EARLY_V_MAX_BS sets the limit (0: never)."""
-    return bs <= EARLY_V_MAX_BS
 
 
 def is_interpreted() -> bool:
@@ -338,7 +321,7 @@ def decode_attention_fwd(
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
         KV_F16=use_dot and not dot_fp32 and k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
-        SLIDING=window > 0, EARLY_V=_early_v(bs),
+        SLIDING=window > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     grid2 = (bs, num_heads)
