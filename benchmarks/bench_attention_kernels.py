@@ -68,7 +68,6 @@ def make_kv(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 
 def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
-    from radixserve.layers.attention.triton_ops import decode_attention as da
     from radixserve.layers.attention.triton_ops.decode_attention import (
         decode_attention_fwd,
         decode_partial_shapes,
@@ -80,7 +79,6 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
     decode_configs: list[tuple[int, ...] | None] = [None]
     if args.decode_configs:
         decode_configs = [tuple(parse_ints(c)) for c in args.decode_configs.split(";")]
-    early_default = da.EARLY_V_MAX_BS
     rows = []
     for bs in parse_ints(args.batch_sizes):
         for seq_len in parse_ints(args.seq_lens):
@@ -101,9 +99,7 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
                 mid_lse = torch.empty(shape_lse, device="cuda", dtype=torch.float32)
                 tiles = {}
                 if cfg is not None:
-                    tiles = dict(zip(("block_n", "num_warps", "num_stages"), cfg[:3], strict=True))
-                    # the 4th field: V loaded beside K (1) or after the scores (0) at this batch size
-                    da.EARLY_V_MAX_BS = (bs if cfg[3] else 0) if len(cfg) > 3 else early_default
+                    tiles = dict(zip(("block_n", "num_warps", "num_stages"), cfg, strict=True))
                 run = functools.partial(decode_attention_fwd, q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o,
                                         mid_lse, d ** -0.5, min_split_len=args.min_split_len,
                                         use_dot={"auto": None, "on": True, "off": False}[args.decode_dot],
@@ -114,8 +110,6 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
                     print(f"decode  bs={bs:4d} seq={seq_len:6d} cfg={cfg} failed: {type(e).__name__}: "
                           f"{str(e)[:120]}", flush=True)
                     continue
-                finally:
-                    da.EARLY_V_MAX_BS = early_default
                 kv_bytes = bs * seq_len * hkv * d * 2 * k_buf.element_size() + bs * seq_len * 4
                 row = {"kernel": "decode", "batch_size": bs, "seq_len": seq_len, "heads": h, "kv_heads": hkv,
                        "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "kv_splits": cap,
@@ -185,8 +179,8 @@ def main() -> None:
     p.add_argument("--extend-configs", default="", help="'BLOCK_M,BLOCK_N,WARPS,STAGES;...' to compare "
                                                         "(default: the kernel's own choice)")
     p.add_argument("--min-split-len", type=int, default=64)
-    p.add_argument("--decode-configs", default="", help="'BLOCK_N,WARPS,STAGES[,EARLY_V];...' decode stage-1 "
-                   "tiles to compare (EARLY_V 1: V loaded beside K); default: the kernel's own choice")
+    p.add_argument("--decode-configs", default="", help="'BLOCK_N,WARPS,STAGES;...' decode stage-1 tiles to "
+                   "compare; default: the kernel's own choice")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--decode-dot", choices=["auto", "on", "off"], default="auto",
                    help="force the tl.dot (on) or elementwise (off, MHA only) decode path")

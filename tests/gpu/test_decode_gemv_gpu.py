@@ -55,6 +55,8 @@ def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
             table[gemv_configs.key("row16", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
             if isinstance(mod, MergedColumnParallelLinear):
                 table[gemv_configs.key("row16_silu", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
+    lm_head = plain.model.lm_head.weight  # the LM head's one-row product too (logits_processor)
+    table[gemv_configs.key("row16", 1, *lm_head.shape)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
     picks = tmp_path / "picks.json"
     picks.write_text(json.dumps({"configs": table}))
     monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(picks))
