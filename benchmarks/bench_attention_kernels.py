@@ -76,9 +76,6 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
 
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    decode_configs: list[tuple[int, ...] | None] = [None]
-    if args.decode_configs:
-        decode_configs = [tuple(parse_ints(c)) for c in args.decode_configs.split(";")]
     rows = []
     for bs in parse_ints(args.batch_sizes):
         for seq_len in parse_ints(args.seq_lens):
@@ -87,35 +84,36 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
             seq_lens = [seq_len] * bs
             k_buf, v_buf, req_to_token = make_kv(bs * seq_len, hkv, d, dtype, seq_lens, not args.contiguous,
                                                  seq_len)
+            if args.kv_dtype != "auto":
+                kv_dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_dtype]
+                k_buf, v_buf = k_buf.to(kv_dtype), v_buf.to(kv_dtype)
             q = torch.randn(bs, h, d, device="cuda", dtype=dtype)
             o = torch.empty_like(q)
             rpi = torch.arange(bs, device="cuda", dtype=torch.int64)
             sl = torch.tensor(seq_lens, device="cuda", dtype=torch.int64)
             caps = sorted({kv_split_cap(bs, h, hkv, sms, m, pps) for m in parse_ints(args.max_kv_splits)
                            for pps in parse_ints(args.programs_per_sm)})
-            for cap, cfg in [(c, g) for c in caps for g in decode_configs]:
+            tiles = [{}]
+            if args.block_n or args.num_stages:
+                tiles = [{"block_n": bn, "num_stages": st} for bn in parse_ints(args.block_n or "64")
+                         for st in parse_ints(args.num_stages or "2")]
+            for cap, tile in ((c, t) for c in caps for t in tiles):
                 shape_o, shape_lse = decode_partial_shapes(bs, h, d, cap)
                 mid_o = torch.empty(shape_o, device="cuda", dtype=torch.float32)
                 mid_lse = torch.empty(shape_lse, device="cuda", dtype=torch.float32)
-                tiles = {}
-                if cfg is not None:
-                    tiles = dict(zip(("block_n", "num_warps", "num_stages"), cfg, strict=True))
+
                 run = functools.partial(decode_attention_fwd, q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o,
                                         mid_lse, d ** -0.5, min_split_len=args.min_split_len,
                                         use_dot={"auto": None, "on": True, "off": False}[args.decode_dot],
-                                        num_kv_splits=cap, **tiles)
-                try:
-                    secs = time_graph(run, args.iters)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit: reported, skipped
-                    print(f"decode  bs={bs:4d} seq={seq_len:6d} cfg={cfg} failed: {type(e).__name__}: "
-                          f"{str(e)[:120]}", flush=True)
-                    continue
+                                        num_kv_splits=cap, **tile)
+                secs = time_graph(run, args.iters)
                 kv_bytes = bs * seq_len * hkv * d * 2 * k_buf.element_size() + bs * seq_len * 4
                 row = {"kernel": "decode", "batch_size": bs, "seq_len": seq_len, "heads": h, "kv_heads": hkv,
-                       "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "kv_splits": cap,
-                       "config": cfg or "default", "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
+                       "head_dim": d, "dtype": str(k_buf.dtype).removeprefix("torch."), "kv_splits": cap, **tile,
+                       "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
                 rows.append(row)
-                print(f"decode  bs={bs:4d} seq={seq_len:6d} splits={cap:3d} cfg={str(cfg or 'default'):<14} "
+                print(f"decode  bs={bs:4d} seq={seq_len:6d} splits={cap:3d} {str(k_buf.dtype)[6:]:>13} "
+                      f"{' '.join(f'{a}={b}' for a, b in tile.items()):<22} "
                       f"{row['time_us']:9.1f} us  {row['kv_read_gb_per_s']:8.0f} GB/s", flush=True)
             del k_buf, v_buf, req_to_token
             torch.cuda.empty_cache()
@@ -179,13 +177,14 @@ def main() -> None:
     p.add_argument("--extend-configs", default="", help="'BLOCK_M,BLOCK_N,WARPS,STAGES;...' to compare "
                                                         "(default: the kernel's own choice)")
     p.add_argument("--min-split-len", type=int, default=64)
-    p.add_argument("--decode-configs", default="", help="'BLOCK_N,WARPS,STAGES;...' decode stage-1 tiles to "
-                   "compare; default: the kernel's own choice")
-    p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--decode-dot", choices=["auto", "on", "off"], default="auto",
                    help="force the tl.dot (on) or elementwise (off, MHA only) decode path")
     p.add_argument("--contiguous", action="store_true", help="lay each request's KV out contiguously "
                                                               "(default: slots shuffled, as after many frees)")
+    p.add_argument("--kv-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                   help="decode: the KV pool's dtype (auto: --dtype); q stays in --dtype")
+    p.add_argument("--block-n", default="", help="decode: comma-separated tokens per loop step to compare")
+    p.add_argument("--num-stages", default="", help="decode: comma-separated pipeline depths to compare")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--skip-extend", action="store_true")
     args = p.parse_args()
@@ -194,7 +193,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     t0 = time.time()
-    rows = [] if args.skip_decode else bench_decode(args, dtype)
+    rows = bench_decode(args, dtype)
     if not args.skip_extend:
         rows += bench_extend(args, dtype)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -6,6 +6,8 @@
 #   agree_bf16_8b      the same in bf16 (teacher-forced agreement beside the float32 figure)
 #   one_batch_8b_tp1 / one_batch_8b_tp2 / one_batch_8b_tp2_nccl   8B decode, batch 1 and 32 (custom all-reduce,
 #                      then NCCL only)                                                           bench_one_batch
+#   one_batch_8b_tp2_push / one_batch_8b_tp2_push_pf   the same with the push one-shot (RADIXSERVE_ONE_SHOT=push),
+#                      then also asking the L2 for the next weight (RADIXSERVE_AR_PREFETCH_MB=16)
 #   one_batch_70b_tp2  70B shape at TP 2, batch 1 and 32 (bandwidth utilisation of both GPUs)
 #   offline_tp1_dp2 / offline_tp2   the 1000-prompt 8B offline workload (NOFF prompts, in/out 512-1024)
 #   dp_prefix_round_robin / dp_prefix_cache_aware   DP=2 on 32 shared 2,048-token prefixes
@@ -71,6 +73,7 @@ step() { local name=$1 limit=$2; shift 2
 
 # all-reduce latency (~20 s)
 step allreduce 60 $PY benchmarks/bench_all_reduce.py --world-size 2 --sizes-kib 8 16 32 64 128 256 512 1024 4096 \
+  --methods nccl one_shot two_shot triton push triton_fused push_fused push_fused_pf auto \
   --result-file "$J/allreduce.json" ${SMALL:+--device cpu --eager-iters 3}
 # TP=2 == TP=1 (float32: the free-running greedy tokens; bf16: teacher-forced beside it)
 AG=(--load-format dummy --tp-sizes 1 2 --num-prompts "$(sz 64 6)" --max-input-len "$(sz 1024 40)"
@@ -88,6 +91,10 @@ step one_batch_8b_tp1 70 $PY -m radixserve.bench_one_batch --model-path "$M8" "$
   --result-file "$J/one_batch_8b_tp1.json" $EXTRA
 step one_batch_8b_tp2 80 $PY -m radixserve.bench_one_batch --model-path "$M8" "${OB[@]}" --tp-size 2 \
   --result-file "$J/one_batch_8b_tp2.json" $EXTRA
+step one_batch_8b_tp2_push 80 env RADIXSERVE_ONE_SHOT=push $PY -m radixserve.bench_one_batch --model-path "$M8" \
+  "${OB[@]}" --tp-size 2 --result-file "$J/one_batch_8b_tp2_push.json" $EXTRA
+step one_batch_8b_tp2_push_pf 80 env RADIXSERVE_ONE_SHOT=push RADIXSERVE_AR_PREFETCH_MB=16 $PY -m radixserve.bench_one_batch \
+  --model-path "$M8" "${OB[@]}" --tp-size 2 --result-file "$J/one_batch_8b_tp2_push_pf.json" $EXTRA
 step one_batch_8b_tp2_nccl 80 $PY -m radixserve.bench_one_batch --model-path "$M8" "${OB[@]}" --tp-size 2 \
   --disable-custom-all-reduce --result-file "$J/one_batch_8b_tp2_nccl.json" $EXTRA
 step one_batch_70b_tp2 150 $PY -m radixserve.bench_one_batch --model-path "$M70" "${OB[@]}" --tp-size 2 \

@@ -65,6 +65,9 @@ def derive(data: dict[str, Any]) -> dict[str, Any]:
         t1, t2, tn = (one or {}).get("decode_tok_s"), (two or {}).get("decode_tok_s"), (nccl or {}).get("decode_tok_s")
         scaling[f"bs{bs}"] = {"tp1_decode_tok_s": t1, "tp2_decode_tok_s": t2, "speedup": _ratio(t2, t1),
                               "tp2_nccl_decode_tok_s": tn, "nccl_speedup": _ratio(tn, t1)}
+        for variant in ("push", "push_pf"):  # the push one-shot, and it with the L2 prefetch of the next weight
+            tv = (_one_batch(data.get(f"one_batch_8b_tp2_{variant}"), bs) or {}).get("decode_tok_s")
+            scaling[f"bs{bs}"].update({f"tp2_{variant}_decode_tok_s": tv, f"{variant}_speedup": _ratio(tv, t1)})
     scaling["bs1_target_1_7x_met"] = (scaling["bs1"]["speedup"] or 0) >= 1.7
     out["decode_scaling_8b"] = scaling
     b70 = data.get("one_batch_70b_tp2")

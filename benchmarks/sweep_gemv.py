@@ -76,6 +76,10 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             out += [GemvConfig("mma", bn, bk, w, st) for bn, bk, w, st in
                     [(16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2),
                      (32, 1024, 8, 2), (64, 256, 4, 2), (64, 512, 8, 2), (16, 512, 2, 2), (32, 512, 4, 3)]]
+            out += [GemvConfig("mma", bn, bk, w, 2, "2d") for bn, bk, w in [(16, 256, 4), (32, 256, 4), (16, 512, 2)]]
+            # integer products by dp4a on the CUDA cores
+            out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in
+                    [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 512, 4), (8, 1024, 8)]]
     return out[:6] if quick else out
 
 
@@ -283,7 +287,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
         out = candidates(family, m, args.quick)
-        if args.kernels:
+        if args.kernels and out:  # (none: the family does not take m rows)
             from radixserve.layers.quantization import gemv_configs
 
             out = [c for c in out if c.kernel in args.kernels]

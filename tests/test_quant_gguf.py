@@ -214,10 +214,13 @@ def _q8_blocks_ref(x: torch.Tensor) -> torch.Tensor:
     return (q * s).view(x.shape)
 
 
-@pytest.mark.parametrize("m,block_n,block_k", [(1, 16, 256), (2, 32, 512), (1, 16, 1024)])
-def test_q4_k_mma_gemv_matches_reference(m: int, block_n: int, block_k: int) -> None:
-    """The Q4_K GEMV on the integer tensor cores (`_q4_k_gemv_mma_kernel`): x quantised per 32-column block to int8
-    in the kernel, the sub-blocks' scales after the MMA. Against the dequantised weight times that x (exact integer
+@pytest.mark.parametrize("kernel,m,block_n,block_k,variant", [
+    ("mma", 1, 16, 256, ""), ("mma", 2, 32, 512, ""), ("mma", 1, 16, 1024, ""), ("mma", 2, 16, 256, "2d"),
+    ("dp4a", 1, 4, 256, ""), ("dp4a", 2, 2, 512, "")])
+def test_q4_k_int8_gemv_matches_reference(kernel: str, m: int, block_n: int, block_k: int, variant: str) -> None:
+    """The Q4_K GEMVs with integer products (`_q4_k_gemv_mma_kernel` on the tensor cores, `_q4_k_gemv_dp4a_kernel`
+    by dp4a, elementwise under the interpreter): x quantised per 32-column block to int8 in the kernel, the
+    sub-blocks' scales after the integer dot. Against the dequantised weight times that x (exact integer
     products: float32 rounding only), and within the int8 error of the float x; rows not a multiple of the tile."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
@@ -229,7 +232,7 @@ def test_q4_k_mma_gemv_matches_reference(m: int, block_n: int, block_k: int) -> 
     x[0, :32] *= 1e-3  # a block of small values: its own scale
     bias = torch.randn(n, generator=g)
     out = gguf_gemv(x.to(DEV), G.Q4_K, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV),
-                    GemvConfig("mma", block_n, block_k))
+                    GemvConfig(kernel, block_n, block_k, variant=variant))
     w = G.dequantize(G.Q4_K, fields)
     ref_q = _q8_blocks_ref(x) @ w.t() + bias
     # w = d sc (q - 8) + (8 d sc - dmin m): only the first part meets x's int8 rounding, the second the float x

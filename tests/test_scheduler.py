@@ -439,3 +439,21 @@ def test_flex_backend_gives_identical_tokens(tiny_path, reference, page_size) ->
     kw = {"attention_backend": "flex", "page_size": page_size, "chunked_prefill_size": 16, "max_total_tokens": 1024}
     reqs = workload()[:6]
     assert run(tiny_path, reqs, **kw) == {rid: reference[rid] for rid, _, _ in reqs}
+
+
+def test_a_chat_templates_short_shared_head_is_computed_once_on_the_cpu(tiny_path) -> None:
+    """On the CPU a shared uncached head of 16-31 tokens (a chat template's system prompt) is enough: the requests
+    arriving with it wait one round behind the first and take the head from the cache."""
+    from radixserve.managers.scheduler import IN_BATCH_PREFIX_LEN, IN_BATCH_PREFIX_LEN_CPU
+
+    head = list(range(100, 100 + IN_BATCH_PREFIX_LEN_CPU + 4))
+    assert len(head) < IN_BATCH_PREFIX_LEN  # shorter than what the GPU rule compares
+    s = make_scheduler(tiny_path)
+    for i in range(4):
+        submit(s, f"r{i}", head + [1 + i, 2 + i], 3)
+    s.step()
+    assert [r.rid for r in s.last_batch.reqs] == ["r0"]  # the others wait one round
+    res = drain(s)
+    assert res["r0"]["meta"]["cached_tokens"] == 0
+    for i in range(1, 4):
+        assert res[f"r{i}"]["meta"]["cached_tokens"] == len(head)

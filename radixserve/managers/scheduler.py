@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 IN_BATCH_PREFIX_LEN = 32  # prompt head length compared for in-batch prefix sharing
+# On the CPU a prompt token costs about a millisecond of prefill (SmolLM2-135M, 2 cores), so a shorter shared head
+# is worth the round a deferred request waits: a chat template's system prompt (24 tokens for SmolLM2's) qualifies.
+IN_BATCH_PREFIX_LEN_CPU = 16
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
@@ -407,6 +410,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         admitted = []
         uncached_heads: set[tuple] = set()  # (adapter, *prompt head)s this batch will put into the cache
         sharing = self.tree_cache.shares_prefixes
+        head_len = IN_BATCH_PREFIX_LEN_CPU if str(self.device).startswith("cpu") else IN_BATCH_PREFIX_LEN
         loras = None  # LoRA: the distinct adapters of the batch must fit the device slots
         if self.lora_table is not None:
             loras = {r.lora_id for r in [*running, *adder.can_run] if r.lora_id is not None}
@@ -420,10 +424,10 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             # round's ordering just did (and never lock a node no longer in the tree).
             if not prefix_matched or not self.tree_cache.is_attached(req.last_node):
                 req.init_next_round_input(self.tree_cache)
-            if sharing and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN <= len(req.fill_ids):
+            if sharing and len(req.prefix_indices) < head_len <= len(req.fill_ids):
                 # In-batch prefix sharing: a request whose uncached head repeats one already admitted this round
                 # waits one round, and then finds that head in the cache instead of computing it again.
-                head = (req.lora_id, *req.fill_ids[:IN_BATCH_PREFIX_LEN])
+                head = (req.lora_id, *req.fill_ids[:head_len])
                 if head in uncached_heads:
                     continue
                 uncached_heads.add(head)

@@ -149,7 +149,7 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
         if fmt == G.Q4_K:  # the integer tensor-core kernel, whatever the table picks
             from radixserve.layers.quantization.gemv_configs import GemvConfig
 
-            for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8)):
+            for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512)):
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 
 

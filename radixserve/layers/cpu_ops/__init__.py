@@ -112,10 +112,12 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn = lib.rmsnorm_bf16
     fn.restype = _I
     fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-    for name in ("small_m_linear", "small_m_linear_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = _I
-        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+    fn = lib.small_m_linear
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+    fn = lib.small_m_linear_bf16
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _I, _I]
     lib.has_bf16_linear.restype = _I
     return lib
 
@@ -198,31 +200,24 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x W^T (+ bias) with the reordered weight, or None where that path does not apply."""
-    if (not PACKED or torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2
-            or x.shape[0] < _PACKED_MIN_ROWS.get(x.dtype, 1 << 62) or weight.dtype != x.dtype or weight.dim() != 2
-            or x.requires_grad or weight.requires_grad or (bias is not None and bias.dtype != x.dtype)):
-        return None
-    packed = _packed_weight(weight)
-    if packed is None:
-        return None
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, persistent: bool = False
            ) -> torch.Tensor:
     """F.linear(x, weight, bias); for CPU inputs of 1..SMALL_M rows through the multithreaded kernel (each output
     feature computed the same way whatever the batch or thread count): float32 weights with float32 x, or bfloat16
     weights (x rounded to bfloat16, products summed in float32, the result in x's dtype) where the CPU has
     AVX512-BF16. `persistent`: the weight is a model parameter that stays as it is (not a tensor made for this call),
-    so that from a few rows on it is reordered once for oneDNN and the reordered copy kept (see PACKED)."""
-    if persistent:
-        out = _packed_linear(x, weight, bias)
-        if out is not None:
-            return out
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_M
-            or x.requires_grad or weight.requires_grad or weight.dim() != 2):
+    so that from a few rows on it is reordered once for oneDNN and the reordered copy kept (see PACKED). Called for
+    every linear of every decode step: the checks are ordered to cost little on the common path."""
+    if (x.device.type != "cpu" or x.dim() != 2 or weight.dim() != 2 or x.requires_grad or weight.requires_grad
+            or torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    m = x.shape[0]
+    if persistent and PACKED and m >= _PACKED_MIN_ROWS.get(x.dtype, 1 << 62) and weight.dtype == x.dtype \
+            and (bias is None or bias.dtype == x.dtype):
+        packed = _packed_weight(weight)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if not 0 < m <= SMALL_M:
         return F.linear(x, weight, bias)
     bf16 = weight.dtype == torch.bfloat16
     if not (weight.dtype == torch.float32 and x.dtype == torch.float32) \
@@ -231,25 +226,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lib = load()
     if lib is None or (bf16 and not lib.has_bf16_linear()):
         return F.linear(x, weight, bias)
-    m, k = x.shape
+    k = x.shape[1]
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"linear: x has {k} features, the weight {tuple(weight.shape)}")
-    out_dtype = x.dtype
-    if x.dtype != torch.float32:
-        x = x.float()
     if x.stride(1) != 1:
         x = x.contiguous()
-    weight = weight.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    fn = lib.small_m_linear_bf16 if bf16 else lib.small_m_linear
-    rc = fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-            m, n, k, torch.get_num_threads())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if bf16:  # bfloat16 rows in and out as they are (the kernel rounds x to bfloat16 anyway)
+        y = torch.empty(m, n, dtype=x.dtype)
+        rc = lib.small_m_linear_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), bias_ptr, y.data_ptr(), n, m, n, k,
+                                     threads, int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16))
+    else:
+        y = torch.empty(m, n, dtype=torch.float32)
+        rc = lib.small_m_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), bias_ptr, y.data_ptr(), n, m, n, k,
+                                threads)
     if rc:
         raise RuntimeError(f"small-M linear kernel failed (error {rc})")
-    return y if out_dtype == torch.float32 else y.to(out_dtype)
+    return y
 
 
 def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,

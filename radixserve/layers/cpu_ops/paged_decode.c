@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void attend_chunk_impl(const float 
 #pragma omp simd reduction(max : m)
         for (int i = 0; i < n; i++) m = sj[i] > m ? sj[i] : m;
 #pragma omp simd
-        for (int i = 0; i < n; i++) sj[i] = expf(sj[i] - m); /* vector expf (libmvec) */
+        for (int i = 0; i < n; i++) sj[i] = expf(sj[i] - m);
 #pragma omp simd reduction(+ : l)
         for (int i = 0; i < n; i++) l += sj[i];
         m_out[j] = m;
@@ -112,6 +112,45 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, int 
 
 #define MAX_DV 16 /* D up to 256 */
 
+/* e^x for 16 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n by
+ * scalef), within 2 ulp of expf over the range softmax uses (x <= 0). glibc's scalar expf (its vector variant is
+ * only declared under -ffast-math) made the softmax the larger half of a long-context step. */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f)); /* below: e^x under the smallest normal float, taken as ~0 */
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* s[i] = e^(s[i] - m) for i < n; returns their sum */
+static inline __attribute__((always_inline)) float exp_sum512(float *s, int n, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+        _mm512_storeu_ps(s + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (i < n) {
+        const __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
+        _mm512_mask_storeu_ps(s + i, k, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* The same item with explicit AVX-512 (D a multiple of 16, G <= 8): each K/V row is loaded (and widened from
  * bf16) once and used by all G heads of its group, and the G dot products of a token are reduced together. */
 static inline __attribute__((always_inline)) void attend_chunk_avx512(
@@ -136,15 +175,11 @@ static inline __attribute__((always_inline)) void attend_chunk_avx512(
         for (int j = 0; j < G; j++) s[j * CHUNK + i] = _mm512_reduce_add_ps(a[j]);
     }
     for (int j = 0; j < G; j++) {
-        float m = -INFINITY, l = 0.f;
+        float m = -INFINITY;
         float *sj = s + j * CHUNK;
         for (int i = 0; i < n; i++) m = sj[i] > m ? sj[i] : m;
-#pragma omp simd
-        for (int i = 0; i < n; i++) sj[i] = expf(sj[i] - m);
-#pragma omp simd reduction(+ : l)
-        for (int i = 0; i < n; i++) l += sj[i];
         m_out[j] = m;
-        l_out[j] = l;
+        l_out[j] = exp_sum512(sj, n, m);
     }
     __m512 o[8][MAX_DV];
     for (int j = 0; j < G; j++)

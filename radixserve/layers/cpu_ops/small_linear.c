@@ -90,10 +90,12 @@ int small_m_linear(const float *x, int64_t x_stride, const float *w, const float
 
 /* ---------------------------------------------------------------- bfloat16 weights */
 #if defined(__AVX512BF16__)
+static inline uint16_t f32_to_bf16(float f);
+
 static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *restrict xb, const uint16_t *restrict w,
-                                                             const float *restrict bias, float *restrict y,
-                                                             int64_t y_stride, const int M, int64_t K, int64_t n0,
-                                                             int64_t n1) {
+                                                             const float *restrict bias, void *restrict y,
+                                                             int64_t y_stride, const int y_bf16, const int M,
+                                                             int64_t K, int64_t n0, int64_t n1) {
     /* xb: x rounded to bf16, K padded to a multiple of 32 with zeros (row stride Kp) */
     const int64_t Kp = (K + 31) & ~(int64_t)31, K32 = K & ~(int64_t)31;
     const __mmask32 tail = (__mmask32)((K - K32) ? ((1ull << (K - K32)) - 1ull) : 0u);
@@ -112,7 +114,10 @@ static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *rest
                 acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512((const void *)(xb + m * Kp + K32)), wv);
         }
         const float b = bias ? bias[n] : 0.f;
-        for (int m = 0; m < M; m++) y[m * y_stride + n] = _mm512_reduce_add_ps(acc[m]) + b;
+        if (y_bf16)
+            for (int m = 0; m < M; m++) ((uint16_t *)y)[m * y_stride + n] = f32_to_bf16(_mm512_reduce_add_ps(acc[m]) + b);
+        else
+            for (int m = 0; m < M; m++) ((float *)y)[m * y_stride + n] = _mm512_reduce_add_ps(acc[m]) + b;
     }
 }
 
@@ -122,21 +127,26 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
-int small_m_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, const float *bias, float *y,
-                        int64_t y_stride, int64_t M, int64_t N, int64_t K, int num_threads) {
+/* x_bf16: x holds bfloat16 (raw uint16) rows instead of float32; y_bf16: y is written as bfloat16, rounded to
+ * nearest even (the float32 result converted as torch converts it). */
+int small_m_linear_bf16(const void *x, int64_t x_stride, const uint16_t *w, const float *bias, void *y,
+                        int64_t y_stride, int64_t M, int64_t N, int64_t K, int num_threads, int x_bf16, int y_bf16) {
     if (M < 1 || M > MAX_M) return 2;
     const int64_t Kp = (K + 31) & ~(int64_t)31;
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(M * Kp));
     if (!xb) return 1;
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = f32_to_bf16(x[m * x_stride + k]);
+        if (x_bf16)
+            for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = ((const uint16_t *)x)[m * x_stride + k];
+        else
+            for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = f32_to_bf16(((const float *)x)[m * x_stride + k]);
         for (int64_t k = K; k < Kp; k++) xb[m * Kp + k] = 0;
     }
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < N ? n0 + ROWS_PER_TASK : N;
-        DISPATCH(rows_bf16, xb, w, bias, y, y_stride)
+        DISPATCH(rows_bf16, xb, w, bias, y, y_stride, y_bf16)
     }
     free(xb);
     return 0;
@@ -144,10 +154,10 @@ int small_m_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, con
 
 int has_bf16_linear(void) { return 1; }
 #else
-int small_m_linear_bf16(const float *x, int64_t x_stride, const uint16_t *w, const float *bias, float *y,
-                        int64_t y_stride, int64_t M, int64_t N, int64_t K, int num_threads) {
+int small_m_linear_bf16(const void *x, int64_t x_stride, const uint16_t *w, const float *bias, void *y,
+                        int64_t y_stride, int64_t M, int64_t N, int64_t K, int num_threads, int x_bf16, int y_bf16) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
-    (void)num_threads;
+    (void)num_threads; (void)x_bf16; (void)y_bf16;
     return 3; /* built for a CPU without AVX512-BF16 */
 }
 

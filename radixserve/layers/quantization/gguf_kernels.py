@@ -244,6 +244,110 @@ def _q4_k_gemv_mma_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
 
 
 @triton.jit
+def _q4_k_gemv_mma2d_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn,
+                            stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """`_q4_k_gemv_mma_kernel` with one 2-D int8 dot per sub-block ([BLOCK_N, 32] x [32, 16]) in an unrolled loop
+    over the NCH chunks of a step, instead of one batched dot."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_l = tl.arange(0, 32)
+    first = (tl.arange(0, 16) == 0)[None, :]
+    rows = offs_n.to(tl.int64)
+    w_ptrs = Wq + rows[:, None] * stride_wn + offs_l[None, :]  # [BLOCK_N, 32]
+    x_ptrs = X + m * stride_xm + offs_l
+    s_ptrs = Sc + rows * stride_sn
+    m_ptrs = Mn + rows * stride_sn
+    d_ptrs = D + rows * stride_dn
+    dm_ptrs = Dmin + rows * stride_dn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        for c in tl.static_range(NCH):
+            g = g0 + c
+            b = tl.load(w_ptrs + g * 32, mask=mask_n[:, None], other=0)
+            d = tl.load(d_ptrs + g // 4, mask=mask_n, other=0.0).to(tl.float32)
+            dm = tl.load(dm_ptrs + g // 4, mask=mask_n, other=0.0).to(tl.float32)
+            for half in tl.static_range(2):
+                q = ((b >> (4 * half)) & 0xF).to(tl.int8) - 8
+                x = tl.load(x_ptrs + g * 64 + 32 * half).to(tl.float32)  # [32]
+                xs = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 127.0
+                xt = tl.where(first, _round_to_int8(x / xs)[:, None], 0).to(tl.int8)  # [32, 16], x in column 0
+                dot = tl.sum(tl.dot(q, xt, out_dtype=tl.int32), axis=1).to(tl.float32)  # [BLOCK_N]
+                sc = tl.load(s_ptrs + 2 * g + half, mask=mask_n, other=0).to(tl.float32)
+                mn = tl.load(m_ptrs + 2 * g + half, mask=mask_n, other=0).to(tl.float32)
+                acc += d * sc * xs * dot + (8.0 * d * sc - dm * mn) * tl.sum(x, axis=0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _nibble_dot4(b, xq, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Products of the low (or HIGH) nibbles of the bytes b (uint8) with the int8 xq, for a sum over the last
+    axis: with ASM, one `dp4a` per 4 bytes (the nibbles masked out of a 32-bit register in one instruction), the
+    4-byte sum in the first of the 4 results and 0 in the others; without it (the interpreter), the elementwise
+    products (the same sum)."""
+    if ASM:
+        if HIGH:
+            code = "{.reg .b32 t; shr.b32 t, $4, 4; and.b32 t, t, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $5, 0; " \
+                   "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;}"
+        else:
+            code = "{.reg .b32 t; and.b32 t, $4, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $5, 0; " \
+                   "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;}"
+        return tl.inline_asm_elementwise(code, "=r,=r,=r,=r,r,r", [b, xq], dtype=tl.int32, is_pure=True, pack=4)
+    q = (b >> 4) if HIGH else (b & 0xF)
+    return q.to(tl.int32) * xq.to(tl.int32)
+
+
+@triton.jit
+def _q4_k_gemv_dp4a_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn,
+                           stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           NCH: tl.constexpr):
+    """As `_q4_k_gemv_mma_kernel` (x to int8 per 32-column block in the program, the sub-blocks' scales after an
+    integer dot product), with the integer products by `dp4a` on the CUDA cores: 4 weights a instruction, their
+    nibbles masked out of the packed bytes 4 at a time. q is taken unsigned (0..15) and the centring (q - 8) done
+    on the sums: dot(q - 8, xq) = dot(q, xq) - 8 sum(xq)."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    ch = tl.arange(0, NCH)
+    offs_l = tl.arange(0, 32)
+    rows = offs_n.to(tl.int64)
+    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
+    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        b = tl.load(w_ptrs + g0 * 32, mask=mask_w, other=0)
+        x_lo = tl.load(x_ptrs + g0 * 64).to(tl.float32)  # [BLOCK_N, NCH, 32], every row the same
+        x_hi = tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32)
+        xs_lo = tl.maximum(tl.max(tl.abs(x_lo), axis=2), 1e-30) / 127.0  # [BLOCK_N, NCH]
+        xs_hi = tl.maximum(tl.max(tl.abs(x_hi), axis=2), 1e-30) / 127.0
+        xq_lo = _round_to_int8(x_lo / xs_lo[:, :, None])
+        xq_hi = _round_to_int8(x_hi / xs_hi[:, :, None])
+        dot_lo = tl.sum(_nibble_dot4(b, xq_lo, False, ASM), axis=2) - 8 * tl.sum(xq_lo.to(tl.int32), axis=2)
+        dot_hi = tl.sum(_nibble_dot4(b, xq_hi, True, ASM), axis=2) - 8 * tl.sum(xq_hi.to(tl.int32), axis=2)
+        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        acc += d * (sc_lo * dot_lo.to(tl.float32) * xs_lo + sc_hi * dot_hi.to(tl.float32) * xs_hi) \
+            + (8.0 * d * sc_lo - dm * mn_lo) * tl.sum(x_lo, axis=2) \
+            + (8.0 * d * sc_hi - dm * mn_hi) * tl.sum(x_hi, axis=2)
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q8_0 rows, NB contiguous 32-weight blocks of every row per
@@ -299,8 +403,14 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
         sc = fields["scales"]
+        if cfg.kernel == "dp4a":
+            launch(_q4_k_gemv_dp4a_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
+                   x.stride(0), wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+            return out
         if cfg.kernel == "mma":
-            launch(_q4_k_gemv_mma_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
+            kernel = _q4_k_gemv_mma2d_kernel if cfg.variant == "2d" else _q4_k_gemv_mma_kernel
+            launch(kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
                    x.stride(0), wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                    BLOCK_N=block_n, NCH=block_k // 64, **opts)
             return out

@@ -24,6 +24,8 @@ as an elementwise product on an H200. The elementwise path remains as an option 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -172,6 +174,13 @@ def _decode_stage2_kernel(
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
+# Tile of an fp8 pool (tokens per loop step, pipeline stages): its rows are half the bytes of bf16 ones, so the
+# same token count keeps half as many bytes in flight. RADIXSERVE_DECODE_FP8_BLOCK_N / _STAGES override them
+# (comparisons; `benchmarks/bench_attention_kernels.py --kv-dtype fp8_e4m3 --block-n ... --num-stages ...`).
+FP8_BLOCK_N = int(os.environ.get("RADIXSERVE_DECODE_FP8_BLOCK_N", "64"))
+FP8_NUM_STAGES = int(os.environ.get("RADIXSERVE_DECODE_FP8_STAGES", "0"))  # 0: the caller's num_stages
+
+
 def is_interpreted() -> bool:
     """True when these kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when this module was imported)."""
     return not isinstance(_decode_stage1_kernel, triton.runtime.JITFunction)
@@ -301,8 +310,11 @@ def decode_attention_fwd(
         raise ValueError("the elementwise decode path handles one query head per KV head only")
     block_h = _block_h(group, use_dot)
     head_blocks = triton.cdiv(group, block_h)
+    fp8_pool = k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if block_n is None:
-        block_n = 32 if interp else 64
+        block_n = 32 if interp else FP8_BLOCK_N if fp8_pool else 64
+    if fp8_pool and not interp and FP8_NUM_STAGES:
+        num_stages = FP8_NUM_STAGES
     if num_warps is None:
         num_warps = 4 if head_dim <= 128 else 8
     # fp32 inputs (tests) keep full precision in tl.dot; the interpreter's dot mishandles bfloat16, so upcast there.
