@@ -183,7 +183,7 @@ def _compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
                 print(f"warm-up failed for {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         try:  # Q4_K's d/dmin row stride (K / 256) is a multiple of 16 at K = 4096, not at 14336: both variants
-            for k in (4096, 14336) if family == "q4_k" else (4096,):
+            for k in (4096, 14336) if family in ("q4_k", "fp8_mid") else (4096,):  # fp8_mid: x's quant kernel
                 fields = make_weight(family, 128, k, 0)
                 # fp8_mid: also a row count that is not a multiple of 16 (the other specialisation a model's
                 # CUDA graphs compile)
@@ -274,6 +274,8 @@ def main() -> None:
                    "kernels a model's CUDA graphs use on these shapes at 1-16 rows, for the runs that follow")
     p.add_argument("--kernels", nargs="+", default=None, help="only candidates of these kernels (ew, dot, acc), plus "
                    "the configs the table holds now for the swept shapes")
+    p.add_argument("--warm-only", action="store_true", help="only compile the candidates (into Triton's cache, "
+                   "e.g. `--kernels picks`: the table's picks) and stop, so that the runs that follow find them")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -283,7 +285,7 @@ def main() -> None:
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
     shapes = SHAPES_8B + ([LM_HEAD_8B] if {"row16", "bf16"} & set(args.families) else [])
-    copy_bw = measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
+    copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
         out = candidates(family, m, args.quick)
@@ -291,7 +293,9 @@ def main() -> None:
             from radixserve.layers.quantization import gemv_configs
 
             out = [c for c in out if c.kernel in args.kernels]
-            out += [c for c in dict.fromkeys(gemv_configs.get(family, m, n, k) for n, k in shapes) if c not in out]
+            table = [gemv_configs.get_mid(m, n, k) if family == "fp8_mid" else gemv_configs.get(family, m, n, k)
+                     for n, k in shapes]
+            out += [c for c in dict.fromkeys(table) if c is not None and c not in out]
         return out
 
     plan = [(f, m, c) for f in args.families for m in args.m for c in cands(f, m)]
@@ -303,6 +307,8 @@ def main() -> None:
         precompile(plan, args.workers)
     except Exception as e:  # noqa: BLE001 - the sweep still runs, compiling as it goes
         print(f"# precompile failed ({type(e).__name__}: {e}); compiling in the sweep", flush=True)
+    if args.warm_only:
+        return
     picks: dict[str, dict] = {}
     all_rows: list[dict] = []
     for family in args.families:

@@ -47,8 +47,15 @@ def test_quantize_rows_and_blocks_round_trip() -> None:
     assert _rel(dequantize_blocks(qb, sb, 16, 32), w) < 0.04
 
 
-@pytest.mark.parametrize("m,k,group", [(1, 64, 64), (5, 96, 32), (3, 256, 128), (0, 32, 16)])
-def test_per_token_group_quant_kernel(m: int, k: int, group: int) -> None:
+@pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.parametrize("m,k,group", [(1, 64, 64), (5, 96, 32), (3, 256, 128), (0, 32, 16), (2, 200, 200)])
+def test_per_token_group_quant_kernel(m: int, k: int, group: int, two_pass: bool,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both forms of the kernel: a group in registers (one pass), and a group wider than that (two passes)."""
+    from radixserve.layers.quantization import fp8_kernels
+
+    if two_pass:
+        monkeypatch.setattr(fp8_kernels, "ONE_PASS_MAX", 8)
     g = torch.Generator().manual_seed(m + k)
     x = torch.randn(m, k, generator=g) * 5
     x[:, :group] *= 0  # an all-zero group: scale floored, no NaN

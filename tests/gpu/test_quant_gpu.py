@@ -153,7 +153,7 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 
 
-@pytest.mark.parametrize("m", [17, 64, 100, 160])
+@pytest.mark.parametrize("m", [17, 64, 160])
 def test_fp8_mid_kernels_on_gpu(m: int) -> None:
     """The transposed W8A8 / W8A16 products of `fp8_mid` on 8B shapes and on rows that are not a multiple of any
     tile, bf16 in and out, against the float32 reference (W8A8 with the activation quantisation in it)."""
@@ -165,8 +165,7 @@ def test_fp8_mid_kernels_on_gpu(m: int) -> None:
         q, s = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
-        for cfg in (GemvConfig("w8a8", 64, 128, 4, 3, block_m=64), GemvConfig("w8a8", 128, 256, 4, 3, block_m=32),
-                    GemvConfig("w8a16", 64, 128, 4, 3, block_m=32), GemvConfig("w8a8", 32, 256, 4, 4, block_m=64)):
+        for cfg in (GemvConfig("w8a8", 64, 256, 4, 3, block_m=64), GemvConfig("w8a16", 64, 128, 4, 3, block_m=32)):
             out = fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias)
             ref = fp8_linear_ref(x.float(), q, s, 1, k, bias.float(), k if cfg.kernel == "w8a8" else None)
             assert out.shape == (m, n) and _rel(out, ref) < 1e-2, (n, k, cfg)

@@ -21,10 +21,21 @@ from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit
-def _group_quant_kernel(X, Q, S, stride_x, stride_q, group, groups_per_row, eps, fmax, BLOCK: tl.constexpr):
+def _group_quant_kernel(X, Q, S, stride_x, stride_q, group, groups_per_row, eps, fmax, BLOCK: tl.constexpr,
+                        ONE_PASS: tl.constexpr):
+    """One program per (row, group). ONE_PASS (the group fits one BLOCK): the group is loaded once and kept in
+    registers, so a per-token quantisation of a decode batch costs one load latency, not two passes of several."""
     g = tl.program_id(0).to(tl.int64)
     row = g // groups_per_row
     col0 = (g % groups_per_row) * group
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + col0 + offs, mask=offs < group, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x)), eps) / fmax
+        q = tl.minimum(tl.maximum(x / scale, -fmax), fmax)
+        tl.store(Q + row * stride_q + col0 + offs, q.to(Q.dtype.element_ty), mask=offs < group)
+        tl.store(S + g, scale)
+        return
     amax = tl.zeros((), dtype=tl.float32)
     for c in range(0, group, BLOCK):
         offs = c + tl.arange(0, BLOCK)
@@ -39,6 +50,9 @@ def _group_quant_kernel(X, Q, S, stride_x, stride_q, group, groups_per_row, eps,
     tl.store(S + g, scale)
 
 
+ONE_PASS_MAX = 16384  # widest group quantised from registers in one pass (per-token scales of an 8B's rows)
+
+
 def per_token_group_quant_fp8(x: torch.Tensor, group: int, dtype: torch.dtype = torch.float8_e4m3fn,
                               eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (q [M, K] `dtype`, scales [M, K // group] float32), x ~= q * scale."""
@@ -50,9 +64,11 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int, dtype: torch.dtype = 
     s = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
-    block = min(1024, triton.next_power_of_2(group))
+    one_pass = group <= ONE_PASS_MAX
+    block = triton.next_power_of_2(group) if one_pass else 1024
+    warps = 1 if block < 512 else min(16, max(4, block // 1024))
     launch(_group_quant_kernel, (m * (k // group),), x, q, s, x.stride(0), q.stride(0), group, k // group, eps,
-           float(torch.finfo(dtype).max), BLOCK=block, num_warps=4 if block >= 512 else 1)
+           float(torch.finfo(dtype).max), BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     return q, s
 
 

@@ -287,14 +287,16 @@ def _nibble_dot4(b, xq, HIGH: tl.constexpr, ASM: tl.constexpr):
     axis: with ASM, one `dp4a` per 4 bytes (the nibbles masked out of a 32-bit register in one instruction), the
     4-byte sum in the first of the 4 results and 0 in the others; without it (the interpreter), the elementwise
     products (the same sum)."""
-    if ASM:
+    if ASM:  # (string literals in place: a jitted function cannot bind a str to a name)
         if HIGH:
-            code = "{.reg .b32 t; shr.b32 t, $4, 4; and.b32 t, t, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $5, 0; " \
-                   "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;}"
-        else:
-            code = "{.reg .b32 t; and.b32 t, $4, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $5, 0; " \
-                   "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;}"
-        return tl.inline_asm_elementwise(code, "=r,=r,=r,=r,r,r", [b, xq], dtype=tl.int32, is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $4, 4; and.b32 t, t, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $5, 0; "
+                "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;}",
+                "=r,=r,=r,=r,r,r", [b, xq], dtype=tl.int32, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t; and.b32 t, $4, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $5, 0; "
+            "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;}",
+            "=r,=r,=r,=r,r,r", [b, xq], dtype=tl.int32, is_pure=True, pack=4)
     q = (b >> 4) if HIGH else (b & 0xF)
     return q.to(tl.int32) * xq.to(tl.int32)
 

@@ -177,8 +177,10 @@ def _decode_stage2_kernel(
 # Tile of an fp8 pool (tokens per loop step, pipeline stages): its rows are half the bytes of bf16 ones, so the
 # same token count keeps half as many bytes in flight. RADIXSERVE_DECODE_FP8_BLOCK_N / _STAGES override them
 # (comparisons; `benchmarks/bench_attention_kernels.py --kv-dtype fp8_e4m3 --block-n ... --num-stages ...`).
-FP8_BLOCK_N = int(os.environ.get("RADIXSERVE_DECODE_FP8_BLOCK_N", "64"))
-FP8_NUM_STAGES = int(os.environ.get("RADIXSERVE_DECODE_FP8_STAGES", "0"))  # 0: the caller's num_stages
+# On an H200 (8B shape, 8 KV heads, batch 160-512, 640-1024 tokens) 128 tokens and 3 stages read an fp8 pool at
+# 2.2-2.5 TB/s against 1.6-1.8 with bf16's 64 and 2 (docs/perf-log.md).
+FP8_BLOCK_N = int(os.environ.get("RADIXSERVE_DECODE_FP8_BLOCK_N", "128"))
+FP8_NUM_STAGES = int(os.environ.get("RADIXSERVE_DECODE_FP8_STAGES", "3"))
 
 
 def is_interpreted() -> bool:
@@ -267,7 +269,7 @@ def decode_attention_fwd(
     min_split_len: int = 64,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     use_dot: bool | None = None,
     num_kv_splits: int | None = None,
     k_scale: float = 1.0,
@@ -313,8 +315,8 @@ def decode_attention_fwd(
     fp8_pool = k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if block_n is None:
         block_n = 32 if interp else FP8_BLOCK_N if fp8_pool else 64
-    if fp8_pool and not interp and FP8_NUM_STAGES:
-        num_stages = FP8_NUM_STAGES
+    if num_stages is None:
+        num_stages = FP8_NUM_STAGES if fp8_pool and not interp else 2
     if num_warps is None:
         num_warps = 4 if head_dim <= 128 else 8
     # fp32 inputs (tests) keep full precision in tl.dot; the interpreter's dot mishandles bfloat16, so upcast there.
