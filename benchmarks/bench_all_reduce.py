@@ -115,12 +115,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     max_bytes = max(args.sizes_kib) * 1024
     os.environ["RADIXSERVE_ONE_SHOT"] = "torch"  # PyTorch's one- and two-shot kernels
     torch_ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
-    os.environ["RADIXSERVE_ONE_SHOT"] = "triton"  # the default: the Triton one-shot, PyTorch's two-shot above
+    os.environ["RADIXSERVE_ONE_SHOT"] = "triton"  # the pull one-shot (flags), PyTorch's two-shot above
     ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
-    push_ar = None
-    if {"push", "push_fused", "push_fused_pf"} & set(args.methods):  # the flag-free push one-shot
-        os.environ["RADIXSERVE_ONE_SHOT"] = "push"
-        push_ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
+    os.environ["RADIXSERVE_ONE_SHOT"] = "push"  # the default: the flag-free push one-shot, PyTorch's two-shot above
+    push_ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
     result: dict[str, Any] = {"custom_enabled": ar.enabled and torch_ar.enabled,
                               "disabled_reason": ar.disabled_reason or torch_ar.disabled_reason, "rows": [],
                               "auto_one_shot_max_kib": ar.one_shot_max_bytes // 1024}
@@ -132,15 +130,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     methods = {"nccl": nccl}
     if ar.enabled:
         methods.update({"one_shot": torch_ar.one_shot, "two_shot": torch_ar.two_shot, "triton": ar.one_shot,
-                        "auto": ar.all_reduce})
-        if push_ar is not None and push_ar.enabled:
+                        "auto": push_ar.all_reduce if push_ar.enabled else ar.all_reduce})
+        if push_ar.enabled:
             methods["push"] = push_ar.one_shot
         # the all-reduce fused with the residual add + RMSNorm (rows of --hidden); returns the new residual, which
         # with a zero residual is the sum
         for name, impl in (("triton_fused", ar), ("push_fused", push_ar)):
             if impl is not None and impl.enabled and impl.add_norm is not None:
                 methods[name] = _fused(impl, args.hidden, device, dtype)
-        if push_ar is not None and push_ar.enabled and "push_fused_pf" in args.methods:
+        if push_ar.enabled and "push_fused_pf" in args.methods:
             os.environ["RADIXSERVE_ONE_SHOT"] = "push"
             pf_ar = CustomAllReduce(dist.group.WORLD, cpu_group, device, dtypes=(dtype,), max_bytes=max_bytes)
             methods["push_fused_pf"] = _fused(pf_ar, args.hidden, device, dtype, args.prefetch_mb)
@@ -156,7 +154,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         for name, fn in methods.items():
             # the direct kernel calls take only what the engine would give them (their buffers end there)
             limit = {"one_shot": torch_ar.one_shot_max_bytes, "triton": ar.one_shot_max_bytes,
-                     "push": push_ar.one_shot_max_bytes if push_ar else 0}.get(name)
+                     "push": push_ar.one_shot_max_bytes}.get(name)
             if limit is not None and kib * 1024 > limit:
                 continue
             if name == "two_shot" and kib * 1024 > torch_ar.max_bytes:
@@ -224,7 +222,7 @@ def main() -> None:
                                  "push_fused", "push_fused_pf"),
                         help="one_shot / two_shot: PyTorch's symmetric-memory kernels; triton: the one-barrier "
                              "Triton one-shot (radixserve/distributed/triton_all_reduce.py); push: the flag-free "
-                             "push one-shot (push_all_reduce.py); auto: what the engine does (Triton one-shot, then "
+                             "push one-shot (push_all_reduce.py); auto: what the engine does (push one-shot, then "
                              "PyTorch's two-shot, then NCCL)")
     parser.add_argument("--hidden", type=int, default=4096, help="row width of the *_fused methods (all-reduce + "
                         "residual add + RMSNorm in one kernel)")

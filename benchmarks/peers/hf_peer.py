@@ -65,7 +65,11 @@ def run_generate_batch(model: Any, reqs: list[tuple[list[int], int]]) -> dict[st
     try:
         from transformers.generation import ContinuousBatchingConfig
 
-        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=torch.cuda.is_available())
+        try:  # half the free memory for its paged cache: the rest for its CUDA-graph warm-up (all of it: OOM)
+            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
+                use_cuda_graph=torch.cuda.is_available(), max_memory_percent=0.5)
+        except TypeError:  # versions without that field
+            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=torch.cuda.is_available())
     except Exception:  # older versions: no separate config
         pass
 

@@ -204,17 +204,18 @@ def tiny_llama(tmp_path_factory) -> tuple[str, list[list[int]]]:
     return path, _generate(path, tp_size=1)
 
 
-def test_tp2_custom_all_reduce_greedy_equals_tp1(tiny_llama) -> None:
-    """TP=2 through the Triton one-shot fused with add + RMSNorm, CUDA graphs on (the default path)."""
+def test_tp2_pull_all_reduce_greedy_equals_tp1(tiny_llama, monkeypatch) -> None:
+    """TP=2 through the pull one-shot (flags) fused with add + RMSNorm, CUDA graphs on."""
     path, want = tiny_llama
+    monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "triton")  # the scheduler processes inherit it
     assert _generate(path, tp_size=2) == want
 
 
 def test_tp2_push_all_reduce_greedy_equals_tp1(tiny_llama, monkeypatch) -> None:
-    """TP=2 through the flag-free push one-shot fused with add + RMSNorm (RADIXSERVE_ONE_SHOT=push)."""
+    """TP=2 through the flag-free push one-shot fused with add + RMSNorm (the default), CUDA graphs on, with the
+    fused kernel's spare programs asking the L2 for the next weight."""
     path, want = tiny_llama
-    monkeypatch.setenv("RADIXSERVE_ONE_SHOT", "push")  # the scheduler processes inherit it
-    monkeypatch.setenv("RADIXSERVE_AR_PREFETCH_MB", "16")  # and the next weight asked into the L2
+    monkeypatch.setenv("RADIXSERVE_AR_PREFETCH_MB", "16")  # the scheduler processes inherit it
     assert _generate(path, tp_size=2) == want
 
 
