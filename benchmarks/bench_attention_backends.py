@@ -37,6 +37,7 @@ def rebuild(runner: ModelRunner, backend: str, page_size: int, batch_sizes: list
     """New pools, backend and graphs for (backend, page_size); returns the seconds it took."""
     t0 = time.perf_counter()
     runner.cuda_graph_runner = None
+    runner.prefill_graph_runner = None  # captured with the previous backend and pool: never replayed after them
     runner.attn_backend = None
     runner.token_to_kv_pool = runner.req_to_token_pool = None
     gc.collect()
@@ -54,6 +55,12 @@ def rebuild(runner: ModelRunner, backend: str, page_size: int, batch_sizes: list
             runner.cuda_graph_runner = cuda_graph_runner.CudaGraphRunner(runner)
         finally:
             cuda_graph_runner.capture_batch_sizes = original
+        if runner.server_args.prefill_cuda_graph_max_tokens > 0:
+            from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
+
+            if prefill_graphs_supported(runner):
+                runner.prefill_graph_runner = PrefillGraphRunner(runner,
+                                                                 runner.server_args.prefill_cuda_graph_max_tokens)
     return time.perf_counter() - t0
 
 

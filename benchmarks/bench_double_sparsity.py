@@ -110,13 +110,13 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rpi, seq_lens, mid_o, mid_lse, d ** -0.5,
                              num_kv_splits=splits)
 
-    def score(block_n: int | None = None, hist: torch.Tensor | None = None) -> None:
+    def score(block_n: int | None = None) -> None:
         ql = q.gather(2, q_ch.unsqueeze(0).expand(bs, -1, -1))
-        ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n, hist=hist)
+        ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n)
 
     def pick() -> torch.Tensor:
-        if state["method"] in ("threshold", "fused"):
-            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch)
+        if state["method"] == "threshold":
+            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, block=state["chunks"])
         return topk_positions(scores, state["k"], state["chunks"])
 
     def select() -> None:
@@ -129,14 +129,8 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
                              d ** -0.5, splits)
 
     def full() -> None:
-        if state["method"] == "fused":  # the scoring kernel makes the first histograms
-            scratch.zero_()
-            ql = q.gather(2, q_ch.unsqueeze(0).expand(bs, -1, -1))
-            ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores, hist=scratch)
-            top = threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, hist_ready=True)
-        else:
-            score()
-            top = pick()
+        score()
+        top = pick()
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, top, 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
@@ -144,42 +138,37 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     t_score = _graph_time(score)
     kv_bytes = 2 * n * hkv * d * 2
     label_bytes = n * hkv * hc * 2
-    for block_n in args.score_block_n:  # the scoring kernel's tile, alone and making the first histograms
+    for block_n in args.score_block_n:  # the scoring kernel's tile
         t_plain = _graph_time(lambda b=block_n: score(b))
-        t_hist = _graph_time(lambda b=block_n: (scratch.zero_(), score(b, scratch)))
         print(f"ctx {ctx:6d} bs {bs:3d} score BLOCK_N {block_n:4d}: {t_plain * 1e3:6.1f} us "
-              f"({label_bytes / t_plain / 1e9:.2f} TB/s), with the histograms {t_hist * 1e3:6.1f} us", flush=True)
+              f"({label_bytes / t_plain / 1e9:.2f} TB/s)", flush=True)
     rows = []
     for top_k in args.heavy_token_num:
         state["k"], state["top"] = top_k, torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int64)
         state["top32"] = torch.zeros(bs, hkv, top_k, device=dev, dtype=torch.int32)
-        variants = [(m, c) for m in args.topk_method for c in (args.topk_chunks if m == "torch" else [1])]
+        # torch: --topk-chunks pieces; threshold: --threshold-block positions per program
+        variants = [(m, c) for m in args.topk_method
+                    for c in (args.topk_chunks if m == "torch" else args.threshold_block)]
         for method, chunks in variants:
             state["method"], state["chunks"] = method, chunks
-            if method == "fused":
-                full()
-                select_ok = scores.gather(-1, state["top32"].long()).sort(-1).values
-                ref = scores.gather(-1, topk_positions(scores, top_k)).sort(-1).values
-                print(f"fused top-k keeps the scores torch.topk keeps: {bool(torch.equal(select_ok, ref))}",
-                      flush=True)
             if method == "threshold":  # the attention reads the positions it selected
                 state["top"] = state["top32"]
                 select()
                 want = topk_positions(scores, top_k).sort(-1).values
                 got_vals = scores.gather(-1, state["top32"].long()).sort(-1).values
                 same = bool(torch.equal(got_vals, scores.gather(-1, want).sort(-1).values))
-                print(f"threshold top-k keeps the scores torch.topk keeps: {same}", flush=True)
-            t_attend = _graph_time(attend)
+                near = (got_vals - scores.gather(-1, want).sort(-1).values).abs().max().item()
+                print(f"threshold top-k keeps the scores torch.topk keeps: {same} (largest difference of the sorted "
+                      f"kept scores {near:.2e})", flush=True)
+            t_select, t_attend = _graph_time(select), _graph_time(attend)
             t_ds = _graph_time(full)
-            # fused: the top-k's share is what the step adds to scoring and attention
-            t_select = t_ds - t_score - t_attend if method == "fused" else _graph_time(select)
             row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
                    "topk_method": method, "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds,
                    "speedup": t_dense / t_ds,
                    "score_ms": t_score, "topk_ms": t_select, "sparse_attn_ms": t_attend,
                    "dense_kv_tb_s": kv_bytes / t_dense / 1e9, "score_label_tb_s": label_bytes / t_score / 1e9}
             rows.append(row)
-            print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} {method:>9} chunks {chunks:2d}: dense {t_dense * 1e3:7.1f} us "
+            print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} {method:>9} {chunks:4d}: dense {t_dense * 1e3:7.1f} us "
                   f"({row['dense_kv_tb_s']:.2f} TB/s)  ds {t_ds * 1e3:7.1f} us = score {t_score * 1e3:6.1f} "
                   f"({row['score_label_tb_s']:.2f} TB/s) + topk {t_select * 1e3:6.1f} + attn {t_attend * 1e3:6.1f}"
                   f"  speedup {row['speedup']:.2f}x", flush=True)
@@ -355,11 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heavy-token-num", type=int, nargs="+", default=[1024])
     k.add_argument("--heavy-channel-num", type=int, default=16)
     k.add_argument("--score-block-n", type=int, nargs="*", default=[],
-                   help="also time the scoring kernel with these tiles (positions per program)")
-    k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold", "fused"],
-                   default=["torch", "threshold", "fused"],
-                   help="torch.topk (with --topk-chunks), the histogram-threshold select (topk_select.py), and "
-                   "the same with its first round made by the scoring kernel (fused; the backend's default)")
+                   help="also time the scoring kernel alone with these tiles (positions per program)")
+    k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold"],
+                   default=["torch", "threshold"],
+                   help="torch.topk (with --topk-chunks) and the histogram-threshold select (topk_select.py)")
+    k.add_argument("--threshold-block", type=int, nargs="+", default=[2048],
+                   help="threshold select: positions per program")
     k.add_argument("--topk-chunks", type=int, nargs="+", default=[1, 8],
                    help="pieces each score row is cut into for the top-k (topk_positions)")
     k.add_argument("--num-heads", type=int, default=32)

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from radixserve.lora import triton_ops
 from radixserve.lora.batch_info import LoRABatchInfo, group_rows
 from radixserve.lora.ops import lora_delta_torch
 from radixserve.lora.triton_ops import lora_expand_stacked, lora_shrink_expand
@@ -108,6 +109,21 @@ def check(layer_shapes, S: int, R: int) -> list[str]:
     return lines
 
 
+_UNSPEC = None
+
+
+def _unspecialized():
+    """The stacked expand compiled as before 2026-11-30 evening: sizes and strides not specialised (Triton then
+    cannot prove 16-byte alignment of a row and loads and stores one element at a time) - for comparison."""
+    global _UNSPEC
+    if _UNSPEC is None:
+        import triton
+
+        _UNSPEC = triton.jit(do_not_specialize=["num_rows", "N", "stride_y", "stride_out", "shrink_col", "slot_cols",
+                                                "off1", "off2"])(triton_ops._expand_stacked_kernel.fn)
+    return _UNSPEC
+
+
 def time_batch(bs: int, layers: list[dict], layer_shapes: list, scal: torch.Tensor, args: argparse.Namespace
                ) -> dict[str, float]:
     """ms of one graph replay per mode at batch `bs`."""
@@ -151,16 +167,22 @@ def time_batch(bs: int, layers: list[dict], layer_shapes: list, scal: torch.Tens
 
     fns = {"base": base, "separate": separate, "stacked": stacked, "sep-only": sep_only, "exp-only": exp_only}
     for cfg in args.expand_configs or ():
-        bm, bn, w, mixed = (int(v) for v in cfg.split("x"))
+        bm, bn, w, mixed = (int(v) for v in cfg.rstrip("u").split("x"))
+        kernel = _unspecialized() if cfg.endswith("u") else triton_ops._expand_stacked_kernel
 
-        def exp_cfg(c=(bm, bn, w, bool(mixed))):
-            for d in layers:
-                for name, _, sl in layer_shapes:
-                    lora_expand_stacked(ys[name], d[name][3], scal, sl, views[3], views[4], info.num_rows, config=c)
+        for group, _, sl in layer_shapes:  # each projection on its own: the best configuration may differ
+            def exp_cfg(c=(bm, bn, w, bool(mixed)), kernel=kernel, group=group, sl=sl):
+                own, triton_ops._expand_stacked_kernel = triton_ops._expand_stacked_kernel, kernel
+                try:
+                    for d in layers:
+                        lora_expand_stacked(ys[group], d[group][3], scal, sl, views[3], views[4], info.num_rows,
+                                            config=c)
+                finally:
+                    triton_ops._expand_stacked_kernel = own
 
-        fns[f"exp-{cfg}"] = exp_cfg
+            fns[f"exp-{cfg}:{group}"] = exp_cfg
     row = {}
-    for m in [*args.modes, *(f"exp-{c}" for c in args.expand_configs or ())]:
+    for m in [*args.modes, *(f"exp-{c}:{g}" for c in args.expand_configs or () for g, _, _ in layer_shapes)]:
         try:
             row[m] = graph_time(fns[m], args.iters)
         except Exception as e:  # noqa: BLE001 - report and go on with the other modes
@@ -180,13 +202,17 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["base", "separate", "stacked", "sep-only", "exp-only"])
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--expand-configs", nargs="*", default=None, metavar="BMxBNxWARPSxMIXED",
-                   help="also time the stacked expand alone with these configurations, e.g. 16x64x4x1")
+                   help="also time the stacked expand alone with these configurations, e.g. 16x64x4x1 (a trailing "
+                        "u: the kernel without its size and stride specialisation)")
+    p.add_argument("--groups", nargs="*", default=None, help="only these projections (qkv, o, gate_up, down)")
     p.add_argument("--result-file", default="bench_lora_kernels.json")
     p.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (tiny shapes)")
     args = p.parse_args()
     global DEV
     DEV = args.device
     layer_shapes, num_layers = shapes(args.model_path)
+    if args.groups:
+        layer_shapes = [x for x in layer_shapes if x[0] in args.groups]
     L = args.layers or num_layers
     S, R = args.slots, args.rank
     if not args.skip_check:
@@ -208,14 +234,16 @@ def main() -> None:
     scal = torch.full((S,), 2.0, device=DEV)
     results: dict = {"args": vars(args), "ms_per_step": {}}
     print(f"\n{L} layers, {S} slots of rank {R}: ms per step (all layers' four LoRA projections)", flush=True)
-    cols = [*args.modes, *(f"exp-{c}" for c in args.expand_configs or ())]
-    print(f"{'batch':>6}" + "".join(f"{m:>15}" for m in cols) + f"{'sep/base':>10}{'stk/base':>10}")
+    print(f"{'batch':>6}" + "".join(f"{m:>11}" for m in args.modes) + f"{'sep/base':>10}{'stk/base':>10}")
     for bs in args.batch_size:
         row = time_batch(bs, layers, layer_shapes, scal, args)
         results["ms_per_step"][str(bs)] = row
         ratios = "".join(f"{row[m] / row['base']:>10.3f}" for m in ("separate", "stacked")
                          if "base" in row and m in row)
-        print(f"{bs:>6}" + "".join(f"{row[m]:>15.3f}" for m in cols) + ratios, flush=True)
+        print(f"{bs:>6}" + "".join(f"{row[m]:>11.3f}" for m in args.modes) + ratios, flush=True)
+        for cfg in args.expand_configs or ():  # ms of the stacked expand alone, per projection, all layers
+            print(f"{'':>6}  expand {cfg:<14}" + "".join(f" {g}={row[f'exp-{cfg}:{g}']:.3f}"
+                                                         for g, _, _ in layer_shapes), flush=True)
     with open(args.result_file, "w") as f:
         json.dump(results, f, indent=1)
 

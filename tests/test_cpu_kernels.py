@@ -392,3 +392,22 @@ def test_persistent_linear_reorders_the_weight_once_and_matches_f_linear(dtype: 
     cpu_ops.linear(x, w3)
     cpu_ops.linear(x[:1], w, persistent=True)
     assert not hasattr(w3, cpu_ops._PACKED_ATTR)
+
+
+@needs_compiler
+def test_argmax_rows_equals_torch_argmax() -> None:
+    """Greedy decoding's argmax: torch.argmax's answer exactly, ties (first index), NaN rows and strided rows too."""
+    g = torch.Generator().manual_seed(11)
+    for b, v in ((1, 7), (3, 16), (5, 100), (33, 49157)):
+        x = torch.randn(b, v, generator=g)
+        assert torch.equal(cpu_ops.argmax_rows(x), torch.argmax(x, dim=-1))
+    x = torch.zeros(4, 300)
+    x[0, [5, 17, 250]] = 3.0  # a tie: the first index
+    x[1, 299] = 1.0  # the last element, in the scalar tail
+    x[2, [40, 41]] = float("nan")  # a NaN: its first index, as torch answers
+    x[3, :] = -1.0  # all equal: index 0
+    assert torch.equal(cpu_ops.argmax_rows(x), torch.argmax(x, dim=-1))
+    assert cpu_ops.argmax_rows(x).tolist() == [5, 299, 40, 0]
+    wide = torch.randn(6, 520, generator=g)[:, 3:503]  # rows 520 apart
+    assert torch.equal(cpu_ops.argmax_rows(wide), torch.argmax(wide, dim=-1))
+    assert cpu_ops.argmax_rows(x.double()) is None and cpu_ops.argmax_rows(x.bfloat16()) is None

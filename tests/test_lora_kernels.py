@@ -143,6 +143,8 @@ def test_graph_grid_over_a_static_buffer_equals_eager(graph_bs, req_slots) -> No
     (64, [(0, 48), (48, 16), (64, 16)], 16, [0, -1, 2, 1, 0], [3, 2, 1, 4, 2]),  # qkv-like: blocks straddle slices
     (96, [(0, 40), (40, 40)], 8, [1, 1, -1, 0], None),  # gate/up-like, rank < 16
     (32, [(0, 24)], 16, [2, 0, -1, 2, 2] * 5, None),  # 25 rows: two blocks, each of several adapters
+    (32, [(0, 24), (24, 40)], 16, [2, 0, -1, 1] * 20, None),  # 80 rows: the large-batch blocks, slot by slot
+    (64, [(0, 48), (48, 16), (64, 16)], 8, [0, -1, 2, 1], [30, 10, 25, 20]),  # an 85-token prefill
     (64, [(0, 16)], 16, [-1, -1], None),  # only base rows: a copy
 ])
 @pytest.mark.parametrize("mixed_dot", [True, False], ids=["one-dot", "slot-loop"])

@@ -55,24 +55,3 @@ def test_threshold_topk_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="float32"):
         threshold_topk(torch.zeros(2, 10, device=DEV, dtype=torch.float16), 3)
 
-
-def test_scoring_kernel_makes_the_first_round() -> None:
-    """ds_score_fwd(hist=...) then threshold_topk(hist_ready=True): the scores torch.topk keeps (GQA 2:1, rows of
-    two lengths, the always-kept ends)."""
-    from radixserve.layers.attention.triton_ops.double_sparsity import ds_score_fwd
-    from radixserve.layers.attention.triton_ops.topk_select import new_scratch
-
-    gen = torch.Generator().manual_seed(3)
-    bs, h, hkv, c, n = 2, 4, 2, 8, 700
-    labels = torch.randint(-8, 8, (bs * n + 1, hkv, c), generator=gen).float().to(DEV)
-    q_label = torch.randint(-4, 4, (bs, h, c), generator=gen).float().to(DEV)
-    r2t = (torch.randperm(bs * n, generator=gen).to(torch.int32) + 1).view(bs, n).to(DEV)
-    rpi = torch.arange(bs, device=DEV)
-    lens = torch.tensor([n, n - 250], device=DEV)
-    scores = torch.empty(bs, hkv, n, device=DEV)
-    hist = new_scratch(bs * hkv, DEV)
-    ds_score_fwd(q_label, labels, r2t, rpi, lens, scores, 4, 16, hist=hist)
-    assert int(hist[:, :2048].sum()) == bs * hkv * n
-    top = threshold_topk(scores, 64, scratch=hist, hist_ready=True)
-    kept = scores.gather(-1, top.long()).sort(-1).values
-    assert torch.equal(kept, scores.topk(64, dim=-1).values.sort(-1).values)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers import cpu_ops
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -109,7 +110,9 @@ class Sampler(nn.Module):
         sampling_info.apply_logits_bias(logits)
 
         if sampling_info.is_all_greedy:
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = cpu_ops.argmax_rows(logits) if logits.device.type == "cpu" else None
+            if next_ids is None:
+                next_ids = torch.argmax(logits, dim=-1)
             logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None
         else:
             next_ids, logprobs = self._sample(logits, sampling_info, return_logprob)

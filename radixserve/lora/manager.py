@@ -122,7 +122,9 @@ class LoRAManager:
             if kind in seen:
                 continue
             seen.add(kind)
-            for rows in (1, 2, 129, 130):  # each block configuration (<= 128 rows or more), odd and even
+            from radixserve.lora.triton_ops import EXPAND_WARMUP_ROWS
+
+            for rows in EXPAND_WARMUP_ROWS:  # a batch for each block configuration of the kernels
                 slots = [i % self.num_slots for i in range(rows)]
                 packed, host, max_len = pack_rows(slots, None, self.num_slots)
                 info.packed, info.host_groups = packed.to(self.device), host

@@ -15,7 +15,12 @@ writes out[row] = y[row, :N] + scale[slot] * shrink(row, slot) @ B[slot]^T for e
 programs walk the rows sorted by slot in blocks of BLOCK_M, so a block is mostly one adapter's rows: B's tile is
 loaded once per block. A block of several adapters (a group boundary, or groups smaller than a block: 32 rows over
 8 adapters) runs one dot over every slot's B tile, each row's shrink placed in its own slot's columns (while slots x
-rank <= 256; past that, one slot after another)."""
+rank <= 256; past that, one slot after another).
+
+Only `num_rows` is left unspecialised: the sizes, strides and offsets are fixed per layer, and Triton needs to know
+they are multiples of 16 to move a row's elements 16 bytes at a time (without it, every load and store of a bf16
+tile is one element wide). One compiled kernel per kind of layer and block configuration, all compiled at start
+(manager.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ _MIXED_DOT_K = 256  # the stacked expand's one-dot path for blocks of several ad
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@triton.jit(do_not_specialize=["K", "N", "k_per_split", "num_rows"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_per_split, num_rows,
                    stride_x, stride_a_slot, stride_a_row,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
@@ -75,7 +80,7 @@ def _shrink_kernel(X, A, P, GroupSlots, GroupStarts, GroupLens, Order, K, N, k_p
     tl.store(p_ptr, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_rows", "N_s", "off0", "n0", "off1", "n1", "off2", "n2"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _expand_kernel(P, B, Out, Scalings, GroupSlots, GroupStarts, GroupLens, Order, num_splits, num_rows, N_s,
                    off0, n0, off1, n1, off2, n2, stride_b_slot, stride_b_row, stride_out,
                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -167,7 +172,7 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
            SPLITS=triton.next_power_of_2(num_splits), MAX_N=max_n, IEEE=ieee, UPCAST=upcast, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["num_rows", "N", "stride_y", "stride_out", "shrink_col", "slot_cols", "off1", "off2"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N, stride_y, stride_out, shrink_col,
                            slot_cols, off1, off2, stride_b_slot, stride_b_row, num_slots,
                            R: tl.constexpr, N_SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -182,8 +187,7 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     io_mask = p_mask[:, None] & n_mask[None, :]
-    y = tl.load(Y + rows[:, None] * stride_y + offs_n[None, :], mask=io_mask, other=0.0)
-    acc = y.to(tl.float32)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the dots accumulate here (their own layout)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     n_lo = pid_n * BLOCK_N
@@ -191,7 +195,7 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
     cur = tl.min(tl.where(slots >= 0, slots, big), axis=0)  # the block's smallest adapter slot (big: none)
     if MIXED_DOT and (cur < tl.max(slots, axis=0)):
         # rows of several adapters (a group boundary, or small groups): one dot over every slot's rank columns,
-        # each row's shrink kept in its own slot's columns and scaled there (float32 operands)
+        # each row's shrink kept in its own slot's columns and scaled there
         offs_k = tl.arange(0, S_PAD * BLOCK_R)
         k_slot = offs_k // BLOCK_R
         k_r = offs_k % BLOCK_R
@@ -206,11 +210,15 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
                             + k_r[None, :], mask=mine, other=0.0).to(tl.float32) * scale_k[None, :]
                 col = n_mask & (offs_n >= lo) & (offs_n < hi)
                 bt = tl.load(B + k_slot[:, None].to(tl.int64) * stride_b_slot + offs_n[None, :] * stride_b_row
-                             + k_r[:, None], mask=k_mask[:, None] & col[None, :], other=0.0).to(tl.float32)
-                if IEEE:
-                    acc += tl.dot(s, bt, input_precision="ieee")
+                             + k_r[:, None], mask=k_mask[:, None] & col[None, :], other=0.0)
+                if UPCAST:
+                    bt = bt.to(tl.float32)
                 else:
-                    acc += tl.dot(s, bt)
+                    s = s.to(bt.dtype)
+                if IEEE:
+                    delta = tl.dot(s, bt, delta, input_precision="ieee")
+                else:
+                    delta = tl.dot(s, bt, delta)
         cur = cur * 0 + big  # done: skip the loop below (int64, like cur)
     while cur < big:
         sel = slots == cur
@@ -222,27 +230,43 @@ def _expand_stacked_kernel(Y, B, Out, Scalings, Order, SortedSlots, num_rows, N,
             hi = N if j == N_SUB - 1 else (off1 if j == 0 else off2)
             if (n_lo < hi) & (n_lo + BLOCK_N > lo):  # this block of columns meets sub-projection j
                 s = tl.load(s_base + rows[:, None] * stride_y + j * R + offs_r[None, :],
-                            mask=sel[:, None] & r_mask[None, :], other=0.0)
+                            mask=sel[:, None] & r_mask[None, :], other=0.0).to(tl.float32) * scale
                 col = n_mask & (offs_n >= lo) & (offs_n < hi)
                 bt = tl.load(b_base + offs_n[None, :] * stride_b_row + offs_r[:, None],
                              mask=col[None, :] & r_mask[:, None], other=0.0)
                 if UPCAST:
-                    s = s.to(tl.float32)
                     bt = bt.to(tl.float32)
-                if IEEE:
-                    acc += tl.dot(s, bt, input_precision="ieee") * scale
                 else:
-                    acc += tl.dot(s, bt) * scale
+                    s = s.to(bt.dtype)
+                if IEEE:
+                    delta = tl.dot(s, bt, delta, input_precision="ieee")
+                else:
+                    delta = tl.dot(s, bt, delta)
         cur = tl.min(tl.where(slots > cur, slots, big), axis=0)
+    y = tl.load(Y + rows[:, None] * stride_y + offs_n[None, :], mask=io_mask, other=0.0)
+    acc = y.to(tl.float32) + delta
     tl.store(Out + rows[:, None] * stride_out + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=io_mask)
 
 
-def expand_stacked_config(num_rows: int, num_slots: int, rank: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) of the stacked expand for `num_rows` rows."""
-    mixed = triton.next_power_of_2(num_slots) * _pow2_at_least_16(rank) <= _MIXED_DOT_K
-    if num_rows <= 128:
-        return 16, 64, 4, mixed
-    return 64, 128, 4, mixed
+# The stacked expand's (BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) by batch rows and output width, from the
+# configurations timed on an H200 at the Llama-3.1-8B shapes (docs/perf-log.md, 2026-11-30, run 1): up to 16 rows
+# (decode of a few requests) small tiles; up to 64 rows, blocks that hold several adapters' rows run the mixed dot
+# (wide tiles for the wide gate_up); above, 32 x 128 tiles walking one adapter at a time (the fewest registers:
+# the most programs resident to keep memory busy), best at every projection from 128 to 4,096 rows.
+_WIDE = 16384  # outputs from which a projection counts as wide
+
+
+def expand_stacked_config(num_rows: int, n: int, num_slots: int, rank: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, mixed-adapter dot) of the stacked expand for `num_rows` rows of `n` outputs."""
+    fits = triton.next_power_of_2(num_slots) * _pow2_at_least_16(rank) <= _MIXED_DOT_K
+    if num_rows <= 16:
+        return 16, 64, 4, fits
+    if num_rows <= 64:
+        return (64, 128, 4, fits) if n >= _WIDE else (32, 64, 4, fits)
+    return 32, 128, 4, False
+
+
+EXPAND_WARMUP_ROWS = (1, 17, 65)  # a batch of each row class of `expand_stacked_config` (compiled at start)
 
 
 def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, out_slices: list[tuple[int, int]],
@@ -263,7 +287,7 @@ def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor
     upcast = _INTERPRET and y.dtype != torch.float32
     ieee = y.dtype == torch.float32 or upcast
     offs = [o for o, _ in out_slices] + [N] * (3 - n_sub)
-    block_m, block_n, warps, mixed = config or expand_stacked_config(num_rows, S, R)
+    block_m, block_n, warps, mixed = config or expand_stacked_config(num_rows, N, S, R)
     block_r = _pow2_at_least_16(R)
     s_pad = triton.next_power_of_2(S)
     launch(_expand_stacked_kernel, (triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n)), y, b, out, scalings,

@@ -134,6 +134,9 @@ class ModelRunner:
             from radixserve.layers import cpu_ops
 
             cpu_ops.load()  # build the CPU kernels now (once per machine, about a second), not in the first step
+            from radixserve.model_executor.cpu_direct_calls import direct_calls
+
+            direct_calls(self.model)  # module calls go straight to forward: less Python per decode step
         backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
         self.sampler = Sampler()

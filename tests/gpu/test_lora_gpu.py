@@ -127,3 +127,43 @@ def test_kernels_at_8b_shapes_bf16(K, out_slices, rows) -> None:
     stacked = lora_expand_stacked(y, b, torch.tensor(scal, device="cuda"), out_slices, *info.views()[3:],
                                   info.num_rows)
     torch.testing.assert_close(stacked.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("stacking", [True, False], indirect=True, ids=["stacked", "separate"])
+def test_serving_compiles_no_lora_kernel(tmp_path, stacking) -> None:
+    """The LoRA kernels are compiled at start (every layer kind, small and large batches) and the packed row arrays
+    are 16-byte aligned for any row count: prefills of odd and even token counts above and below 128 rows, and
+    decode batches inside and above the largest CUDA graph, compile nothing new while serving."""
+    import transformers as tf
+    from test_scheduler import drain
+
+    from radixserve.lora import triton_ops
+    from radixserve.managers import io_struct as io
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.sampling.sampling_params import SamplingParams
+    from radixserve.server_args import ServerArgs
+
+    base = str(tmp_path / "base")
+    make_tiny_model("llama", base, seed=3, vocab_size=512)
+    cfg = tf.AutoConfig.from_pretrained(base)
+    paths = [f"a{i}=" + write_random_adapter(str(tmp_path / f"a{i}"), cfg, 8, seed=i, dtype=torch.bfloat16)
+             for i in range(3)]
+    s = Scheduler(ServerArgs(model_path=base, device="cuda", dtype="bfloat16", max_total_tokens=16384,
+                             skip_tokenizer_init=True, cuda_graph_max_bs=8, lora_paths=paths), port_args={})
+    kernels = (triton_ops._expand_stacked_kernel, triton_ops._shrink_kernel, triton_ops._expand_kernel)
+
+    def compiled() -> int:  # kernels Triton holds compiled in this process (one per specialisation)
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    before = compiled()
+    assert before > 0  # compiled at start
+    g = torch.Generator().manual_seed(0)
+    for wave, (n, lengths) in enumerate([(3, (5, 131)), (5, (64, 200)), (13, (7, 9)), (1, (257, 257))]):
+        for i in range(n):
+            length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+            sp = SamplingParams.from_dict({"max_new_tokens": 3 + i % 2, "temperature": 0, "ignore_eos": True})
+            s.process_input_requests([io.TokenizedGenerateReqInput(
+                rid=f"{wave}-{i}", input_text=None, input_ids=torch.randint(0, 512, (length,), generator=g).tolist(),
+                sampling_params=sp, lora_id=[None, "a0", "a1", "a2"][i % 4])])
+        assert len(drain(s)) == n
+    assert compiled() == before

@@ -43,9 +43,10 @@ DEFAULT_HEAVY_CHANNEL_NUM = 16
 DEFAULT_HEAVY_TOKEN_NUM = 1024
 DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
 TOPK_MAX_CHUNKS = 1  # chunked top-k measured slower on the H200 (docs/perf-log.md): off
-# the top-k of the Triton path: "threshold" (histogram thresholds, triton_ops/topk_select.py: three launches) or
-# "torch" (torch.topk: a multi-kernel radix select, 54 us for 8 rows of 64K on the H200)
-TOPK_METHOD = "threshold"
+# the top-k of the Triton path: "torch" (torch.topk: a multi-kernel radix select, 54 us for 8 rows of 64K on the
+# H200) or "threshold" (histogram rounds on the scores' bits, triton_ops/topk_select.py; docs/perf-log.md has both
+# measured)
+TOPK_METHOD = "torch"
 # Always among the kept tokens (within --ds-heavy-token-num): the first few (attention sinks) and the most recent ones,
 # whose weight the heavy channels underestimate (RoPE's fast-turning channels, which favour nearby tokens, are
 # rarely heavy). At most a quarter / half of the kept tokens.
@@ -267,16 +268,13 @@ class DoubleSparseAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
         k = min(self.heavy_token_num, meta.max_len)
-        hist = None
-        if TOPK_METHOD == "threshold":  # the scoring kernel also makes the top-k's first histograms
-            from radixserve.layers.attention.triton_ops.topk_select import new_scratch, threshold_topk
-
-            hist = new_scratch(bs * self.num_kv_heads, q3.device)
         ds_score_fwd(self.q_labels(q3, layer.layer_id), self.labels[layer.layer_id], self.req_to_token,
                      forward_batch.req_pool_indices, forward_batch.seq_lens, scores,
-                     *kept_ends(self.heavy_token_num), hist=hist)
-        if hist is not None:
-            top = threshold_topk(scores, k, scratch=hist, hist_ready=True)
+                     *kept_ends(self.heavy_token_num))
+        if TOPK_METHOD == "threshold":
+            from radixserve.layers.attention.triton_ops.topk_select import threshold_topk
+
+            top = threshold_topk(scores, k)
         else:
             top = topk_positions(scores, k, self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]

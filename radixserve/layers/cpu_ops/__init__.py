@@ -1,7 +1,7 @@
 """CPU kernels in plain C, compiled on first use with the system C compiler and called through ctypes:
 `paged_decode_attention` (decode attention read in place from the KV pool), `linear` (x W^T for the few rows of a
 small decode batch on every thread; MKL runs a one-row product on a single thread), `rotary_neox_inplace`,
-and `rms_norm` (float32 and bfloat16 rows).
+and `rms_norm` (float32 and bfloat16 rows), `argmax_rows` (greedy decoding).
 
 The shared library (every .c file here) is built once per source and machine into `<cache root>/cpu_kernels/`
 (`-O3 -march=native -fopenmp`) and reused. It links the same OpenMP runtime torch already loaded (`libgomp.so.1`
@@ -112,6 +112,9 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn = lib.rmsnorm_bf16
     fn.restype = _I
     fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
+    fn = lib.argmax_rows
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _I64, _I64, _P, _I]
     fn = lib.small_m_linear
     fn.restype = _I
     fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
@@ -303,3 +306,18 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
        weight.data_ptr(), x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     return out if res_out is None else (out, res_out)
 
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(logits, dim=-1) for float32 CPU logits [B, V] (rows split between the threads, the same
+    answer: the first index of the largest value, a NaN's first index where a row holds one); None where the kernel
+    does not apply."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
+            or logits.shape[1] == 0 or logits.requires_grad or torch.compiler.is_compiling()):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                    torch.get_num_threads())
+    return out

@@ -29,8 +29,6 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
     is_interpreted,
     split_capacity,
 )
-from radixserve.layers.attention.triton_ops.topk_select import _SHIFT1 as SHIFT1
-from radixserve.layers.attention.triton_ops.topk_select import NBINS, _masked_hist, _order_key
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -41,7 +39,6 @@ def _ds_score_kernel(
     stride_lt,
     stride_r2t,
     stride_sb, stride_sh,
-    Hist, stride_hist,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     KV_PAD: tl.constexpr,
@@ -50,9 +47,6 @@ def _ds_score_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    WITH_HIST: tl.constexpr,
-    NB: tl.constexpr,
-    SHIFT1: tl.constexpr,
 ):
     b = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,12 +70,6 @@ def _ds_score_kernel(
     offs_h = tl.arange(0, KV_PAD)
     tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
              mask=(offs_n[:, None] < n_cols) & (offs_h[None, :] < NUM_KV_HEADS))
-    if WITH_HIST:  # the threshold top-k's first round (topk_select.py), from the scores still in registers
-        for g in tl.static_range(NUM_KV_HEADS):
-            col = tl.sum(tl.where(offs_h[None, :] == g, best, 0.0), axis=1)
-            h = _masked_hist((_order_key(col) >> SHIFT1) + NB // 2, offs_n < n_cols, NB)
-            tl.atomic_add(Hist + (b * NUM_KV_HEADS + g).to(tl.int64) * stride_hist + tl.arange(0, NB), h,
-                          mask=h > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "dense_len", "top_k"])
@@ -190,16 +178,13 @@ def block_q_labels(q_label: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def ds_score_fwd(q_label: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor,
-                 keep_first: int = 0, keep_last: int = 0, block_n: int | None = None,
-                 hist: torch.Tensor | None = None) -> None:
+                 keep_first: int = 0, keep_last: int = 0, block_n: int | None = None) -> None:
     """scores[b, g, p] = max over the query heads h of KV head g of q_label[b, h] . labels[slot of position p of
     request b, g], for p < seq_lens[b]; -inf for seq_lens[b] <= p < scores.shape[2]. The first `keep_first` and the
     last `keep_last` positions of each request score +inf (a top-k always keeps them).
 
     q_label: [bs, H, C]; labels: [slots, Hkv, C] (contiguous rows); scores: [bs, Hkv, n_cols] float32 (written in
-    place). One program scores BLOCK_N positions of a request for all its KV heads. With `hist` (a zeroed
-    `topk_select.new_scratch(bs * Hkv)`) it also does the first round of `threshold_topk` (then called with
-    hist_ready=True)."""
+    place). One program scores BLOCK_N positions of a request for all its KV heads."""
     if q_label.dim() != 3 or labels.dim() != 3 or scores.dim() != 3:
         raise ValueError(f"q_label [bs, H, C], labels [slots, Hkv, C] and scores [bs, Hkv, L] expected; got "
                          f"{tuple(q_label.shape)}, {tuple(labels.shape)}, {tuple(scores.shape)}")
@@ -220,15 +205,12 @@ def ds_score_fwd(q_label: torch.Tensor, labels: torch.Tensor, req_to_token: torc
     if block_n is None:
         block_n = 32 if interp else 128
     grid = (bs, triton.cdiv(n_cols, block_n))
-    hist_rows = None if hist is None else hist.view(bs * num_kv_heads, -1)
     launch(_ds_score_kernel, grid,
         qb, labels, req_to_token, req_pool_indices, seq_lens, scores, n_cols, keep_first, keep_last,
         qb.stride(0), qb.stride(1),
         labels.stride(0),
         req_to_token.stride(0),
         scores.stride(0), scores.stride(1),
-        scores if hist_rows is None else hist_rows, 0 if hist_rows is None else hist_rows.stride(0),
-        WITH_HIST=hist is not None, NB=NBINS, SHIFT1=SHIFT1,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, KV_PAD=kv_pad, G_PAD=g_pad,
         ROW=num_kv_heads * channels, BLOCK_K=block_k, BLOCK_N=block_n,
         DOT_FP32=interp or labels.dtype == torch.float32, num_warps=4, num_stages=2,

@@ -1,15 +1,12 @@
-"""Top-k positions of long score rows by histogram thresholds: three small launches instead of a sort.
+"""Top-k positions of long score rows by histogram thresholds (a radix select in a few small launches, no sort).
 
 Every float32 score maps to an int32 key of the same order (`_order_key`). The k best of a row are the keys above
-a threshold, found from the key's bits in two rounds:
-
-1. `_hist_kernel` (round 1): every program histograms the top 11 bits of its piece of a row (2,048 bins) and adds
-   its counts to the row's histogram (one atomic per non-empty bin). The boundary bin B1 is the highest bin whose
-   count from the top reaches k (`_boundary`).
-2. `_hist_kernel` (round 2): the keys of bin B1 only, histogrammed on their next 11 bits; boundary sub-bin B2.
-3. `_select_kernel`: every key above (B1, B2) is kept, plus as many keys of (B1, B2) itself as k still needs (in
-   arrival order: they agree on their first 22 bits, i.e. they tie to about 1e-4 relative). Each program claims
-   its output slots with one atomic add per row.
+a threshold, found from the key's bits, NBITS at a time, in ROUNDS rounds (`_hist_kernel`): every program
+histograms the round's bits (NBINS bins) of its piece of a row, over the keys whose higher bits equal the boundary
+found so far, and adds its counts to the row's histogram (one atomic per non-empty bin). A round's boundary bin is
+the highest whose count from the top reaches what k still needs (`_boundary`). `_select_kernel` then keeps every key
+whose top ROUNDS * NBITS bits are above the boundary prefix, plus as many keys equal to it as k still needs (they
+agree on those bits: ties to about 3e-5 relative); each program claims its output slots with one atomic per row.
 
 Exactly k positions per row, in no particular order, with no host work (the launches are captured by CUDA graphs).
 Rows hold at least k scores (the caller takes min(k, row length)). `torch.topk` is the reference.
@@ -23,8 +20,9 @@ import triton.language as tl
 
 from radixserve.layers.triton_ops.launch import launch
 
-NBINS = 2048  # 11 bits per round
-_SHIFT1, _SHIFT2 = 21, 10
+NBITS = 8  # key bits per round
+NBINS = 1 << NBITS
+ROUNDS = 3  # 24 of the key's 32 bits: keys left tied agree to about 3e-5 relative
 
 
 @triton.jit
@@ -53,44 +51,55 @@ def _boundary(Hist, k, NB: tl.constexpr):
     return b, above
 
 
+@triton.jit
+def _prefix(Hist, k, LEVELS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr):
+    """The boundary's top LEVELS * NBITS key bits (as the arithmetic shift of a key gives them) from the first LEVELS
+    rounds' histograms, and the count of keys above that prefix."""
+    b, above = _boundary(Hist, k, NB)
+    p = b - NB // 2
+    for lvl in tl.static_range(1, LEVELS):
+        b, a = _boundary(Hist + lvl * NB, k - above, NB)
+        above += a
+        p = p * NB + b
+    return p, above
+
+
 @triton.jit(do_not_specialize=["n_cols", "k"])
 def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
-                 ROUND: tl.constexpr, NB: tl.constexpr, SHIFT1: tl.constexpr, SHIFT2: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 ROUND: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Round ROUND (1-based): histogram of the keys' bits of that round, over the keys whose higher bits equal the
+    boundary prefix of the rounds before."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
     key = _order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
-    bin1 = (key >> SHIFT1) + NB // 2
     hist = Hist + r.to(tl.int64) * stride_h
     if ROUND == 1:
-        h = _masked_hist(bin1, m, NB)
-        tl.atomic_add(hist + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
+        bins = (key >> (32 - NBITS)) + NB // 2
     else:
-        b1, _ = _boundary(hist, k, NB)
-        h = _masked_hist((key >> SHIFT2) & (NB - 1), m & (bin1 == b1), NB)
-        tl.atomic_add(hist + NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
+        p, _ = _prefix(hist, k, ROUND - 1, NB, NBITS)
+        m = m & ((key >> (32 - NBITS * (ROUND - 1))) == p)
+        bins = (key >> (32 - NBITS * ROUND)) & (NB - 1)
+    h = _masked_hist(bins, m, NB)
+    tl.atomic_add(hist + (ROUND - 1) * NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["n_cols", "k"])
 def _select_kernel(Scores, Hist, Out, n_cols, k, stride_s, stride_h, stride_o,
-                   NB: tl.constexpr, SHIFT1: tl.constexpr, SHIFT2: tl.constexpr, BLOCK: tl.constexpr):
+                   ROUNDS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
     key = _order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
     hist = Hist + r.to(tl.int64) * stride_h
-    b1, above1 = _boundary(hist, k, NB)
-    b2, above2 = _boundary(hist + NB, k - above1, NB)
-    above = above1 + above2  # keys strictly above (b1, b2): all kept
-    bin1 = (key >> SHIFT1) + NB // 2
-    bin2 = (key >> SHIFT2) & (NB - 1)
-    sel = m & ((bin1 > b1) | ((bin1 == b1) & (bin2 > b2)))
-    tie = m & (bin1 == b1) & (bin2 == b2)
+    p, above = _prefix(hist, k, ROUNDS, NB, NBITS)  # keys with a higher prefix: all kept
+    q = key >> (32 - NBITS * ROUNDS)
+    sel = m & (q > p)
+    tie = m & (q == p)
     sel_i = sel.to(tl.int32)
     tie_i = tie.to(tl.int32)
     out = Out + r.to(tl.int64) * stride_o
-    counters = hist + 2 * NB
+    counters = hist + ROUNDS * NB
     base = tl.atomic_add(counters, tl.sum(sel_i, 0), sem="relaxed")
     tl.store(out + base + tl.cumsum(sel_i, 0) - 1, offs.to(Out.dtype.element_ty), mask=sel)
     tie_base = tl.atomic_add(counters + 1, tl.sum(tie_i, 0), sem="relaxed")
@@ -98,7 +107,7 @@ def _select_kernel(Scores, Hist, Out, n_cols, k, stride_s, stride_h, stride_o,
     tl.store(out + above + at, offs.to(Out.dtype.element_ty), mask=tie & (at < k - above))
 
 
-SCRATCH_WIDTH = 2 * NBINS + 2  # per row: two histograms, then the counters of kept keys and of ties taken
+SCRATCH_WIDTH = ROUNDS * NBINS + 2  # per row: a histogram per round, then the counters of kept keys and of ties taken
 
 
 def new_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -107,12 +116,10 @@ def new_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                   scratch: torch.Tensor | None = None, block: int | None = None,
-                   hist_ready: bool = False) -> torch.Tensor:
+                   scratch: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """Positions [..., k] (int32, no particular order) of the k largest of each row of float32 scores [..., L]
     (unit last stride), L >= k. Ties at the threshold are broken arbitrarily. `scratch` (int32, at least
-    rows x SCRATCH_WIDTH) and `out` may be passed to avoid allocations. hist_ready: `scratch` already holds the
-    first round's histograms and zeroed the rest (the scoring kernel made them: `ds_score_fwd(hist=...)`)."""
+    rows x SCRATCH_WIDTH) and `out` may be passed to avoid allocations."""
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("threshold_topk needs float32 scores with a unit last stride")
     n_cols = scores.shape[-1]
@@ -124,21 +131,17 @@ def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
         out = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=scores.device)
     out2d = out.view(n_rows, k)
     width = SCRATCH_WIDTH
-    if hist_ready and (scratch is None or scratch.numel() < n_rows * width):
-        raise ValueError("threshold_topk: hist_ready needs the scratch the histograms were made in")
     if scratch is None or scratch.numel() < n_rows * width:
         scratch = torch.empty(n_rows * width, dtype=torch.int32, device=scores.device)
     hist = scratch.view(-1)[:n_rows * width].view(n_rows, width)
-    if not hist_ready:
-        hist.zero_()
+    hist.zero_()
     if n_rows == 0:
         return out
-    if block is None:
-        block = 2048
+    block = block or 2048
     grid = (n_rows, triton.cdiv(n_cols, block))
-    for rnd in ((2,) if hist_ready else (1, 2)):
+    for rnd in range(1, ROUNDS + 1):
         launch(_hist_kernel, grid, rows2d, hist, n_cols, k, rows2d.stride(0), hist.stride(0),
-               ROUND=rnd, NB=NBINS, SHIFT1=_SHIFT1, SHIFT2=_SHIFT2, BLOCK=block, num_warps=8)
+               ROUND=rnd, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8)
     launch(_select_kernel, grid, rows2d, hist, out2d, n_cols, k, rows2d.stride(0), hist.stride(0), out2d.stride(0),
-           NB=NBINS, SHIFT1=_SHIFT1, SHIFT2=_SHIFT2, BLOCK=block, num_warps=8)
+           ROUNDS=ROUNDS, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8)
     return out
