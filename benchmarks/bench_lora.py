@@ -78,15 +78,11 @@ def profile_summary(prof: torch.profiler.profile, steps: int, top: int = 12) -> 
 
 
 def compiled_kernels() -> int:
-    """Triton kernels compiled (or loaded from the disk cache) by this process so far, counted by our launcher's
-    keys and the cache folder's entries."""
-    import os
-
+    """Specialisations of our Triton kernels compiled (or loaded from the disk cache) by this process so far."""
     from radixserve.layers.triton_ops import launch as tl_launch
 
-    keys = sum(len(x.compiled) for x in tl_launch._launchers.values() if x is not None)
-    cache = os.environ.get("TRITON_CACHE_DIR")
-    return keys + (len(os.listdir(cache)) if cache and os.path.isdir(cache) else 0)
+    fns = [x.fn for x in tl_launch._launchers.values() if x is not None]
+    return sum(len(cache[0]) for fn in fns for cache in getattr(fn, "device_caches", {}).values())
 
 
 def free_reqs(runner: Any, reqs: list[Req]) -> None:

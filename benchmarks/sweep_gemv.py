@@ -1,5 +1,6 @@
-"""Sweep the block sizes of the decode GEMV kernels (fp8 per-channel, GGUF Q4_K and Q8_0) on a model's linear shapes
-and pick the fastest per (family, M, N, K), against the device's copy bandwidth and the bf16 cuBLAS product.
+"""Sweep the block sizes of the decode GEMV kernels (fp8 per-channel, GGUF Q4_K and Q8_0, the one-row 16-bit GEMV
+"row16" / "row16_silu") on a model's linear shapes and pick the fastest per (family, M, N, K), against the device's
+copy bandwidth and the bf16 cuBLAS product (for "row16_silu": cuBLAS, then the SiLU·mul kernel).
 
 Each candidate is checked against the torch reference, then timed inside a CUDA graph (as in decode) over enough
 copies of the weight that the set is several times the L2, so every call reads HBM. Candidates compile first in a
@@ -7,6 +8,7 @@ pool of processes (Triton's disk cache), so the sweep's time goes to measuring. 
 the estimated weight time of one decode step of the model, and writes the picks as a `gemv_configs` JSON.
 
     python benchmarks/sweep_gemv.py --families fp8 q4_k q8_0 --m 1 --out picks.json
+    python benchmarks/sweep_gemv.py --families row16 row16_silu --m 1 --baselines --out picks.json  # only wins kept
     RADIXSERVE_GEMV_CONFIGS=picks.json python benchmarks/bench_quant_gpu.py --config fp8 --batch-size 1
 """
 
@@ -26,6 +28,7 @@ from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa:
 # Llama-3.1-8B: qkv, o, gate_up, down (N, K); each appears once per layer
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 LAYERS_8B = 32
+LM_HEAD_8B = (128256, 4096)  # once a step; swept for the 16-bit GEMV only
 
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
@@ -42,6 +45,10 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
+    elif family in ("row16", "row16_silu", "bf16"):  # one-row 16-bit GEMVs: triton_ops/gemv, decode_gemv (M = 1)
+        if m == 1:
+            out += [GemvConfig("ew", bn, bk, w, 2) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048)
+                    for w in (4, 8) if bn * bk <= 8192]
     elif family == "fp8_mid":  # the transposed W8A8 / W8A16 product at 17..256 rows, against torch._scaled_mm
         out.append(GemvConfig("scaled_mm", 0, 0))
         bms = (32, 64) if m <= 64 else (32, 64, 128)
@@ -87,7 +94,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
         q, s = quantize_rows(w)
         return {"w": q, "s": s}
-    if family == "bf16":
+    if family in ("cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
         return {"w": w.to(torch.bfloat16)}
     from radixserve.layers.quantization import gguf_formats as G
 
@@ -120,8 +127,21 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
         from radixserve.layers.quantization.fp8_kernels import fp8_gemm
 
         return fp8_gemm(x, fields["w"], fields["s"].view(-1, 1), 1, fields["w"].shape[1], x.dtype)
-    if family == "bf16":
+    if family == "cublas":
         return F.linear(x, fields["w"])
+    if family == "cublas_silu":  # the unfused path: the product, then the SiLU·mul kernel
+        from radixserve.layers.triton_ops.activation import silu_and_mul
+
+        return silu_and_mul(F.linear(x, fields["w"]))
+    if family in ("row16", "row16_silu"):
+        from radixserve.layers.triton_ops.gemv import gemv_row
+
+        return gemv_row(x, fields["w"], None, cfg, silu_mul=family == "row16_silu")
+    if family == "bf16":  # the MoE / MLA models' one-row kernel, on the same shapes
+        from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+
+        tiles = None if cfg is None else (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+        return decode_gemv(x, fields["w"], config=tiles)[0]
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
 
     return gguf_gemv(x, "Q4_K" if family == "q4_k" else "Q8_0", fields, n, None, cfg)
@@ -130,14 +150,13 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
     import torch
 
-    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid"):
-        out = x.float() @ (fields["w"].float() * fields["s"].view(-1, 1)).t()
-        if family == "fp8_silu":
+    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
+        w = fields["w"].float() * fields["s"].view(-1, 1) if "s" in fields else fields["w"].float()
+        out = x.float() @ w.t()
+        if family.endswith("_silu"):
             gate, up = out.chunk(2, dim=-1)
             out = torch.nn.functional.silu(gate) * up
         return out
-    if family == "bf16":
-        return x.float() @ fields["w"].float().t()
     from radixserve.layers.quantization import gguf_formats as G
 
     return x.float() @ G.dequantize("Q4_K" if family == "q4_k" else "Q8_0", fields).t()
@@ -251,6 +270,7 @@ def main() -> None:
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--print-all", action="store_true", help="print every working candidate, not only the best")
     p.add_argument("--warm-fp8", action="store_true", help="also compile (into Triton's cache) the fp8 decode "
                    "kernels a model's CUDA graphs use on these shapes at 1-16 rows, for the runs that follow")
     p.add_argument("--kernels", nargs="+", default=None, help="only candidates of these kernels (ew, dot, acc), plus "
@@ -265,7 +285,7 @@ def main() -> None:
 
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
-    shapes = SHAPES_8B
+    shapes = SHAPES_8B + ([LM_HEAD_8B] if {"row16", "bf16"} & set(args.families) else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
@@ -302,13 +322,21 @@ def main() -> None:
             print(f"{'N x K':>12} {'best config':<44} {'us':>7} {'GB/s':>6} {'util':>6} {'2nd us':>7} "
                   f"{'bf16 us':>8} {'old us':>7}")
             for n, k in shapes:
-                if family == "fp8_silu" and (n, k) != shapes[2]:
+                if family.endswith("_silu") and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
+                if family not in ("row16", "bf16") and (n, k) == LM_HEAD_8B:
+                    continue  # the LM head stays in 16 bits
                 t = time.time()
-                rows = [r for r in sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20) if r["ok"]]
+                rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)
+                for r in rows:
+                    if not r["ok"]:
+                        print(f"  wrong result (rel err {r['rel_err']:.2e}): {family} m={m} {n}x{k} {r['cfg']}",
+                              flush=True)
+                rows = [r for r in rows if r["ok"]]
                 base = old = None
                 if args.baselines:
-                    b = sweep_shape("bf16", m, n, k, [None], copy_bw, args.min_mb << 20)
+                    b = sweep_shape("cublas_silu" if family.endswith("_silu") else "cublas", m, n, k, [None],
+                                    copy_bw, args.min_mb << 20)
                     base = b[0] if b else None
                     if family == "fp8":
                         o = sweep_shape("fp8_gemm", m, n, k, [None], copy_bw, args.min_mb << 20)
@@ -319,10 +347,19 @@ def main() -> None:
                     print(f"{n:>6}x{k:<5} no working config", flush=True)
                     continue
                 rows.sort(key=lambda r: r["us"])
+                if args.print_all:  # every working candidate, fastest first
+                    for r in rows:
+                        c = r["cfg"]
+                        print(f"    {n}x{k} {c['kernel']:<9} bn={c['block_n']:<3} bk={c['block_k']:<5} "
+                              f"w={c['num_warps']} s={c['num_stages']} {c['variant'] or '-':<5} {r['us']:7.1f} us "
+                              f"{r['util']:6.1%} err {r['rel_err']:.1e}", flush=True)
                 best = rows[0]
-                picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
-                step_best += best["us"]
-                step_base += base["us"] if base else 0.0
+                # the one-row 16-bit GEMV replaces cuBLAS only where it wins by 2% or more (no entry: cuBLAS keeps it)
+                if family not in ("row16", "row16_silu") or (base is not None and best["us"] < 0.98 * base["us"]):
+                    picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
+                per_step = 1 / LAYERS_8B if (n, k) == LM_HEAD_8B else 1  # the LM head runs once a step
+                step_best += best["us"] * per_step
+                step_base += base["us"] * per_step if base else 0.0
                 c = best["cfg"]
                 desc = f"{c['kernel']} bn={c['block_n']} bk={c['block_k']} w={c['num_warps']} s={c['num_stages']}" \
                        f"{' ' + c['variant'] if c['variant'] else ''}" \
@@ -335,7 +372,7 @@ def main() -> None:
                       f"{base['us'] if base else float('nan'):8.1f} {old['us'] if old else float('nan'):7.1f}"
                       f"  ({time.time() - t:.1f} s)", flush=True)
             base_txt = f" (bf16 cuBLAS {step_base * LAYERS_8B / 1e3:.3f} ms)" if step_base else ""
-            print(f"{family} M={m}: the 4 linears of a layer x {LAYERS_8B} layers = "
+            print(f"{family} M={m}: the linears of a layer x {LAYERS_8B} layers (+ the LM head) = "
                   f"{step_best * LAYERS_8B / 1e3:.3f} ms{base_txt}", flush=True)
             result = {"device": torch.cuda.get_device_name(), "copy_bw_gbs": copy_bw / 1e9, "configs": picks}
             if args.out:  # after every family and M: a sweep cut short still leaves its picks so far

@@ -17,6 +17,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # radixserve.constrained.GRAMMAR_BACKENDS and "none" (that package imports torch, which parsing flags need not)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SAMPLING_DEFAULTS = ("model", "none")
+DEFAULT_STEP_TOKEN_BUDGET = 256  # tokens of a prefill chunk while requests decode (CUDA, prefill graphs on)
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
@@ -90,10 +91,12 @@ class ServerArgs:
                                              "4096 on CPU)")
     enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
     step_token_budget: int | None = _flag("While requests decode and no backlog waits (the waiting prompts fit in "
-                                          "one chunk), one step computes at most this many tokens: the running "
-                                          "decodes ride with a prefill chunk that takes the rest (MIXED). 0 or "
-                                          "unset: off (mixed steps run eagerly, so on an 8B model they did not pay "
-                                          "yet: docs/PERFORMANCE.md)")
+                                          "one chunk), a prefill step computes at most this many tokens and the "
+                                          "decodes step between two such chunks, so a decode waits for one short "
+                                          "chunk at most (with --enable-mixed-chunk the decodes ride with the "
+                                          "chunk instead). 0: off. Default: 256 on one CUDA GPU where prefill "
+                                          "graphs cover the chunk (--prefill-cuda-graph-max-tokens >= 256, "
+                                          "decode graphs on), else off")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -253,8 +256,8 @@ class ServerArgs:
                                                    or self.step_token_budget < 0):
             raise ValueError(f"--step-token-budget must be a non-negative integer; got {self.step_token_budget!r}")
         if self.step_token_budget and (self.speculative_algorithm is not None or self.enable_dp_attention):
-            raise ValueError("--step-token-budget mixes decodes into prefill steps, which speculative decoding and "
-                             "--enable-dp-attention do not support")
+            raise ValueError("--step-token-budget is not supported with speculative decoding or "
+                             "--enable-dp-attention (their steps are scheduled differently)")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
             positive("chunked_prefill_size")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -375,8 +378,16 @@ class ServerArgs:
 
     @property
     def resolved_step_token_budget(self) -> int:
-        """--step-token-budget, or 0 (off)."""
-        return self.step_token_budget or 0
+        """--step-token-budget; unset: 256 on CUDA when the budget's chunks replay prefill graphs (and nothing that
+        excludes the budget is on), else 0 (off)."""
+        if self.step_token_budget is not None:
+            return self.step_token_budget
+        graphs = not self.disable_cuda_graph and self.prefill_cuda_graph_max_tokens >= DEFAULT_STEP_TOKEN_BUDGET \
+            and self.tp_size == 1
+        if self.resolved_device() != "cuda" or not graphs or self.speculative_algorithm is not None \
+                or self.enable_dp_attention:
+            return 0
+        return DEFAULT_STEP_TOKEN_BUDGET
 
     @property
     def chunk_size(self) -> int | None:

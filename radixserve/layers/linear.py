@@ -108,6 +108,28 @@ class _LinearBase(nn.Module):
                 n, dst_off, src_off = (_blocks(v, block, "output rows") for v in (n, dst_off, src_off))
         self._copy(param.data.narrow(dim, dst_off, n), loaded.narrow(dim, src_off, n))
 
+    def _row_gemv(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | None:
+        """One activation row on a 16-bit CUDA weight: the Triton GEMV (`triton_ops/gemv`) where the swept table
+        says it beats cuBLAS for this shape; None otherwise. Looked up once per layer (the weight's shape and
+        device are fixed once loaded)."""
+        if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or torch.compiler.is_compiling():
+            return None  # (under torch.compile inductor generates the product)
+        cache = self.__dict__.setdefault("_gemv_cfg", {})
+        if silu_mul not in cache:
+            from radixserve.layers.triton_ops.gemv import gemv_config
+
+            cache[silu_mul] = gemv_config(self.weight, silu_mul)
+        cfg = cache[silu_mul]
+        if cfg is None:
+            return None
+        from radixserve.layers.triton_ops.gemv import gemv_row
+
+        return gemv_row(x, self.weight, self.bias, cfg, silu_mul=silu_mul)
+
+    def _plain_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._row_gemv(x) if x.shape[0] == 1 else None
+        return F.linear(x, self.weight, self.bias) if out is None else out
+
     def gemv_ok(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through the one-row decode GEMV kernel (see `decode_gemv`)."""
         return self.decode_gemv and self._plain and self.lora is None and x.shape[0] == 1 and x.dim() == 2 \
@@ -121,7 +143,7 @@ class _LinearBase(nn.Module):
 
             return decode_gemv(x, self.weight, self.bias)[0]
         if self._plain and x.is_cuda:
-            return F.linear(x, self.weight, self.bias)
+            return self._plain_cuda(x)
         return self.quant_method.apply(self, x, self.bias)
 
 
@@ -164,12 +186,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate; up] layer computed in its product's epilogue, when its quantization
-        method offers that for `x` (fp8 decode GEMVs); None otherwise (the caller applies SiluAndMul)."""
-        fused = getattr(self.quant_method, "apply_silu_and_mul", None)
-        if fused is None or self.lora is not None or len(self.shard_sizes) != 2 \
-                or self.shard_sizes[0] != self.shard_sizes[1]:
+        method offers that for `x` (fp8 decode GEMVs) or, unquantized, the one-row Triton GEMV has a tile for the
+        shape; None otherwise (the caller applies SiluAndMul)."""
+        if self.lora is not None or len(self.shard_sizes) != 2 or self.shard_sizes[0] != self.shard_sizes[1]:
             return None
-        return fused(self, x, self.bias)
+        if self._plain and x.is_cuda:  # 16-bit weights at one row: the Triton GEMV where the table picks it
+            return self._row_gemv(x, silu_mul=True) if x.shape[0] == 1 else None
+        fused = getattr(self.quant_method, "apply_silu_and_mul", None)
+        return None if fused is None else fused(self, x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -231,7 +255,7 @@ class RowParallelLinear(_LinearBase):
 
             out = decode_gemv(x, self.weight, self.bias)[0]
         elif self._plain and x.is_cuda:
-            out = F.linear(x, self.weight, self.bias)
+            out = self._plain_cuda(x)
         else:
             out = self.quant_method.apply(self, x, self.bias)
         if self.tp_size > 1 and self.reduce_results:

@@ -25,7 +25,15 @@ class LogitsProcessor(nn.Module):
         if hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
             logits = cpu_ops.linear(hidden, lm_head.weight, persistent=True)
         else:
-            logits = torch.matmul(hidden, lm_head.weight.T)
+            logits = None
+            if hidden.shape[0] == 1 and hidden.dim() == 2 and hidden.stride(-1) == 1 \
+                    and not torch.compiler.is_compiling():  # one row: the one-row GEMV where the table has the shape
+                from radixserve.layers.triton_ops.gemv import gemv_config, gemv_row
+
+                cfg = gemv_config(lm_head.weight)
+                logits = gemv_row(hidden, lm_head.weight, None, cfg) if cfg is not None else None
+            if logits is None:
+                logits = torch.matmul(hidden, lm_head.weight.T)
         if lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

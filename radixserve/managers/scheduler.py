@@ -74,6 +74,9 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
         self.step_token_budget = server_args.resolved_step_token_budget
+        self.decode_turn = False  # the last step was a budgeted prefill chunk: the running decodes go next
+        if self.step_token_budget:
+            logger.info("step token budget: %d tokens a prefill chunk while requests decode", self.step_token_budget)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from radixserve.managers.tokenizer_utils import get_tokenizer
@@ -359,10 +362,13 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             self.last_batch = None
         if self.running_batch is not None:
             self.running_batch.filter_batch()  # requests whose finish is already known
-        new_batch = self.get_new_batch_prefill()
+        decoding = self.running_batch is not None and not self.running_batch.is_empty()
+        # after a budgeted chunk the running decodes step before the next chunk (the step token budget's pacing)
+        new_batch = None if self.decode_turn and decoding else self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
-        if self.running_batch is None or self.running_batch.is_empty():
+        self.decode_turn = False
+        if not decoding:
             self.running_batch = None
             return None
         self.update_running_batch(self.running_batch)
@@ -379,7 +385,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             return None
         # a step that keeps the decodes' pace: they ride with a prefill chunk cut to the step's token budget
         budget = latency_step_budget(self.step_token_budget, len(running), self.waiting_queue, self.chunk_size)
-        mixed = (self.server_args.enable_mixed_chunk or budget is not None) and bool(running)
+        mixed = self.server_args.enable_mixed_chunk and bool(running)
         max_prefill, chunk = self.server_args.max_prefill_tokens, self.chunk_size
         if budget is not None:
             max_prefill, chunk = min(max_prefill, budget), min(chunk or budget, budget)
@@ -448,6 +454,8 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             if self.running_batch.check_decode_mem():
                 batch.mix_with_running(self.running_batch)
                 self.running_batch = None
+        # a budgeted chunk while requests decode: they step next, before any further prefill
+        self.decode_turn = budget is not None and self.running_batch is not None and not self.running_batch.is_empty()
         return batch
 
     def update_running_batch(self, batch: ScheduleBatch) -> None:

@@ -1,5 +1,7 @@
-"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`, and "bf16": `triton_ops.decode_gemv` for the
-16-bit one-row products of the MoE / MLA models' attention), per kernel family, row count and weight shape.
+"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "bf16": `triton_ops.decode_gemv` for the
+16-bit one-row products of the MoE / MLA models' attention; "row16" / "row16_silu": `triton_ops.gemv` for the dense
+models' linear layers at batch 1, only where a sweep found it faster than cuBLAS), per kernel family, row count and
+weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two); RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
@@ -14,7 +16,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "bf16")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "bf16", "row16", "row16_silu")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ def get(family: str, m: int, n: int, k: int, cuda: bool = True) -> GemvConfig:
             if hit is not None:
                 return hit
     return default("fp8" if family == "fp8_silu" else family, m, cuda)
+
+
+def lookup(family: str, m: int, n: int, k: int) -> GemvConfig | None:
+    """The table's entry for exactly this family and shape, or None (no fallback: for the 16-bit GEMV of
+    `triton_ops/gemv.py` a missing entry means cuBLAS keeps the shape)."""
+    return _table().get(key(family, m, n, k))
 
 
 @functools.lru_cache(maxsize=256)

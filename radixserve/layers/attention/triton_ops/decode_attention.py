@@ -55,6 +55,7 @@ def _decode_stage1_kernel(
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_F16: tl.constexpr,
+    WIDEN_EARLY: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
 ):
     b = tl.program_id(0)
@@ -102,6 +103,8 @@ def _decode_stage1_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                         mask=mask_kv, other=0.0)
+            if WIDEN_EARLY:  # fp8 tile widened as loaded, before the transpose (comparisons)
+                k = k.to(tl.float16)
             if USE_DOT:
                 qk = mma(q, tl.trans(k), DOT_FP32)
             else:  # BLOCK_H == 1: q [1, D] against k [N, D], all in 2-D
@@ -114,6 +117,8 @@ def _decode_stage1_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                         mask=mask_kv, other=0.0)
+            if WIDEN_EARLY:
+                v = v.to(tl.float16)
             if USE_DOT:
                 acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, DOT_FP32)
             else:
@@ -181,6 +186,8 @@ def _decode_stage2_kernel(
 # 2.2-2.5 TB/s against 1.6-1.8 with bf16's 64 and 2 (docs/perf-log.md).
 FP8_BLOCK_N = int(os.environ.get("RADIXSERVE_DECODE_FP8_BLOCK_N", "128"))
 FP8_NUM_STAGES = int(os.environ.get("RADIXSERVE_DECODE_FP8_STAGES", "3"))
+# 1: widen each fp8 tile to fp16 as it is loaded, before the transpose for the MMA (an experiment; off)
+FP8_WIDEN_EARLY = os.environ.get("RADIXSERVE_DECODE_FP8_WIDEN_EARLY", "0") == "1"
 
 
 def is_interpreted() -> bool:
@@ -334,7 +341,8 @@ def decode_attention_fwd(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
-        KV_F16=use_dot and not dot_fp32 and k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
+        KV_F16=use_dot and not dot_fp32 and fp8_pool, WIDEN_EARLY=FP8_WIDEN_EARLY and use_dot and not dot_fp32
+        and fp8_pool,
         SLIDING=window > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
