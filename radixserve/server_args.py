@@ -17,7 +17,6 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # radixserve.constrained.GRAMMAR_BACKENDS and "none" (that package imports torch, which parsing flags need not)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 SAMPLING_DEFAULTS = ("model", "none")
-DEFAULT_STEP_TOKEN_BUDGET = 256  # tokens of a prefill chunk while requests decode (CUDA, prefill graphs on)
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 
@@ -94,9 +93,8 @@ class ServerArgs:
                                           "one chunk), a prefill step computes at most this many tokens and the "
                                           "decodes step between two such chunks, so a decode waits for one short "
                                           "chunk at most (with --enable-mixed-chunk the decodes ride with the "
-                                          "chunk instead). 0: off. Default: 256 on one CUDA GPU where prefill "
-                                          "graphs cover the chunk (--prefill-cuda-graph-max-tokens >= 256, "
-                                          "decode graphs on), else off")
+                                          "chunk instead; 256 suits an 8B model on one GPU, where such a chunk "
+                                          "replays a prefill graph). 0 or unset: off")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -378,16 +376,8 @@ class ServerArgs:
 
     @property
     def resolved_step_token_budget(self) -> int:
-        """--step-token-budget; unset: 256 on CUDA when the budget's chunks replay prefill graphs (and nothing that
-        excludes the budget is on), else 0 (off)."""
-        if self.step_token_budget is not None:
-            return self.step_token_budget
-        graphs = not self.disable_cuda_graph and self.prefill_cuda_graph_max_tokens >= DEFAULT_STEP_TOKEN_BUDGET \
-            and self.tp_size == 1
-        if self.resolved_device() != "cuda" or not graphs or self.speculative_algorithm is not None \
-                or self.enable_dp_attention:
-            return 0
-        return DEFAULT_STEP_TOKEN_BUDGET
+        """--step-token-budget, or 0 (off: the 16 req/s latency run with it on by default is still to be measured)."""
+        return self.step_token_budget or 0
 
     @property
     def chunk_size(self) -> int | None:

@@ -33,11 +33,8 @@ def test_latency_step_budget_policy() -> None:
 def test_default_budget_by_device() -> None:
     assert ServerArgs(device="cpu").resolved_step_token_budget == 0
     assert ServerArgs(device="cpu", step_token_budget=64).resolved_step_token_budget == 64
-    assert ServerArgs(device="cuda").resolved_step_token_budget == 256  # on: its chunks replay prefill graphs
-    assert ServerArgs(device="cuda", step_token_budget=0).resolved_step_token_budget == 0
-    for off in (dict(disable_cuda_graph=True), dict(prefill_cuda_graph_max_tokens=128), dict(tp_size=2),
-                dict(speculative_algorithm="ngram")):
-        assert ServerArgs(device="cuda", **off).resolved_step_token_budget == 0, off
+    assert ServerArgs(device="cuda").resolved_step_token_budget == 0  # off until its latency run is measured
+    assert ServerArgs(device="cuda", step_token_budget=256).resolved_step_token_budget == 256
     with pytest.raises(ValueError, match="step-token-budget"):
         ServerArgs(device="cpu", step_token_budget=-1)
     with pytest.raises(ValueError, match="step-token-budget"):
