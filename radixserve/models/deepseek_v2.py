@@ -122,7 +122,7 @@ class DeepseekMLAAttention(nn.Module):
         q = q.view(t, self.num_heads, self.nope + self.rope)
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
-        if 0 < t <= PREP_TOKENS and use_fused(hidden) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
+        if 0 < t <= PREP_TOKENS and use_fused(first) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
                 and kv_a.stride(1) == 1:
             q_full, k_full, saved = self._prep_fused(positions, q, kv_a, w_kc, forward_batch)
             o = self.attn(q_full.reshape(t, -1), k_full, k_full[:, :self.rank], forward_batch,

@@ -26,7 +26,8 @@ def use_fused(x: torch.Tensor) -> bool:
     generates and fuses the same elementwise work from the layers' torch code)."""
     if torch.compiler.is_compiling():
         return False
-    return x.is_cuda if _mode is None else _mode
+    cuda = x.is_cuda  # read whatever the mode, so a caller passing no tensor fails on the CPU too
+    return cuda if _mode is None else _mode
 
 
 _decode_gemv = os.environ.get("RADIXSERVE_DISABLE_DECODE_GEMV", "") in ("", "0")
