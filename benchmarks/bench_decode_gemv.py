@@ -1,4 +1,4 @@
-"""The one-row decode GEMV (`layers/triton_ops/decode_gemv.py`) against what it replaces, at the MoE / MLA models'
+"""The one-row GEMV (`layers/triton_ops/gemv.py`, `gemv_row_norm`) against what it replaces, at the MoE / MLA models'
 attention shapes, in CUDA graphs, with a block-config sweep.
 
 Baselines: cuBLAS `F.linear` (o_proj), and for the fused shapes the add + RMSNorm kernel followed by cuBLAS
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
-from radixserve.layers.triton_ops.decode_gemv import decode_gemv  # noqa: E402
+from radixserve.layers.triton_ops.gemv import gemv_row_norm  # noqa: E402
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
 
 # name: (N1, N2, K, norm before it)
@@ -102,7 +102,9 @@ def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list 
         return [F.linear(h, ws[layer])] + ([F.linear(h, w2s[layer])] if n2 else [])
 
     def ours(layer: int, cfg: tuple[int, int, int, int] | None) -> torch.Tensor:
-        return decode_gemv(x, ws[layer], None, w2s[layer], norm=(res, nw, 1e-6) if norm else None, config=cfg)[0]
+        tiles = GemvConfig("ew", *cfg) if cfg is not None else None
+        return gemv_row_norm(x, ws[layer], None, w2s[layer], norm=(res, nw, 1e-6) if norm else None,
+                             config=tiles)[0]
 
     ref = torch.cat(base(0), dim=1).float()
     rows: list[tuple[str, Any]] = [("cuBLAS" + (" + norm" if norm else "") + (" x2" if n2 else ""), None)]
@@ -150,9 +152,10 @@ def main() -> None:
         best = bench_shape(name, *shape, sweep=sweep if args.sweep else None, layers=args.layers, reps=args.reps,
                            device=device, dtype=dtype, bw=bw, results=results)
         if best is not None:
-            n1, n2, k, _ = shape
+            n1, n2, k, norm = shape
             bn, bk, warps, stages = best[1]
-            picks[key("bf16", 1, n1 + n2, k)] = GemvConfig("ew", bn, bk, warps, stages).to_dict()
+            family = "row16_norm" if norm else "row16"
+            picks[key(family, 1, n1 + n2, k)] = GemvConfig("ew", bn, bk, warps, stages).to_dict()
             print(f"{name:<24} best {bn}/{bk}/{warps}/{stages}: {best[0] * 1e6:.2f} us")
     if args.picks:
         Path(args.picks).write_text(json.dumps({"source": "benchmarks/bench_decode_gemv.py --sweep",
