@@ -94,6 +94,34 @@ def _small_int_to_f32(v, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _q4_k_chunk_pointers(X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn):
+    """The pointer tiles of the Q4_K GEMVs that read NCH 32-byte chunks of BLOCK_N rows a step, at chunk 0: the q
+    bytes and x as [BLOCK_N, NCH, 32] (x the same for every row; chunk g's low nibbles meet x[64g + l], its high
+    ones x[64g + 32 + l]), the sub-block scales and mins of chunk g's first sub-block (2g) and the super-block's
+    d / dmin (g // 4) as [BLOCK_N, NCH]."""
+    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
+    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * rows[:, None, None]
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    return w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs
+
+
+@triton.jit
+def _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s):
+    """The float32 factors of the step that starts at chunk g0, each shaped as the pointer tiles: the scale and min
+    of the low and high sub-blocks of each chunk, and its super-block's d and dmin."""
+    sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+    sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+    mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+    mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+    d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+    dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+    return sc_lo, sc_hi, mn_lo, mn_hi, d, dm
+
+
+@triton.jit
 def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q4_K rows; each step reads NCH contiguous 32-byte chunks
@@ -108,12 +136,8 @@ def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride
     offs_l = tl.arange(0, 32)
     offs_l = (offs_l // 8) * 8 + offs_l % 8
     rows = offs_n.to(tl.int64)
-    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
-    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_chunk_pointers(
+        X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
@@ -125,12 +149,7 @@ def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride
         dot_hi = tl.sum(_small_int_to_f32(b >> 4, MAGIC) * x_hi, axis=2)
         xs_lo = tl.sum(x_lo, axis=2)
         xs_hi = tl.sum(x_hi, axis=2)
-        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
         acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) - dm * (mn_lo * xs_lo + mn_hi * xs_hi)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -152,12 +171,8 @@ def _q4_k_gemv_acc_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
     offs_l = tl.arange(0, 32)
     offs_l = (offs_l // 8) * 8 + offs_l % 8
     rows = offs_n.to(tl.int64)
-    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
-    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_chunk_pointers(
+        X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH, 32), dtype=tl.float32)
@@ -165,12 +180,11 @@ def _q4_k_gemv_acc_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
         b = tl.load(w_ptrs + g0 * 32, mask=mask_w, other=0).to(tl.int32)
         x_lo = tl.load(x_ptrs + g0 * 64).to(tl.float32)
         x_hi = tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        s_lo = (d * tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32))[:, :, None]
-        s_hi = (d * tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32))[:, :, None]
-        m_lo = (dm * tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32))[:, :, None]
-        m_hi = (dm * tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32))[:, :, None]
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
+        s_lo = (d * sc_lo)[:, :, None]
+        s_hi = (d * sc_hi)[:, :, None]
+        m_lo = (dm * mn_lo)[:, :, None]
+        m_hi = (dm * mn_hi)[:, :, None]
         acc += (_small_int_to_f32(b & 0xF, MAGIC) * s_lo - m_lo) * x_lo
         acc += (_small_int_to_f32(b >> 4, MAGIC) * s_hi - m_hi) * x_hi
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -227,12 +241,7 @@ def _q4_k_gemv_mma_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
         xt_hi = tl.where(first, xq_hi[:, :, None], 0).to(tl.int8)
         dot_lo = tl.sum(tl.dot(q_lo, xt_lo, out_dtype=tl.int32), axis=2).to(tl.float32)  # [NCH, BLOCK_N]
         dot_hi = tl.sum(tl.dot(q_hi, xt_hi, out_dtype=tl.int32), axis=2).to(tl.float32)
-        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
         # w = d sc (q - 8) + (8 d sc - dmin m): the second part times the float sum of x
         acc += d * (sc_lo * dot_lo * xs_lo[:, None] + sc_hi * dot_hi * xs_hi[:, None]) \
             + (8.0 * d * sc_lo - dm * mn_lo) * tl.sum(x_lo, axis=1)[:, None] \
@@ -315,12 +324,8 @@ def _q4_k_gemv_dp4a_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, s
     ch = tl.arange(0, NCH)
     offs_l = tl.arange(0, 32)
     rows = offs_n.to(tl.int64)
-    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
-    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_chunk_pointers(
+        X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
@@ -334,12 +339,7 @@ def _q4_k_gemv_dp4a_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, s
         xq_hi = _round_to_int8(x_hi / xs_hi[:, :, None])
         dot_lo = tl.sum(_nibble_dot4(b, xq_lo, False, ASM), axis=2) - 8 * tl.sum(xq_lo.to(tl.int32), axis=2)
         dot_hi = tl.sum(_nibble_dot4(b, xq_hi, True, ASM), axis=2) - 8 * tl.sum(xq_hi.to(tl.int32), axis=2)
-        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
         acc += d * (sc_lo * dot_lo.to(tl.float32) * xs_lo + sc_hi * dot_hi.to(tl.float32) * xs_hi) \
             + (8.0 * d * sc_lo - dm * mn_lo) * tl.sum(x_lo, axis=2) \
             + (8.0 * d * sc_hi - dm * mn_hi) * tl.sum(x_hi, axis=2)
