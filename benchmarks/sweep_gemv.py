@@ -80,6 +80,11 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             # integer products by dp4a on the CUDA cores
             out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in
                     [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 512, 4), (8, 1024, 8)]]
+            # dp4a on whole words, x quantised once per program and step
+            out += [GemvConfig("dp4w", bn, bk, w, st) for bn, bk, w, st in
+                    [(4, 512, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 1024, 8, 2),
+                     (32, 256, 4, 2), (32, 512, 8, 2), (8, 256, 2, 2), (16, 256, 4, 3), (4, 1024, 4, 2),
+                     (64, 256, 8, 2), (16, 512, 8, 3)]]
     return out[:6] if quick else out
 
 

@@ -350,6 +350,82 @@ def _q4_k_gemv_dp4a_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, s
 
 
 @triton.jit
+def _dp4a_nibbles(w, xw, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Per 32-bit word: the dot product of the four low (or HIGH) nibbles of w's bytes (unsigned) with the four
+    int8 of xw: one `dp4a` after masking the nibbles out of the word; under the interpreter (no ASM) the same sum
+    from the unpacked bytes."""
+    if ASM:
+        if HIGH:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 4; and.b32 t, t, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $2, 0;}",
+                "=r,r,r", [w, xw], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t; and.b32 t, $1, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $2, 0;}",
+            "=r,r,r", [w, xw], dtype=tl.int32, is_pure=True, pack=1)
+    t = (w >> 4) & 0x0F0F0F0F if HIGH else w & 0x0F0F0F0F
+    acc = tl.zeros_like(w)
+    for b in tl.static_range(4):
+        xb = (xw >> (8 * b)) & 0xFF
+        acc += ((t >> (8 * b)) & 0xFF) * tl.where(xb >= 128, xb - 256, xb)
+    return acc
+
+
+@triton.jit
+def _q8_words(x):
+    """x [NCH, 8, 4] (float32, 32 values a chunk) -> (int8 levels packed 4 to an int32 word [NCH, 8], the scale
+    amax / 127 [NCH], the sum of the levels [NCH], the float sum [NCH]): llama.cpp's q8_1 activations, halves
+    away from zero."""
+    xs = tl.maximum(tl.max(tl.max(tl.abs(x), axis=2), axis=1), 1e-30) / 127.0
+    q = _round_to_int8(x / xs[:, None, None]).to(tl.int32)
+    shift = (tl.arange(0, 4) * 8)[None, None, :]
+    words = tl.sum((q & 0xFF) << shift, axis=2)  # disjoint bits: the sum is the OR
+    return words, xs, tl.sum(tl.sum(q, axis=2), axis=1), tl.sum(tl.sum(x, axis=2), axis=1)
+
+
+@triton.jit
+def _q4_k_gemv_dp4w_kernel(X, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_ww, stride_sn, stride_dn,
+                           stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           NCH: tl.constexpr):
+    """Integer products on whole words: the q bytes read as int32 (W32: qweight viewed as int32, stride_ww words a
+    row; word j of chunk g holds weights 64g + 4j.. in its low nibbles, 64g + 32 + 4j.. in its high ones), and x
+    quantised to int8 per 32 columns once per program and step (not per weight row) and packed 4 to a word, so
+    each word of weights costs two `dp4a` and three bit operations. The products are centred after the fact, so
+    that x's int8 rounding meets q - 8 (half the magnitude of q) and the rest the float x: per sub-block
+    w.x = d sc x_scale (dot(q, x_int8) - 8 sum(x_int8)) + (8 d sc - dmin m) sum(x)."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    ch = tl.arange(0, NCH)
+    offs_j = tl.arange(0, 8)
+    offs_b = tl.arange(0, 4)
+    w_ptrs = W32 + rows[:, None, None] * stride_ww + (ch[:, None] * 8 + offs_j[None, :])[None, :, :]
+    x_ptrs = X + m * stride_xm + ch[:, None, None] * 64 + offs_j[None, :, None] * 4 + offs_b[None, None, :]
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        w = tl.load(w_ptrs + g0 * 8, mask=mask_w, other=0)  # [BLOCK_N, NCH, 8] int32
+        xw_lo, xs_lo, qsum_lo, xsum_lo = _q8_words(tl.load(x_ptrs + g0 * 64).to(tl.float32))
+        xw_hi, xs_hi, qsum_hi, xsum_hi = _q8_words(tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32))
+        dot_lo = tl.sum(_dp4a_nibbles(w, tl.broadcast_to(xw_lo[None, :, :], w.shape), False, ASM), axis=2)
+        dot_hi = tl.sum(_dp4a_nibbles(w, tl.broadcast_to(xw_hi[None, :, :], w.shape), True, ASM), axis=2)
+        dot_lo = (dot_lo - 8 * qsum_lo[None, :]).to(tl.float32) * xs_lo[None, :]  # [BLOCK_N, NCH]
+        dot_hi = (dot_hi - 8 * qsum_hi[None, :]).to(tl.float32) * xs_hi[None, :]
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
+        acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) + (8.0 * d * sc_lo - dm * mn_lo) * xsum_lo[None, :] \
+            + (8.0 * d * sc_hi - dm * mn_hi) * xsum_hi[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q8_0 rows, NB contiguous 32-weight blocks of every row per
@@ -405,6 +481,12 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
         sc = fields["scales"]
+        if cfg.kernel == "dp4w" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
+            w32 = wq.view(torch.int32)
+            launch(_q4_k_gemv_dp4w_kernel, grid, x, w32, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
+                   x.stride(0), w32.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+            return out
         if cfg.kernel == "dp4a":
             launch(_q4_k_gemv_dp4a_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
                    x.stride(0), wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
