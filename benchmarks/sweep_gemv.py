@@ -51,6 +51,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                     for w in (4, 8) if bn * bk <= 8192]
     elif family == "fp8_mid":  # the transposed W8A8 / W8A16 product at 17..256 rows, against torch._scaled_mm
         out.append(GemvConfig("scaled_mm", 0, 0))
+        out.append(GemvConfig("scaled_mm_t", 0, 0))  # cuBLASLt's product transposed (the weight's rows tiled)
         bms = (32, 64) if m <= 64 else (32, 64, 128)
         for bn in (64, 128):
             for bm in bms:
