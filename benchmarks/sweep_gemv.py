@@ -78,14 +78,15 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                     [(16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2),
                      (32, 1024, 8, 2), (64, 256, 4, 2), (64, 512, 8, 2), (16, 512, 2, 2), (32, 512, 4, 3)]]
             out += [GemvConfig("mma", bn, bk, w, 2, "2d") for bn, bk, w in [(16, 256, 4), (32, 256, 4), (16, 512, 2)]]
-            # integer products by dp4a on the CUDA cores
-            out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in
-                    [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 512, 4), (8, 1024, 8)]]
-            # dp4a on whole words, x quantised once per program and step
+            # integer products by dp4a on the CUDA cores: x quantised per weight row (dp4a), once per program and
+            # step (dp4w), or once beforehand by a small kernel (dp4x); the last two on whole words
+            out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in [(2, 1024, 4), (4, 512, 4), (8, 512, 4)]]
             out += [GemvConfig("dp4w", bn, bk, w, st) for bn, bk, w, st in
-                    [(4, 512, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 1024, 8, 2),
-                     (32, 256, 4, 2), (32, 512, 8, 2), (8, 256, 2, 2), (16, 256, 4, 3), (4, 1024, 4, 2),
-                     (64, 256, 8, 2), (16, 512, 8, 3)]]
+                    [(8, 512, 4, 2), (16, 512, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2),
+                     (64, 256, 8, 2)]]
+            out += [GemvConfig("dp4x", bn, bk, w, st) for bn, bk, w, st in
+                    [(4, 512, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 256, 4, 3),
+                     (32, 256, 4, 2), (4, 1024, 2, 2), (2, 1024, 2, 2)]]
     return out[:6] if quick else out
 
 

@@ -242,10 +242,12 @@ def test_q4_k_int8_gemv_matches_reference(kernel: str, m: int, block_n: int, blo
     assert float((out.cpu() - ref).norm() / ref.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("m,block_n,block_k", [(1, 4, 256), (2, 8, 512), (1, 16, 1024)])
-def test_q4_k_word_dp4a_gemv_matches_reference(m: int, block_n: int, block_k: int) -> None:
-    """`_q4_k_gemv_dp4w_kernel` (q bytes read as int32 words, x quantised to int8 per 32 columns once per program
-    and packed into words, dp4a per word; elementwise under the interpreter), centred after the dot product as the
+@pytest.mark.parametrize("kernel,m,block_n,block_k", [("dp4w", 1, 4, 256), ("dp4w", 2, 8, 512), ("dp4w", 1, 16, 1024),
+                                                      ("dp4x", 1, 4, 256), ("dp4x", 2, 16, 512)])
+def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int, block_k: int) -> None:
+    """`_q4_k_gemv_dp4w_kernel` / `_q4_k_gemv_dp4x_kernel` (q bytes read as int32 words, x quantised to int8 per
+    32 columns once per program and step, or beforehand by `_q8_1_words_kernel`, and packed into words, dp4a per
+    word; elementwise under the interpreter), centred after the dot product as the
     other integer kernels: against the same exact reference (float32 rounding only), and within the int8 error of
     the float x; rows not a multiple of the tile, a bias, a block of tiny values, one of negative values only."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
@@ -259,7 +261,7 @@ def test_q4_k_word_dp4a_gemv_matches_reference(m: int, block_n: int, block_k: in
     x[-1, 64:96] = -x[-1, 64:96].abs()  # a block with only negative values (the packed words' sign bits)
     bias = torch.randn(n, generator=g)
     out = gguf_gemv(x.to(DEV), G.Q4_K, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV),
-                    GemvConfig("dp4w", block_n, block_k))
+                    GemvConfig(kernel, block_n, block_k))
     w = G.dequantize(G.Q4_K, fields)
     xq = _q8_blocks_ref(x)
     exact = xq @ w.t() + bias + (x - xq).view(m, -1, 32).sum(-1) @ _offset_terms(fields).t()

@@ -150,7 +150,8 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
             from radixserve.layers.quantization.gemv_configs import GemvConfig
 
             for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
-                        GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8)):
+                        GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8),
+                        GemvConfig("dp4x", 8, 512), GemvConfig("dp4x", 2, 1024, 2)):
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 
 

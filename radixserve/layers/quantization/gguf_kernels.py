@@ -426,6 +426,80 @@ def _q4_k_gemv_dp4w_kernel(X, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, 
 
 
 @triton.jit
+def _q8_1_words_kernel(X, Words, Xs, Qsum, Xsum, K, stride_xm, BLOCK_G: tl.constexpr):
+    """x [M, K] -> per 32-column block g: its int8 levels (amax / 127, halves away from zero) packed 4 to an int32
+    word (Words [M, K / 4]), the scale (Xs), the sum of the levels (Qsum) and of the float x (Xsum) [M, K / 32].
+    One program per row and BLOCK_G blocks."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    mask_g = g < K // 32
+    offs = g[:, None, None] * 32 + tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    x = tl.load(X + m * stride_xm + offs, mask=mask_g[:, None, None], other=0.0).to(tl.float32)
+    words, xs, qsum, xsum = _q8_words(x)
+    w_offs = g[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(Words + m * (K // 4) + w_offs, words, mask=mask_g[:, None])
+    tl.store(Xs + m * (K // 32) + g, xs, mask=mask_g)
+    tl.store(Qsum + m * (K // 32) + g, qsum, mask=mask_g)
+    tl.store(Xsum + m * (K // 32) + g, xsum, mask=mask_g)
+
+
+@triton.jit
+def _q4_k_gemv_dp4x_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_ww, stride_sn,
+                           stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           NCH: tl.constexpr):
+    """As `_q4_k_gemv_dp4w_kernel`, with x quantised beforehand (`_q8_1_words_kernel`, one small launch a product):
+    the packed words and the per-block factors of x are read through tiles shaped as the weight's (every row the
+    same; L1 serves the repeats), so the loop has no reduction and no layout exchange besides the sum of each
+    chunk's 8 words."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    ch = tl.arange(0, NCH)
+    offs_j = tl.arange(0, 8)
+    word = (ch[:, None] * 8 + offs_j[None, :])[None, :, :]  # [1, NCH, 8]: word j of chunk g
+    w_ptrs = W32 + rows[:, None, None] * stride_ww + word
+    # x's words: the low nibbles of chunk g meet block 2g (words 16g + j), the high ones block 2g + 1 (16g + 8 + j)
+    xw_ptrs = XW + m * (K // 4) + (ch[:, None] * 16 + offs_j[None, :])[None, :, :] + 0 * rows[:, None, None]
+    xb = m * (K // 32) + 2 * ch[None, :] + 0 * rows[:, None]  # [BLOCK_N, NCH]: block 2g
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        w = tl.load(w_ptrs + g0 * 8, mask=mask_w, other=0)  # [BLOCK_N, NCH, 8] int32
+        dot_lo = tl.sum(_dp4a_nibbles(w, tl.load(xw_ptrs + g0 * 16), False, ASM), axis=2)
+        dot_hi = tl.sum(_dp4a_nibbles(w, tl.load(xw_ptrs + g0 * 16 + 8), True, ASM), axis=2)
+        b = xb + 2 * g0
+        dot_lo = (dot_lo - 8 * tl.load(Qsum + b)).to(tl.float32) * tl.load(Xs + b)
+        dot_hi = (dot_hi - 8 * tl.load(Qsum + b + 1)).to(tl.float32) * tl.load(Xs + b + 1)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
+        acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) + (8.0 * d * sc_lo - dm * mn_lo) * tl.load(Xsum + b) \
+            + (8.0 * d * sc_hi - dm * mn_hi) * tl.load(Xsum + b + 1)
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+def q8_1_words(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [M, K] (K a multiple of 32, rows contiguous) -> (words int32 [M, K / 4], scales, level sums, float sums
+    [M, K / 32]): the activations of `_q4_k_gemv_dp4x_kernel`."""
+    m, k = x.shape
+    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
+    xs = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+    qsum = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
+    xsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+    block_g = 16
+    launch(_q8_1_words_kernel, (m, triton.cdiv(k // 32, block_g)), x, words, xs, qsum, xsum, k, x.stride(0),
+           BLOCK_G=block_g, **(dict(num_warps=4) if x.is_cuda else {}))
+    return words, xs, qsum, xsum
+
+
+@triton.jit
 def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q8_0 rows, NB contiguous 32-weight blocks of every row per
@@ -481,6 +555,13 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
         sc = fields["scales"]
+        if cfg.kernel == "dp4x" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
+            w32 = wq.view(torch.int32)
+            xw, xs, qsum, xsum = q8_1_words(x)
+            launch(_q4_k_gemv_dp4x_kernel, grid, xw, xs, qsum, xsum, w32, sc, fields["mins"], d, fields["dmin"], out,
+                   b, n, k, w32.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+            return out
         if cfg.kernel == "dp4w" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
             w32 = wq.view(torch.int32)
             launch(_q4_k_gemv_dp4w_kernel, grid, x, w32, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
