@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+SHAPES_8B = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]  # the largest first
 FP8_MAX = 448.0
 
 
@@ -146,6 +146,8 @@ def bench_shape(n: int, k: int, ms: list[int], min_mb: int, dev: str) -> list[di
                 print(f"  {name} m={m} {n}x{k}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
             rows.append({"m": m, "n": n, "k": k, "path": name, "us": us, "rel_err": err})
+        print(f"  M={m} {n}x{k}: " + ", ".join(f"{r['path']} {r['us']:.1f}" for r in rows if r["m"] == m),
+              flush=True)  # as it goes: a run cut short keeps what it measured
     c8.clear(), ct.clear(), c16.clear()
     if cuda:
         torch.cuda.empty_cache()
