@@ -135,6 +135,22 @@ def _timed(engine: Any, server_args: ServerArgs, name: str, reqs: list[tuple[lis
                      before["num_retractions"], **extra)
 
 
+def generate_left_padded(model: Any, part: list[tuple[list[int], int]], device: Any) -> None:
+    """One static batch through HF generate: the prompts left-padded, greedy, every row to the longest output."""
+    import torch
+
+    width = max(len(p) for p, _ in part)
+    ids = torch.zeros(len(part), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, (p, _) in enumerate(part):
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    n = max(lo for _, lo in part)
+    with torch.no_grad():
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+
+
 def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device: str, dtype: str,
                      batch_size: int, threads: int | None = None) -> dict[str, Any]:
     """Static batches through HF generate (left-padded, greedy, each batch runs to its longest output; only the
@@ -155,16 +171,7 @@ def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device:
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         part = reqs[i:i + batch_size]
-        width = max(len(p) for p, _ in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, (p, _) in enumerate(part):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
-        max_new = max(lo for _, lo in part)
-        with torch.no_grad():
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-                           min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        generate_left_padded(model, part, device)
         produced += [lo for _, lo in part]  # count only the tokens each request asked for
         bar.update(len(part))
     if device.startswith("cuda"):
