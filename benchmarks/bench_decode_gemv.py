@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from layer_timing import seconds_per_layer  # noqa: E402
+
+from radixserve.bench_one_batch import measure_copy_bandwidth  # noqa: E402
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
 from radixserve.layers.triton_ops.gemv import gemv_row_norm  # noqa: E402
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
@@ -36,58 +38,14 @@ SWEEP = [(4, 1024, 4, 2), (2, 1024, 4, 2), (8, 512, 4, 2), (4, 512, 4, 3), (2, 2
          (16, 256, 4, 3), (1, 2048, 4, 2)]
 
 
-def timed(fn: Any, layers: int, reps: int, cuda: bool) -> float:
-    """Seconds per layer: fn(l) for every layer captured in one CUDA graph and replayed (CPU: plain calls)."""
-    if not cuda:
-        t0 = time.perf_counter()
-        for layer in range(layers):
-            fn(layer)
-        return (time.perf_counter() - t0) / layers
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):  # warm-up: compiles, allocates
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / reps / layers)
-    return best
-
-
 def copy_bandwidth(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+    return measure_copy_bandwidth(device, nbytes=1 << 30, iters=10) if device == "cuda" else float("nan")
 
 
 def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list | None, layers: int, reps: int,
                 device: str, dtype: torch.dtype, bw: float, results: list[dict[str, Any]]
                 ) -> tuple[float, tuple[int, int, int, int]] | None:
     """Time the baseline and each config at one shape; returns (seconds, config) of the fastest config."""
-    cuda = device == "cuda"
     g = torch.Generator(device=device).manual_seed(n1 + k)
     ws = [torch.randn(n1, k, generator=g, device=device, dtype=dtype) / k ** 0.5 for _ in range(layers)]
     w2s = [torch.randn(n2, k, generator=g, device=device, dtype=dtype) / k ** 0.5 if n2 else None
@@ -121,7 +79,7 @@ def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list 
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects: skip it
                 print(f"{name:<24} {label:<22} failed: {type(e).__name__}: {str(e)[:80]}")
                 continue
-        s = timed(fn, layers, reps, cuda)
+        s = seconds_per_layer(fn, layers, reps, cuda=device == "cuda")
         gbs = nbytes / s / 1e9
         print(f"{name:<24} {label:<22} {s * 1e6:>9.2f} {gbs:>7.0f} {nbytes / s / bw:>8.1%} {err:>8.4f}", flush=True)
         results.append({"shape": name, "path": label, "us": s * 1e6, "gbs": gbs, "max_err": err})

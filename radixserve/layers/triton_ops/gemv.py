@@ -33,7 +33,9 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
@@ -51,7 +53,9 @@ def _normed_chunk(X, Res, NormW, offs_k, mask_k, rstd, HAS_RES: tl.constexpr, NO
 @triton.jit
 def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, N1, N, K, stride_wn, stride_w2n, eps,
                      HAS_W2: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -159,7 +163,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: tor
            bias if bias is not None else out, out, n1, n_out, k, w.stride(0),
            w2.stride(0) if w2 is not None else w.stride(0), float(eps),
            HAS_W2=w2 is not None, NORM=norm is not None, HAS_RES=res is not None, HAS_BIAS=bias is not None,
-           SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts)
+           SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts,
+           **pdl.launch_opts(x))
     return out, res_out
 
 
