@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layer_timing import seconds_per_layer  # noqa: E402
 
+from radixserve.bench_one_batch import measure_copy_bandwidth  # noqa: E402
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
 from radixserve.layers.triton_ops.decode_gemv import decode_gemv  # noqa: E402
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
@@ -38,19 +39,7 @@ SWEEP = [(4, 1024, 4, 2), (2, 1024, 4, 2), (8, 512, 4, 2), (4, 512, 4, 3), (2, 2
 
 
 def copy_bandwidth(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+    return measure_copy_bandwidth(device, nbytes=1 << 30, iters=10) if device == "cuda" else float("nan")
 
 
 def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list | None, layers: int, reps: int,

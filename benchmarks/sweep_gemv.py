@@ -22,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # layer_timing, also when imported as a module
 
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
 
@@ -216,28 +217,14 @@ def precompile(jobs: list[tuple[str, int, GemvConfig]], workers: int) -> None:
 
 def time_calls(fn, reps: int, replays: int = 5) -> float:  # noqa: ANN001
     """Seconds per call of fn(i) for i in 0..reps-1, captured in one CUDA graph (median of the replays)."""
-    import torch
+    from layer_timing import capture_graph, replay_seconds
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    def calls() -> None:
         for i in range(reps):
             fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+
+    times = replay_seconds(capture_graph(calls), replays)
+    return sorted(times)[len(times) // 2] / reps
 
 
 def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | None], copy_bw: float,
