@@ -127,23 +127,14 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The TP ranks' `x` concatenated along `dim` in rank order. A decode-sized result (the LM head's logits at a
-    few rows) goes through the custom all-reduce's one-shot kernel: each rank puts its part into a zeroed tensor
-    of the result's size and the sum over the ranks is the concatenation (x + 0 is exact); one small kernel
-    instead of NCCL's all-gather and the copies and concatenation after it."""
+    """The TP ranks' `x` concatenated along `dim` in rank order (decode-sized ones, e.g. the logits of a few rows,
+    through the custom all-reduce: `CustomAllReduce.all_gather`)."""
     if _TP_SIZE == 1:
         return x
-    if _CUSTOM_AR is not None and x.is_cuda:
-        d = dim % x.dim()
-        shape = list(x.shape)
-        n = shape[d]
-        shape[d] = n * _TP_SIZE
-        nbytes = x.numel() * _TP_SIZE * x.element_size()
-        if nbytes <= _CUSTOM_AR.one_shot_max_bytes:
-            full = x.new_zeros(shape)
-            if _CUSTOM_AR.should_use(full):
-                full.narrow(d, _TP_RANK * n, n).copy_(x)
-                return _CUSTOM_AR.one_shot(full)
+    if _CUSTOM_AR is not None:
+        out = _CUSTOM_AR.all_gather(x, dim)
+        if out is not None:
+            return out
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
