@@ -51,6 +51,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                     for w in (4, 8) if bn * bk <= 8192]
     elif family == "fp8_mid":  # the transposed W8A8 / W8A16 product at 17..256 rows, against torch._scaled_mm
         out.append(GemvConfig("scaled_mm", 0, 0))
+        out.append(GemvConfig("scaled_mm_t", 0, 0))  # cuBLASLt's product transposed (the weight's rows tiled)
         bms = (32, 64) if m <= 64 else (32, 64, 128)
         for bn in (64, 128):
             for bm in bms:
@@ -77,9 +78,15 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                     [(16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2),
                      (32, 1024, 8, 2), (64, 256, 4, 2), (64, 512, 8, 2), (16, 512, 2, 2), (32, 512, 4, 3)]]
             out += [GemvConfig("mma", bn, bk, w, 2, "2d") for bn, bk, w in [(16, 256, 4), (32, 256, 4), (16, 512, 2)]]
-            # integer products by dp4a on the CUDA cores
-            out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in
-                    [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 512, 4), (8, 1024, 8)]]
+            # integer products by dp4a on the CUDA cores: x quantised per weight row (dp4a), once per program and
+            # step (dp4w), or once beforehand by a small kernel (dp4x); the last two on whole words
+            out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in [(2, 1024, 4), (4, 512, 4), (8, 512, 4)]]
+            out += [GemvConfig("dp4w", bn, bk, w, st) for bn, bk, w, st in
+                    [(8, 512, 4, 2), (16, 512, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2),
+                     (64, 256, 8, 2)]]
+            out += [GemvConfig("dp4x", bn, bk, w, st) for bn, bk, w, st in
+                    [(4, 512, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 256, 4, 3),
+                     (32, 256, 4, 2), (4, 1024, 2, 2), (2, 1024, 2, 2)]]
     return out[:6] if quick else out
 
 
@@ -175,9 +182,10 @@ def _compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
                 fields = make_weight("fp8", n, k, 0)
                 for rows in (1, 2, 3, 16):
                     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-                    fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype)
-                    if (n, k) == SHAPES_8B[2]:
-                        fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, silu_mul=True)
+                    for pdl in (0, 1, 2) if rows == 1 and cfg["variant"] == "pdl" else (0,):  # the chain's
+                        fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, pdl=pdl)
+                        if (n, k) == SHAPES_8B[2]:
+                            fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, silu_mul=True, pdl=pdl)
                 done += 1
             except Exception as e:  # noqa: BLE001
                 print(f"warm-up failed for {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -261,6 +269,53 @@ def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | Non
     return rows
 
 
+def pdl_chain(layers: int, sets: int = 4) -> None:
+    """The fp8 decode GEMVs of `layers` 8B layers in a chain (q/k/v -> o -> gate_up with SiLU·mul -> down, each
+    taking the previous output), captured in one CUDA graph, with the table's configs: plain launches against
+    programmatic dependent launches (1: each kernel waits for the one before it first thing; 2: and lets the next
+    one launch once all its programs have started). `sets` distinct weight sets (each beyond the L2) are cycled.
+    Prints µs per chain and per kernel boundary saved; the outputs must be bit-identical."""
+    import torch
+
+    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+    from radixserve.layers.triton_ops.pdl import AVAILABLE
+
+    ws = [[make_weight("fp8", n, k, 100 * i + j) for j, (n, k) in enumerate(SHAPES_8B)] for i in range(sets)]
+    for layer in ws:  # scales set so that each product keeps x's magnitude (no overflow or underflow in a chain)
+        for f, (_n, k) in zip(layer, SHAPES_8B, strict=True):
+            f["s"] = f["s"] / (0.02 * k ** 0.5)
+    x0 = (torch.randn(1, SHAPES_8B[0][1], device="cuda") * 0.5).to(torch.bfloat16)
+
+    def chain(pdl: int) -> torch.Tensor:
+        x = x0
+        for i in range(layers):
+            qkv, o, gu, down = ws[i % sets]
+            h = fp8_skinny_gemv(x, qkv["w"], qkv["s"], x.dtype, pdl=pdl)[:, :4096]
+            a = fp8_skinny_gemv(h, o["w"], o["s"], x.dtype, pdl=pdl)
+            g = fp8_skinny_gemv(a, gu["w"], gu["s"], x.dtype, silu_mul=True, pdl=pdl)
+            x = fp8_skinny_gemv(g, down["w"], down["s"], x.dtype, pdl=pdl)
+        return x
+
+    print(f"\n## PDL chain: {layers} layers x 4 fp8 GEMVs (Triton's PDL ops: {AVAILABLE})", flush=True)
+    results = {}
+    for pdl in (0, 1, 2):
+        try:
+            out = chain(pdl)
+            torch.cuda.synchronize()
+            sec = time_calls(lambda i, p=pdl: chain(p), 1, replays=9)
+            results[pdl] = (sec, out)
+            same = "" if pdl == 0 else f"  identical to plain: {bool(torch.equal(out, results[0][1]))}"
+            print(f"  pdl={pdl}: {sec * 1e6:8.1f} µs per chain{same}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  pdl={pdl} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if 0 in results:
+        kernels = layers * 4
+        for pdl in (1, 2):
+            if pdl in results:
+                saved = (results[0][0] - results[pdl][0]) * 1e6
+                print(f"  pdl={pdl} saves {saved:.1f} µs per chain, {saved / kernels:.2f} µs per kernel", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--families", nargs="+", default=["fp8", "fp8_silu", "q4_k", "q8_0"])
@@ -277,6 +332,8 @@ def main() -> None:
                    "the configs the table holds now for the swept shapes")
     p.add_argument("--warm-only", action="store_true", help="only compile the candidates (into Triton's cache, "
                    "e.g. `--kernels picks`: the table's picks) and stop, so that the runs that follow find them")
+    p.add_argument("--pdl-chain", type=int, default=0, help="after the sweep: this many 8B layers of fp8 GEMVs in "
+                   "a chain, plain against programmatic dependent launches")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -303,7 +360,8 @@ def main() -> None:
     seen: set = set()  # an fp8_mid config compiles the same kernel at every M
     plan = [p for p in plan if p[0] != "fp8_mid" or (p[2] not in seen and not seen.add(p[2]))]
     if args.warm_fp8:
-        plan = [("fp8_warm", 1, GemvConfig("ew", n, k)) for n, k in shapes] + plan
+        plan = [("fp8_warm", 1, GemvConfig("ew", n, k, variant="pdl" if args.pdl_chain else "")) for n, k in shapes] \
+            + plan
     try:
         precompile(plan, args.workers)
     except Exception as e:  # noqa: BLE001 - the sweep still runs, compiling as it goes
@@ -383,6 +441,8 @@ def main() -> None:
         with open(args.json_rows, "w") as f:
             json.dump(all_rows, f)
     print("\n# picks\n" + json.dumps(result))
+    if args.pdl_chain:
+        pdl_chain(args.pdl_chain)
 
 
 if __name__ == "__main__":

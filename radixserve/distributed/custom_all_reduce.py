@@ -111,8 +111,9 @@ class CustomAllReduce:
         if self.impl == "triton":
             from radixserve.distributed.triton_all_reduce import TritonAllReduceAddNorm, TritonOneShot
 
-            self._triton = TritonOneShot(self._group, self.device, dtypes, self.one_shot_max_bytes)
-            self.add_norm = TritonAllReduceAddNorm(self._group, self.device, dtypes, self.one_shot_max_bytes)
+            self._triton = TritonOneShot.from_symm_mem(self._group, self.device, dtypes, self.one_shot_max_bytes)
+            self.add_norm = TritonAllReduceAddNorm.from_symm_mem(self._group, self.device, dtypes,
+                                                                 self.one_shot_max_bytes)
         for dtype in dtypes:
             buf = symm_mem.empty(self.max_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=self.device)
             symm_mem.rendezvous(buf, self.group_name)

@@ -18,7 +18,8 @@ so the programs' slots agree across ranks.
 
 `PushAddRMSNorm` fuses the residual add and RMSNorm after the sum (one program per row), as the pull kernel does.
 The buffers come from PyTorch's symmetric memory (`from_symm_mem`), or from the caller: the CPU tests hand in
-shared-memory tensors mapped by two processes and run the kernels under TRITON_INTERPRET=1.
+shared-memory tensors mapped by two processes and run the kernels under TRITON_INTERPRET=1. The slot and chunk
+arithmetic, the buffers and the fused add + RMSNorm tail are shared with the pull kernels (`one_shot_common.py`).
 """
 
 from __future__ import annotations
@@ -30,48 +31,79 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements per program of the plain one-shot
-MAX_PROGRAMS = 2048
+from radixserve.distributed.one_shot_common import (
+    BLOCK,
+    MAX_PROGRAMS,
+    SymmBuffers,
+    add_rmsnorm_store,
+    buffer_of,
+    can_fuse_rows,
+    chunk,
+    next_slot_cycle,
+    slot_offset,
+)
+
 ROW_STRIDE = 8192  # elements reserved per row in the fused kernel's slots: rows up to this width are fused
 PF_LINES = 1024  # 128-byte lines each prefetching program asks the L2 for
 PF_MAX_ROWS = 8  # prefetch only at decode-sized batches (bandwidth-bound GEMMs after the norm)
+N_SLOTS = 3
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _SENTINEL = {torch.int16: -(1 << 15), torch.int32: -(1 << 31)}  # the bits of -0.0
+
+
+@triton.jit
+def _push_poll_sum(b, mask, buf_ptrs, slot, at, region, x_ptr, out_ptr, SENT: tl.constexpr, RANK: tl.constexpr,
+                   WORLD: tl.constexpr):
+    """Store this rank's bits `b` (no sentinel among them) at `at` of this rank's region of `slot` in every peer's
+    buffer, then wait for the peers' data in this rank's buffer and return the float32 sum over the ranks in rank
+    order (every rank gets the same bits). x_ptr / out_ptr: the message's bits / the output (for their types)."""
+    dt = out_ptr.dtype.element_ty
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            tl.store(buffer_of(buf_ptrs, r, x_ptr) + slot_offset(slot, RANK, WORLD, region) + at, b, mask=mask)
+    mine = buffer_of(buf_ptrs, RANK, x_ptr)
+    acc = tl.zeros(b.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            acc += b.to(dt, bitcast=True).to(tl.float32)
+        else:
+            src = mine + slot_offset(slot, r, WORLD, region) + at
+            v = tl.load(src, mask=mask, other=0, volatile=True)
+            while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
+                v = tl.load(src, mask=mask, other=0, volatile=True)
+            acc += v.to(dt, bitcast=True).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _clear(buf_ptrs, slot, at, mask, region, b, x_ptr, SENT: tl.constexpr, RANK: tl.constexpr,
+           WORLD: tl.constexpr):
+    """The sentinel back into the peers' regions of `slot` at `at` in this rank's buffer (`b`, x_ptr: the bits'
+    type)."""
+    mine = buffer_of(buf_ptrs, RANK, x_ptr)
+    clear = (b * 0 + SENT).to(b.dtype)
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            tl.store(mine + slot_offset(slot, r, WORLD, region) + at, clear, mask=mask)
+
+
+@triton.jit
+def _outgoing(x_ptr, offs, mask, SENT: tl.constexpr):
+    """This rank's message as bits (x comes as its integer view), -0.0 sent as +0.0: the sentinel is never sent."""
+    b = tl.load(x_ptr + offs, mask=mask, other=0)
+    return tl.where(b == SENT, 0, b).to(x_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _push_one_shot_kernel(x_ptr, out_ptr, buf_ptrs, slots, numel, slot_numel, SENT: tl.constexpr,
                           RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    cur = (tl.load(slots + pid) + 1) % 3
-    tl.store(slots + pid, cur)
-    prev = (cur + 2) % 3
-    bits = x_ptr.dtype.element_ty  # x comes as its integer view
-    dt = out_ptr.dtype.element_ty
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    b = tl.load(x_ptr + offs, mask=mask, other=0)
-    b = tl.where(b == SENT, 0, b).to(bits)  # -0.0 travels as +0.0: the sentinel is never sent
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer = tl.load(buf_ptrs + r).to(tl.pointer_type(bits))
-            tl.store(peer + (cur * WORLD + RANK) * slot_numel + offs, b, mask=mask)
-    mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(bits))
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(WORLD):  # in rank order: every rank gets the same bits
-        if r == RANK:
-            acc += b.to(dt, bitcast=True).to(tl.float32)
-        else:
-            src = mine + (cur * WORLD + r) * slot_numel + offs
-            v = tl.load(src, mask=mask, other=0, volatile=True)
-            while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
-                v = tl.load(src, mask=mask, other=0, volatile=True)
-            acc += v.to(dt, bitcast=True).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(dt), mask=mask)
-    clear = (b * 0 + SENT).to(bits)
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            tl.store(mine + (prev * WORLD + r) * slot_numel + offs, clear)  # the whole chunk
+    cur = next_slot_cycle(slots, pid, 3)
+    offs, mask = chunk(pid, numel, BLOCK)
+    b = _outgoing(x_ptr, offs, mask, SENT)
+    acc = _push_poll_sum(b, mask, buf_ptrs, cur, offs, slot_numel, x_ptr, out_ptr, SENT, RANK, WORLD)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _clear(buf_ptrs, (cur + 2) % 3, offs, offs >= 0, slot_numel, b, x_ptr, SENT, RANK, WORLD)  # the whole chunk
 
 
 @triton.jit
@@ -85,67 +117,36 @@ def _push_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_pt
                              slot_numel, eps, pf_addr, pf_bytes, SENT: tl.constexpr, RANK: tl.constexpr,
                              WORLD: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr,
                              PF_LINES: tl.constexpr):
-    """One row per program: the row's sum over the ranks (rounded to the activation dtype, as an all-reduce
-    returns it), + residual (rounded: the new residual), RMSNorm as layers/triton_ops/norm.py rounds it.
-    Programs past the rows (PF_LINES > 0) ask the L2 for the first `pf_bytes` of the weight the next layer reads,
-    PF_LINES 128-byte lines each: the memory works while the all-reduce waits on the link."""
+    """One row per program: the row's sum over the ranks, then `add_rmsnorm_store`. Programs past the rows
+    (PF_LINES > 0) ask the L2 for the first `pf_bytes` of the weight the next layer reads, PF_LINES 128-byte lines
+    each: the memory works while the all-reduce waits on the link."""
     row = tl.program_id(0)
     if row < n_rows:
-        cur = (tl.load(slots + row) + 1) % 3
-        tl.store(slots + row, cur)
-        prev = (cur + 2) % 3
+        cur = next_slot_cycle(slots, row, 3)
         prev_width = tl.load(widths + row)
         tl.store(widths + row, n_cols)
-        bits = x_ptr.dtype.element_ty
-        dt = out_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        b = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0)
-        b = tl.where(b == SENT, 0, b).to(bits)
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                peer = tl.load(buf_ptrs + r).to(tl.pointer_type(bits))
-                tl.store(peer + (cur * WORLD + RANK) * slot_numel + row * STRIDE + cols, b, mask=mask)
-        mine = tl.load(buf_ptrs + RANK).to(tl.pointer_type(bits))
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            if r == RANK:
-                acc += b.to(dt, bitcast=True).to(tl.float32)
-            else:
-                src = mine + (cur * WORLD + r) * slot_numel + row * STRIDE + cols
-                v = tl.load(src, mask=mask, other=0, volatile=True)
-                while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
-                    v = tl.load(src, mask=mask, other=0, volatile=True)
-                acc += v.to(dt, bitcast=True).to(tl.float32)
-        res = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        s = (acc.to(dt).to(tl.float32) + res.to(tl.float32)).to(dt)
-        tl.store(res_out_ptr + row * n_cols + cols, s, mask=mask)
-        sf = s.to(tl.float32)
-        var = tl.sum(sf * sf, axis=0) / n_cols
-        normed = (sf * tl.rsqrt(var + eps)).to(dt)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * n_cols + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(dt), mask=mask)
-        clear = (b * 0 + SENT).to(bits)
+        b = _outgoing(x_ptr, row * n_cols + cols, mask, SENT)
+        acc = _push_poll_sum(b, mask, buf_ptrs, cur, row * STRIDE + cols, slot_numel, x_ptr, out_ptr, SENT, RANK,
+                             WORLD)
+        add_rmsnorm_store(acc, row, cols, mask, n_cols, res_ptr, w_ptr, out_ptr, res_out_ptr, eps)
         for start in range(0, prev_width, BLOCK):  # what this row's previous call received, whatever its width
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    tl.store(mine + (prev * WORLD + r) * slot_numel + row * STRIDE + start + cols, clear,
-                             mask=start + cols < prev_width)
+            _clear(buf_ptrs, (cur + 2) % 3, row * STRIDE + start + cols, start + cols < prev_width, slot_numel, b,
+                   x_ptr, SENT, RANK, WORLD)
     elif PF_LINES > 0:
         lines = (row - n_rows) * PF_LINES + tl.arange(0, PF_LINES)
         offs = tl.minimum(lines.to(tl.int64) * 128, pf_bytes - 1)
         _prefetch_l2(pf_addr + offs)
 
 
-class PushBuffers:
-    """Per dtype: this rank's receive buffer (3 slots x world sources x `slot_numel`), every rank's buffer address
-    as seen from this process, and `slot_numel`; and the programs' slot counters (and row widths) of each buffer."""
+class PushBuffers(SymmBuffers):
+    """`SymmBuffers` of 3 slots x world source regions per dtype, every element the sentinel at first; `counters`
+    hold each program's current slot, `widths` each fused row's width at its last call."""
 
     def __init__(self, rank: int, world: int, bufs: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, int]],
                  device: torch.device | str) -> None:
-        self.rank, self.world, self.bufs = rank, world, bufs
-        # per dtype: each buffer's slots cycle on their own
-        self.slots = {d: torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device) for d in bufs}
+        super().__init__(rank, world, bufs, device)
         self.widths = {d: torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device) for d in bufs}
 
     @staticmethod
@@ -157,21 +158,8 @@ class PushBuffers:
     @classmethod
     def from_symm_mem(cls, group: dist.ProcessGroup, device: torch.device | str,
                       slot_numel: dict[torch.dtype, int]) -> PushBuffers:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        bufs = {}
-        rank = world = 0
-        for dtype, n in slot_numel.items():
-            world = dist.get_world_size(group)
-            buf = symm_mem.empty(3 * world * n, dtype=dtype, device=device)
-            cls.fill(buf)
-            handle = symm_mem.rendezvous(buf, group.group_name)
-            rank = handle.rank
-            bufs[dtype] = (buf, torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device), n)
-        out = cls(rank, world, bufs, device)
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every buffer holds the sentinel before anyone pushes
-        return out
+        return super().from_symm_mem(group, device, slot_numel, regions=N_SLOTS * dist.get_world_size(group),
+                                     init=cls.fill)
 
 
 class PushOneShot:
@@ -195,7 +183,7 @@ class PushOneShot:
             raise ValueError(f"a message of {n} elements is larger than the one-shot buffer ({slot_numel})")
         bits = _BITS[x.dtype]
         if n:
-            _push_one_shot_kernel[(triton.cdiv(n, BLOCK),)](x.view(bits), out, ptrs, self.b.slots[x.dtype], n,
+            _push_one_shot_kernel[(triton.cdiv(n, BLOCK),)](x.view(bits), out, ptrs, self.b.counters[x.dtype], n,
                                                             slot_numel, SENT=_SENTINEL[bits], RANK=self.b.rank,
                                                             WORLD=self.b.world, BLOCK=BLOCK, num_warps=4)
         return out
@@ -217,8 +205,7 @@ class PushAddRMSNorm:
         return cls(bufs, max_rows)
 
     def can_fuse(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        return (x.dtype in self.b.bufs and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous()
-                and residual.shape == x.shape and x.shape[0] <= self.max_rows and 0 < x.shape[1] <= ROW_STRIDE
+        return (can_fuse_rows(x, residual, self.b.bufs, self.max_rows, ROW_STRIDE)
                 and x.shape[0] * ROW_STRIDE <= self.b.bufs[x.dtype][2])
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -235,7 +222,7 @@ class PushAddRMSNorm:
                 pf_bytes = min(self.prefetch_bytes, prefetch.numel() * prefetch.element_size())
             pf_programs = triton.cdiv(pf_bytes, PF_LINES * 128)
             _push_add_rmsnorm_kernel[(rows + pf_programs,)](
-                x.view(bits), residual, weight, out, new_residual, ptrs, self.b.slots[x.dtype],
+                x.view(bits), residual, weight, out, new_residual, ptrs, self.b.counters[x.dtype],
                 self.b.widths[x.dtype], rows, x.shape[1], slot_numel, eps,
                 prefetch.data_ptr() if pf_bytes else 0, max(pf_bytes, 1), SENT=_SENTINEL[bits], RANK=self.b.rank,
                 WORLD=self.b.world, STRIDE=ROW_STRIDE, BLOCK=triton.next_power_of_2(x.shape[1]),

@@ -149,14 +149,17 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
         if fmt == G.Q4_K:  # the integer tensor-core kernel, whatever the table picks
             from radixserve.layers.quantization.gemv_configs import GemvConfig
 
-            for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512)):
+            for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
+                        GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8),
+                        GemvConfig("dp4x", 8, 512), GemvConfig("dp4x", 2, 1024, 2)):
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 
 
 @pytest.mark.parametrize("m", [17, 64, 160])
 def test_fp8_mid_kernels_on_gpu(m: int) -> None:
-    """The transposed W8A8 / W8A16 products of `fp8_mid` on 8B shapes and on rows that are not a multiple of any
-    tile, bf16 in and out, against the float32 reference (W8A8 with the activation quantisation in it)."""
+    """The transposed W8A8 / W8A16 products of `fp8_mid` (and cuBLASLt's, transposed) on 8B shapes and on rows that
+    are not a multiple of any tile, bf16 in and out, against the float32 reference (W8A8 with the activation
+    quantisation in it)."""
     from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
     from radixserve.layers.quantization.gemv_configs import GemvConfig
 
@@ -165,7 +168,11 @@ def test_fp8_mid_kernels_on_gpu(m: int) -> None:
         q, s = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
-        for cfg in (GemvConfig("w8a8", 64, 256, 4, 3, block_m=64), GemvConfig("w8a16", 64, 128, 4, 3, block_m=32)):
+        for cfg in (GemvConfig("w8a8", 64, 256, 4, 3, block_m=64), GemvConfig("w8a16", 64, 128, 4, 3, block_m=32),
+                    GemvConfig("scaled_mm_t", 0, 0)):
+            if cfg.kernel == "scaled_mm_t" and n % 16:
+                assert fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias) is None  # cuBLASLt's alignment
+                continue
             out = fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias)
-            ref = fp8_linear_ref(x.float(), q, s, 1, k, bias.float(), k if cfg.kernel == "w8a8" else None)
+            ref = fp8_linear_ref(x.float(), q, s, 1, k, bias.float(), None if cfg.kernel == "w8a16" else k)
             assert out.shape == (m, n) and _rel(out, ref) < 1e-2, (n, k, cfg)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.c")))
+_HEADERS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.h")))  # part of the build's key
 _FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -35,6 +36,20 @@ _tried = False
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I = ctypes.c_int
+
+
+# Every exported kernel returns an int status (0: done); their arguments, in order.
+_SIGNATURES: dict[str, list] = {
+    "paged_decode_attention": [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I],
+    # q, q_stride, k, k_stride, positions, cos, sin, max_position, T, HQ, HK, D, bf16, threads
+    "rotary_neox_inplace": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I, _I],
+    # x, x_stride, residual, r_stride, out, residual_out, w, T, H, eps, bf16, threads
+    "rmsnorm": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I, _I],
+    "argmax_rows": [_P, _I64, _I64, _I64, _P, _I],
+    "small_m_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I],
+    "small_m_linear_bf16": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _I, _I],
+    "has_bf16_linear": [],
+}
 
 
 def _cpu_signature() -> str:
@@ -83,7 +98,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     from radixserve.model_loader.embedded import cache_root
 
     source = b""
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             source += f.read()
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()
@@ -97,31 +112,10 @@ def _build_and_load() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         logger.warning("building the CPU attention kernel failed (%s): falling back to pure torch", detail)
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = _I
-    fn.argtypes = [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I]
-    fn = lib.rotary_neox_inplace
-    fn.restype = _I
-    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
-    fn = lib.rmsnorm
-    fn.restype = _I
-    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-    fn = lib.rotary_neox_inplace_bf16
-    fn.restype = _I
-    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I]
-    fn = lib.rmsnorm_bf16
-    fn.restype = _I
-    fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-    fn = lib.argmax_rows
-    fn.restype = _I
-    fn.argtypes = [_P, _I64, _I64, _I64, _P, _I]
-    fn = lib.small_m_linear
-    fn.restype = _I
-    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
-    fn = lib.small_m_linear_bf16
-    fn.restype = _I
-    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _I, _I]
-    lib.has_bf16_linear.restype = _I
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = _I
+        fn.argtypes = argtypes
     return lib
 
 
@@ -272,10 +266,10 @@ def rotary_neox_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         return False
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         positions = positions.to(torch.int64).contiguous()
-    fn = lib.rotary_neox_inplace if q.dtype == torch.float32 else lib.rotary_neox_inplace_bf16
-    rc = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(), cos_cache.data_ptr(),
-            sin_cache.data_ptr(), cos_cache.shape[0], len(q), q.shape[1] // head_dim, k.shape[1] // head_dim,
-            head_dim, torch.get_num_threads())
+    rc = lib.rotary_neox_inplace(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+                                 cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], len(q),
+                                 q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim,
+                                 int(q.dtype == torch.bfloat16), torch.get_num_threads())
     if rc:
         raise ValueError(f"rotary: a position is outside 0..{cos_cache.shape[0] - 1}")
     return True
@@ -298,12 +292,12 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         return None
     if not weight.is_contiguous():
         weight = weight.contiguous()
-    fn = lib.rmsnorm if x.dtype == torch.float32 else lib.rmsnorm_bf16
     out = torch.empty(x.shape, dtype=x.dtype)
     res_out = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
-    fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-       0 if residual is None else residual.stride(0), out.data_ptr(), None if res_out is None else res_out.data_ptr(),
-       weight.data_ptr(), x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
+    lib.rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                0 if residual is None else residual.stride(0), out.data_ptr(),
+                None if res_out is None else res_out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+                float(eps), int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out if res_out is None else (out, res_out)
 
 

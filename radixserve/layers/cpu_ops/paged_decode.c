@@ -21,13 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHUNK 256
+#include "bf16.h"
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
+#define CHUNK 256
 
 /* Slots are scattered through the pool (a request's tokens interleave with its batch neighbours'), which the
  * hardware prefetcher cannot follow: ask for the row PREFETCH tokens ahead while this one is being used. */

@@ -14,6 +14,8 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -90,8 +92,6 @@ int small_m_linear(const float *x, int64_t x_stride, const float *w, const float
 
 /* ---------------------------------------------------------------- bfloat16 weights */
 #if defined(__AVX512BF16__)
-static inline uint16_t f32_to_bf16(float f);
-
 static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *restrict xb, const uint16_t *restrict w,
                                                              const float *restrict bias, void *restrict y,
                                                              int64_t y_stride, const int y_bf16, const int M,
@@ -115,16 +115,10 @@ static inline __attribute__((always_inline)) void rows_bf16(const uint16_t *rest
         }
         const float b = bias ? bias[n] : 0.f;
         if (y_bf16)
-            for (int m = 0; m < M; m++) ((uint16_t *)y)[m * y_stride + n] = f32_to_bf16(_mm512_reduce_add_ps(acc[m]) + b);
+            for (int m = 0; m < M; m++) ((uint16_t *)y)[m * y_stride + n] = f32_to_bf16_rne(_mm512_reduce_add_ps(acc[m]) + b);
         else
             for (int m = 0; m < M; m++) ((float *)y)[m * y_stride + n] = _mm512_reduce_add_ps(acc[m]) + b;
     }
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's conversion */
-    union { float f; uint32_t u; } c = {f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
 /* x_bf16: x holds bfloat16 (raw uint16) rows instead of float32; y_bf16: y is written as bfloat16, rounded to
@@ -139,7 +133,7 @@ int small_m_linear_bf16(const void *x, int64_t x_stride, const uint16_t *w, cons
         if (x_bf16)
             for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = ((const uint16_t *)x)[m * x_stride + k];
         else
-            for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = f32_to_bf16(((const float *)x)[m * x_stride + k]);
+            for (int64_t k = 0; k < K; k++) xb[m * Kp + k] = f32_to_bf16_rne(((const float *)x)[m * x_stride + k]);
         for (int64_t k = K; k < Kp; k++) xb[m * Kp + k] = 0;
     }
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;

@@ -21,7 +21,8 @@ FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "bf16", "row16", "row1
 
 @dataclass(frozen=True)
 class GemvConfig:
-    kernel: str  # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only)
+    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w" (`gguf_kernels`)
+    kernel: str
     block_n: int
     block_k: int
     num_warps: int = 4
