@@ -1,30 +1,17 @@
 """Triton attention backend vs the torch_native reference, through real pools and a ForwardBatch.
 
-Without CUDA the kernels run in Triton's interpreter. TRITON_INTERPRET=1 must be in the environment before triton
-is first imported (its own library functions are decorated then, and so are our kernels when their modules load).
-This module sets it at the top; if triton was already imported without it (another module got there first), the
-tests here skip and one test reruns this file in a fresh process instead. With CUDA they run on the GPU.
+Without CUDA the kernels run in Triton's interpreter (conftest.py chooses it before triton is first imported); with
+CUDA they run on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-_HAS_CUDA = torch.cuda.is_available()
-# Can this process run the kernels? Yes on a GPU, or when the interpreter was chosen before triton was imported.
-_IN_PROCESS = _HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
 triton = pytest.importorskip("triton")
-
-from types import SimpleNamespace  # noqa: E402
 
 from radixserve.layers.attention import create_attention_backend  # noqa: E402
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
@@ -32,19 +19,6 @@ from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa
 from radixserve.layers.attention.triton_ops import decode_attention, extend_attention  # noqa: E402
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-
-if not _IN_PROCESS:
-    @pytest.fixture(autouse=True)
-    def _only_in_a_fresh_process(request: pytest.FixtureRequest) -> None:
-        if request.node.name != "test_in_a_fresh_process":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_a_fresh_process runs these")
-
-    def test_in_a_fresh_process() -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYER_ID = 1  # not 0, so a wrong layer index shows

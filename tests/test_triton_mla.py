@@ -1,25 +1,14 @@
 """Triton MLA decode/extend (over the latent pool) against the torch_native reference, through real pools and a
-ForwardBatch; Triton's interpreter on the CPU, the GPU when there is one (the same guard as
-test_triton_attention.py: TRITON_INTERPRET=1 must be set before triton is imported, else a fresh process)."""
+ForwardBatch; Triton's interpreter on the CPU (chosen by conftest.py), the GPU when there is one."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-_HAS_CUDA = torch.cuda.is_available()
-_IN_PROCESS = _HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
 pytest.importorskip("triton")
-
-from types import SimpleNamespace  # noqa: E402
 
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
@@ -27,19 +16,7 @@ from radixserve.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from radixserve.mem_cache.mla_memory_pool import MLATokenToKVPool  # noqa: E402
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 
-if not _IN_PROCESS:
-    @pytest.fixture(autouse=True)
-    def _only_in_a_fresh_process(request: pytest.FixtureRequest) -> None:
-        if request.node.name != "test_in_a_fresh_process":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_a_fresh_process runs these")
-
-    def test_in_a_fresh_process() -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-
-
+_HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if _HAS_CUDA else "cpu"
 LAYER_ID = 1
 RANK, ROPE = 32, 8  # latent rank (C) and rotary dims (R): a key of 40 dims, a value of 32
