@@ -6,6 +6,7 @@ CUDA they run on the GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -39,31 +40,25 @@ def make_layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamesp
                            head_dim=head_dim, scaling=head_dim ** -0.5, layer_id=LAYER_ID, sliding_window_size=-1)
 
 
-def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
-               mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor]:
-    """Requests whose prefix KV sits in the pool at scattered slots; returns the batch and the new q, k, v."""
-    cfg, dtype = runner.model_config, runner.dtype
-    r2t, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+def scattered_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
+                    mode: ForwardMode, gen: torch.Generator, fill_prefix: Callable[[torch.Tensor], None]
+                    ) -> ForwardBatch:
+    """A ForwardBatch of requests whose slots are scattered over the pool; `fill_prefix(slots)` writes each
+    request's cached prefix (slots on DEVICE) into the pool before the batch is built."""
+    r2t, pool = runner.req_to_token_pool, runner.token_to_kv_pool
     totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     rows = r2t.alloc(len(totals))
-    slots = kv.alloc(sum(totals))
+    slots = pool.alloc(sum(totals))
     slots = slots[torch.randperm(len(slots), generator=gen)]
-    k_buf, v_buf = kv.get_kv_buffer(LAYER_ID)
     out_locs, start = [], 0
     for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
         mine = slots[start:start + total]
         start += total
         r2t.write(row, 0, mine)
-        shape = (pre, cfg.num_key_value_heads, cfg.head_dim)
-        k_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-        v_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        fill_prefix(mine[:pre].to(DEVICE))
         out_locs.append(mine[pre:])
     r2t.apply_writes(r2t.take_pending_writes())  # on a GPU, request-table writes wait for the next forward
     num_tokens = sum(extend_lens)
-    q = torch.randn(num_tokens, cfg.num_attention_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
 
     def dev(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=DEVICE)
@@ -72,13 +67,33 @@ def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int],
         forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(num_tokens, dtype=torch.int64,
                                                                          device=DEVICE),
         req_pool_indices=dev(rows), seq_lens=dev(totals), out_cache_loc=torch.cat(out_locs).to(DEVICE),
-        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=kv,
+        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=pool,
         attn_backend=backend, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
     if mode.is_extend():
         starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
         fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(extend_lens), dev(prefix_lens), \
             dev(starts)
         fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
+    return fb
+
+
+def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
+               mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
+    """Requests whose prefix KV sits in the pool at scattered slots; returns the batch and the new q, k, v."""
+    cfg, dtype = runner.model_config, runner.dtype
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+
+    def fill(slots: torch.Tensor) -> None:
+        shape = (len(slots), cfg.num_key_value_heads, cfg.head_dim)
+        k_buf[slots] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        v_buf[slots] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+
+    fb = scattered_batch(runner, backend, prefix_lens, extend_lens, mode, gen, fill)
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, cfg.num_attention_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
     return fb, q, k, v
 
 

@@ -10,6 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_triton_attention import scattered_batch  # noqa: E402
+
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from radixserve.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
@@ -41,37 +43,15 @@ def make_runner(num_heads: int, dtype: torch.dtype) -> SimpleNamespace:
 def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
                mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
     h, dtype = runner.model_config.num_attention_heads, runner.dtype
-    r2t, pool = runner.req_to_token_pool, runner.token_to_kv_pool
-    totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    rows = r2t.alloc(len(totals))
-    slots = pool.alloc(sum(totals))
-    slots = slots[torch.randperm(len(slots), generator=gen)]
-    kv_buf, _ = pool.get_kv_buffer(LAYER_ID)
-    out_locs, start = [], 0
-    for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
-        mine = slots[start:start + total]
-        start += total
-        r2t.write(row, 0, mine)
-        kv_buf[mine[:pre].to(DEVICE)] = torch.randn(pre, 1, RANK + ROPE, generator=gen).to(DEVICE, dtype)
-        out_locs.append(mine[pre:])
-    r2t.apply_writes(r2t.take_pending_writes())
+    kv_buf, _ = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+
+    def fill(slots: torch.Tensor) -> None:
+        kv_buf[slots] = torch.randn(len(slots), 1, RANK + ROPE, generator=gen).to(DEVICE, dtype)
+
+    fb = scattered_batch(runner, backend, prefix_lens, extend_lens, mode, gen, fill)
     n = sum(extend_lens)
     q = torch.randn(n, h * (RANK + ROPE), generator=gen).to(DEVICE, dtype)
     k = torch.randn(n, RANK + ROPE, generator=gen).to(DEVICE, dtype)
-
-    def dev(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=DEVICE)
-
-    fb = ForwardBatch(
-        forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(n, dtype=torch.int64, device=DEVICE),
-        req_pool_indices=dev(rows), seq_lens=dev(totals), out_cache_loc=torch.cat(out_locs).to(DEVICE),
-        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=pool,
-        attn_backend=backend, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
-    if mode.is_extend():
-        starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
-        fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(extend_lens), dev(prefix_lens), \
-            dev(starts)
-        fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
     return fb, q, k
 
 
