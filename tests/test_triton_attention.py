@@ -49,6 +49,8 @@ def scattered_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[
     totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     rows = r2t.alloc(len(totals))
     slots = pool.alloc(sum(totals))
+    if rows is None or slots is None:
+        raise RuntimeError("test pools too small")
     slots = slots[torch.randperm(len(slots), generator=gen)]
     out_locs, start = [], 0
     for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
