@@ -183,9 +183,9 @@ def _compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
                 for rows in (1, 2, 3, 16):
                     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                     for pdl in (0, 1, 2) if rows == 1 and cfg["variant"] == "pdl" else (0,):  # the chain's
-                        fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, pdl=pdl)
+                        fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, pdl_level=pdl)
                         if (n, k) == SHAPES_8B[2]:
-                            fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, silu_mul=True, pdl=pdl)
+                            fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, silu_mul=True, pdl_level=pdl)
                 done += 1
             except Exception as e:  # noqa: BLE001
                 print(f"warm-up failed for {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -290,10 +290,10 @@ def pdl_chain(layers: int, sets: int = 4) -> None:
         x = x0
         for i in range(layers):
             qkv, o, gu, down = ws[i % sets]
-            h = fp8_skinny_gemv(x, qkv["w"], qkv["s"], x.dtype, pdl=pdl)[:, :4096]
-            a = fp8_skinny_gemv(h, o["w"], o["s"], x.dtype, pdl=pdl)
-            g = fp8_skinny_gemv(a, gu["w"], gu["s"], x.dtype, silu_mul=True, pdl=pdl)
-            x = fp8_skinny_gemv(g, down["w"], down["s"], x.dtype, pdl=pdl)
+            h = fp8_skinny_gemv(x, qkv["w"], qkv["s"], x.dtype, pdl_level=pdl)[:, :4096]
+            a = fp8_skinny_gemv(h, o["w"], o["s"], x.dtype, pdl_level=pdl)
+            g = fp8_skinny_gemv(a, gu["w"], gu["s"], x.dtype, silu_mul=True, pdl_level=pdl)
+            x = fp8_skinny_gemv(g, down["w"], down["s"], x.dtype, pdl_level=pdl)
         return x
 
     print(f"\n## PDL chain: {layers} layers x 4 fp8 GEMVs (Triton's PDL ops: {AVAILABLE})", flush=True)

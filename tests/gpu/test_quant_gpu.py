@@ -111,6 +111,41 @@ def test_fp8_kv_cache_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
     assert first >= 15, f"fp8 agreed with bf16 on the first token of {first} of 19 prompts"
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_programmatic_dependent_launch_gives_the_same_tokens(tmp_path, level: int) -> None:
+    """Our decode kernels (RMSNorm, rotary + KV store, decode attention, the fp8 GEMVs, SiLU·mul) launched as
+    programmatic dependent launches (`triton_ops.pdl`, level 1: wait first; 2: and let the next kernel launch
+    early), in CUDA graphs and eagerly, give exactly the tokens of plain launches: a tiny model with fp8 weights
+    and an fp8 KV cache, 19 prompts of mixed lengths, 24 greedy tokens each."""
+    from model_utils import peaky_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.layers.triton_ops import pdl
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+    if torch.cuda.get_device_capability()[0] < 9 or not pdl.AVAILABLE:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton's gdc ops")
+    peaky_tiny_model("llama", str(tmp_path))
+
+    def generate(lv: int, graphs: bool) -> list[list[int]]:
+        pdl.set_level(lv)
+        try:
+            args = ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=1 << 15,
+                              max_running_requests=40, cuda_graph_max_bs=40, kv_cache_dtype="fp8_e4m3",
+                              quantization="fp8", disable_cuda_graph=not graphs)
+            return StaticBatch(ModelRunner(ModelConfig(str(tmp_path)), args)).generate(ps, 24)
+        finally:
+            pdl.set_level(0)
+
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 2048, (int(n),), generator=g).tolist() for n in torch.randint(4, 64, (19,), generator=g)]
+    plain = generate(0, True)
+    assert generate(level, True) == plain
+    assert generate(level, False) == generate(0, False)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
 def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
     """The decode GEMV kernels of `fp8_gemv` with the tuned table's configs (and each kernel explicitly) on an 8B

@@ -24,12 +24,15 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
 def _gemv_row_kernel(X, W, Bias, Out, N, K, stride_wn, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -98,5 +101,5 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     launch(_gemv_row_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, bias if bias is not None else w, out, n_out,
            k, w.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-           **opts)
+           **opts, **pdl.launch_opts(x))
     return out

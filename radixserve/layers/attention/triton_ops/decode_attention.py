@@ -31,7 +31,9 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.attention.triton_ops.common import LOG2E, decode_splits, mma
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 # The split count and length are plain runtime values (not specialised: a value of 1 or a multiple of 16 would
@@ -57,7 +59,9 @@ def _decode_stage1_kernel(
     KV_F16: tl.constexpr,
     WIDEN_EARLY: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,7 +147,9 @@ def _decode_stage2_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -344,7 +350,7 @@ def decode_attention_fwd(
         KV_F16=use_dot and not dot_fp32 and fp8_pool, WIDEN_EARLY=FP8_WIDEN_EARLY and use_dot and not dot_fp32
         and fp8_pool,
         SLIDING=window > 0,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_opts(q),
     )
     grid2 = (bs, num_heads)
     launch(_decode_stage2_kernel, grid2,
@@ -354,4 +360,5 @@ def decode_attention_fwd(
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_BLOCK=1, num_warps=4, num_stages=1,
+        **pdl.launch_opts(q),
     )
