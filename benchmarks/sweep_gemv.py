@@ -22,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # layer_timing, also when imported as a module
 
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
 
@@ -45,7 +46,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
-    elif family in ("row16", "row16_silu", "bf16"):  # one-row 16-bit GEMVs: triton_ops/gemv, decode_gemv (M = 1)
+    elif family in ("row16", "row16_silu"):  # the one-row 16-bit GEMV: triton_ops/gemv (M = 1)
         if m == 1:
             out += [GemvConfig("ew", bn, bk, w, 2) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048)
                     for w in (4, 8) if bn * bk <= 8192]
@@ -101,7 +102,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
         q, s = quantize_rows(w)
         return {"w": q, "s": s}
-    if family in ("cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
+    if family in ("cublas", "cublas_silu", "row16", "row16_silu"):
         return {"w": w.to(torch.bfloat16)}
     from radixserve.layers.quantization import gguf_formats as G
 
@@ -144,11 +145,6 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
         from radixserve.layers.triton_ops.gemv import gemv_row
 
         return gemv_row(x, fields["w"], None, cfg, silu_mul=family == "row16_silu")
-    if family == "bf16":  # the MoE / MLA models' one-row kernel, on the same shapes
-        from radixserve.layers.triton_ops.decode_gemv import decode_gemv
-
-        tiles = None if cfg is None else (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
-        return decode_gemv(x, fields["w"], config=tiles)[0]
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
 
     return gguf_gemv(x, "Q4_K" if family == "q4_k" else "Q8_0", fields, n, None, cfg)
@@ -157,7 +153,7 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
     import torch
 
-    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
+    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu"):
         w = fields["w"].float() * fields["s"].view(-1, 1) if "s" in fields else fields["w"].float()
         out = x.float() @ w.t()
         if family.endswith("_silu"):
@@ -216,28 +212,14 @@ def precompile(jobs: list[tuple[str, int, GemvConfig]], workers: int) -> None:
 
 def time_calls(fn, reps: int, replays: int = 5) -> float:  # noqa: ANN001
     """Seconds per call of fn(i) for i in 0..reps-1, captured in one CUDA graph (median of the replays)."""
-    import torch
+    from layer_timing import capture_graph, replay_seconds
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    def calls() -> None:
         for i in range(reps):
             fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+
+    times = replay_seconds(capture_graph(calls), replays)
+    return sorted(times)[len(times) // 2] / reps
 
 
 def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | None], copy_bw: float,
@@ -342,7 +324,7 @@ def main() -> None:
 
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
-    shapes = SHAPES_8B + ([LM_HEAD_8B] if {"row16", "bf16"} & set(args.families) else [])
+    shapes = SHAPES_8B + ([LM_HEAD_8B] if "row16" in args.families else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
@@ -382,7 +364,7 @@ def main() -> None:
             for n, k in shapes:
                 if family.endswith("_silu") and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
-                if family not in ("row16", "bf16") and (n, k) == LM_HEAD_8B:
+                if family != "row16" and (n, k) == LM_HEAD_8B:
                     continue  # the LM head stays in 16 bits
                 t = time.time()
                 rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)

@@ -90,23 +90,23 @@ class DeepseekMLAAttention(nn.Module):
                                    v_head_dim=self.rank)
 
     def use_decode_gemv(self) -> None:
-        """One-row products through `decode_gemv`: the two projections of the input in one launch (with the input
-        norm, `norm_project`) and o_proj without cuBLAS's split-K."""
+        """One-row products through the one-row GEMV (`triton_ops.gemv`): the two projections of the input in one
+        launch (with the input norm, `norm_project`) and o_proj without cuBLAS's split-K."""
         for proj in (self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa, self.o_proj):
             proj.decode_gemv = True
 
     def norm_project(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(q or q_a, kv_a, new residual) of one row from a single launch: the residual add, the input norm and
-        both projections of its output; None when `decode_gemv` does not apply."""
+        both projections of its output; None when the one-row GEMV does not apply."""
         first = self.q_a_proj if self.q_lora_rank else self.q_proj
         kv = self.kv_a_proj_with_mqa
         if not (first.gemv_ok(hidden) and kv.gemv_ok(hidden)) or first.bias is not None or kv.bias is not None:
             return None
-        from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+        from radixserve.layers.triton_ops.gemv import gemv_row_norm
 
-        out, new_residual = decode_gemv(hidden, first.weight, None, kv.weight,
-                                        norm=(residual, norm.weight, norm.eps))
+        out, new_residual = gemv_row_norm(hidden, first.weight, None, kv.weight,
+                                          norm=(residual, norm.weight, norm.eps))
         n = first.weight.shape[0]
         return out[:, :n], out[:, n:], (hidden if new_residual is None else new_residual)
 

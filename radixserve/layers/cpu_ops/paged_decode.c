@@ -333,7 +333,8 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
     const int64_t row_elems = (int64_t)HKV * D;
     const int64_t part_sz = (int64_t)G * (D + 2); /* per (item, KV head): [G] max, [G] sum, [G, D] acc */
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    /* one item (a short context at batch 1): no team to start and join */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_items > 1 ? num_threads : 1)
     for (int64_t i = 0; i < n_items; i++) {
         const item_t it = items[i];
         for (int g = 0; g < HKV; g++) {
@@ -344,7 +345,8 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
         }
     }
 
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    /* the merge is G x D x chunks multiply-adds per (request, KV head): a team only for many of them */
+#pragma omp parallel for schedule(static) num_threads(n_items > 16 ? num_threads : 1)
     for (int64_t bg = 0; bg < B * HKV; bg++) {
         const int64_t b = bg / HKV, g = bg % HKV, lo = first[b], hi = first[b + 1];
         float *o = out + bg * (int64_t)G * D; /* heads g*G .. g*G+G-1 of request b are contiguous */
