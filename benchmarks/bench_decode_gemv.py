@@ -1,4 +1,4 @@
-"""The one-row decode GEMV (`layers/triton_ops/decode_gemv.py`) against what it replaces, at the MoE / MLA models'
+"""The one-row GEMV (`layers/triton_ops/gemv.py`, `gemv_row_norm`) against what it replaces, at the MoE / MLA models'
 attention shapes, in CUDA graphs, with a block-config sweep.
 
 Baselines: cuBLAS `F.linear` (o_proj), and for the fused shapes the add + RMSNorm kernel followed by cuBLAS
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from layer_timing import seconds_per_layer  # noqa: E402
+
+from radixserve.bench_one_batch import measure_copy_bandwidth  # noqa: E402
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
-from radixserve.layers.triton_ops.decode_gemv import decode_gemv  # noqa: E402
+from radixserve.layers.triton_ops.gemv import gemv_row_norm  # noqa: E402
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
 
 # name: (N1, N2, K, norm before it)
@@ -36,58 +38,14 @@ SWEEP = [(4, 1024, 4, 2), (2, 1024, 4, 2), (8, 512, 4, 2), (4, 512, 4, 3), (2, 2
          (16, 256, 4, 3), (1, 2048, 4, 2)]
 
 
-def timed(fn: Any, layers: int, reps: int, cuda: bool) -> float:
-    """Seconds per layer: fn(l) for every layer captured in one CUDA graph and replayed (CPU: plain calls)."""
-    if not cuda:
-        t0 = time.perf_counter()
-        for layer in range(layers):
-            fn(layer)
-        return (time.perf_counter() - t0) / layers
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):  # warm-up: compiles, allocates
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / reps / layers)
-    return best
-
-
 def copy_bandwidth(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+    return measure_copy_bandwidth(device, nbytes=1 << 30, iters=10) if device == "cuda" else float("nan")
 
 
 def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list | None, layers: int, reps: int,
                 device: str, dtype: torch.dtype, bw: float, results: list[dict[str, Any]]
                 ) -> tuple[float, tuple[int, int, int, int]] | None:
     """Time the baseline and each config at one shape; returns (seconds, config) of the fastest config."""
-    cuda = device == "cuda"
     g = torch.Generator(device=device).manual_seed(n1 + k)
     ws = [torch.randn(n1, k, generator=g, device=device, dtype=dtype) / k ** 0.5 for _ in range(layers)]
     w2s = [torch.randn(n2, k, generator=g, device=device, dtype=dtype) / k ** 0.5 if n2 else None
@@ -102,7 +60,9 @@ def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list 
         return [F.linear(h, ws[layer])] + ([F.linear(h, w2s[layer])] if n2 else [])
 
     def ours(layer: int, cfg: tuple[int, int, int, int] | None) -> torch.Tensor:
-        return decode_gemv(x, ws[layer], None, w2s[layer], norm=(res, nw, 1e-6) if norm else None, config=cfg)[0]
+        tiles = GemvConfig("ew", *cfg) if cfg is not None else None
+        return gemv_row_norm(x, ws[layer], None, w2s[layer], norm=(res, nw, 1e-6) if norm else None,
+                             config=tiles)[0]
 
     ref = torch.cat(base(0), dim=1).float()
     rows: list[tuple[str, Any]] = [("cuBLAS" + (" + norm" if norm else "") + (" x2" if n2 else ""), None)]
@@ -119,7 +79,7 @@ def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list 
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects: skip it
                 print(f"{name:<24} {label:<22} failed: {type(e).__name__}: {str(e)[:80]}")
                 continue
-        s = timed(fn, layers, reps, cuda)
+        s = seconds_per_layer(fn, layers, reps, cuda=device == "cuda")
         gbs = nbytes / s / 1e9
         print(f"{name:<24} {label:<22} {s * 1e6:>9.2f} {gbs:>7.0f} {nbytes / s / bw:>8.1%} {err:>8.4f}", flush=True)
         results.append({"shape": name, "path": label, "us": s * 1e6, "gbs": gbs, "max_err": err})
@@ -150,9 +110,10 @@ def main() -> None:
         best = bench_shape(name, *shape, sweep=sweep if args.sweep else None, layers=args.layers, reps=args.reps,
                            device=device, dtype=dtype, bw=bw, results=results)
         if best is not None:
-            n1, n2, k, _ = shape
+            n1, n2, k, norm = shape
             bn, bk, warps, stages = best[1]
-            picks[key("bf16", 1, n1 + n2, k)] = GemvConfig("ew", bn, bk, warps, stages).to_dict()
+            family = "row16_norm" if norm else "row16"
+            picks[key(family, 1, n1 + n2, k)] = GemvConfig("ew", bn, bk, warps, stages).to_dict()
             print(f"{name:<24} best {bn}/{bk}/{warps}/{stages}: {best[0] * 1e6:.2f} us")
     if args.picks:
         Path(args.picks).write_text(json.dumps({"source": "benchmarks/bench_decode_gemv.py --sweep",

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from layer_timing import seconds_per_layer  # noqa: E402
 
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe, moe_config  # noqa: E402
 from radixserve.layers.moe.small_batch import DEFAULT, INTERPRETED, SmallMoEConfig, small_batch_moe  # noqa: E402
@@ -48,38 +49,6 @@ def cfg_name(c: Any) -> str:
     return "/".join(str(v) for v in dataclasses.astuple(c))
 
 
-def plain_time(fn: Any, layers: int, reps: int) -> float:
-    """The CPU stand-in for graph_time (Triton's interpreter): checks the script, measures nothing useful."""
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        for layer in range(layers):
-            fn(layer)
-    return (time.perf_counter() - t0) / reps / layers
-
-
-def graph_time(fn: Any, layers: int, reps: int) -> float:
-    """Seconds per layer: `fn(l)` for every layer, captured once, replayed `reps` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps / layers
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -96,7 +65,6 @@ def main(argv: list[str] | None = None) -> None:
     if not cuda and args.shape != "tiny":
         raise SystemExit("bench_moe_kernels needs a CUDA device (or --shape tiny under TRITON_INTERPRET=1)")
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    timer = graph_time if cuda else plain_time
     g = torch.Generator(device=dev).manual_seed(0)
     w13 = [torch.randn(num_e, 2 * inter, hidden, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)]
     w2 = [torch.randn(num_e, hidden, inter, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)]
@@ -147,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         for path, name, fn in variants:
             try:
                 err = float((fn(0).float() - ref).abs().max())
-                sec = timer(fn, args.layers, args.reps)
+                sec = seconds_per_layer(fn, args.layers, args.reps)
             except Exception as e:  # a config the compiler rejects (shared memory) is reported, not fatal
                 print(f"{t:>6} {path:>6} {name[:44]:<44} failed: {type(e).__name__}: {str(e)[:80]}")
                 continue

@@ -56,7 +56,7 @@ def run_one(args: argparse.Namespace) -> dict:
                     cuda_graph_max_bs=top_bs, max_running_requests=top_bs + 8, **kw)
     runner = ModelRunner(ModelConfig(args.model_path, load_format="dummy"), sa)
     init_s = time.perf_counter() - t0
-    copy_bw = measure_copy_bandwidth(args.device)
+    copy_bw = measure_copy_bandwidth(args.device) if args.device == "cuda" else float("nan")  # (CPU: a dry run)
     latency_test(runner, 1, args.input_len, 3, seed=0)  # warm-up: prefill kernels compile outside the timing
     rows = []
     for bs in args.batch_size:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from layer_timing import seconds_per_layer  # noqa: E402
 
 from radixserve.layers.moe.topk_kernel import fused_gate_topk, fused_topk  # noqa: E402
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
@@ -26,36 +26,6 @@ from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
 # name: (experts, hidden, top-k, renormalise)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 8, True), "deepseek-v2-lite": (64, 2048, 6, False)}
 CONFIGS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (8, 8)]
-
-
-def graph_us(fn: Any, layers: int, reps: int) -> float:
-    if not torch.cuda.is_available():  # the interpreter: checks the script only
-        t0 = time.perf_counter()
-        for layer in range(layers):
-            fn(layer)
-        return (time.perf_counter() - t0) / layers * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps / layers)
-    return best
 
 
 def main() -> None:
@@ -85,7 +55,7 @@ def main() -> None:
             return fused_topk(F.linear(y.float(), ws[layer]), k, False, renorm, 1.0)
 
         ref_ids = unfused(0)[1]
-        us = graph_us(unfused, args.layers, args.reps)
+        us = seconds_per_layer(unfused, args.layers, args.reps) * 1e6
         rows.append({"shape": name, "path": "add+norm, linear, top-k", "us": us})
         print(f"{name:<18} {'add+norm, linear, top-k':<26} {us:>9.2f} {'-':>9}", flush=True)
         for cfg in configs:
@@ -97,7 +67,7 @@ def main() -> None:
 
             try:
                 same = bool(torch.equal(fused(0)[1], ref_ids))
-                us = graph_us(fused, args.layers, args.reps)
+                us = seconds_per_layer(fused, args.layers, args.reps) * 1e6
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
                 print(f"{name:<18} one launch {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
                 continue

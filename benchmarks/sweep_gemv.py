@@ -22,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # layer_timing, also when imported as a module
 
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
 
@@ -49,12 +50,13 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
-    elif family in ("row16", "row16_silu", "bf16"):  # one-row 16-bit GEMVs: triton_ops/gemv, decode_gemv (M = 1)
+    elif family in ("row16", "row16_silu"):  # the one-row 16-bit GEMV: triton_ops/gemv (M = 1)
         if m == 1:
             out += [GemvConfig("ew", bn, bk, w, 2) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048)
                     for w in (4, 8) if bn * bk <= 8192]
     elif family == "fp8_mid":  # the transposed W8A8 / W8A16 product at 17..256 rows, against torch._scaled_mm
         out.append(GemvConfig("scaled_mm", 0, 0))
+        out.append(GemvConfig("scaled_mm_t", 0, 0))  # cuBLASLt's product transposed (the weight's rows tiled)
         bms = (32, 64) if m <= 64 else (32, 64, 128)
         for bn in (64, 128):
             for bm in bms:
@@ -81,9 +83,15 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                     [(16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2),
                      (32, 1024, 8, 2), (64, 256, 4, 2), (64, 512, 8, 2), (16, 512, 2, 2), (32, 512, 4, 3)]]
             out += [GemvConfig("mma", bn, bk, w, 2, "2d") for bn, bk, w in [(16, 256, 4), (32, 256, 4), (16, 512, 2)]]
-            # integer products by dp4a on the CUDA cores
-            out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in
-                    [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 512, 4), (8, 1024, 8)]]
+            # integer products by dp4a on the CUDA cores: x quantised per weight row (dp4a), once per program and
+            # step (dp4w), or once beforehand by a small kernel (dp4x); the last two on whole words
+            out += [GemvConfig("dp4a", bn, bk, w, 2) for bn, bk, w in [(2, 1024, 4), (4, 512, 4), (8, 512, 4)]]
+            out += [GemvConfig("dp4w", bn, bk, w, st) for bn, bk, w, st in
+                    [(8, 512, 4, 2), (16, 512, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2),
+                     (64, 256, 8, 2)]]
+            out += [GemvConfig("dp4x", bn, bk, w, st) for bn, bk, w, st in
+                    [(4, 512, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 256, 4, 3),
+                     (32, 256, 4, 2), (4, 1024, 2, 2), (2, 1024, 2, 2)]]
     return out[:6] if quick else out
 
 
@@ -98,7 +106,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
         q, s = quantize_rows(w)
         return {"w": q, "s": s}
-    if family in ("cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
+    if family in ("cublas", "cublas_silu", "row16", "row16_silu"):
         return {"w": w.to(torch.bfloat16)}
     from radixserve.layers.quantization import gguf_formats as G
 
@@ -141,11 +149,6 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
         from radixserve.layers.triton_ops.gemv import gemv_row
 
         return gemv_row(x, fields["w"], None, cfg, silu_mul=family == "row16_silu")
-    if family == "bf16":  # the MoE / MLA models' one-row kernel, on the same shapes
-        from radixserve.layers.triton_ops.decode_gemv import decode_gemv
-
-        tiles = None if cfg is None else (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
-        return decode_gemv(x, fields["w"], config=tiles)[0]
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
 
     return gguf_gemv(x, "Q4_K" if family == "q4_k" else "Q8_0", fields, n, None, cfg)
@@ -154,7 +157,7 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
     import torch
 
-    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
+    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu"):
         w = fields["w"].float() * fields["s"].view(-1, 1) if "s" in fields else fields["w"].float()
         out = x.float() @ w.t()
         if family.endswith("_silu"):
@@ -179,9 +182,10 @@ def _compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
                 fields = make_weight("fp8", n, k, 0)
                 for rows in (1, 2, 3, 16):
                     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-                    fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype)
-                    if (n, k) == SHAPES_8B[2]:
-                        fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, silu_mul=True)
+                    for pdl in (0, 1, 2) if rows == 1 and cfg["variant"] == "pdl" else (0,):  # the chain's
+                        fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, pdl_level=pdl)
+                        if (n, k) == SHAPES_8B[2]:
+                            fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, silu_mul=True, pdl_level=pdl)
                 done += 1
             except Exception as e:  # noqa: BLE001
                 print(f"warm-up failed for {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -212,28 +216,14 @@ def precompile(jobs: list[tuple[str, int, GemvConfig]], workers: int) -> None:
 
 def time_calls(fn, reps: int, replays: int = 5) -> float:  # noqa: ANN001
     """Seconds per call of fn(i) for i in 0..reps-1, captured in one CUDA graph (median of the replays)."""
-    import torch
+    from layer_timing import capture_graph, replay_seconds
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    def calls() -> None:
         for i in range(reps):
             fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+
+    times = replay_seconds(capture_graph(calls), replays)
+    return sorted(times)[len(times) // 2] / reps
 
 
 def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | None], copy_bw: float,
@@ -265,6 +255,53 @@ def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | Non
     return rows
 
 
+def pdl_chain(layers: int, sets: int = 4) -> None:
+    """The fp8 decode GEMVs of `layers` 8B layers in a chain (q/k/v -> o -> gate_up with SiLU·mul -> down, each
+    taking the previous output), captured in one CUDA graph, with the table's configs: plain launches against
+    programmatic dependent launches (1: each kernel waits for the one before it first thing; 2: and lets the next
+    one launch once all its programs have started). `sets` distinct weight sets (each beyond the L2) are cycled.
+    Prints µs per chain and per kernel boundary saved; the outputs must be bit-identical."""
+    import torch
+
+    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+    from radixserve.layers.triton_ops.pdl import AVAILABLE
+
+    ws = [[make_weight("fp8", n, k, 100 * i + j) for j, (n, k) in enumerate(SHAPES_8B)] for i in range(sets)]
+    for layer in ws:  # scales set so that each product keeps x's magnitude (no overflow or underflow in a chain)
+        for f, (_n, k) in zip(layer, SHAPES_8B, strict=True):
+            f["s"] = f["s"] / (0.02 * k ** 0.5)
+    x0 = (torch.randn(1, SHAPES_8B[0][1], device="cuda") * 0.5).to(torch.bfloat16)
+
+    def chain(pdl: int) -> torch.Tensor:
+        x = x0
+        for i in range(layers):
+            qkv, o, gu, down = ws[i % sets]
+            h = fp8_skinny_gemv(x, qkv["w"], qkv["s"], x.dtype, pdl_level=pdl)[:, :4096]
+            a = fp8_skinny_gemv(h, o["w"], o["s"], x.dtype, pdl_level=pdl)
+            g = fp8_skinny_gemv(a, gu["w"], gu["s"], x.dtype, silu_mul=True, pdl_level=pdl)
+            x = fp8_skinny_gemv(g, down["w"], down["s"], x.dtype, pdl_level=pdl)
+        return x
+
+    print(f"\n## PDL chain: {layers} layers x 4 fp8 GEMVs (Triton's PDL ops: {AVAILABLE})", flush=True)
+    results = {}
+    for pdl in (0, 1, 2):
+        try:
+            out = chain(pdl)
+            torch.cuda.synchronize()
+            sec = time_calls(lambda i, p=pdl: chain(p), 1, replays=9)
+            results[pdl] = (sec, out)
+            same = "" if pdl == 0 else f"  identical to plain: {bool(torch.equal(out, results[0][1]))}"
+            print(f"  pdl={pdl}: {sec * 1e6:8.1f} µs per chain{same}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  pdl={pdl} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if 0 in results:
+        kernels = layers * 4
+        for pdl in (1, 2):
+            if pdl in results:
+                saved = (results[0][0] - results[pdl][0]) * 1e6
+                print(f"  pdl={pdl} saves {saved:.1f} µs per chain, {saved / kernels:.2f} µs per kernel", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--families", nargs="+", default=["fp8", "fp8_silu", "q4_k", "q8_0"])
@@ -281,6 +318,8 @@ def main() -> None:
                    "the configs the table holds now for the swept shapes")
     p.add_argument("--warm-only", action="store_true", help="only compile the candidates (into Triton's cache, "
                    "e.g. `--kernels picks`: the table's picks) and stop, so that the runs that follow find them")
+    p.add_argument("--pdl-chain", type=int, default=0, help="after the sweep: this many 8B layers of fp8 GEMVs in "
+                   "a chain, plain against programmatic dependent launches")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -290,7 +329,7 @@ def main() -> None:
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
     layer_shapes, lm_head = SHAPE_SETS[args.shapes]
-    shapes = layer_shapes + ([lm_head] if {"row16", "bf16"} & set(args.families) else [])
+    shapes = layer_shapes + ([lm_head] if "row16" in args.families else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
@@ -308,7 +347,8 @@ def main() -> None:
     seen: set = set()  # an fp8_mid config compiles the same kernel at every M
     plan = [p for p in plan if p[0] != "fp8_mid" or (p[2] not in seen and not seen.add(p[2]))]
     if args.warm_fp8:
-        plan = [("fp8_warm", 1, GemvConfig("ew", n, k)) for n, k in shapes] + plan
+        plan = [("fp8_warm", 1, GemvConfig("ew", n, k, variant="pdl" if args.pdl_chain else "")) for n, k in shapes] \
+            + plan
     try:
         precompile(plan, args.workers)
     except Exception as e:  # noqa: BLE001 - the sweep still runs, compiling as it goes
@@ -329,7 +369,7 @@ def main() -> None:
             for n, k in shapes:
                 if family.endswith("_silu") and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
-                if family not in ("row16", "bf16") and (n, k) == lm_head:
+                if family != "row16" and (n, k) == lm_head:
                     continue  # the LM head stays in 16 bits
                 t = time.time()
                 rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)
@@ -388,6 +428,8 @@ def main() -> None:
         with open(args.json_rows, "w") as f:
             json.dump(all_rows, f)
     print("\n# picks\n" + json.dumps(result))
+    if args.pdl_chain:
+        pdl_chain(args.pdl_chain)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,32 @@ def _timed(engine: Any, server_args: ServerArgs, name: str, reqs: list[tuple[lis
                      before["num_retractions"], **extra)
 
 
+def generate_left_padded(model: Any, part: list[tuple[list[int], int]], device: Any) -> None:
+    """One static batch through HF generate: the prompts left-padded, greedy, every row to the longest output."""
+    import torch
+
+    width = max(len(p) for p, _ in part)
+    ids = torch.zeros(len(part), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, (p, _) in enumerate(part):
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    n = max(lo for _, lo in part)
+    with torch.no_grad():
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+
+
+def warm_up_generate(model: Any, prompt: list[int], device: Any) -> None:
+    """A few greedy tokens from the prompt's head through HF generate (first-call allocations, oneDNN primitive
+    creation), so that the timed run leaves them out as ours does."""
+    import torch
+
+    with torch.no_grad():
+        model.generate(input_ids=torch.tensor([prompt[:16]], device=device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+
+
 def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device: str, dtype: str,
                      batch_size: int, threads: int | None = None) -> dict[str, Any]:
     """Static batches through HF generate (left-padded, greedy, each batch runs to its longest output; only the
@@ -147,24 +173,13 @@ def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device:
         torch.set_num_threads(threads)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
-    with torch.no_grad():  # warm up (first-call allocations, oneDNN primitive creation), excluded like ours
-        model.generate(input_ids=torch.tensor([reqs[0][0][:16]], device=device), max_new_tokens=4,
-                       do_sample=False, pad_token_id=0)
+    warm_up_generate(model, reqs[0][0], device)
     produced = []
     bar = tqdm(total=len(reqs), desc="transformers", unit="req")
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         part = reqs[i:i + batch_size]
-        width = max(len(p) for p, _ in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, (p, _) in enumerate(part):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
-        max_new = max(lo for _, lo in part)
-        with torch.no_grad():
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-                           min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        generate_left_padded(model, part, device)
         produced += [lo for _, lo in part]  # count only the tokens each request asked for
         bar.update(len(part))
     if device.startswith("cuda"):

@@ -197,16 +197,28 @@ def profile_decode(runner: ModelRunner, batch_size: int, input_len: int, steps: 
             cur_e = max(cur_e, e_)
     busy += 0 if cur_e is None else cur_e - cur_s
     by_name: dict[str, list[float]] = {}
-    for e in kernels:
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    layers = runner.model_config.num_hidden_layers
     table = [{"kernel": name[:90], "calls_per_step": len(ts) / steps, "us_per_step": sum(ts) / steps,
-              "share": sum(ts) / max(busy, 1e-9)} for name, ts in ranked]
+              "share": sum(ts) / max(busy, 1e-9), "us_by_position": _by_layer_position(ts, steps, layers)}
+             for name, ts in ranked]
     return {"batch_size": batch_size, "input_len": input_len, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
             "unprofiled_wall_ms_per_step": plain_wall * 1e3, "graph_floor_ms": floor,
             "host_forward_call_ms_per_step": sum(inner) / max(1, len(inner)) * 1e3,
             "gpu_busy_ms_per_step": busy / steps / 1e3, "kernels_per_step": len(kernels) / steps,
             "top_kernels": table}
+
+
+def _by_layer_position(times: list[float], steps: int, layers: int) -> list[float] | None:
+    """For a kernel called c times a layer (c > 1: e.g. the GEMVs of q/k/v, o, gate_up, down), its mean µs at each
+    of the c positions within a layer, in call order; None for other kernels."""
+    per_step = len(times) // steps
+    if len(times) % steps or per_step % layers or per_step // layers < 2:
+        return None
+    c = per_step // layers
+    return [sum(times[i::c]) / (len(times) // c) for i in range(c)]
 
 
 def print_profile(p: dict[str, Any]) -> None:
@@ -219,6 +231,9 @@ def print_profile(p: dict[str, Any]) -> None:
     print(f"{'us/step':>9} {'calls':>6} {'share':>6}  kernel")
     for k in p["top_kernels"]:
         print(f"{k['us_per_step']:>9.1f} {k['calls_per_step']:>6.0f} {k['share']:>6.1%}  {k['kernel']}")
+        if k.get("us_by_position"):
+            print(f"{'':>24}per call at each position in a layer: "
+                  + ", ".join(f"{v:.1f}" for v in k["us_by_position"]) + " µs")
 
 
 def correctness_test(runner: ModelRunner, tokenizer: Any, output_len: int) -> list[str]:

@@ -6,25 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_utils import DEVICE, expert_weights, skewed_ids
 
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe, moe_align_block_size
 from radixserve.layers.moe.moe_torch import moe_forward_torch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in Triton's interpreter
-
-
-def _weights(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w13, w2 = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
-    return w13.to(DEVICE), w2.to(DEVICE)
-
-
-def _skewed_ids(t: int, k: int, e: int, seed: int = 0) -> torch.Tensor:
-    """Top-k ids (distinct per token) where expert 0 is chosen by every token and expert e-1 by none."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(e - 2, generator=g)[:k - 1] + 1 for _ in range(t)]) if k > 1 \
-        else torch.empty(t, 0, dtype=torch.int64)
-    return torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], dim=1).to(torch.int32)
 
 
 @pytest.mark.parametrize("top_k,tokens,one_program", [(1, 5, True), (2, 19, False), (8, 6, True)])
@@ -34,9 +19,9 @@ def test_fused_moe_matches_reference(top_k: int, tokens: int, one_program: bool,
 
     monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
     e, h, i = 10, 32, 24
-    w13, w2 = _weights(e, h, i)
+    w13, w2 = expert_weights(e, h, i)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    ids = _skewed_ids(tokens, top_k, e).to(DEVICE)
+    ids = skewed_ids(tokens, top_k, e).to(DEVICE)
     assert not (ids == e - 1).any()  # an expert with no tokens
     weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     ref = moe_forward_torch(x, w13, w2, weights, ids)
@@ -50,7 +35,7 @@ def test_fused_moe_with_experts_held_elsewhere() -> None:
     """Expert parallelism: this rank holds experts 4..7 of 8; the others contribute nothing here, and the two
     ranks' outputs add up to the whole."""
     e, h, i, t, k = 8, 32, 16, 9, 2
-    w13, w2 = _weights(e, h, i, seed=3)
+    w13, w2 = expert_weights(e, h, i, seed=3)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(s))[:k] for s in range(t)])
     ids = ids.to(DEVICE, torch.int32)
@@ -69,7 +54,7 @@ def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pyt
     from radixserve.layers.moe import fused_moe as fm
 
     monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
-    ids = _skewed_ids(13, 3, 7).to(DEVICE)
+    ids = skewed_ids(13, 3, 7).to(DEVICE)
     a = moe_align_block_size(ids, 4, 7)
     total = int(a.total)
     rows = a.sorted_ids[:total].tolist()

@@ -430,6 +430,25 @@ def test_fp8_mid_kernel_matches_reference(kernel: str, m: int, block_n: int, blo
     assert fp8_mid_mm(torch.randn(257, k), q, s, torch.float32, cfg) is None
 
 
+@pytest.mark.parametrize("m", [20, 32])
+def test_fp8_mid_scaled_mm_transposed_matches_reference(m: int) -> None:
+    """"scaled_mm_t": cuBLASLt's row-wise fp8 product computed as (W @ x.T).T, the batch padded to 16 rows: the
+    same numbers as the per-token W8A8 reference (the padding's columns dropped), contiguous [M, N], bias added."""
+    from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 48, 256
+    q, s = quantize_rows(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    out = fp8_mid_mm(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, GemvConfig("scaled_mm_t", 0, 0), bias.to(DEV))
+    xq, xs = per_token_group_quant_fp8(x.to(DEV), k)
+    ref = (xq.cpu().float() * xs.cpu()) @ (q.float() * s[:, None]).t() + bias
+    assert out.shape == (m, n) and out.is_contiguous()
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-3)
+
+
 def test_mid_table_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """`gemv_configs.get_mid`: the entry swept at the smallest M >= m, the largest within a quarter above it, None
     past that or for a shape the table lacks; the fp8 layer runs what the entry names."""

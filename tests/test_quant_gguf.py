@@ -242,6 +242,34 @@ def test_q4_k_int8_gemv_matches_reference(kernel: str, m: int, block_n: int, blo
     assert float((out.cpu() - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("kernel,m,block_n,block_k", [("dp4w", 1, 4, 256), ("dp4w", 2, 8, 512), ("dp4w", 1, 16, 1024),
+                                                      ("dp4x", 1, 4, 256), ("dp4x", 2, 16, 512)])
+def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int, block_k: int) -> None:
+    """`_q4_k_gemv_dp4w_kernel` / `_q4_k_gemv_dp4x_kernel` (q bytes read as int32 words, x quantised to int8 per
+    32 columns once per program and step, or beforehand by `_q8_1_words_kernel`, and packed into words, dp4a per
+    word; elementwise under the interpreter), centred after the dot product as the
+    other integer kernels: against the same exact reference (float32 rounding only), and within the int8 error of
+    the float x; rows not a multiple of the tile, a bias, a block of tiny values, one of negative values only."""
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+
+    g = torch.Generator().manual_seed(block_k + m + 7)
+    n, k = 37, 1024
+    fields = G.quantize(G.Q4_K, torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] *= 1e-3
+    x[-1, 64:96] = -x[-1, 64:96].abs()  # a block with only negative values (the packed words' sign bits)
+    bias = torch.randn(n, generator=g)
+    out = gguf_gemv(x.to(DEV), G.Q4_K, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV),
+                    GemvConfig(kernel, block_n, block_k))
+    w = G.dequantize(G.Q4_K, fields)
+    xq = _q8_blocks_ref(x)
+    exact = xq @ w.t() + bias + (x - xq).view(m, -1, 32).sum(-1) @ _offset_terms(fields).t()
+    torch.testing.assert_close(out.cpu(), exact, rtol=1e-4, atol=2e-3)
+    ref = torch.nn.functional.linear(x, w, bias)
+    assert float((out.cpu() - ref).norm() / ref.norm()) < 1e-2
+
+
 def _offset_terms(fields: dict[str, torch.Tensor]) -> torch.Tensor:
     """8 d sc - dmin m per (row, 32-weight sub-block) [N, K / 32]: the part of each weight that the kernel takes
     out of its integer dot product."""

@@ -7,30 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_utils import DEVICE, expert_weights, skewed_ids
 
 from radixserve.layers.moe.moe_torch import moe_forward_torch
 from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in Triton's interpreter
-
-
-def _weights(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w13, w2 = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
-    return w13.to(DEVICE), w2.to(DEVICE)
-
-
-def _skewed_ids(t: int, k: int, e: int, seed: int = 0) -> torch.Tensor:
-    """Distinct top-k ids per token; expert 0 chosen by every token, expert e-1 by none."""
-    g = torch.Generator().manual_seed(seed)
-    rest = [torch.randperm(e - 2, generator=g)[:k - 1] + 1 for _ in range(t)]
-    ids = torch.stack(rest) if k > 1 else torch.empty(t, 0, dtype=torch.int64)
-    return torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], dim=1).to(torch.int32)
-
 
 def _inputs(t: int, k: int, e: int, h: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
-    ids = _skewed_ids(t, k, e, seed).to(DEVICE)
+    ids = skewed_ids(t, k, e, seed).to(DEVICE)
     weights = torch.rand(t, k, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
     return x, ids, weights
 
@@ -38,7 +23,7 @@ def _inputs(t: int, k: int, e: int, h: int, seed: int) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("top_k,tokens", [(1, 3), (2, 5), (8, 4)])
 def test_small_batch_moe_matches_reference(top_k: int, tokens: int) -> None:
     e, h, i = 11, 24, 20  # sizes off the tile sizes: every mask is exercised
-    w13, w2 = _weights(e, h, i)
+    w13, w2 = expert_weights(e, h, i)
     x, ids, weights = _inputs(tokens, top_k, e, h, seed=top_k)
     assert not (ids == e - 1).any()  # an expert with no tokens
     ref = moe_forward_torch(x, w13, w2, weights, ids)
@@ -51,7 +36,7 @@ def test_small_batch_moe_matches_reference(top_k: int, tokens: int) -> None:
 def test_small_batch_moe_with_experts_held_elsewhere() -> None:
     """Expert parallelism: rank r holds experts 4r..4r+3 of 8; the two partial outputs add up to the whole."""
     e, h, i, t, k = 8, 16, 12, 3, 2
-    w13, w2 = _weights(e, h, i, seed=3)
+    w13, w2 = expert_weights(e, h, i, seed=3)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids = torch.tensor([[0, 5], [6, 7], [1, 2]], dtype=torch.int32, device=DEVICE)  # token 1: none on rank 0
     weights = torch.rand(t, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
@@ -67,7 +52,7 @@ def test_small_batch_moe_folds_the_shared_experts(chunks: int) -> None:
     """A shared MLP of intermediate size chunks·I ([2S, H] gate rows then up rows, [H, S]) added as weight-1
     assignments equals the routed experts plus the MLP computed on its own."""
     e, h, i, t, k = 6, 16, 12, 3, 2
-    w13, w2 = _weights(e, h, i, seed=6)
+    w13, w2 = expert_weights(e, h, i, seed=6)
     x, ids, weights = _inputs(t, k, e, h, seed=7)
     g = torch.Generator().manual_seed(8)
     s = chunks * i

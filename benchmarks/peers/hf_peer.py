@@ -107,24 +107,14 @@ def ordered(outs: dict[Any, Any], n: int) -> list[Any]:
 def run_static_batches(model: Any, reqs: list[tuple[list[int], int]], batch_size: int) -> dict[str, Any]:
     """Left-padded static batches through `generate` (sdpa); each batch runs to its longest output and only the
     tokens each request asked for count."""
+    from radixserve.bench_offline_throughput import generate_left_padded, warm_up_generate
+
     device = model.device
-    with torch.no_grad():
-        model.generate(input_ids=torch.tensor([reqs[0][0][:16]], device=device), max_new_tokens=4,
-                       do_sample=False, pad_token_id=0)
+    warm_up_generate(model, reqs[0][0], device)
     sync()
     t = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
-        part = reqs[i:i + batch_size]
-        width = max(len(p) for p, _ in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, (p, _) in enumerate(part):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
-        n = max(lo for _, lo in part)
-        with torch.no_grad():
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+        generate_left_padded(model, reqs[i:i + batch_size], device)
     sync()
     elapsed = time.perf_counter() - t
     produced = sum(lo for _, lo in reqs)

@@ -137,12 +137,12 @@ class LlamaDecoderLayer(nn.Module):
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         qkv_proj = self.self_attn.qkv_proj
         if qkv_proj.decode_gemv and not self.input_partial and qkv_proj.gemv_ok(hidden):
-            # one row: the residual add, the input norm and q/k/v in one launch (`decode_gemv`)
-            from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+            # one row: the residual add, the input norm and q/k/v in one launch (the one-row GEMV)
+            from radixserve.layers.triton_ops.gemv import gemv_row_norm
 
             norm = self.input_layernorm
-            qkv, new_residual = decode_gemv(hidden, qkv_proj.weight, qkv_proj.bias,
-                                            norm=(residual, norm.weight, norm.eps))
+            qkv, new_residual = gemv_row_norm(hidden, qkv_proj.weight, qkv_proj.bias,
+                                              norm=(residual, norm.weight, norm.eps))
             residual = hidden if new_residual is None else new_residual
             hidden = self.self_attn(positions, None, forward_batch, qkv=qkv)
         else:

@@ -111,6 +111,41 @@ def test_fp8_kv_cache_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
     assert first >= 15, f"fp8 agreed with bf16 on the first token of {first} of 19 prompts"
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_programmatic_dependent_launch_gives_the_same_tokens(tmp_path, level: int) -> None:
+    """Our decode kernels (RMSNorm, rotary + KV store, decode attention, the fp8 GEMVs, SiLU·mul) launched as
+    programmatic dependent launches (`triton_ops.pdl`, level 1: wait first; 2: and let the next kernel launch
+    early), in CUDA graphs and eagerly, give exactly the tokens of plain launches: a tiny model with fp8 weights
+    and an fp8 KV cache, 19 prompts of mixed lengths, 24 greedy tokens each."""
+    from model_utils import peaky_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.layers.triton_ops import pdl
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+    if torch.cuda.get_device_capability()[0] < 9 or not pdl.AVAILABLE:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton's gdc ops")
+    peaky_tiny_model("llama", str(tmp_path))
+
+    def generate(lv: int, graphs: bool) -> list[list[int]]:
+        pdl.set_level(lv)
+        try:
+            args = ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=1 << 15,
+                              max_running_requests=40, cuda_graph_max_bs=40, kv_cache_dtype="fp8_e4m3",
+                              quantization="fp8", disable_cuda_graph=not graphs)
+            return StaticBatch(ModelRunner(ModelConfig(str(tmp_path)), args)).generate(ps, 24)
+        finally:
+            pdl.set_level(0)
+
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 2048, (int(n),), generator=g).tolist() for n in torch.randint(4, 64, (19,), generator=g)]
+    plain = generate(0, True)
+    assert generate(level, True) == plain
+    assert generate(level, False) == generate(0, False)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
 def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
     """The decode GEMV kernels of `fp8_gemv` with the tuned table's configs (and each kernel explicitly) on an 8B
@@ -149,14 +184,17 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
         if fmt == G.Q4_K:  # the integer tensor-core kernel, whatever the table picks
             from radixserve.layers.quantization.gemv_configs import GemvConfig
 
-            for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512)):
+            for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
+                        GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8),
+                        GemvConfig("dp4x", 8, 512), GemvConfig("dp4x", 2, 1024, 2)):
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 
 
 @pytest.mark.parametrize("m", [17, 64, 160])
 def test_fp8_mid_kernels_on_gpu(m: int) -> None:
-    """The transposed W8A8 / W8A16 products of `fp8_mid` on 8B shapes and on rows that are not a multiple of any
-    tile, bf16 in and out, against the float32 reference (W8A8 with the activation quantisation in it)."""
+    """The transposed W8A8 / W8A16 products of `fp8_mid` (and cuBLASLt's, transposed) on 8B shapes and on rows that
+    are not a multiple of any tile, bf16 in and out, against the float32 reference (W8A8 with the activation
+    quantisation in it)."""
     from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
     from radixserve.layers.quantization.gemv_configs import GemvConfig
 
@@ -165,7 +203,11 @@ def test_fp8_mid_kernels_on_gpu(m: int) -> None:
         q, s = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
-        for cfg in (GemvConfig("w8a8", 64, 256, 4, 3, block_m=64), GemvConfig("w8a16", 64, 128, 4, 3, block_m=32)):
+        for cfg in (GemvConfig("w8a8", 64, 256, 4, 3, block_m=64), GemvConfig("w8a16", 64, 128, 4, 3, block_m=32),
+                    GemvConfig("scaled_mm_t", 0, 0)):
+            if cfg.kernel == "scaled_mm_t" and n % 16:
+                assert fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias) is None  # cuBLASLt's alignment
+                continue
             out = fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias)
-            ref = fp8_linear_ref(x.float(), q, s, 1, k, bias.float(), k if cfg.kernel == "w8a8" else None)
+            ref = fp8_linear_ref(x.float(), q, s, 1, k, bias.float(), None if cfg.kernel == "w8a16" else k)
             assert out.shape == (m, n) and _rel(out, ref) < 1e-2, (n, k, cfg)

@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
@@ -47,9 +49,10 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 @triton.jit
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
                         HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
-                        SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
-    silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off)."""
+    silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`."""
+    pdl_prologue(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     # Runs of 8 contiguous columns: the fp8 bytes and the 16-bit x then get the same register layout (8 a thread),
@@ -133,13 +136,13 @@ MAX_M = 16
 
 def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                     bias: torch.Tensor | None = None, config: gemv_configs.GemvConfig | None = None,
-                    silu_mul: bool = False) -> torch.Tensor | None:
+                    silu_mul: bool = False, pdl_level: int | None = None) -> torch.Tensor | None:
     """x [M, K] (M <= 16, rows contiguous) times the fp8 weight w [N, K] with per-channel float32 scales ([N] or
     [N, 1]) -> [M, N] `out_dtype`; with `silu_mul`, w is [gate; up] and the result silu(gate) * up [M, N / 2]
     (the activation of a gated MLP in the GEMV's epilogue). None when the shape does not suit these kernels (M > 16,
     K not a multiple of 16, block-wise scales): the caller falls back to `fp8_gemm`. `config` overrides the tuned
     choice (sweeps; with `silu_mul` the "fp8_silu" entry of the stacked N, and an "ew" tile reads block_n / 2 rows
-    of each half)."""
+    of each half). `pdl_level` overrides RADIXSERVE_PDL for the elementwise kernel (`triton_ops.pdl`)."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_M or k % 16 or scale.numel() != n or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k \
@@ -164,7 +167,7 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
                out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
-               BLOCK_K=block_k, **opts)
+               BLOCK_K=block_k, **opts, **pdl.launch_opts(x, pdl_level))
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
                w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,

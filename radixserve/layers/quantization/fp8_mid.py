@@ -11,6 +11,10 @@ is the product transposed: each program takes BLOCK_N weight rows (the MMA's lon
 - "w8a16": the fp8 tile is widened to x's dtype in registers and multiplied on the 16-bit tensor cores (no
   activation scales: exact in x).
 
+- "scaled_mm_t": cuBLASLt's fp8 product transposed, out.T = W @ x.T with the per-channel scales on the long side
+  (`torch._scaled_mm` row-wise, the batch padded to a multiple of 16 rows), the result copied back to [M, N]: the
+  library then tiles the weight's rows, not the batch.
+
 Which of these (or `torch._scaled_mm`, the default) runs for a shape and batch comes from the swept table
 (`gemv_configs.get_mid`, `benchmarks/sweep_gemv.py --families fp8_mid`); a shape the table lacks keeps
 `torch._scaled_mm`."""
@@ -69,6 +73,9 @@ def fp8_mid_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype:
 
     m, k = x.shape
     n = w.shape[0]
+    if cfg.kernel == "scaled_mm_t" and scale.numel() == n and x.stride(-1) == 1 and w.stride(-1) == 1 \
+            and k % 16 == 0 and n % 16 == 0:
+        return scaled_mm_transposed(x, w, scale, out_dtype, bias)
     if cfg.kernel not in ("w8a8", "w8a16") or m > MAX_M or k % 16 or scale.numel() != n or x.stride(-1) != 1 \
             or w.stride(-1) != 1 or w.shape[1] != k:
         return None
@@ -91,3 +98,22 @@ def fp8_mid_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype:
            w.stride(0), out.stride(0), A8=a8, FP32=not a8 and (x.dtype == torch.float32 or not x.is_cuda),
            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts)
     return out
+
+
+def scaled_mm_transposed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (quantised per token here) times the fp8 weight w [N, K] with per-channel scales, computed as
+    (W @ x.T).T by `torch._scaled_mm` (row-wise scales: the weight's on the rows of the product, x's on its
+    columns); the rows of x are padded to a multiple of 16 (the library's alignment; the padding's columns of the
+    product are dropped). Returns a contiguous [M, N] `out_dtype`."""
+    from radixserve.layers.quantization.fp8_kernels import per_token_group_quant_fp8
+
+    m, k = x.shape
+    mp = -(-m // 16) * 16
+    if mp != m:
+        x = torch.cat([x, x.new_zeros(mp - m, k)])
+    xq, xs = per_token_group_quant_fp8(x, k)
+    out_t = torch._scaled_mm(w, xq.t(), scale_a=scale.reshape(-1, 1).float(), scale_b=xs.reshape(1, -1),
+                             out_dtype=out_dtype)
+    out = out_t[:, :m].t().contiguous()
+    return out if bias is None else out + bias.to(out_dtype)

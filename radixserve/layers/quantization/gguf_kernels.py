@@ -94,6 +94,34 @@ def _small_int_to_f32(v, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _q4_k_chunk_pointers(X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn):
+    """The pointer tiles of the Q4_K GEMVs that read NCH 32-byte chunks of BLOCK_N rows a step, at chunk 0: the q
+    bytes and x as [BLOCK_N, NCH, 32] (x the same for every row; chunk g's low nibbles meet x[64g + l], its high
+    ones x[64g + 32 + l]), the sub-block scales and mins of chunk g's first sub-block (2g) and the super-block's
+    d / dmin (g // 4) as [BLOCK_N, NCH]."""
+    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
+    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * rows[:, None, None]
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    return w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs
+
+
+@triton.jit
+def _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s):
+    """The float32 factors of the step that starts at chunk g0, each shaped as the pointer tiles: the scale and min
+    of the low and high sub-blocks of each chunk, and its super-block's d and dmin."""
+    sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+    sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+    mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
+    mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
+    d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+    dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+    return sc_lo, sc_hi, mn_lo, mn_hi, d, dm
+
+
+@triton.jit
 def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_wn, stride_sn, stride_dn, stride_om,
                       HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
     """One activation row (program axis 1) times BLOCK_N Q4_K rows; each step reads NCH contiguous 32-byte chunks
@@ -108,12 +136,8 @@ def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride
     offs_l = tl.arange(0, 32)
     offs_l = (offs_l // 8) * 8 + offs_l % 8
     rows = offs_n.to(tl.int64)
-    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
-    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_chunk_pointers(
+        X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
@@ -125,12 +149,7 @@ def _q4_k_gemv_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride
         dot_hi = tl.sum(_small_int_to_f32(b >> 4, MAGIC) * x_hi, axis=2)
         xs_lo = tl.sum(x_lo, axis=2)
         xs_hi = tl.sum(x_hi, axis=2)
-        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
         acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) - dm * (mn_lo * xs_lo + mn_hi * xs_hi)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -152,12 +171,8 @@ def _q4_k_gemv_acc_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
     offs_l = tl.arange(0, 32)
     offs_l = (offs_l // 8) * 8 + offs_l % 8
     rows = offs_n.to(tl.int64)
-    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
-    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_chunk_pointers(
+        X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH, 32), dtype=tl.float32)
@@ -165,12 +180,11 @@ def _q4_k_gemv_acc_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
         b = tl.load(w_ptrs + g0 * 32, mask=mask_w, other=0).to(tl.int32)
         x_lo = tl.load(x_ptrs + g0 * 64).to(tl.float32)
         x_hi = tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        s_lo = (d * tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32))[:, :, None]
-        s_hi = (d * tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32))[:, :, None]
-        m_lo = (dm * tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32))[:, :, None]
-        m_hi = (dm * tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32))[:, :, None]
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
+        s_lo = (d * sc_lo)[:, :, None]
+        s_hi = (d * sc_hi)[:, :, None]
+        m_lo = (dm * mn_lo)[:, :, None]
+        m_hi = (dm * mn_hi)[:, :, None]
         acc += (_small_int_to_f32(b & 0xF, MAGIC) * s_lo - m_lo) * x_lo
         acc += (_small_int_to_f32(b >> 4, MAGIC) * s_hi - m_hi) * x_hi
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -227,12 +241,7 @@ def _q4_k_gemv_mma_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, st
         xt_hi = tl.where(first, xq_hi[:, :, None], 0).to(tl.int8)
         dot_lo = tl.sum(tl.dot(q_lo, xt_lo, out_dtype=tl.int32), axis=2).to(tl.float32)  # [NCH, BLOCK_N]
         dot_hi = tl.sum(tl.dot(q_hi, xt_hi, out_dtype=tl.int32), axis=2).to(tl.float32)
-        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
         # w = d sc (q - 8) + (8 d sc - dmin m): the second part times the float sum of x
         acc += d * (sc_lo * dot_lo * xs_lo[:, None] + sc_hi * dot_hi * xs_hi[:, None]) \
             + (8.0 * d * sc_lo - dm * mn_lo) * tl.sum(x_lo, axis=1)[:, None] \
@@ -315,12 +324,8 @@ def _q4_k_gemv_dp4a_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, s
     ch = tl.arange(0, NCH)
     offs_l = tl.arange(0, 32)
     rows = offs_n.to(tl.int64)
-    w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
-    x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * offs_n[:, None, None]
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_chunk_pointers(
+        X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm, stride_wn, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
@@ -334,12 +339,7 @@ def _q4_k_gemv_dp4a_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, s
         xq_hi = _round_to_int8(x_hi / xs_hi[:, :, None])
         dot_lo = tl.sum(_nibble_dot4(b, xq_lo, False, ASM), axis=2) - 8 * tl.sum(xq_lo.to(tl.int32), axis=2)
         dot_hi = tl.sum(_nibble_dot4(b, xq_hi, True, ASM), axis=2) - 8 * tl.sum(xq_hi.to(tl.int32), axis=2)
-        sc_lo = tl.load(s_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        sc_hi = tl.load(s_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        mn_lo = tl.load(m_ptrs + 2 * g0, mask=mask_s, other=0).to(tl.float32)
-        mn_hi = tl.load(m_ptrs + 2 * g0 + 1, mask=mask_s, other=0).to(tl.float32)
-        d = tl.load(d_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptrs + g0 // 4, mask=mask_s, other=0.0).to(tl.float32)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
         acc += d * (sc_lo * dot_lo.to(tl.float32) * xs_lo + sc_hi * dot_hi.to(tl.float32) * xs_hi) \
             + (8.0 * d * sc_lo - dm * mn_lo) * tl.sum(x_lo, axis=2) \
             + (8.0 * d * sc_hi - dm * mn_hi) * tl.sum(x_hi, axis=2)
@@ -347,6 +347,156 @@ def _q4_k_gemv_dp4a_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, s
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _dp4a_nibbles(w, xw, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Per 32-bit word: the dot product of the four low (or HIGH) nibbles of w's bytes (unsigned) with the four
+    int8 of xw: one `dp4a` after masking the nibbles out of the word; under the interpreter (no ASM) the same sum
+    from the unpacked bytes."""
+    if ASM:
+        if HIGH:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; shr.b32 t, $1, 4; and.b32 t, t, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $2, 0;}",
+                "=r,r,r", [w, xw], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t; and.b32 t, $1, 0x0F0F0F0F; dp4a.u32.s32 $0, t, $2, 0;}",
+            "=r,r,r", [w, xw], dtype=tl.int32, is_pure=True, pack=1)
+    t = (w >> 4) & 0x0F0F0F0F if HIGH else w & 0x0F0F0F0F
+    acc = tl.zeros_like(w)
+    for b in tl.static_range(4):
+        xb = (xw >> (8 * b)) & 0xFF
+        acc += ((t >> (8 * b)) & 0xFF) * tl.where(xb >= 128, xb - 256, xb)
+    return acc
+
+
+@triton.jit
+def _q8_words(x):
+    """x [NCH, 8, 4] (float32, 32 values a chunk) -> (int8 levels packed 4 to an int32 word [NCH, 8], the scale
+    amax / 127 [NCH], the sum of the levels [NCH], the float sum [NCH]): llama.cpp's q8_1 activations, halves
+    away from zero."""
+    xs = tl.maximum(tl.max(tl.max(tl.abs(x), axis=2), axis=1), 1e-30) / 127.0
+    q = _round_to_int8(x / xs[:, None, None]).to(tl.int32)
+    shift = (tl.arange(0, 4) * 8)[None, None, :]
+    words = tl.sum((q & 0xFF) << shift, axis=2)  # disjoint bits: the sum is the OR
+    return words, xs, tl.sum(tl.sum(q, axis=2), axis=1), tl.sum(tl.sum(x, axis=2), axis=1)
+
+
+@triton.jit
+def _q4_k_gemv_dp4w_kernel(X, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, stride_ww, stride_sn, stride_dn,
+                           stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           NCH: tl.constexpr):
+    """Integer products on whole words: the q bytes read as int32 (W32: qweight viewed as int32, stride_ww words a
+    row; word j of chunk g holds weights 64g + 4j.. in its low nibbles, 64g + 32 + 4j.. in its high ones), and x
+    quantised to int8 per 32 columns once per program and step (not per weight row) and packed 4 to a word, so
+    each word of weights costs two `dp4a` and three bit operations. The products are centred after the fact, so
+    that x's int8 rounding meets q - 8 (half the magnitude of q) and the rest the float x: per sub-block
+    w.x = d sc x_scale (dot(q, x_int8) - 8 sum(x_int8)) + (8 d sc - dmin m) sum(x)."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    ch = tl.arange(0, NCH)
+    offs_j = tl.arange(0, 8)
+    offs_b = tl.arange(0, 4)
+    w_ptrs = W32 + rows[:, None, None] * stride_ww + (ch[:, None] * 8 + offs_j[None, :])[None, :, :]
+    x_ptrs = X + m * stride_xm + ch[:, None, None] * 64 + offs_j[None, :, None] * 4 + offs_b[None, None, :]
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        w = tl.load(w_ptrs + g0 * 8, mask=mask_w, other=0)  # [BLOCK_N, NCH, 8] int32
+        xw_lo, xs_lo, qsum_lo, xsum_lo = _q8_words(tl.load(x_ptrs + g0 * 64).to(tl.float32))
+        xw_hi, xs_hi, qsum_hi, xsum_hi = _q8_words(tl.load(x_ptrs + g0 * 64 + 32).to(tl.float32))
+        dot_lo = tl.sum(_dp4a_nibbles(w, tl.broadcast_to(xw_lo[None, :, :], w.shape), False, ASM), axis=2)
+        dot_hi = tl.sum(_dp4a_nibbles(w, tl.broadcast_to(xw_hi[None, :, :], w.shape), True, ASM), axis=2)
+        dot_lo = (dot_lo - 8 * qsum_lo[None, :]).to(tl.float32) * xs_lo[None, :]  # [BLOCK_N, NCH]
+        dot_hi = (dot_hi - 8 * qsum_hi[None, :]).to(tl.float32) * xs_hi[None, :]
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
+        acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) + (8.0 * d * sc_lo - dm * mn_lo) * xsum_lo[None, :] \
+            + (8.0 * d * sc_hi - dm * mn_hi) * xsum_hi[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _q8_1_words_kernel(X, Words, Xs, Qsum, Xsum, K, stride_xm, BLOCK_G: tl.constexpr):
+    """x [M, K] -> per 32-column block g: its int8 levels (amax / 127, halves away from zero) packed 4 to an int32
+    word (Words [M, K / 4]), the scale (Xs), the sum of the levels (Qsum) and of the float x (Xsum) [M, K / 32].
+    One program per row and BLOCK_G blocks."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    mask_g = g < K // 32
+    offs = g[:, None, None] * 32 + tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    x = tl.load(X + m * stride_xm + offs, mask=mask_g[:, None, None], other=0.0).to(tl.float32)
+    words, xs, qsum, xsum = _q8_words(x)
+    w_offs = g[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(Words + m * (K // 4) + w_offs, words, mask=mask_g[:, None])
+    tl.store(Xs + m * (K // 32) + g, xs, mask=mask_g)
+    tl.store(Qsum + m * (K // 32) + g, qsum, mask=mask_g)
+    tl.store(Xsum + m * (K // 32) + g, xsum, mask=mask_g)
+
+
+@triton.jit
+def _q4_k_gemv_dp4x_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_ww, stride_sn,
+                           stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           NCH: tl.constexpr):
+    """As `_q4_k_gemv_dp4w_kernel`, with x quantised beforehand (`_q8_1_words_kernel`, one small launch a product):
+    the packed words and the per-block factors of x are read through tiles shaped as the weight's (every row the
+    same; L1 serves the repeats), so the loop has no reduction and no layout exchange besides the sum of each
+    chunk's 8 words."""
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    ch = tl.arange(0, NCH)
+    offs_j = tl.arange(0, 8)
+    word = (ch[:, None] * 8 + offs_j[None, :])[None, :, :]  # [1, NCH, 8]: word j of chunk g
+    w_ptrs = W32 + rows[:, None, None] * stride_ww + word
+    # x's words: the low nibbles of chunk g meet block 2g (words 16g + j), the high ones block 2g + 1 (16g + 8 + j)
+    xw_ptrs = XW + m * (K // 4) + (ch[:, None] * 16 + offs_j[None, :])[None, :, :] + 0 * rows[:, None, None]
+    xb = m * (K // 32) + 2 * ch[None, :] + 0 * rows[:, None]  # [BLOCK_N, NCH]: block 2g
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        w = tl.load(w_ptrs + g0 * 8, mask=mask_w, other=0)  # [BLOCK_N, NCH, 8] int32
+        dot_lo = tl.sum(_dp4a_nibbles(w, tl.load(xw_ptrs + g0 * 16), False, ASM), axis=2)
+        dot_hi = tl.sum(_dp4a_nibbles(w, tl.load(xw_ptrs + g0 * 16 + 8), True, ASM), axis=2)
+        b = xb + 2 * g0
+        dot_lo = (dot_lo - 8 * tl.load(Qsum + b)).to(tl.float32) * tl.load(Xs + b)
+        dot_hi = (dot_hi - 8 * tl.load(Qsum + b + 1)).to(tl.float32) * tl.load(Xs + b + 1)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
+        acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) + (8.0 * d * sc_lo - dm * mn_lo) * tl.load(Xsum + b) \
+            + (8.0 * d * sc_hi - dm * mn_hi) * tl.load(Xsum + b + 1)
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
+
+
+def q8_1_words(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [M, K] (K a multiple of 32, rows contiguous) -> (words int32 [M, K / 4], scales, level sums, float sums
+    [M, K / 32]): the activations of `_q4_k_gemv_dp4x_kernel`."""
+    m, k = x.shape
+    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
+    xs = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+    qsum = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
+    xsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+    block_g = 16
+    launch(_q8_1_words_kernel, (m, triton.cdiv(k // 32, block_g)), x, words, xs, qsum, xsum, k, x.stride(0),
+           BLOCK_G=block_g, **(dict(num_warps=4) if x.is_cuda else {}))
+    return words, xs, qsum, xsum
 
 
 @triton.jit
@@ -405,6 +555,19 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
         sc = fields["scales"]
+        if cfg.kernel == "dp4x" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
+            w32 = wq.view(torch.int32)
+            xw, xs, qsum, xsum = q8_1_words(x)
+            launch(_q4_k_gemv_dp4x_kernel, grid, xw, xs, qsum, xsum, w32, sc, fields["mins"], d, fields["dmin"], out,
+                   b, n, k, w32.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+            return out
+        if cfg.kernel == "dp4w" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
+            w32 = wq.view(torch.int32)
+            launch(_q4_k_gemv_dp4w_kernel, grid, x, w32, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
+                   x.stride(0), w32.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+            return out
         if cfg.kernel == "dp4a":
             launch(_q4_k_gemv_dp4a_kernel, grid, x, wq, sc, fields["mins"], d, fields["dmin"], out, b, n, k,
                    x.stride(0), wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,

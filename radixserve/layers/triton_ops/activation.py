@@ -6,11 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -31,5 +34,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
         launch(_silu_and_mul_kernel, (x.shape[0], triton.cdiv(d, block)), x, out, x.stride(0), out.stride(0), d,
-                                                                   BLOCK=block)
+                                                                   BLOCK=block, **pdl.launch_opts(x))
     return out

@@ -10,12 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -46,7 +49,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[0]:
         launch(_rmsnorm_kernel, (x.shape[0],), x, x, weight, out, out, x.stride(0), x.stride(0), out.stride(0),
                                         out.stride(0), x.shape[1], eps, HAS_RESIDUAL=False,
-                                        BLOCK=triton.next_power_of_2(x.shape[1]))
+                                        BLOCK=triton.next_power_of_2(x.shape[1]), **pdl.launch_opts(x))
     return out
 
 
@@ -61,5 +64,5 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     if x.shape[0]:
         launch(_rmsnorm_kernel, (x.shape[0],), x, residual, weight, out, new_residual, x.stride(0), residual.stride(0),
                                         out.stride(0), new_residual.stride(0), x.shape[1], eps, HAS_RESIDUAL=True,
-                                        BLOCK=triton.next_power_of_2(x.shape[1]))
+                                        BLOCK=triton.next_power_of_2(x.shape[1]), **pdl.launch_opts(x))
     return out, new_residual

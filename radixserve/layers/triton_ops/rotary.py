@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.kv_store import fp8_max, fp8_saturate
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 class KVWrite(NamedTuple):
@@ -63,7 +65,9 @@ def _rotate_heads(X, base, cos, sin, heads, Dst, dst_base, dst_inv, NormW, eps, 
 def _rotary_kernel(Q, K, V, KBuf, VBuf, Loc, Positions, Cos, Sin, QNormW, KNormW, stride_q, stride_k, stride_v,
                    stride_kb, stride_vb, stride_cache, num_q_heads, num_k_heads, k_inv, v_inv, q_eps, k_eps,
                    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr, NORM: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr, NORM: tl.constexpr,
+                   PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     # program (t, 0) rotates token t's q heads, program (t, 1) its k heads (and stores k and v): a decode batch of
     # a few tokens gets twice the programs
     t = tl.program_id(0).to(tl.int64)
@@ -145,4 +149,4 @@ def apply_rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
            norm.k_weight, q.stride(0), k.stride(0), sv, skb, svb, cos_cache.stride(0), hq, hk, k_inv, v_inv,
            float(norm.q_eps), float(norm.k_eps), HALF=half, HEAD_DIM=head_dim, BLOCK_HQ=triton.next_power_of_2(hq),
            BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=triton.next_power_of_2(half),
-           STORE_KV=kv_write is not None, FP8_MAX=fmax, NORM=qk_norm is not None)
+           STORE_KV=kv_write is not None, FP8_MAX=fmax, NORM=qk_norm is not None, **pdl.launch_opts(q))

@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (Hopper and later) for our Triton kernels: a kernel launched with
+`launch_pdl=True` may start while the kernel before it in the stream is finishing, so its launch and the ramp of its
+first programs overlap that kernel's tail (in eager launches and in CUDA graphs alike).
+
+A kernel that takes part has a `PDL: tl.constexpr = 0` parameter and begins with `pdl_prologue(PDL)`: at 1 it
+waits for the kernel before it to complete (and its writes to be visible) before it does anything else, so no
+hazard can arise whatever that kernel did; at 2 it then also lets the kernel after it launch (its programs wait in
+their own prologue). Both instructions do nothing when the kernel was not launched that way.
+
+`launch_opts(t)` gives the options for a launch on t's device: {} unless RADIXSERVE_PDL is 1 or 2 and the device is
+a CUDA GPU of compute capability 9.0 or later with a Triton that has the instructions."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    AVAILABLE = True
+except ImportError:  # an older Triton: stand-ins, and launch_opts never asks for PDL
+    AVAILABLE = False
+
+    @triton.jit
+    def gdc_wait() -> None:
+        tl.static_assert(True)
+
+    @triton.jit
+    def gdc_launch_dependents() -> None:
+        tl.static_assert(True)
+
+
+LEVEL = int(os.environ.get("RADIXSERVE_PDL", "0"))
+if LEVEL not in (0, 1, 2):
+    raise ValueError(f"RADIXSERVE_PDL must be 0, 1 or 2, got {LEVEL}")
+
+
+def set_level(level: int) -> None:
+    """Switch PDL for the launches that follow (0 off, 1, 2: see above); for comparisons in one process."""
+    global LEVEL
+    if level not in (0, 1, 2):
+        raise ValueError(f"PDL level must be 0, 1 or 2, got {level}")
+    LEVEL = level
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    if PDL > 0:
+        gdc_wait()
+    if PDL > 1:
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=16)
+def _capable(device_index: int) -> bool:
+    return AVAILABLE and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_opts(t: torch.Tensor, level: int | None = None) -> dict[str, Any]:
+    """{"PDL": level, "launch_pdl": True} for a kernel with a PDL constexpr launched on t's device, or {} (PDL off,
+    not CUDA, an older GPU or Triton). `level` overrides RADIXSERVE_PDL."""
+    level = LEVEL if level is None else level
+    if not level or not t.is_cuda or not _capable(t.device.index if t.device.index is not None else 0):
+        return {}
+    return {"PDL": level, "launch_pdl": True}
+
+
+__all__ = ["AVAILABLE", "LEVEL", "gdc_launch_dependents", "gdc_wait", "launch_opts", "pdl_prologue", "set_level"]
