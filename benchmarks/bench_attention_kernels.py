@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from layer_timing import capture_graph, replay_seconds
 
 
 def parse_ints(text: str) -> list[int]:
@@ -25,16 +26,7 @@ def parse_ints(text: str) -> list[int]:
 
 def time_graph(fn: Callable[[], object], iters: int) -> float:
     """Mean seconds of one call of fn, replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return replay_ms(graph, iters) / 1e3
+    return replay_ms(capture_graph(fn, warmup=3), iters) / 1e3
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
@@ -42,14 +34,8 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
     replays), timed with CUDA events."""
     for _ in range(3):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return replay_seconds(graph, 1, iters)[0] * 1e3 / iters
 
 
 def make_kv(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seq_lens: list[int],

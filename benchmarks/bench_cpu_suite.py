@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu_suite.py --out cpu_suite           # the full measurement (quiet machine)
     python benchmarks/bench_cpu_suite.py --quick --out /tmp/suite  # minutes: proves every step runs
+    python benchmarks/bench_cpu_suite.py --decode-only --kv-cache-dtype fp8_e4m3 --out cpu_decode_fp8kv
 
 Runs, each in its own process, on the embedded SmolLM2-135M-Instruct (or --model-path) at --dtype:
 1. `bench_offline_throughput --dataset chat --peer transformers`: 32 chat prompts, 64 new tokens each;
@@ -9,7 +10,7 @@ Runs, each in its own process, on the embedded SmolLM2-135M-Instruct (or --model
 3. `bench_one_batch`: batch-1 decode ms/token at context 64 / 1,000 / 3,000 / 6,000;
 4. workloads 1 and 3 (contexts 64 and 6,000) again with the forward on cores - 1 threads instead of every core.
 Each writes its JSON under --out; the summary (targets, ratios, thread comparison) is printed as a table and
-written to <out>/summary.json.
+written to <out>/summary.json. --decode-only runs step 3 alone; --kv-cache-dtype is passed to every engine run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main() -> None:
                              "embedded model, whose config says float32)")
     parser.add_argument("--quick", action="store_true", help="4 prompts, short outputs, contexts 64/300")
     parser.add_argument("--skip-threads", action="store_true", help="no cores-1 comparison")
+    parser.add_argument("--decode-only", action="store_true", help="only the batch-1 decode contexts (step 3)")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="the engine's --kv-cache-dtype (default: its own, the model's dtype)")
     parser.add_argument("--threads", type=int, default=None,
                         help="--cpu-num-threads for every run (default: the engine's default, every core)")
     args = parser.parse_args()
@@ -58,6 +62,8 @@ def main() -> None:
     common = ["--dtype", args.dtype, "--log-level", "warning"] + (["--model-path", args.model_path]
                                                                   if args.model_path else [])
     threads = [] if args.threads is None else ["--cpu-num-threads", str(args.threads)]
+    if args.kv_cache_dtype:
+        common += ["--kv-cache-dtype", args.kv_cache_dtype]
     n = "4" if args.quick else "32"
     contexts = ["64", "300"] if args.quick else ["64", "1000", "3000", "6000"]
     out_len = "4" if args.quick else "32"
@@ -70,12 +76,12 @@ def main() -> None:
     offline += threads
     peer_args = ["--peer", "transformers"] + (["--peer-dtype", args.peer_dtype] if args.peer_dtype else [])
     one_batch += threads
-    run(offline + chat64 + peer_args + ["--result-file", f["chat64"]], f["chat64"][:-5] + ".log")
-    run(offline + chat8_128 + peer_args + ["--result-file", f["chat8_128"]],
-        f["chat8_128"][:-5] + ".log")
+    if not args.decode_only:
+        run(offline + chat64 + peer_args + ["--result-file", f["chat64"]], f["chat64"][:-5] + ".log")
+        run(offline + chat8_128 + peer_args + ["--result-file", f["chat8_128"]], f["chat8_128"][:-5] + ".log")
     run(one_batch + ["--input-len", *contexts, "--result-file", f["decode"]], f["decode"][:-5] + ".log")
     fewer = max(1, cores - 1)
-    do_threads = not args.skip_threads and fewer != cores and args.threads is None
+    do_threads = not args.skip_threads and not args.decode_only and fewer != cores and args.threads is None
     if do_threads:
         run(offline + chat64 + ["--cpu-num-threads", str(fewer), "--result-file", f["chat64_fewer_threads"]],
             f["chat64_fewer_threads"][:-5] + ".log")
@@ -88,9 +94,11 @@ def main() -> None:
 
     rows: list[tuple[str, str, str, str]] = []
     summary: dict[str, Any] = {"cores": cores, "quick": args.quick, "dtype": args.dtype,
-                               "peer_dtype": args.peer_dtype or args.dtype}
-    for k, label in (("chat64", f"{n} chat prompts x {chat64[1]} new tokens"),
-                     ("chat8_128", f"{n} chat prompts x {int(int(chat8_128[1]) * 0.0625)}-{chat8_128[1]} new")):
+                               "peer_dtype": args.peer_dtype or args.dtype,
+                               "kv_cache_dtype": args.kv_cache_dtype or "auto"}
+    offline_runs = [("chat64", f"{n} chat prompts x {chat64[1]} new tokens"),
+                    ("chat8_128", f"{n} chat prompts x {int(int(chat8_128[1]) * 0.0625)}-{chat8_128[1]} new")]
+    for k, label in [] if args.decode_only else offline_runs:
         ours, peer = load(k)["results"]
         ratio = ours["output_tok_s"] / peer["output_tok_s"]
         summary[k] = {"radixserve_tok_s": ours["output_tok_s"], "transformers_tok_s": peer["output_tok_s"],
@@ -121,8 +129,10 @@ def main() -> None:
             rows.append((f"threads {cores} vs {fewer}: decode ctx {c}", f"{dec[c]:.1f} vs {fdec[c]:.1f} ms",
                          f"{fdec[c] / dec[c]:.2f}x", "above 1: all cores faster"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(f"\ncores {cores}, dtype {args.dtype} (engine ran {summary['chat64'].get('radixserve_dtype')}, transformers "
-          f"{summary['chat64'].get('transformers_dtype')}){' (quick: not the targets workload)' if args.quick else ''}")
+    ran = "" if args.decode_only else (f" (engine ran {summary['chat64'].get('radixserve_dtype')}, transformers "
+                                       f"{summary['chat64'].get('transformers_dtype')})")
+    print(f"\ncores {cores}, dtype {args.dtype}{ran}, KV cache {summary['kv_cache_dtype']}"
+          f"{' (quick: not the targets workload)' if args.quick else ''}")
     for r in rows:
         print("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)))
     with open(os.path.join(args.out, "summary.json"), "w") as fh:

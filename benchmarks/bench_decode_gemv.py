@@ -1,4 +1,4 @@
-"""The one-row decode GEMV (`layers/triton_ops/decode_gemv.py`) against what it replaces, at the MoE / MLA models'
+"""The one-row GEMV (`layers/triton_ops/gemv.py`, `gemv_row_norm`) against what it replaces, at the MoE / MLA models'
 attention shapes, in CUDA graphs, with a block-config sweep.
 
 Baselines: cuBLAS `F.linear` (o_proj), and for the fused shapes the add + RMSNorm kernel followed by cuBLAS
@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layer_timing import seconds_per_layer  # noqa: E402
 
+from radixserve.bench_one_batch import measure_copy_bandwidth  # noqa: E402
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
-from radixserve.layers.triton_ops.decode_gemv import decode_gemv  # noqa: E402
+from radixserve.layers.triton_ops.gemv import gemv_row_norm  # noqa: E402
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm  # noqa: E402
 
 # name: (N1, N2, K, norm before it)
@@ -38,19 +39,7 @@ SWEEP = [(4, 1024, 4, 2), (2, 1024, 4, 2), (8, 512, 4, 2), (4, 512, 4, 3), (2, 2
 
 
 def copy_bandwidth(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+    return measure_copy_bandwidth(device, nbytes=1 << 30, iters=10) if device == "cuda" else float("nan")
 
 
 def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list | None, layers: int, reps: int,
@@ -71,7 +60,9 @@ def bench_shape(name: str, n1: int, n2: int, k: int, norm: bool, *, sweep: list 
         return [F.linear(h, ws[layer])] + ([F.linear(h, w2s[layer])] if n2 else [])
 
     def ours(layer: int, cfg: tuple[int, int, int, int] | None) -> torch.Tensor:
-        return decode_gemv(x, ws[layer], None, w2s[layer], norm=(res, nw, 1e-6) if norm else None, config=cfg)[0]
+        tiles = GemvConfig("ew", *cfg) if cfg is not None else None
+        return gemv_row_norm(x, ws[layer], None, w2s[layer], norm=(res, nw, 1e-6) if norm else None,
+                             config=tiles)[0]
 
     ref = torch.cat(base(0), dim=1).float()
     rows: list[tuple[str, Any]] = [("cuBLAS" + (" + norm" if norm else "") + (" x2" if n2 else ""), None)]
@@ -119,9 +110,10 @@ def main() -> None:
         best = bench_shape(name, *shape, sweep=sweep if args.sweep else None, layers=args.layers, reps=args.reps,
                            device=device, dtype=dtype, bw=bw, results=results)
         if best is not None:
-            n1, n2, k, _ = shape
+            n1, n2, k, norm = shape
             bn, bk, warps, stages = best[1]
-            picks[key("bf16", 1, n1 + n2, k)] = GemvConfig("ew", bn, bk, warps, stages).to_dict()
+            family = "row16_norm" if norm else "row16"
+            picks[key(family, 1, n1 + n2, k)] = GemvConfig("ew", bn, bk, warps, stages).to_dict()
             print(f"{name:<24} best {bn}/{bk}/{warps}/{stages}: {best[0] * 1e6:.2f} us")
     if args.picks:
         Path(args.picks).write_text(json.dumps({"source": "benchmarks/bench_decode_gemv.py --sweep",

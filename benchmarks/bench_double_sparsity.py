@@ -25,6 +25,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from anywhere, or imported by the tests
+
+from layer_timing import capture_graph, replay_seconds  # noqa: E402
 
 
 # ---------------------------------------------------------------- kernels (GPU)
@@ -35,27 +38,12 @@ def _graph_time(fn: Any, iters: int = 50) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def calls() -> None:
         for _ in range(iters):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / iters)
-    return best
+
+    return min(replay_seconds(capture_graph(calls), 3)) * 1e3 / iters
 
 
 def bench_kernels(args: argparse.Namespace) -> list[dict]:

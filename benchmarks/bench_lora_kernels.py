@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from layer_timing import capture_graph, replay_seconds
 
 from radixserve.lora import triton_ops
 from radixserve.lora.batch_info import LoRABatchInfo, group_rows
@@ -49,27 +50,10 @@ def graph_time(fn, iters: int) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
+    g = capture_graph(fn, warmup=2)
+    times = replay_seconds(g, iters)
     del g
-    return statistics.median(times)
+    return statistics.median(times) * 1e3
 
 
 def check(layer_shapes, S: int, R: int) -> list[str]:

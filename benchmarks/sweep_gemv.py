@@ -22,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # layer_timing, also when imported as a module
 
 from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
 
@@ -29,6 +30,10 @@ from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa:
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 LAYERS_8B = 32
 LM_HEAD_8B = (128256, 4096)  # once a step; swept for the 16-bit GEMV only
+# --shapes: (qkv, o, gate_up, down) and the LM head of each rank; 8b_tp2: the 8B split over 2 ranks (the LM head's
+# vocabulary too)
+SHAPE_SETS = {"8b": (SHAPES_8B, LM_HEAD_8B),
+              "8b_tp2": ([(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)], (64128, 4096))}
 
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
@@ -45,7 +50,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
-    elif family in ("row16", "row16_silu", "bf16"):  # one-row 16-bit GEMVs: triton_ops/gemv, decode_gemv (M = 1)
+    elif family in ("row16", "row16_silu"):  # the one-row 16-bit GEMV: triton_ops/gemv (M = 1)
         if m == 1:
             out += [GemvConfig("ew", bn, bk, w, 2) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048)
                     for w in (4, 8) if bn * bk <= 8192]
@@ -101,7 +106,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
         q, s = quantize_rows(w)
         return {"w": q, "s": s}
-    if family in ("cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
+    if family in ("cublas", "cublas_silu", "row16", "row16_silu"):
         return {"w": w.to(torch.bfloat16)}
     from radixserve.layers.quantization import gguf_formats as G
 
@@ -144,11 +149,6 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
         from radixserve.layers.triton_ops.gemv import gemv_row
 
         return gemv_row(x, fields["w"], None, cfg, silu_mul=family == "row16_silu")
-    if family == "bf16":  # the MoE / MLA models' one-row kernel, on the same shapes
-        from radixserve.layers.triton_ops.decode_gemv import decode_gemv
-
-        tiles = None if cfg is None else (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
-        return decode_gemv(x, fields["w"], config=tiles)[0]
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
 
     return gguf_gemv(x, "Q4_K" if family == "q4_k" else "Q8_0", fields, n, None, cfg)
@@ -157,7 +157,7 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
     import torch
 
-    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu", "bf16"):
+    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu"):
         w = fields["w"].float() * fields["s"].view(-1, 1) if "s" in fields else fields["w"].float()
         out = x.float() @ w.t()
         if family.endswith("_silu"):
@@ -216,28 +216,14 @@ def precompile(jobs: list[tuple[str, int, GemvConfig]], workers: int) -> None:
 
 def time_calls(fn, reps: int, replays: int = 5) -> float:  # noqa: ANN001
     """Seconds per call of fn(i) for i in 0..reps-1, captured in one CUDA graph (median of the replays)."""
-    import torch
+    from layer_timing import capture_graph, replay_seconds
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    def calls() -> None:
         for i in range(reps):
             fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+
+    times = replay_seconds(capture_graph(calls), replays)
+    return sorted(times)[len(times) // 2] / reps
 
 
 def sweep_shape(family: str, m: int, n: int, k: int, cfgs: list[GemvConfig | None], copy_bw: float,
@@ -320,7 +306,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--families", nargs="+", default=["fp8", "fp8_silu", "q4_k", "q8_0"])
     p.add_argument("--m", type=int, nargs="+", default=[1])
-    p.add_argument("--shapes", default="8b")
+    p.add_argument("--shapes", default="8b", choices=sorted(SHAPE_SETS))
     p.add_argument("--baselines", action="store_true", help="also time bf16 cuBLAS and the previous fp8_gemm")
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
@@ -342,7 +328,8 @@ def main() -> None:
 
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
-    shapes = SHAPES_8B + ([LM_HEAD_8B] if {"row16", "bf16"} & set(args.families) else [])
+    layer_shapes, lm_head = SHAPE_SETS[args.shapes]
+    shapes = layer_shapes + ([lm_head] if "row16" in args.families else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
@@ -382,7 +369,7 @@ def main() -> None:
             for n, k in shapes:
                 if family.endswith("_silu") and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
-                if family not in ("row16", "bf16") and (n, k) == LM_HEAD_8B:
+                if family != "row16" and (n, k) == lm_head:
                     continue  # the LM head stays in 16 bits
                 t = time.time()
                 rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)
@@ -415,7 +402,7 @@ def main() -> None:
                 # the one-row 16-bit GEMV replaces cuBLAS only where it wins by 2% or more (no entry: cuBLAS keeps it)
                 if family not in ("row16", "row16_silu") or (base is not None and best["us"] < 0.98 * base["us"]):
                     picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
-                per_step = 1 / LAYERS_8B if (n, k) == LM_HEAD_8B else 1  # the LM head runs once a step
+                per_step = 1 / LAYERS_8B if (n, k) == lm_head else 1  # the LM head runs once a step
                 step_best += best["us"] * per_step
                 step_base += base["us"] * per_step if base else 0.0
                 c = best["cfg"]

@@ -151,6 +151,16 @@ def generate_left_padded(model: Any, part: list[tuple[list[int], int]], device: 
                        do_sample=False, pad_token_id=0)
 
 
+def warm_up_generate(model: Any, prompt: list[int], device: Any) -> None:
+    """A few greedy tokens from the prompt's head through HF generate (first-call allocations, oneDNN primitive
+    creation), so that the timed run leaves them out as ours does."""
+    import torch
+
+    with torch.no_grad():
+        model.generate(input_ids=torch.tensor([prompt[:16]], device=device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+
+
 def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device: str, dtype: str,
                      batch_size: int, threads: int | None = None) -> dict[str, Any]:
     """Static batches through HF generate (left-padded, greedy, each batch runs to its longest output; only the
@@ -163,9 +173,7 @@ def run_transformers(model_path: str, reqs: list[tuple[list[int], int]], device:
         torch.set_num_threads(threads)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
-    with torch.no_grad():  # warm up (first-call allocations, oneDNN primitive creation), excluded like ours
-        model.generate(input_ids=torch.tensor([reqs[0][0][:16]], device=device), max_new_tokens=4,
-                       do_sample=False, pad_token_id=0)
+    warm_up_generate(model, reqs[0][0], device)
     produced = []
     bar = tqdm(total=len(reqs), desc="transformers", unit="req")
     t0 = time.perf_counter()

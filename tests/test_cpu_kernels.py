@@ -139,6 +139,67 @@ def test_decode_sliding_window() -> None:
         torch.testing.assert_close(out[i], ref, **tol(torch.float32))
 
 
+@needs_compiler
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 1, 128), (4, 2, 96), (2, 1, 32)])
+def test_decode_kernel_reads_every_fp8_code_with_scales(h: int, hkv: int, d: int) -> None:
+    """A float8 e4m3 pool holding every finite code (subnormals, zeros of both signs, +-448) at scattered slots:
+    the kernel's output equals float64 attention over the decoded values times k_scale / v_scale (AVX-512 path for
+    D 64 / 128 / 32, the plain C path for D 96)."""
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    seq_lens, slots_n = [1, 17, 300, 700], 1100
+    k_pool = codes[torch.randint(0, len(codes), (slots_n, hkv, d), generator=gen)].view(torch.float8_e4m3fn)
+    v_pool = codes[torch.randint(0, len(codes), (slots_n, hkv, d), generator=gen)].view(torch.float8_e4m3fn)
+    table = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
+    perm = torch.randperm(slots_n, generator=gen)
+    start = 0
+    for b, n in enumerate(seq_lens):
+        table[b, :n] = perm[start:start + n].to(torch.int32)
+        start += n
+    q = torch.randn(len(seq_lens), h, d, generator=gen) * 0.05  # scores within exp's range with |K| up to 448 * 0.37
+    rows = torch.arange(len(seq_lens), dtype=torch.int64)
+    ends = torch.tensor(seq_lens, dtype=torch.int64)
+    k_scale, v_scale, scale = 0.37, 1.9, d ** -0.5
+    out = cpu_ops.paged_decode_attention(q, k_pool, v_pool, table, rows, torch.zeros_like(ends), ends, scale,
+                                         k_scale=k_scale, v_scale=v_scale)
+    for b, n in enumerate(seq_lens):
+        sl = table[b, :n].long()
+        kk = k_pool[sl].double() * k_scale  # [n, hkv, d]
+        vv = v_pool[sl].double() * v_scale
+        qq = q[b].double().view(hkv, h // hkv, d)
+        p = torch.softmax(torch.einsum("gjd,ngd->gjn", qq, kk) * scale, dim=-1)
+        ref = torch.einsum("gjn,ngd->gjd", p, vv).reshape(h, d)
+        torch.testing.assert_close(out[b].double(), ref, rtol=2e-5, atol=2e-5 * vv.abs().max().item())
+
+
+@needs_compiler
+def test_fp8_pool_decode_matches_torch_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's decode over an fp8 e4m3 pool with the layer's k_scale / v_scale: the kernel runs (no fallback)
+    and gives the torch_native reference's output; the pool's NaN fill stays out of the tokens read."""
+    h, hkv, d, seq_lens = 9, 3, 64, [1, 40, 257, 600]
+    runner = make_runner(hkv, d, torch.float8_e4m3fn)
+    backend = CpuAttnBackend(runner)  # type: ignore[arg-type]
+    layer = make_layer(h, hkv, d)
+    layer.k_scale, layer.v_scale = 0.02, 0.015  # the randn K/V land in e4m3's range and its subnormals
+    fb, q, k, v = make_batch(runner, h, hkv, d, [s - 1 for s in seq_lens], [1] * len(seq_lens), ForwardMode.DECODE,
+                             torch.float8_e4m3fn, torch.float32, seed=3)
+    calls: list[int] = []
+    real = cpu_ops.paged_decode_attention
+
+    def counting(*args: object, **kw: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", counting)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb)  # type: ignore[arg-type]
+    assert calls == [1] and not out.isnan().any()
+    ref_backend = TorchNativeAttnBackend(runner)  # type: ignore[arg-type]
+    ref_backend.init_forward_metadata(fb)
+    ref = ref_backend.forward(q, k, v, layer, fb, save_kv_cache=False)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 EXTEND_CASES = [
     # (H, Hkv, D, prefix_lens, extend_lens, dtype)
     (9, 3, 64, [0, 5, 33, 64], [7, 1, 30, 17], torch.float32),  # no prefix (no gather) / prefix / one token
@@ -196,6 +257,11 @@ def test_kernel_rejects_bad_input() -> None:
         cpu_ops.paged_decode_attention(torch.zeros(1, 3, 32), pool, pool, table, one, one, one, 1.0)
     with pytest.raises(ValueError, match="int32"):
         cpu_ops.paged_decode_attention(q, pool, pool, table.long(), one, one, one, 1.0)
+    with pytest.raises(ValueError, match="float8 pool only"):
+        cpu_ops.paged_decode_attention(q, pool, pool, table, one, one, one, 1.0, k_scale=2.0)
+    e5m2 = pool.to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        cpu_ops.paged_decode_attention(q, e5m2, e5m2, table, one, one, one, 1.0)
 
 
 @needs_compiler

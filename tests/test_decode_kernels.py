@@ -18,7 +18,8 @@ from radixserve.layers.triton_ops.gemv import gemv_row
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n,k,bn,bk,bias", [(24, 128, 2, 64, False), (7, 96, 4, 32, True), (16, 256, 8, 128, True)])
+@pytest.mark.parametrize("n,k,bn,bk,bias", [(24, 128, 2, 64, False), (7, 96, 4, 32, True), (16, 256, 8, 128, True),
+                                          (10, 80, 2, 64, False)])  # the last: K not a multiple of the tile
 def test_gemv_row_matches_linear(n: int, k: int, bn: int, bk: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(n * k)
     x = torch.randn(1, k, generator=g)

@@ -107,12 +107,10 @@ def ordered(outs: dict[Any, Any], n: int) -> list[Any]:
 def run_static_batches(model: Any, reqs: list[tuple[list[int], int]], batch_size: int) -> dict[str, Any]:
     """Left-padded static batches through `generate` (sdpa); each batch runs to its longest output and only the
     tokens each request asked for count."""
-    from radixserve.bench_offline_throughput import generate_left_padded
+    from radixserve.bench_offline_throughput import generate_left_padded, warm_up_generate
 
     device = model.device
-    with torch.no_grad():
-        model.generate(input_ids=torch.tensor([reqs[0][0][:16]], device=device), max_new_tokens=4,
-                       do_sample=False, pad_token_id=0)
+    warm_up_generate(model, reqs[0][0], device)
     sync()
     t = time.perf_counter()
     for i in range(0, len(reqs), batch_size):

@@ -51,8 +51,9 @@ class _LinearBase(nn.Module):
         # LoRA: a callable x -> the base output plus the batch's adapter deltas, set by radixserve.lora on the layers
         # that carry adapters (it runs the base multiply itself: it may fold the adapters' shrink into it)
         self.lora = None
-        # one-row products through `triton_ops.decode_gemv` instead of cuBLAS (set by the models whose small
-        # attention projections cuBLAS splits over K at batch 1: the MoE / MLA families)
+        # one-row products through the one-row GEMV (`triton_ops.gemv`, whatever the table says) instead of cuBLAS
+        # (set by the models whose small attention projections cuBLAS splits over K at batch 1: the MoE / MLA
+        # families)
         self.decode_gemv = False
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
@@ -131,7 +132,7 @@ class _LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias) if out is None else out
 
     def gemv_ok(self, x: torch.Tensor) -> bool:
-        """Whether `x` goes through the one-row decode GEMV kernel (see `decode_gemv`)."""
+        """Whether `x` goes through the one-row GEMV kernel as a layer that opted in (see `decode_gemv`)."""
         return self.decode_gemv and self._plain and self.lora is None and x.shape[0] == 1 and x.dim() == 2 \
             and x.stride(-1) == 1 and x.dtype == self.weight.dtype and decode_gemv_enabled(x)
 
@@ -139,9 +140,9 @@ class _LinearBase(nn.Module):
         if self.lora is not None:
             return self.lora(x)
         if self.decode_gemv and self.gemv_ok(x):
-            from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+            from radixserve.layers.triton_ops.gemv import gemv_row_norm
 
-            return decode_gemv(x, self.weight, self.bias)[0]
+            return gemv_row_norm(x, self.weight, self.bias)[0]
         if self._plain and x.is_cuda:
             return self._plain_cuda(x)
         return self.quant_method.apply(self, x, self.bias)
@@ -251,9 +252,9 @@ class RowParallelLinear(_LinearBase):
         if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it
             out = self.lora(x)
         elif self.decode_gemv and self.gemv_ok(x):
-            from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+            from radixserve.layers.triton_ops.gemv import gemv_row_norm
 
-            out = decode_gemv(x, self.weight, self.bias)[0]
+            out = gemv_row_norm(x, self.weight, self.bias)[0]
         elif self._plain and x.is_cuda:
             out = self._plain_cuda(x)
         else:

@@ -1,5 +1,10 @@
 """The scheduler: one process per TP rank. Receives tokenized requests, forms batches (prefill first, then decode),
-runs them on the TpModelWorker, and sends new token ids to the detokenizer."""
+runs them on the TpModelWorker, and sends new token ids to the detokenizer.
+
+Here: the state, the loop (`step`), choosing the next batch and launching it. The rest is in mixins, one concern
+each: scheduler_input (messages in and out), scheduler_prefill (prefill admission, the step token budget),
+scheduler_output_processor (a forward's results), scheduler_grammar, scheduler_lora, speculative/scheduler_mixin,
+scheduler_stats (counters, log lines, the memory invariant) and scheduler_warmup."""
 
 from __future__ import annotations
 
@@ -16,13 +21,13 @@ import zmq
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.lora.slots import LoRASlotTable
-from radixserve.managers import io_struct as io
-from radixserve.managers.finish_reason import FinishAbort
 from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
-from radixserve.managers.schedule_policy import PrefillAdder, SchedulePolicy, latency_step_budget
+from radixserve.managers.schedule_policy import SchedulePolicy
 from radixserve.managers.scheduler_grammar import SchedulerGrammarMixin
+from radixserve.managers.scheduler_input import SchedulerInputMixin
 from radixserve.managers.scheduler_lora import SchedulerLoRAMixin
 from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from radixserve.managers.scheduler_prefill import SchedulerPrefillMixin
 from radixserve.managers.scheduler_stats import SchedulerStatsMixin
 from radixserve.managers.scheduler_warmup import SchedulerWarmupMixin
 from radixserve.managers.tp_worker import TpModelWorker
@@ -46,8 +51,8 @@ IN_BATCH_PREFIX_LEN_CPU = 16
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerWarmupMixin, SchedulerSpeculativeMixin,
-                SchedulerLoRAMixin, SchedulerStatsMixin):
+class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProcessorMixin, SchedulerGrammarMixin,
+                SchedulerSpeculativeMixin, SchedulerLoRAMixin, SchedulerStatsMixin, SchedulerWarmupMixin):
     def __init__(self, server_args: ServerArgs, port_args: dict[str, str], tp_rank: int = 0, gpu_id: int = 0) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
@@ -73,6 +78,9 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.lora_unloads: list[str] = []  # adapters to unload once no request uses them
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
+        # in-batch prefix sharing compares prompt heads of this many tokens (shorter on the CPU)
+        on_cpu = str(self.device).startswith("cpu")
+        self.in_batch_prefix_len = IN_BATCH_PREFIX_LEN_CPU if on_cpu else IN_BATCH_PREFIX_LEN
         self.step_token_budget = server_args.resolved_step_token_budget
         self.decode_turn = False  # the last step was a budgeted prefill chunk: the running decodes go next
         if self.step_token_budget:
@@ -101,15 +109,7 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         self.last_batch: ScheduleBatch | None = None
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness
-        self.forward_ct = 0
-        self.invariant_violations = 0
-        self.num_retractions = 0
-        self.cache_hit_tokens = 0
-        self.prompt_tokens_total = 0
-        self.last_step_time = time.monotonic()
-        self._log_decode_steps = 0  # decode steps and tokens since the last decode stats line
-        self._log_decode_tokens = 0
-        self._log_decode_since = time.monotonic()
+        self.init_stats()  # counters (scheduler_stats.py)
 
         self.init_speculative()  # --speculative-algorithm (radixserve/speculative/scheduler_mixin.py)
         self.outbox: list[Any] = []  # messages kept in-process when there is no detokenizer socket (tests)
@@ -181,170 +181,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         while self.result_queue:
             self.process_batch_result(self.result_queue.popleft())
 
-    def recv_requests(self) -> list[Any]:
-        """The messages that arrived since the last call. With --tp-size > 1 rank 0 receives them and broadcasts
-        the list to the other ranks (over the CPU group), so that every rank runs the same batches."""
-        if self.tp_size > 1 and not self.dp_attention:
-            from radixserve.distributed.parallel_state import broadcast_pyobj
-
-            return broadcast_pyobj(self._recv_from_tokenizer() if self.tp_rank == 0 else None)
-        return self._recv_from_tokenizer()
-
-    def _recv_from_tokenizer(self) -> list[Any]:
-        if self.recv_from_tokenizer is None:
-            return []
-        self.report_load()
-        out = []
-        busy = (self.running_batch is not None or self.waiting_queue or self.chunked_req is not None
-                or self.last_batch is not None  # a prefill that just ran becomes the running batch next
-                or self.dp_peers_busy)  # DP attention: another rank waits for this one's next forward
-        # requests waiting only for their grammar: poll briefly, so they start as soon as it is compiled
-        # DP attention: the other ranks wait in the next step's sync while this one polls, so poll briefly
-        idle_poll_ms = 20 if self.dp_attention else 1000
-        if not busy and self.recv_from_tokenizer.poll(timeout=5 if self.grammar_queue else idle_poll_ms) == 0:
-            return out
-        while True:
-            try:
-                out.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
-            except zmq.ZMQError:
-                break
-        self.num_generate_received += sum(isinstance(o, io.TokenizedGenerateReqInput) for o in out)
-        return out
-
-    def report_load(self) -> None:
-        """Tell the data-parallel controller how many requests this replica holds, and how many it has taken in so
-        far (so the controller can count the ones still on their way). Sent only when it changed."""
-        if self.send_to_controller is None:
-            return
-        num_reqs = len(self.waiting_queue) + (len(self.running_batch.reqs) if self.running_batch else 0)
-        num_reqs += (self.chunked_req is not None) + len(self.grammar_queue)
-        report = (num_reqs, self.num_generate_received)
-        if report != self.last_load_report:
-            self.last_load_report = report
-            self.send_to_controller.send_pyobj(io.SchedulerLoadReport(num_reqs=num_reqs,
-                                                                      num_received=self.num_generate_received))
-
-    # ================================================================= requests
-    def process_input_requests(self, reqs: list[Any]) -> None:
-        for obj in reqs:
-            try:
-                if isinstance(obj, io.TokenizedGenerateReqInput):
-                    self.handle_generate_request(obj)
-                elif isinstance(obj, io.AbortReq):
-                    self.abort_request(obj.rid, obj.message)
-                elif isinstance(obj, io.FlushCacheReq):
-                    self.send_out(io.FlushCacheReqOutput(success=self.flush_cache()))
-                elif isinstance(obj, io.GetInternalStateReq):
-                    self.send_out(io.GetInternalStateReqOutput(state=self.get_internal_state()))
-                elif isinstance(obj, io.LoadLoRAAdapterReq):
-                    self.load_lora_adapter(obj)
-                elif isinstance(obj, io.UnloadLoRAAdapterReq):
-                    self.lora_unloads.append(obj.name)  # done when no request uses it (finish_lora_unloads)
-                else:
-                    logger.error("scheduler got an unknown message %r", type(obj))
-            except Exception as e:  # one bad message never takes the scheduler down
-                logger.exception("error handling %s", type(obj).__name__)
-                rid = getattr(obj, "rid", None)
-                if rid is not None:
-                    self.send_abort(rid, f"internal error: {e}")
-        if self.lora_unloads:
-            self.finish_lora_unloads()
-
-    def handle_generate_request(self, recv: io.TokenizedGenerateReqInput) -> None:
-        ids = recv.input_ids
-        error = None
-        if not ids:
-            error = "the prompt is empty"
-        elif len(ids) >= self.context_len:
-            error = f"the prompt has {len(ids)} tokens, at least the context length {self.context_len}"
-        elif min(ids) < 0 or max(ids) >= self.vocab_size:
-            error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
-        elif len(ids) + self.token_to_kv_pool.page_size > self.token_to_kv_pool.size:  # + a page's slack
-            error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
-        status = 400
-        lora_error = self.check_lora_id(recv.lora_id)
-        if error is None and lora_error is not None:
-            error, status = lora_error, 400 if self.lora_manager is None else 404
-        if error is not None:
-            self.send_abort(recv.rid, error, status=status)
-            return
-        limit = self.server_args.max_queued_requests
-        if limit is not None and len(self.waiting_queue) + len(self.grammar_queue) >= limit:
-            self.send_abort(recv.rid, f"the server is overloaded: {limit} requests are waiting "
-                            f"(--max-queued-requests {limit}); retry later", status=503)
-            return
-        sp = recv.sampling_params
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids))
-        req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
-                  return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
-                  top_logprobs_num=recv.top_logprobs_num, stream=recv.stream, lora_id=recv.lora_id)
-        req.pooling = recv.pooling
-        grammar = sp.grammar
-        if grammar is not None:
-            if self.grammar_backend is None:
-                self.send_abort(recv.rid, f"{grammar[0]}: structured output is not available on this server "
-                                "(no grammar backend: --grammar-backend none, --skip-tokenizer-init, or xgrammar "
-                                "is not installed)", status=400)
-                return
-            req.grammar_future = self.grammar_backend.get_future(*grammar)
-            self.grammar_queue.append(req)
-            return
-        self.waiting_queue.append(req)
-
-    def _live_reqs(self) -> list[Req]:
-        reqs = [*self.waiting_queue, *self.grammar_queue]
-        for b in (self.running_batch, self.last_batch):
-            if b is not None:
-                reqs += b.reqs
-        if self.chunked_req is not None:
-            reqs.append(self.chunked_req)
-        for launched in self.result_queue:
-            reqs += launched.reqs
-        return reqs
-
-    def abort_request(self, rid: str, message: str = "aborted") -> None:
-        for i, req in enumerate(self.grammar_queue):
-            if req.rid == rid:
-                del self.grammar_queue[i]
-                req.grammar_future = None
-                req.finished_reason = FinishAbort(message)
-                self.stream_output([req])
-                return
-        for i, req in enumerate(self.waiting_queue):
-            if req.rid == rid:
-                del self.waiting_queue[i]
-                req.finished_reason = FinishAbort(message)
-                self.stream_output([req])
-                return
-        # running (or being prefilled in chunks): finished at the next result processing
-        candidates = list(self.running_batch.reqs) if self.running_batch else []
-        if self.chunked_req is not None:
-            candidates.append(self.chunked_req)
-        if self.last_batch is not None:
-            candidates += self.last_batch.reqs
-        for req in candidates:
-            if req.rid == rid and not req.finished():
-                req.to_abort = message
-
-    def send_abort(self, rid: str, message: str, status: int = 400) -> None:
-        out = io.BatchTokenIDOut(rids=[rid], new_token_ids=[[]],
-                                 finished_reasons=[FinishAbort(message, status).to_json()],
-                                 meta_infos=[{"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}],
-                                 skip_special_tokens=[True], spaces_between_special_tokens=[True], no_stop_trim=[False],
-                                 stop_strs=[[]])
-        self.send_out(out)
-
-    def send_out(self, obj: Any) -> None:
-        if self.tp_rank != 0 and not self.dp_attention:
-            return  # every rank computes the outputs; rank 0 alone sends them
-        if self.send_to_controller is not None and isinstance(obj, io.FlushCacheReqOutput |
-                                                              io.GetInternalStateReqOutput):
-            self.send_to_controller.send_pyobj(obj)  # the DP controller merges the replicas' replies
-        elif self.send_to_detokenizer is not None:
-            self.send_to_detokenizer.send_pyobj(obj)
-        else:
-            self.outbox.append(obj)
-
     # ================================================================= batching
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         self.move_ready_grammar_reqs()
@@ -376,87 +212,6 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
             self.running_batch = None
             return None
         return self.running_batch
-
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        running = self.running_batch.reqs if self.running_batch is not None else []
-        if not self.waiting_queue and self.chunked_req is None:
-            return None
-        if len(running) >= self.max_running_requests and self.chunked_req is None:
-            return None
-        # a step that keeps the decodes' pace: they ride with a prefill chunk cut to the step's token budget
-        budget = latency_step_budget(self.step_token_budget, len(running), self.waiting_queue, self.chunk_size)
-        mixed = self.server_args.enable_mixed_chunk and bool(running)
-        max_prefill, chunk = self.server_args.max_prefill_tokens, self.chunk_size
-        if budget is not None:
-            max_prefill, chunk = min(max_prefill, budget), min(chunk or budget, budget)
-        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool, running, self.new_token_ratio, max_prefill,
-                             chunk, mixed_decode_tokens=len(running) if mixed else 0)
-        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
-            req, self.chunked_req = self.chunked_req, None
-            req.finished_reason = FinishAbort(req.to_abort)
-            self.tree_cache.cache_finished_req(req)
-            self.stream_output([req])
-        if self.chunked_req is not None:
-            # the chunk that just ran (or is running) goes into the cache and becomes this request's prefix;
-            # only CPU state is touched, so this need not wait for the device
-            self.tree_cache.cache_unfinished_req(self.chunked_req)
-            # the part already prefilled sits in the tree (or the chunk cache) as this request's prefix
-            self.chunked_req.fill_ids = self.chunked_req.origin_input_ids + self.chunked_req.output_ids
-            self.chunked_req.extend_input_len = len(self.chunked_req.fill_ids) - len(self.chunked_req.prefix_indices)
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        # ordered after the chunk above went into the cache; a prefix-aware order matches every waiting request
-        prefix_matched = self.policy.calc_priority(self.waiting_queue)
-        slots_left = self.max_running_requests - len(running) - len(adder.can_run)
-        admitted = []
-        uncached_heads: set[tuple] = set()  # (adapter, *prompt head)s this batch will put into the cache
-        sharing = self.tree_cache.shares_prefixes
-        head_len = IN_BATCH_PREFIX_LEN_CPU if str(self.device).startswith("cpu") else IN_BATCH_PREFIX_LEN
-        loras = None  # LoRA: the distinct adapters of the batch must fit the device slots
-        if self.lora_table is not None:
-            loras = {r.lora_id for r in [*running, *adder.can_run] if r.lora_id is not None}
-        for req in self.waiting_queue:
-            if slots_left <= 0 or not adder.budget_left() or adder.new_chunked_req is not None:
-                break
-            if loras is not None and req.lora_id is not None and req.lora_id not in loras \
-                    and len(loras) >= self.lora_table.num_slots:
-                continue
-            # A match from an earlier round may point at KV that an eviction freed since: match again unless this
-            # round's ordering just did (and never lock a node no longer in the tree).
-            if not prefix_matched or not self.tree_cache.is_attached(req.last_node):
-                req.init_next_round_input(self.tree_cache)
-            if sharing and len(req.prefix_indices) < head_len <= len(req.fill_ids):
-                # In-batch prefix sharing: a request whose uncached head repeats one already admitted this round
-                # waits one round, and then finds that head in the cache instead of computing it again.
-                head = (req.lora_id, *req.fill_ids[:head_len])
-                if head in uncached_heads:
-                    continue
-                uncached_heads.add(head)
-            if not adder.add_one_req(req):
-                break
-            admitted.append(req)
-            slots_left -= 1
-            if loras is not None and req.lora_id is not None:
-                loras.add(req.lora_id)
-        if adder.new_chunked_req is not None:
-            self.chunked_req = adder.new_chunked_req
-        if not adder.can_run:
-            return None
-        ids = {id(r) for r in admitted}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
-        batch = ScheduleBatch(adder.can_run, self.req_to_token_pool, self.token_to_kv_pool, self.tree_cache,
-                              self.device, self.vocab_size)
-        batch.lora_table = self.lora_table
-        batch.prepare_for_extend()
-        for r in admitted:
-            self.prompt_tokens_total += len(r.origin_input_ids)
-            self.cache_hit_tokens += len(r.prefix_indices)
-        if mixed and self.running_batch is not None and not self.running_batch.is_empty():
-            if self.running_batch.check_decode_mem():
-                batch.mix_with_running(self.running_batch)
-                self.running_batch = None
-        # a budgeted chunk while requests decode: they step next, before any further prefill
-        self.decode_turn = budget is not None and self.running_batch is not None and not self.running_batch.is_empty()
-        return batch
 
     def update_running_batch(self, batch: ScheduleBatch) -> None:
         batch.filter_batch()  # drop requests that finished (known since the last result was processed)
@@ -530,32 +285,11 @@ class Scheduler(SchedulerGrammarMixin, SchedulerOutputProcessorMixin, SchedulerW
         return not self.waiting_queue and self.chunked_req is None and empty(self.running_batch) \
             and empty(self.last_batch) and not self.result_queue and not self.grammar_queue
 
-    def check_memory(self) -> bool:
-        """free + evictable + protected == pool size, and every request slot free. Logged and counted if not."""
-        cache = self.tree_cache
-        free = self.token_to_kv_pool.available_size()
-        total = free + cache.evictable_size() + cache.protected_size()
-        ok = total == self.token_to_kv_pool.size and cache.protected_size() == 0
-        ok = ok and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
-        if not ok:
-            self.invariant_violations += 1
-            logger.error("memory leak: free=%d evictable=%d protected=%d pool=%d free_req_slots=%d/%d", free,
-                         cache.evictable_size(), cache.protected_size(), self.token_to_kv_pool.size,
-                         self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
-        return ok
-
     def flush_cache(self) -> bool:
         if not self.is_idle():
             return False
         self.tree_cache.reset()
         return True
-
-    def scheduler_info(self) -> io.SchedulerInfo:
-        mr = self.worker.model_runner
-        return io.SchedulerInfo(max_total_num_tokens=self.token_to_kv_pool.size,
-                                max_running_requests=self.max_running_requests, context_len=self.context_len,
-                                vocab_size=self.vocab_size, device=str(self.device), dtype=str(mr.dtype),
-                                attention_backend=type(mr.attn_backend).__name__)
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp_rank: int, gpu_id: int,

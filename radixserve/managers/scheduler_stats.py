@@ -1,5 +1,5 @@
-"""What the scheduler reports about itself: the prefill/decode log lines and the internal state behind
-/get_server_info and the tests' idle checks. A mixin of Scheduler."""
+"""What the scheduler reports about itself: its counters, the prefill/decode log lines, the memory invariant, and
+the state behind /get_server_info and the tests' idle checks. A mixin of Scheduler."""
 
 from __future__ import annotations
 
@@ -8,12 +8,28 @@ import os
 import time
 from typing import Any
 
+from radixserve.managers import io_struct as io
 from radixserve.managers.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger("radixserve.managers.scheduler")  # the batch log lines are the scheduler's
 
 
 class SchedulerStatsMixin:
+    def init_stats(self) -> None:
+        self.invariant_violations = 0
+        self.num_retractions = 0
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """The counters of the work done (the warm-up's is forgotten)."""
+        self.forward_ct = 0
+        self.cache_hit_tokens = 0
+        self.prompt_tokens_total = 0
+        self.last_step_time = time.monotonic()
+        self._log_decode_steps = 0  # decode steps and tokens since the last decode stats line
+        self._log_decode_tokens = 0
+        self._log_decode_since = time.monotonic()
+
     def log_batch_stats(self, batch: ScheduleBatch) -> None:
         """One line per prefill batch, and one per --decode-log-interval decode steps (with the throughput)."""
         pool = self.token_to_kv_pool
@@ -65,3 +81,24 @@ class SchedulerStatsMixin:
             "last_step_time": self.last_step_time,
             "pid": os.getpid(),
         }
+
+    def check_memory(self) -> bool:
+        """free + evictable + protected == pool size, and every request slot free. Logged and counted if not."""
+        cache = self.tree_cache
+        free = self.token_to_kv_pool.available_size()
+        total = free + cache.evictable_size() + cache.protected_size()
+        ok = total == self.token_to_kv_pool.size and cache.protected_size() == 0
+        ok = ok and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
+        if not ok:
+            self.invariant_violations += 1
+            logger.error("memory leak: free=%d evictable=%d protected=%d pool=%d free_req_slots=%d/%d", free,
+                         cache.evictable_size(), cache.protected_size(), self.token_to_kv_pool.size,
+                         self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
+        return ok
+
+    def scheduler_info(self) -> io.SchedulerInfo:
+        mr = self.worker.model_runner
+        return io.SchedulerInfo(max_total_num_tokens=self.token_to_kv_pool.size,
+                                max_running_requests=self.max_running_requests, context_len=self.context_len,
+                                vocab_size=self.vocab_size, device=str(self.device), dtype=str(mr.dtype),
+                                attention_backend=type(mr.attn_backend).__name__)

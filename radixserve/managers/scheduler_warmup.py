@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from radixserve.managers import io_struct as io
 from radixserve.sampling.sampling_params import SamplingParams
 
@@ -29,8 +27,6 @@ class SchedulerWarmupMixin:
             self.send_to_detokenizer = socket
             del self.outbox[outbox_len:]
         self.tree_cache.reset()
-        self.forward_ct = self.prompt_tokens_total = self.cache_hit_tokens = 0
-        self._log_decode_steps = self._log_decode_tokens = 0
-        self._log_decode_since = self.last_step_time = time.monotonic()
+        self.reset_stats()
         self.last_batch = None
         self.on_idle()  # checks the pools and resets new_token_ratio

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
 
-PREP_TOKENS = 16  # tokens up to which q absorption, rotary, the latent norm and store run as one kernel
+# tokens up to which q absorption, rotary, the latent norm and store run fused (`mla_prep.py`); None: every batch
+FUSED_PREP_TOKENS: int | None = None
 
 
 class DeepseekMLAAttention(nn.Module):
@@ -89,23 +90,23 @@ class DeepseekMLAAttention(nn.Module):
                                    v_head_dim=self.rank)
 
     def use_decode_gemv(self) -> None:
-        """One-row products through `decode_gemv`: the two projections of the input in one launch (with the input
-        norm, `norm_project`) and o_proj without cuBLAS's split-K."""
+        """One-row products through the one-row GEMV (`triton_ops.gemv`): the two projections of the input in one
+        launch (with the input norm, `norm_project`) and o_proj without cuBLAS's split-K."""
         for proj in (self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa, self.o_proj):
             proj.decode_gemv = True
 
     def norm_project(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(q or q_a, kv_a, new residual) of one row from a single launch: the residual add, the input norm and
-        both projections of its output; None when `decode_gemv` does not apply."""
+        both projections of its output; None when the one-row GEMV does not apply."""
         first = self.q_a_proj if self.q_lora_rank else self.q_proj
         kv = self.kv_a_proj_with_mqa
         if not (first.gemv_ok(hidden) and kv.gemv_ok(hidden)) or first.bias is not None or kv.bias is not None:
             return None
-        from radixserve.layers.triton_ops.decode_gemv import decode_gemv
+        from radixserve.layers.triton_ops.gemv import gemv_row_norm
 
-        out, new_residual = decode_gemv(hidden, first.weight, None, kv.weight,
-                                        norm=(residual, norm.weight, norm.eps))
+        out, new_residual = gemv_row_norm(hidden, first.weight, None, kv.weight,
+                                          norm=(residual, norm.weight, norm.eps))
         n = first.weight.shape[0]
         return out[:, :n], out[:, n:], (hidden if new_residual is None else new_residual)
 
@@ -122,7 +123,7 @@ class DeepseekMLAAttention(nn.Module):
         q = q.view(t, self.num_heads, self.nope + self.rope)
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
-        if 0 < t <= PREP_TOKENS and use_fused(first) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
+        if 0 < t <= (FUSED_PREP_TOKENS or t) and use_fused(first) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
                 and kv_a.stride(1) == 1:
             q_full, k_full, saved = self._prep_fused(positions, q, kv_a, w_kc, forward_batch)
             o = self.attn(q_full.reshape(t, -1), k_full, k_full[:, :self.rank], forward_batch,

@@ -90,8 +90,8 @@ def qwen2_moe_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size
 
 class MoECausalLM(LlamaForCausalLM):
     """A Llama-family model whose feed-forward blocks may be sparse: expert tensors load into stacked parameters.
-    `decode_gemv_attention`: q/k/v (with the input norm) and o_proj of one row through `decode_gemv` (families whose
-    attention projections are a few MB, where cuBLAS splits K at batch 1)."""
+    `decode_gemv_attention`: q/k/v (with the input norm) and o_proj of one row through the one-row GEMV
+    (`triton_ops.gemv`; families whose attention projections are a few MB, where cuBLAS splits K at batch 1)."""
 
     decode_gemv_attention = False
 

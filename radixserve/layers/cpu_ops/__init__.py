@@ -40,7 +40,10 @@ _I = ctypes.c_int
 
 # Every exported kernel returns an int status (0: done); their arguments, in order.
 _SIGNATURES: dict[str, list] = {
-    "paged_decode_attention": [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float, _I],
+    # q, k_pool, v_pool, kind, table, table_stride, rows, starts, ends, out, B, H, HKV, D, scale, k_scale, v_scale,
+    # threads
+    "paged_decode_attention": [_P, _P, _P, _I, _P, _I64, _P, _P, _P, _P, _I64, _I, _I, _I, ctypes.c_float,
+                               ctypes.c_float, ctypes.c_float, _I],
     # q, q_stride, k, k_stride, positions, cos, sin, max_position, T, HQ, HK, D, bf16, threads
     "rotary_neox_inplace": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I, _I],
     # x, x_stride, residual, r_stride, out, residual_out, w, T, H, eps, bf16, threads
@@ -119,22 +122,31 @@ def _build_and_load() -> ctypes.CDLL | None:
     return lib
 
 
+# the KV pool dtypes the decode kernel reads, as its `kind` codes
+PAGED_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                            rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0
+                           ) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] · K[t] * scale) · V[t] over tokens t in [starts[b], ends[b]) of request slot
     rows[b], K/V read in place from the pool through `table` (the request-to-token table).
 
-    q: [B, H, D] float32; k_pool / v_pool: [S, HKV, D] float32 or bfloat16; table: [R, C] int32;
+    q: [B, H, D] float32; k_pool / v_pool: [S, HKV, D] float32, bfloat16 or float8 e4m3fn (then K = k_scale x the
+    stored value, V = v_scale x; the scales must be 1 for the other dtypes); table: [R, C] int32;
     rows / starts / ends: [B] int64 CPU tensors. Returns [B, H, D] float32 (into `out` when given)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available (no C compiler, or its build failed)")
     B, H, D = q.shape
     HKV = k_pool.shape[1]
-    if q.dtype != torch.float32 or k_pool.dtype not in (torch.float32, torch.bfloat16) or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"paged_decode_attention: q must be float32 and the pool float32 or bfloat16, got "
-                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    kind = PAGED_KV_KINDS.get(k_pool.dtype)
+    if q.dtype != torch.float32 or kind is None or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"paged_decode_attention: q must be float32 and the pool float32, bfloat16 or "
+                         f"float8_e4m3fn, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if k_pool.dtype != torch.float8_e4m3fn and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(f"paged_decode_attention: K/V scales apply to a float8 pool only, not {k_pool.dtype}")
     if H % HKV or k_pool.shape[2] != D or v_pool.shape != k_pool.shape:
         raise ValueError(f"paged_decode_attention: shapes do not fit: q {tuple(q.shape)}, pool {tuple(k_pool.shape)}")
     if table.dtype != torch.int32 or any(t.dtype != torch.int64 for t in (rows, starts, ends)):
@@ -144,10 +156,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
             raise ValueError("paged_decode_attention: every tensor must be a contiguous CPU tensor")
     if out is None:
         out = torch.empty_like(q)
-    rc = lib.paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                                    int(k_pool.dtype == torch.bfloat16), table.data_ptr(), table.stride(0),
-                                    rows.data_ptr(), starts.data_ptr(), ends.data_ptr(), out.data_ptr(), B, H, HKV,
-                                    D, float(scale), torch.get_num_threads())
+    rc = lib.paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), kind, table.data_ptr(),
+                                    table.stride(0), rows.data_ptr(), starts.data_ptr(), ends.data_ptr(),
+                                    out.data_ptr(), B, H, HKV, D, float(scale), float(k_scale), float(v_scale),
+                                    torch.get_num_threads())
     if rc:
         raise RuntimeError({1: "out of memory", 2: f"query heads per KV head {H // HKV} > 64"}.get(rc, f"error {rc}"))
     return out

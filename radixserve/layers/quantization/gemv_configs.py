@@ -1,7 +1,7 @@
-"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "bf16": `triton_ops.decode_gemv` for the
-16-bit one-row products of the MoE / MLA models' attention; "row16" / "row16_silu": `triton_ops.gemv` for the dense
-models' linear layers at batch 1, only where a sweep found it faster than cuBLAS), per kernel family, row count and
-weight shape.
+"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "row16" / "row16_silu" / "row16_norm":
+`triton_ops.gemv`, the one-row 16-bit product — plain, with SiLU·mul in the epilogue, with the input RMSNorm folded
+in — for the dense models' linear layers at batch 1 (only where a sweep found it faster than cuBLAS) and the MoE /
+MLA models' attention projections), per kernel family, row count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two); RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "bf16", "row16", "row16_silu")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "row16", "row16_silu", "row16_norm")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def default(family: str, m: int, cuda: bool) -> GemvConfig:
         return GemvConfig("ew", 2, 256)
     if family == "fp8":
         return GemvConfig("ew", 4, 1024) if m <= 2 else GemvConfig("dot", 32, 256, 4, 3)
-    if family == "bf16":
+    if family in ("row16", "row16_silu", "row16_norm"):
         return GemvConfig("ew", 4, 1024)
     return GemvConfig("ew", 4, 512)
 
@@ -83,8 +83,8 @@ def get(family: str, m: int, n: int, k: int, cuda: bool = True) -> GemvConfig:
 
 
 def lookup(family: str, m: int, n: int, k: int) -> GemvConfig | None:
-    """The table's entry for exactly this family and shape, or None (no fallback: for the 16-bit GEMV of
-    `triton_ops/gemv.py` a missing entry means cuBLAS keeps the shape)."""
+    """The table's entry for exactly this family and shape, or None (no fallback: for the dense layers' 16-bit GEMV
+    of `triton_ops/gemv.py` a missing entry means cuBLAS keeps the shape)."""
     return _table().get(key(family, m, n, k))
 
 

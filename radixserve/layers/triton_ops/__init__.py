@@ -34,12 +34,12 @@ _decode_gemv = os.environ.get("RADIXSERVE_DISABLE_DECODE_GEMV", "") in ("", "0")
 
 
 def set_decode_gemv(enabled: bool) -> None:
-    """Turn the one-row decode GEMV (`decode_gemv.py`) on or off for the layers that opt in (comparisons)."""
+    """Turn the one-row GEMV (`gemv.py`) on or off for the layers that opt in (comparisons)."""
     global _decode_gemv
     _decode_gemv = enabled
 
 
 def decode_gemv_enabled(x: torch.Tensor) -> bool:
-    """Whether layers that opt in should multiply a one-row `x` with `decode_gemv` (RADIXSERVE_DISABLE_DECODE_GEMV=1
-    or `set_decode_gemv(False)`: cuBLAS instead)."""
+    """Whether layers that opt in should multiply a one-row `x` with the one-row GEMV (`gemv.py`;
+    RADIXSERVE_DISABLE_DECODE_GEMV=1 or `set_decode_gemv(False)`: cuBLAS instead)."""
     return _decode_gemv and use_fused(x)

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the extend and decode attention kernels."""
+"""Triton helpers shared by the extend and decode attention kernels (and double sparsity's decode)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,40 @@ def decode_splits(seq_len, window, num_kv_splits, min_split_len, BLOCK_N: tl.con
     chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N, 1)
     n_valid = tl.where(kv_len > 0, tl.cdiv(kv_len, chunk), 0)
     return kv_start, chunk, n_valid
+
+
+@triton.jit
+def head_dims(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(offs_d, mask_d) of a head_dim row padded to BLOCK_D; an unpadded row's mask is a constant, which keeps the
+    loads vectorized."""
+    offs_d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        mask_d = tl.full([BLOCK_D], 1, dtype=tl.int1)
+    else:
+        mask_d = offs_d < HEAD_DIM
+    return offs_d, mask_d
+
+
+@triton.jit
+def decode_head_block(pid_h, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A decode program's query heads: (kv_head, heads, mask_h) for program pid_h of the grid's head axis, which has
+    HEAD_BLOCKS programs per KV head, each BLOCK_H of the GROUP query heads sharing it."""
+    kv_head = pid_h // HEAD_BLOCKS
+    offs_g = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return kv_head, kv_head * GROUP + offs_g, offs_g < GROUP
+
+
+@triton.jit
+def store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
+                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):
+    """Stage 1's output for one split: the partial output divided by its softmax sum (times v's scale) and the
+    base-2 log-sum-exp of its scores. A split whose positions were all masked (l_i = 0) writes zeros and a
+    log-sum-exp so low that the merge gives it no weight (finite: the merge's running maximum must not start at
+    -inf)."""
+    live = l_i > 0
+    safe_l = tl.where(live, l_i, 1.0)
+    out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
+                + offs_d[None, :])
+    tl.store(out_ptrs, acc * (v_scale / safe_l[:, None]), mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split,
+             tl.where(live, m_i + tl.log2(safe_l), -1.0e30), mask=mask_h)

@@ -30,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.common import LOG2E, decode_splits, mma
+from radixserve.layers.attention.triton_ops.common import (
+    LOG2E,
+    decode_head_block,
+    decode_splits,
+    head_dims,
+    mma,
+    store_decode_partial,
+)
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
@@ -63,17 +70,9 @@ def _decode_stage1_kernel(
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
-    pid_h = tl.program_id(1)
     split = tl.program_id(2)
-    kv_head = pid_h // HEAD_BLOCKS
-    offs_g = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_g < GROUP
-    heads = kv_head * GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        mask_d = tl.full([BLOCK_D], 1, dtype=tl.int1)  # constant: keeps loads vectorized
-    else:
-        mask_d = offs_d < HEAD_DIM
+    kv_head, heads, mask_h = decode_head_block(tl.program_id(1), GROUP, HEAD_BLOCKS, BLOCK_H)
+    offs_d, mask_d = head_dims(HEAD_DIM, BLOCK_D)
 
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     if SLIDING:
@@ -129,11 +128,8 @@ def _decode_stage1_kernel(
                 acc = acc * alpha[:, None] + tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
             m_i = m_new
 
-        out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-                    + offs_d[None, :])
-        tl.store(out_ptrs, acc * (v_scale / l_i[:, None]), mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
-                 mask=mask_h)
+        store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
+                             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
@@ -152,11 +148,7 @@ def _decode_stage2_kernel(
     pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        mask_d = tl.full([BLOCK_D], 1, dtype=tl.int1)  # constant: keeps loads vectorized
-    else:
-        mask_d = offs_d < HEAD_DIM
+    offs_d, mask_d = head_dims(HEAD_DIM, BLOCK_D)
 
     # the same split boundaries as stage 1; only the non-empty splits are read, SPLIT_BLOCK at a time (a runtime
     # loop: one compiled variant serves every split count, and a batch of 2 splits reads 2, not the buffer's 16).

@@ -22,7 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.common import LOG2E, decode_splits, mma
+from radixserve.layers.attention.triton_ops.common import (
+    LOG2E,
+    decode_head_block,
+    decode_splits,
+    head_dims,
+    mma,
+    store_decode_partial,
+)
 from radixserve.layers.attention.triton_ops.decode_attention import (
     _block_h,
     _decode_stage2_kernel,
@@ -92,17 +99,9 @@ def _ds_sparse_stage1_kernel(
     DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
-    pid_h = tl.program_id(1)
     split = tl.program_id(2)
-    kv_head = pid_h // HEAD_BLOCKS
-    offs_g = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_g < GROUP
-    heads = kv_head * GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        mask_d = tl.full([BLOCK_D], 1, dtype=tl.int1)
-    else:
-        mask_d = offs_d < HEAD_DIM
+    kv_head, heads, mask_h = decode_head_block(tl.program_id(1), GROUP, HEAD_BLOCKS, BLOCK_H)
+    offs_d, mask_d = head_dims(HEAD_DIM, BLOCK_D)
 
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     is_sparse = seq_len > dense_len
@@ -142,14 +141,9 @@ def _ds_sparse_stage1_kernel(
             acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, DOT_FP32)
             m_i = m_new
 
-        out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-                    + offs_d[None, :])
-        # a split of padding picks only (l_i = 0) writes zeros with a log-sum-exp so low that the merge gives it
-        # no weight (finite: the merge's running maximum must not start at -inf)
-        tl.store(out_ptrs, acc * (v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]),
-                 mask=mask_h[:, None] & mask_d[None, :])
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -1.0e30)
-        tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=mask_h)
+        # a split of padding picks only has l_i = 0: it writes zeros that the merge gives no weight
+        store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
+                             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
 def score_layout(num_heads: int, num_kv_heads: int, channels: int) -> tuple[int, int, int]:
