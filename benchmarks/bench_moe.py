@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,26 +89,45 @@ def active_bytes(runner: ModelRunner, result: dict[str, Any], experts_hit: list[
             "experts_hit_per_layer": sum(experts_hit) / max(1, len(experts_hit))}
 
 
-def compare_without_gemv(runner: ModelRunner, input_len: int, output_len: int, seed: int) -> list[float]:
-    """Batch-1 decode step (seconds) with the one-row attention products back on cuBLAS and the input norm on its
-    own (the CUDA graphs captured again that way); the GEMV is switched back on after, graphs recaptured."""
-    from radixserve.layers.triton_ops import set_decode_gemv
+def steps_recaptured(runner: ModelRunner, batch_sizes: list[int], input_len: int, output_len: int, seed: int,
+                     switch: Callable[[bool], None]) -> dict[int, float]:
+    """Decode step (seconds) at each batch size with `switch(False)`, the CUDA graphs captured again that way;
+    `switch(True)` after. The graphs are left as captured here: run this last (a later comparison recaptures)."""
     from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
-    def recapture() -> None:
+    switch(False)
+    try:
         if runner.cuda_graph_runner is not None:
             runner.cuda_graph_runner = None
             torch.cuda.empty_cache()
             runner.cuda_graph_runner = CudaGraphRunner(runner)
-
-    set_decode_gemv(False)
-    try:
-        recapture()
-        latency_test(runner, 1, input_len, 4, seed)
-        return [latency_test(runner, 1, input_len, output_len, seed)["median_decode_s"]]
+        steps = {}
+        for bs in batch_sizes:
+            latency_test(runner, bs, input_len, 4, seed)
+            steps[bs] = latency_test(runner, bs, input_len, output_len, seed)["median_decode_s"]
+        return steps
     finally:
-        set_decode_gemv(True)
-        recapture()
+        switch(True)
+
+
+def decode_gemv_switch(on: bool) -> None:
+    """The one-row attention products through `decode_gemv` (on) or cuBLAS with the input norm on its own (off)."""
+    from radixserve.layers.triton_ops import set_decode_gemv
+
+    set_decode_gemv(on)
+
+
+def mla_prep_switch(on: bool) -> None:
+    """MLA's fused preparation at every batch size (on) or only up to 16 tokens, torch ops beyond (off)."""
+    from radixserve.models import deepseek_v2
+
+    deepseek_v2.FUSED_PREP_TOKENS = None if on else 16
+
+
+COMPARISONS = {  # flag -> (switch, which batch sizes it changes)
+    "decode_gemv": (decode_gemv_switch, lambda bs: bs == 1),
+    "mla_prep": (mla_prep_switch, lambda bs: bs > 16),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,9 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--moe-small-batch-tokens", type=int, default=None,
                         help="tokens up to which the MoE layers take the two-launch small-batch path "
                              "(0: never; default: the layer's own bound)")
-    parser.add_argument("--compare-decode-gemv", action="store_true",
-                        help="after the table (and profiles), batch 1 again with the decode GEMV off (CUDA graphs "
-                             "captured again): the same process and weights, for the before/after")
+    parser.add_argument("--compare", nargs="+", default=[], choices=sorted(COMPARISONS),
+                        help="after the table (and profiles), the batch sizes a switch changes again with it off "
+                             "(CUDA graphs captured again): decode_gemv (batch 1: one-row attention products on "
+                             "cuBLAS), mla_prep (batches over 16: MLA's preparation in torch ops); the same process "
+                             "and weights, for the before/after")
     parser.add_argument("--no-decode-gemv", action="store_true",
                         help="one-row attention products through cuBLAS (and the input norm on its own), not the "
                              "decode GEMV kernel (for comparisons)")
@@ -171,22 +193,26 @@ def main(argv: list[str] | None = None) -> None:
             profiles.append(profile_decode(runner, bs, args.input_len, 10, server_args.random_seed,
                                            top=args.profile_top))
             print_profile(profiles[-1])
-    compare = []
-    if args.compare_decode_gemv and runner.is_cuda and 1 in args.batch_size:
+    compare: dict[str, dict[int, float]] = {}
+    for name in args.compare:  # on the CPU too (no graphs there): checks the script
+        switch, changed = COMPARISONS[name]
+        sizes = [bs for bs in args.batch_size if changed(bs)]
         try:
-            compare = compare_without_gemv(runner, args.input_len, args.output_len, server_args.random_seed)
+            compare[name] = steps_recaptured(runner, sizes, args.input_len, args.output_len,
+                                             server_args.random_seed, switch)
         except Exception as e:  # noqa: BLE001 - the main table is printed already; report and write the JSON
-            print(f"comparison without the decode GEMV failed: {type(e).__name__}: {e}")
-        if compare:
-            with_gemv = next(r for r in rows if r["batch_size"] == 1)["median_decode_s"]
-            print(f"batch 1 with the decode GEMV {with_gemv * 1e3:.3f} ms, without {compare[0] * 1e3:.3f} ms "
-                  f"({compare[0] / with_gemv:.3f}x)")
+            print(f"comparison without {name} failed: {type(e).__name__}: {e}")
+            continue
+        for bs, off in compare[name].items():
+            on = next(r for r in rows if r["batch_size"] == bs)["median_decode_s"]
+            print(f"batch {bs}: with {name} {on * 1e3:.3f} ms, without {off * 1e3:.3f} ms ({off / on:.3f}x)",
+                  flush=True)
     meta = {"model": runner.model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "weight_bytes": runner.weight_bytes, "copy_bw": copy_bw,
             "kv_bytes_per_token": runner.token_to_kv_pool.bytes_per_token(),
             "pool_tokens": runner.max_total_num_tokens}
     with open(args.result_file, "w") as f:
-        json.dump({"meta": meta, "results": rows, "profiles": profiles, "batch1_without_decode_gemv_s": compare},
+        json.dump({"meta": meta, "results": rows, "profiles": profiles, "without": compare},
                   f, indent=2)
 
 

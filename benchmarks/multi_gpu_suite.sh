@@ -76,8 +76,10 @@ step allreduce 60 $PY benchmarks/bench_all_reduce.py --world-size 2 --sizes-kib 
   --methods nccl one_shot two_shot triton push triton_fused push_fused push_fused_pf auto \
   --result-file "$J/allreduce.json" ${SMALL:+--device cpu --eager-iters 3}
 # TP=2 == TP=1 (float32: the free-running greedy tokens; bf16: teacher-forced beside it)
-AG=(--load-format dummy --tp-sizes 1 2 --num-prompts "$(sz 64 6)" --max-input-len "$(sz 1024 40)"
-    --output-len "$(sz 128 12)" --cuda-graph-max-bs "$(sz 64 8)" --log-level warning)
+# prompts up to 256 tokens (float32 prefill runs on the CUDA cores: 1024-token prompts made the 8B's two engines
+# need minutes); no prefill graphs (a 0.5B float32 TP=1 engine was still capturing them when its 29 s slot ended)
+AG=(--load-format dummy --tp-sizes 1 2 --num-prompts "$(sz 64 6)" --max-input-len "$(sz 256 40)"
+    --output-len "$(sz 128 12)" --cuda-graph-max-bs "$(sz 64 8)" --prefill-cuda-graph-max-tokens 0 --log-level warning)
 step agree_fp32_8b 200 $PY benchmarks/tp_agreement.py --model-path "$M8" "${AG[@]}" --dtype float32 \
   --min-free-agreement 0.995 --result-file "$J/agree_fp32_8b.json" $EXTRA
 step agree_fp32_small 120 $PY benchmarks/tp_agreement.py --model-path "$MSMALL" "${AG[@]}" --dtype float32 \

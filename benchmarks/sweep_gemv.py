@@ -30,6 +30,10 @@ from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa:
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 LAYERS_8B = 32
 LM_HEAD_8B = (128256, 4096)  # once a step; swept for the 16-bit GEMV only
+# --shapes: (qkv, o, gate_up, down) and the LM head of each rank; 8b_tp2: the 8B split over 2 ranks (the LM head's
+# vocabulary too)
+SHAPE_SETS = {"8b": (SHAPES_8B, LM_HEAD_8B),
+              "8b_tp2": ([(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)], (64128, 4096))}
 
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
@@ -302,7 +306,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--families", nargs="+", default=["fp8", "fp8_silu", "q4_k", "q8_0"])
     p.add_argument("--m", type=int, nargs="+", default=[1])
-    p.add_argument("--shapes", default="8b")
+    p.add_argument("--shapes", default="8b", choices=sorted(SHAPE_SETS))
     p.add_argument("--baselines", action="store_true", help="also time bf16 cuBLAS and the previous fp8_gemm")
     p.add_argument("--min-mb", type=int, default=256, help="weight copies per shape: at least this many MB")
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
@@ -324,7 +328,8 @@ def main() -> None:
 
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
-    shapes = SHAPES_8B + ([LM_HEAD_8B] if "row16" in args.families else [])
+    layer_shapes, lm_head = SHAPE_SETS[args.shapes]
+    shapes = layer_shapes + ([lm_head] if "row16" in args.families else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
@@ -364,7 +369,7 @@ def main() -> None:
             for n, k in shapes:
                 if family.endswith("_silu") and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
-                if family != "row16" and (n, k) == LM_HEAD_8B:
+                if family != "row16" and (n, k) == lm_head:
                     continue  # the LM head stays in 16 bits
                 t = time.time()
                 rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)
@@ -397,7 +402,7 @@ def main() -> None:
                 # the one-row 16-bit GEMV replaces cuBLAS only where it wins by 2% or more (no entry: cuBLAS keeps it)
                 if family not in ("row16", "row16_silu") or (base is not None and best["us"] < 0.98 * base["us"]):
                     picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
-                per_step = 1 / LAYERS_8B if (n, k) == LM_HEAD_8B else 1  # the LM head runs once a step
+                per_step = 1 / LAYERS_8B if (n, k) == lm_head else 1  # the LM head runs once a step
                 step_best += best["us"] * per_step
                 step_base += base["us"] * per_step if base else 0.0
                 c = best["cfg"]

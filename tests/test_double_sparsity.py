@@ -6,17 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import pytest
 import torch
-
-_HAS_CUDA = torch.cuda.is_available()
-_IN_PROCESS = _HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -37,18 +29,6 @@ from radixserve.layers.attention.triton_ops.double_sparsity import (  # noqa: E4
 )
 from radixserve.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
-
-if not _IN_PROCESS:
-    @pytest.fixture(autouse=True)
-    def _only_in_a_fresh_process(request: pytest.FixtureRequest) -> None:
-        if request.node.name != "test_in_a_fresh_process":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_a_fresh_process runs these")
-
-    def test_in_a_fresh_process() -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 def write_channel_file(path: str, num_layers: int, num_kv_heads: int, head_dim: int, seed: int = 0) -> str:

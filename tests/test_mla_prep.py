@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.layers.attention.triton_ops import mla_prep
 from radixserve.layers.attention.triton_ops.mla_prep import mla_decode_prep
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import RotaryEmbedding
@@ -14,8 +15,13 @@ from radixserve.layers.rotary_embedding import RotaryEmbedding
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("neox,into_pool", [(False, True), (True, False)])
-def test_mla_prep_matches_the_torch_path(neox: bool, into_pool: bool) -> None:
+@pytest.mark.parametrize("neox,into_pool,per_token", [(False, True, False), (True, False, False), (False, True, True),
+                                                       (True, False, True)])
+def test_mla_prep_matches_the_torch_path(neox: bool, into_pool: bool, per_token: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """per_token: the many-token path (absorption as a bmm, a program per token), forced at 3 tokens."""
+    if per_token:
+        monkeypatch.setattr(mla_prep, "HEAD_PROGRAM_TOKENS", 1)
     t, heads, nope, rope, rank, slots = 3, 2, 16, 8, 40, 10  # rank 40: a partial rank block
     g = torch.Generator().manual_seed(int(neox))
     rot = RotaryEmbedding(rope, 128, 10000.0, is_neox_style=neox)
@@ -49,9 +55,12 @@ def test_mla_prep_matches_the_torch_path(neox: bool, into_pool: bool) -> None:
                         rot.sin_cache.to(DEV), w_kc.to(DEV), norm.weight.to(DEV), 1e-6, neox, k_out)
 
 
-def test_mla_absorb_out_matches_bmm() -> None:
+@pytest.mark.parametrize("per_token", [False, True])
+def test_mla_absorb_out_matches_bmm(per_token: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from radixserve.layers.attention.triton_ops.mla_prep import mla_absorb_out
 
+    if per_token:
+        monkeypatch.setattr(mla_prep, "HEAD_PROGRAM_TOKENS", 1)
     g = torch.Generator().manual_seed(3)
     t, heads, rank, v = 3, 2, 40, 24
     o = torch.randn(t, heads, rank, generator=g)

@@ -1,30 +1,18 @@
 """Triton attention backend vs the torch_native reference, through real pools and a ForwardBatch.
 
-Without CUDA the kernels run in Triton's interpreter. TRITON_INTERPRET=1 must be in the environment before triton
-is first imported (its own library functions are decorated then, and so are our kernels when their modules load).
-This module sets it at the top; if triton was already imported without it (another module got there first), the
-tests here skip and one test reruns this file in a fresh process instead. With CUDA they run on the GPU.
+Without CUDA the kernels run in Triton's interpreter (conftest.py chooses it before triton is first imported); with
+CUDA they run on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Callable
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-_HAS_CUDA = torch.cuda.is_available()
-# Can this process run the kernels? Yes on a GPU, or when the interpreter was chosen before triton was imported.
-_IN_PROCESS = _HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
 triton = pytest.importorskip("triton")
-
-from types import SimpleNamespace  # noqa: E402
 
 from radixserve.layers.attention import create_attention_backend  # noqa: E402
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
@@ -32,19 +20,6 @@ from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa
 from radixserve.layers.attention.triton_ops import decode_attention, extend_attention  # noqa: E402
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-
-if not _IN_PROCESS:
-    @pytest.fixture(autouse=True)
-    def _only_in_a_fresh_process(request: pytest.FixtureRequest) -> None:
-        if request.node.name != "test_in_a_fresh_process":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_a_fresh_process runs these")
-
-    def test_in_a_fresh_process() -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYER_ID = 1  # not 0, so a wrong layer index shows
@@ -65,31 +40,27 @@ def make_layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamesp
                            head_dim=head_dim, scaling=head_dim ** -0.5, layer_id=LAYER_ID, sliding_window_size=-1)
 
 
-def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
-               mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor]:
-    """Requests whose prefix KV sits in the pool at scattered slots; returns the batch and the new q, k, v."""
-    cfg, dtype = runner.model_config, runner.dtype
-    r2t, kv = runner.req_to_token_pool, runner.token_to_kv_pool
+def scattered_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
+                    mode: ForwardMode, gen: torch.Generator, fill_prefix: Callable[[torch.Tensor], None]
+                    ) -> ForwardBatch:
+    """A ForwardBatch of requests whose slots are scattered over the pool; `fill_prefix(slots)` writes each
+    request's cached prefix (slots on DEVICE) into the pool before the batch is built."""
+    r2t, pool = runner.req_to_token_pool, runner.token_to_kv_pool
     totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     rows = r2t.alloc(len(totals))
-    slots = kv.alloc(sum(totals))
+    slots = pool.alloc(sum(totals))
+    if rows is None or slots is None:
+        raise RuntimeError("test pools too small")
     slots = slots[torch.randperm(len(slots), generator=gen)]
-    k_buf, v_buf = kv.get_kv_buffer(LAYER_ID)
     out_locs, start = [], 0
     for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
         mine = slots[start:start + total]
         start += total
         r2t.write(row, 0, mine)
-        shape = (pre, cfg.num_key_value_heads, cfg.head_dim)
-        k_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-        v_buf[mine[:pre].to(DEVICE)] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        fill_prefix(mine[:pre].to(DEVICE))
         out_locs.append(mine[pre:])
     r2t.apply_writes(r2t.take_pending_writes())  # on a GPU, request-table writes wait for the next forward
     num_tokens = sum(extend_lens)
-    q = torch.randn(num_tokens, cfg.num_attention_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
 
     def dev(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=DEVICE)
@@ -98,13 +69,33 @@ def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int],
         forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(num_tokens, dtype=torch.int64,
                                                                          device=DEVICE),
         req_pool_indices=dev(rows), seq_lens=dev(totals), out_cache_loc=torch.cat(out_locs).to(DEVICE),
-        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=kv,
+        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=pool,
         attn_backend=backend, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
     if mode.is_extend():
         starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
         fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(extend_lens), dev(prefix_lens), \
             dev(starts)
         fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
+    return fb
+
+
+def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
+               mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
+    """Requests whose prefix KV sits in the pool at scattered slots; returns the batch and the new q, k, v."""
+    cfg, dtype = runner.model_config, runner.dtype
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+
+    def fill(slots: torch.Tensor) -> None:
+        shape = (len(slots), cfg.num_key_value_heads, cfg.head_dim)
+        k_buf[slots] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        v_buf[slots] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+
+    fb = scattered_batch(runner, backend, prefix_lens, extend_lens, mode, gen, fill)
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, cfg.num_attention_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(num_tokens, cfg.num_key_value_heads * cfg.head_dim, generator=gen).to(DEVICE, dtype)
     return fb, q, k, v
 
 

@@ -1,25 +1,16 @@
 """Triton MLA decode/extend (over the latent pool) against the torch_native reference, through real pools and a
-ForwardBatch; Triton's interpreter on the CPU, the GPU when there is one (the same guard as
-test_triton_attention.py: TRITON_INTERPRET=1 must be set before triton is imported, else a fresh process)."""
+ForwardBatch; Triton's interpreter on the CPU (chosen by conftest.py), the GPU when there is one."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
-
-_HAS_CUDA = torch.cuda.is_available()
-_IN_PROCESS = _HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
-if not _HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from types import SimpleNamespace  # noqa: E402
+from test_triton_attention import scattered_batch  # noqa: E402
 
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
@@ -27,19 +18,7 @@ from radixserve.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from radixserve.mem_cache.mla_memory_pool import MLATokenToKVPool  # noqa: E402
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 
-if not _IN_PROCESS:
-    @pytest.fixture(autouse=True)
-    def _only_in_a_fresh_process(request: pytest.FixtureRequest) -> None:
-        if request.node.name != "test_in_a_fresh_process":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_a_fresh_process runs these")
-
-    def test_in_a_fresh_process() -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-
-
+_HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if _HAS_CUDA else "cpu"
 LAYER_ID = 1
 RANK, ROPE = 32, 8  # latent rank (C) and rotary dims (R): a key of 40 dims, a value of 32
@@ -64,37 +43,15 @@ def make_runner(num_heads: int, dtype: torch.dtype) -> SimpleNamespace:
 def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
                mode: ForwardMode, gen: torch.Generator) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
     h, dtype = runner.model_config.num_attention_heads, runner.dtype
-    r2t, pool = runner.req_to_token_pool, runner.token_to_kv_pool
-    totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    rows = r2t.alloc(len(totals))
-    slots = pool.alloc(sum(totals))
-    slots = slots[torch.randperm(len(slots), generator=gen)]
-    kv_buf, _ = pool.get_kv_buffer(LAYER_ID)
-    out_locs, start = [], 0
-    for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
-        mine = slots[start:start + total]
-        start += total
-        r2t.write(row, 0, mine)
-        kv_buf[mine[:pre].to(DEVICE)] = torch.randn(pre, 1, RANK + ROPE, generator=gen).to(DEVICE, dtype)
-        out_locs.append(mine[pre:])
-    r2t.apply_writes(r2t.take_pending_writes())
+    kv_buf, _ = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+
+    def fill(slots: torch.Tensor) -> None:
+        kv_buf[slots] = torch.randn(len(slots), 1, RANK + ROPE, generator=gen).to(DEVICE, dtype)
+
+    fb = scattered_batch(runner, backend, prefix_lens, extend_lens, mode, gen, fill)
     n = sum(extend_lens)
     q = torch.randn(n, h * (RANK + ROPE), generator=gen).to(DEVICE, dtype)
     k = torch.randn(n, RANK + ROPE, generator=gen).to(DEVICE, dtype)
-
-    def dev(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=DEVICE)
-
-    fb = ForwardBatch(
-        forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(n, dtype=torch.int64, device=DEVICE),
-        req_pool_indices=dev(rows), seq_lens=dev(totals), out_cache_loc=torch.cat(out_locs).to(DEVICE),
-        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=pool,
-        attn_backend=backend, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
-    if mode.is_extend():
-        starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
-        fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(extend_lens), dev(prefix_lens), \
-            dev(starts)
-        fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
     return fb, q, k
 
 

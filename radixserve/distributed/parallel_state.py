@@ -127,8 +127,14 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The TP ranks' `x` concatenated along `dim` in rank order (decode-sized ones, e.g. the logits of a few rows,
+    through the custom all-reduce: `CustomAllReduce.all_gather`)."""
     if _TP_SIZE == 1:
         return x
+    if _CUSTOM_AR is not None:
+        out = _CUSTOM_AR.all_gather(x, dim)
+        if out is not None:
+            return out
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)

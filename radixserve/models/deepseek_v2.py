@@ -53,7 +53,8 @@ if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
 
-PREP_TOKENS = 16  # tokens up to which q absorption, rotary, the latent norm and store run as one kernel
+# tokens up to which q absorption, rotary, the latent norm and store run fused (`mla_prep.py`); None: every batch
+FUSED_PREP_TOKENS: int | None = None
 
 
 class DeepseekMLAAttention(nn.Module):
@@ -122,7 +123,7 @@ class DeepseekMLAAttention(nn.Module):
         q = q.view(t, self.num_heads, self.nope + self.rope)
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
-        if 0 < t <= PREP_TOKENS and use_fused(first) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
+        if 0 < t <= (FUSED_PREP_TOKENS or t) and use_fused(first) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
                 and kv_a.stride(1) == 1:
             q_full, k_full, saved = self._prep_fused(positions, q, kv_a, w_kc, forward_batch)
             o = self.attn(q_full.reshape(t, -1), k_full, k_full[:, :self.rank], forward_batch,

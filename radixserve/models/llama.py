@@ -164,7 +164,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qkv_bias: bool = False,
                  qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        # untied: every TP rank holds the whole embedding (one row read a token, no masked lookup and no
+        # all-reduce; vocab x hidden x 2 bytes more memory a rank); tied, it is also the LM head, whose product
+        # stays split over the ranks
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, qkv_bias, qk_norm, mlp_factory)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -157,6 +157,18 @@ def _rank(rank: int, port: int, results: dict) -> None:
             normed, new_res = pu.fused_add_rmsnorm(x, torch.ones_like(x), torch.ones_like(x[0]), 1e-6, nxt)
             out[f"push-prefetch-{rep}"] = torch.equal(new_res, torch.full_like(x, 4.0)) and \
                 torch.equal(normed, torch.ones_like(x))
+        # the all-gather through the one-shot (the logits): NCCL's concatenation, bit for bit, inf and -0.0 kept
+        # as values; too large a result is left to NCCL (None)
+        g = torch.Generator(device="cuda").manual_seed(20 + rank)
+        for shape, dim, dtype in (((1, 1000), -1, torch.bfloat16), ((3, 512), 1, torch.float32),
+                                  ((4, 8), 0, torch.bfloat16)):
+            x = torch.randn(shape, device="cuda", generator=g).to(dtype)
+            x.view(-1)[0] = float("inf") if rank else -0.0
+            parts = [torch.empty_like(x) for _ in range(2)]
+            dist.all_gather(parts, x)
+            got = pu.all_gather(x, dim)
+            out[f"push-gather-{shape}-{dim}"] = got is not None and torch.equal(got, torch.cat(parts, dim))
+        out["push-gather-too-large"] = pu.all_gather(torch.zeros(1, 100_000, device="cuda"), -1) is None
     stage("push one-shot and its fused add + RMSNorm checked")
     results[rank] = out
     dist.barrier(group=cpu_group)

@@ -147,3 +147,13 @@ def test_tiny_moe_and_mla_cuda_graph_and_eager_match_transformers(kind: str, tmp
         assert StaticBatch(graph).generate([prompt], 12) == [tokens]
     eager = make_runner(str(tmp_path), device="cuda", disable_cuda_graph=True)
     assert StaticBatch(eager).generate(prompts, 12) == want
+
+
+def test_tiny_mla_decode_batch_over_16_in_a_graph_matches_transformers(tmp_path) -> None:
+    """20 rows a decode step: MLA's preparation as a bmm and a program per token (`mla_prep.py`), in a CUDA graph."""
+    hf = make_tiny_model("deepseek_v2", str(tmp_path), initializer_range=0.08)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(3 + i)] for i in range(20)]
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    graph = make_runner(str(tmp_path), device="cuda", cuda_graph_max_bs=32)
+    assert graph.cuda_graph_runner is not None and graph.cuda_graph_runner.max_bs >= 20
+    assert StaticBatch(graph).generate(prompts, 6) == want

@@ -16,6 +16,8 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available():
+    from test_triton_attention import scattered_batch
+
     from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from radixserve.layers.attention.triton_backend import TritonAttnBackend
     from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -43,42 +45,17 @@ def make_layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamesp
 def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
                mode: ForwardMode) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg, dtype = runner.model_config, runner.dtype
-    r2t, kv = runner.req_to_token_pool, runner.token_to_kv_pool
-    totals = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    rows = r2t.alloc(len(totals))
-    slots = kv.alloc(sum(totals))
-    if rows is None or slots is None:
-        raise RuntimeError("test pools too small")
-    slots = slots[torch.randperm(len(slots))]
-    k_buf, v_buf = kv.get_kv_buffer(LAYER_ID)
-    out_locs, start = [], 0
-    for row, pre, total in zip(rows, prefix_lens, totals, strict=True):
-        mine = slots[start:start + total]
-        start += total
-        r2t.write(row, 0, mine)
-        idx = mine[:pre].to(DEVICE)
-        k_buf[idx] = torch.randn(pre, cfg.num_key_value_heads, cfg.head_dim, device=DEVICE, dtype=dtype)
-        v_buf[idx] = torch.randn(pre, cfg.num_key_value_heads, cfg.head_dim, device=DEVICE, dtype=dtype)
-        out_locs.append(mine[pre:])
-    r2t.apply_writes(r2t.take_pending_writes())  # request-table writes are queued for the next forward
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(LAYER_ID)
+
+    def fill(slots: torch.Tensor) -> None:  # drawn on the GPU: prefixes here run to thousands of tokens
+        k_buf[slots] = torch.randn(len(slots), cfg.num_key_value_heads, cfg.head_dim, device=DEVICE, dtype=dtype)
+        v_buf[slots] = torch.randn(len(slots), cfg.num_key_value_heads, cfg.head_dim, device=DEVICE, dtype=dtype)
+
+    fb = scattered_batch(runner, backend, prefix_lens, extend_lens, mode, torch.Generator(), fill)
     n = sum(extend_lens)
     q = torch.randn(n, cfg.num_attention_heads * cfg.head_dim, device=DEVICE, dtype=dtype)
     k = torch.randn(n, cfg.num_key_value_heads * cfg.head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn(n, cfg.num_key_value_heads * cfg.head_dim, device=DEVICE, dtype=dtype)
-
-    def dev(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=DEVICE)
-
-    fb = ForwardBatch(
-        forward_mode=mode, batch_size=len(totals), input_ids=torch.zeros(n, dtype=torch.int64, device=DEVICE),
-        req_pool_indices=dev(rows), seq_lens=dev(totals), out_cache_loc=torch.cat(out_locs).to(DEVICE),
-        seq_lens_sum=sum(totals), positions=None, req_to_token_pool=r2t, token_to_kv_pool=kv,
-        attn_backend=backend, seq_lens_cpu=list(totals))  # type: ignore[arg-type]
-    if mode.is_extend():
-        starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
-        fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = dev(extend_lens), dev(prefix_lens), \
-            dev(starts)
-        fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(extend_lens), list(prefix_lens)
     return fb, q, k, v
 
 

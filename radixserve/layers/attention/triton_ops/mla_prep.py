@@ -1,15 +1,18 @@
-"""MLA's decode-side preparation in one launch: what `DeepseekMLAAttention` otherwise does with ~30 small kernels
+"""MLA's preparation in two launches at most: what `DeepseekMLAAttention` otherwise does with ~30 small kernels
 (a copy, the latent RMSNorm, rotary on q_pe and k_pe in torch ops, the q absorption bmm with its transposes, two
 concatenations and the latent store).
 
-Program (h, r), r < R = ceil(rank / BLOCK_R): q_full[t, h, r-block] = q_nope[t, h] · W_UK[h][:, r-block] for every
-token (the head's W_UK block read once, held in registers). Program (h, R): q_full[t, h, rank:] = rope(q_pe[t, h]);
-program (0, R) also writes every token's key row [RMSNorm(c) · w, rope(k_pe)] — into the latent pool at the token's
-slot (`loc`) when given, else into `k_out`. Rotation pairs are interleaved (DeepSeek's checkpoints) or neox halves.
-The arithmetic is the torch path's: float32, the RMSNorm rounded as `RMSNorm` rounds, one rounding per output.
+Up to HEAD_PROGRAM_TOKENS tokens (decode at small batch), one launch: program (h, r), r < R = ceil(rank /
+BLOCK_R): q_full[t, h, r-block] = q_nope[t, h] · W_UK[h][:, r-block] for every token (the head's W_UK block read
+once, held in registers); program (h, R): q_full[t, h, rank:] = rope(q_pe[t, h]); program (0, R) also writes every
+token's key row [RMSNorm(c) · w, rope(k_pe)] — into the latent pool at the token's slot (`loc`) when given, else
+into `k_out`. More tokens (large decode batches, prefill): the absorption is one batched GEMM, then one program
+per token copies its latent queries into q_full, rotates its q_pe and writes its key row. Rotation pairs are
+interleaved (DeepSeek's checkpoints) or neox halves. The arithmetic is the torch path's: float32, the RMSNorm
+rounded as `RMSNorm` rounds, one rounding per output.
 
 `mla_absorb_out` is the output side: o_proj's input [T, H·v] = per head the attention output (over the latent)
-times W_UV^T, in one launch instead of a bmm and a transposing copy.
+times W_UV^T, in one launch up to HEAD_PROGRAM_TOKENS tokens (a bmm and a transposing copy beyond).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.triton_ops.launch import launch
+
+HEAD_PROGRAM_TOKENS = 16  # up to this many tokens a program per head (block) loops over them; beyond, per token
 
 
 @triton.jit
@@ -37,6 +42,27 @@ def _rope_row(Src, Dst, pos_cos, pos_sin, HALF: tl.constexpr, HALF_PAD: tl.const
     x2 = tl.load(Src + i2, mask=ok, other=0.0).to(tl.float32)
     tl.store(Dst + i1, (x1 * c - x2 * s).to(Dst.dtype.element_ty), mask=ok)
     tl.store(Dst + i2, (x2 * c + x1 * s).to(Dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _key_row(KVA, Positions, Cos, Sin, NormW, KOut, Loc, t, eps, stride_kva, stride_ko, stride_cache,
+             RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+             NEOX: tl.constexpr, USE_LOC: tl.constexpr):
+    """Token t's key row [RMSNorm(c) · w, rope(k_pe)] into KOut's row t, or row Loc[t] (the latent pool)."""
+    pos = tl.load(Positions + t).to(tl.int64)
+    if USE_LOC:
+        dst = KOut + tl.load(Loc + t).to(tl.int64) * stride_ko
+    else:
+        dst = KOut + t * stride_ko
+    offs_c = tl.arange(0, RANK_PAD)
+    c_ok = offs_c < RANK
+    nw = tl.load(NormW + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    c = tl.load(KVA + t * stride_kva + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(c * c, axis=0) / RANK + eps)
+    normed = (c * rstd).to(KVA.dtype.element_ty).to(tl.float32) * nw
+    tl.store(dst + offs_c, normed.to(KVA.dtype.element_ty).to(KOut.dtype.element_ty), mask=c_ok)
+    _rope_row(KVA + t * stride_kva + RANK, dst + RANK, Cos + pos * stride_cache, Sin + pos * stride_cache,
+              ROPE_HALF, HALF_PAD, NEOX)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
@@ -64,22 +90,30 @@ def _mla_prep_kernel(Q, KVA, Positions, Cos, Sin, WKC, NormW, QOut, KOut, Loc, n
             _rope_row(Q + t * stride_qt + h * stride_qh + NOPE, QOut + t * stride_qot + h * stride_qoh + RANK,
                       Cos + pos * stride_cache, Sin + pos * stride_cache, ROPE_HALF, HALF_PAD, NEOX)
         if h == 0:  # the key row of every token: normalised latent, rotated k_pe
-            offs_c = tl.arange(0, RANK_PAD)
-            c_ok = offs_c < RANK
-            nw = tl.load(NormW + offs_c, mask=c_ok, other=0.0).to(tl.float32)
             for t in range(num_tokens):
-                pos = tl.load(Positions + t).to(tl.int64)
-                if USE_LOC:
-                    dst = KOut + tl.load(Loc + t).to(tl.int64) * stride_ko
-                else:
-                    dst = KOut + t * stride_ko
-                c = tl.load(KVA + t * stride_kva + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-                rstd = tl.rsqrt(tl.sum(c * c, axis=0) / RANK + eps)
-                normed = (c * rstd).to(KVA.dtype.element_ty).to(tl.float32) * nw
-                tl.store(dst + offs_c, normed.to(KVA.dtype.element_ty).to(KOut.dtype.element_ty), mask=c_ok)
-                _rope_row(KVA + t * stride_kva + RANK, dst + RANK, Cos + pos * stride_cache,
-                          Sin + pos * stride_cache, ROPE_HALF, HALF_PAD, NEOX)
+                _key_row(KVA, Positions, Cos, Sin, NormW, KOut, Loc, t, eps, stride_kva, stride_ko, stride_cache,
+                         RANK, RANK_PAD, ROPE_HALF, HALF_PAD, NEOX, USE_LOC)
 
+
+@triton.jit
+def _mla_rows_kernel(Q, QLat, KVA, Positions, Cos, Sin, NormW, QOut, KOut, Loc, num_heads, eps,
+                     stride_qt, stride_qh, stride_lh, stride_lt, stride_kva, stride_qot, stride_qoh, stride_ko,
+                     stride_cache,
+                     NOPE: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_HALF: tl.constexpr,
+                     HALF_PAD: tl.constexpr, NEOX: tl.constexpr, USE_LOC: tl.constexpr):
+    """Program t (many tokens): q_full[t, h] = [QLat[h, t] (the absorption, a bmm before), rope(q_pe[t, h])] for
+    every head, and token t's key row."""
+    t = tl.program_id(0)
+    pos = tl.load(Positions + t).to(tl.int64)
+    offs_c = tl.arange(0, RANK_PAD)
+    c_ok = offs_c < RANK
+    for h in range(num_heads):
+        lat = tl.load(QLat + h * stride_lh + t * stride_lt + offs_c, mask=c_ok, other=0.0)
+        tl.store(QOut + t * stride_qot + h * stride_qoh + offs_c, lat.to(QOut.dtype.element_ty), mask=c_ok)
+        _rope_row(Q + t * stride_qt + h * stride_qh + NOPE, QOut + t * stride_qot + h * stride_qoh + RANK,
+                  Cos + pos * stride_cache, Sin + pos * stride_cache, ROPE_HALF, HALF_PAD, NEOX)
+    _key_row(KVA, Positions, Cos, Sin, NormW, KOut, Loc, t, eps, stride_kva, stride_ko, stride_cache,
+             RANK, RANK_PAD, ROPE_HALF, HALF_PAD, NEOX, USE_LOC)
 
 def mla_decode_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
                     sin_cache: torch.Tensor, w_kc: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -104,6 +138,15 @@ def mla_decode_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor
         raise ValueError(f"mla_decode_prep: k_out {tuple(k_out.shape)} / loc do not fit {t} tokens")
     q_full = torch.empty((t, heads, rank + rope), dtype=q.dtype, device=q.device)
     if t == 0:
+        return q_full
+    if t > HEAD_PROGRAM_TOKENS:  # the absorption as one batched GEMM, the rest a program per token
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_kc)  # [H, T, rank]
+        launch(_mla_rows_kernel, (t,), q, q_lat, kv_a, positions, cos_cache, sin_cache, norm_weight, q_full, k_out,
+               loc if loc is not None else positions, heads, float(eps), q.stride(0), q.stride(1), q_lat.stride(0),
+               q_lat.stride(1), kv_a.stride(0), q_full.stride(0), q_full.stride(1), k_out.stride(0),
+               cos_cache.stride(0), NOPE=nope, RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
+               ROPE_HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2), NEOX=neox, USE_LOC=loc is not None,
+               **({} if interpreted else {"num_warps": 4}))
         return q_full
     block_r = 16 if interpreted else 64
     num_rb = triton.cdiv(rank, block_r)
@@ -138,6 +181,8 @@ def mla_absorb_out(o: torch.Tensor, w_vc: torch.Tensor, interpreted: bool = Fals
     v = w_vc.shape[1]
     if w_vc.shape != (heads, v, rank) or o.stride(2) != 1 or w_vc.stride(2) != 1:
         raise ValueError(f"mla_absorb_out: o {tuple(o.shape)} and w_vc {tuple(w_vc.shape)} do not fit together")
+    if t > HEAD_PROGRAM_TOKENS:  # a batched GEMM and the transposing copy
+        return torch.bmm(o.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1).reshape(t, heads * v)
     out = torch.empty((t, heads * v), dtype=o.dtype, device=o.device)
     if t == 0:
         return out
