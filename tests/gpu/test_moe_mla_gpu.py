@@ -154,6 +154,6 @@ def test_tiny_mla_decode_batch_over_16_in_a_graph_matches_transformers(tmp_path)
     hf = make_tiny_model("deepseek_v2", str(tmp_path), initializer_range=0.08)
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(3 + i)] for i in range(20)]
     want = [hf_greedy(hf, p, 6) for p in prompts]
-    graph = make_runner(str(tmp_path), device="cuda", cuda_graph_max_bs=32)
+    graph = make_runner(str(tmp_path), device="cuda", cuda_graph_max_bs=32, max_running_requests=32)
     assert graph.cuda_graph_runner is not None and graph.cuda_graph_runner.max_bs >= 20
     assert StaticBatch(graph).generate(prompts, 6) == want
