@@ -37,6 +37,23 @@ class _LoRAHook:
         self.manager, self.base, self.group, self.out_slices = manager, target.base, target.group, target.out_slices
         self.a, self.b = manager.pool.a[key], manager.pool.b[key]
         self.stacked = manager.pool.stacked.get(key)  # ([W; A] buffer, padded bias) or None
+        # the one-row GEMV's tiles for the stacked buffer: the table's for the base weight (None: cuBLAS)
+        self._gemv_cfg = None
+        if self.stacked is not None and self.stacked[0].is_cuda:
+            from radixserve.layers.triton_ops.gemv import gemv_config
+
+            self._gemv_cfg = gemv_config(target.base.weight)
+
+    def _row_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """One row: the stacked [W; A] product through the one-row Triton GEMV with the tiles the table gives the
+        base weight (the slots' A rows add a few percent to N), as the base layer without adapters runs; None
+        where the base keeps cuBLAS."""
+        if self._gemv_cfg is None or x.stride(-1) != 1 or x.dtype != self.stacked[0].dtype \
+                or torch.compiler.is_compiling():
+            return None
+        from radixserve.layers.triton_ops.gemv import gemv_row
+
+        return gemv_row(x, self.stacked[0], self.stacked[1], self._gemv_cfg)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, base = self.manager, self.base
@@ -45,10 +62,12 @@ class _LoRAHook:
             from radixserve.lora.triton_ops import lora_expand_stacked
 
             _, _, _, order, sorted_slots = info.views()
-            y = cpu_ops.linear(x, *self.stacked)  # the base output and every slot's shrink, one GEMM
+            y = self._row_gemv(x) if x.shape[0] == 1 else None
+            if y is None:
+                y = cpu_ops.linear(x, *self.stacked)  # the base output and every slot's shrink, one GEMM
             return lora_expand_stacked(y, self.b, m.pool.scalings, self.out_slices, order, sorted_slots,
                                        info.num_rows)
-        out = base.quant_method.apply(base, x, base.bias)
+        out = base._plain_cuda(x) if base._plain and x.is_cuda else base.quant_method.apply(base, x, base.bias)
         return apply_lora(x, out, self.a, self.b, self.out_slices, info, m.pool, self.group)
 
 
