@@ -177,6 +177,50 @@ def test_stacked_expand_matches_torch_reference(K, out_slices, R, req_slots, cou
         assert torch.equal(out.cpu(), y[:, :N])
 
 
+@pytest.mark.parametrize("slot", [-1, 0, 2])
+@pytest.mark.parametrize("out_slices,R", [([(0, 48), (48, 16), (64, 16)], 16), ([(0, 40), (40, 40)], 8)])
+def test_one_row_gemv_of_the_active_slot_then_expand(slot, out_slices, R) -> None:
+    """Decode at batch 1 on the stacked path: the one-row GEMV over [W; A_0; A_1; A_2] computes the base rows and
+    only the row's slot's A rows (the other slots' outputs are never read), then the expand == the reference; a
+    base row (-1) computes no A row at all."""
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.triton_ops.gemv import gemv_row
+    from radixserve.lora.triton_ops import lora_expand_stacked
+
+    K = 64
+    ranks = [R, max(1, R // 2), 4]
+    a, b, scal = make_case(K, out_slices, R, ranks, seed=11)
+    N = sum(n for _, n in out_slices)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    stacked = torch.cat([w, a.reshape(-1, K)]).to(DEV)
+    packed, groups, _ = group_rows([slot], None, num_slots=3)
+    info = LoRABatchInfo(3, packed=packed.to(DEV))
+    _, _, _, order, sorted_slots = info.views()
+    cfg = None if DEV == "cuda" else GemvConfig("ew", 4, 32)
+    y = gemv_row(x.to(DEV), stacked, None, cfg, slots=(sorted_slots, N, a.shape[1]))
+    ref_y = x @ stacked.cpu().T
+    mine = slice(N + slot * a.shape[1], N + (slot + 1) * a.shape[1]) if slot >= 0 else slice(0, 0)
+    torch.testing.assert_close(y[:, :N].cpu(), ref_y[:, :N], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y[:, mine].cpu(), ref_y[:, mine], rtol=1e-5, atol=1e-5)
+    out = lora_expand_stacked(y, b.to(DEV), torch.tensor(scal, device=DEV), out_slices, order, sorted_slots,
+                              info.num_rows)
+    ref = x @ w.T
+    lora_delta_torch(x, ref, a, b, out_slices, groups, ranks, scal)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_gemv_slots_are_checked() -> None:
+    from radixserve.layers.triton_ops.gemv import gemv_row
+
+    slot = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="do not tile"):
+        gemv_row(torch.randn(1, 16), torch.randn(40, 16), slots=(slot, 32, 6))
+    with pytest.raises(ValueError, match="no slots"):
+        gemv_row(torch.randn(1, 16), torch.randn(40, 16), silu_mul=True, slots=(slot, 32, 8))
+
+
 def test_stacked_expand_in_bfloat16() -> None:
     from radixserve.lora.triton_ops import lora_expand_stacked
 

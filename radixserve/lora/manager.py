@@ -44,16 +44,18 @@ class _LoRAHook:
 
             self._gemv_cfg = gemv_config(target.base.weight)
 
-    def _row_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _row_gemv(self, x: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor | None:
         """One row: the stacked [W; A] product through the one-row Triton GEMV with the tiles the table gives the
-        base weight (the slots' A rows add a few percent to N), as the base layer without adapters runs; None
-        where the base keeps cuBLAS."""
+        base weight, as the base layer without adapters runs, reading only the A rows of the row's slot
+        (`row_slot`, a device tensor: under a CUDA graph the slot changes without a capture); None where the base
+        keeps cuBLAS."""
         if self._gemv_cfg is None or x.stride(-1) != 1 or x.dtype != self.stacked[0].dtype \
                 or torch.compiler.is_compiling():
             return None
         from radixserve.layers.triton_ops.gemv import gemv_row
 
-        return gemv_row(x, self.stacked[0], self.stacked[1], self._gemv_cfg)
+        slots = (row_slot, self.base.weight.shape[0], self.a.shape[1])
+        return gemv_row(x, self.stacked[0], self.stacked[1], self._gemv_cfg, slots=slots)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, base = self.manager, self.base
@@ -62,7 +64,7 @@ class _LoRAHook:
             from radixserve.lora.triton_ops import lora_expand_stacked
 
             _, _, _, order, sorted_slots = info.views()
-            y = self._row_gemv(x) if x.shape[0] == 1 else None
+            y = self._row_gemv(x, sorted_slots) if x.shape[0] == 1 else None
             if y is None:
                 y = cpu_ops.linear(x, *self.stacked)  # the base output and every slot's shrink, one GEMM
             return lora_expand_stacked(y, self.b, m.pool.scalings, self.out_slices, order, sorted_slots,

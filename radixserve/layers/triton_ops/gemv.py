@@ -51,14 +51,19 @@ def _normed_chunk(X, Res, NormW, offs_k, mask_k, rstd, HAS_RES: tl.constexpr, NO
 
 
 @triton.jit
-def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, N1, N, K, stride_wn, stride_w2n, eps,
+def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, N1, N, K, stride_wn, stride_w2n, eps,
                      HAS_W2: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = 0):
+                     SLOT_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    if SLOT_ROWS > 0:  # rows from N1 on come in slots of SLOT_ROWS: only slot `*Slot`'s are computed (-1: none)
+        slot = tl.load(Slot)
+        row_ok = row_ok & ((rows < N1) | ((rows - N1) // SLOT_ROWS == slot))
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+            return
     cols = tl.arange(0, BLOCK_K)
     if HAS_W2:  # rows [0, N1) from W, [N1, N) from W2
         in_w1 = rows < N1
@@ -150,37 +155,44 @@ def _check(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None = None) -> 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: torch.Tensor | None,
             norm: tuple[torch.Tensor | None, torch.Tensor, float] | None, silu_mul: bool, n_out: int,
-            cfg: gemv_configs.GemvConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+            cfg: gemv_configs.GemvConfig,
+            slots: tuple[torch.Tensor, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     k = x.shape[1]
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
     res_out = torch.empty_like(x) if res is not None else None
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
-    n1 = w.shape[0] if w2 is not None else n_out
+    n1 = w.shape[0] if w2 is not None else (slots[1] if slots is not None else n_out)
     launch(_gemv_row_kernel, (triton.cdiv(n_out, cfg.block_n),), x, res if res is not None else x, nw,
            res_out if res_out is not None else out, w, w2 if w2 is not None else w,
-           bias if bias is not None else out, out, n1, n_out, k, w.stride(0),
-           w2.stride(0) if w2 is not None else w.stride(0), float(eps),
+           bias if bias is not None else out, out, slots[0] if slots is not None else out, n1, n_out, k,
+           w.stride(0), w2.stride(0) if w2 is not None else w.stride(0), float(eps),
            HAS_W2=w2 is not None, NORM=norm is not None, HAS_RES=res is not None, HAS_BIAS=bias is not None,
-           SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, **opts,
-           **pdl.launch_opts(x))
+           SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+           SLOT_ROWS=slots[2] if slots is not None else 0, **opts, **pdl.launch_opts(x))
     return out, res_out
 
 
 def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-             config: gemv_configs.GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+             config: gemv_configs.GemvConfig | None = None, silu_mul: bool = False,
+             slots: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """x [1, K] times w [N, K] (x's dtype, rows contiguous) -> [1, N]; with `silu_mul`, w is [gate; up] and the
-    result silu(gate) * up [1, N / 2]. `config` gives the tiles (default: the "row16" family's)."""
+    result silu(gate) * up [1, N / 2]. `config` gives the tiles (default: the "row16" family's).
+    `slots` = (slot, n_main, slot_rows): w's rows from n_main on are slots of slot_rows rows (LoRA's A stacked
+    under the base weight) and only those of slot `slot[0]` (a device tensor, -1: none) are computed; the other
+    slots' outputs are left unwritten."""
     _check(x, w)
     n = w.shape[0]
-    if silu_mul and n % 2:
-        raise ValueError(f"gemv_row with silu_mul expects a stacked [gate; up] weight (even rows), got {n}")
+    if silu_mul and (n % 2 or slots is not None):
+        raise ValueError(f"gemv_row with silu_mul expects a stacked [gate; up] weight (even rows, no slots), got {n}")
+    if slots is not None and (slots[2] <= 0 or not 0 <= slots[1] <= n or (n - slots[1]) % slots[2]):
+        raise ValueError(f"gemv_row: slots of {slots[2]} rows from row {slots[1]} do not tile {n} rows")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv_row: bias {tuple(bias.shape)} for {n} outputs")
     n_out = n // 2 if silu_mul else n
     cfg = config or (gemv_configs.default("row16", 1, True) if x.is_cuda else _CPU_TILES)
-    return _launch(x, w, bias, None, None, silu_mul, n_out, cfg)[0]
+    return _launch(x, w, bias, None, None, silu_mul, n_out, cfg, slots)[0]
 
 
 def gemv_row_norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
