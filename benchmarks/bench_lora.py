@@ -74,6 +74,10 @@ def profile_summary(prof: torch.profiler.profile, steps: int, top: int = 12) -> 
     lines = [f"  kernels/step {sum(r[1] for r in rows):.0f}, GPU busy {total:.0f} us/step; LoRA kernels/step "
              f"{sum(r[1] for r in lora):.0f}, {sum(r[0] for r in lora):.0f} us/step"]
     lines += [f"  {us:9.1f} us {n:6.1f}x  {name[:90]}" for us, n, name in rows[:top]]
+    host = sorted(((e.self_cpu_time_total / steps, e.count / steps, e.key) for e in prof.key_averages()
+                   if e.self_cpu_time_total > 0), reverse=True)
+    lines.append(f"  host: {sum(r[0] for r in host):.0f} us/step of profiled CPU ops (self time), the top:")
+    lines += [f"  {us:9.1f} us {n:6.1f}x  {name[:90]}" for us, n, name in host[:top]]
     return "\n".join(lines)
 
 
