@@ -43,10 +43,6 @@ class _LoRAHook:
             from radixserve.layers.triton_ops.gemv import gemv_config
 
             self._gemv_cfg = gemv_config(target.base.weight)
-            if self._gemv_cfg is None and target.group == "gate_up_proj":
-                # the base runs gate_up through the GEMV with silu * up in its epilogue (the table's silu entry);
-                # with adapters the delta comes before the activation: the same tiles over the plain stacked rows
-                self._gemv_cfg = gemv_config(target.base.weight, silu_mul=True)
 
     def _row_gemv(self, x: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor | None:
         """One row: the stacked [W; A] product through the one-row Triton GEMV with the tiles the table gives the
