@@ -43,10 +43,11 @@ DEFAULT_HEAVY_CHANNEL_NUM = 16
 DEFAULT_HEAVY_TOKEN_NUM = 1024
 DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
 TOPK_MAX_CHUNKS = 1  # chunked top-k measured slower on the H200 (docs/perf-log.md): off
-# the top-k of the Triton path: "torch" (torch.topk: a multi-kernel radix select, 54 us for 8 rows of 64K on the
-# H200) or "threshold" (histogram rounds on the scores' bits, triton_ops/topk_select.py; docs/perf-log.md has both
-# measured)
-TOPK_METHOD = "torch"
+# the top-k of the Triton path: "threshold" (histogram rounds on the scores' bits, triton_ops/topk_select.py) or
+# "torch" (torch.topk: a multi-kernel radix select). H200, 8B shape, 64K context (docs/PERFORMANCE.md): 8 rows (batch
+# 1) 23 us against 53, 64 rows (batch 8) 100 us against 95 with blocks of THRESHOLD_BLOCK scores
+TOPK_METHOD = "threshold"
+THRESHOLD_BLOCK = 4096
 # Always among the kept tokens (within --ds-heavy-token-num): the first few (attention sinks) and the most recent ones,
 # whose weight the heavy channels underestimate (RoPE's fast-turning channels, which favour nearby tokens, are
 # rarely heavy). At most a quarter / half of the kept tokens.
@@ -274,7 +275,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
         if TOPK_METHOD == "threshold":
             from radixserve.layers.attention.triton_ops.topk_select import threshold_topk
 
-            top = threshold_topk(scores, k)
+            top = threshold_topk(scores, k, block=THRESHOLD_BLOCK)
         else:
             top = topk_positions(scores, k, self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]
