@@ -37,7 +37,7 @@ def test_fields_round_trip_through_gguf_bytes(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
-@pytest.mark.parametrize("m", [1, 5, 20])
+@pytest.mark.parametrize("m", [1, 5, 20, 70])  # 70: past DEQUANT_MIN_M, dequantised once then F.linear
 def test_gguf_gemm_kernel_matches_reference(fmt: str, m: int) -> None:
     g = torch.Generator().manual_seed(m)
     n, k = 40, 512 if fmt == G.Q4_K else 96
@@ -47,6 +47,23 @@ def test_gguf_gemm_kernel_matches_reference(fmt: str, m: int) -> None:
     out = gguf_gemm(x.to(DEV), fmt, {f: v.to(DEV) for f, v in fields.items()}, n, bias.to(DEV))
     ref = torch.nn.functional.linear(x, G.dequantize(fmt, fields), bias)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt,n,k", [(G.Q4_K, 40, 512), (G.Q4_K, 7, 256), (G.Q8_0, 40, 96), (G.Q8_0, 19, 512)])
+def test_gguf_dequantize_kernel_equals_reference(fmt: str, n: int, k: int) -> None:
+    """The one-launch dequantisation (rows not a multiple of the tile, Q8_0 K both a multiple of 256 and not) is
+    the reference's float32 weight exactly, and within one bf16 step in bf16."""
+    from radixserve.layers.quantization.gguf_kernels import gguf_dequantize
+
+    fields = G.quantize(fmt, torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
+    dev_fields = {f: v.to(DEV) for f, v in fields.items()}
+    ref = G.dequantize(fmt, fields)
+    assert torch.equal(gguf_dequantize(fmt, dev_fields, n, k, torch.float32).cpu(), ref)
+    half = gguf_dequantize(fmt, dev_fields, n, k, torch.bfloat16).cpu()  # (the interpreter's bf16 cast truncates)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), ref, rtol=2 ** -7, atol=1e-6)
+    with pytest.raises(ValueError, match="columns"):
+        gguf_dequantize(fmt, dev_fields, n, k + 16, torch.float32)
 
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
