@@ -108,6 +108,19 @@ class TritonAttnBackend(AttentionBackend):
             mid_lse = self._mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
         return mid_o, mid_lse
 
+    def _decode_scratch(self, meta: TritonForwardMetadata, bs: int, num_heads: int,
+                        head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split-KV partials (mid_o [bs, heads, cap, head_dim], mid_lse [bs, heads, cap]) for a decode layer:
+        views of the batch's scratch (the CUDA-graph state's, which must be large enough, or the eager one)."""
+        splits = meta.num_kv_splits
+        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim, splits)
+        if meta.mid_o is None or meta.mid_lse is None or meta.mid_o.numel() < n_o or meta.mid_lse.numel() < n_lse:
+            if meta.cuda_graph:
+                raise RuntimeError("decode scratch of the CUDA-graph state is too small for this layer")
+            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, head_dim, splits)
+        cap = split_capacity(splits)
+        return meta.mid_o[:n_o].view(bs, num_heads, cap, head_dim), meta.mid_lse[:n_lse].view(bs, num_heads, cap)
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         bs = forward_batch.batch_size
@@ -242,14 +255,7 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"decode got {bs} query rows for a batch of {meta.seq_lens.shape[0]}")
         o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
         splits = meta.num_kv_splits
-        n_o, n_lse = self._scratch_numel(bs, num_heads, head_dim, splits)
-        if meta.mid_o is None or meta.mid_lse is None or meta.mid_o.numel() < n_o or meta.mid_lse.numel() < n_lse:
-            if meta.cuda_graph:
-                raise RuntimeError("decode scratch of the CUDA-graph state is too small for this layer")
-            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, head_dim, splits)
-        cap = split_capacity(splits)
-        mid_o = meta.mid_o[:n_o].view(bs, num_heads, cap, head_dim)
-        mid_lse = meta.mid_lse[:n_lse].view(bs, num_heads, cap)
+        mid_o, mid_lse = self._decode_scratch(meta, bs, num_heads, head_dim)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         decode_attention_fwd(
             q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
@@ -289,14 +295,8 @@ class TritonAttnBackend(AttentionBackend):
         bs = q3.shape[0]
         o = torch.empty((bs, num_heads, dv), dtype=q.dtype, device=q.device)
         splits = meta.num_kv_splits
-        n_o, n_lse = self._scratch_numel(bs, num_heads, dv, splits)
-        if meta.mid_o is None or meta.mid_lse is None or meta.mid_o.numel() < n_o or meta.mid_lse.numel() < n_lse:
-            if meta.cuda_graph:
-                raise RuntimeError("decode scratch of the CUDA-graph state is too small for this layer")
-            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(bs, num_heads, dv, splits)
-        cap = split_capacity(splits)
+        mid_o, mid_lse = self._decode_scratch(meta, bs, num_heads, dv)
         kv_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        mla_decode_fwd(q3, kv_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                       meta.mid_o[:n_o].view(bs, num_heads, cap, dv), meta.mid_lse[:n_lse].view(bs, num_heads, cap),
+        mla_decode_fwd(q3, kv_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
                        layer.scaling, dv, splits, min_split_len=self.min_split_len)
         return o.view(-1, num_heads * dv)
