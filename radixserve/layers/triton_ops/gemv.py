@@ -12,6 +12,8 @@ one-row 16-bit product:
   silu(gate) * up (the gated MLP's activation in the epilogue: one kernel and one [1, 2N] round trip less a layer);
 - `w2`: out = x @ [W; W2].T, two projections of the same input in one launch (DeepSeek's q_proj and
   kv_a_proj_with_mqa);
+- `slots`: the rows past the base weight are equal slots (LoRA's A of every adapter slot stacked under the base
+  weight) and only the slot named by a device tensor is computed: a batch-1 decode reads its own adapter's rows only;
 - `norm` = (residual or None, norm weight, eps): the input is RMSNorm(x + residual) * weight, rounded as
   `fused_add_rmsnorm` rounds (the sum, the normalised row and its product with the weight each to the activation
   dtype). Every program takes the row's statistics itself (a first pass over a few KB that stay in L2) and program
