@@ -122,15 +122,18 @@ def gguf_dequantize(fmt: str, fields: dict[str, torch.Tensor], n: int, k: int, d
     return out
 
 
-# Above this many rows a product dequantises the weight once into a 16-bit buffer and multiplies with cuBLAS:
-# the tiled kernel below dequantises the weight again for every block of 64 rows (a 512-token prefill of the
-# 8B shape measured 745 ms with it).
-DEQUANT_MIN_M = 64
+# Above this many rows a product dequantises the weight once into a 16-bit buffer (one pass over the packed bytes,
+# one write of the 16-bit weight: ~5 ms for the 8B on an H200) and multiplies with cuBLAS. The tiled kernel below
+# dequantises the weight again for every block of rows, with a gather per weight for each scale: a 512-token
+# prefill of the 8B shape (8 blocks of 64 rows) took 745 ms with it, ~90 ms a block, so past its one block of up to
+# 16 rows the buffer wins.
+DEQUANT_MIN_M = 16
 
 
 def gguf_gemm(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous) times the packed weight [N, K] of format `fmt` ("Q8_0" or "Q4_K")."""
+    """x [M, K] (rows contiguous) times the packed weight [N, K] of format `fmt` ("Q8_0" or "Q4_K"): the tiled
+    kernel that dequantises in registers up to DEQUANT_MIN_M rows, the dequantised weight and cuBLAS above."""
     m, k = x.shape
     q4k = fmt == "Q4_K"
     if x.stride(-1) != 1 or k % (256 if q4k else 32):
@@ -143,10 +146,7 @@ def gguf_gemm(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
         return out
     wq, d = fields["qweight"], fields["d"]
     sc, mn, dmin = (fields["scales"], fields["mins"], fields["dmin"]) if q4k else (d, d, d)
-    small = m <= 16
-    block_m = 16 if small else 64
-    block_n = 32 if small else 64
-    block_k = 128 if small else 64
+    block_m, block_n, block_k = 16, 32, 128  # one block of rows: m <= DEQUANT_MIN_M here
     if not x.is_cuda:  # the interpreter: small tiles
         block_n, block_k = 16, 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
