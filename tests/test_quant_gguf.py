@@ -15,7 +15,7 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.layers import cpu_ops
 from radixserve.layers.quantization import gguf_formats as G
 from radixserve.layers.quantization.gguf import GGUFLinearMethod
-from radixserve.layers.quantization.gguf_kernels import gguf_gemm
+from radixserve.layers.quantization.gguf_gemm import gguf_gemm
 from radixserve.model_loader import get_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +53,7 @@ def test_gguf_gemm_kernel_matches_reference(fmt: str, m: int) -> None:
 def test_gguf_dequantize_kernel_equals_reference(fmt: str, n: int, k: int) -> None:
     """The one-launch dequantisation (rows not a multiple of the tile, Q8_0 K both a multiple of 256 and not) is
     the reference's float32 weight exactly, and within one bf16 step in bf16."""
-    from radixserve.layers.quantization.gguf_kernels import gguf_dequantize
+    from radixserve.layers.quantization.gguf_gemm import gguf_dequantize
 
     fields = G.quantize(fmt, torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
     dev_fields = {f: v.to(DEV) for f, v in fields.items()}

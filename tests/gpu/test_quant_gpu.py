@@ -17,7 +17,7 @@ from radixserve.layers.quantization import fp8 as fp8mod  # noqa: E402
 from radixserve.layers.quantization import gguf_formats as G  # noqa: E402
 from radixserve.layers.quantization.fp8 import fp8_linear_ref, quantize_blocks, quantize_rows  # noqa: E402
 from radixserve.layers.quantization.fp8_kernels import fp8_gemm, per_token_group_quant_fp8  # noqa: E402
-from radixserve.layers.quantization.gguf_kernels import gguf_gemm  # noqa: E402
+from radixserve.layers.quantization.gguf_gemm import gguf_gemm  # noqa: E402
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

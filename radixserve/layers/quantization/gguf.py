@@ -1,5 +1,5 @@
 """GGUF weights kept quantized: Q8_0 and Q4_K linear layers hold their packed fields (`gguf_formats`) and multiply
-through a Triton kernel that dequantises tiles in registers (`gguf_kernels`); on the CPU the dequantising torch
+through Triton kernels that dequantise in registers (`gguf_kernels`, `gguf_gemm`); on the CPU the dequantising torch
 reference runs. Every other tensor type (F16/F32, Q6_K, Q5_0, ...), and a stacked layer whose parts differ in type,
 is dequantised at load as before, with one log line saying which.
 
@@ -125,7 +125,8 @@ class GGUFLinearMethod(LinearMethodBase):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if use_fused(x2):
-            from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, gguf_gemm, gguf_gemv
+            from radixserve.layers.quantization.gguf_gemm import gguf_gemm
+            from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, gguf_gemv
 
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
             out = gguf_gemv(x2, self.fmt, self.fields(layer), layer.output_size, bias) \
