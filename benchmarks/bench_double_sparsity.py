@@ -236,7 +236,8 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
     if channel_file is None:
         channel_file = args.channel_file_out
         calibrate_main(["--out", channel_file, "--num-tokens", str(args.calib_tokens), "--device", args.device,
-                        "--dtype", "float32"] + (["--model-path", args.model_path] if args.model_path else []))
+                        "--dtype", "float32"] + (["--model-path", args.model_path] if args.model_path else [])
+                       + (["--text-file", args.text_file] if args.text_file else []))
     longest = max(args.context) + args.steps
     sa = ServerArgs(model_path=args.model_path, device=args.device, dtype="float32",
                     attention_backend="double_sparsity", ds_channel_config_path=channel_file,
@@ -354,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--channel-file-out", default=os.path.join(os.environ.get("RS_DEVICE_TMP", "/tmp"),
                                                                "ds_channels.json"))
     a.add_argument("--calib-tokens", type=int, default=8192)
-    a.add_argument("--text-file", default=None, help="default: this package's Python sources")
+    a.add_argument("--text-file", default=None,
+                   help="the text to calibrate on (unless --channel-file) and to decode; default: this package's "
+                        "Python sources")
     a.add_argument("--device", default="cpu")
     a.add_argument("--keep-ends", type=_pair, nargs="+", default=[None],
                    help="FIRST,LAST positions always kept, one run each (default: the backend's)")
