@@ -84,7 +84,7 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     rpi = torch.arange(bs, device=dev, dtype=torch.int64)
     seq_lens = torch.full((bs,), ctx, device=dev, dtype=torch.int64)
     q = torch.randn(bs, h, d, device=dev, dtype=dtype, generator=gen)
-    q_ch = channels.repeat_interleave(h // hkv, dim=0)
+    q_ch = channels.repeat_interleave(h // hkv, dim=0).contiguous()
     o, o_ds = torch.empty_like(q), torch.empty_like(q)
     splits = kv_split_cap(bs, h, hkv, num_sms, 64)
     cap = split_capacity(splits)
@@ -98,13 +98,13 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rpi, seq_lens, mid_o, mid_lse, d ** -0.5,
                              num_kv_splits=splits)
 
-    def score(block_n: int | None = None) -> None:
-        ql = q.gather(2, q_ch.unsqueeze(0).expand(bs, -1, -1))
-        ds_score_fwd(ql, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n)
+    def score(block_n: int | None = None, hist: torch.Tensor | None = None) -> None:
+        ds_score_fwd(q, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n, q_channels=q_ch, hist=hist)
 
-    def pick() -> torch.Tensor:
+    def pick(first_round_done: bool = False) -> torch.Tensor:
         if state["method"] == "threshold":
-            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, block=state["chunks"])
+            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, block=state["chunks"],
+                                  first_round_done=first_round_done)
         return topk_positions(scores, state["k"], state["chunks"])
 
     def select() -> None:
@@ -116,9 +116,10 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, state["top"], 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
-    def full() -> None:
-        score()
-        top = pick()
+    def full() -> None:  # as the backend runs it: the threshold top-k's first round inside the scorer
+        fused = state["method"] == "threshold"
+        score(hist=scratch if fused else None)
+        top = pick(first_round_done=fused)
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, top, 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 

@@ -55,3 +55,21 @@ def test_threshold_topk_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="float32"):
         threshold_topk(torch.zeros(2, 10, device=DEV, dtype=torch.float16), 3)
 
+
+
+def test_threshold_topk_leaves_its_scratch_clean_for_the_next_call() -> None:
+    """One scratch for many calls, as the double-sparsity backend keeps it: no memset between calls."""
+    from radixserve.layers.attention.triton_ops.topk_select import new_scratch
+
+    gen = torch.Generator().manual_seed(5)
+    scratch = new_scratch(6, DEV)
+    for n, k in [(3000, 50), (1500, 1500), (5000, 7)]:
+        scores = torch.randn(2, 3, n, generator=gen).to(DEV)
+        top = threshold_topk(scores, k, scratch=scratch, block=1024)
+        assert int(scratch.abs().sum()) == 0
+        want = scores.topk(k, dim=-1).values.sort(-1).values
+        torch.testing.assert_close(scores.gather(-1, top.long()).sort(-1).values, want, rtol=0, atol=1e-3)
+    with pytest.raises(ValueError, match="first_round_done"):
+        threshold_topk(torch.zeros(2, 10, device=DEV), 3, first_round_done=True)
+    with pytest.raises(ValueError, match="scratch"):
+        threshold_topk(torch.zeros(8, 10, device=DEV), 3, scratch=scratch)

@@ -181,6 +181,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
                        for _ in range(cfg.num_hidden_layers)]
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.forward_metadata = DoubleSparseMetadata()
+        self._topk_scratch: torch.Tensor | None = None  # threshold top-k histograms: all zeros between calls
 
     # ---------------------------------------------------------------- metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -269,13 +270,18 @@ class DoubleSparseAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
         k = min(self.heavy_token_num, meta.max_len)
-        ds_score_fwd(self.q_labels(q3, layer.layer_id), self.labels[layer.layer_id], self.req_to_token,
-                     forward_batch.req_pool_indices, forward_batch.seq_lens, scores,
-                     *kept_ends(self.heavy_token_num))
-        if TOPK_METHOD == "threshold":
-            from radixserve.layers.attention.triton_ops.topk_select import threshold_topk
+        hist = None
+        if TOPK_METHOD == "threshold":  # the scorer adds the top-k's first round to a scratch kept clean between calls
+            from radixserve.layers.attention.triton_ops.topk_select import new_scratch, threshold_topk
 
-            top = threshold_topk(scores, k, block=THRESHOLD_BLOCK)
+            if self._topk_scratch is None or self._topk_scratch.shape[0] < bs * self.num_kv_heads:
+                self._topk_scratch = new_scratch(bs * self.num_kv_heads, q3.device)
+            hist = self._topk_scratch
+        ds_score_fwd(q3, self.labels[layer.layer_id], self.req_to_token, forward_batch.req_pool_indices,
+                     forward_batch.seq_lens, scores, *kept_ends(self.heavy_token_num),
+                     q_channels=self.q_channels[layer.layer_id], hist=hist)
+        if hist is not None:
+            top = threshold_topk(scores, k, scratch=hist, block=THRESHOLD_BLOCK, first_round_done=True)
         else:
             top = topk_positions(scores, k, self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]

@@ -132,10 +132,10 @@ def _decode_stage1_kernel(
                              stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
-@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
+@triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window", "dense_len", "top_k"])
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, Out, Seq_lens,
-    num_kv_splits, min_split_len, window,
+    num_kv_splits, min_split_len, window, dense_len, top_k,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
@@ -144,6 +144,7 @@ def _decode_stage2_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
     PDL: tl.constexpr = 0,
+    SPARSE: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -155,6 +156,8 @@ def _decode_stage2_kernel(
     # One split per iteration: summing a [SPLIT_BLOCK, D] tile over its split axis was slower at every batch size
     # measured (docs/perf-log.md has the figures).
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    if SPARSE:  # double sparsity: a request past dense_len attended over its top_k selected positions
+        seq_len = tl.where(seq_len <= dense_len, seq_len, top_k)
     _, chunk, n_valid = decode_splits(seq_len, window, num_kv_splits, min_split_len, BLOCK_N)
     lse_base = Mid_LSE + b.to(tl.int64) * stride_mlb + h * stride_mlh
     o_base = Mid_O + b.to(tl.int64) * stride_mob + h * stride_moh
@@ -347,7 +350,7 @@ def decode_attention_fwd(
     grid2 = (bs, num_heads)
     launch(_decode_stage2_kernel, grid2,
         mid_o, mid_lse, o, seq_lens,
-        num_kv_splits, min_split_len, window,
+        num_kv_splits, min_split_len, window, 0, 0,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),

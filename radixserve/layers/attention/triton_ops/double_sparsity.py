@@ -4,8 +4,8 @@ exactly over them.
 The label cache holds, for every KV slot and KV head, the key's values on that head's heavy channels (a few of
 head_dim). `ds_score_fwd` launches one program per (request, block of BLOCK_N positions): it reads the positions'
 slots through req_to_token and their label rows (all KV heads: one contiguous row per token), and multiplies them
-(tl.dot) with a block-diagonal matrix of the query's values on the same channels (the q labels, laid out by
-`block_q_labels`), which gives q-label . k-label for every query head against its own KV head. A position's score
+(tl.dot) with a block-diagonal matrix of the query's values on the same channels (the q labels, gathered from q by
+the kernel), which gives q-label . k-label for every query head against its own KV head. A position's score
 for a KV head is the largest over the query heads that share it (a token stays if any head of the group would look
 at it). Positions at or past
 a request's seq_len score -inf, so `torch.topk` over the row never picks them while real tokens remain.
@@ -36,24 +36,30 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
     is_interpreted,
     split_capacity,
 )
+from radixserve.layers.attention.triton_ops.topk_select import NBINS, NBITS, SCRATCH_WIDTH, hist_round1, order_key
 from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit(do_not_specialize=["n_cols", "keep_first", "keep_last"])
 def _ds_score_kernel(
-    QBlock, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, n_cols, keep_first, keep_last,
-    stride_qb, stride_qr,
+    Q, Q_channels, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, Hist, n_cols, keep_first, keep_last,
+    stride_qb, stride_qh,
+    stride_ch,
     stride_lt,
     stride_r2t,
     stride_sb, stride_sh,
+    stride_hist,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    CHANNELS: tl.constexpr,
     KV_PAD: tl.constexpr,
     G_PAD: tl.constexpr,
-    ROW: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HIST: tl.constexpr,
+    NB: tl.constexpr,
+    HBITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,12 +68,20 @@ def _ds_score_kernel(
     row = tl.load(Req_pool_indices + b).to(tl.int64)
     loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
+    ROW: tl.constexpr = NUM_KV_HEADS * CHANNELS
     # every KV head's labels of a token are one contiguous row of ROW = Hkv * C values
     kl = tl.load(Labels + loc[:, None] * stride_lt + offs_k[None, :],
                  mask=mask_n[:, None] & (offs_k[None, :] < ROW), other=0.0)  # [N, K]
-    offs_j = tl.arange(0, KV_PAD * G_PAD)  # column j: query head j % G_PAD of KV head j // G_PAD
-    qb = tl.load(QBlock + b.to(tl.int64) * stride_qb + offs_j[None, :] * stride_qr + offs_k[:, None])  # [K, J]
-    s = mma(kl, qb, DOT_FP32)  # [N, J]: q_label . k_label of each (KV head, query head of the group)
+    # the block-diagonal matrix of the query's heavy channels, gathered from q here: column j is query head
+    # j % G_PAD of KV head j // G_PAD, which holds its values on its channels at rows kv * C .. kv * C + C - 1
+    offs_j = tl.arange(0, KV_PAD * G_PAD)
+    kv, g = offs_j // G_PAD, offs_j % G_PAD
+    head = kv * GROUP + g
+    c = offs_k[:, None] - kv[None, :] * CHANNELS
+    on = (c >= 0) & (c < CHANNELS) & ((g < GROUP) & (kv < NUM_KV_HEADS))[None, :]
+    ch = tl.load(Q_channels + head[None, :] * stride_ch + c, mask=on, other=0)
+    qb = tl.load(Q + b.to(tl.int64) * stride_qb + head[None, :] * stride_qh + ch, mask=on, other=0.0)  # [K, J]
+    s = mma(kl, qb.to(kl.dtype), DOT_FP32)  # [N, J]: q_label . k_label of each (KV head, query head of the group)
     real = ((offs_j % G_PAD) < GROUP) & ((offs_j // G_PAD) < NUM_KV_HEADS)
     s = tl.where(real[None, :], s, float("-inf"))
     best = tl.max(tl.reshape(s, (BLOCK_N, KV_PAD, G_PAD)), axis=2)  # [N, KV_PAD]: the group's best
@@ -75,8 +89,14 @@ def _ds_score_kernel(
     best = tl.where(kept[:, None], float("inf"), best)
     best = tl.where(mask_n[:, None], best, float("-inf"))
     offs_h = tl.arange(0, KV_PAD)
+    in_row = offs_n < n_cols
     tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
-             mask=(offs_n[:, None] < n_cols) & (offs_h[None, :] < NUM_KV_HEADS))
+             mask=in_row[:, None] & (offs_h[None, :] < NUM_KV_HEADS))
+    if HIST:  # the threshold top-k's first round, from the scores in registers (rows b * Hkv + h)
+        for h in tl.static_range(NUM_KV_HEADS):
+            col = tl.max(tl.where(offs_h[None, :] == h, best, float("-inf")), axis=1)
+            hist_round1(order_key(col), in_row, Hist + (b * NUM_KV_HEADS + h).to(tl.int64) * stride_hist,
+                        NB, HBITS)
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "dense_len", "top_k"])
@@ -154,60 +174,62 @@ def score_layout(num_heads: int, num_kv_heads: int, channels: int) -> tuple[int,
     return kv_pad, g_pad, max(16, triton.next_power_of_2(num_kv_heads * channels))
 
 
-def block_q_labels(q_label: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """q_label [bs, H, C] -> [bs, KV_PAD * G_PAD, BLOCK_K]: row kv * G_PAD + g holds query head kv * G + g's label at
-    columns kv * C .. kv * C + C - 1 and zeros elsewhere (so one product with a token's label row scores every head
-    against its own KV head's channels)."""
-    bs, num_heads, channels = q_label.shape
-    group = num_heads // num_kv_heads
-    kv_pad, g_pad, block_k = score_layout(num_heads, num_kv_heads, channels)
-    out = q_label.new_zeros(bs, kv_pad, g_pad, kv_pad, channels)
-    idx = torch.arange(num_kv_heads, device=q_label.device)
-    out[:, idx, :group, idx, :] = q_label.view(bs, num_kv_heads, group, channels).transpose(0, 1)
-    out = out.view(bs, kv_pad * g_pad, kv_pad * channels)[:, :, :num_kv_heads * channels]
-    if block_k > out.shape[2]:
-        out = torch.nn.functional.pad(out, (0, block_k - out.shape[2]))
-    return out.contiguous()
-
-
-def ds_score_fwd(q_label: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tensor,
+def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor,
-                 keep_first: int = 0, keep_last: int = 0, block_n: int | None = None) -> None:
+                 keep_first: int = 0, keep_last: int = 0, block_n: int | None = None,
+                 q_channels: torch.Tensor | None = None, hist: torch.Tensor | None = None) -> None:
     """scores[b, g, p] = max over the query heads h of KV head g of q_label[b, h] . labels[slot of position p of
     request b, g], for p < seq_lens[b]; -inf for seq_lens[b] <= p < scores.shape[2]. The first `keep_first` and the
     last `keep_last` positions of each request score +inf (a top-k always keeps them).
 
-    q_label: [bs, H, C]; labels: [slots, Hkv, C] (contiguous rows); scores: [bs, Hkv, n_cols] float32 (written in
-    place). One program scores BLOCK_N positions of a request for all its KV heads."""
-    if q_label.dim() != 3 or labels.dim() != 3 or scores.dim() != 3:
-        raise ValueError(f"q_label [bs, H, C], labels [slots, Hkv, C] and scores [bs, Hkv, L] expected; got "
-                         f"{tuple(q_label.shape)}, {tuple(labels.shape)}, {tuple(scores.shape)}")
-    bs, num_heads, channels = q_label.shape
-    num_kv_heads = labels.shape[1]
-    if labels.shape[2] != channels or num_heads % num_kv_heads or tuple(scores.shape[:2]) != (bs, num_kv_heads):
-        raise ValueError(f"shapes disagree: q_label {tuple(q_label.shape)}, labels {tuple(labels.shape)}, scores "
-                         f"{tuple(scores.shape)}")
+    q_label[b, h, c] = q[b, h, q_channels[h, c]]: q [bs, H, D] with q_channels [H, C] (the heavy channels of each
+    query head, gathered in the kernel), or q is the q_label [bs, H, C] itself when q_channels is None.
+    labels: [slots, Hkv, C] (contiguous rows); scores: [bs, Hkv, n_cols] float32 (written in place).
+    hist: a clean `topk_select` scratch of at least bs * Hkv rows, to which the kernel adds the threshold top-k's
+    first-round histogram of each score row (then `threshold_topk(..., first_round_done=True)`; scores contiguous).
+    One program scores BLOCK_N positions of a request for all its KV heads."""
+    if q.dim() != 3 or labels.dim() != 3 or scores.dim() != 3:
+        raise ValueError(f"q [bs, H, D], labels [slots, Hkv, C] and scores [bs, Hkv, L] expected; got "
+                         f"{tuple(q.shape)}, {tuple(labels.shape)}, {tuple(scores.shape)}")
+    bs, num_heads = q.shape[:2]
+    num_kv_heads, channels = labels.shape[1:]
+    if q_channels is None:
+        if q.shape[2] != channels:
+            raise ValueError(f"q_label {tuple(q.shape)} and labels {tuple(labels.shape)} differ in channels")
+        q_channels = torch.arange(channels, device=q.device).expand(num_heads, channels)
+    if tuple(q_channels.shape) != (num_heads, channels) or q_channels.stride(1) != 1 and channels > 1:
+        raise ValueError(f"q_channels must be [H, C] = [{num_heads}, {channels}] with unit column stride; got "
+                         f"{tuple(q_channels.shape)}")
+    if num_heads % num_kv_heads or tuple(scores.shape[:2]) != (bs, num_kv_heads) or q.stride(2) != 1:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, labels {tuple(labels.shape)}, scores "
+                         f"{tuple(scores.shape)} (q needs a unit last stride)")
     if scores.dtype != torch.float32 or scores.stride(-1) != 1 or labels.stride(2) != 1 \
             or labels.stride(1) != channels:
         raise ValueError("scores must be float32 with a unit last stride, labels rows contiguous")
     n_cols = scores.shape[2]
+    if hist is not None and (not scores.is_contiguous() or hist.dim() != 2 or hist.shape[0] < bs * num_kv_heads
+                             or hist.shape[1] < SCRATCH_WIDTH or hist.dtype != torch.int32 or hist.stride(1) != 1):
+        raise ValueError("hist must be an int32 topk_select scratch [>= bs * Hkv, SCRATCH_WIDTH] and scores "
+                         "contiguous")
     if bs == 0 or n_cols == 0:
         return
     kv_pad, g_pad, block_k = score_layout(num_heads, num_kv_heads, channels)
-    qb = block_q_labels(q_label.to(labels.dtype), num_kv_heads)
     interp = is_interpreted()
     if block_n is None:
         block_n = 32 if interp else 128
     grid = (bs, triton.cdiv(n_cols, block_n))
     launch(_ds_score_kernel, grid,
-        qb, labels, req_to_token, req_pool_indices, seq_lens, scores, n_cols, keep_first, keep_last,
-        qb.stride(0), qb.stride(1),
+        q, q_channels, labels, req_to_token, req_pool_indices, seq_lens, scores,
+        scores if hist is None else hist, n_cols, keep_first, keep_last,
+        q.stride(0), q.stride(1),
+        q_channels.stride(0),
         labels.stride(0),
         req_to_token.stride(0),
         scores.stride(0), scores.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, KV_PAD=kv_pad, G_PAD=g_pad,
-        ROW=num_kv_heads * channels, BLOCK_K=block_k, BLOCK_N=block_n,
-        DOT_FP32=interp or labels.dtype == torch.float32, num_warps=4, num_stages=2,
+        0 if hist is None else hist.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, CHANNELS=channels, KV_PAD=kv_pad, G_PAD=g_pad,
+        BLOCK_K=block_k, BLOCK_N=block_n, DOT_FP32=interp or labels.dtype == torch.float32, HIST=hist is not None,
+        NB=NBINS, HBITS=NBITS, num_warps=4, num_stages=2,
     )
 
 
@@ -293,15 +315,14 @@ def ds_sparse_decode_fwd(
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, DOT_FP32=dot_fp32, num_warps=4 if head_dim <= 128 else 8, num_stages=2,
     )
-    # the merge needs each request's attended count to recompute the same split boundaries
-    counts = torch.where(seq_lens <= dense_len, seq_lens, torch.full_like(seq_lens, top_k))
+    # the merge recomputes the same split boundaries from each request's attended count (SPARSE: from seq_lens)
     launch(_decode_stage2_kernel, (bs, num_heads),
-        mid_o, mid_lse, o, counts,
-        num_kv_splits, min_split_len, 0,
+        mid_o, mid_lse, o, seq_lens,
+        num_kv_splits, min_split_len, 0, dense_len, top_k,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_BLOCK=1, num_warps=4, num_stages=1,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_BLOCK=1, SPARSE=1, num_warps=4, num_stages=1,
     )
 
 

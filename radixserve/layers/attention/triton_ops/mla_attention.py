@@ -116,7 +116,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
            **({} if interp else dict(num_warps=8, num_stages=2)))
     block_c = triton.next_power_of_2(c)
     launch(_decode_stage2_kernel, (bs, num_heads),
-           mid_o, mid_lse, o, seq_lens, num_kv_splits, min_split_len, 0,  # window 0: no sliding window
+           mid_o, mid_lse, o, seq_lens, num_kv_splits, min_split_len, 0, 0, 0,  # no sliding window
            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
            o.stride(0), o.stride(1),
            HEAD_DIM=c, BLOCK_D=block_c, BLOCK_N=block_n, SPLIT_BLOCK=1,

@@ -1,6 +1,6 @@
 """Top-k positions of long score rows by histogram thresholds (a radix select in a few small launches, no sort).
 
-Every float32 score maps to an int32 key of the same order (`_order_key`). The k best of a row are the keys above
+Every float32 score maps to an int32 key of the same order (`order_key`). The k best of a row are the keys above
 a threshold, found from the key's bits, NBITS at a time, in ROUNDS rounds (`_hist_kernel`): every program
 histograms the round's bits (NBINS bins) of its piece of a row, over the keys whose higher bits equal the boundary
 found so far, and adds its counts to the row's histogram (one atomic per non-empty bin). A round's boundary bin is
@@ -10,6 +10,11 @@ agree on those bits: ties to about 3e-5 relative); each program claims its outpu
 
 Exactly k positions per row, in no particular order, with no host work (the launches are captured by CUDA graphs).
 Rows hold at least k scores (the caller takes min(k, row length)). `torch.topk` is the reference.
+
+The scratch (histograms and counters) starts all zeros and is left all zeros: the last select program of a row to
+finish clears the row's scratch, so a caller that keeps one scratch buffer launches no memset per call, and a
+producer of the scores may add the first round's histogram itself (`first_round_done`; `ds_score_fwd` does, via
+`hist_round1`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ ROUNDS = 3  # 24 of the key's 32 bits: keys left tied agree to about 3e-5 relati
 
 
 @triton.jit
-def _order_key(s):
+def order_key(s):
     """float32 -> int32 with the same order (-inf lowest, +inf highest)."""
     b = s.to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
@@ -64,6 +69,13 @@ def _prefix(Hist, k, LEVELS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr
     return p, above
 
 
+@triton.jit
+def hist_round1(key, mask, Hist, NB: tl.constexpr, NBITS: tl.constexpr):
+    """Add the first round's histogram of `key` (order keys, where mask) to a row's scratch at Hist."""
+    h = _masked_hist((key >> (32 - NBITS)) + NB // 2, mask, NB)
+    tl.atomic_add(Hist + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
+
+
 @triton.jit(do_not_specialize=["n_cols", "k"])
 def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
                  ROUND: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -72,16 +84,16 @@ def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
-    key = _order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
+    key = order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
     hist = Hist + r.to(tl.int64) * stride_h
     if ROUND == 1:
-        bins = (key >> (32 - NBITS)) + NB // 2
+        hist_round1(key, m, hist, NB, NBITS)
     else:
         p, _ = _prefix(hist, k, ROUND - 1, NB, NBITS)
         m = m & ((key >> (32 - NBITS * (ROUND - 1))) == p)
         bins = (key >> (32 - NBITS * ROUND)) & (NB - 1)
-    h = _masked_hist(bins, m, NB)
-    tl.atomic_add(hist + (ROUND - 1) * NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
+        h = _masked_hist(bins, m, NB)
+        tl.atomic_add(hist + (ROUND - 1) * NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["n_cols", "k"])
@@ -90,7 +102,7 @@ def _select_kernel(Scores, Hist, Out, n_cols, k, stride_s, stride_h, stride_o,
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
-    key = _order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
+    key = order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
     hist = Hist + r.to(tl.int64) * stride_h
     p, above = _prefix(hist, k, ROUNDS, NB, NBITS)  # keys with a higher prefix: all kept
     q = key >> (32 - NBITS * ROUNDS)
@@ -105,9 +117,17 @@ def _select_kernel(Scores, Hist, Out, n_cols, k, stride_s, stride_h, stride_o,
     tie_base = tl.atomic_add(counters + 1, tl.sum(tie_i, 0), sem="relaxed")
     at = tie_base + tl.cumsum(tie_i, 0) - 1  # this tie's rank among the row's ties
     tl.store(out + above + at, offs.to(Out.dtype.element_ty), mask=tie & (at < k - above))
+    # the row's last program to get here clears its scratch for the next call (every other program of the row has
+    # read the histograms and taken its slots before its increment: acq_rel orders them)
+    done = tl.atomic_add(counters + 2, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        for rnd in tl.static_range(ROUNDS):
+            tl.store(hist + rnd * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
+        tl.store(counters + tl.arange(0, 4), tl.zeros([4], dtype=tl.int32), mask=tl.arange(0, 4) < 3)
 
 
-SCRATCH_WIDTH = ROUNDS * NBINS + 2  # per row: a histogram per round, then the counters of kept keys and of ties taken
+# per row: a histogram per round, then the counters of kept keys, of ties taken and of select programs done
+SCRATCH_WIDTH = ROUNDS * NBINS + 3
 
 
 def new_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -116,30 +136,36 @@ def new_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                   scratch: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
+                   scratch: torch.Tensor | None = None, block: int | None = None,
+                   first_round_done: bool = False) -> torch.Tensor:
     """Positions [..., k] (int32, no particular order) of the k largest of each row of float32 scores [..., L]
-    (unit last stride), L >= k. Ties at the threshold are broken arbitrarily. `scratch` (int32, at least
-    rows x SCRATCH_WIDTH) and `out` may be passed to avoid allocations."""
+    (unit last stride), L >= k. Ties at the threshold are broken arbitrarily. `out` may be passed to avoid an
+    allocation, and `scratch` (int32, at least rows x SCRATCH_WIDTH, all zeros; `new_scratch`), which the call
+    leaves all zeros. `first_round_done`: the scratch already holds the first round's histograms of these scores
+    (added by their producer with `hist_round1`, BEFORE this call, on the same stream)."""
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("threshold_topk needs float32 scores with a unit last stride")
     n_cols = scores.shape[-1]
     if not 1 <= k <= n_cols:
         raise ValueError(f"threshold_topk: k must be in 1..{n_cols} (the row length); got {k}")
+    if first_round_done and scratch is None:
+        raise ValueError("threshold_topk: first_round_done needs the scratch that holds the first round")
     rows2d = scores.reshape(-1, n_cols)
     n_rows = rows2d.shape[0]
     if out is None:
         out = torch.empty(*scores.shape[:-1], k, dtype=torch.int32, device=scores.device)
     out2d = out.view(n_rows, k)
     width = SCRATCH_WIDTH
-    if scratch is None or scratch.numel() < n_rows * width:
-        scratch = torch.empty(n_rows * width, dtype=torch.int32, device=scores.device)
+    if scratch is None:
+        scratch = new_scratch(n_rows, scores.device)
+    elif scratch.dtype != torch.int32 or scratch.numel() < n_rows * width or not scratch.is_contiguous():
+        raise ValueError(f"threshold_topk: the scratch must be contiguous int32 of at least {n_rows} x {width}")
     hist = scratch.view(-1)[:n_rows * width].view(n_rows, width)
-    hist.zero_()
     if n_rows == 0:
         return out
     block = block or 2048
     grid = (n_rows, triton.cdiv(n_cols, block))
-    for rnd in range(1, ROUNDS + 1):
+    for rnd in range(2 if first_round_done else 1, ROUNDS + 1):
         launch(_hist_kernel, grid, rows2d, hist, n_cols, k, rows2d.stride(0), hist.stride(0),
                ROUND=rnd, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8)
     launch(_select_kernel, grid, rows2d, hist, out2d, n_cols, k, rows2d.stride(0), hist.stride(0), out2d.stride(0),
