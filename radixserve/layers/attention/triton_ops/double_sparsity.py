@@ -36,7 +36,7 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
     is_interpreted,
     split_capacity,
 )
-from radixserve.layers.attention.triton_ops.topk_select import NBINS, NBITS, SCRATCH_WIDTH, hist_round1, order_key
+from radixserve.layers.attention.triton_ops.topk_select import NBINS, NBITS, SCRATCH_WIDTH, masked_hist, order_key
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -58,20 +58,15 @@ def _ds_score_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     HIST: tl.constexpr,
+    SUB: tl.constexpr,
     NB: tl.constexpr,
     HBITS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    mask_n = offs_n < seq_len
     row = tl.load(Req_pool_indices + b).to(tl.int64)
-    loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     ROW: tl.constexpr = NUM_KV_HEADS * CHANNELS
-    # every KV head's labels of a token are one contiguous row of ROW = Hkv * C values
-    kl = tl.load(Labels + loc[:, None] * stride_lt + offs_k[None, :],
-                 mask=mask_n[:, None] & (offs_k[None, :] < ROW), other=0.0)  # [N, K]
     # the block-diagonal matrix of the query's heavy channels, gathered from q here: column j is query head
     # j % G_PAD of KV head j // G_PAD, which holds its values on its channels at rows kv * C .. kv * C + C - 1
     offs_j = tl.arange(0, KV_PAD * G_PAD)
@@ -81,22 +76,34 @@ def _ds_score_kernel(
     on = (c >= 0) & (c < CHANNELS) & ((g < GROUP) & (kv < NUM_KV_HEADS))[None, :]
     ch = tl.load(Q_channels + head[None, :] * stride_ch + c, mask=on, other=0)
     qb = tl.load(Q + b.to(tl.int64) * stride_qb + head[None, :] * stride_qh + ch, mask=on, other=0.0)  # [K, J]
-    s = mma(kl, qb.to(kl.dtype), DOT_FP32)  # [N, J]: q_label . k_label of each (KV head, query head of the group)
     real = ((offs_j % G_PAD) < GROUP) & ((offs_j // G_PAD) < NUM_KV_HEADS)
-    s = tl.where(real[None, :], s, float("-inf"))
-    best = tl.max(tl.reshape(s, (BLOCK_N, KV_PAD, G_PAD)), axis=2)  # [N, KV_PAD]: the group's best
-    kept = (offs_n < keep_first) | (offs_n >= seq_len - keep_last)  # always selected: +inf
-    best = tl.where(kept[:, None], float("inf"), best)
-    best = tl.where(mask_n[:, None], best, float("-inf"))
     offs_h = tl.arange(0, KV_PAD)
-    in_row = offs_n < n_cols
-    tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
-             mask=in_row[:, None] & (offs_h[None, :] < NUM_KV_HEADS))
-    if HIST:  # the threshold top-k's first round, from the scores in registers (rows b * Hkv + h)
-        for h in tl.static_range(NUM_KV_HEADS):
-            col = tl.max(tl.where(offs_h[None, :] == h, best, float("-inf")), axis=1)
-            hist_round1(order_key(col), in_row, Hist + (b * NUM_KV_HEADS + h).to(tl.int64) * stride_hist,
-                        NB, HBITS)
+    hist = tl.zeros([KV_PAD * NB], dtype=tl.int32)
+    for sub in tl.static_range(SUB):  # SUB blocks of BLOCK_N positions per program
+        offs_n = (tl.program_id(1) * SUB + sub) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < seq_len
+        loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+        # every KV head's labels of a token are one contiguous row of ROW = Hkv * C values
+        kl = tl.load(Labels + loc[:, None] * stride_lt + offs_k[None, :],
+                     mask=mask_n[:, None] & (offs_k[None, :] < ROW), other=0.0)  # [N, K]
+        s = mma(kl, qb.to(kl.dtype), DOT_FP32)  # [N, J]: q_label . k_label of each (KV head, query head of the group)
+        s = tl.where(real[None, :], s, float("-inf"))
+        best = tl.max(tl.reshape(s, (BLOCK_N, KV_PAD, G_PAD)), axis=2)  # [N, KV_PAD]: the group's best
+        kept = (offs_n < keep_first) | (offs_n >= seq_len - keep_last)  # always selected: +inf
+        best = tl.where(kept[:, None], float("inf"), best)
+        best = tl.where(mask_n[:, None], best, float("-inf"))
+        in_row = (offs_n[:, None] < n_cols) & (offs_h[None, :] < NUM_KV_HEADS)
+        tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
+                 mask=in_row)
+        if HIST:  # the threshold top-k's first round, every KV head's row in one histogram of KV_PAD * NB bins
+            bins = offs_h[None, :] * NB + (order_key(best) >> (32 - HBITS)) + NB // 2
+            hist += masked_hist(tl.reshape(bins, (BLOCK_N * KV_PAD,)), tl.reshape(in_row, (BLOCK_N * KV_PAD,)),
+                                KV_PAD * NB)
+    if HIST:  # rows b * Hkv + h of the scratch
+        idx = tl.arange(0, KV_PAD * NB)
+        h = idx // NB
+        tl.atomic_add(Hist + (b * NUM_KV_HEADS + h).to(tl.int64) * stride_hist + idx % NB, hist,
+                      mask=(hist > 0) & (h < NUM_KV_HEADS), sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "dense_len", "top_k"])
@@ -166,6 +173,10 @@ def _ds_sparse_stage1_kernel(
                              stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
+# blocks of BLOCK_N positions per scoring program when it also histograms (fewer programs: fewer atomics per bin)
+SCORE_SUB_BLOCKS = 2
+
+
 def score_layout(num_heads: int, num_kv_heads: int, channels: int) -> tuple[int, int, int]:
     """(KV_PAD, G_PAD, BLOCK_K) of the scoring kernel: padded KV heads x padded group >= 16 columns for tl.dot, and
     the padded label row (Hkv * C values)."""
@@ -177,7 +188,8 @@ def score_layout(num_heads: int, num_kv_heads: int, channels: int) -> tuple[int,
 def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor,
                  keep_first: int = 0, keep_last: int = 0, block_n: int | None = None,
-                 q_channels: torch.Tensor | None = None, hist: torch.Tensor | None = None) -> None:
+                 q_channels: torch.Tensor | None = None, hist: torch.Tensor | None = None,
+                 sub_blocks: int | None = None) -> None:
     """scores[b, g, p] = max over the query heads h of KV head g of q_label[b, h] . labels[slot of position p of
     request b, g], for p < seq_lens[b]; -inf for seq_lens[b] <= p < scores.shape[2]. The first `keep_first` and the
     last `keep_last` positions of each request score +inf (a top-k always keeps them).
@@ -187,7 +199,8 @@ def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tens
     labels: [slots, Hkv, C] (contiguous rows); scores: [bs, Hkv, n_cols] float32 (written in place).
     hist: a clean `topk_select` scratch of at least bs * Hkv rows, to which the kernel adds the threshold top-k's
     first-round histogram of each score row (then `threshold_topk(..., first_round_done=True)`; scores contiguous).
-    One program scores BLOCK_N positions of a request for all its KV heads."""
+    One program scores sub_blocks x BLOCK_N positions of a request for all its KV heads (default: SCORE_SUB_BLOCKS
+    with hist, which adds each program's histograms once, else 1)."""
     if q.dim() != 3 or labels.dim() != 3 or scores.dim() != 3:
         raise ValueError(f"q [bs, H, D], labels [slots, Hkv, C] and scores [bs, Hkv, L] expected; got "
                          f"{tuple(q.shape)}, {tuple(labels.shape)}, {tuple(scores.shape)}")
@@ -217,7 +230,8 @@ def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tens
     interp = is_interpreted()
     if block_n is None:
         block_n = 32 if interp else 128
-    grid = (bs, triton.cdiv(n_cols, block_n))
+    sub = sub_blocks or (SCORE_SUB_BLOCKS if hist is not None else 1)
+    grid = (bs, triton.cdiv(n_cols, block_n * sub))
     launch(_ds_score_kernel, grid,
         q, q_channels, labels, req_to_token, req_pool_indices, seq_lens, scores,
         scores if hist is None else hist, n_cols, keep_first, keep_last,
@@ -229,7 +243,7 @@ def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tens
         0 if hist is None else hist.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, CHANNELS=channels, KV_PAD=kv_pad, G_PAD=g_pad,
         BLOCK_K=block_k, BLOCK_N=block_n, DOT_FP32=interp or labels.dtype == torch.float32, HIST=hist is not None,
-        NB=NBINS, HBITS=NBITS, num_warps=4, num_stages=2,
+        SUB=sub, NB=NBINS, HBITS=NBITS, num_warps=4, num_stages=2,
     )
 
 

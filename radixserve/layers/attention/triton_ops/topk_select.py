@@ -13,8 +13,8 @@ Rows hold at least k scores (the caller takes min(k, row length)). `torch.topk` 
 
 The scratch (histograms and counters) starts all zeros and is left all zeros: the last select program of a row to
 finish clears the row's scratch, so a caller that keeps one scratch buffer launches no memset per call, and a
-producer of the scores may add the first round's histogram itself (`first_round_done`; `ds_score_fwd` does, via
-`hist_round1`).
+producer of the scores may add the first round's histogram itself (`first_round_done`; `ds_score_fwd` does: the
+round's bins are the key's top NBITS bits plus NBINS // 2, as `hist_round1` computes them).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def order_key(s):
 
 
 @triton.jit
-def _masked_hist(bins, mask, NB: tl.constexpr):
+def masked_hist(bins, mask, NB: tl.constexpr):
     """tl.histogram of bins where mask (without its mask argument, which older Triton releases lack)."""
     h = tl.histogram(tl.where(mask, bins, 0), NB)
     masked_out = tl.sum((mask == 0).to(tl.int32), 0)
@@ -72,7 +72,7 @@ def _prefix(Hist, k, LEVELS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr
 @triton.jit
 def hist_round1(key, mask, Hist, NB: tl.constexpr, NBITS: tl.constexpr):
     """Add the first round's histogram of `key` (order keys, where mask) to a row's scratch at Hist."""
-    h = _masked_hist((key >> (32 - NBITS)) + NB // 2, mask, NB)
+    h = masked_hist((key >> (32 - NBITS)) + NB // 2, mask, NB)
     tl.atomic_add(Hist + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
 
 
@@ -92,7 +92,7 @@ def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
         p, _ = _prefix(hist, k, ROUND - 1, NB, NBITS)
         m = m & ((key >> (32 - NBITS * (ROUND - 1))) == p)
         bins = (key >> (32 - NBITS * ROUND)) & (NB - 1)
-        h = _masked_hist(bins, m, NB)
+        h = masked_hist(bins, m, NB)
         tl.atomic_add(hist + (ROUND - 1) * NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
 
 
@@ -142,7 +142,7 @@ def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     (unit last stride), L >= k. Ties at the threshold are broken arbitrarily. `out` may be passed to avoid an
     allocation, and `scratch` (int32, at least rows x SCRATCH_WIDTH, all zeros; `new_scratch`), which the call
     leaves all zeros. `first_round_done`: the scratch already holds the first round's histograms of these scores
-    (added by their producer with `hist_round1`, BEFORE this call, on the same stream)."""
+    (added by their producer, as `hist_round1` computes it, before this call on the same stream)."""
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("threshold_topk needs float32 scores with a unit last stride")
     n_cols = scores.shape[-1]
