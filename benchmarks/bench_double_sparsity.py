@@ -98,13 +98,12 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rpi, seq_lens, mid_o, mid_lse, d ** -0.5,
                              num_kv_splits=splits)
 
-    def score(block_n: int | None = None, hist: torch.Tensor | None = None) -> None:
-        ds_score_fwd(q, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n, q_channels=q_ch, hist=hist)
+    def score(block_n: int | None = None) -> None:
+        ds_score_fwd(q, labels, req_to_token, rpi, seq_lens, scores, block_n=block_n, q_channels=q_ch)
 
-    def pick(first_round_done: bool = False) -> torch.Tensor:
+    def pick() -> torch.Tensor:
         if state["method"] == "threshold":
-            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, block=state["chunks"],
-                                  first_round_done=first_round_done)
+            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, block=state["chunks"])
         return topk_positions(scores, state["k"], state["chunks"])
 
     def select() -> None:
@@ -116,11 +115,9 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, state["top"], 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
-    def full() -> None:  # as the backend runs it: the threshold top-k's first round inside the scorer
-        fused = state["method"] == "threshold" and state["fuse"]
-        ds_score_fwd(q, labels, req_to_token, rpi, seq_lens, scores, q_channels=q_ch,
-                     hist=scratch if fused else None, sub_blocks=state.get("sub"))
-        top = pick(first_round_done=fused)
+    def full() -> None:
+        score()
+        top = pick()
         ds_sparse_decode_fwd(q, k_buf, v_buf, o_ds, req_to_token, rpi, seq_lens, top, 0, mid_o, mid_lse,
                              d ** -0.5, splits)
 
@@ -151,25 +148,16 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
                 print(f"threshold top-k keeps the scores torch.topk keeps: {same} (largest difference of the sorted "
                       f"kept scores {near:.2e})", flush=True)
             t_select, t_attend = _graph_time(select), _graph_time(attend)
-            state["fuse"], state["sub"] = False, None
-            t_unfused = _graph_time(full)
-            state["fuse"] = method == "threshold"
-            for sub in args.score_sub_blocks if state["fuse"] else []:
-                state["sub"] = sub
-                print(f"ctx {ctx:6d} bs {bs:3d} first round in the scorer, {sub} sub-blocks: "
-                      f"{_graph_time(full) * 1e3:6.1f} us", flush=True)
-            state["sub"] = None
             t_ds = _graph_time(full)
             row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
                    "topk_method": method, "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds,
-                   "speedup": t_dense / t_ds, "ds_unfused_ms": t_unfused,
+                   "speedup": t_dense / t_ds,
                    "score_ms": t_score, "topk_ms": t_select, "sparse_attn_ms": t_attend,
                    "dense_kv_tb_s": kv_bytes / t_dense / 1e9, "score_label_tb_s": label_bytes / t_score / 1e9}
             rows.append(row)
             print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} {method:>9} {chunks:4d}: dense {t_dense * 1e3:7.1f} us "
                   f"({row['dense_kv_tb_s']:.2f} TB/s)  ds {t_ds * 1e3:7.1f} us = score {t_score * 1e3:6.1f} "
                   f"({row['score_label_tb_s']:.2f} TB/s) + topk {t_select * 1e3:6.1f} + attn {t_attend * 1e3:6.1f}"
-                  f" (first round apart: {t_unfused * 1e3:6.1f})"
                   f"  speedup {row['speedup']:.2f}x", flush=True)
     return rows
 
@@ -345,8 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heavy-channel-num", type=int, default=16)
     k.add_argument("--score-block-n", type=int, nargs="*", default=[],
                    help="also time the scoring kernel alone with these tiles (positions per program)")
-    k.add_argument("--score-sub-blocks", type=int, nargs="*", default=[],
-                   help="also time the fused path with these blocks of positions per scoring program")
     k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold"],
                    default=["torch", "threshold"],
                    help="torch.topk (with --topk-chunks) and the histogram-threshold select (topk_select.py)")

@@ -69,7 +69,5 @@ def test_threshold_topk_leaves_its_scratch_clean_for_the_next_call() -> None:
         assert int(scratch.abs().sum()) == 0
         want = scores.topk(k, dim=-1).values.sort(-1).values
         torch.testing.assert_close(scores.gather(-1, top.long()).sort(-1).values, want, rtol=0, atol=1e-3)
-    with pytest.raises(ValueError, match="first_round_done"):
-        threshold_topk(torch.zeros(2, 10, device=DEV), 3, first_round_done=True)
     with pytest.raises(ValueError, match="scratch"):
         threshold_topk(torch.zeros(8, 10, device=DEV), 3, scratch=scratch)

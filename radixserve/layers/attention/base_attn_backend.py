@@ -43,7 +43,11 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                seq_lens_cpu: list[int] | None = None) -> None:
+        """Before a replay of the graph of (padded) batch size bs: its inputs are in the buffers given. seq_lens_cpu,
+        where the caller has it: the same lengths on the host (padding rows included), so a backend that plans on
+        the host need not read them back from the device."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

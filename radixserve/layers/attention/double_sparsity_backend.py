@@ -45,9 +45,16 @@ DEFAULT_SPARSE_DECODE_THRESHOLD = 4096
 TOPK_MAX_CHUNKS = 1  # chunked top-k measured slower on the H200 (docs/perf-log.md): off
 # the top-k of the Triton path: "threshold" (histogram rounds on the scores' bits, triton_ops/topk_select.py) or
 # "torch" (torch.topk: a multi-kernel radix select). H200, 8B shape, 64K context (docs/PERFORMANCE.md): 8 rows (batch
-# 1) 23 us against 53, 64 rows (batch 8) 100 us against 95 with blocks of THRESHOLD_BLOCK scores
+# 1) 23 us against 53, 64 rows (batch 8) 100 us against 95. Scores per program: THRESHOLD_BLOCK, or
+# THRESHOLD_BLOCK_FEW_ROWS for at most FEW_ROWS rows (batch 1 at 64K: 36.7 against 37.8 us a layer; batch 8: 175 against
+# 186 with the larger block)
 TOPK_METHOD = "threshold"
-THRESHOLD_BLOCK = 4096
+THRESHOLD_BLOCK, THRESHOLD_BLOCK_FEW_ROWS, FEW_ROWS = 4096, 2048, 16
+
+
+def threshold_block(rows: int) -> int:
+    """Scores per program of the threshold top-k over `rows` score rows."""
+    return THRESHOLD_BLOCK_FEW_ROWS if rows <= FEW_ROWS else THRESHOLD_BLOCK
 # Always among the kept tokens (within --ds-heavy-token-num): the first few (attention sinks) and the most recent ones,
 # whose weight the heavy channels underestimate (RoPE's fast-turning channels, which favour nearby tokens, are
 # rarely heavy). At most a quarter / half of the kept tokens.
@@ -210,8 +217,9 @@ class DoubleSparseAttnBackend(AttentionBackend):
         self.forward_metadata = DoubleSparseMetadata()  # captured decode is the dense one
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
-        self.dense.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum)
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                seq_lens_cpu: list[int] | None = None) -> None:
+        self.dense.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum, seq_lens_cpu)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.dense.get_cuda_graph_seq_len_fill_value()
@@ -270,18 +278,16 @@ class DoubleSparseAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         scores = torch.empty((bs, self.num_kv_heads, meta.max_len), dtype=torch.float32, device=q3.device)
         k = min(self.heavy_token_num, meta.max_len)
-        hist = None
-        if TOPK_METHOD == "threshold":  # the scorer adds the top-k's first round to a scratch kept clean between calls
-            from radixserve.layers.attention.triton_ops.topk_select import new_scratch, threshold_topk
-
-            if self._topk_scratch is None or self._topk_scratch.shape[0] < bs * self.num_kv_heads:
-                self._topk_scratch = new_scratch(bs * self.num_kv_heads, q3.device)
-            hist = self._topk_scratch
         ds_score_fwd(q3, self.labels[layer.layer_id], self.req_to_token, forward_batch.req_pool_indices,
                      forward_batch.seq_lens, scores, *kept_ends(self.heavy_token_num),
-                     q_channels=self.q_channels[layer.layer_id], hist=hist)
-        if hist is not None:
-            top = threshold_topk(scores, k, scratch=hist, block=THRESHOLD_BLOCK, first_round_done=True)
+                     q_channels=self.q_channels[layer.layer_id])
+        if TOPK_METHOD == "threshold":  # one scratch, left clean by every call: no memset
+            from radixserve.layers.attention.triton_ops.topk_select import new_scratch, threshold_topk
+
+            rows = bs * self.num_kv_heads
+            if self._topk_scratch is None or self._topk_scratch.shape[0] < rows:
+                self._topk_scratch = new_scratch(rows, q3.device)
+            top = threshold_topk(scores, k, scratch=self._topk_scratch, block=threshold_block(rows))
         else:
             top = topk_positions(scores, k, self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]

@@ -159,14 +159,17 @@ class FlashInferAttnBackend(AttentionBackend):
             return None
         return self._cg_rpi, self._cg_seq_lens
 
-    def _load(self, bs: int, rpi: torch.Tensor, seq_lens: torch.Tensor) -> list[int]:
+    def _load(self, bs: int, rpi: torch.Tensor, seq_lens: torch.Tensor,
+              seq_lens_cpu: list[int] | None = None) -> list[int]:
         if self._cg_rpi is None or self._cg_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a CUDA graph")
         if rpi.data_ptr() != self._cg_rpi.data_ptr():
             self._cg_rpi[:bs].copy_(rpi[:bs])
         if seq_lens.data_ptr() != self._cg_seq_lens.data_ptr():
             self._cg_seq_lens[:bs].copy_(seq_lens[:bs])
-        return self._cg_seq_lens[:bs].tolist()  # the plan is made on the host (FlashInfer's scheduler)
+        if seq_lens_cpu is not None and len(seq_lens_cpu) == bs:
+            return list(seq_lens_cpu)
+        return self._cg_seq_lens[:bs].tolist()  # the plan is made on the host (FlashInfer's scheduler): a sync
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor) -> None:
@@ -180,8 +183,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self.plan = _Plan(True, wrappers)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
-        lens = self._load(bs, req_pool_indices, seq_lens)
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                seq_lens_cpu: list[int] | None = None) -> None:
+        lens = self._load(bs, req_pool_indices, seq_lens, seq_lens_cpu)
         self._plan_decode(self._cg[bs], self._cg_rpi[:bs], lens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -304,7 +304,8 @@ class FlexAttnBackend(AttentionBackend):
             self._fill_decode_meta(meta, req_pool_indices, seq_lens, 1)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                seq_lens_cpu: list[int] | None = None) -> None:
         if self._fill_in_graph:
             return  # the graph rebuilds its block lists itself
         # the batch's longest row (seq_lens_sum bounds it where the host lengths were not given)

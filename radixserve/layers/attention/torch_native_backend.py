@@ -45,7 +45,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._static = True
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                seq_lens_cpu: list[int] | None = None) -> None:
         pass  # the captured decode reads the graph's own input buffers
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

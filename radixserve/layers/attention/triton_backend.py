@@ -190,7 +190,8 @@ class TritonAttnBackend(AttentionBackend):
             num_kv_splits=self._kv_split_cap(bs), mid_o=self._cg_mid_o, mid_lse=self._cg_mid_lse, cuda_graph=True)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                seq_lens_cpu: list[int] | None = None) -> None:
         """`bs` is the captured graph's (padded) batch size; the graph itself reads the buffers filled here."""
         self._load_cuda_graph_inputs(bs, req_pool_indices, seq_lens)
 

@@ -36,19 +36,17 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
     is_interpreted,
     split_capacity,
 )
-from radixserve.layers.attention.triton_ops.topk_select import NBINS, NBITS, SCRATCH_WIDTH, masked_hist, order_key
 from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit(do_not_specialize=["n_cols", "keep_first", "keep_last"])
 def _ds_score_kernel(
-    Q, Q_channels, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, Hist, n_cols, keep_first, keep_last,
+    Q, Q_channels, Labels, Req_to_token, Req_pool_indices, Seq_lens, Scores, n_cols, keep_first, keep_last,
     stride_qb, stride_qh,
     stride_ch,
     stride_lt,
     stride_r2t,
     stride_sb, stride_sh,
-    stride_hist,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     CHANNELS: tl.constexpr,
@@ -57,53 +55,37 @@ def _ds_score_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    HIST: tl.constexpr,
-    SUB: tl.constexpr,
-    NB: tl.constexpr,
-    HBITS: tl.constexpr,
 ):
     b = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    mask_n = offs_n < seq_len
     row = tl.load(Req_pool_indices + b).to(tl.int64)
+    loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     ROW: tl.constexpr = NUM_KV_HEADS * CHANNELS
+    # every KV head's labels of a token are one contiguous row of ROW = Hkv * C values
+    kl = tl.load(Labels + loc[:, None] * stride_lt + offs_k[None, :],
+                 mask=mask_n[:, None] & (offs_k[None, :] < ROW), other=0.0)  # [N, K]
     # the block-diagonal matrix of the query's heavy channels, gathered from q here: column j is query head
     # j % G_PAD of KV head j // G_PAD, which holds its values on its channels at rows kv * C .. kv * C + C - 1
     offs_j = tl.arange(0, KV_PAD * G_PAD)
     kv, g = offs_j // G_PAD, offs_j % G_PAD
     head = kv * GROUP + g
     c = offs_k[:, None] - kv[None, :] * CHANNELS
-    on = (c >= 0) & (c < CHANNELS) & ((g < GROUP) & (kv < NUM_KV_HEADS))[None, :]
+    real = (g < GROUP) & (kv < NUM_KV_HEADS)
+    on = (c >= 0) & (c < CHANNELS) & real[None, :]
     ch = tl.load(Q_channels + head[None, :] * stride_ch + c, mask=on, other=0)
     qb = tl.load(Q + b.to(tl.int64) * stride_qb + head[None, :] * stride_qh + ch, mask=on, other=0.0)  # [K, J]
-    real = ((offs_j % G_PAD) < GROUP) & ((offs_j // G_PAD) < NUM_KV_HEADS)
+    s = mma(kl, qb.to(kl.dtype), DOT_FP32)  # [N, J]: q_label . k_label of each (KV head, query head of the group)
+    s = tl.where(real[None, :], s, float("-inf"))
+    best = tl.max(tl.reshape(s, (BLOCK_N, KV_PAD, G_PAD)), axis=2)  # [N, KV_PAD]: the group's best
+    kept = (offs_n < keep_first) | (offs_n >= seq_len - keep_last)  # always selected: +inf
+    best = tl.where(kept[:, None], float("inf"), best)
+    best = tl.where(mask_n[:, None], best, float("-inf"))
     offs_h = tl.arange(0, KV_PAD)
-    hist = tl.zeros([KV_PAD * NB], dtype=tl.int32)
-    for sub in tl.static_range(SUB):  # SUB blocks of BLOCK_N positions per program
-        offs_n = (tl.program_id(1) * SUB + sub) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < seq_len
-        loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-        # every KV head's labels of a token are one contiguous row of ROW = Hkv * C values
-        kl = tl.load(Labels + loc[:, None] * stride_lt + offs_k[None, :],
-                     mask=mask_n[:, None] & (offs_k[None, :] < ROW), other=0.0)  # [N, K]
-        s = mma(kl, qb.to(kl.dtype), DOT_FP32)  # [N, J]: q_label . k_label of each (KV head, query head of the group)
-        s = tl.where(real[None, :], s, float("-inf"))
-        best = tl.max(tl.reshape(s, (BLOCK_N, KV_PAD, G_PAD)), axis=2)  # [N, KV_PAD]: the group's best
-        kept = (offs_n < keep_first) | (offs_n >= seq_len - keep_last)  # always selected: +inf
-        best = tl.where(kept[:, None], float("inf"), best)
-        best = tl.where(mask_n[:, None], best, float("-inf"))
-        in_row = (offs_n[:, None] < n_cols) & (offs_h[None, :] < NUM_KV_HEADS)
-        tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
-                 mask=in_row)
-        if HIST:  # the threshold top-k's first round, every KV head's row in one histogram of KV_PAD * NB bins
-            bins = offs_h[None, :] * NB + (order_key(best) >> (32 - HBITS)) + NB // 2
-            hist += masked_hist(tl.reshape(bins, (BLOCK_N * KV_PAD,)), tl.reshape(in_row, (BLOCK_N * KV_PAD,)),
-                                KV_PAD * NB)
-    if HIST:  # rows b * Hkv + h of the scratch
-        idx = tl.arange(0, KV_PAD * NB)
-        h = idx // NB
-        tl.atomic_add(Hist + (b * NUM_KV_HEADS + h).to(tl.int64) * stride_hist + idx % NB, hist,
-                      mask=(hist > 0) & (h < NUM_KV_HEADS), sem="relaxed")
+    tl.store(Scores + b.to(tl.int64) * stride_sb + offs_h[None, :] * stride_sh + offs_n[:, None], best,
+             mask=(offs_n[:, None] < n_cols) & (offs_h[None, :] < NUM_KV_HEADS))
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "dense_len", "top_k"])
@@ -173,10 +155,6 @@ def _ds_sparse_stage1_kernel(
                              stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
 
 
-# blocks of BLOCK_N positions per scoring program when it also histograms (fewer programs: fewer atomics per bin)
-SCORE_SUB_BLOCKS = 2
-
-
 def score_layout(num_heads: int, num_kv_heads: int, channels: int) -> tuple[int, int, int]:
     """(KV_PAD, G_PAD, BLOCK_K) of the scoring kernel: padded KV heads x padded group >= 16 columns for tl.dot, and
     the padded label row (Hkv * C values)."""
@@ -188,8 +166,7 @@ def score_layout(num_heads: int, num_kv_heads: int, channels: int) -> tuple[int,
 def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tensor,
                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor,
                  keep_first: int = 0, keep_last: int = 0, block_n: int | None = None,
-                 q_channels: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                 sub_blocks: int | None = None) -> None:
+                 q_channels: torch.Tensor | None = None) -> None:
     """scores[b, g, p] = max over the query heads h of KV head g of q_label[b, h] . labels[slot of position p of
     request b, g], for p < seq_lens[b]; -inf for seq_lens[b] <= p < scores.shape[2]. The first `keep_first` and the
     last `keep_last` positions of each request score +inf (a top-k always keeps them).
@@ -197,10 +174,7 @@ def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tens
     q_label[b, h, c] = q[b, h, q_channels[h, c]]: q [bs, H, D] with q_channels [H, C] (the heavy channels of each
     query head, gathered in the kernel), or q is the q_label [bs, H, C] itself when q_channels is None.
     labels: [slots, Hkv, C] (contiguous rows); scores: [bs, Hkv, n_cols] float32 (written in place).
-    hist: a clean `topk_select` scratch of at least bs * Hkv rows, to which the kernel adds the threshold top-k's
-    first-round histogram of each score row (then `threshold_topk(..., first_round_done=True)`; scores contiguous).
-    One program scores sub_blocks x BLOCK_N positions of a request for all its KV heads (default: SCORE_SUB_BLOCKS
-    with hist, which adds each program's histograms once, else 1)."""
+    One program scores BLOCK_N positions of a request for all its KV heads."""
     if q.dim() != 3 or labels.dim() != 3 or scores.dim() != 3:
         raise ValueError(f"q [bs, H, D], labels [slots, Hkv, C] and scores [bs, Hkv, L] expected; got "
                          f"{tuple(q.shape)}, {tuple(labels.shape)}, {tuple(scores.shape)}")
@@ -220,30 +194,23 @@ def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tens
             or labels.stride(1) != channels:
         raise ValueError("scores must be float32 with a unit last stride, labels rows contiguous")
     n_cols = scores.shape[2]
-    if hist is not None and (not scores.is_contiguous() or hist.dim() != 2 or hist.shape[0] < bs * num_kv_heads
-                             or hist.shape[1] < SCRATCH_WIDTH or hist.dtype != torch.int32 or hist.stride(1) != 1):
-        raise ValueError("hist must be an int32 topk_select scratch [>= bs * Hkv, SCRATCH_WIDTH] and scores "
-                         "contiguous")
     if bs == 0 or n_cols == 0:
         return
     kv_pad, g_pad, block_k = score_layout(num_heads, num_kv_heads, channels)
     interp = is_interpreted()
     if block_n is None:
         block_n = 32 if interp else 128
-    sub = sub_blocks or (SCORE_SUB_BLOCKS if hist is not None else 1)
-    grid = (bs, triton.cdiv(n_cols, block_n * sub))
+    grid = (bs, triton.cdiv(n_cols, block_n))
     launch(_ds_score_kernel, grid,
-        q, q_channels, labels, req_to_token, req_pool_indices, seq_lens, scores,
-        scores if hist is None else hist, n_cols, keep_first, keep_last,
+        q, q_channels, labels, req_to_token, req_pool_indices, seq_lens, scores, n_cols, keep_first, keep_last,
         q.stride(0), q.stride(1),
         q_channels.stride(0),
         labels.stride(0),
         req_to_token.stride(0),
         scores.stride(0), scores.stride(1),
-        0 if hist is None else hist.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, CHANNELS=channels, KV_PAD=kv_pad, G_PAD=g_pad,
-        BLOCK_K=block_k, BLOCK_N=block_n, DOT_FP32=interp or labels.dtype == torch.float32, HIST=hist is not None,
-        SUB=sub, NB=NBINS, HBITS=NBITS, num_warps=4, num_stages=2,
+        BLOCK_K=block_k, BLOCK_N=block_n, DOT_FP32=interp or labels.dtype == torch.float32,
+        num_warps=4, num_stages=2,
     )
 
 

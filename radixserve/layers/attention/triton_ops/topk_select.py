@@ -1,6 +1,6 @@
 """Top-k positions of long score rows by histogram thresholds (a radix select in a few small launches, no sort).
 
-Every float32 score maps to an int32 key of the same order (`order_key`). The k best of a row are the keys above
+Every float32 score maps to an int32 key of the same order (`_order_key`). The k best of a row are the keys above
 a threshold, found from the key's bits, NBITS at a time, in ROUNDS rounds (`_hist_kernel`): every program
 histograms the round's bits (NBINS bins) of its piece of a row, over the keys whose higher bits equal the boundary
 found so far, and adds its counts to the row's histogram (one atomic per non-empty bin). A round's boundary bin is
@@ -12,9 +12,7 @@ Exactly k positions per row, in no particular order, with no host work (the laun
 Rows hold at least k scores (the caller takes min(k, row length)). `torch.topk` is the reference.
 
 The scratch (histograms and counters) starts all zeros and is left all zeros: the last select program of a row to
-finish clears the row's scratch, so a caller that keeps one scratch buffer launches no memset per call, and a
-producer of the scores may add the first round's histogram itself (`first_round_done`; `ds_score_fwd` does: the
-round's bins are the key's top NBITS bits plus NBINS // 2, as `hist_round1` computes them).
+finish clears the row's scratch, so a caller that keeps one scratch buffer launches no memset per call.
 """
 
 from __future__ import annotations
@@ -31,14 +29,14 @@ ROUNDS = 3  # 24 of the key's 32 bits: keys left tied agree to about 3e-5 relati
 
 
 @triton.jit
-def order_key(s):
+def _order_key(s):
     """float32 -> int32 with the same order (-inf lowest, +inf highest)."""
     b = s.to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def masked_hist(bins, mask, NB: tl.constexpr):
+def _masked_hist(bins, mask, NB: tl.constexpr):
     """tl.histogram of bins where mask (without its mask argument, which older Triton releases lack)."""
     h = tl.histogram(tl.where(mask, bins, 0), NB)
     masked_out = tl.sum((mask == 0).to(tl.int32), 0)
@@ -69,13 +67,6 @@ def _prefix(Hist, k, LEVELS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr
     return p, above
 
 
-@triton.jit
-def hist_round1(key, mask, Hist, NB: tl.constexpr, NBITS: tl.constexpr):
-    """Add the first round's histogram of `key` (order keys, where mask) to a row's scratch at Hist."""
-    h = masked_hist((key >> (32 - NBITS)) + NB // 2, mask, NB)
-    tl.atomic_add(Hist + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
-
-
 @triton.jit(do_not_specialize=["n_cols", "k"])
 def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
                  ROUND: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -84,16 +75,16 @@ def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
-    key = order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
+    key = _order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
     hist = Hist + r.to(tl.int64) * stride_h
     if ROUND == 1:
-        hist_round1(key, m, hist, NB, NBITS)
+        bins = (key >> (32 - NBITS)) + NB // 2
     else:
         p, _ = _prefix(hist, k, ROUND - 1, NB, NBITS)
         m = m & ((key >> (32 - NBITS * (ROUND - 1))) == p)
         bins = (key >> (32 - NBITS * ROUND)) & (NB - 1)
-        h = masked_hist(bins, m, NB)
-        tl.atomic_add(hist + (ROUND - 1) * NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
+    h = _masked_hist(bins, m, NB)
+    tl.atomic_add(hist + (ROUND - 1) * NB + tl.arange(0, NB), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["n_cols", "k"])
@@ -102,7 +93,7 @@ def _select_kernel(Scores, Hist, Out, n_cols, k, stride_s, stride_h, stride_o,
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
-    key = order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
+    key = _order_key(tl.load(Scores + r.to(tl.int64) * stride_s + offs, mask=m, other=float("-inf")))
     hist = Hist + r.to(tl.int64) * stride_h
     p, above = _prefix(hist, k, ROUNDS, NB, NBITS)  # keys with a higher prefix: all kept
     q = key >> (32 - NBITS * ROUNDS)
@@ -136,20 +127,16 @@ def new_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                   scratch: torch.Tensor | None = None, block: int | None = None,
-                   first_round_done: bool = False) -> torch.Tensor:
+                   scratch: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """Positions [..., k] (int32, no particular order) of the k largest of each row of float32 scores [..., L]
     (unit last stride), L >= k. Ties at the threshold are broken arbitrarily. `out` may be passed to avoid an
     allocation, and `scratch` (int32, at least rows x SCRATCH_WIDTH, all zeros; `new_scratch`), which the call
-    leaves all zeros. `first_round_done`: the scratch already holds the first round's histograms of these scores
-    (added by their producer, as `hist_round1` computes it, before this call on the same stream)."""
+    leaves all zeros."""
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("threshold_topk needs float32 scores with a unit last stride")
     n_cols = scores.shape[-1]
     if not 1 <= k <= n_cols:
         raise ValueError(f"threshold_topk: k must be in 1..{n_cols} (the row length); got {k}")
-    if first_round_done and scratch is None:
-        raise ValueError("threshold_topk: first_round_done needs the scratch that holds the first round")
     rows2d = scores.reshape(-1, n_cols)
     n_rows = rows2d.shape[0]
     if out is None:
@@ -165,7 +152,7 @@ def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
         return out
     block = block or 2048
     grid = (n_rows, triton.cdiv(n_cols, block))
-    for rnd in range(2 if first_round_done else 1, ROUNDS + 1):
+    for rnd in range(1, ROUNDS + 1):
         launch(_hist_kernel, grid, rows2d, hist, n_cols, k, rows2d.stride(0), hist.stride(0),
                ROUND=rnd, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8)
     launch(_select_kernel, grid, rows2d, hist, out2d, n_cols, k, rows2d.stride(0), hist.stride(0), out2d.stride(0),
