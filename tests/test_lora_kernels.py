@@ -115,6 +115,41 @@ def test_model_with_kernels_forced_equals_torch_path(tmp_path, stack) -> None:
     assert got == ref
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU model under TRITON_INTERPRET; tests/gpu has the CUDA run")
+def test_one_request_with_stacked_kernels_equals_torch_path(tmp_path) -> None:
+    """Batch-1 decode with an adapter on the stacked path: the one-row expand on every projection, fused with
+    SiLU * up on gate_up (forced Triton kernels on the CPU) gives the torch path's tokens."""
+    from lora_utils import make_adapters
+    from model_utils import make_tiny_model
+    from test_scheduler import drain, make_scheduler
+
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.lora.pool import set_lora_stacking
+    from radixserve.managers import io_struct as io
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    base = str(tmp_path / "base")
+    make_tiny_model("llama", base, seed=4, vocab_size=512)
+    paths = make_adapters(base, str(tmp_path))
+
+    def run() -> list[int]:
+        s = make_scheduler(base, lora_paths=[f"{n}={p}" for n, p in paths.items()])
+        params = SamplingParams.from_dict({"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        s.process_input_requests([io.TokenizedGenerateReqInput(rid="r", input_text=None, input_ids=[7, 19, 300, 4],
+                                                               sampling_params=params, lora_id="c16")])
+        return drain(s)["r"]["ids"]
+
+    ref = run()
+    set_fused_kernels(True)
+    set_lora_stacking(True)
+    try:
+        got = run()
+    finally:
+        set_fused_kernels(None)
+        set_lora_stacking(None)
+    assert got == ref
+
+
 @pytest.mark.parametrize("graph_bs,req_slots", [(1, [2]), (4, [1, -1, 1]), (8, [0, 2, 1, 2, -1])])
 def test_graph_grid_over_a_static_buffer_equals_eager(graph_bs, req_slots) -> None:
     """What a captured decode graph runs: the grid sized for the graph's batch (min(S, bs) groups, bs rows) over a
@@ -185,7 +220,7 @@ def test_one_row_gemv_of_the_active_slot_then_expand(slot, out_slices, R) -> Non
     base row (-1) computes no A row at all."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.triton_ops.gemv import gemv_row
-    from radixserve.lora.triton_ops import lora_expand_stacked
+    from radixserve.lora.triton_ops import lora_expand_row, lora_expand_stacked
 
     K = 64
     ranks = [R, max(1, R // 2), 4]
@@ -209,6 +244,17 @@ def test_one_row_gemv_of_the_active_slot_then_expand(slot, out_slices, R) -> Non
     ref = x @ w.T
     lora_delta_torch(x, ref, a, b, out_slices, groups, ranks, scal)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    # the one-row expand (what the hook runs at one row), and for [gate; up] with SiLU(gate) * up fused
+    row = lora_expand_row(y, b.to(DEV), torch.tensor(scal, device=DEV), out_slices, sorted_slots)
+    torch.testing.assert_close(row.cpu(), ref, rtol=1e-5, atol=1e-5)
+    if len(out_slices) == 2:
+        act = lora_expand_row(y, b.to(DEV), torch.tensor(scal, device=DEV), out_slices, sorted_slots, silu_mul=True)
+        half = N // 2
+        torch.testing.assert_close(act.cpu(), torch.nn.functional.silu(ref[:, :half]) * ref[:, half:], rtol=1e-5,
+                                   atol=1e-5)
+    else:
+        with pytest.raises(ValueError, match="gate; up"):
+            lora_expand_row(y, b.to(DEV), torch.tensor(scal, device=DEV), out_slices, sorted_slots, silu_mul=True)
 
 
 def test_one_row_gemv_slots_are_checked() -> None:

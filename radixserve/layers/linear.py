@@ -189,8 +189,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(gate) * up of this [gate; up] layer computed in its product's epilogue, when its quantization
         method offers that for `x` (fp8 decode GEMVs) or, unquantized, the one-row Triton GEMV has a tile for the
         shape; None otherwise (the caller applies SiluAndMul)."""
-        if self.lora is not None or len(self.shard_sizes) != 2 or self.shard_sizes[0] != self.shard_sizes[1]:
+        if len(self.shard_sizes) != 2 or self.shard_sizes[0] != self.shard_sizes[1]:
             return None
+        if self.lora is not None:  # with adapters: their expand and the activation in one kernel, at one row
+            return self.lora.silu_and_mul(x)
         if self._plain and x.is_cuda:  # 16-bit weights at one row: the Triton GEMV where the table picks it
             return self._row_gemv(x, silu_mul=True) if x.shape[0] == 1 else None
         fused = getattr(self.quant_method, "apply_silu_and_mul", None)

@@ -44,6 +44,26 @@ class _LoRAHook:
 
             self._gemv_cfg = gemv_config(target.base.weight)
 
+    def _stacked_row(self, x: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor:
+        """One row's stacked product [W; A] x: the base output and the shrink (of the row's slot, at least)."""
+        y = self._row_gemv(x, row_slot)
+        return cpu_ops.linear(x, *self.stacked) if y is None else y
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a [gate; up] layer with the batch's adapters, for one row: the expand and the
+        activation in one kernel after the stacked product; None where that path does not apply (the caller runs
+        the layer, then SiluAndMul)."""
+        m = self.manager
+        info = m.info
+        if self.stacked is None or x.shape[0] != 1 or not info.active or not use_fused(x) \
+                or len(self.out_slices) != 2 or self.out_slices[0][1] != self.out_slices[1][1]:
+            return None
+        from radixserve.lora.triton_ops import lora_expand_row
+
+        sorted_slots = info.views()[4]
+        return lora_expand_row(self._stacked_row(x, sorted_slots), self.b, m.pool.scalings, self.out_slices,
+                               sorted_slots, silu_mul=True)
+
     def _row_gemv(self, x: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor | None:
         """One row: the stacked [W; A] product through the one-row Triton GEMV with the tiles the table gives the
         base weight, as the base layer without adapters runs, reading only the A rows of the row's slot
@@ -61,12 +81,13 @@ class _LoRAHook:
         m, base = self.manager, self.base
         info = m.info
         if self.stacked is not None and info.active and use_fused(x):
-            from radixserve.lora.triton_ops import lora_expand_stacked
+            from radixserve.lora.triton_ops import lora_expand_row, lora_expand_stacked
 
             _, _, _, order, sorted_slots = info.views()
-            y = self._row_gemv(x, sorted_slots) if x.shape[0] == 1 else None
-            if y is None:
-                y = cpu_ops.linear(x, *self.stacked)  # the base output and every slot's shrink, one GEMM
+            if x.shape[0] == 1:
+                return lora_expand_row(self._stacked_row(x, sorted_slots), self.b, m.pool.scalings, self.out_slices,
+                                       sorted_slots)
+            y = cpu_ops.linear(x, *self.stacked)  # the base output and every slot's shrink, one GEMM
             return lora_expand_stacked(y, self.b, m.pool.scalings, self.out_slices, order, sorted_slots,
                                        info.num_rows)
         out = base._plain_cuda(x) if base._plain and x.is_cuda else base.quant_method.apply(base, x, base.bias)
@@ -150,7 +171,10 @@ class LoRAManager:
                 packed, host, max_len = pack_rows(slots, None, self.num_slots)
                 info.packed, info.host_groups = packed.to(self.device), host
                 info.num_groups, info.max_group_len, info.capturing = len(host[1]), max_len, False
-                hook(torch.zeros(rows, t.in_local, dtype=self.pool.dtype, device=self.device))
+                xw = torch.zeros(rows, t.in_local, dtype=self.pool.dtype, device=self.device)
+                hook(xw)
+                if rows == 1:
+                    hook.silu_and_mul(xw)
         info.packed, info.host_groups, info.num_groups, info.max_group_len = None, None, 0, 0
         if self.is_cuda:
             torch.cuda.synchronize()

@@ -17,6 +17,10 @@ loaded once per block. A block of several adapters (a group boundary, or groups 
 8 adapters) runs one dot over every slot's B tile, each row's shrink placed in its own slot's columns (while slots x
 rank <= 256; past that, one slot after another).
 
+expand_row (one row, as a batch-1 decode step has): the same sum without a dot, for the row's own slot only, and for
+a [gate; up] layer optionally with SiLU(gate) * up in the same kernel (the activation the base layer's one-row GEMV
+fuses into its epilogue), so an adapter adds one kernel per projection, not two.
+
 Only `num_rows` is left unspecialised: the sizes, strides and offsets are fixed per layer, and Triton needs to know
 they are multiples of 16 to move a row's elements 16 bytes at a time (without it, every load and store of a bf16
 tile is one element wide). One compiled kernel per kind of layer and block configuration, all compiled at start
@@ -30,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 BLOCK_M = 16
 MAX_SPLITS = 16
@@ -295,4 +301,66 @@ def lora_expand_stacked(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor
            b.stride(0), b.stride(1), S, R=R, N_SUB=n_sub, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
            S_PAD=s_pad, MIXED_DOT=mixed and s_pad * block_r <= _MIXED_DOT_K, IEEE=ieee, UPCAST=upcast,
            num_warps=warps)
+    return out
+
+
+@triton.jit
+def _row_with_delta(Y, B, cols, mask, slot, scale, shrink_col, slot_cols, off1, off2, stride_b_slot, stride_b_row,
+                    R: tl.constexpr, N_SUB: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[cols] + scale * B[slot, cols, :R] . shrink(slot, sub-projection of each column), in float32 (slot < 0: y)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    has = (tl.zeros_like(cols) + slot) >= 0  # per column (the interpreter takes no scalar-and-block masks)
+    safe = tl.maximum(slot, 0).to(tl.int64)
+    j = tl.zeros_like(cols)
+    if N_SUB > 1:
+        j += (cols >= off1).to(cols.dtype)
+    if N_SUB > 2:
+        j += (cols >= off2).to(cols.dtype)
+    m2 = (mask & has)[:, None] & (offs_r[None, :] < R)
+    sv = tl.load(Y + shrink_col + safe * slot_cols + j[:, None] * R + offs_r[None, :], mask=m2, other=0.0)
+    bt = tl.load(B + safe * stride_b_slot + cols[:, None].to(tl.int64) * stride_b_row + offs_r[None, :], mask=m2,
+                 other=0.0)
+    sv = (sv.to(tl.float32) * scale).to(bt.dtype).to(tl.float32)  # as the batched expand rounds it before its dot
+    y = tl.load(Y + cols, mask=mask, other=0.0).to(tl.float32)
+    return y + tl.sum(bt.to(tl.float32) * sv, axis=1)
+
+
+@triton.jit
+def _expand_row_kernel(Y, B, Out, Scalings, SortedSlots, n_out, shrink_col, slot_cols, off1, off2, stride_b_slot,
+                       stride_b_row, R: tl.constexpr, N_SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
+    slot = tl.load(SortedSlots)
+    scale = tl.load(Scalings + tl.maximum(slot, 0))
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_out
+    dt = Out.dtype.element_ty
+    out = _row_with_delta(Y, B, cols, mask, slot, scale, shrink_col, slot_cols, off1, off2, stride_b_slot,
+                          stride_b_row, R, N_SUB, BLOCK_R).to(dt)
+    if ACT:  # cols are the gate's; the up projection's are n_out further (torch's SiLU rounding, as silu_and_mul)
+        up = _row_with_delta(Y, B, cols + n_out, mask, slot, scale, shrink_col, slot_cols, off1, off2,
+                             stride_b_slot, stride_b_row, R, N_SUB, BLOCK_R).to(dt)
+        g = out.to(tl.float32)
+        out = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt)
+    tl.store(Out + cols, out, mask=mask)
+
+
+def lora_expand_row(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, out_slices: list[tuple[int, int]],
+                    sorted_slots: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """`lora_expand_stacked` for a batch of one row (slot sorted_slots[0], -1: base): y [1, N + S*n_sub*R] ->
+    [1, N], or with silu_mul (a [gate; up] layer of two equal halves) silu(gate) * up as [1, N / 2]."""
+    S, N, R = b.shape
+    n_sub = len(out_slices)
+    if y.dim() != 2 or y.shape[0] != 1 or not y.is_contiguous() or b.stride(2) != 1 \
+            or y.shape[1] != N + S * n_sub * R:
+        raise ValueError(f"one-row LoRA output {tuple(y.shape)} does not fit B {tuple(b.shape)} x {n_sub} slices")
+    if silu_mul and (n_sub != 2 or out_slices[1] != (N // 2, N // 2) or N % 2):
+        raise ValueError(f"silu_mul needs a [gate; up] layer of two equal halves; got slices {out_slices}")
+    n_out = N // 2 if silu_mul else N
+    out = torch.empty((1, n_out), dtype=y.dtype, device=y.device)
+    offs = [o for o, _ in out_slices] + [N] * (3 - n_sub)
+    block_n = 32 if _INTERPRET else (128 if n_out > 8192 else 64)
+    launch(_expand_row_kernel, (triton.cdiv(n_out, block_n),), y, b, out, scalings, sorted_slots, n_out, N,
+           n_sub * R, offs[1], offs[2], b.stride(0), b.stride(1), R=R, N_SUB=n_sub, BLOCK_N=block_n,
+           BLOCK_R=_pow2_at_least_16(R), ACT=silu_mul, **pdl.launch_opts(y))
     return out
