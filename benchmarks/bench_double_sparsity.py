@@ -58,6 +58,7 @@ def bench_kernels(args: argparse.Namespace) -> list[dict]:
 def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
     """One layer's decode over bs requests of ctx tokens (contiguous KV slots): dense, then double sparsity for
     each --heavy-token-num."""
+    from radixserve.layers.attention.triton_ops import double_sparsity as ds_ops
     from radixserve.layers.attention.triton_ops.decode_attention import (
         decode_attention_fwd,
         kv_split_cap,
@@ -103,7 +104,8 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
 
     def pick() -> torch.Tensor:
         if state["method"] == "threshold":
-            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, block=state["chunks"])
+            return threshold_topk(scores, state["k"], out=state["top32"], scratch=scratch, block=state["chunks"],
+                                  pdl_level=ds_ops.PDL_LEVEL)
         return topk_positions(scores, state["k"], state["chunks"])
 
     def select() -> None:
@@ -149,9 +151,18 @@ def _bench_case(ctx: int, bs: int, args: argparse.Namespace) -> list[dict]:
                       f"kept scores {near:.2e})", flush=True)
             t_select, t_attend = _graph_time(select), _graph_time(attend)
             t_ds = _graph_time(full)
+            by_pdl = {}
+            default_level = ds_ops.PDL_LEVEL
+            for level in args.pdl:  # the chain with programmatic dependent launch at each level (0: off)
+                ds_ops.PDL_LEVEL = level
+                by_pdl[level] = _graph_time(full)
+                print(f"ctx {ctx:6d} bs {bs:3d} K {top_k:5d} {method:>9} {chunks:4d}: ds with PDL level {level}: "
+                      f"{by_pdl[level] * 1e3:7.1f} us, speedup {t_dense / by_pdl[level]:.2f}x", flush=True)
+            ds_ops.PDL_LEVEL = default_level
             row = {"context": ctx, "batch_size": bs, "heavy_token_num": top_k, "heavy_channel_num": hc,
                    "topk_method": method, "topk_chunks": chunks, "dense_ms": t_dense, "ds_ms": t_ds,
-                   "speedup": t_dense / t_ds,
+                   "speedup": t_dense / t_ds, "pdl_level": default_level,
+                   "ds_ms_by_pdl_level": {str(k): v for k, v in by_pdl.items()},
                    "score_ms": t_score, "topk_ms": t_select, "sparse_attn_ms": t_attend,
                    "dense_kv_tb_s": kv_bytes / t_dense / 1e9, "score_label_tb_s": label_bytes / t_score / 1e9}
             rows.append(row)
@@ -333,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heavy-channel-num", type=int, default=16)
     k.add_argument("--score-block-n", type=int, nargs="*", default=[],
                    help="also time the scoring kernel alone with these tiles (positions per program)")
+    k.add_argument("--pdl", type=int, nargs="*", default=[], choices=[0, 1, 2],
+                   help="also time the sparse chain with programmatic dependent launch at these levels")
     k.add_argument("--topk-method", nargs="+", choices=["torch", "threshold"],
                    default=["torch", "threshold"],
                    help="torch.topk (with --topk-chunks) and the histogram-threshold select (topk_select.py)")

@@ -267,6 +267,7 @@ class DoubleSparseAttnBackend(AttentionBackend):
 
     def _sparse_decode_triton(self, q3: torch.Tensor, layer: RadixAttention,
                               forward_batch: ForwardBatch) -> torch.Tensor:
+        from radixserve.layers.attention.triton_ops import double_sparsity as ds_ops
         from radixserve.layers.attention.triton_ops.double_sparsity import (
             ds_score_fwd,
             ds_sparse_decode_fwd,
@@ -287,7 +288,8 @@ class DoubleSparseAttnBackend(AttentionBackend):
             rows = bs * self.num_kv_heads
             if self._topk_scratch is None or self._topk_scratch.shape[0] < rows:
                 self._topk_scratch = new_scratch(rows, q3.device)
-            top = threshold_topk(scores, k, scratch=self._topk_scratch, block=threshold_block(rows))
+            top = threshold_topk(scores, k, scratch=self._topk_scratch, block=threshold_block(rows),
+                                 pdl_level=ds_ops.PDL_LEVEL)
         else:
             top = topk_positions(scores, k, self.topk_chunks(meta.max_len))
         splits = dense._kv_split_cap(bs)  # type: ignore[attr-defined]

@@ -39,7 +39,9 @@ WORKSPACE_BYTES = 256 << 20
 def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], page_size: int,
                out_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(kv_indptr [bs+1] int32 on the host, kv_indices int32 on the device, last_page_len [bs] int32 on the host)
-    for requests in rows `rows` (device) of the request table with host lengths `seq_lens`."""
+    for requests in rows `rows` (device) of the request table with host lengths `seq_lens`. Nothing waits for the
+    GPU: the host values go up in one copy from pinned memory, so the planning of the next step overlaps the GPU's
+    work on the current one (a plain host-to-device copy synchronises the stream)."""
     pages = [(n + page_size - 1) // page_size for n in seq_lens]
     indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
@@ -48,10 +50,13 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[in
     total = int(indptr[-1])
     dev = req_to_token.device
     if total:
-        owner = torch.repeat_interleave(torch.arange(len(pages), device=dev),
-                                        torch.tensor(pages, device=dev), output_size=total)
-        first = indptr[:-1].to(dev, torch.int64)
-        pos = (torch.arange(total, device=dev) - first[owner]) * page_size
+        n = len(pages)
+        host = torch.tensor(pages + indptr[:-1].tolist(), dtype=torch.int64)  # pages, then each request's first
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        up = host.to(dev, non_blocking=True)
+        owner = torch.repeat_interleave(torch.arange(n, device=dev), up[:n], output_size=total)
+        pos = (torch.arange(total, device=dev) - up[n:][owner]) * page_size
         indices = (req_to_token[rows.to(torch.int64)[owner], pos] // page_size).to(torch.int32)
     else:
         indices = torch.zeros(0, dtype=torch.int32, device=dev)

@@ -36,7 +36,14 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
     is_interpreted,
     split_capacity,
 )
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
+
+# Programmatic dependent launch for the sparse decode's chain of short kernels (score, the top-k's rounds and select,
+# the two attention stages: each a few microseconds, so launch latency is a large share): level 1, each kernel waits
+# for the one before to finish (triton_ops/pdl.py), only its launch overlaps. None: RADIXSERVE_PDL decides.
+PDL_LEVEL: int | None = 1
 
 
 @triton.jit(do_not_specialize=["n_cols", "keep_first", "keep_last"])
@@ -55,7 +62,9 @@ def _ds_score_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
@@ -106,7 +115,9 @@ def _ds_sparse_stage1_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     split = tl.program_id(2)
     kv_head, heads, mask_h = decode_head_block(tl.program_id(1), GROUP, HEAD_BLOCKS, BLOCK_H)
@@ -210,7 +221,7 @@ def ds_score_fwd(q: torch.Tensor, labels: torch.Tensor, req_to_token: torch.Tens
         scores.stride(0), scores.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, CHANNELS=channels, KV_PAD=kv_pad, G_PAD=g_pad,
         BLOCK_K=block_k, BLOCK_N=block_n, DOT_FP32=interp or labels.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl.launch_opts(q, PDL_LEVEL),
     )
 
 
@@ -295,6 +306,7 @@ def ds_sparse_decode_fwd(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, DOT_FP32=dot_fp32, num_warps=4 if head_dim <= 128 else 8, num_stages=2,
+        **pdl.launch_opts(q, PDL_LEVEL),
     )
     # the merge recomputes the same split boundaries from each request's attended count (SPARSE: from seq_lens)
     launch(_decode_stage2_kernel, (bs, num_heads),
@@ -304,6 +316,7 @@ def ds_sparse_decode_fwd(
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_BLOCK=1, SPARSE=1, num_warps=4, num_stages=1,
+        **pdl.launch_opts(q, PDL_LEVEL),
     )
 
 

@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 NBITS = 8  # key bits per round
 NBINS = 1 << NBITS
@@ -69,9 +71,11 @@ def _prefix(Hist, k, LEVELS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr
 
 @triton.jit(do_not_specialize=["n_cols", "k"])
 def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
-                 ROUND: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+                 ROUND: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr = 0):
     """Round ROUND (1-based): histogram of the keys' bits of that round, over the keys whose higher bits equal the
     boundary prefix of the rounds before."""
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
@@ -89,7 +93,9 @@ def _hist_kernel(Scores, Hist, n_cols, k, stride_s, stride_h,
 
 @triton.jit(do_not_specialize=["n_cols", "k"])
 def _select_kernel(Scores, Hist, Out, n_cols, k, stride_s, stride_h, stride_o,
-                   ROUNDS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+                   ROUNDS: tl.constexpr, NB: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
@@ -127,11 +133,13 @@ def new_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                   scratch: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
+                   scratch: torch.Tensor | None = None, block: int | None = None,
+                   pdl_level: int | None = None) -> torch.Tensor:
     """Positions [..., k] (int32, no particular order) of the k largest of each row of float32 scores [..., L]
     (unit last stride), L >= k. Ties at the threshold are broken arbitrarily. `out` may be passed to avoid an
     allocation, and `scratch` (int32, at least rows x SCRATCH_WIDTH, all zeros; `new_scratch`), which the call
-    leaves all zeros."""
+    leaves all zeros. `pdl_level`: programmatic dependent launch of the kernels (triton_ops/pdl.py; None:
+    RADIXSERVE_PDL)."""
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("threshold_topk needs float32 scores with a unit last stride")
     n_cols = scores.shape[-1]
@@ -154,7 +162,7 @@ def threshold_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     grid = (n_rows, triton.cdiv(n_cols, block))
     for rnd in range(1, ROUNDS + 1):
         launch(_hist_kernel, grid, rows2d, hist, n_cols, k, rows2d.stride(0), hist.stride(0),
-               ROUND=rnd, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8)
+               ROUND=rnd, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8, **pdl.launch_opts(scores, pdl_level))
     launch(_select_kernel, grid, rows2d, hist, out2d, n_cols, k, rows2d.stride(0), hist.stride(0), out2d.stride(0),
-           ROUNDS=ROUNDS, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8)
+           ROUNDS=ROUNDS, NB=NBINS, NBITS=NBITS, BLOCK=block, num_warps=8, **pdl.launch_opts(scores, pdl_level))
     return out

@@ -1,0 +1,49 @@
+"""The FlashInfer backend's page table (kv_indptr / kv_indices / last_page_len from the request table), on the CPU:
+the module is imported with a stand-in for the flashinfer package, which only the backend class needs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+
+@pytest.fixture()
+def page_table(monkeypatch):
+    name = "radixserve.layers.attention.flashinfer_backend"
+    stubbed = importlib.util.find_spec("flashinfer") is None
+    if stubbed:
+        stub = types.ModuleType("flashinfer")
+        stub.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
+        monkeypatch.setitem(sys.modules, "flashinfer", stub)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield importlib.import_module(name).page_table
+    if stubbed:  # leave no module built on the stand-in behind (the registry must still see no flashinfer)
+        sys.modules.pop(name, None)
+        package = sys.modules["radixserve.layers.attention"]
+        if hasattr(package, "flashinfer_backend"):
+            delattr(package, "flashinfer_backend")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_table_lists_each_requests_pages(page_table, page_size: int) -> None:
+    lens = [1, 37, 0, 16]
+    rows = torch.tensor([3, 1, 2, 0])
+    r2t = torch.zeros(4, 64, dtype=torch.int32)
+    for row in range(4):  # row r's token i sits in slot (8 * r + i // page_size) * page_size + i % page_size
+        i = torch.arange(64)
+        r2t[row] = ((8 * row + i // page_size) * page_size + i % page_size).to(torch.int32)
+    indptr, indices, last = page_table(r2t, rows, lens, page_size)
+    pages = [(n + page_size - 1) // page_size for n in lens]
+    assert indptr.tolist() == [0] + torch.cumsum(torch.tensor(pages), 0).tolist()
+    want = [8 * int(row) + p for row, n in zip(rows, pages, strict=True) for p in range(n)]
+    assert indices.tolist() == want
+    assert last.tolist() == [n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages, strict=True)]
+    out = torch.full((80,), -1, dtype=torch.int32)
+    _, into, _ = page_table(r2t, rows, lens, page_size, out_indices=out)
+    assert into is out and out[:len(want)].tolist() == want
