@@ -5,8 +5,8 @@ and on the base model (no LoRA) in the same run.
         --num-adapters 8 --rank 16 --batch-size 1 32 128 --result-file lora.json
 
 --modes picks the runs (base, lora, lora-separate: the shrink in separate kernels instead of stacked into the base
-GEMM); --profile prints each decode batch's kernels per step, and (with --extend-batch) a prefill step's. Adapters
-are random PEFT folders (rank --rank on all seven projections) written to --adapter-dir.
+GEMM, lora-row-pdl0: the one-row kernels without programmatic dependent launch); --profile prints each decode
+batch's kernels per step, and (with --extend-batch) a prefill step's. Adapters are random PEFT folders (rank --rank on all seven projections) written to --adapter-dir.
 
 Decode: a static batch through the scheduler's ModelRunner (CUDA graphs on), every row with an adapter (rows spread
 evenly over the adapters; batch 1 uses one), median step time. Prefill (--extend-batch N L): one extend step of N
@@ -238,7 +238,8 @@ def main() -> None:
     p.add_argument("--extend-batch", type=int, nargs=2, default=None, metavar=("N", "LEN"),
                    help="also time one prefill step of N requests of LEN new tokens")
     p.add_argument("--skip-offline", action="store_true")
-    p.add_argument("--modes", nargs="+", default=["base", "lora"], choices=["base", "lora", "lora-separate"],
+    p.add_argument("--modes", nargs="+", default=["base", "lora"],
+                   choices=["base", "lora", "lora-separate", "lora-row-pdl0"],
                    help="lora-separate: adapters with the shrink in separate kernels (no stacking)")
     p.add_argument("--profile", action="store_true", help="print each decode batch's kernels (torch profiler)")
     p.add_argument("--result-file", default="bench_lora.json")
@@ -249,11 +250,15 @@ def main() -> None:
     names = [x.split("=")[0] for x in lora_paths]
     print(f"wrote {len(names)} adapters of rank {args.rank} in {time.perf_counter() - t:.1f} s", flush=True)
     results: dict[str, Any] = {"args": vars(args), "decode": {}, "offline": {}}
+    from radixserve.lora import triton_ops as lora_triton
     from radixserve.lora.pool import set_lora_stacking
+
+    row_pdl = lora_triton.ROW_PDL_LEVEL
 
     for mode in args.modes:
         t = time.perf_counter()
         set_lora_stacking(False if mode == "lora-separate" else None)
+        lora_triton.ROW_PDL_LEVEL = 0 if mode == "lora-row-pdl0" else row_pdl
         s = make_scheduler(args, lora_paths if mode != "base" else None)
         print(f"[{mode}] scheduler ready in {time.perf_counter() - t:.1f} s", flush=True)
         rows = names if mode != "base" else [None]

@@ -73,9 +73,11 @@ class _LoRAHook:
                 or torch.compiler.is_compiling():
             return None
         from radixserve.layers.triton_ops.gemv import gemv_row
+        from radixserve.lora import triton_ops
 
         slots = (row_slot, self.base.weight.shape[0], self.a.shape[1])
-        return gemv_row(x, self.stacked[0], self.stacked[1], self._gemv_cfg, slots=slots)
+        return gemv_row(x, self.stacked[0], self.stacked[1], self._gemv_cfg, slots=slots,
+                        pdl_level=triton_ops.ROW_PDL_LEVEL)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, base = self.manager, self.base

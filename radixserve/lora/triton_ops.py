@@ -40,6 +40,11 @@ from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 BLOCK_M = 16
 MAX_SPLITS = 16
+# Programmatic dependent launch of the one-row path's kernels (the stacked GEMV, the expand): level 1, each waits for
+# the kernel before it to finish and only its launch overlaps (triton_ops/pdl.py). The adapters add a short kernel per
+# projection to a batch-1 step, whose launch latency this hides: on an H200 at the 8B shape, batch-1 decode with an
+# adapter at 0.85-0.96x the base model's with PDL and 0.80-0.83x without (docs/PERFORMANCE.md). None: RADIXSERVE_PDL.
+ROW_PDL_LEVEL: int | None = 1
 _MIXED_DOT_K = 256  # the stacked expand's one-dot path for blocks of several adapters: up to slots x rank = 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -362,5 +367,5 @@ def lora_expand_row(y: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, ou
     block_n = 32 if _INTERPRET else (128 if n_out > 8192 else 64)
     launch(_expand_row_kernel, (triton.cdiv(n_out, block_n),), y, b, out, scalings, sorted_slots, n_out, N,
            n_sub * R, offs[1], offs[2], b.stride(0), b.stride(1), R=R, N_SUB=n_sub, BLOCK_N=block_n,
-           BLOCK_R=_pow2_at_least_16(R), ACT=silu_mul, **pdl.launch_opts(y))
+           BLOCK_R=_pow2_at_least_16(R), ACT=silu_mul, **pdl.launch_opts(y, ROW_PDL_LEVEL))
     return out

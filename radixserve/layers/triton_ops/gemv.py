@@ -158,7 +158,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None = None) -> 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: torch.Tensor | None,
             norm: tuple[torch.Tensor | None, torch.Tensor, float] | None, silu_mul: bool, n_out: int,
             cfg: gemv_configs.GemvConfig,
-            slots: tuple[torch.Tensor, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            slots: tuple[torch.Tensor, int, int] | None = None,
+            pdl_level: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     k = x.shape[1]
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
@@ -172,18 +173,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: tor
            w.stride(0), w2.stride(0) if w2 is not None else w.stride(0), float(eps),
            HAS_W2=w2 is not None, NORM=norm is not None, HAS_RES=res is not None, HAS_BIAS=bias is not None,
            SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-           SLOT_ROWS=slots[2] if slots is not None else 0, **opts, **pdl.launch_opts(x))
+           SLOT_ROWS=slots[2] if slots is not None else 0, **opts, **pdl.launch_opts(x, pdl_level))
     return out, res_out
 
 
 def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              config: gemv_configs.GemvConfig | None = None, silu_mul: bool = False,
-             slots: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
+             slots: tuple[torch.Tensor, int, int] | None = None, pdl_level: int | None = None) -> torch.Tensor:
     """x [1, K] times w [N, K] (x's dtype, rows contiguous) -> [1, N]; with `silu_mul`, w is [gate; up] and the
     result silu(gate) * up [1, N / 2]. `config` gives the tiles (default: the "row16" family's).
     `slots` = (slot, n_main, slot_rows): w's rows from n_main on are slots of slot_rows rows (LoRA's A stacked
     under the base weight) and only those of slot `slot[0]` (a device tensor, -1: none) are computed; the other
-    slots' outputs are left unwritten."""
+    slots' outputs are left unwritten. `pdl_level`: programmatic dependent launch (triton_ops/pdl.py; None:
+    RADIXSERVE_PDL)."""
     _check(x, w)
     n = w.shape[0]
     if silu_mul and (n % 2 or slots is not None):
@@ -194,7 +196,7 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         raise ValueError(f"gemv_row: bias {tuple(bias.shape)} for {n} outputs")
     n_out = n // 2 if silu_mul else n
     cfg = config or (gemv_configs.default("row16", 1, True) if x.is_cuda else _CPU_TILES)
-    return _launch(x, w, bias, None, None, silu_mul, n_out, cfg, slots)[0]
+    return _launch(x, w, bias, None, None, silu_mul, n_out, cfg, slots, pdl_level)[0]
 
 
 def gemv_row_norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
