@@ -6,7 +6,8 @@ and on the base model (no LoRA) in the same run.
 
 --modes picks the runs (base, lora, lora-separate: the shrink in separate kernels instead of stacked into the base
 GEMM, lora-row-pdl0: the one-row kernels without programmatic dependent launch); --profile prints each decode
-batch's kernels per step, and (with --extend-batch) a prefill step's. Adapters are random PEFT folders (rank --rank on all seven projections) written to --adapter-dir.
+batch's kernels per step, and (with --extend-batch) a prefill step's. Adapters are random PEFT folders (rank
+--rank on all seven projections) written to --adapter-dir.
 
 Decode: a static batch through the scheduler's ModelRunner (CUDA graphs on), every row with an adapter (rows spread
 evenly over the adapters; batch 1 uses one), median step time. Prefill (--extend-batch N L): one extend step of N
