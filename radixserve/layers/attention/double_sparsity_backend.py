@@ -46,8 +46,8 @@ TOPK_MAX_CHUNKS = 1  # chunked top-k measured slower on the H200 (docs/perf-log.
 # the top-k of the Triton path: "threshold" (histogram rounds on the scores' bits, triton_ops/topk_select.py) or
 # "torch" (torch.topk: a multi-kernel radix select). H200, 8B shape, 64K context (docs/PERFORMANCE.md): 8 rows (batch
 # 1) 23 us against 53, 64 rows (batch 8) 100 us against 95. Scores per program: THRESHOLD_BLOCK, or
-# THRESHOLD_BLOCK_FEW_ROWS for at most FEW_ROWS rows (batch 1 at 64K: 36.7 against 37.8 us a layer; batch 8: 175 against
-# 186 with the larger block)
+# THRESHOLD_BLOCK_FEW_ROWS for at most FEW_ROWS rows (the whole sparse decode of a layer at 64K, 2026-12-01: batch 1
+# 35.5 us against 37.1 with the smaller block, batch 8 184 against 194 with the larger)
 TOPK_METHOD = "threshold"
 THRESHOLD_BLOCK, THRESHOLD_BLOCK_FEW_ROWS, FEW_ROWS = 4096, 2048, 16
 
@@ -55,6 +55,8 @@ THRESHOLD_BLOCK, THRESHOLD_BLOCK_FEW_ROWS, FEW_ROWS = 4096, 2048, 16
 def threshold_block(rows: int) -> int:
     """Scores per program of the threshold top-k over `rows` score rows."""
     return THRESHOLD_BLOCK_FEW_ROWS if rows <= FEW_ROWS else THRESHOLD_BLOCK
+
+
 # Always among the kept tokens (within --ds-heavy-token-num): the first few (attention sinks) and the most recent ones,
 # whose weight the heavy channels underestimate (RoPE's fast-turning channels, which favour nearby tokens, are
 # rarely heavy). At most a quarter / half of the kept tokens.
