@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -349,9 +350,12 @@ def test_fp8_mlp_fuses_silu_mul_into_gate_up(m: int, monkeypatch: pytest.MonkeyP
         monkeypatch.setattr(fp8mod.Fp8LinearMethod, "apply_silu_and_mul", lambda self, *a: None)
         plain = mlp(x)
         torch.testing.assert_close(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
-        mlp.gate_up_proj.lora = object()  # a layer with adapters keeps the unfused path (LoRA adds to gate_up)
+        # a layer with adapters asks its LoRA hook (which fuses only its own one-row stacked path), never the
+        # quantization method's fused product (LoRA adds to gate_up before the activation)
+        asked = []
+        mlp.gate_up_proj.lora = types.SimpleNamespace(silu_and_mul=lambda t: asked.append(t) and None)
         monkeypatch.setattr(fp8mod.Fp8LinearMethod, "apply_silu_and_mul", real)
-        assert mlp.gate_up_proj.silu_and_mul(x) is None
+        assert mlp.gate_up_proj.silu_and_mul(x) is None and len(asked) == 1
     finally:
         set_fused_kernels(None)
 
