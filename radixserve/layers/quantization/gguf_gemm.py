@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -123,11 +124,13 @@ def gguf_dequantize(fmt: str, fields: dict[str, torch.Tensor], n: int, k: int, d
 
 
 # Above this many rows a product dequantises the weight once into a 16-bit buffer (one pass over the packed bytes
-# and one write of the 16-bit weight: ~5 ms of memory traffic for the 8B at an H200's bandwidth, an estimate) and
-# multiplies with cuBLAS. The tiled kernel below dequantises the weight again for every block of rows, with a
-# gather per weight for each scale: with 64-row tiles a 512-token prefill of the 8B shape took 745 ms on an H200
-# (~90 ms a block), so it keeps only products of one 16-row tile.
-DEQUANT_MIN_M = 16
+# and one write of the 16-bit weight) and multiplies with cuBLAS: on an H200 at the 8B shape a Q4_K decode step of
+# 64 rows takes 13.7 ms that way and a 512-token prefill 18.7 ms (docs/PERFORMANCE.md, 2026-12-01). The tiled
+# kernel below dequantises the whole weight again for every block of rows, with a gather per weight for each scale:
+# ~90 ms a pass over the 8B's weights (a 512-token prefill in 64-row tiles took 745 ms), whatever the block's row
+# count, so it is kept for the products of at most GEMV_MAX_M rows that the decode GEMVs cannot take (K not a
+# multiple of 256); from GEMV_MAX_M + 1 rows the dequantised weight is cheaper.
+DEQUANT_MIN_M = GEMV_MAX_M
 
 
 def gguf_gemm(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int,
