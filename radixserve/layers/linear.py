@@ -188,7 +188,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate; up] layer computed in its product's epilogue, when its quantization
         method offers that for `x` (fp8 decode GEMVs) or, unquantized, the one-row Triton GEMV has a tile for the
-        shape; None otherwise (the caller applies SiluAndMul)."""
+        shape; with adapters, in the LoRA expand at one row (the hook decides); None otherwise (the caller applies
+        SiluAndMul)."""
         if len(self.shard_sizes) != 2 or self.shard_sizes[0] != self.shard_sizes[1]:
             return None
         if self.lora is not None:  # with adapters: their expand and the activation in one kernel, at one row
