@@ -167,12 +167,9 @@ class CudaGraphRunner:
                                                  forward_batch.positions), bs, self.fill)
         if self.lora is not None:
             self.lora.load_graph_inputs(forward_batch, bs)
-        lens_cpu = forward_batch.seq_lens_cpu  # on the host: a backend that plans there reads nothing back
-        if lens_cpu is not None:
-            lens_cpu = list(lens_cpu[:raw]) + [self.fill] * (bs - raw) if raw else [self.fill] * bs
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
                                                              forward_batch.seq_lens_sum + (bs - raw) * self.fill,
-                                                             seq_lens_cpu=lens_cpu)
+                                                             seq_lens_cpu=forward_batch.seq_lens_cpu)
         self.graphs[bs].replay()
         return LogitsProcessorOutput(next_token_logits=self.outputs[bs][:raw],
                                      greedy_token_ids=self.greedy_ids[bs][:raw])

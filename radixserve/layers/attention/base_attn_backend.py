@@ -46,8 +46,8 @@ class AttentionBackend(ABC):
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
                                                 seq_lens_cpu: list[int] | None = None) -> None:
         """Before a replay of the graph of (padded) batch size bs: its inputs are in the buffers given. seq_lens_cpu,
-        where the caller has it: the same lengths on the host (padding rows included), so a backend that plans on
-        the host need not read them back from the device."""
+        where the caller has it: the batch's own lengths on the host (its real rows only; the padding rows after them
+        hold `get_cuda_graph_seq_len_fill_value()`), so a backend that plans on the host need not read them back."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -172,8 +172,8 @@ class FlashInferAttnBackend(AttentionBackend):
             self._cg_rpi[:bs].copy_(rpi[:bs])
         if seq_lens.data_ptr() != self._cg_seq_lens.data_ptr():
             self._cg_seq_lens[:bs].copy_(seq_lens[:bs])
-        if seq_lens_cpu is not None and len(seq_lens_cpu) == bs:
-            return list(seq_lens_cpu)
+        if seq_lens_cpu is not None and len(seq_lens_cpu) <= bs:  # the padding rows hold the fill value
+            return list(seq_lens_cpu) + [self.get_cuda_graph_seq_len_fill_value()] * (bs - len(seq_lens_cpu))
         return self._cg_seq_lens[:bs].tolist()  # the plan is made on the host (FlashInfer's scheduler): a sync
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
