@@ -37,7 +37,8 @@ def test_fields_round_trip_through_gguf_bytes(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 70])  # from 5 (past DEQUANT_MIN_M): dequantised once, then F.linear
+# Q8_0 up to DEQUANT_MIN_M (4) rows: the tiled kernel; above, and Q4_K always: dequantised once, then F.linear
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 70])
 def test_gguf_gemm_kernel_matches_reference(fmt: str, m: int) -> None:
     g = torch.Generator().manual_seed(m)
     n, k = 40, 512 if fmt == G.Q4_K else 96

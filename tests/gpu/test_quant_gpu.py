@@ -69,7 +69,7 @@ def test_fp8_block_gemm_on_gpu(m: int) -> None:
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
-@pytest.mark.parametrize("m", [1, 16, 64, 300])  # 16: the tiled kernel; 64, 300: dequantised once, then cuBLAS
+@pytest.mark.parametrize("m", [1, 16, 64, 300])  # Q8_0 at 1 row: the tiled kernel; else dequantised once + cuBLAS
 def test_gguf_kernels_on_gpu(fmt: str, m: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(m)
     n, k = 768, 1024

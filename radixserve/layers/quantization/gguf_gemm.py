@@ -1,8 +1,8 @@
-"""GGUF Q8_0 / Q4_K products of more rows than the decode GEMVs take (`gguf_kernels`): a tiled Triton GEMM that
-dequantises each [BLOCK_N, BLOCK_K] tile of the packed fields (`gguf_formats`) in registers, out = x @ dequant(W).T
-(+ bias), for up to DEQUANT_MIN_M rows; above that the weight dequantised once into a 16-bit buffer and cuBLAS. The
-dequantised weight is rounded to the activation dtype before the product, as a dequantise-at-load model would round
-its weights."""
+"""GGUF Q8_0 / Q4_K products that the decode GEMVs (`gguf_kernels`) do not take: the weight dequantised once into a
+16-bit buffer (one Triton launch over the packed fields, `gguf_formats`) and cuBLAS; for Q8_0 products of at most
+DEQUANT_MIN_M rows whose K is not a multiple of 256 (the GEMVs' block), a tiled Triton GEMM that dequantises each
+[BLOCK_N, BLOCK_K] tile in registers, out = x @ dequant(W).T (+ bias). The dequantised weight is rounded to the
+activation dtype before the product, as a dequantise-at-load model would round its weights."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit
-def _gguf_gemm_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, M, N, K, stride_xm, stride_wn, stride_sn, stride_dn,
-                      stride_om, Q4K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+def _q8_0_gemm_kernel(X, Wq, D, Out, Bias, M, N, K, stride_xm, stride_wn, stride_dn, stride_om,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      FP32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -33,22 +33,9 @@ def _gguf_gemm_kernel(X, Wq, Sc, Mn, D, Dmin, Out, Bias, M, N, K, stride_xm, str
         x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)
         mask_w = mask_n[:, None] & mask_k[None, :]
-        sub = kk // 32
-        if Q4K:
-            byte = (kk // 64) * 32 + (kk % 32)
-            shift = ((kk // 32) % 2) * 4
-            qb = tl.load(Wq + rows_n * stride_wn + byte[None, :], mask=mask_w, other=0)
-            q = ((qb.to(tl.int32) >> shift[None, :]) & 0xF).to(tl.float32)
-            sc = tl.load(Sc + rows_n * stride_sn + sub[None, :], mask=mask_w, other=0).to(tl.float32)
-            mn = tl.load(Mn + rows_n * stride_sn + sub[None, :], mask=mask_w, other=0).to(tl.float32)
-            d = tl.load(D + rows_n * stride_dn + (kk // 256)[None, :], mask=mask_w, other=0.0).to(tl.float32)
-            dm = tl.load(Dmin + rows_n * stride_dn + (kk // 256)[None, :], mask=mask_w,
-                         other=0.0).to(tl.float32)
-            w = d * sc * q - dm * mn
-        else:
-            q = tl.load(Wq + rows_n * stride_wn + kk[None, :], mask=mask_w, other=0).to(tl.float32)
-            d = tl.load(D + rows_n * stride_dn + sub[None, :], mask=mask_w, other=0.0).to(tl.float32)
-            w = d * q
+        q = tl.load(Wq + rows_n * stride_wn + kk[None, :], mask=mask_w, other=0).to(tl.float32)
+        d = tl.load(D + rows_n * stride_dn + (kk // 32)[None, :], mask=mask_w, other=0.0).to(tl.float32)
+        w = d * q
         if FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
@@ -125,36 +112,34 @@ def gguf_dequantize(fmt: str, fields: dict[str, torch.Tensor], n: int, k: int, d
 
 # Above this many rows a product dequantises the weight once into a 16-bit buffer (one pass over the packed bytes
 # and one write of the 16-bit weight) and multiplies with cuBLAS: on an H200 at the 8B shape a Q4_K decode step of
-# 64 rows takes 13.7 ms that way and a 512-token prefill 18.7 ms (docs/PERFORMANCE.md, 2026-12-01). The tiled
-# kernel below dequantises the whole weight again for every block of rows, with a gather per weight for each scale:
-# ~90 ms a pass over the 8B's weights (a 512-token prefill in 64-row tiles took 745 ms), whatever the block's row
-# count, so it is kept for the products of at most GEMV_MAX_M rows that the decode GEMVs cannot take (K not a
-# multiple of 256); from GEMV_MAX_M + 1 rows the dequantised weight is cheaper.
+# 64 rows takes 13.7 ms that way and a 512-token prefill 18.7 ms (docs/PERFORMANCE.md, 2026-12-01). A tiled kernel
+# dequantises the whole weight again for every block of rows (~90 ms a pass over the 8B's Q4_K weights, where a
+# 512-token prefill in 64-row tiles took 745 ms), so the Q8_0 one below is kept only for the few rows the decode
+# GEMVs cannot take (K not a multiple of 256); every Q4_K K is, so Q4_K has no tiled kernel.
 DEQUANT_MIN_M = GEMV_MAX_M
 
 
 def gguf_gemm(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous) times the packed weight [N, K] of format `fmt` ("Q8_0" or "Q4_K"): the tiled
-    kernel that dequantises in registers up to DEQUANT_MIN_M rows, the dequantised weight and cuBLAS above."""
+    """x [M, K] (rows contiguous) times the packed weight [N, K] of format `fmt` ("Q8_0" or "Q4_K"): the dequantised
+    weight and cuBLAS, or for Q8_0 up to DEQUANT_MIN_M rows the tiled kernel that dequantises in registers."""
     m, k = x.shape
     q4k = fmt == "Q4_K"
     if x.stride(-1) != 1 or k % (256 if q4k else 32):
         raise ValueError(f"gguf_gemm needs row-contiguous x with K a multiple of the {fmt} block; got {tuple(x.shape)}")
-    if m > DEQUANT_MIN_M:
+    if q4k or m > DEQUANT_MIN_M:
         w = gguf_dequantize(fmt, fields, n, k, x.dtype)
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     wq, d = fields["qweight"], fields["d"]
-    sc, mn, dmin = (fields["scales"], fields["mins"], fields["dmin"]) if q4k else (d, d, d)
     block_m, block_n, block_k = 16, 32, 128  # one block of rows: m <= DEQUANT_MIN_M here
     if not x.is_cuda:  # the interpreter: small tiles
         block_n, block_k = 16, 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    launch(_gguf_gemm_kernel, grid, x, wq, sc, mn, d, dmin, out, bias if bias is not None else d, m, n, k,
-           x.stride(0), wq.stride(0), sc.stride(0), d.stride(0), out.stride(0), Q4K=q4k, HAS_BIAS=bias is not None,
-           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32=x.dtype == torch.float32 or not x.is_cuda,
-           num_warps=4, num_stages=3 if x.is_cuda else 1)
+    launch(_q8_0_gemm_kernel, grid, x, wq, d, out, bias if bias is not None else d, m, n, k, x.stride(0),
+           wq.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+           BLOCK_K=block_k, FP32=x.dtype == torch.float32 or not x.is_cuda, num_warps=4,
+           num_stages=3 if x.is_cuda else 1)
     return out
