@@ -8,6 +8,8 @@ path beats bf16, with the activation quantisation each needs.
   transpose copied back;
 - tensor: per-tensor scales for x and W (the weight quantised with one scale), the product alone, and with a
   per-tensor quantisation of x in torch ops (amax, divide, cast);
+- unit: x quantised per token, the tensor-wise product with scales of 1 and both scales applied after it in one
+  pass (`fp8_mid.scaled_mm_unit`, the whole product as an fp8 layer runs it);
 - mid: the `fp8_mid` kernel the table names for this batch and shape (where it has one).
 
 Each call is checked against the float32 product of its own quantised operands, then timed inside a CUDA graph
@@ -61,7 +63,7 @@ def main() -> None:
     totals: dict[tuple[int, str], float] = {}
     for r in rows:
         totals[(r["m"], r["path"])] = totals.get((r["m"], r["path"]), 0.0) + r["us"]
-    names = ["bf16", "row", "row mm", "rowT mm", "rowT+copy", "tensor mm", "tensor+q", "mid"]
+    names = ["bf16", "row", "row mm", "rowT mm", "rowT+copy", "tensor mm", "tensor+q", "unit", "mid"]
     print(f"\n{'M':>5} {'N x K':>11} " + " ".join(f"{h:>9}" for h in names) + "   (µs per call; err > 3% marked !)")
     for m in args.m:
         for shape in shapes + [None]:
@@ -133,6 +135,10 @@ def bench_shape(n: int, k: int, ms: list[int], min_mb: int, dev: str) -> list[di
                 xtq, ct[i % len(ct)].t(), scale_a=s, scale_b=wt_scale, out_dtype=dt), ref_t),
             "tensor+q": (lambda i, x=x: _tensor_mm(x, ct[i % len(ct)], wt_scale, dt), ref_t),
         }
+        if cuda:
+            from radixserve.layers.quantization.fp8_mid import scaled_mm_unit
+
+            calls["unit"] = (lambda i, x=x: scaled_mm_unit(x, c8[i % len(c8)], ws, dt), ref_row)
         if mid_cfg is not None and mid_cfg.kernel != "scaled_mm":
             from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
 

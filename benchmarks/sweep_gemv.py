@@ -57,6 +57,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
     elif family == "fp8_mid":  # the transposed W8A8 / W8A16 product at 17..256 rows, against torch._scaled_mm
         out.append(GemvConfig("scaled_mm", 0, 0))
         out.append(GemvConfig("scaled_mm_t", 0, 0))  # cuBLASLt's product transposed (the weight's rows tiled)
+        out.append(GemvConfig("scaled_mm_unit", 0, 0))  # cuBLASLt's tensor-wise product, the scales after it
         bms = (32, 64) if m <= 64 else (32, 64, 128)
         for bn in (64, 128):
             for bm in bms:

@@ -453,6 +453,32 @@ def test_fp8_mid_scaled_mm_transposed_matches_reference(m: int) -> None:
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("m,out_dtype", [(20, torch.float32), (33, torch.bfloat16)])
+def test_fp8_mid_scaled_mm_unit_matches_reference(m: int, out_dtype: torch.dtype) -> None:
+    """"scaled_mm_unit": the tensor-wise product with scales of 1, then x's per-token and the weight's per-channel
+    scales and the bias in one Triton pass (interpreted here): the per-token W8A8 reference's numbers (bf16: within
+    its rounding); float16 (whose range the unscaled product exceeds) and unaligned N are declined."""
+    from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 272, 128  # N spans two 256-column tiles of the scaling pass, M two or three 16-row ones
+    q, s = quantize_rows(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    cfg = GemvConfig("scaled_mm_unit", 0, 0)
+    out = fp8_mid_mm(x.to(DEV), q.to(DEV), s.to(DEV), out_dtype, cfg, bias.to(DEV))
+    xq, xs = per_token_group_quant_fp8(x.to(DEV), k)
+    ref = (xq.cpu().float() * xs.cpu()) @ (q.float() * s[:, None]).t() + bias
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-3)
+    else:
+        assert float((out.cpu().float() - ref).norm() / ref.norm()) < 8e-3
+    assert fp8_mid_mm(x.to(DEV), q.to(DEV), s.to(DEV), torch.float16, cfg) is None
+    assert fp8_mid_mm(x.to(DEV), q[:40].to(DEV), s[:40].to(DEV), out_dtype, cfg) is None
+
+
 def test_mid_table_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """`gemv_configs.get_mid`: the entry swept at the smallest M >= m, the largest within a quarter above it, None
     past that or for a shape the table lacks; the fp8 layer runs what the entry names."""

@@ -170,29 +170,36 @@ def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 9])
 def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
-    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+    """The decode GEMVs against the dequantised weight: Q8_0 up to 4 rows, Q4_K up to 8 (dp4x: every row of x in
+    one program; the other Q4_K kernels up to 4); more rows: None (the dequantising product's)."""
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, gemv_max_m, gguf_gemv
 
     g = torch.Generator(device="cuda").manual_seed(m)
     for n, k in [(4096, 14336), (1000, 4096)]:
         fields = G.quantize(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         out = gguf_gemv(x, fmt, fields, n)
+        if m > gemv_max_m(fmt):
+            assert out is None
+            continue
         ref = torch.nn.functional.linear(x.float(), G.dequantize(fmt, fields))
         assert _rel(out, ref) < 1e-2, (n, k)
-        if fmt == G.Q4_K:  # the integer tensor-core kernel, whatever the table picks
-            from radixserve.layers.quantization.gemv_configs import GemvConfig
-
-            for cfg in (GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
-                        GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8),
-                        GemvConfig("dp4x", 8, 512), GemvConfig("dp4x", 2, 1024, 2)):
+        if fmt == G.Q4_K:  # the integer kernels, whatever the table picks
+            cfgs = [GemvConfig("dp4x", 8, 512), GemvConfig("dp4x", 2, 1024, 2), GemvConfig("dp4x", 2, 512, 4)]
+            if m <= GEMV_MAX_M:
+                cfgs += [GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
+                         GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8)]
+            for cfg in cfgs:
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 
 
 @pytest.mark.parametrize("m", [17, 64, 160])
 def test_fp8_mid_kernels_on_gpu(m: int) -> None:
-    """The transposed W8A8 / W8A16 products of `fp8_mid` (and cuBLASLt's, transposed) on 8B shapes and on rows that
+    """The transposed W8A8 / W8A16 products of `fp8_mid` (and cuBLASLt's, transposed or tensor-wise with the scales
+    after it) on 8B shapes and on rows that
     are not a multiple of any tile, bf16 in and out, against the float32 reference (W8A8 with the activation
     quantisation in it)."""
     from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
@@ -204,8 +211,8 @@ def test_fp8_mid_kernels_on_gpu(m: int) -> None:
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
         for cfg in (GemvConfig("w8a8", 64, 256, 4, 3, block_m=64), GemvConfig("w8a16", 64, 128, 4, 3, block_m=32),
-                    GemvConfig("scaled_mm_t", 0, 0)):
-            if cfg.kernel == "scaled_mm_t" and n % 16:
+                    GemvConfig("scaled_mm_t", 0, 0), GemvConfig("scaled_mm_unit", 0, 0)):
+            if cfg.kernel.startswith("scaled_mm") and n % 16:
                 assert fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias) is None  # cuBLASLt's alignment
                 continue
             out = fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias)

@@ -14,6 +14,11 @@ is the product transposed: each program takes BLOCK_N weight rows (the MMA's lon
 - "scaled_mm_t": cuBLASLt's fp8 product transposed, out.T = W @ x.T with the per-channel scales on the long side
   (`torch._scaled_mm` row-wise, the batch padded to a multiple of 16 rows), the result copied back to [M, N]: the
   library then tiles the weight's rows, not the batch.
+- "scaled_mm_unit": x quantised per token, cuBLASLt's product with tensor-wise scales of 1 (its tensor-wise fp8
+  kernels ran ~2x faster than its row-wise ones at 64-256 rows on an H200, `benchmarks/bench_fp8_scaled_mm.py`),
+  then x's per-token and the weight's per-channel scales and the bias applied in one pass over the [M, N] result
+  (`_scale_rows_cols_kernel`); the unscaled product is rounded to bf16 once before the scales (bf16's range holds
+  it; fp16's would not).
 
 Which of these (or `torch._scaled_mm`, the default) runs for a shape and batch comes from the swept table
 (`gemv_configs.get_mid`, `benchmarks/sweep_gemv.py --families fp8_mid`); a shape the table lacks keeps
@@ -73,6 +78,9 @@ def fp8_mid_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype:
 
     m, k = x.shape
     n = w.shape[0]
+    if cfg.kernel == "scaled_mm_unit" and scale.numel() == n and x.stride(-1) == 1 and w.stride(-1) == 1 \
+            and k % 16 == 0 and n % 16 == 0 and w.shape[1] == k and out_dtype in (torch.bfloat16, torch.float32):
+        return scaled_mm_unit(x, w, scale, out_dtype, bias)
     if cfg.kernel == "scaled_mm_t" and scale.numel() == n and x.stride(-1) == 1 and w.stride(-1) == 1 \
             and k % 16 == 0 and n % 16 == 0:
         return scaled_mm_transposed(x, w, scale, out_dtype, bias)
@@ -117,3 +125,58 @@ def scaled_mm_transposed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, 
                              out_dtype=out_dtype)
     out = out_t[:, :m].t().contiguous()
     return out if bias is None else out + bias.to(out_dtype)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device` (torch._scaled_mm's tensor-wise scale), kept once it was made outside a CUDA graph
+    capture (one made inside a capture is filled only when that graph replays)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ONES[device] = one
+    return one
+
+
+@triton.jit
+def _scale_rows_cols_kernel(Out, XS, WS, Bias, M, N, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """In place: Out[m, n] = Out[m, n] * XS[m] * WS[n] (+ Bias[n]), in float32, stored in Out's dtype."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    ptrs = Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    o = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(XS + offs_m, mask=mask_m, other=0.0)
+    ws = tl.load(WS + offs_n, mask=mask_n, other=0.0)
+    o = o * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        o += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(ptrs, o.to(Out.dtype.element_ty), mask=mask)
+
+
+def scaled_mm_unit(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (quantised per token here) times the fp8 weight w [N, K] with per-channel scales: the product by
+    `torch._scaled_mm` with tensor-wise scales of 1, then both scales and the bias in one pass (`out_dtype`
+    bfloat16 or float32: the unscaled product overflows float16)."""
+    from radixserve.layers.quantization.fp8_kernels import per_token_group_quant_fp8
+
+    m, k = x.shape
+    n = w.shape[0]
+    xq, xs = per_token_group_quant_fp8(x, k)
+    one = _unit_scale(x.device)
+    out = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
+    if m == 0:
+        return out
+    block_m, block_n = 16, 256
+    ws = scale.reshape(-1)
+    launch(_scale_rows_cols_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m)), out, xs, ws,
+           bias if bias is not None else ws, m, n, out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m,
+           BLOCK_N=block_n, **(dict(num_warps=4) if x.is_cuda else {}))
+    return out

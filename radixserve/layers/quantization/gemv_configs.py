@@ -21,7 +21,8 @@ FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "row16", "row16_silu",
 
 @dataclass(frozen=True)
 class GemvConfig:
-    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w" (`gguf_kernels`)
+    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x"
+    # (`gguf_kernels`; only dp4x takes more than GEMV_MAX_M rows)
     kernel: str
     block_n: int
     block_k: int
@@ -68,6 +69,10 @@ def default(family: str, m: int, cuda: bool) -> GemvConfig:
         return GemvConfig("ew", 4, 1024) if m <= 2 else GemvConfig("dot", 32, 256, 4, 3)
     if family in ("row16", "row16_silu", "row16_norm"):
         return GemvConfig("ew", 4, 1024)
+    if family == "q4_k" and m > 1:  # every row of x in one program (`gguf_kernels`: dp4x), so the weight is read once
+        if m <= 2:
+            return GemvConfig("dp4x", 4, 1024, 2)
+        return GemvConfig("dp4x", 8, 1024, 4) if m <= 4 else GemvConfig("dp4x", 16, 512, 4)
     return GemvConfig("ew", 4, 512)
 
 
@@ -102,7 +107,7 @@ def get_mid(m: int, n: int, k: int) -> GemvConfig | None:
     """The "fp8_mid" entry for an M-row product (17..256 rows) of an [N, K] fp8 weight: the entry swept at the
     smallest M >= m ("fp8_mid/<M>/N/K", M as swept, not bucketed), else the largest swept M if m is within 1/4 of
     it; None when the table has none for the shape (the caller keeps `torch._scaled_mm`). Its `kernel` is
-    "w8a8", "w8a16" or "scaled_mm"."""
+    "w8a8", "w8a16", "scaled_mm", "scaled_mm_t" or "scaled_mm_unit"."""
     rows = _mid_rows(n, k)
     for swept, cfg in rows:
         if m <= swept:

@@ -126,11 +126,11 @@ class GGUFLinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, shape[-1])
         if use_fused(x2):
             from radixserve.layers.quantization.gguf_gemm import gguf_gemm
-            from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, gguf_gemv
+            from radixserve.layers.quantization.gguf_kernels import gemv_max_m, gguf_gemv
 
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
             out = gguf_gemv(x2, self.fmt, self.fields(layer), layer.output_size, bias) \
-                if x2.shape[0] <= GEMV_MAX_M else None
+                if x2.shape[0] <= gemv_max_m(self.fmt) else None
             if out is None:
                 out = gguf_gemm(x2, self.fmt, self.fields(layer), layer.output_size, bias)
         else:  # the dequantised weight through the same CPU product as an unquantized layer (same numerics)

@@ -1,8 +1,9 @@
-"""GGUF Q8_0 / Q4_K products that the decode GEMVs (`gguf_kernels`) do not take: the weight dequantised once into a
-16-bit buffer (one Triton launch over the packed fields, `gguf_formats`) and cuBLAS; for Q8_0 products of at most
-DEQUANT_MIN_M rows whose K is not a multiple of 256 (the GEMVs' block), a tiled Triton GEMM that dequantises each
-[BLOCK_N, BLOCK_K] tile in registers, out = x @ dequant(W).T (+ bias). The dequantised weight is rounded to the
-activation dtype before the product, as a dequantise-at-load model would round its weights."""
+"""GGUF Q8_0 / Q4_K products that the decode GEMVs (`gguf_kernels`: Q8_0 up to 4 rows, Q4_K up to 16) do not take:
+the weight dequantised once into a 16-bit buffer (one Triton launch over the packed fields, `gguf_formats`) and
+cuBLAS; for Q8_0 products of at most DEQUANT_MIN_M rows whose K is not a multiple of 256 (the GEMVs' block), a
+tiled Triton GEMM that dequantises each [BLOCK_N, BLOCK_K] tile in registers, out = x @ dequant(W).T (+ bias).
+The dequantised weight is rounded to the activation dtype before the product, as a dequantise-at-load model would
+round its weights."""
 
 from __future__ import annotations
 

@@ -414,6 +414,57 @@ def _q4_k_gemv_dp4x_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, 
     tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _q4_k_gemv_dp4x_rows_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, M, N, K, stride_ww,
+                                stride_sn, stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
+                                BLOCK_N: tl.constexpr, NCH: tl.constexpr, ROWS: tl.constexpr):
+    """`_q4_k_gemv_dp4x_kernel` for 2 to ROWS rows of x a program (program axis 1: rows ROWS * j ..): each step's
+    weight words are read once and meet every row's words in [ROWS, BLOCK_N, NCH, 8] tiles (the weight broadcast
+    over the rows, x over the weight's rows), so a batch of up to ROWS reads the packed weight once (the linears of
+    an 8B Q4_K step on an H200: 2.80 ms at 2 rows, 4.01 at 4, 6.38 at 8, against 2.62 ms for this kernel at 1 row;
+    the one-row kernel, whose x tiles have the weight's shape, takes 2.03 ms there, so one row keeps it)."""
+    offs_m = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    mask_m = offs_m < M
+    mr = offs_m.to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    ch = tl.arange(0, NCH)
+    offs_j = tl.arange(0, 8)
+    word = (ch[:, None] * 8 + offs_j[None, :])[None, None, :, :]  # [1, 1, NCH, 8]: word j of chunk g
+    w_ptrs = W32 + rows[None, :, None, None] * stride_ww + word  # [1, BLOCK_N, NCH, 8]
+    # x's words: the low nibbles of chunk g meet block 2g (words 16g + j), the high ones block 2g + 1 (16g + 8 + j)
+    xw_ptrs = XW + mr[:, None, None, None] * (K // 4) + (ch[:, None] * 16 + offs_j[None, :])[None, None, :, :]
+    xb = mr[:, None, None] * (K // 32) + 2 * ch[None, None, :]  # [ROWS, 1, NCH]: block 2g
+    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
+    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
+    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
+    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    mask_w = mask_n[None, :, None, None]
+    mask_x = mask_m[:, None, None, None]
+    mask_b = mask_m[:, None, None]
+    mask_s = mask_n[:, None]
+    acc = tl.zeros((ROWS, BLOCK_N, NCH), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        w = tl.load(w_ptrs + g0 * 8, mask=mask_w, other=0)  # [1, BLOCK_N, NCH, 8] int32
+        dot_lo = tl.sum(_dp4a_nibbles(w, tl.load(xw_ptrs + g0 * 16, mask=mask_x, other=0), False, ASM), axis=3)
+        dot_hi = tl.sum(_dp4a_nibbles(w, tl.load(xw_ptrs + g0 * 16 + 8, mask=mask_x, other=0), True, ASM), axis=3)
+        b = xb + 2 * g0
+        dot_lo = (dot_lo - 8 * tl.load(Qsum + b, mask=mask_b, other=0)).to(tl.float32) \
+            * tl.load(Xs + b, mask=mask_b, other=0.0)
+        dot_hi = (dot_hi - 8 * tl.load(Qsum + b + 1, mask=mask_b, other=0)).to(tl.float32) \
+            * tl.load(Xs + b + 1, mask=mask_b, other=0.0)
+        sc_lo, sc_hi, mn_lo, mn_hi, d, dm = _q4_k_chunk_scales(s_ptrs, m_ptrs, d_ptrs, dm_ptrs, g0, mask_s)
+        acc += (d * sc_lo)[None] * dot_lo + (d * sc_hi)[None] * dot_hi \
+            + (8.0 * d * sc_lo - dm * mn_lo)[None] * tl.load(Xsum + b, mask=mask_b, other=0.0) \
+            + (8.0 * d * sc_hi - dm * mn_hi)[None] * tl.load(Xsum + b + 1, mask=mask_b, other=0.0)
+    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if HAS_BIAS:
+        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + mr[:, None] * stride_om + offs_n[None, :], out.to(Out.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
 def q8_1_words(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x [M, K] (K a multiple of 32, rows contiguous) -> (words int32 [M, K / 4], scales, level sums, float sums
     [M, K / 32]): the activations of `_q4_k_gemv_dp4x_kernel`."""
@@ -458,22 +509,36 @@ def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn
     tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
 
-GEMV_MAX_M = 4
+GEMV_MAX_M = 4  # Q8_0 (one program per row of x)
+# Q4_K by `_q4_k_gemv_dp4x_rows_kernel`, every row of x in one program (other Q4_K kernels: GEMV_MAX_M). At 16 rows
+# it is instruction-bound (the 8B step 14.2 ms against 12.3 for the dequantised weight and cuBLAS), at 8 it wins
+# (8.2 against 12.2 ms; H200, docs/PERFORMANCE.md).
+Q4_K_GEMV_MAX_M = 8
+
+
+def gemv_max_m(fmt: str) -> int:
+    """The most rows of x the decode GEMVs take for this format (larger products: `gguf_gemm`)."""
+    return Q4_K_GEMV_MAX_M if fmt == "Q4_K" else GEMV_MAX_M
 
 
 def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int,
               bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor | None:
-    """The product for a few rows (decode, M <= GEMV_MAX_M) straight from the packed fields; None when the shape
-    does not suit it (K not a multiple of 256): the caller uses `gguf_gemm`. `config` overrides the tuned block
-    sizes (`gemv_configs`; block_k = weight columns a program reads per step)."""
+    """The product for a few rows (decode, M <= `gemv_max_m(fmt)`) straight from the packed fields; None when the
+    shape does not suit it (K not a multiple of 256, or more rows than the kernel the table names takes): the caller
+    uses `gguf_gemm`. `config` overrides the tuned block sizes (`gemv_configs`; block_k = weight columns a program
+    reads per step)."""
     m, k = x.shape
-    if k % 256 or m > GEMV_MAX_M or x.stride(-1) != 1:
+    q4k = fmt == "Q4_K"
+    if k % 256 or m > gemv_max_m(fmt) or x.stride(-1) != 1:
+        return None
+    cfg = config or gemv_configs.get("q4_k" if q4k else "q8_0", m, n, k, x.is_cuda)
+    dp4x = q4k and cfg.kernel == "dp4x" and fields["qweight"].stride(0) % 4 == 0 \
+        and fields["qweight"].data_ptr() % 4 == 0
+    if m > GEMV_MAX_M and not dp4x:  # the one-row-a-program kernels would read the weight m times
         return None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    q4k = fmt == "Q4_K"
-    cfg = config or gemv_configs.get("q4_k" if q4k else "q8_0", m, n, k, x.is_cuda)
     block_k = max(256, cfg.block_k)
     while k % block_k:
         block_k //= 2
@@ -484,12 +549,19 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
         sc = fields["scales"]
-        if cfg.kernel == "dp4x" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
+        if dp4x:
             w32 = wq.view(torch.int32)
             xw, xs, qsum, xsum = q8_1_words(x)
-            launch(_q4_k_gemv_dp4x_kernel, grid, xw, xs, qsum, xsum, w32, sc, fields["mins"], d, fields["dmin"], out,
-                   b, n, k, w32.stride(0), sc.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+            if m == 1:
+                launch(_q4_k_gemv_dp4x_kernel, grid, xw, xs, qsum, xsum, w32, sc, fields["mins"], d, fields["dmin"],
+                       out, b, n, k, w32.stride(0), sc.stride(0), d.stride(0), out.stride(0),
+                       HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+                return out
+            rows = gemv_configs.bucket(m)
+            launch(_q4_k_gemv_dp4x_rows_kernel, (grid[0], triton.cdiv(m, rows)), xw, xs, qsum, xsum, w32, sc,
+                   fields["mins"], d, fields["dmin"], out, b, m, n, k, w32.stride(0), sc.stride(0), d.stride(0),
+                   out.stride(0), HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64,
+                   ROWS=rows, **opts)
             return out
         if cfg.kernel == "dp4w" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
             w32 = wq.view(torch.int32)
