@@ -93,6 +93,10 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             out += [GemvConfig("dp4x", bn, bk, w, st) for bn, bk, w, st in
                     [(4, 512, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 256, 4, 3),
                      (32, 256, 4, 2), (4, 1024, 2, 2), (2, 1024, 2, 2)]]
+            # every row of x (up to 16) as a column of one int8 MMA per sub-block, x quantised beforehand
+            out += [GemvConfig("mma_rows", bn, bk, w, st) for bn, bk, w, st in
+                    [(16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (32, 512, 4, 2), (64, 256, 4, 2),
+                     (16, 1024, 4, 2), (32, 512, 8, 3)]]
     return out[:6] if quick else out
 
 

@@ -262,7 +262,9 @@ def test_q4_k_int8_gemv_matches_reference(kernel: str, m: int, block_n: int, blo
 
 @pytest.mark.parametrize("kernel,m,block_n,block_k", [("dp4w", 1, 4, 256), ("dp4w", 2, 8, 512), ("dp4w", 1, 16, 1024),
                                                       ("dp4x", 1, 4, 256), ("dp4x", 2, 16, 512), ("dp4x", 3, 2, 256),
-                                                      ("dp4x", 5, 4, 512), ("dp4x", 8, 2, 1024)])
+                                                      ("dp4x", 5, 4, 512), ("dp4x", 8, 2, 1024),
+                                                      ("mma_rows", 1, 16, 256), ("mma_rows", 5, 32, 512),
+                                                      ("mma_rows", 16, 16, 1024)])
 def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int, block_k: int) -> None:
     """`_q4_k_gemv_dp4w_kernel` / `_q4_k_gemv_dp4x_kernel` (q bytes read as int32 words, x quantised to int8 per
     32 columns once per program and step, or beforehand by `_q8_1_words_kernel`, and packed into words, dp4a per
@@ -270,9 +272,10 @@ def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int
     other integer kernels: against the same exact reference (float32 rounding only), and within the int8 error of
     the float x; rows not a multiple of the tile, a bias, a block of tiny values, one of negative values only. dp4x
     takes every row of x (2 to 8) in one program: batches of 3 and 5 leave rows of its tile empty; 9 rows are the
-    dequantising product's."""
+    dequantising product's. `_q4_k_gemv_mma_rows_kernel` (the same quantised x as int8 bytes, one int8 MMA per
+    sub-block with a column per row of x) the same, up to 16 rows."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
-    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+    from radixserve.layers.quantization.gguf_kernels import ROWS_MAX_M, gguf_gemv
 
     g = torch.Generator().manual_seed(block_k + m + 7)
     n, k = 37, 1024
@@ -289,9 +292,9 @@ def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int
     torch.testing.assert_close(out.cpu(), exact, rtol=1e-4, atol=2e-3)
     ref = torch.nn.functional.linear(x, w, bias)
     assert float((out.cpu() - ref).norm() / ref.norm()) < 1e-2
-    if kernel == "dp4x":
-        assert gguf_gemv(torch.randn(9, k).to(DEV), G.Q4_K, fields, n, None, GemvConfig(kernel, block_n, block_k)) \
-            is None
+    if kernel in ROWS_MAX_M:  # one row more than the kernel takes: the dequantising product's
+        more = torch.randn(ROWS_MAX_M[kernel] + 1, k).to(DEV)
+        assert gguf_gemv(more, G.Q4_K, fields, n, None, GemvConfig(kernel, block_n, block_k)) is None
 
 
 def _offset_terms(fields: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -170,25 +170,31 @@ def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
 
 
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
-@pytest.mark.parametrize("m", [1, 3, 6, 8, 9])
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 9, 16])
 def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
-    """The decode GEMVs against the dequantised weight: Q8_0 up to 4 rows, Q4_K up to 8 (dp4x: every row of x in
-    one program; the other Q4_K kernels up to 4); more rows: None (the dequantising product's)."""
+    """The decode GEMVs against the dequantised weight: Q8_0 up to 4 rows; Q4_K's table / default picks up to 8
+    rows (more: None, the dequantising product's), and each Q4_K kernel at every batch it takes (dp4x up to 8 rows,
+    mma_rows up to 16, the others up to 4)."""
+    from radixserve.layers.quantization import gemv_configs
     from radixserve.layers.quantization.gemv_configs import GemvConfig
-    from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, gemv_max_m, gguf_gemv
+    from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, ROWS_MAX_M, gguf_gemv
 
     g = torch.Generator(device="cuda").manual_seed(m)
     for n, k in [(4096, 14336), (1000, 4096)]:
         fields = G.quantize(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-        out = gguf_gemv(x, fmt, fields, n)
-        if m > gemv_max_m(fmt):
-            assert out is None
-            continue
         ref = torch.nn.functional.linear(x.float(), G.dequantize(fmt, fields))
-        assert _rel(out, ref) < 1e-2, (n, k)
+        out = gguf_gemv(x, fmt, fields, n)
+        picked = gemv_configs.get("q4_k", m, n, k).kernel if fmt == G.Q4_K else None
+        if m > ROWS_MAX_M.get(picked, GEMV_MAX_M):
+            assert out is None
+        else:
+            assert _rel(out, ref) < 1e-2, (n, k)
         if fmt == G.Q4_K:  # the integer kernels, whatever the table picks
-            cfgs = [GemvConfig("dp4x", 8, 512), GemvConfig("dp4x", 2, 1024, 2), GemvConfig("dp4x", 2, 512, 4)]
+            cfgs = [GemvConfig("mma_rows", 16, 512), GemvConfig("mma_rows", 64, 256),
+                    GemvConfig("mma_rows", 32, 512, 8, 3)]
+            if m <= ROWS_MAX_M["dp4x"]:
+                cfgs += [GemvConfig("dp4x", 8, 512), GemvConfig("dp4x", 2, 1024, 2), GemvConfig("dp4x", 2, 512, 4)]
             if m <= GEMV_MAX_M:
                 cfgs += [GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
                          GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8)]

@@ -21,8 +21,8 @@ FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "row16", "row16_silu",
 
 @dataclass(frozen=True)
 class GemvConfig:
-    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x"
-    # (`gguf_kernels`; only dp4x takes more than GEMV_MAX_M rows)
+    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x",
+    # "mma_rows" (`gguf_kernels`; only dp4x and mma_rows take more than GEMV_MAX_M rows)
     kernel: str
     block_n: int
     block_k: int

@@ -1,6 +1,7 @@
-"""Decode GEMVs (up to GEMV_MAX_M rows) that read GGUF Q8_0 / Q4_K weights in their packed fields (`gguf_formats`)
-and dequantise in registers: out = x @ dequant(W).T (+ bias), with the kernel and block sizes from the swept table
-(`gemv_configs`). Larger products: `gguf_gemm`."""
+"""Decode GEMVs that read GGUF Q8_0 / Q4_K weights in their packed fields (`gguf_formats`) and dequantise in
+registers or multiply the integers: out = x @ dequant(W).T (+ bias), with the kernel and block sizes from the swept
+table (`gemv_configs`). Most kernels run one program per row of x (up to GEMV_MAX_M rows); Q4_K's dp4x (up to 8
+rows) and mma_rows (up to 16) take every row of x in one program. Larger products: `gguf_gemm`."""
 
 from __future__ import annotations
 
@@ -465,6 +466,52 @@ def _q4_k_gemv_dp4x_rows_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, B
              mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _q4_k_gemv_mma_rows_kernel(XQ, Xs, Xsum, Wq, Sc, Mn, D, Dmin, Out, Bias, M, N, K, stride_wn, stride_sn, stride_dn,
+                               stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """Up to 16 rows of x on the integer tensor cores, every row in one program: x quantised beforehand
+    (`q8_1_words`, its int8 levels read as bytes, XQ [M, K]), and per 32-weight sub-block one int8 MMA of the
+    centred nibbles [BLOCK_N, 32] with x's levels [32, 16] (one column per row of x, where `_q4_k_gemv_mma2d_kernel`
+    fills only the first), the sub-block's scales and x's block scales applied to the [BLOCK_N, 16] integer
+    products after it: d sc x_scale dot + (8 d sc - dmin m) sum(x), as the other integer kernels. A batch of up to
+    16 rows costs the tensor cores what one row does."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, 16)
+    mask_m = offs_m < M
+    mr = offs_m.to(tl.int64)
+    offs_l = tl.arange(0, 32)
+    rows = offs_n.to(tl.int64)
+    w_ptrs = Wq + rows[:, None] * stride_wn + offs_l[None, :]  # [BLOCK_N, 32]: chunk 0's bytes
+    x_ptrs = XQ + mr[None, :] * K + offs_l[:, None]  # [32, 16]: block 0's levels, a column per row of x
+    xb = mr * (K // 32)  # [16]: each row's block 0
+    s_ptrs = Sc + rows * stride_sn
+    m_ptrs = Mn + rows * stride_sn
+    d_ptrs = D + rows * stride_dn
+    dm_ptrs = Dmin + rows * stride_dn
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 and NCH % 4 == 0 (the wrapper checks)
+        for c in tl.static_range(NCH):
+            g = g0 + c
+            b = tl.load(w_ptrs + g * 32, mask=mask_n[:, None], other=0)
+            d = tl.load(d_ptrs + g // 4, mask=mask_n, other=0.0).to(tl.float32)
+            dm = tl.load(dm_ptrs + g // 4, mask=mask_n, other=0.0).to(tl.float32)
+            for half in tl.static_range(2):  # low nibbles: block 2g (x[64g + l]); high: block 2g + 1
+                q = ((b >> (4 * half)) & 0xF).to(tl.int8) - 8
+                xq = tl.load(x_ptrs + g * 64 + 32 * half, mask=mask_m[None, :], other=0)
+                dot = tl.dot(q, xq, out_dtype=tl.int32).to(tl.float32)  # [BLOCK_N, 16]
+                blk = 2 * g + half
+                xs = tl.load(Xs + xb + blk, mask=mask_m, other=0.0)
+                xsum = tl.load(Xsum + xb + blk, mask=mask_m, other=0.0)
+                sc = tl.load(s_ptrs + blk, mask=mask_n, other=0).to(tl.float32)
+                mn = tl.load(m_ptrs + blk, mask=mask_n, other=0).to(tl.float32)
+                acc += (d * sc)[:, None] * dot * xs[None, :] + (8.0 * d * sc - dm * mn)[:, None] * xsum[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    tl.store(Out + mr[None, :] * stride_om + offs_n[:, None], acc.to(Out.dtype.element_ty),
+             mask=mask_n[:, None] & mask_m[None, :])
+
+
 def q8_1_words(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x [M, K] (K a multiple of 32, rows contiguous) -> (words int32 [M, K / 4], scales, level sums, float sums
     [M, K / 32]): the activations of `_q4_k_gemv_dp4x_kernel`."""
@@ -509,15 +556,17 @@ def _q8_0_gemv_kernel(X, Wq, D, Out, Bias, N, K, stride_xm, stride_wn, stride_dn
     tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
 
-GEMV_MAX_M = 4  # Q8_0 (one program per row of x)
-# Q4_K by `_q4_k_gemv_dp4x_rows_kernel`, every row of x in one program (other Q4_K kernels: GEMV_MAX_M). At 16 rows
-# it is instruction-bound (the 8B step 14.2 ms against 12.3 for the dequantised weight and cuBLAS), at 8 it wins
-# (8.2 against 12.2 ms; H200, docs/PERFORMANCE.md).
-Q4_K_GEMV_MAX_M = 8
+GEMV_MAX_M = 4  # Q8_0, and the Q4_K kernels that run one program per row of x
+# Q4_K kernels that take every row of x in one program: `_q4_k_gemv_dp4x_rows_kernel` up to 8 rows (at 16 it is
+# instruction-bound: the 8B step 14.2 ms against 12.3 for the dequantised weight and cuBLAS; at 8 it wins, 8.2
+# against 12.2 ms; H200, docs/PERFORMANCE.md), `_q4_k_gemv_mma_rows_kernel` up to 16 (where the table names it).
+ROWS_MAX_M = {"dp4x": 8, "mma_rows": 16}
+Q4_K_GEMV_MAX_M = max(ROWS_MAX_M.values())
 
 
 def gemv_max_m(fmt: str) -> int:
-    """The most rows of x the decode GEMVs take for this format (larger products: `gguf_gemm`)."""
+    """The most rows of x any decode GEMV takes for this format (larger products: `gguf_gemm`; within it, the
+    kernel the table names for the batch decides, `gguf_gemv` returning None where it does not take them)."""
     return Q4_K_GEMV_MAX_M if fmt == "Q4_K" else GEMV_MAX_M
 
 
@@ -534,7 +583,8 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     cfg = config or gemv_configs.get("q4_k" if q4k else "q8_0", m, n, k, x.is_cuda)
     dp4x = q4k and cfg.kernel == "dp4x" and fields["qweight"].stride(0) % 4 == 0 \
         and fields["qweight"].data_ptr() % 4 == 0
-    if m > GEMV_MAX_M and not dp4x:  # the one-row-a-program kernels would read the weight m times
+    rows_kernel = "dp4x" if dp4x else cfg.kernel if q4k and cfg.kernel == "mma_rows" else None
+    if m > ROWS_MAX_M.get(rows_kernel, GEMV_MAX_M):  # one program per row of x would read the weight m times
         return None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -544,7 +594,7 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
         block_k //= 2
     wq, d = fields["qweight"], fields["d"]
     b = bias if bias is not None else d
-    block_n = max(16, cfg.block_n) if cfg.kernel == "mma" else cfg.block_n  # an MMA takes 16 rows or more
+    block_n = max(16, cfg.block_n) if cfg.kernel in ("mma", "mma_rows") else cfg.block_n  # an MMA: 16 rows or more
     grid = (triton.cdiv(n, block_n), m)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if q4k:
@@ -562,6 +612,12 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
                    fields["mins"], d, fields["dmin"], out, b, m, n, k, w32.stride(0), sc.stride(0), d.stride(0),
                    out.stride(0), HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64,
                    ROWS=rows, **opts)
+            return out
+        if rows_kernel == "mma_rows":
+            words, xs, _, xsum = q8_1_words(x)
+            launch(_q4_k_gemv_mma_rows_kernel, (grid[0],), words.view(torch.int8), xs, xsum, wq, sc,
+                   fields["mins"], d, fields["dmin"], out, b, m, n, k, wq.stride(0), sc.stride(0), d.stride(0),
+                   out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, NCH=block_k // 64, **opts)
             return out
         if cfg.kernel == "dp4w" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
             w32 = wq.view(torch.int32)
