@@ -146,6 +146,36 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tmp_path, level: in
     assert generate(level, False) == generate(0, False)
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_q4_k_gemvs_with_programmatic_dependent_launch(level: int) -> None:
+    """Q4_K's x quantisation and its dp4x (1 and 4 rows) and mma_rows (16 rows) GEMVs launched as programmatic
+    dependent launches give the plain launches' results bit for bit, eagerly and replayed from a CUDA graph."""
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.quantization.gguf_kernels import gguf_gemv
+    from radixserve.layers.triton_ops import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9 or not pdl.AVAILABLE:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton's gdc ops")
+    g = torch.Generator(device="cuda").manual_seed(level)
+    n, k = 4096, 4096
+    fields = G.quantize(G.Q4_K, torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    for m, cfg in ((1, GemvConfig("dp4x", 2, 1024, 2)), (4, GemvConfig("dp4x", 8, 1024, 4)),
+                   (16, GemvConfig("mma_rows", 16, 512))):
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        plain = gguf_gemv(x, G.Q4_K, fields, n, None, cfg)
+        pdl.set_level(level)
+        try:
+            eager = gguf_gemv(x, G.Q4_K, fields, n, None, cfg)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = gguf_gemv(x, G.Q4_K, fields, n, None, cfg)
+            graph.replay()
+        finally:
+            pdl.set_level(0)
+        torch.cuda.synchronize()
+        assert torch.equal(eager, plain) and torch.equal(captured, plain), (m, cfg)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
 def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
     """The decode GEMV kernels of `fp8_gemv` with the tuned table's configs (and each kernel explicitly) on an 8B

@@ -1,7 +1,9 @@
 """Decode GEMVs that read GGUF Q8_0 / Q4_K weights in their packed fields (`gguf_formats`) and dequantise in
 registers or multiply the integers: out = x @ dequant(W).T (+ bias), with the kernel and block sizes from the swept
 table (`gemv_configs`). Most kernels run one program per row of x (up to GEMV_MAX_M rows); Q4_K's dp4x (up to 8
-rows) and mma_rows (up to 16) take every row of x in one program. Larger products: `gguf_gemm`."""
+rows) and mma_rows (up to 16) take every row of x in one program; those and x's quantisation before them launch
+with programmatic dependent launch when RADIXSERVE_PDL asks for it (`triton_ops.pdl`). Larger products:
+`gguf_gemm`."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.quantization.gemv_configs import GemvConfig
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
@@ -356,10 +360,11 @@ def _q4_k_gemv_dp4w_kernel(X, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, 
 
 
 @triton.jit
-def _q8_1_words_kernel(X, Words, Xs, Qsum, Xsum, K, stride_xm, BLOCK_G: tl.constexpr):
+def _q8_1_words_kernel(X, Words, Xs, Qsum, Xsum, K, stride_xm, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
     """x [M, K] -> per 32-column block g: its int8 levels (amax / 127, halves away from zero) packed 4 to an int32
     word (Words [M, K / 4]), the scale (Xs), the sum of the levels (Qsum) and of the float x (Xsum) [M, K / 32].
     One program per row and BLOCK_G blocks."""
+    pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     mask_g = g < K // 32
@@ -376,11 +381,12 @@ def _q8_1_words_kernel(X, Words, Xs, Qsum, Xsum, K, stride_xm, BLOCK_G: tl.const
 @triton.jit
 def _q4_k_gemv_dp4x_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_ww, stride_sn,
                            stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                           NCH: tl.constexpr):
+                           NCH: tl.constexpr, PDL: tl.constexpr = 0):
     """As `_q4_k_gemv_dp4w_kernel`, with x quantised beforehand (`_q8_1_words_kernel`, one small launch a product):
     the packed words and the per-block factors of x are read through tiles shaped as the weight's (every row the
     same; L1 serves the repeats), so the loop has no reduction and no layout exchange besides the sum of each
     chunk's 8 words."""
+    pdl_prologue(PDL)
     m = tl.program_id(1).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -418,12 +424,14 @@ def _q4_k_gemv_dp4x_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, 
 @triton.jit
 def _q4_k_gemv_dp4x_rows_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, M, N, K, stride_ww,
                                 stride_sn, stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-                                BLOCK_N: tl.constexpr, NCH: tl.constexpr, ROWS: tl.constexpr):
+                                BLOCK_N: tl.constexpr, NCH: tl.constexpr, ROWS: tl.constexpr,
+                                PDL: tl.constexpr = 0):
     """`_q4_k_gemv_dp4x_kernel` for 2 to ROWS rows of x a program (program axis 1: rows ROWS * j ..): each step's
     weight words are read once and meet every row's words in [ROWS, BLOCK_N, NCH, 8] tiles (the weight broadcast
     over the rows, x over the weight's rows), so a batch of up to ROWS reads the packed weight once (the linears of
     an 8B Q4_K step on an H200: 2.80 ms at 2 rows, 4.01 at 4, 6.38 at 8, against 2.62 ms for this kernel at 1 row;
     the one-row kernel, whose x tiles have the weight's shape, takes 2.03 ms there, so one row keeps it)."""
+    pdl_prologue(PDL)
     offs_m = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     mask_m = offs_m < M
     mr = offs_m.to(tl.int64)
@@ -468,13 +476,15 @@ def _q4_k_gemv_dp4x_rows_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, B
 
 @triton.jit
 def _q4_k_gemv_mma_rows_kernel(XQ, Xs, Xsum, Wq, Sc, Mn, D, Dmin, Out, Bias, M, N, K, stride_wn, stride_sn, stride_dn,
-                               stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+                               stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr,
+                               PDL: tl.constexpr = 0):
     """Up to 16 rows of x on the integer tensor cores, every row in one program: x quantised beforehand
     (`q8_1_words`, its int8 levels read as bytes, XQ [M, K]), and per 32-weight sub-block one int8 MMA of the
     centred nibbles [BLOCK_N, 32] with x's levels [32, 16] (one column per row of x, where `_q4_k_gemv_mma2d_kernel`
     fills only the first), the sub-block's scales and x's block scales applied to the [BLOCK_N, 16] integer
     products after it: d sc x_scale dot + (8 d sc - dmin m) sum(x), as the other integer kernels. A batch of up to
     16 rows costs the tensor cores what one row does."""
+    pdl_prologue(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, 16)
@@ -522,7 +532,7 @@ def q8_1_words(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     xsum = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
     block_g = 16
     launch(_q8_1_words_kernel, (m, triton.cdiv(k // 32, block_g)), x, words, xs, qsum, xsum, k, x.stride(0),
-           BLOCK_G=block_g, **(dict(num_warps=4) if x.is_cuda else {}))
+           BLOCK_G=block_g, **(dict(num_warps=4) if x.is_cuda else {}), **pdl.launch_opts(x))
     return words, xs, qsum, xsum
 
 
@@ -605,19 +615,21 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
             if m == 1:
                 launch(_q4_k_gemv_dp4x_kernel, grid, xw, xs, qsum, xsum, w32, sc, fields["mins"], d, fields["dmin"],
                        out, b, n, k, w32.stride(0), sc.stride(0), d.stride(0), out.stride(0),
-                       HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+                       HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, **opts,
+                       **pdl.launch_opts(x))
                 return out
             rows = gemv_configs.bucket(m)
             launch(_q4_k_gemv_dp4x_rows_kernel, (grid[0], triton.cdiv(m, rows)), xw, xs, qsum, xsum, w32, sc,
                    fields["mins"], d, fields["dmin"], out, b, m, n, k, w32.stride(0), sc.stride(0), d.stride(0),
                    out.stride(0), HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64,
-                   ROWS=rows, **opts)
+                   ROWS=rows, **opts, **pdl.launch_opts(x))
             return out
         if rows_kernel == "mma_rows":
             words, xs, _, xsum = q8_1_words(x)
             launch(_q4_k_gemv_mma_rows_kernel, (grid[0],), words.view(torch.int8), xs, xsum, wq, sc,
                    fields["mins"], d, fields["dmin"], out, b, m, n, k, wq.stride(0), sc.stride(0), d.stride(0),
-                   out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, NCH=block_k // 64, **opts)
+                   out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, NCH=block_k // 64, **opts,
+                   **pdl.launch_opts(x))
             return out
         if cfg.kernel == "dp4w" and wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0:
             w32 = wq.view(torch.int32)
