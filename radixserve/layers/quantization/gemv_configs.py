@@ -22,7 +22,7 @@ FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "row16", "row16_silu",
 @dataclass(frozen=True)
 class GemvConfig:
     # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x",
-    # "mma_rows" (`gguf_kernels`; only dp4x and mma_rows take more than GEMV_MAX_M rows)
+    # "mma_rows" (`gguf_int_kernels`; only dp4x and mma_rows take more than GEMV_MAX_M rows)
     kernel: str
     block_n: int
     block_k: int
@@ -69,7 +69,7 @@ def default(family: str, m: int, cuda: bool) -> GemvConfig:
         return GemvConfig("ew", 4, 1024) if m <= 2 else GemvConfig("dot", 32, 256, 4, 3)
     if family in ("row16", "row16_silu", "row16_norm"):
         return GemvConfig("ew", 4, 1024)
-    if family == "q4_k" and m > 1:  # every row of x in one program (`gguf_kernels`: dp4x), so the weight is read once
+    if family == "q4_k" and m > 1:  # every row of x in one program (`gguf_int_kernels`: dp4x)
         if m <= 2:
             return GemvConfig("dp4x", 4, 1024, 2)
         return GemvConfig("dp4x", 8, 1024, 4) if m <= 4 else GemvConfig("dp4x", 16, 512, 4)
