@@ -107,6 +107,10 @@ class ServerArgs:
     prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
                                                "CUDA graph (one GPU, with decode graphs on); 0: always eager",
                                                default=512)
+    piecewise_cuda_graph_max_tokens: int = _flag("An extend batch of up to this many tokens (several prompts, or a "
+                                                 "chunk with the running decodes under --enable-mixed-chunk) "
+                                                 "replays CUDA graphs around eager attention (one GPU, decode "
+                                                 "graphs on); 0: eager", default=0)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
@@ -249,6 +253,9 @@ class ServerArgs:
         if not isinstance(self.prefill_cuda_graph_max_tokens, int) or self.prefill_cuda_graph_max_tokens < 0:
             raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
                              f"{self.prefill_cuda_graph_max_tokens!r}")
+        if not isinstance(self.piecewise_cuda_graph_max_tokens, int) or self.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
+                             f"{self.piecewise_cuda_graph_max_tokens!r}")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
                                                    or self.step_token_budget < 0):

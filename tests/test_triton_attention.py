@@ -101,10 +101,12 @@ def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int],
 
 def run_both(num_heads: int, num_kv_heads: int, head_dim: int, prefix_lens: list[int], extend_lens: list[int],
              mode: ForwardMode, dtype: torch.dtype = torch.float32, tune: dict | None = None,
-             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             seed: int = 0, backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     runner = make_runner(num_heads, num_kv_heads, head_dim, dtype)
     backend = TritonAttnBackend(runner)
+    if backends is not None:
+        backends.append(backend)
     for name, value in (tune or {}).items():
         setattr(backend, name, value)
     layer = make_layer(num_heads, num_kv_heads, head_dim)
@@ -145,6 +147,22 @@ def test_extend_matches_torch_native(case: tuple) -> None:
 def test_mixed_mode_runs_as_extend() -> None:
     out, ref = run_both(4, 2, 32, [10, 25, 3], [1, 12, 1], ForwardMode.MIXED)
     torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens,tail", [
+    # a chunk, a one-token extend between longer ones (stays in the extend kernel), four decodes riding along
+    ([0, 40, 7, 90, 1, 33, 64], [20, 1, 9, 1, 1, 1, 1], 4),
+    ([5, 17, 100], [1, 1, 1], 3),  # only one-token extends: the decode kernel alone
+    ([12, 0], [1, 30], 0),  # a one-token extend that is not at the tail
+])
+def test_mixed_batch_decodes_its_one_token_tail(prefix_lens: list[int], extend_lens: list[int], tail: int) -> None:
+    backends: list = []
+    out, ref = run_both(8, 2, 32, prefix_lens, extend_lens, ForwardMode.MIXED, tune=SMALL_SPLITS,
+                        backends=backends)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+    meta = backends[0].forward_metadata
+    assert meta.tail_decodes == tail
+    assert meta.max_extend_len == max(extend_lens[:len(extend_lens) - tail], default=0)
 
 
 def test_extend_skips_empty_requests() -> None:

@@ -10,6 +10,7 @@ from torch import nn
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_gather
 from radixserve.layers import cpu_ops
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+from radixserve.model_executor.piecewise_graph_runner import active_capture
 
 if TYPE_CHECKING:
     from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -39,6 +40,13 @@ class LogitsProcessor(nn.Module):
         return logits[:, : self.vocab_size].float()
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
+                forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        capture = active_capture()
+        if capture is not None:  # a piecewise CUDA graph ends here; the logits run eagerly (piecewise_graph_runner)
+            return capture.logits(self, hidden, lm_head, forward_batch)
+        return self.compute(hidden, lm_head, forward_batch)
+
+    def compute(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         mode = forward_batch.forward_mode
         if mode.is_decode():

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixserve.model_executor.piecewise_graph_runner import active_capture
 from radixserve.model_executor.torch_compile import compiled_attention, register_attention_layer
 
 if TYPE_CHECKING:
@@ -38,4 +39,7 @@ class RadixAttention(nn.Module):
                 save_kv_cache: bool = True) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in the compiled graph (model_executor/torch_compile.py)
             return compiled_attention(q, k, v, self, save_kv_cache)
+        capture = active_capture()
+        if capture is not None:  # a piecewise CUDA graph ends here; attention runs eagerly (piecewise_graph_runner)
+            return capture.attention(self, q, k, v, forward_batch, save_kv_cache)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)

@@ -142,6 +142,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cuda_graph_runner = None
         self.prefill_graph_runner = None
+        self.piecewise_graph_runner = None
         if server_args.enable_torch_compile and (not self.is_cuda or server_args.disable_cuda_graph
                                                  or not self.attn_backend.supports_cuda_graph):
             raise ValueError("--enable-torch-compile compiles the decode forward that the CUDA graphs capture: it "
@@ -172,6 +173,17 @@ class ModelRunner:
 
             if prefill_graphs_supported(self):
                 self.prefill_graph_runner = PrefillGraphRunner(self, server_args.prefill_cuda_graph_max_tokens)
+        if self.cuda_graph_runner is not None and server_args.piecewise_cuda_graph_max_tokens > 0:
+            from radixserve.model_executor.piecewise_graph_runner import (
+                PiecewiseGraphRunner,
+                piecewise_graphs_supported,
+            )
+
+            if piecewise_graphs_supported(self):
+                self.piecewise_graph_runner = PiecewiseGraphRunner(self, server_args.piecewise_cuda_graph_max_tokens)
+            else:
+                logger.info("piecewise CUDA graphs are not supported for this model or setup: extend batches run "
+                            "eagerly")
 
     # ---------------------------------------------------------------- setup
     def _init_distributed(self) -> None:
@@ -273,6 +285,8 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(forward_batch)
         if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run(forward_batch):
             return self.prefill_graph_runner.replay(forward_batch)
+        if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):
+            return self.piecewise_graph_runner.replay(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     @torch.inference_mode()

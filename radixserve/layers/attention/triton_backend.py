@@ -30,6 +30,17 @@ if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
 
 
+def one_token_tail(extend_lens: list[int]) -> int:
+    """How many requests at the end of an extend batch add one token each (a MIXED batch's decodes; a prompt's last
+    single-token chunk is the same computation)."""
+    n = 0
+    for length in reversed(extend_lens):
+        if length != 1:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class TritonForwardMetadata:
     # decode
@@ -39,11 +50,17 @@ class TritonForwardMetadata:
     mid_o: torch.Tensor | None = None  # flat float32 scratch for the partial outputs (split_capacity slots each)
     mid_lse: torch.Tensor | None = None  # flat float32 scratch for the partial log-sum-exps
     cuda_graph: bool = False  # the scratch and index buffers are static: never reallocate them
-    # extend
+    # extend (over the first requests of the batch, all of them unless some are decodes at its tail)
     max_extend_len: int = 0
     extend_prefix_lens: torch.Tensor | None = None
     extend_seq_lens: torch.Tensor | None = None
     extend_start_loc: torch.Tensor | None = None
+    # an extend batch whose last `tail_decodes` requests add one token each (a MIXED batch's decodes): their rows
+    # run the split-KV decode kernel over the pool (req_pool_indices / seq_lens / num_kv_splits / mid_* above are
+    # theirs), which reads each KV head once for its query heads where the extend kernel reads it once per head
+    tail_decodes: int = 0
+    tail_req_pool_indices: torch.Tensor | None = None
+    tail_seq_lens: torch.Tensor | None = None
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -138,11 +155,22 @@ class TritonAttnBackend(AttentionBackend):
                 or forward_batch.extend_prefix_lens is None or forward_batch.extend_start_loc is None:
             raise ValueError("an extend ForwardBatch needs extend_seq_lens(_cpu), extend_prefix_lens and "
                              "extend_start_loc")
-        self.forward_metadata = TritonForwardMetadata(
-            req_pool_indices=forward_batch.req_pool_indices, seq_lens=forward_batch.seq_lens,
-            max_extend_len=max(forward_batch.extend_seq_lens_cpu, default=0),
-            extend_prefix_lens=forward_batch.extend_prefix_lens, extend_seq_lens=forward_batch.extend_seq_lens,
-            extend_start_loc=forward_batch.extend_start_loc)
+        lens = forward_batch.extend_seq_lens_cpu
+        tail = 0 if self.is_mla or mode.is_target_verify() else one_token_tail(lens)
+        head = bs - tail
+        meta = TritonForwardMetadata(
+            req_pool_indices=forward_batch.req_pool_indices[:head], seq_lens=forward_batch.seq_lens[:head],
+            max_extend_len=max(lens[:head], default=0),
+            extend_prefix_lens=forward_batch.extend_prefix_lens[:head],
+            extend_seq_lens=forward_batch.extend_seq_lens[:head],
+            extend_start_loc=forward_batch.extend_start_loc[:head], tail_decodes=tail)
+        if tail:
+            meta.tail_req_pool_indices = forward_batch.req_pool_indices[head:]
+            meta.tail_seq_lens = forward_batch.seq_lens[head:]
+            meta.num_kv_splits = self._kv_split_cap(tail)
+            meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(tail, self.num_heads, self.v_head_dim,
+                                                                  meta.num_kv_splits)
+        self.forward_metadata = meta
 
     # ---------------------------------------------------------------- CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -230,14 +258,18 @@ class TritonAttnBackend(AttentionBackend):
             self._save_kv(k, v, layer, forward_batch)
         q3 = self._heads(q, num_heads, head_dim)
         o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
-        if q3.shape[0] == 0 or meta.max_extend_len == 0:
-            return o.view(-1, num_heads * head_dim)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        extend_attention_fwd(
-            q3, self._heads(k, layer.tp_k_head_num, head_dim), self._heads(v, layer.tp_v_head_num, head_dim), o,
-            k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens,
-            meta.extend_start_loc, meta.max_extend_len, layer.scaling,
-            k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
+        rows = q3.shape[0] - meta.tail_decodes  # the extend requests' rows come first
+        if rows > 0 and meta.max_extend_len > 0:
+            extend_attention_fwd(
+                q3[:rows], self._heads(k, layer.tp_k_head_num, head_dim)[:rows],
+                self._heads(v, layer.tp_v_head_num, head_dim)[:rows], o[:rows],
+                k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.extend_prefix_lens,
+                meta.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len, layer.scaling,
+                k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
+        if meta.tail_decodes:  # their K/V went into the pool above (or before, when save_kv_cache is off)
+            self._decode_rows(q3[rows:], o[rows:], layer, forward_batch, meta, meta.tail_req_pool_indices,
+                              meta.tail_seq_lens)
         return o.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
@@ -255,15 +287,19 @@ class TritonAttnBackend(AttentionBackend):
         if bs != meta.seq_lens.shape[0]:
             raise ValueError(f"decode got {bs} query rows for a batch of {meta.seq_lens.shape[0]}")
         o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
-        splits = meta.num_kv_splits
-        mid_o, mid_lse = self._decode_scratch(meta, bs, num_heads, head_dim)
+        self._decode_rows(q3, o, layer, forward_batch, meta, meta.req_pool_indices, meta.seq_lens)
+        return o.view(-1, num_heads * head_dim)
+
+    def _decode_rows(self, q3: torch.Tensor, o: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
+                     meta: TritonForwardMetadata, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Split-KV decode of one query row per request over the pool, into `o` [bs, H, D]."""
+        mid_o, mid_lse = self._decode_scratch(meta, q3.shape[0], layer.tp_q_head_num, layer.head_dim)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         decode_attention_fwd(
-            q3, k_buf, v_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
+            q3, k_buf, v_buf, o, self.req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
-            use_dot=self.decode_use_dot, num_kv_splits=splits, k_scale=kv_scales(layer)[0],
+            use_dot=self.decode_use_dot, num_kv_splits=meta.num_kv_splits, k_scale=kv_scales(layer)[0],
             v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
-        return o.view(-1, num_heads * head_dim)
 
     # ---------------------------------------------------------------- MLA (latent pool)
     def _mla_store(self, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
