@@ -3,14 +3,15 @@ along as MIXED, prompts on cached prefixes) with up to --piecewise-cuda-graph-ma
 for everything but attention and the logits.
 
 A forward is cut at each attention call and at the logits: the pieces between the cuts (embedding, norms,
-projections, rotary, MLP or MoE) depend only on the token count, so one set of graphs per token bucket (16, 32, 64,
-... up to the maximum) serves every batch that fits it; attention and the logits run eagerly between the replays,
-with the batch's own metadata (how many requests, their prefixes, which of them decode), exactly as an eager
-forward runs them. The batch's tokens sit at the front of the bucket and padding rows (token 0, position 0) behind
-them; attention and the logits see only the real rows, and the dense layers never mix rows, so the padding rows'
-values are never read.
+projections, rotary, MLP or MoE) depend only on the token count and three per-token inputs (ids, positions, and the
+KV slots that a fused rotary kernel stores K/V into), so one set of graphs per token bucket (16, 32, 64, ... up to
+the maximum), reading those from static buffers, serves every batch that fits it; attention and the logits run
+eagerly between the replays, with the batch's own metadata (how many requests, their prefixes, which of them
+decode), exactly as an eager forward runs them. The batch's tokens sit at the front of the bucket and padding rows
+(token 0, position 0, KV slot 0, the padding slot) behind them; attention and the logits see only the real rows,
+and the dense layers never mix rows, so the padding rows' values are never read.
 
-Capture: the model's forward runs once per bucket on a dummy batch under `capturing(...)`; `RadixAttention` and
+Capture: the model's forward runs once per bucket on a dummy batch under `_capturing(...)`; `RadixAttention` and
 `LogitsProcessor` hand their calls to the active capture, which ends the graph being recorded, runs the call
 eagerly, keeps its inputs (static tensors of the graph just ended) and, for attention, returns a static output
 buffer that the next graph reads. Every graph of every bucket shares one memory pool; they are replayed in the order
@@ -140,6 +141,8 @@ class PiecewiseGraphRunner:
         dev = model_runner.device
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        # the KV slots, for a model whose rotary kernel stores K/V inside a piece (padding rows: slot 0)
+        self.out_cache_loc = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
         self.pieces: dict[int, list[_Piece]] = {}
         self._outs: dict[int, torch.Tensor] = {}
         self.capture()
@@ -148,12 +151,12 @@ class PiecewiseGraphRunner:
         """One request of n new tokens on no prefix, every KV write into padding slot 0 of request row 0."""
         mr = self.model_runner
         dev = mr.device
-        zeros = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc.zero_()
         one = torch.full((1,), n, dtype=torch.int64, device=dev)
         zero = torch.zeros(1, dtype=torch.int64, device=dev)
         self.positions[:n].copy_(torch.arange(n, device=dev))
         return ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=self.input_ids[:n],
-                            req_pool_indices=zero, seq_lens=one, out_cache_loc=zeros, seq_lens_sum=n,
+                            req_pool_indices=zero, seq_lens=one, out_cache_loc=self.out_cache_loc[:n], seq_lens_sum=n,
                             positions=self.positions[:n], req_to_token_pool=mr.req_to_token_pool,
                             token_to_kv_pool=mr.token_to_kv_pool, attn_backend=mr.attn_backend,
                             extend_seq_lens=one, extend_prefix_lens=zero.clone(), extend_start_loc=zero.clone(),
@@ -194,7 +197,8 @@ class PiecewiseGraphRunner:
         """The forward of `fb`, whose attention metadata init_forward_metadata has built (ForwardBatch.init_new)."""
         n = fb.input_ids.shape[0]
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions)):
+        for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
+                         (self.out_cache_loc, fb.out_cache_loc)):
             buf[:n].copy_(src)
             buf[n:bucket].zero_()
         for piece in self.pieces[bucket]:

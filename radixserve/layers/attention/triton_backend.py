@@ -165,8 +165,10 @@ class TritonAttnBackend(AttentionBackend):
             extend_seq_lens=forward_batch.extend_seq_lens[:head],
             extend_start_loc=forward_batch.extend_start_loc[:head], tail_decodes=tail)
         if tail:
-            meta.tail_req_pool_indices = forward_batch.req_pool_indices[head:]
-            meta.tail_seq_lens = forward_batch.seq_lens[head:]
+            # copies, not views: a view starting at an odd index is not 16-byte aligned, and the decode kernel would
+            # compile a variant of its own for it the first time (Triton specialises on pointer alignment)
+            meta.tail_req_pool_indices = forward_batch.req_pool_indices[head:].clone()
+            meta.tail_seq_lens = forward_batch.seq_lens[head:].clone()
             meta.num_kv_splits = self._kv_split_cap(tail)
             meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(tail, self.num_heads, self.v_head_dim,
                                                                   meta.num_kv_splits)
