@@ -94,7 +94,8 @@ class ServerArgs:
                                           "decodes step between two such chunks, so a decode waits for one short "
                                           "chunk at most (with --enable-mixed-chunk the decodes ride with the "
                                           "chunk instead; 256 suits an 8B model on one GPU, where such a chunk "
-                                          "replays a prefill graph). 0 or unset: off")
+                                          "replays a prefill graph). Default 256 on CUDA (off with speculative "
+                                          "decoding or DP attention), off on CPU; 0: off")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -110,7 +111,7 @@ class ServerArgs:
     piecewise_cuda_graph_max_tokens: int = _flag("An extend batch of up to this many tokens (several prompts, or a "
                                                  "chunk with the running decodes under --enable-mixed-chunk) "
                                                  "replays CUDA graphs around eager attention (one GPU, decode "
-                                                 "graphs on); 0: eager", default=0)
+                                                 "graphs on); 0: eager", default=512)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)
@@ -254,7 +255,7 @@ class ServerArgs:
             raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
                              f"{self.prefill_cuda_graph_max_tokens!r}")
         if not isinstance(self.piecewise_cuda_graph_max_tokens, int) or self.piecewise_cuda_graph_max_tokens < 0:
-            raise ValueError("--prefill-cuda-graph-max-tokens must be a non-negative integer; got "
+            raise ValueError("--piecewise-cuda-graph-max-tokens must be a non-negative integer; got "
                              f"{self.piecewise_cuda_graph_max_tokens!r}")
         if self.step_token_budget is not None and (not isinstance(self.step_token_budget, int)
                                                    or isinstance(self.step_token_budget, bool)
@@ -383,8 +384,14 @@ class ServerArgs:
 
     @property
     def resolved_step_token_budget(self) -> int:
-        """--step-token-budget, or 0 (off: the 16 req/s latency run with it on by default is still to be measured)."""
-        return self.step_token_budget or 0
+        """--step-token-budget; unset: 256 on CUDA (with the piecewise graphs its chunks of several prompts replay
+        graphs: P99 inter-token latency 14.4-15.2 ms against 34.7 without it at 16 requests/s of 1024-token
+        prompts on an H200, docs/PERFORMANCE.md), except with speculative decoding or DP attention; off on CPU."""
+        if self.step_token_budget is not None:
+            return self.step_token_budget
+        if self.resolved_device() == "cuda" and self.speculative_algorithm is None and not self.enable_dp_attention:
+            return 256
+        return 0
 
     @property
     def chunk_size(self) -> int | None:

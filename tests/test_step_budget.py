@@ -33,8 +33,12 @@ def test_latency_step_budget_policy() -> None:
 def test_default_budget_by_device() -> None:
     assert ServerArgs(device="cpu").resolved_step_token_budget == 0
     assert ServerArgs(device="cpu", step_token_budget=64).resolved_step_token_budget == 64
-    assert ServerArgs(device="cuda").resolved_step_token_budget == 0  # off until its latency run is measured
-    assert ServerArgs(device="cuda", step_token_budget=256).resolved_step_token_budget == 256
+    assert ServerArgs(device="cuda").resolved_step_token_budget == 256
+    assert ServerArgs(device="cuda", step_token_budget=0).resolved_step_token_budget == 0
+    assert ServerArgs(device="cuda", step_token_budget=128).resolved_step_token_budget == 128
+    # the steps of speculative decoding and DP attention are scheduled differently: no budget unless asked (which
+    # is refused)
+    assert ServerArgs(device="cuda", speculative_algorithm="ngram").resolved_step_token_budget == 0
     with pytest.raises(ValueError, match="step-token-budget"):
         ServerArgs(device="cpu", step_token_budget=-1)
     with pytest.raises(ValueError, match="step-token-budget"):
