@@ -1,0 +1,106 @@
+"""The contract the piecewise CUDA graphs rest on (model_executor/piecewise_graph_runner.py), checked on the CPU for
+every model family they may capture: between two attention calls (and before the logits) a model's forward reads
+from the ForwardBatch only the per-token inputs the runner keeps in static buffers (ids, positions, KV slots) and
+objects that never change (the pools); a field read there, such as the forward mode or the request lengths, would
+be baked into the graph at capture. The forward is cut exactly once per attention layer and once at the logits, and
+running attention and the logits through the capture's hooks gives the plain forward's logits. (The graphs
+themselves need CUDA: tests/gpu/test_piecewise_graph_gpu.py.)"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+import torch
+from model_utils import make_runner, make_tiny_model
+
+from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.model_executor import piecewise_graph_runner as pgr
+from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixserve.sampling.sampling_params import SamplingParams
+
+# what the pieces may read: the static inputs and the pools
+ALLOWED = {"input_ids", "positions", "out_cache_loc", "token_to_kv_pool", "req_to_token_pool"}
+
+
+class _Recorder:
+    """Stands in for a capture: attention and the logits run eagerly, and every ForwardBatch field read between two
+    cuts is recorded."""
+
+    def __init__(self) -> None:
+        self.in_piece = True
+        self.reads: set[str] = set()
+        self.cuts = 0
+
+    def attention(self, layer: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                  forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        self.in_piece = False
+        try:
+            return forward_batch.attn_backend.forward(q, k, v, layer, forward_batch, save_kv_cache)
+        finally:
+            self.cuts += 1
+            self.in_piece = True
+
+    def logits(self, processor: Any, hidden: torch.Tensor, lm_head: Any, forward_batch: ForwardBatch) -> Any:
+        self.in_piece = False
+        self.cuts += 1
+        return processor.compute(hidden, lm_head, forward_batch)
+
+
+class _Watched(ForwardBatch):
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            rec = object.__getattribute__(self, "_rec")
+            if rec.in_piece:
+                rec.reads.add(name)
+        return object.__getattribute__(self, name)
+
+
+def _mixed_batch(runner: Any) -> ForwardBatch:
+    """Two prompts prefilled and one step decoded, then a third prompt with those two riding along (MIXED)."""
+    g = torch.Generator().manual_seed(0)
+
+    def req(rid: str, n: int) -> Req:
+        r = Req(rid, torch.randint(3, 250, (n,), generator=g).tolist(),
+                SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 8}))
+        r.init_next_round_input(None)
+        return r
+
+    from radixserve.managers.tp_worker import run_model_worker_batch
+
+    vocab = runner.model_config.vocab_size
+    first = ScheduleBatch([req("a", 7), req("b", 12)], runner.req_to_token_pool, runner.token_to_kv_pool, None,
+                          runner.device, vocab)
+    first.prepare_for_extend()
+    for r, t in zip(first.reqs, run_model_worker_batch(runner, first.get_model_worker_batch()).next_token_ids.tolist(),
+                    strict=True):
+        r.output_ids.append(t)
+    mixed = ScheduleBatch([req("c", 9)], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
+                          vocab)
+    mixed.prepare_for_extend()
+    mixed.mix_with_running(first)
+    return ForwardBatch.init_new(mixed.get_model_worker_batch(), runner)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"])
+def test_pieces_read_only_the_static_inputs(kind: str, tmp_path, monkeypatch) -> None:
+    make_tiny_model(kind, str(tmp_path))
+    runner = make_runner(str(tmp_path))
+    fb = _mixed_batch(runner)
+    assert fb.forward_mode == ForwardMode.MIXED and fb.batch_size == 3
+    # the plain forward, then the same batch through the hooks (the KV writes repeat with the same values)
+    with torch.inference_mode():
+        want = runner.model.forward(fb.input_ids, fb.positions, fb).next_token_logits.clone()
+        rec = _Recorder()
+        watched = _Watched(**{f.name: getattr(fb, f.name) for f in fields(fb)})
+        object.__setattr__(watched, "_rec", rec)
+        monkeypatch.setattr(pgr, "_active", rec)
+        got = runner.model.forward(watched.input_ids, watched.positions, watched).next_token_logits
+    assert rec.cuts == runner.model_config.num_hidden_layers + 1
+    assert rec.reads <= ALLOWED, f"{kind} reads {sorted(rec.reads - ALLOWED)} between two attention calls"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_active_capture_is_off_outside_a_capture() -> None:
+    assert pgr.active_capture() is None
