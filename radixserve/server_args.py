@@ -94,8 +94,8 @@ class ServerArgs:
                                           "decodes step between two such chunks, so a decode waits for one short "
                                           "chunk at most (with --enable-mixed-chunk the decodes ride with the "
                                           "chunk instead; 256 suits an 8B model on one GPU, where such a chunk "
-                                          "replays a prefill graph). Default 256 on CUDA (off with speculative "
-                                          "decoding or DP attention), off on CPU; 0: off")
+                                          "replays a prefill graph). Default 256 on one GPU with CUDA graphs and "
+                                          "no LoRA, speculative decoding or DP attention; else off; 0: off")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -384,12 +384,16 @@ class ServerArgs:
 
     @property
     def resolved_step_token_budget(self) -> int:
-        """--step-token-budget; unset: 256 on CUDA (with the piecewise graphs its chunks of several prompts replay
-        graphs: P99 inter-token latency 14.4-15.2 ms against 34.7 without it at 16 requests/s of 1024-token
-        prompts on an H200, docs/PERFORMANCE.md), except with speculative decoding or DP attention; off on CPU."""
+        """--step-token-budget; unset: 256 where its chunks replay CUDA graphs (one GPU, graphs on, no LoRA; the
+        prefill graphs take a chunk of one prompt, the piecewise graphs one of several: P99 inter-token latency
+        14.4-15.5 ms against 34.7 without it at 16 requests/s of 1024-token prompts on an H200,
+        docs/PERFORMANCE.md) and the steps are plain ones (no speculative decoding or DP attention); else off, as
+        on the CPU (an eager 256-token chunk between two decode steps costs more than it saves there)."""
         if self.step_token_budget is not None:
             return self.step_token_budget
-        if self.resolved_device() == "cuda" and self.speculative_algorithm is None and not self.enable_dp_attention:
+        graphs = self.resolved_device() == "cuda" and not self.disable_cuda_graph and self.tp_size == 1 \
+            and not self.enable_lora
+        if graphs and self.speculative_algorithm is None and not self.enable_dp_attention:
             return 256
         return 0
 

@@ -39,6 +39,10 @@ def test_default_budget_by_device() -> None:
     # the steps of speculative decoding and DP attention are scheduled differently: no budget unless asked (which
     # is refused)
     assert ServerArgs(device="cuda", speculative_algorithm="ngram").resolved_step_token_budget == 0
+    # its chunks would run eagerly: off unless asked
+    assert ServerArgs(device="cuda", disable_cuda_graph=True).resolved_step_token_budget == 0
+    assert ServerArgs(device="cuda", tp_size=2).resolved_step_token_budget == 0
+    assert ServerArgs(device="cuda", tp_size=2, step_token_budget=256).resolved_step_token_budget == 256
     with pytest.raises(ValueError, match="step-token-budget"):
         ServerArgs(device="cpu", step_token_budget=-1)
     with pytest.raises(ValueError, match="step-token-budget"):
