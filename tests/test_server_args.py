@@ -28,6 +28,8 @@ def test_cli_round_trip() -> None:
     ({"node_rank": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:5000"}, "--node-rank"),
     ({"model_path": "/definitely/not/here"}, "--model-path"),
     ({"schedule_policy": "sjf"}, "--schedule-policy"),
+    ({"piecewise_cuda_graph_max_tokens": -1}, "--piecewise-cuda-graph-max-tokens"),
+    ({"piecewise_cuda_graph_max_tokens": 1.5}, "--piecewise-cuda-graph-max-tokens"),
 ])
 def test_invalid_values_name_the_flag(kw, flag) -> None:
     with pytest.raises(ValueError, match=flag):
