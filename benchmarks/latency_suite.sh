@@ -2,10 +2,12 @@
 # Serving latency on one GPU: median TTFT of short prompts at low load, and P99 inter-token latency under load.
 #   bash benchmarks/latency_suite.sh [server flags...]
 # Env: MODEL (default the 8B shape, dummy weights), TOK (a tokenizer folder: $RS_BENCH_TOK), PORT (31000),
-# OUT (JSON folder, default /tmp), TTFT_N / ITL_N (prompt counts), ITL_IN / ITL_OUT / TTFT_IN (lengths, for a CPU
-# dry run), START_S (seconds to wait for the server).
-# Steps: a server with the given flags; TTFT: 128-token prompts at 1 request/s, 16 output tokens; ITL: 1024-token
-# prompts, 256 output tokens, at 16 requests/s. Each step prints bench_serving's table; the server's log tail too.
+# OUT (JSON folder, default /tmp), TTFT_N / ITL_N (prompt counts), ITL_IN / ITL_OUT (lengths, for a CPU dry run),
+# TTFT_LENS (prompt lengths of the TTFT runs, default "16 128 512"; TTFT_IN, one length, also works), START_S
+# (seconds to wait for the server).
+# Steps: a server with the given flags; ITL: 1024-token prompts, 256 output tokens, at 16 requests/s; TTFT: for each
+# length, prompts of that many tokens at 1 request/s, 16 output tokens (one at a time: batch 1). Each step prints
+# bench_serving's table; the server's log tail too.
 set -u
 MODEL=${MODEL:-radixserve/configs/shapes/llama-3.1-8b}
 TOK=${TOK:-${RS_BENCH_TOK:-}}
@@ -39,7 +41,9 @@ bench() { local name=$1; shift
 bench itl --num-prompts "${ITL_N:-128}" --request-rate 16 --random-input-len "${ITL_IN:-1024}" \
   --random-output-len "${ITL_OUT:-256}" \
   --random-range-ratio 1.0 --seed 2
-bench ttft --num-prompts "${TTFT_N:-8}" --request-rate 1 --random-input-len "${TTFT_IN:-128}" --random-output-len 16 \
-  --random-range-ratio 1.0 --seed 3
+for len in ${TTFT_LENS:-${TTFT_IN:-16 128 512}}; do
+  bench "ttft_$len" --num-prompts "${TTFT_N:-8}" --request-rate 1 --random-input-len "$len" --random-output-len 16 \
+    --random-range-ratio 1.0 --seed 3
+done
 grep -i "captured\|compile\|KV pool" "$OUT/latency_server.log" | cut -c1-200 | tail -n 5
 kill $SERVER; wait $SERVER 2>/dev/null
