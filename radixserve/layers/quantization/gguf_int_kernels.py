@@ -29,11 +29,19 @@ def _q4_k_chunk_pointers(X, Wq, Sc, Mn, D, Dmin, m, rows, ch, offs_l, stride_xm,
     d / dmin (g // 4) as [BLOCK_N, NCH]."""
     w_ptrs = Wq + rows[:, None, None] * stride_wn + (ch[:, None] * 32 + offs_l[None, :])[None, :, :]
     x_ptrs = X + m * stride_xm + (ch[:, None] * 64 + offs_l[None, :])[None, :, :] + 0 * rows[:, None, None]
+    s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_scale_pointers(Sc, Mn, D, Dmin, rows, ch, stride_sn, stride_dn)
+    return w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs
+
+
+@triton.jit
+def _q4_k_scale_pointers(Sc, Mn, D, Dmin, rows, ch, stride_sn, stride_dn):
+    """[BLOCK_N, NCH] pointer tiles, at chunk 0, of the scale and min of each chunk's first sub-block (2g) and of
+    its super-block's d / dmin (g // 4)."""
     s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
     m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
     d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
     dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
-    return w_ptrs, x_ptrs, s_ptrs, m_ptrs, d_ptrs, dm_ptrs
+    return s_ptrs, m_ptrs, d_ptrs, dm_ptrs
 
 
 @triton.jit
@@ -273,10 +281,7 @@ def _q4_k_gemv_dp4w_kernel(X, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, 
     offs_b = tl.arange(0, 4)
     w_ptrs = W32 + rows[:, None, None] * stride_ww + (ch[:, None] * 8 + offs_j[None, :])[None, :, :]
     x_ptrs = X + m * stride_xm + ch[:, None, None] * 64 + offs_j[None, :, None] * 4 + offs_b[None, None, :]
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]  # [BLOCK_N, NCH]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_scale_pointers(Sc, Mn, D, Dmin, rows, ch, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
@@ -336,10 +341,7 @@ def _q4_k_gemv_dp4x_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, Bias, 
     # x's words: the low nibbles of chunk g meet block 2g (words 16g + j), the high ones block 2g + 1 (16g + 8 + j)
     xw_ptrs = XW + m * (K // 4) + (ch[:, None] * 16 + offs_j[None, :])[None, :, :] + 0 * rows[:, None, None]
     xb = m * (K // 32) + 2 * ch[None, :] + 0 * rows[:, None]  # [BLOCK_N, NCH]: block 2g
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_scale_pointers(Sc, Mn, D, Dmin, rows, ch, stride_sn, stride_dn)
     mask_w = mask_n[:, None, None]
     mask_s = mask_n[:, None]
     acc = tl.zeros((BLOCK_N, NCH), dtype=tl.float32)
@@ -383,10 +385,7 @@ def _q4_k_gemv_dp4x_rows_kernel(XW, Xs, Qsum, Xsum, W32, Sc, Mn, D, Dmin, Out, B
     # x's words: the low nibbles of chunk g meet block 2g (words 16g + j), the high ones block 2g + 1 (16g + 8 + j)
     xw_ptrs = XW + mr[:, None, None, None] * (K // 4) + (ch[:, None] * 16 + offs_j[None, :])[None, None, :, :]
     xb = mr[:, None, None] * (K // 32) + 2 * ch[None, None, :]  # [ROWS, 1, NCH]: block 2g
-    s_ptrs = Sc + rows[:, None] * stride_sn + 2 * ch[None, :]
-    m_ptrs = Mn + rows[:, None] * stride_sn + 2 * ch[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + ch[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + ch[None, :] // 4
+    s_ptrs, m_ptrs, d_ptrs, dm_ptrs = _q4_k_scale_pointers(Sc, Mn, D, Dmin, rows, ch, stride_sn, stride_dn)
     mask_w = mask_n[None, :, None, None]
     mask_x = mask_m[:, None, None, None]
     mask_b = mask_m[:, None, None]
