@@ -37,7 +37,8 @@ def rebuild(runner: ModelRunner, backend: str, page_size: int, batch_sizes: list
     """New pools, backend and graphs for (backend, page_size); returns the seconds it took."""
     t0 = time.perf_counter()
     runner.cuda_graph_runner = None
-    runner.prefill_graph_runner = None  # captured with the previous backend and pool: never replayed after them
+    # captured with the previous backend and pool (their pieces write K/V into its buffers): never replayed after
+    runner.prefill_graph_runner = runner.piecewise_graph_runner = None
     runner.attn_backend = None
     runner.token_to_kv_pool = runner.req_to_token_pool = None
     gc.collect()

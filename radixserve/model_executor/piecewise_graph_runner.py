@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from radixserve.model_executor.prefill_graph_runner import prefill_buckets
+from radixserve.model_executor.prefill_graph_runner import one_request_extend, prefill_buckets
 
 if TYPE_CHECKING:
     from radixserve.layers.logits_processor import LogitsProcessor
@@ -149,18 +149,13 @@ class PiecewiseGraphRunner:
 
     def _dummy_batch(self, n: int) -> ForwardBatch:
         """One request of n new tokens on no prefix, every KV write into padding slot 0 of request row 0."""
-        mr = self.model_runner
-        dev = mr.device
+        dev = self.model_runner.device
         self.out_cache_loc.zero_()
-        one = torch.full((1,), n, dtype=torch.int64, device=dev)
-        zero = torch.zeros(1, dtype=torch.int64, device=dev)
         self.positions[:n].copy_(torch.arange(n, device=dev))
-        return ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=self.input_ids[:n],
-                            req_pool_indices=zero, seq_lens=one, out_cache_loc=self.out_cache_loc[:n], seq_lens_sum=n,
-                            positions=self.positions[:n], req_to_token_pool=mr.req_to_token_pool,
-                            token_to_kv_pool=mr.token_to_kv_pool, attn_backend=mr.attn_backend,
-                            extend_seq_lens=one, extend_prefix_lens=zero.clone(), extend_start_loc=zero.clone(),
-                            extend_seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], seq_lens_cpu=[n])
+        lens = torch.full((1,), n, dtype=torch.int64, device=dev)
+        zeros = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(3)]
+        return one_request_extend(self.model_runner, self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
+                                  zeros[0], lens, zeros[1], lens, zeros[2])
 
     @torch.inference_mode()
     def capture(self) -> None:

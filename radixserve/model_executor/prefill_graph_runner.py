@@ -39,6 +39,21 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
+def one_request_extend(model_runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,
+                       out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                       prefix_lens: torch.Tensor, extend_lens: torch.Tensor, start_loc: torch.Tensor) -> ForwardBatch:
+    """The EXTEND batch a graph is captured with: one request of len(input_ids) new tokens on no prefix, read
+    through the given (static) tensors."""
+    n = input_ids.shape[0]
+    mr = model_runner
+    return ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=input_ids,
+                        req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
+                        seq_lens_sum=n, positions=positions, req_to_token_pool=mr.req_to_token_pool,
+                        token_to_kv_pool=mr.token_to_kv_pool, attn_backend=mr.attn_backend,
+                        extend_seq_lens=extend_lens, extend_prefix_lens=prefix_lens, extend_start_loc=start_loc,
+                        extend_seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], seq_lens_cpu=[n])
+
+
 def prefill_graphs_supported(model_runner: ModelRunner) -> bool:
     """Whether this runner's prefills can be captured (see the module docstring for what is left out)."""
     args = model_runner.server_args
@@ -68,14 +83,9 @@ class PrefillGraphRunner:
         self.capture()
 
     def _forward_batch(self, n: int) -> ForwardBatch:
-        mr = self.model_runner
-        return ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=self.input_ids[:n],
-                            req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
-                            out_cache_loc=self.out_cache_loc[:n], seq_lens_sum=n, positions=self.positions[:n],
-                            req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
-                            attn_backend=self.backend, extend_seq_lens=self.extend_lens,
-                            extend_prefix_lens=self.prefix_lens, extend_start_loc=self.start_loc,
-                            extend_seq_lens_cpu=[n], extend_prefix_lens_cpu=[0], seq_lens_cpu=[n])
+        return one_request_extend(self.model_runner, self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
+                                  self.req_pool_indices, self.seq_lens, self.prefix_lens, self.extend_lens,
+                                  self.start_loc)
 
     @torch.inference_mode()
     def capture(self) -> None:
