@@ -7,7 +7,7 @@
 # (seconds to wait for the server).
 # Steps: a server with the given flags; ITL: 1024-token prompts, 256 output tokens, at 16 requests/s; TTFT: for each
 # length, prompts of that many tokens at 1 request/s, 16 output tokens (one at a time: batch 1). Each step prints
-# bench_serving's table; the server's log tail too.
+# bench_serving's table (with the server's TTFT stages: the server runs with --enable-metrics); the server's log tail too.
 set -u
 MODEL=${MODEL:-radixserve/configs/shapes/llama-3.1-8b}
 TOK=${TOK:-${RS_BENCH_TOK:-}}
@@ -19,7 +19,7 @@ LOAD=()
   && LOAD=(--load-format dummy)
 TOKARG=()
 [ -n "$TOK" ] && TOKARG=(--tokenizer-path "$TOK")
-$PY -m radixserve.launch_server --model-path "$MODEL" "${LOAD[@]}" "${TOKARG[@]}" --port "$PORT" "$@" \
+$PY -m radixserve.launch_server --model-path "$MODEL" "${LOAD[@]}" "${TOKARG[@]}" --port "$PORT" --enable-metrics "$@" \
   > "$OUT/latency_server.log" 2>&1 &
 SERVER=$!
 echo $SERVER > "$OUT/latency_server.pid"

@@ -6,7 +6,8 @@
 Requests arrive as a Poisson process at --request-rate (inf: all at once), at most --max-concurrency in flight, and
 stream their output. Printed and written to JSON: request/token throughput, and mean/median/p90/p99 of time to
 first token (TTFT), inter-token latency (ITL, the gaps between streamed chunks), time per output token after the
-first (TPOT) and end-to-end latency. A chunk counts as an arrival when it brings text or, on the native API (whose
+first (TPOT) and end-to-end latency; against a radixserve server started with --enable-metrics, also the mean of
+each stage of its TTFT as the server saw it (dispatch, queue, prefill, deliver). A chunk counts as an arrival when it brings text or, on the native API (whose
 chunks carry the output token count), more tokens: tokens that decode to no text yet are not folded into the next
 gap. --plot writes a PNG with their distributions and the output throughput over
 time.
@@ -208,7 +209,8 @@ async def _arrivals(n: int, rate: float, rng: random.Random) -> Any:
 
 
 async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest], model: str) -> tuple[
-        list[RequestResult], float]:
+        list[RequestResult], float, dict[str, float] | None]:
+    """Send the requests; their results, the duration and the server's mean TTFT stages (None without metrics)."""
     import aiohttp
     from tqdm import tqdm
 
@@ -226,6 +228,7 @@ async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest], 
         if not warm.success:
             bar.close()
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        stages_before = await asyncio.to_thread(scrape_ttft_stages, args.base_url, args.api_key)
         t0 = time.perf_counter()
 
         async def one(i: int) -> RequestResult:
@@ -244,8 +247,63 @@ async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest], 
             tasks.append(asyncio.create_task(one(i)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        stages_after = await asyncio.to_thread(scrape_ttft_stages, args.base_url, args.api_key)
     bar.close()
-    return list(results), duration
+    return list(results), duration, stage_means_ms(stages_before, stages_after)
+
+
+TTFT_STAGE_METRIC = "radixserve:time_to_first_token_stage_seconds"
+
+
+def scrape_ttft_stages(base_url: str, api_key: str | None = None) -> dict[str, tuple[float, float]] | None:
+    """(sum of seconds, count) per TTFT stage from the server's /metrics, or None where it has none (metrics off,
+    another engine)."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(base_url + "/metrics")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    out: dict[str, list[float]] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return None
+    for family in families:
+        if family.name != TTFT_STAGE_METRIC:
+            continue
+        for sample in family.samples:
+            stage = sample.labels.get("stage")
+            if stage is None or not sample.name.endswith(("_sum", "_count")):
+                continue
+            acc = out.setdefault(stage, [0.0, 0.0])
+            acc[0 if sample.name.endswith("_sum") else 1] += sample.value
+    return {k: (v[0], v[1]) for k, v in out.items()} or None
+
+
+def stage_means_ms(before: dict[str, tuple[float, float]] | None,
+                   after: dict[str, tuple[float, float]] | None) -> dict[str, float] | None:
+    """Mean milliseconds per stage over the requests observed between two scrapes."""
+    if after is None:
+        return None
+    before = before or {}
+    means = {}
+    order = ["dispatch", "queue", "prefill", "deliver"]
+    for stage in order + sorted(set(after) - set(order)):
+        if stage not in after:
+            continue
+        total, count = after[stage]
+        t0, c0 = before.get(stage, (0.0, 0.0))
+        if count > c0:
+            means[stage] = 1000 * (total - t0) / (count - c0)
+    return means or None
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -307,6 +365,9 @@ def format_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append("-" * 22 + f" {title} " + "-" * max(1, 42 - len(title)))
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize()} {key.split('_')[0].upper()} (ms):", f"{summary[key][stat]:.2f}")
+        if key == "ttft_ms" and summary.get("server_ttft_stages_ms"):
+            for stage, ms in summary["server_ttft_stages_ms"].items():
+                row(f"Server TTFT {stage}, mean (ms):", f"{ms:.2f}")
     for err, n in summary["errors"].items():
         lines.append(f"error x{n}: {err}")
     lines.append("=" * 66)
@@ -407,11 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                                         args.seed)
     try:
         model = _model_name(args)
-        results, duration = asyncio.run(run_benchmark(args, requests, model))
+        results, duration, stages = asyncio.run(run_benchmark(args, requests, model))
     except Exception as e:
         print(f"bench_serving: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     summary = summarize(results, duration)
+    summary["server_ttft_stages_ms"] = stages
     print(format_table(summary, args))
     out = args.output_file or f"bench_serving_{time.strftime('%Y%m%d_%H%M%S')}.json"
     record = {"args": {k: (v if v != float("inf") else "inf") for k, v in vars(args).items() if k != "api_key"},

@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_utils import wait_healthy
 
+from radixserve.bench_serving import scrape_ttft_stages, stage_means_ms
 from radixserve.utils import free_port, kill_process_tree
 
 pytestmark = pytest.mark.integration  # every test here starts processes
@@ -264,6 +265,7 @@ def test_native_generate(http: httpx.Client) -> None:
                                              "top_logprobs_num": 2, "return_text_in_logprobs": True}).json(),
         stream)
     assert one["meta_info"]["completion_tokens"] == 6 and one["meta_info"]["finish_reason"]["type"] == "length"
+    assert not any(k.startswith("_") for k in one["meta_info"])  # the scheduler's time stamps stay internal
     assert isinstance(batch, list) and batch[0]["text"] == one["text"] and batch[1]["index"] == 1
     assert by_ids.status_code == 200 and by_ids.json()[0]["meta_info"]["prompt_tokens"] == 5
     entries = lp["meta_info"]["output_token_logprobs"]
@@ -550,8 +552,10 @@ def _scrape(http: httpx.Client) -> dict[str, float]:
     return out
 
 
-def test_metrics_move(client: openai.OpenAI, http: httpx.Client) -> None:
+def test_metrics_move(server: Server, client: openai.OpenAI, http: httpx.Client) -> None:
     before = _scrape(http)
+    stages_before = scrape_ttft_stages(server.base, API_KEY) or {}
+    stages_before = {k: stages_before.get(k, (0.0, 0.0)) for k in ("dispatch", "queue", "prefill", "deliver")}
     for name in ("radixserve:num_running_reqs", "radixserve:num_queue_reqs", "radixserve:token_usage",
                  "radixserve:cache_hit_rate", "radixserve:time_to_first_token_seconds_count",
                  "radixserve:inter_token_latency_seconds_count", "radixserve:e2e_request_latency_seconds_count"):
@@ -563,6 +567,8 @@ def test_metrics_move(client: openai.OpenAI, http: httpx.Client) -> None:
     client.completions.create(model=MODEL, prompt="Metrics test prompt", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})
     after = _scrape(http)
+    stages_after = scrape_ttft_stages(server.base, API_KEY)
+    assert stages_after is not None
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -575,6 +581,15 @@ def test_metrics_move(client: openai.OpenAI, http: httpx.Client) -> None:
     assert delta("radixserve:inter_token_latency_seconds_count") >= 4  # the streamed request's 4 gaps
     assert delta("radixserve:cached_tokens_total") > 0  # the second request reused the first's prompt
     assert 0.0 <= after["radixserve:cache_hit_rate"] <= 1.0
+    # each TTFT is split into four stages at the scheduler's stamps; the stages add up to the TTFT observed
+    stage_sum = 0.0
+    for stage in ("dispatch", "queue", "prefill", "deliver"):
+        assert stages_after[stage][1] - stages_before[stage][1] == 2, stage
+        stage_sum += stages_after[stage][0] - stages_before[stage][0]
+    ttft_sum = delta("radixserve:time_to_first_token_seconds_sum")
+    assert ttft_sum > 0 and abs(stage_sum - ttft_sum) < 1e-3, (stage_sum, ttft_sum)
+    means = stage_means_ms(stages_before, stages_after)
+    assert list(means) == ["dispatch", "queue", "prefill", "deliver"] and means["prefill"] > 0
 
     # A client that hangs up mid-stream is counted as an aborted request.
     stream = client.completions.create(model=MODEL, prompt="Metrics abort prompt", max_tokens=2000, temperature=0,

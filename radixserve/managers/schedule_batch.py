@@ -7,6 +7,7 @@ thread); the model runner then turns that into a ForwardBatch on the device.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,11 @@ class Req:
         # Overlap scheduling: (batch id, future slot) of a sampled token not yet copied back to the CPU.
         # Its id is referred to as -(future slot) in the next batch's input_ids and resolved on the device.
         self.pending_token: tuple[int, int] | None = None
+        # wall-clock stamps (time.time(), comparable across the server's processes): received by the scheduler,
+        # first admitted to a prefill batch, first token (or pooled output) produced; sent with its first output
+        self.time_recv = time.time()
+        self.time_prefill: float | None = None
+        self.time_first_token: float | None = None
         self.is_chunked = 0  # > 0 while the prompt is being prefilled in chunks
         self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
         self._admitted = False
@@ -294,11 +300,13 @@ class ScheduleBatch:
                                          lambda: pool.alloc_extend(self.prefix_lens, seq_lens, last_locs))
         self._write_req_to_token([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens,
                                  self.out_cache_loc)
+        now = time.time()
         for r in reqs:
             r.kv_committed_len = len(r.fill_ids)
             if not r._admitted:
                 r.cached_tokens = len(r.prefix_indices)
                 r._admitted = True
+                r.time_prefill = now
         self.input_ids = torch.tensor(input_ids, dtype=torch.int64)
         self.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         self.seq_lens_list = [len(r.fill_ids) for r in reqs]

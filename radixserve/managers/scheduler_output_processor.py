@@ -3,6 +3,7 @@ free the requests' KV, and send new tokens to the detokenizer. A mixin of Schedu
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from radixserve.managers import io_struct as io
@@ -43,6 +44,7 @@ class SchedulerOutputProcessorMixin:
         chunked_req = batch.chunked_req
         tokenizer = self.tokenizer
         tree_cache = self.tree_cache
+        now = time.time() if extend else 0.0
         for i, req in enumerate(batch.reqs):
             if req is chunked_req:
                 if req.pooling is not None:
@@ -52,6 +54,8 @@ class SchedulerOutputProcessorMixin:
                 continue
             if extend:
                 self._record_input_logprobs(req, logits_output, i)
+                if req.time_first_token is None:  # the first token comes out of an extend (the last chunk)
+                    req.time_first_token = now
             if req.sampling_params.max_new_tokens == 0 and not req.output_ids:
                 req.finished_reason = FinishLength(0)
                 if req.pooling is not None and extend and req.to_abort is None:
@@ -128,6 +132,8 @@ class SchedulerOutputProcessorMixin:
             meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids),
                                     "completion_tokens": len(output_ids),
                                     "cached_tokens": req.cached_tokens}
+            if sent == 0 and req.time_first_token is not None:  # its first output: the stages of its TTFT
+                meta["_timing"] = (req.time_recv, req.time_prefill, req.time_first_token)
             if req.embedding is not None:
                 meta["embedding"] = req.embedding
             if req.spec_verify_ct:  # speculative decoding: verify steps and mean tokens committed per step

@@ -110,6 +110,7 @@ class TokenizerManager:
             state.text += out.text_deltas[i]
             state.output_ids.extend(out.new_token_ids[i])
             meta = out.meta_infos[i]
+            timing = meta.pop("_timing", None)  # the scheduler's stamps of this request's first output
             for key in ("output_token_logprobs", "output_top_logprobs"):
                 if key in meta:
                     state.meta.setdefault(key, []).extend(meta[key])
@@ -120,6 +121,8 @@ class TokenizerManager:
                 state.first_token_time = now
                 if self.metrics is not None:
                     self.metrics.observe_ttft(now - state.created)
+                    if timing is not None:
+                        self.metrics.observe_ttft_stages(state.created, timing, now)
             elif self.metrics is not None and out.new_token_ids[i]:
                 self.metrics.observe_decode(state, now, len(out.new_token_ids[i]))
             self._gen_tokens += len(out.new_token_ids[i])

@@ -61,6 +61,10 @@ class MetricsCollector:
                                      labels + ["finish_reason"], registry=r)
         self.num_aborted_requests = counter("num_aborted_requests", "Requests aborted (client gone, abort, shutdown)")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.ttft_stage = Histogram(PREFIX + "time_to_first_token_stage_seconds",
+                                    "Time to first token by stage: dispatch (to the scheduler), queue (waiting for "
+                                    "admission), prefill (admission to the first token), deliver (back to the HTTP "
+                                    "server)", labels + ["stage"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency from arrival to last token",
                              E2E_BUCKETS)
@@ -68,6 +72,16 @@ class MetricsCollector:
     # ------------------------------------------------------------------ hooks called by the TokenizerManager
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(max(0.0, seconds))
+
+    def observe_ttft_stages(self, created: float, timing: tuple[float, float | None, float], now: float) -> None:
+        """Split a TTFT (created → now, wall clock) at the scheduler's stamps: received, admitted, first token."""
+        recv, prefill, first = timing
+        if prefill is None:  # produced without a prefill of its own (never expected; keep the sum whole)
+            prefill = recv
+        stages = (("dispatch", recv - created), ("queue", prefill - recv), ("prefill", first - prefill),
+                  ("deliver", now - first))
+        for stage, seconds in stages:
+            self.ttft_stage.labels(stage=stage, **self.labels).observe(max(0.0, seconds))
 
     def observe_decode(self, state: Any, now: float, num_new_tokens: int) -> None:
         """New tokens after the first: one inter-token latency sample per token."""
