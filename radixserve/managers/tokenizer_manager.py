@@ -350,9 +350,10 @@ class TokenizerManager:
 
     async def _wait_for_output(self, state: ReqState) -> None:
         """Wait for news of a request; fail it (503) rather than hang if the engine's processes have died."""
-        while True:
+        while not state.event.is_set():  # (under load the news is often there already)
             try:
-                await asyncio.wait_for(state.event.wait(), timeout=1.0)
+                async with asyncio.timeout(1.0):  # no task per wait, unlike wait_for before Python 3.12
+                    await state.event.wait()
                 return
             except TimeoutError:
                 if self.processes is not None and not self.processes.alive():

@@ -26,9 +26,8 @@ class GenerationBatchResult:
 
 def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
                            future_map: torch.Tensor | None = None) -> GenerationBatchResult:
-    """Apply the queued request-table writes and sampling operations, resolve in-flight token ids, forward, sample
-    and update the penalties: everything a batch does on the device, in order."""
-    runner.req_to_token_pool.apply_writes(batch.req_to_token_writes)
+    """Apply the sampling operations and the queued request-table writes, resolve in-flight token ids, forward,
+    sample and update the penalties: everything a batch does on the device, in order."""
     if batch.lora_loads:
         runner.lora_manager.apply_loads(batch.lora_loads)
     info = batch.sampling_info.apply(batch.sampling_ops) if batch.sampling_info is not None else None
@@ -37,7 +36,8 @@ def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
         info.vocab_mask = None  # the grammar mask is of this step only
         if isinstance(bitmask, torch.Tensor):
             info.vocab_mask = _vocab_mask(bitmask, info, runner)
-    forward_batch = ForwardBatch.init_new(batch, runner, sampling_info=info, future_map=future_map)
+    forward_batch = ForwardBatch.init_new(batch, runner, sampling_info=info, future_map=future_map,
+                                          req_to_token_writes=batch.req_to_token_writes)
     logits_output = runner.forward(forward_batch)
     if info is not None and isinstance(bitmask, Future):
         # Overlap: the scheduler builds this mask once the previous batch's tokens reached the matchers; the

@@ -118,8 +118,17 @@ class ReqToTokenPool:
             for rows, cols, vals in writes:
                 self.req_to_token[rows.to(dev), cols.to(dev)] = vals.to(dev, torch.int32)
             return
-        host = torch.cat([t.to(torch.int64) for w in writes for t in w])
-        d = host.pin_memory().to(dev, non_blocking=True)
+        host = self.flatten_writes(writes)
+        self.apply_device_writes(writes, host.pin_memory().to(dev, non_blocking=True))
+
+    @staticmethod
+    def flatten_writes(writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The writes as one int64 host tensor (rows, cols, values of each write in turn), for one copy."""
+        return torch.cat([t.to(torch.int64) for w in writes for t in w])
+
+    def apply_device_writes(self, writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                            d: torch.Tensor) -> None:
+        """Apply `writes` from `d`, their flatten_writes already on the device (the writes give the lengths)."""
         off = 0
         for rows, _, _ in writes:
             n = len(rows)

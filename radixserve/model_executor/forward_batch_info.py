@@ -106,8 +106,15 @@ class ForwardBatch:
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
                  sampling_info: SamplingBatchInfo | None = None,
-                 future_map: torch.Tensor | None = None) -> ForwardBatch:
+                 future_map: torch.Tensor | None = None,
+                 req_to_token_writes: list | None = None) -> ForwardBatch:
+        """The device tensors of `batch`. `req_to_token_writes`: queued request-table writes to apply first (on
+        CUDA they ride in the batch's one host-to-device copy)."""
         device = model_runner.device
+        pool = model_runner.req_to_token_pool
+        if req_to_token_writes and not model_runner.is_cuda:
+            pool.apply_writes(req_to_token_writes)
+            req_to_token_writes = None
         mode = batch.forward_mode
         is_decode = mode.is_decode()
         input_ids = batch.input_ids
@@ -145,10 +152,14 @@ class ForwardBatch:
             offs = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(start, ext)
             positions = offs + torch.repeat_interleave(pre, ext)
             parts += [ext, pre, start, positions]
+        if req_to_token_writes:
+            parts.append(pool.flatten_writes(req_to_token_writes))
         if model_runner.is_cuda:
             on_dev = pack_to_device(parts, device)
         else:
             on_dev = parts
+        if req_to_token_writes:
+            pool.apply_device_writes(req_to_token_writes, on_dev.pop())
         d_ids, d_rpi, d_seq_lens, d_out_loc = on_dev[:4]
         rest = list(on_dev[4:])
         if n_refs:
@@ -185,7 +196,11 @@ class ForwardBatch:
         lora = getattr(model_runner, "lora_manager", None)
         if lora is not None:  # per-row adapter slots, grouped by adapter for the LoRA kernels
             lora.prepare(fb, batch.lora_slots)
-        model_runner.attn_backend.init_forward_metadata(fb)
+        graphs = getattr(model_runner, "cuda_graph_runner", None)
+        if not (is_decode and graphs is not None and graphs.can_run(fb)):
+            # a decode that replays a CUDA graph gets the graph's metadata at replay: building the eager one too
+            # would be host time in every step
+            model_runner.attn_backend.init_forward_metadata(fb)
         return fb
 
 
