@@ -4,13 +4,13 @@
         --dataset random --num-prompts 200 --request-rate 8 --max-concurrency 32 --plot bench.png
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), at most --max-concurrency in flight, and
-stream their output. Printed and written to JSON: request/token throughput, and mean/median/p90/p99 of time to
-first token (TTFT), inter-token latency (ITL, the gaps between streamed chunks), time per output token after the
-first (TPOT) and end-to-end latency; against a radixserve server started with --enable-metrics, also the mean of
-each stage of its TTFT as the server saw it (dispatch, queue, prefill, deliver). A chunk counts as an arrival when it brings text or, on the native API (whose
-chunks carry the output token count), more tokens: tokens that decode to no text yet are not folded into the next
-gap. --plot writes a PNG with their distributions and the output throughput over
-time.
+stream their output. Printed and written to JSON: request/token throughput, and mean/median/p90/p99 of time to first
+token (TTFT), inter-token latency (ITL, the gaps between streamed chunks), time per output token after the first
+(TPOT) and end-to-end latency; against a radixserve server started with --enable-metrics, also the mean of each
+stage of its TTFT as the server saw it (dispatch, queue, prefill, deliver). A chunk counts as an arrival when it
+brings text or, on the native API (whose chunks carry the output token count), more tokens: tokens that decode to no
+text yet are not folded into the next gap. --plot writes a PNG with their distributions and the output throughput
+over time.
 
 Backends: `radixserve` (native POST /generate, SSE of cumulative outputs), `openai` (POST /v1/completions) and
 `openai-chat` (POST /v1/chat/completions). Datasets are synthetic so no download is needed: `random` (random token

@@ -107,7 +107,7 @@ class ServerArgs:
                                           "256 from 70 GiB, else 160)")
     prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
                                                "CUDA graph (one GPU, with decode graphs on); 0: always eager",
-                                               default=512)
+                                               default=1024)
     piecewise_cuda_graph_max_tokens: int = _flag("An extend batch of up to this many tokens (several prompts, or a "
                                                  "chunk with the running decodes under --enable-mixed-chunk) "
                                                  "replays CUDA graphs around eager attention (one GPU, decode "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +26,11 @@ class GenerationBatchResult:
 
 
 def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
-                           future_map: torch.Tensor | None = None) -> GenerationBatchResult:
+                           future_map: torch.Tensor | None = None,
+                           on_launch: Callable[[], None] | None = None) -> GenerationBatchResult:
     """Apply the sampling operations and the queued request-table writes, resolve in-flight token ids, forward,
-    sample and update the penalties: everything a batch does on the device, in order."""
+    sample and update the penalties: everything a batch does on the device, in order. `on_launch` is called once
+    the forward is queued on the device (before any wait for a grammar mask)."""
     if batch.lora_loads:
         runner.lora_manager.apply_loads(batch.lora_loads)
     info = batch.sampling_info.apply(batch.sampling_ops) if batch.sampling_info is not None else None
@@ -39,6 +42,8 @@ def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
     forward_batch = ForwardBatch.init_new(batch, runner, sampling_info=info, future_map=future_map,
                                           req_to_token_writes=batch.req_to_token_writes)
     logits_output = runner.forward(forward_batch)
+    if on_launch is not None:
+        on_launch()
     if info is not None and isinstance(bitmask, Future):
         # Overlap: the scheduler builds this mask once the previous batch's tokens reached the matchers; the
         # forward above is already queued on the device while we wait. None: no row constrained any more.
@@ -73,10 +78,10 @@ class TpModelWorker:
     def get_memory_pool(self) -> tuple:
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch,
-                                 future_slots: range | torch.Tensor | None = None) -> GenerationBatchResult:
+    def forward_batch_generation(self, batch: ModelWorkerBatch, future_slots: range | torch.Tensor | None = None,
+                                 on_launch: Callable[[], None] | None = None) -> GenerationBatchResult:
         """Run one batch and, under overlap, publish its sampled ids into the future map."""
-        result = run_model_worker_batch(self.model_runner, batch, self.future_token_ids_map)
+        result = run_model_worker_batch(self.model_runner, batch, self.future_token_ids_map, on_launch)
         if isinstance(future_slots, range) and future_slots.step == 1:
             # consecutive slots: one slice copy on the device, no index tensor to build and upload
             self.future_token_ids_map[future_slots.start:future_slots.stop] = result.next_token_ids

@@ -1,9 +1,16 @@
 """TpModelWorkerClient: runs the TpModelWorker on a forward thread so that the scheduler can prepare batch N+1
 while batch N is on the device.
 
-The scheduler calls forward_batch_generation(batch): the batch is queued and the call returns at once with the
-future slots where its sampled ids will appear (a range: one batch's slots are consecutive); later batches refer to
-those ids as -(slot). resolve_batch_result waits only for that batch's device-to-host copy."""
+The scheduler calls forward_batch_generation(batch): the batch is queued and the call returns, as soon as the forward
+thread has queued its forward on the device, with the future slots where its sampled ids will appear (a range: one
+batch's slots are consecutive); later batches refer to those ids as -(slot). resolve_batch_result waits only for
+that batch's device-to-host copy.
+
+Waiting for the launch matters because both threads share the GIL: a forward thread woken while the scheduler runs
+Python (building the next batch, processing results) would wait for the scheduler to block or for the interpreter's
+switch interval (5 ms) before launching, and the device would idle meanwhile (a prefill after an idle spell, or any
+eager forward). The scheduler's own work then runs while the device computes. The wait is bounded
+(`LAUNCH_WAIT_S`): a forward thread still busy with an earlier batch only delays the hand-over."""
 
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 
 logger = logging.getLogger(__name__)
 
+LAUNCH_WAIT_S = 0.05  # the longest the scheduler waits for the forward thread to launch a batch it queued
+
 
 class TpModelWorkerClient:
     def __init__(self, worker: TpModelWorker) -> None:
@@ -31,6 +40,7 @@ class TpModelWorkerClient:
         self.future_ct = 0
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
+        self.launched = threading.Semaphore(0)  # released once per batch, when its forward is on the device
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, daemon=True, name="radixserve-forward")
         self.thread.start()
@@ -50,6 +60,7 @@ class TpModelWorkerClient:
         """Queue `batch`; returns its future slots (consecutive, one per request)."""
         slots = self._alloc_future_slots(len(batch.seq_lens))
         self.input_queue.put((batch, slots))
+        self.launched.acquire(timeout=LAUNCH_WAIT_S)  # (a late release lets the next batch's acquire pass at once)
         return slots
 
     def forward_idle(self, dp_num_tokens: list[int], all_decode: bool) -> None:
@@ -81,13 +92,22 @@ class TpModelWorkerClient:
                         logger.exception("forward thread failed")
                         self.output_queue.put(e)
                     continue
+                signalled = [False]
+
+                def launched(signalled: list[bool] = signalled) -> None:
+                    if not signalled[0]:
+                        signalled[0] = True
+                        self.launched.release()
+
                 try:
-                    result = self.worker.forward_batch_generation(batch, future_slots=slots)
+                    result = self.worker.forward_batch_generation(batch, future_slots=slots, on_launch=launched)
                     event = self.worker.copy_result_to_host(result)
                     self.output_queue.put((result, event))
                 except BaseException as e:  # surfaced in the scheduler thread
                     logger.exception("forward thread failed")
                     self.output_queue.put(e)
+                finally:
+                    launched()
 
     def shutdown(self) -> None:
         self.input_queue.put((None, None))

@@ -4,12 +4,12 @@ for everything but attention and the logits.
 
 A forward is cut at each attention call and at the logits: the pieces between the cuts (embedding, norms,
 projections, rotary, MLP or MoE) depend only on the token count and three per-token inputs (ids, positions, and the
-KV slots that a fused rotary kernel stores K/V into), so one set of graphs per token bucket (16, 32, 64, ... up to
-the maximum), reading those from static buffers, serves every batch that fits it; attention and the logits run
-eagerly between the replays, with the batch's own metadata (how many requests, their prefixes, which of them
-decode), exactly as an eager forward runs them. The batch's tokens sit at the front of the bucket and padding rows
-(token 0, position 0, KV slot 0, the padding slot) behind them; attention and the logits see only the real rows,
-and the dense layers never mix rows, so the padding rows' values are never read.
+KV slots that a fused rotary kernel stores K/V into), so one set of graphs per token bucket (`prefill_buckets`: 16,
+32, 48, ... up to the maximum), reading those from static buffers, serves every batch that fits it; attention and
+the logits run eagerly between the replays, with the batch's own metadata (how many requests, their prefixes, which
+of them decode), exactly as an eager forward runs them. The batch's tokens sit at the front of the bucket and
+padding rows (token 0, position 0, KV slot 0, the padding slot) behind them; attention and the logits see only the
+real rows, and the dense layers never mix rows, so the padding rows' values are never read.
 
 Capture: the model's forward runs once per bucket on a dummy batch under `_capturing(...)`; `RadixAttention` and
 `LogitsProcessor` hand their calls to the active capture, which ends the graph being recorded, runs the call

@@ -3,7 +3,8 @@ CUDA graph instead of launching its ~400 kernels one by one. At low load a short
 mostly those launches (an eager forward of an 8B model spends longer on the host than the GPU spends on 128
 tokens).
 
-One graph per token bucket (16, 32, 64, ... up to the maximum), all of a single extend request: the new tokens sit
+One graph per token bucket (`prefill_buckets`: 16, 32, ..., 128, 160, ..., 256, 320, ... up to the maximum), all of a
+single extend request: the new tokens sit
 at the front of the bucket and the padding rows behind them (token 0, position 0, KV written to padding slot 0).
 The graph is captured with the bucket as the attention grid's extent, while the request's real lengths
 (`extend_seq_lens`, `extend_prefix_lens`, `seq_lens`) are device values loaded before each replay: the extend
@@ -33,10 +34,17 @@ logger = logging.getLogger(__name__)
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    sizes = [16]
-    while sizes[-1] * 2 < max_tokens:
-        sizes.append(sizes[-1] * 2)
-    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+    """Token counts to capture, up to max_tokens: every 16 up to 128, then steps of an eighth of the next power of
+    two (32 to 256, 64 to 512, ...), so that a prompt runs at most ~25% padding rows (a 136-token prompt replays
+    the 160-token graph, not the 256-token one: at these sizes the GEMMs' time grows with the rows)."""
+    sizes = []
+    n, step = 16, 16
+    while n < max_tokens:
+        sizes.append(n)
+        if n >= 8 * step:
+            step *= 2
+        n += step
+    return sizes + [max_tokens]
 
 
 def one_request_extend(model_runner: ModelRunner, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -66,7 +66,7 @@ def test_piecewise_graphs_equal_eager(tmp_path) -> None:
     graphs = gpu_runner(str(tmp_path), piecewise_cuda_graph_max_tokens=64)
     assert eager.piecewise_graph_runner is None
     pw = graphs.piecewise_graph_runner
-    assert pw is not None and pw.buckets == [16, 32, 64]
+    assert pw is not None and pw.buckets == [16, 32, 48, 64]
     assert len(pw.pieces[16]) == 3 + 1  # one piece ending at each attention layer, one ending at the logits
     replays: list[int] = []
     replay = pw.replay

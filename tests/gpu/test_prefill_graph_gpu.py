@@ -63,7 +63,7 @@ def test_prefill_graphs_equal_eager(tmp_path) -> None:
     graphs = gpu_runner(str(tmp_path), prefill_cuda_graph_max_tokens=64)
     assert eager.prefill_graph_runner is None
     pg = graphs.prefill_graph_runner
-    assert pg is not None and pg.buckets == [16, 32, 64]
+    assert pg is not None and pg.buckets == [16, 32, 48, 64]
     replays = []
     replay = pg.replay
     pg.replay = lambda fb: (replays.append(fb.extend_seq_lens_cpu[0]), replay(fb))[1]

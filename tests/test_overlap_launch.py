@@ -1,0 +1,114 @@
+"""The overlap client hands a queued batch to the forward thread and returns once that thread has launched it (the
+two threads share the GIL: the device should not wait for the scheduler's Python), never longer than
+LAUNCH_WAIT_S, and whatever the forward does (fails, or waits for the scheduler after its launch)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from radixserve.managers import tp_worker_overlap_thread as overlap
+from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
+
+
+class FakeWorker:
+    """Stands in for TpModelWorker: `plan(batch)` says what each batch's forward does."""
+
+    def __init__(self, plan: Any) -> None:
+        self.device = "cpu"
+        self.max_total_num_tokens = 64
+        self.max_running_requests = 4
+        self.model_runner = SimpleNamespace(is_cuda=False, device="cpu")
+        self.future_token_ids_map = torch.zeros(64, dtype=torch.int64)
+        self.plan = plan
+        self.log: list[tuple[str, int, float]] = []
+
+    def forward_batch_generation(self, batch: Any, future_slots: Any = None, on_launch: Any = None) -> Any:
+        return self.plan(self, batch, on_launch)
+
+    def copy_result_to_host(self, result: Any) -> None:
+        return None
+
+
+def batch(i: int) -> Any:
+    return SimpleNamespace(seq_lens=[0], i=i)
+
+
+def test_returns_once_the_forward_is_launched() -> None:
+    def plan(w: FakeWorker, b: Any, on_launch: Any) -> Any:
+        time.sleep(0.01)  # building the batch's device tensors
+        w.log.append(("launch", b.i, time.perf_counter()))
+        on_launch()
+        time.sleep(0.02)  # sampling etc.: the scheduler need not wait for this
+        return ("result", b.i)
+
+    w = FakeWorker(plan)
+    client = TpModelWorkerClient(w)
+    try:
+        t0 = time.perf_counter()
+        client.forward_batch_generation(batch(1))
+        back = time.perf_counter()
+        assert w.log and w.log[0][:2] == ("launch", 1) and w.log[0][2] <= back
+        assert back - t0 < 0.025  # not the whole forward
+        assert client.resolve_batch_result() == ("result", 1)
+    finally:
+        client.shutdown()
+
+
+def test_a_failed_forward_or_a_slow_thread_never_blocks_the_scheduler() -> None:
+    gate = threading.Event()
+
+    def plan(w: FakeWorker, b: Any, on_launch: Any) -> Any:
+        if b.i == 1:
+            raise RuntimeError("boom")  # no launch: released anyway
+        if b.i == 2:
+            gate.wait(5)  # e.g. an adapter load before its launch: the scheduler goes on after LAUNCH_WAIT_S
+        on_launch()
+        return ("result", b.i)
+
+    w = FakeWorker(plan)
+    client = TpModelWorkerClient(w)
+    try:
+        t0 = time.perf_counter()
+        client.forward_batch_generation(batch(1))
+        assert time.perf_counter() - t0 < overlap.LAUNCH_WAIT_S  # released by the failure
+        try:
+            client.resolve_batch_result()
+            raise AssertionError("the failure was not surfaced")
+        except RuntimeError as e:
+            assert "boom" in str(e)
+        t0 = time.perf_counter()
+        client.forward_batch_generation(batch(2))
+        waited = time.perf_counter() - t0
+        assert overlap.LAUNCH_WAIT_S * 0.9 <= waited < overlap.LAUNCH_WAIT_S + 0.5
+        gate.set()
+        assert client.resolve_batch_result() == ("result", 2)
+        client.forward_batch_generation(batch(3))
+        assert client.resolve_batch_result() == ("result", 3)
+    finally:
+        client.shutdown()
+
+
+def test_a_forward_waiting_for_the_scheduler_after_its_launch_does_not_deadlock() -> None:
+    """Overlap with grammars: a batch's mask is handed over after the scheduler processed the previous result,
+    which it does only once forward_batch_generation returned."""
+    mask_ready = threading.Event()
+
+    def plan(w: FakeWorker, b: Any, on_launch: Any) -> Any:
+        on_launch()
+        assert mask_ready.wait(5), "the scheduler never handed the mask over"
+        return ("result", b.i)
+
+    client = TpModelWorkerClient(FakeWorker(plan))
+    try:
+        t0 = time.perf_counter()
+        client.forward_batch_generation(batch(1))
+        assert time.perf_counter() - t0 < overlap.LAUNCH_WAIT_S
+        mask_ready.set()
+        assert client.resolve_batch_result() == ("result", 1)
+    finally:
+        client.shutdown()
