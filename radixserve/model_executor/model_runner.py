@@ -172,7 +172,8 @@ class ModelRunner:
             from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
 
             if prefill_graphs_supported(self):
-                self.prefill_graph_runner = PrefillGraphRunner(self, server_args.prefill_cuda_graph_max_tokens)
+                self.prefill_graph_runner = PrefillGraphRunner(self, self._graph_max_tokens(
+                    server_args.prefill_cuda_graph_max_tokens))
         if self.cuda_graph_runner is not None and server_args.piecewise_cuda_graph_max_tokens > 0:
             from radixserve.model_executor.piecewise_graph_runner import (
                 PiecewiseGraphRunner,
@@ -180,12 +181,18 @@ class ModelRunner:
             )
 
             if piecewise_graphs_supported(self):
-                self.piecewise_graph_runner = PiecewiseGraphRunner(self, server_args.piecewise_cuda_graph_max_tokens)
+                self.piecewise_graph_runner = PiecewiseGraphRunner(self, self._graph_max_tokens(
+                    server_args.piecewise_cuda_graph_max_tokens))
             else:
                 logger.info("piecewise CUDA graphs are not supported for this model or setup: extend batches run "
                             "eagerly")
 
     # ---------------------------------------------------------------- setup
+    def _graph_max_tokens(self, flag: int) -> int:
+        """The largest token bucket of the extend graphs: the flag's, but never past the context length or the KV
+        pool (the capture runs a dummy prompt of that many tokens at positions 0..n-1)."""
+        return max(1, min(flag, self.context_len, self.token_to_kv_pool.size))
+
     def _init_distributed(self) -> None:
         """Join this replica's TP world (gloo on the CPU, NCCL on CUDA) at tcp://--dist-init-addr, which the
         launcher fills with a free local port when it was not given."""
