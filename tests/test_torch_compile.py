@@ -82,8 +82,9 @@ def test_prefill_graph_buckets_and_flag() -> None:
     assert prefill_buckets(512) == [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
     assert prefill_buckets(1024)[-6:] == [448, 512, 640, 768, 896, 1024]
     assert prefill_buckets(100) == [16, 32, 48, 64, 80, 96, 100]
-    buckets = prefill_buckets(1024)  # a prompt never pays more than a quarter of padding rows above 16 tokens
-    assert all(b / (a + 1) <= 1.25 for a, b in zip(buckets, buckets[1:], strict=False) if a >= 16)
+    buckets = prefill_buckets(1024)  # 16 rows of padding at most up to 128 tokens, a quarter above
+    pairs = list(zip(buckets, buckets[1:], strict=False))
+    assert all(b - a == 16 for a, b in pairs if a < 128) and all(b / (a + 1) <= 1.25 for a, b in pairs if a >= 128)
     assert prefill_buckets(16) == [16]
     assert prefill_buckets(8) == [8]
     with pytest.raises(ValueError, match="prefill-cuda-graph-max-tokens"):
