@@ -1,0 +1,27 @@
+"""benchmarks/decode_step_phases.py runs a real decode loop and accounts for its whole step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+from model_utils import make_tiny_model
+
+
+def test_phases_add_up_to_the_step(tmp_path) -> None:
+    make_tiny_model("llama", str(tmp_path / "m"))
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "decode_step_phases.py")
+    spec = importlib.util.spec_from_file_location("decode_step_phases", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    out = tmp_path / "phases.json"
+    bench.main(["--model-path", str(tmp_path / "m"), "--dtype", "float32", "--max-total-tokens", "2048",
+                "--batch-size", "1", "3", "--input-len", "24", "--steps", "8", "--result-file", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        parts = [r[k] for k in bench.PHASES if k != "step"]
+        assert all(p > 0 for p in parts), r
+        # medians of the parts against the median of their sum: close, not equal
+        assert 0.5 * sum(parts) <= r["step"] <= 2 * sum(parts), r
