@@ -1,6 +1,7 @@
 """The overlap client hands a queued batch to the forward thread and returns once that thread has launched it (the
 two threads share the GIL: the device should not wait for the scheduler's Python), never longer than
-LAUNCH_WAIT_S, and whatever the forward does (fails, or waits for the scheduler after its launch)."""
+LAUNCH_WAIT_S, and whatever the forward does (fails, or waits for the scheduler after its launch). On the CPU, where
+the forward computes as it is called, it does not wait."""
 
 from __future__ import annotations
 
@@ -9,20 +10,26 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from radixserve.managers import tp_worker_overlap_thread as overlap
 from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
 
 
+@pytest.fixture(autouse=True)
+def _no_cuda_device(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)  # the fake "CUDA" workers run on the CPU
+
+
 class FakeWorker:
     """Stands in for TpModelWorker: `plan(batch)` says what each batch's forward does."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, is_cuda: bool = True) -> None:
         self.device = "cpu"
         self.max_total_num_tokens = 64
         self.max_running_requests = 4
-        self.model_runner = SimpleNamespace(is_cuda=False, device="cpu")
+        self.model_runner = SimpleNamespace(is_cuda=is_cuda, device="cpu")  # as if launches were asynchronous
         self.future_token_ids_map = torch.zeros(64, dtype=torch.int64)
         self.plan = plan
         self.log: list[tuple[str, int, float]] = []
@@ -116,5 +123,27 @@ def test_a_forward_waiting_for_the_scheduler_after_its_launch_does_not_deadlock(
         assert time.perf_counter() - t0 < 2.5  # the launch released it; the mask is handed over only after
         mask_ready.set()
         assert client.resolve_batch_result() == ("result", 1)
+    finally:
+        client.shutdown()
+
+
+def test_on_the_cpu_the_scheduler_does_not_wait_for_the_forward(monkeypatch) -> None:
+    monkeypatch.setattr(overlap, "LAUNCH_WAIT_S", 5.0)
+    done = threading.Event()
+
+    def plan(w: FakeWorker, b: Any, on_launch: Any) -> Any:
+        done.wait(5)  # the CPU forward: it is computing, not launching
+        on_launch()
+        return ("result", b.i)
+
+    client = TpModelWorkerClient(FakeWorker(plan, is_cuda=False))
+    try:
+        t0 = time.perf_counter()
+        client.forward_batch_generation(batch(1))
+        assert time.perf_counter() - t0 < 1.0 and not done.is_set()  # back while the forward still runs
+        done.set()
+        assert client.resolve_batch_result() == ("result", 1)
+        client.forward_batch_generation(batch(2))  # no release was left over
+        assert client.resolve_batch_result() == ("result", 2)
     finally:
         client.shutdown()

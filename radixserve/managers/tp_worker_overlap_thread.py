@@ -10,7 +10,9 @@ Waiting for the launch matters because both threads share the GIL: a forward thr
 Python (building the next batch, processing results) would wait for the scheduler to block or for the interpreter's
 switch interval (5 ms) before launching, and the device would idle meanwhile (a prefill after an idle spell, or any
 eager forward). The scheduler's own work then runs while the device computes. The wait is bounded
-(`LAUNCH_WAIT_S`): a forward thread still busy with an earlier batch only delays the hand-over."""
+(`LAUNCH_WAIT_S`): a forward thread still busy with an earlier batch only delays the hand-over. Only on CUDA, where
+a launch returns before the work is done: on the CPU the forward computes as it is called, and waiting for it would
+undo the overlap."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class TpModelWorkerClient:
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.launched = threading.Semaphore(0)  # released once per batch, when its forward is on the device
+        self.wait_for_launch = bool(worker.model_runner.is_cuda)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, daemon=True, name="radixserve-forward")
         self.thread.start()
@@ -60,7 +63,8 @@ class TpModelWorkerClient:
         """Queue `batch`; returns its future slots (consecutive, one per request)."""
         slots = self._alloc_future_slots(len(batch.seq_lens))
         self.input_queue.put((batch, slots))
-        self.launched.acquire(timeout=LAUNCH_WAIT_S)  # (a late release lets the next batch's acquire pass at once)
+        if self.wait_for_launch:  # (a late release lets the next batch's acquire pass at once)
+            self.launched.acquire(timeout=LAUNCH_WAIT_S)
         return slots
 
     def forward_idle(self, dp_num_tokens: list[int], all_decode: bool) -> None:
@@ -95,7 +99,7 @@ class TpModelWorkerClient:
                 signalled = [False]
 
                 def launched(signalled: list[bool] = signalled) -> None:
-                    if not signalled[0]:
+                    if not signalled[0] and self.wait_for_launch:
                         signalled[0] = True
                         self.launched.release()
 
