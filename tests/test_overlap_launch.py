@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +47,22 @@ def batch(i: int) -> Any:
     return SimpleNamespace(seq_lens=[0], i=i)
 
 
+@contextmanager
+def running(worker: FakeWorker) -> Iterator[TpModelWorkerClient]:
+    client = TpModelWorkerClient(worker)
+    try:
+        yield client
+    finally:
+        client.shutdown()
+
+
+def submit(client: TpModelWorkerClient, i: int) -> float:
+    """Queue batch i; the seconds forward_batch_generation took to return."""
+    t0 = time.perf_counter()
+    client.forward_batch_generation(batch(i))
+    return time.perf_counter() - t0
+
+
 def test_returns_once_the_forward_is_launched(monkeypatch) -> None:
     monkeypatch.setattr(overlap, "LAUNCH_WAIT_S", 5.0)  # returning early can only be the launch's doing
     after_launch = threading.Event()
@@ -57,17 +75,13 @@ def test_returns_once_the_forward_is_launched(monkeypatch) -> None:
         return ("result", b.i)
 
     w = FakeWorker(plan)
-    client = TpModelWorkerClient(w)
-    try:
-        t0 = time.perf_counter()
-        client.forward_batch_generation(batch(1))
+    with running(w) as client:
+        took = submit(client, 1)
         back = time.perf_counter()
         assert w.log and w.log[0][:2] == ("launch", 1) and w.log[0][2] <= back
-        assert back - t0 < 2.5
+        assert took < 2.5
         after_launch.set()
         assert client.resolve_batch_result() == ("result", 1)
-    finally:
-        client.shutdown()
 
 
 def test_a_failed_forward_or_a_slow_thread_never_blocks_the_scheduler(monkeypatch) -> None:
@@ -82,27 +96,19 @@ def test_a_failed_forward_or_a_slow_thread_never_blocks_the_scheduler(monkeypatc
         on_launch()
         return ("result", b.i)
 
-    w = FakeWorker(plan)
-    client = TpModelWorkerClient(w)
-    try:
-        t0 = time.perf_counter()
-        client.forward_batch_generation(batch(1))
-        assert time.perf_counter() - t0 < 0.25  # released by the failure, not by the timeout
+    with running(FakeWorker(plan)) as client:
+        assert submit(client, 1) < 0.25  # released by the failure, not by the timeout
         try:
             client.resolve_batch_result()
             raise AssertionError("the failure was not surfaced")
         except RuntimeError as e:
             assert "boom" in str(e)
-        t0 = time.perf_counter()
-        client.forward_batch_generation(batch(2))
-        waited = time.perf_counter() - t0
+        waited = submit(client, 2)
         assert 0.29 <= waited < 2.5  # the bound, then on
         gate.set()
         assert client.resolve_batch_result() == ("result", 2)
-        client.forward_batch_generation(batch(3))
+        submit(client, 3)
         assert client.resolve_batch_result() == ("result", 3)
-    finally:
-        client.shutdown()
 
 
 def test_a_forward_waiting_for_the_scheduler_after_its_launch_does_not_deadlock(monkeypatch) -> None:
@@ -116,15 +122,10 @@ def test_a_forward_waiting_for_the_scheduler_after_its_launch_does_not_deadlock(
         return ("result", b.i)
 
     monkeypatch.setattr(overlap, "LAUNCH_WAIT_S", 5.0)
-    client = TpModelWorkerClient(FakeWorker(plan))
-    try:
-        t0 = time.perf_counter()
-        client.forward_batch_generation(batch(1))
-        assert time.perf_counter() - t0 < 2.5  # the launch released it; the mask is handed over only after
+    with running(FakeWorker(plan)) as client:
+        assert submit(client, 1) < 2.5  # the launch released it; the mask is handed over only after
         mask_ready.set()
         assert client.resolve_batch_result() == ("result", 1)
-    finally:
-        client.shutdown()
 
 
 def test_on_the_cpu_the_scheduler_does_not_wait_for_the_forward(monkeypatch) -> None:
@@ -136,14 +137,9 @@ def test_on_the_cpu_the_scheduler_does_not_wait_for_the_forward(monkeypatch) -> 
         on_launch()
         return ("result", b.i)
 
-    client = TpModelWorkerClient(FakeWorker(plan, is_cuda=False))
-    try:
-        t0 = time.perf_counter()
-        client.forward_batch_generation(batch(1))
-        assert time.perf_counter() - t0 < 1.0 and not done.is_set()  # back while the forward still runs
+    with running(FakeWorker(plan, is_cuda=False)) as client:
+        assert submit(client, 1) < 1.0 and not done.is_set()  # back while the forward still runs
         done.set()
         assert client.resolve_batch_result() == ("result", 1)
-        client.forward_batch_generation(batch(2))  # no release was left over
+        submit(client, 2)  # no release was left over
         assert client.resolve_batch_result() == ("result", 2)
-    finally:
-        client.shutdown()

@@ -121,9 +121,8 @@ class TokenizerManager:
                 state.first_token_time = now
                 if self.metrics is not None:
                     self.metrics.observe_ttft(now - state.created)
-                    stages = getattr(self.metrics, "observe_ttft_stages", None)  # the Prometheus collector's
-                    if timing is not None and stages is not None:
-                        stages(state.created, timing, now)
+                    if timing is not None:
+                        self.metrics.observe_ttft_stages(state.created, timing, now)
             elif self.metrics is not None and out.new_token_ids[i]:
                 self.metrics.observe_decode(state, now, len(out.new_token_ids[i]))
             self._gen_tokens += len(out.new_token_ids[i])

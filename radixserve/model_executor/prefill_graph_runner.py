@@ -3,14 +3,13 @@ CUDA graph instead of launching its ~400 kernels one by one. At low load a short
 mostly those launches (an eager forward of an 8B model spends longer on the host than the GPU spends on 128
 tokens).
 
-One graph per token bucket (`prefill_buckets`: 16, 32, ..., 128, 160, ..., 256, 320, ... up to the maximum), all of a
-single extend request: the new tokens sit
-at the front of the bucket and the padding rows behind them (token 0, position 0, KV written to padding slot 0).
-The graph is captured with the bucket as the attention grid's extent, while the request's real lengths
-(`extend_seq_lens`, `extend_prefix_lens`, `seq_lens`) are device values loaded before each replay: the extend
-kernel attends only the real tokens (causal, so no real token sees a padding row), works on top of any cached
-prefix, and the logits processor picks the last real token's row through the same device lengths. Rows never mix
-in the dense layers, so the padding rows' values (never read) cannot reach the real ones.
+One graph per token bucket (`prefill_buckets`: 16, 32, ..., 128, 160, ..., 256, 320, ... up to the maximum), all of
+a single extend request: the new tokens sit at the front of the bucket and the padding rows behind them (token 0,
+position 0, KV written to padding slot 0). The graph is captured with the bucket as the attention grid's extent,
+while the request's real lengths (`extend_seq_lens`, `extend_prefix_lens`, `seq_lens`) are device values loaded
+before each replay: the extend kernel attends only the real tokens (causal, so no real token sees a padding row),
+works on top of any cached prefix, and the logits processor picks the last real token's row through the same device
+lengths. Rows never mix in the dense layers, so the padding rows' values (never read) cannot reach the real ones.
 
 Only plain single-request prefills take it (no logprobs, pooling, LoRA or DP attention; one GPU; not MLA); every
 other extend runs eagerly as before."""

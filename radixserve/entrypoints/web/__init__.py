@@ -38,7 +38,7 @@ def is_public(path: str) -> bool:
 def attach_live_stats(tm: Any) -> LiveStats:
     """Have the TokenizerManager report to a new LiveStats (next to the Prometheus collector, if any)."""
     stats = LiveStats()
-    tm.metrics = MetricsFanout(tm.metrics, stats) if tm.metrics is not None else stats
+    tm.metrics = MetricsFanout(tm.metrics, stats)
     return stats
 
 

@@ -74,20 +74,21 @@ class LiveStats:
 
 
 class MetricsFanout:
-    """Calls each hook on every receiver that has it."""
+    """Calls each hook on every receiver that has it (none may: the TTFT stages go to the Prometheus collector only)."""
 
     def __init__(self, *receivers: Any) -> None:
         self.receivers = [r for r in receivers if r is not None]
 
     def __getattr__(self, name: str) -> Any:
-        targets = [getattr(r, name) for r in self.receivers if hasattr(r, name)]
-        if not targets:
+        if name.startswith("_"):
             raise AttributeError(name)
+        targets = [getattr(r, name) for r in self.receivers if hasattr(r, name)]
 
         def call(*args: Any, **kwargs: Any) -> None:
             for fn in targets:
                 fn(*args, **kwargs)
 
+        setattr(self, name, call)  # the hooks run per token: look each up once
         return call
 
 
