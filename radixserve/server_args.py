@@ -90,12 +90,12 @@ class ServerArgs:
                                              "4096 on CPU)")
     enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
     step_token_budget: int | None = _flag("While requests decode and no backlog waits (the waiting prompts fit in "
-                                          "one chunk), a prefill step computes at most this many tokens and the "
-                                          "decodes step between two such chunks, so a decode waits for one short "
-                                          "chunk at most (with --enable-mixed-chunk the decodes ride with the "
-                                          "chunk instead; 256 suits an 8B model on one GPU, where such a chunk "
-                                          "replays a prefill graph). Default 256 on one GPU with CUDA graphs and "
-                                          "no LoRA, speculative decoding or DP attention; else off; 0: off")
+                                          "one chunk), a step computes at most this many tokens: a prefill chunk "
+                                          "and the running decodes riding with it (MIXED), so a decode never waits "
+                                          "behind a long prefill (256 suits an 8B model on one GPU, where such a "
+                                          "step replays the piecewise CUDA graphs). Default 256 on one GPU with "
+                                          "CUDA graphs and no LoRA, speculative decoding or DP attention; else "
+                                          "off; 0: off")
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
@@ -384,11 +384,11 @@ class ServerArgs:
 
     @property
     def resolved_step_token_budget(self) -> int:
-        """--step-token-budget; unset: 256 where its chunks replay CUDA graphs (one GPU, graphs on, no LoRA; the
-        prefill graphs take a chunk of one prompt, the piecewise graphs one of several: P99 inter-token latency
-        14.4-15.5 ms against 34.7 without it at 16 requests/s of 1024-token prompts on an H200,
-        docs/PERFORMANCE.md) and the steps are plain ones (no speculative decoding or DP attention); else off, as
-        on the CPU (an eager 256-token chunk between two decode steps costs more than it saves there)."""
+        """--step-token-budget; unset: 256 where its steps replay CUDA graphs (one GPU, graphs on, no LoRA: the
+        piecewise graphs take a chunk with the decodes riding along; P99 inter-token latency 10.3 ms against 34.7
+        without it at 16 requests/s of 1024-token prompts on an H200, docs/PERFORMANCE.md) and the steps are plain
+        ones (no speculative decoding or DP attention); else off, as on the CPU (an eager 256-token step costs
+        more than it saves there)."""
         if self.step_token_budget is not None:
             return self.step_token_budget
         graphs = self.resolved_device() == "cuda" and not self.disable_cuda_graph and self.tp_size == 1 \

@@ -1,7 +1,7 @@
-"""The per-step token budget (--step-token-budget): while requests decode and no backlog waits, prompts are admitted
-in chunks of at most the budget, and the running decodes step between two such chunks (with --enable-mixed-chunk
-the decodes ride with the chunk instead, MIXED); the tokens are the same as without it. The pure policy
-(`latency_step_budget`) is checked on its own first."""
+"""The per-step token budget (--step-token-budget): while requests decode and no backlog waits, a step holds at most
+the budget's tokens, a prompt's chunk with the running decodes riding along (MIXED), so no decode waits behind a
+long prefill; the tokens are the same as without it. The pure policy (`latency_step_budget`) is checked on its own
+first."""
 
 from __future__ import annotations
 
@@ -76,22 +76,52 @@ def test_step_budget_paces_decodes(tiny_path, overlap: bool) -> None:  # noqa: F
     want = run(tiny_path, [(rid, p, n + 8) for rid, p, n in workload(n=8)])
     got, steps = _staggered(tiny_path, step_token_budget=24, enable_overlap_schedule=overlap)
     assert got == want
-    assert not any(mode == ForwardMode.MIXED for mode, _, _ in steps)
-    # while requests decode (and no backlog waits), chunks hold at most 24 tokens and the decodes step between two
-    paced = [i for i, (mode, _, budgeted) in enumerate(steps) if mode == ForwardMode.EXTEND and budgeted]
-    assert len(paced) >= 3 and max(steps[i][1] for i in paced) <= 24
-    assert all(steps[i + 1][0] == ForwardMode.DECODE for i in paced if i + 1 < len(steps))
-    assert not any(budgeted for mode, _, budgeted in steps if mode != ForwardMode.EXTEND)
-    # with --enable-mixed-chunk the decodes ride with the chunk (MIXED; the step's budget counts them)
-    got_mixed, steps_mixed = _staggered(tiny_path, step_token_budget=24, enable_mixed_chunk=True,
-                                        enable_overlap_schedule=overlap)
-    assert got_mixed == want
-    mixed = [n for mode, n, _ in steps_mixed if mode == ForwardMode.MIXED]
-    assert mixed and any(n <= 24 for n in mixed)
-    assert not any(budgeted for _, _, budgeted in steps_mixed)
+    # while requests decode (and no backlog waits), the decodes ride with each chunk: MIXED steps of at most 24
+    # tokens, the decodes counted
+    mixed = [n for mode, n, _ in steps if mode == ForwardMode.MIXED]
+    assert len(mixed) >= 3 and max(mixed) <= 24
+    assert not any(budgeted for _, _, budgeted in steps)  # the decodes always joined: no separate decode turn
     # without the budget the same arrivals run whole prompts as their own steps, longer than 24 tokens
     got_off, steps_off = _staggered(tiny_path, step_token_budget=0, enable_overlap_schedule=overlap)
     assert got_off == want
     assert not any(mode == ForwardMode.MIXED for mode, _, _ in steps_off)
     assert max(n for mode, n, _ in steps_off if mode == ForwardMode.EXTEND) > 24
     assert not any(budgeted for _, _, budgeted in steps_off)
+    # --enable-mixed-chunk without a budget: the decodes ride with whole prompts
+    got_mix, steps_mix = _staggered(tiny_path, step_token_budget=0, enable_mixed_chunk=True,
+                                    enable_overlap_schedule=overlap)
+    assert got_mix == want
+    assert max(n for mode, n, _ in steps_mix if mode == ForwardMode.MIXED) > 24
+
+
+def test_budgeted_chunk_the_decodes_cannot_join_is_followed_by_their_step(tiny_path) -> None:  # noqa: F811
+    """Should the running decodes not fit in memory next to a budgeted chunk, the chunk runs alone and the decodes
+    step right after it, before any further prefill (`decode_turn`)."""
+    s = make_scheduler(tiny_path, chunked_prefill_size=64, step_token_budget=24)
+    steps: list[tuple[ForwardMode, bool]] = []
+    launch = s.run_batch
+
+    def record(batch):  # noqa: ANN001, ANN202
+        steps.append((batch.forward_mode, s.decode_turn))
+        return launch(batch)
+
+    s.run_batch = record
+    refuse = [0]
+
+    def no_room() -> bool:  # the running decodes' memory check fails once: while a chunk is being admitted
+        refuse[0] += 1
+        return refuse[0] > 1
+
+    prompts = workload(n=3)
+    submit(s, *prompts[0][:2], 12)
+    for _ in range(3):
+        s.step()
+    s.running_batch.check_decode_mem = no_room
+    submit(s, *prompts[1][:2], 12)
+    s.step()
+    assert refuse[0] == 1 and steps[-1] == (ForwardMode.EXTEND, True)  # the chunk ran alone...
+    s.step()
+    assert steps[-1][0] == ForwardMode.DECODE  # ...and the decodes went next
+    del s.running_batch.check_decode_mem
+    drain(s)
+    assert s.invariant_violations == 0

@@ -165,6 +165,46 @@ def test_mixed_batch_decodes_its_one_token_tail(prefix_lens: list[int], extend_l
     assert meta.max_extend_len == max(extend_lens[:len(extend_lens) - tail], default=0)
 
 
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", [
+    (ForwardMode.MIXED, [0, 40, 7, 90, 33], [20, 9, 1, 1, 1]),  # two prompts, three decodes riding along
+    (ForwardMode.EXTEND, [3, 0], [17, 40]),
+])
+def test_later_layers_replay_the_first_layers_launches(mode: ForwardMode, prefix_lens: list[int],
+                                                      extend_lens: list[int]) -> None:
+    """The layers of one batch after the first replay its recorded launches with their own q/k/v, output and KV
+    buffers (TritonForwardMetadata.plans); each must still equal the reference for its own layer, and a layer with
+    another attention parameter (here a sliding window) records a plan of its own."""
+    h, hkv, d = 8, 2, 32
+    gen = torch.Generator().manual_seed(11)
+    runner = make_runner(h, hkv, d, torch.float32)
+    backend = TritonAttnBackend(runner)
+    for name, value in SMALL_SPLITS.items():
+        setattr(backend, name, value)
+    pool = runner.token_to_kv_pool
+
+    def fill(slots: torch.Tensor) -> None:
+        for layer_id in (0, 1):
+            k_buf, v_buf = pool.get_kv_buffer(layer_id)
+            k_buf[slots] = torch.randn((len(slots), hkv, d), generator=gen).to(DEVICE)
+            v_buf[slots] = torch.randn((len(slots), hkv, d), generator=gen).to(DEVICE)
+
+    fb = scattered_batch(runner, backend, prefix_lens, extend_lens, mode, gen, fill)
+    ref_backend = TorchNativeAttnBackend(runner)
+    backend.init_forward_metadata(fb)
+    ref_backend.init_forward_metadata(fb)
+    n = sum(extend_lens)
+    layers = [make_layer(h, hkv, d) for _ in range(3)]
+    layers[0].layer_id, layers[1].layer_id, layers[2].layer_id = 0, 1, 0
+    layers[2].sliding_window_size = 8
+    for layer in layers:
+        q = torch.randn(n, h * d, generator=gen).to(DEVICE)
+        k = torch.randn(n, hkv * d, generator=gen).to(DEVICE)
+        v = torch.randn(n, hkv * d, generator=gen).to(DEVICE)
+        out = backend.forward(q, k, v, layer, fb)
+        torch.testing.assert_close(out, ref_backend.forward(q, k, v, layer, fb), **tol(torch.float32))
+    assert len(backend.forward_metadata.plans) == 2  # the first two layers share one, the windowed has its own
+
+
 def test_extend_skips_empty_requests() -> None:
     out, ref = run_both(4, 2, 32, [6, 4, 9], [5, 0, 2], ForwardMode.EXTEND)
     torch.testing.assert_close(out, ref, **tol(torch.float32))

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from radixserve.layers.triton_ops.launch import _arg_key, _KernelLauncher
+from radixserve.layers.triton_ops import launch as launch_mod
+from radixserve.layers.triton_ops.launch import LaunchPlan, _arg_key, _KernelLauncher, _Recorded
 
 
 class _Compiled:
@@ -108,3 +109,41 @@ def test_a_working_launcher_is_checked_once() -> None:
         launcher((1,), (x, 16, 1.0), {"BLOCK": 64}, 0, 0)
     assert launcher.checked and not launcher.broken
     assert len(fn.slow) == 1 and len(fn.compiled.runs) == 3
+
+
+def test_launch_plan_replays_with_the_named_tensors_in_place(monkeypatch: Any) -> None:
+    """A replay substitutes the named tensors (by their position in the recorded call), keeps every other
+    argument as recorded, runs the compiled kernel directly while the alignment matches, and goes through `launch`
+    (Triton's own path here) when it does not."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 9, raising=False)
+    fn = _Jit()
+    buf = torch.zeros(64, dtype=torch.float16)
+    a, meta, out = buf[:16], torch.zeros(4), torch.zeros(8)
+    recorded = [_Recorded(fn, (2,), (a, meta, 48, out), {"BLOCK": 64}, (fn.compiled, (64, True))),
+                _Recorded(fn, (3,), (meta, out), {"BLOCK": 32}, None)]  # not cached: always Triton's path
+    plan = LaunchPlan(recorded, (a, out))
+    a2, out2 = buf[16:32], torch.ones(8)
+    monkeypatch.setattr(launch_mod, "_launchers", {id(fn): None})  # `launch` takes Triton's own path
+    plan.replay((a2, out2))
+    assert fn.compiled.runs == [(2, 1, 1, 9, "cufunction", "metadata", None, None, None, a2, meta, 48, out2, 64,
+                                 True)]
+    assert fn.slow == [((3,), (meta, out2), {"BLOCK": 32})]
+    misaligned = buf[1:17]
+    plan.replay((misaligned, out2))
+    assert len(fn.compiled.runs) == 1 and fn.slow[1] == ((2,), (misaligned, meta, 48, out2), {"BLOCK": 64})
+
+
+def test_recording_sees_every_launch_in_the_block() -> None:
+    fn = _Jit()
+    launch_mod._launchers[id(fn)] = None
+    try:
+        x = torch.zeros(4)
+        with launch_mod.recording() as launches:
+            launch_mod.launch(fn, (1,), x, 3, BLOCK=16)
+            launch_mod.launch(fn, (2,), x, 5, BLOCK=16)
+        launch_mod.launch(fn, (3,), x, 7, BLOCK=16)  # after the block: not recorded
+        assert [(r.grid, r.args[1], r.hit) for r in launches] == [((1,), 3, None), ((2,), 5, None)]
+        assert len(fn.slow) == 3
+    finally:
+        del launch_mod._launchers[id(fn)]

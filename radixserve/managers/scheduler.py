@@ -82,9 +82,10 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         on_cpu = str(self.device).startswith("cpu")
         self.in_batch_prefix_len = IN_BATCH_PREFIX_LEN_CPU if on_cpu else IN_BATCH_PREFIX_LEN
         self.step_token_budget = server_args.resolved_step_token_budget
-        self.decode_turn = False  # the last step was a budgeted prefill chunk: the running decodes go next
+        self.decode_turn = False  # the last step was a budgeted chunk the decodes did not join: they go next
         if self.step_token_budget:
-            logger.info("step token budget: %d tokens a prefill chunk while requests decode", self.step_token_budget)
+            logger.info("step token budget: %d tokens a step (a prefill chunk and the decodes riding with it) while "
+                        "requests decode", self.step_token_budget)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from radixserve.managers.tokenizer_utils import get_tokenizer

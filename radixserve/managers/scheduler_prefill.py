@@ -1,7 +1,8 @@
 """Prefill admission: which waiting requests (and which chunk of a request prefilled in chunks) the next prefill
 batch takes, under the token budgets, the memory left, the request slots and the LoRA slots. With
---step-token-budget, while requests decode, the batch is cut to the step's budget and the running decodes step
-before the next chunk (`decode_turn`). A mixin of Scheduler."""
+--step-token-budget, while requests decode, the step holds at most the budget's tokens, the running decodes
+included: they ride with the chunk (MIXED), so every decode advances at every step; should they not fit in memory
+alongside it, they step on their own right after the chunk (`decode_turn`). A mixin of Scheduler."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ class SchedulerPrefillMixin:
             return None
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        # a step that keeps the decodes' pace: they ride with a prefill chunk cut to the step's token budget
+        # a step that keeps the decodes' pace: they ride with a prefill chunk, the two within the step's token budget
         budget = latency_step_budget(self.step_token_budget, len(running), self.waiting_queue, self.chunk_size)
-        mixed = self.server_args.enable_mixed_chunk and bool(running)
+        mixed = (self.server_args.enable_mixed_chunk or budget is not None) and bool(running)
         max_prefill, chunk = self.server_args.max_prefill_tokens, self.chunk_size
         if budget is not None:
             max_prefill, chunk = min(max_prefill, budget), min(chunk or budget, budget)
@@ -44,7 +45,7 @@ class SchedulerPrefillMixin:
             if self.running_batch.check_decode_mem():
                 batch.mix_with_running(self.running_batch)
                 self.running_batch = None
-        # a budgeted chunk while requests decode: they step next, before any further prefill
+        # a budgeted chunk that the running decodes could not join: they step next, before any further prefill
         self.decode_turn = budget is not None and self.running_batch is not None and not self.running_batch.is_empty()
         return batch
 

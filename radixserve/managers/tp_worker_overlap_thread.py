@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from radixserve.managers.schedule_batch import ModelWorkerBatch
+from radixserve.managers.step_trace import StepTrace
 from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class TpModelWorkerClient:
         self.launched = threading.Semaphore(0)  # released once per batch, when its forward is on the device
         self.wait_for_launch = bool(worker.model_runner.is_cuda)
         self.error: BaseException | None = None
+        self.trace = StepTrace.from_env(self.wait_for_launch)  # RADIXSERVE_STEP_TRACE: one JSON line a step
         self.thread = threading.Thread(target=self._loop, daemon=True, name="radixserve-forward")
         self.thread.start()
 
@@ -79,6 +81,8 @@ class TpModelWorkerClient:
         result, event = item
         if event is not None:
             event.synchronize()
+        if self.trace is not None:
+            self.trace.taken()
         return result
 
     def _loop(self) -> None:
@@ -97,15 +101,20 @@ class TpModelWorkerClient:
                         self.output_queue.put(e)
                     continue
                 signalled = [False]
+                rec = self.trace.begin(batch) if self.trace is not None else None
 
-                def launched(signalled: list[bool] = signalled) -> None:
+                def launched(signalled: list[bool] = signalled, rec: dict | None = rec) -> None:
                     if not signalled[0] and self.wait_for_launch:
                         signalled[0] = True
+                        if rec is not None:
+                            self.trace.launched(rec)
                         self.launched.release()
 
                 try:
                     result = self.worker.forward_batch_generation(batch, future_slots=slots, on_launch=launched)
                     event = self.worker.copy_result_to_host(result)
+                    if rec is not None:
+                        self.trace.end(rec)
                     self.output_queue.put((result, event))
                 except BaseException as e:  # surfaced in the scheduler thread
                     logger.exception("forward thread failed")

@@ -8,7 +8,7 @@ Extend sizes its grid from the CPU list of extend lengths that the ForwardBatch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +23,7 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.triton_ops.kv_store import store_kv
+from radixserve.layers.triton_ops.launch import LaunchPlan, recording
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -61,6 +62,9 @@ class TritonForwardMetadata:
     tail_decodes: int = 0
     tail_req_pool_indices: torch.Tensor | None = None
     tail_seq_lens: torch.Tensor | None = None
+    # an extend's attention launches, recorded at its first layer and replayed by the layers after it that have the
+    # same shapes and attention parameters (LaunchPlan): the same batch, so the same grids and metadata
+    plans: dict = field(default_factory=dict)
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -259,19 +263,32 @@ class TritonAttnBackend(AttentionBackend):
         if save_kv_cache:
             self._save_kv(k, v, layer, forward_batch)
         q3 = self._heads(q, num_heads, head_dim)
+        k3 = self._heads(k, layer.tp_k_head_num, head_dim)
+        v3 = self._heads(v, layer.tp_v_head_num, head_dim)
         o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         rows = q3.shape[0] - meta.tail_decodes  # the extend requests' rows come first
-        if rows > 0 and meta.max_extend_len > 0:
-            extend_attention_fwd(
-                q3[:rows], self._heads(k, layer.tp_k_head_num, head_dim)[:rows],
-                self._heads(v, layer.tp_v_head_num, head_dim)[:rows], o[:rows],
-                k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.extend_prefix_lens,
-                meta.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len, layer.scaling,
-                k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
-        if meta.tail_decodes:  # their K/V went into the pool above (or before, when save_kv_cache is off)
-            self._decode_rows(q3[rows:], o[rows:], layer, forward_batch, meta, meta.tail_req_pool_indices,
-                              meta.tail_seq_lens)
+        tensors = (q3[:rows], k3[:rows], v3[:rows], o[:rows], q3[rows:], o[rows:], k_buf, v_buf)
+        # what decides the launches besides those tensors' addresses: a layer that matches an earlier layer of this
+        # batch replays its launches (the host work of a layer's attention is several times its device time for a
+        # small batch, and eager attention runs between the pieces of a piecewise graph)
+        key = (q3.shape, q3.stride(), k3.shape, k3.stride(), v3.stride(), q.dtype, k_buf.dtype, k_buf.stride(),
+               v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer))
+        plan = meta.plans.get(key)
+        if plan is not None:
+            plan.replay(tensors)
+            return o.view(-1, num_heads * head_dim)
+        with recording() as launches:
+            if rows > 0 and meta.max_extend_len > 0:
+                extend_attention_fwd(
+                    tensors[0], tensors[1], tensors[2], tensors[3], k_buf, v_buf, self.req_to_token,
+                    meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens, meta.extend_start_loc,
+                    meta.max_extend_len, layer.scaling, k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1],
+                    sliding_window=sliding_window(layer))
+            if meta.tail_decodes:  # their K/V went into the pool above (or before, when save_kv_cache is off)
+                self._decode_rows(tensors[4], tensors[5], layer, forward_batch, meta, meta.tail_req_pool_indices,
+                                  meta.tail_seq_lens)
+        meta.plans[key] = LaunchPlan(launches, tensors)
         return o.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,

@@ -17,9 +17,12 @@ hooks (`knobs.runtime.launch_*_hook`) are not called on the fast path.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,7 +84,10 @@ class _KernelLauncher:
         self.checked = False  # a cached launch has gone through once
         self.broken = False  # this Triton's launcher takes other arguments: always use kernel[grid]
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], device: int, stream: int) -> None:
+    def __call__(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], device: int,
+                 stream: int) -> tuple[Any, tuple] | None:
+        """Launch; returns the (compiled kernel, constexpr tail) that a later `_run` with arguments of the same key
+        may use directly, once the fast path has worked for this kernel (else None)."""
         # kwargs keep their call-site order: a call site that orders them differently only adds cache entries
         key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
         hit = None if self.broken else self.compiled.get(key)
@@ -90,13 +96,13 @@ class _KernelLauncher:
             # the parameters after the positional ones, in signature order: constexprs given by name or defaulted
             rest = self.names[len(args):]
             if kernel is None or self.broken or any(n not in kwargs and n not in self.defaults for n in rest):
-                return
+                return None
             self.compiled[key] = (kernel, tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in rest))
-            return
+            return None
         kernel, tail = hit
         if self.checked:
             _run(kernel, grid, stream, args, tail)
-            return
+            return hit
         try:  # the launcher is Triton's internal API: a version that changed it fails here, before launching
             _run(kernel, grid, stream, args, tail)
         except (TypeError, AttributeError) as e:
@@ -104,8 +110,9 @@ class _KernelLauncher:
             self.broken = True
             self.compiled.clear()
             self.fn[grid](*args, **kwargs)
-            return
+            return None
         self.checked = True
+        return hit
 
 
 _launchers: dict[int, _KernelLauncher | None] = {}  # None: this kernel always goes through kernel[grid]
@@ -129,8 +136,66 @@ def launch(fn: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         fast = _enabled and isinstance(fn, triton.runtime.JITFunction) and torch.cuda.is_available()
         _launchers[key] = _KernelLauncher(fn) if fast else None
     launcher = _launchers[key]
+    hit = None
     if launcher is None:
         fn[grid](*args, **kwargs)
     else:
         device = torch._C._cuda_getDevice()  # what triton's own launch path asks torch for, without the wrappers
-        launcher(grid, args, kwargs, device, torch._C._cuda_getCurrentRawStream(device))
+        hit = launcher(grid, args, kwargs, device, torch._C._cuda_getCurrentRawStream(device))
+    if _recording is not None:
+        _recording.append(_Recorded(fn, grid, args, kwargs, hit))
+
+
+@dataclass
+class _Recorded:
+    fn: Any
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any]
+    hit: tuple[Any, tuple] | None  # the compiled kernel and constexpr tail it ran with (fast path), else None
+
+
+_recording: list[_Recorded] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[_Recorded]]:
+    """Record every `launch` made inside the block (they still run), for a `LaunchPlan`."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = outer
+
+
+class LaunchPlan:
+    """A block of launches recorded once, run again with other tensors in the place of some of its arguments.
+
+    A caller with the same computation on other data (an attention layer after the first of a forward: the same
+    batch metadata, grid and scalars, other q/k/v/output and KV-pool tensors) records the first and replays the
+    rest, skipping the work each launch does on the host to find its grid, check its inputs and pick its compiled
+    kernel. `tensors` names the arguments that change: each replay passes the same number, in the same order, each
+    of the recorded one's dtype, shape and strides (the caller keys its plans on whatever decides those); arguments
+    not among them are reused as recorded. The block must launch nothing but through `launch`. A replayed tensor
+    whose 16-byte alignment differs from the recorded one's goes through `launch` (its own compiled kernel)."""
+
+    def __init__(self, launches: list[_Recorded], tensors: tuple[torch.Tensor, ...]) -> None:
+        self.launches = []
+        for rec in launches:
+            slots = [(pos, i) for pos, a in enumerate(rec.args) for i, t in enumerate(tensors) if a is t]
+            aligned = tuple(tensors[i].data_ptr() & 15 == 0 for _, i in slots)
+            self.launches.append((rec, slots, aligned))
+
+    def replay(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        stream = None
+        for rec, slots, aligned in self.launches:
+            args = list(rec.args)
+            for pos, i in slots:
+                args[pos] = tensors[i]
+            if rec.hit is not None and tuple(tensors[i].data_ptr() & 15 == 0 for _, i in slots) == aligned:
+                if stream is None:
+                    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+                _run(rec.hit[0], rec.grid, stream, tuple(args), rec.hit[1])
+            else:
+                launch(rec.fn, rec.grid, *args, **rec.kwargs)
