@@ -237,10 +237,10 @@ def test_prefill_graphs_only_for_backends_whose_extend_is_capturable() -> None:
 def test_flex_graph_block_kernel_equals_torch_lists(page_size: int) -> None:
     """The Triton kernel a CUDA graph runs to build the decode block lists (TRITON_INTERPRET=1 on the CPU) gives the
     torch reference's lists, positions and slot records, for interleaved pages, windows and padding rows."""
-    if not FlexAttnBackend(make_runner(2, 1, 16, page_size))._fill_in_graph:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # tests/gpu/ runs this file's kernel test on the GPU too
+    if not FlexAttnBackend(make_runner(2, 1, 16, page_size, device=dev))._fill_in_graph:
         pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(page_size)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # tests/gpu/ runs this file's kernel test on the GPU too
     runner = make_runner(2, 1, 16, page_size, pool_size=1024, device=dev)
     runner.model_config.sliding_windows = [-1, 5, 40]
     kv, r2t = runner.token_to_kv_pool, runner.req_to_token_pool
