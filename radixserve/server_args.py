@@ -88,7 +88,8 @@ class ServerArgs:
     max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
     chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
                                              "4096 on CPU)")
-    enable_mixed_chunk: bool = _flag("Run a prefill chunk together with the decode batch (MIXED)", default=False)
+    enable_mixed_chunk: bool = _flag("Run every prefill chunk together with the decode batch (MIXED); steps under "
+                                     "--step-token-budget are mixed without it", default=False)
     step_token_budget: int | None = _flag("While requests decode and no backlog waits (the waiting prompts fit in "
                                           "one chunk), a step computes at most this many tokens: a prefill chunk "
                                           "and the running decodes riding with it (MIXED), so a decode never waits "
