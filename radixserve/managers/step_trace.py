@@ -22,7 +22,7 @@ import torch
 
 class StepTrace:
     def __init__(self, path: str) -> None:
-        self.file: TextIO = open(path, "a", buffering=1 << 16)
+        self.file: TextIO = open(path, "a", buffering=1)  # line-buffered: a killed server keeps its lines
         self.open: deque[dict[str, Any]] = deque()  # batches launched, result not taken yet (in order)
         self.last_end: torch.cuda.Event | None = None
         self.count = 0
