@@ -15,6 +15,7 @@ import shutil
 import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from radixserve.configs.model_config import ModelConfig
@@ -111,10 +112,24 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
     ipc_dir = server_args.make_ipc_dir()
     port_args = {name: f"ipc://{os.path.join(ipc_dir, name)}"
                  for name in ("scheduler_input", "detokenizer_input", "tokenizer_input")}
+    if server_args.tp_size > 1 or server_args.dp_size > 1:
+        from radixserve.managers.dp_launcher import require_head_node
+
+        require_head_node(server_args)  # before any process starts
     ctx = mp.get_context("spawn")
     procs: list[mp.Process] = []
     tokenizer_path = None if server_args.skip_tokenizer_init else server_args.tokenizer_path
+    # Everything starts at once: the detokenizer, the scheduler(s) and, on a thread here, this process's own
+    # tokenizer (each of the three imports transformers and loads the tokenizer: seconds, serial before).
+    loader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenizer-load")
+    pending = loader.submit(get_tokenizer, tokenizer_path, server_args.trust_remote_code) if tokenizer_path else None
     try:
+        det_reader, det_writer = ctx.Pipe(duplex=False)
+        detokenizer = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args, tokenizer_path,
+                                                                        det_writer),
+                                  daemon=True, name="radixserve-detokenizer")
+        detokenizer.start()
+        procs.append(detokenizer)
         if server_args.tp_size > 1 or server_args.dp_size > 1:
             from radixserve.managers.dp_launcher import launch_parallel_schedulers
 
@@ -127,16 +142,13 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[TokenizerManager, Engi
             proc.start()
             procs.append(proc)
             info = _wait_ready(reader, proc, "scheduler")["info"]
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args, tokenizer_path, writer),
-                           daemon=True, name="radixserve-detokenizer")
-        proc.start()
-        procs.append(proc)
-        _wait_ready(reader, proc, "detokenizer")
+        _wait_ready(det_reader, detokenizer, "detokenizer")
+        tokenizer = pending.result() if pending is not None else None
     except BaseException:
         EngineProcesses(procs, ipc_dir).shutdown()
         raise
-    tokenizer = get_tokenizer(tokenizer_path, server_args.trust_remote_code) if tokenizer_path else None
+    finally:
+        loader.shutdown(wait=False)
     if tokenizer is not None and server_args.chat_template is not None:
         with open(server_args.chat_template, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()  # used by /v1/chat/completions

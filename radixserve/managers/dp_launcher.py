@@ -76,6 +76,13 @@ def replica_dist_addrs(server_args: ServerArgs) -> list[str]:
     return [f"127.0.0.1:{free_port()}" for _ in range(server_args.dp_size)]
 
 
+def require_head_node(server_args: ServerArgs) -> None:
+    """An Engine or HTTP server runs on node 0; other nodes run only their scheduler ranks."""
+    if server_args.node_rank != 0:
+        raise ValueError("a node with --node-rank > 0 runs only its scheduler ranks: start it with "
+                         "`python -m radixserve.launch_server --node-rank K ...`, not as an Engine")
+
+
 def launch_parallel_schedulers(server_args: ServerArgs, port_args: dict[str, str], ctx: Any,
                                procs: list[mp.Process], serving: bool = True) -> list[io.SchedulerInfo]:
     """Start this node's scheduler ranks of every DP replica (and, on node 0 with --dp-size > 1, the controller),
@@ -83,9 +90,8 @@ def launch_parallel_schedulers(server_args: ServerArgs, port_args: dict[str, str
     of each replica's rank 0 on node 0, else of each local rank. `serving=False` on nodes other than 0."""
     from radixserve.managers.scheduler import run_scheduler_process
 
-    if serving and server_args.node_rank != 0:
-        raise ValueError("a node with --node-rank > 0 runs only its scheduler ranks: start it with "
-                         "`python -m radixserve.launch_server --node-rank K ...`, not as an Engine")
+    if serving:
+        require_head_node(server_args)
     tp, dp, nnodes = server_args.tp_size, server_args.dp_size, server_args.nnodes
     per_node = tp // nnodes
     first = server_args.node_rank * per_node
