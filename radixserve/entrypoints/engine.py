@@ -1,8 +1,8 @@
 """The offline Engine and the process launcher shared with the HTTP server.
 
-launch_subprocesses() starts the scheduler (one per TP rank) and the detokenizer, waits until they are ready, and
-returns a TokenizerManager living in this process. The Engine wraps that manager with a private asyncio loop so
-that plain Python code can call generate()."""
+launch_subprocesses() starts the detokenizer and the scheduler (one per TP rank) together, loads this process's
+tokenizer meanwhile, waits until they are ready, and returns a TokenizerManager living in this process. The Engine
+wraps that manager with a private asyncio loop so that plain Python code can call generate()."""
 
 from __future__ import annotations
 
