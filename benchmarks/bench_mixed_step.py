@@ -75,7 +75,7 @@ class MixedStepBench:
             return self.host_ms
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)  # ~20-30 ms of device time, longer than the host's preparation
+        torch.cuda._sleep(50_000_000)  # ~20-30 ms of GPU time, longer than the host's preparation
         start.record()
         t0 = time.perf_counter()
         result = run_model_worker_batch(self.runner, batch.get_model_worker_batch())

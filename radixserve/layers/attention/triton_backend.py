@@ -270,7 +270,7 @@ class TritonAttnBackend(AttentionBackend):
         rows = q3.shape[0] - meta.tail_decodes  # the extend requests' rows come first
         tensors = (q3[:rows], k3[:rows], v3[:rows], o[:rows], q3[rows:], o[rows:], k_buf, v_buf)
         # what decides the launches besides those tensors' addresses: a layer that matches an earlier layer of this
-        # batch replays its launches (the host work of a layer's attention is several times its device time for a
+        # batch replays its launches (the host work of a layer's attention is several times its GPU time for a
         # small batch, and eager attention runs between the pieces of a piecewise graph)
         key = (q3.shape, q3.stride(), k3.shape, k3.stride(), v3.stride(), q.dtype, k_buf.dtype, k_buf.stride(),
                v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer))
