@@ -1,5 +1,5 @@
-"""What a prefill chunk costs the requests that decode meanwhile: a chunk step then a decode step (the step token
-budget's alternation) against one MIXED step that carries both.
+"""What a prefill chunk costs the requests that decode meanwhile: a chunk step then a decode step (an unmixed
+chunk's schedule) against one MIXED step that carries both (the step token budget's).
 
     python benchmarks/bench_mixed_step.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
         --decodes 16 32 48 --context 1024 --chunk 256 --result-file mixed_step.json
@@ -9,8 +9,9 @@ N requests are prefilled to `--context` tokens and decode; then, for each chunk,
 alone), `chunk` (the prompt alone), `mixed` (the prompt's first chunk - N tokens with the N decodes riding along:
 the same token count as the chunk, a budget shared by both) and `mixed_full` (the whole chunk plus the N decodes).
 Times are the device's: a long sleep kernel queued before each step keeps the host's preparation off the clock
-(the overlap loop of the server hides it too; on the CPU: wall time). Medians over `--trials`, in ms, printed and
-written to JSON; with `--profile` also the top kernels of each kind of step."""
+(the overlap loop of the server hides it too; on the CPU: wall time); the host's time to launch each step is
+reported beside it. Medians over `--trials`, in ms, printed and written to JSON; with `--profile` also the top
+kernels of each kind of step, with `--cprofile` where the host's launch of a mixed step spends its time."""
 
 from __future__ import annotations
 
