@@ -84,14 +84,12 @@ def require_head_node(server_args: ServerArgs) -> None:
 
 
 def launch_parallel_schedulers(server_args: ServerArgs, port_args: dict[str, str], ctx: Any,
-                               procs: list[mp.Process], serving: bool = True) -> list[io.SchedulerInfo]:
+                               procs: list[mp.Process]) -> list[io.SchedulerInfo]:
     """Start this node's scheduler ranks of every DP replica (and, on node 0 with --dp-size > 1, the controller),
     appending each process to `procs` as soon as it starts; return when all are ready. Returns the SchedulerInfo
-    of each replica's rank 0 on node 0, else of each local rank. `serving=False` on nodes other than 0."""
+    of each replica's rank 0 on node 0, else of each local rank (an Engine checks `require_head_node` first)."""
     from radixserve.managers.scheduler import run_scheduler_process
 
-    if serving:
-        require_head_node(server_args)
     tp, dp, nnodes = server_args.tp_size, server_args.dp_size, server_args.nnodes
     per_node = tp // nnodes
     first = server_args.node_rank * per_node
@@ -170,7 +168,7 @@ def run_worker_node(server_args: ServerArgs) -> int:
     signal.signal(signal.SIGINT, on_signal)
     code = 0
     try:
-        launch_parallel_schedulers(server_args, {}, ctx, procs, serving=False)
+        launch_parallel_schedulers(server_args, {}, ctx, procs)
         started.append(True)
         logger.info("node %d of %d: %d rank(s) running; stop with SIGTERM", server_args.node_rank,
                     server_args.nnodes, len(procs))
