@@ -309,6 +309,25 @@ def test_batch_stats_are_logged(tiny_path, caplog) -> None:
         ServerArgs(model_path=tiny_path, decode_log_interval=0)
 
 
+def test_mixed_batch_stats_count_only_the_prefill(tiny_path, caplog) -> None:
+    """A MIXED step's line counts its prefill requests' new and cached tokens; the decodes riding along are their
+    own count, not new sequences with their whole context as cached tokens."""
+    import logging
+
+    s = make_scheduler(tiny_path, enable_mixed_chunk=True)
+    for i in range(2):
+        submit(s, f"d{i}", [5 + i, 6, 7, 8, 9, 10], 20)
+    s.step()
+    s.step()  # both decode now
+    submit(s, "late", [11, 12, 13], 4)
+    with caplog.at_level(logging.INFO, logger="radixserve.managers.scheduler"):
+        s.step()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch")]
+    assert len(lines) == 1, lines
+    assert "#new-seq 1, #new-token 3, #cached-token 0," in lines[0] and lines[0].endswith("#mixed-decode 2")
+    drain(s)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_warmup_leaves_no_trace(tiny_path, reference, overlap, page_size) -> None:

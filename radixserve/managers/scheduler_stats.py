@@ -36,11 +36,13 @@ class SchedulerStatsMixin:
         if batch.forward_mode.is_extend():
             used = pool.size - pool.available_size()
             running = len(self.running_batch.reqs) if self.running_batch is not None else 0
-            new_tokens = sum(r.extend_input_len for r in batch.reqs)
-            cached = sum(len(r.prefix_indices) for r in batch.reqs)
+            prefill = batch.reqs[:batch.n_prefill]  # a MIXED batch's decodes follow its prefill requests
+            new_tokens = sum(r.extend_input_len for r in prefill)
+            cached = sum(len(r.prefix_indices) for r in prefill)
+            mixed = f", #mixed-decode {len(batch.reqs) - len(prefill)}" if batch.forward_mode.is_mixed() else ""
             logger.info("Prefill batch: #new-seq %d, #new-token %d, #cached-token %d, token usage %.2f, "
-                        "#running-req %d, #queue-req %d", len(batch.reqs), new_tokens, cached, used / pool.size,
-                        running, len(self.waiting_queue))
+                        "#running-req %d, #queue-req %d%s", len(prefill), new_tokens, cached, used / pool.size,
+                        running, len(self.waiting_queue), mixed)
             return
         self._log_decode_steps += 1
         self._log_decode_tokens += len(batch.reqs)
