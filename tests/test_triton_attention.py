@@ -329,10 +329,11 @@ def test_bad_input_raises_value_error() -> None:
 @pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.float8_e4m3fn, torch.float32),
                                              (torch.float8_e4m3fn, torch.bfloat16)],
                          ids=["fp32", "fp8_e4m3", "fp8_e4m3-bf16q"])
-def test_decode_grid_orders_match_reference(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> None:
-    """Stage 1 with the requests or the heads as its grid's first axis gives the same attention as a dense
-    reference, over several splits, GQA 4 and a scaled fp8 pool (a bfloat16 query takes fp16 products on a GPU)."""
-    h, hkv, d, seq_lens = 8, 2, 32, [1, 17, 70, 129]
+def test_decode_grid_orders_and_one_split_match_reference(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> None:
+    """Stage 1 with the requests or the heads as its grid's first axis, over four splits or one (stage 1 then
+    writes the output itself), gives the same attention as a dense reference, with GQA 4 and a scaled fp8 pool (a
+    bfloat16 query takes fp16 products on a GPU); an empty request's output is zeros either way."""
+    h, hkv, d, seq_lens = 8, 2, 32, [1, 17, 70, 129, 0]
     k_scale, v_scale = (0.5, 2.0) if kv_dtype != torch.float32 else (1.0, 1.0)
     gen = torch.Generator().manual_seed(11)
     total = sum(seq_lens)
@@ -341,7 +342,7 @@ def test_decode_grid_orders_match_reference(kv_dtype: torch.dtype, q_dtype: torc
     k_buf = (k_true / k_scale).to(kv_dtype).to(DEVICE)
     v_buf = (v_true / v_scale).to(kv_dtype).to(DEVICE)
     perm = torch.randperm(total, generator=gen)  # the slots scattered over the pool
-    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
+    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)  # the last request is empty
     start = 0
     for i, n in enumerate(seq_lens):
         r2t[i, :n] = perm[start:start + n].to(torch.int32)
@@ -350,17 +351,17 @@ def test_decode_grid_orders_match_reference(kv_dtype: torch.dtype, q_dtype: torc
     shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, 4)
     q = q.to(q_dtype)
     outs = []
-    for heads_first in (False, True):
-        o = torch.empty(len(seq_lens), h, d, device=DEVICE, dtype=q_dtype)
+    for heads_first, splits in ((False, 4), (True, 4), (True, 1), (False, 1)):  # one split: no stage 2
+        o = torch.full((len(seq_lens), h, d), float("nan"), device=DEVICE, dtype=q_dtype)
         decode_attention.decode_attention_fwd(
             q.to(DEVICE), k_buf, v_buf, o, r2t.to(DEVICE), torch.arange(len(seq_lens), device=DEVICE),
             torch.tensor(seq_lens, device=DEVICE), torch.empty(shape_o, device=DEVICE),
-            torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=16, block_n=16, num_kv_splits=4,
+            torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=16, block_n=16, num_kv_splits=splits,
             k_scale=k_scale, v_scale=v_scale, heads_first=heads_first)
         outs.append(o.cpu().float())
     kd = k_buf.cpu().float() * k_scale
     vd = v_buf.cpu().float() * v_scale
-    for i, n in enumerate(seq_lens):
+    for i, n in enumerate(seq_lens[:-1]):
         slots = r2t[i, :n].long()
         keys = kd[slots].repeat_interleave(h // hkv, dim=1)  # [n, h, d]
         vals = vd[slots].repeat_interleave(h // hkv, dim=1)
@@ -369,3 +370,5 @@ def test_decode_grid_orders_match_reference(kv_dtype: torch.dtype, q_dtype: torc
         tol = {"rtol": 2e-4, "atol": 2e-4} if q_dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         for out in outs:
             torch.testing.assert_close(out[i], ref, **tol)
+    for out in outs:
+        assert torch.equal(out[-1], torch.zeros(h, d))  # the empty request's output is zeros

@@ -3,7 +3,8 @@
 Stage 1 launches one program per (block of query heads that share a KV head, request, KV split). Each program walks
 its chunk of the request's KV slots, keeps an online softmax, and writes a partial output (already divided by its
 own softmax sum) plus the base-2 log-sum-exp of its scores. Stage 2 launches one program per (request, query head)
-and merges the partials of the non-empty splits.
+and merges the partials of the non-empty splits. When the batch is large enough that each request gets one split
+(`kv_split_cap` gives 1), stage 1 writes the output itself and stage 2 is not launched.
 
 An fp8 pool (k / k_scale, v / v_scale) costs nothing extra: k's scale is folded into the score scale, v's into the
 partial output; its tiles are widened to fp16 (one conversion instruction per two values, where bf16 needs a second
@@ -47,7 +48,7 @@ from radixserve.layers.triton_ops.pdl import pdl_prologue
 # otherwise compile its own variant the first time some batch size produced it, in the middle of serving).
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
 def _decode_stage1_kernel(
-    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE,
+    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out,
     sm_scale_log2, v_scale, num_kv_splits, min_split_len, window,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
@@ -55,6 +56,7 @@ def _decode_stage1_kernel(
     stride_r2t,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
+    stride_ob, stride_oh,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -68,6 +70,7 @@ def _decode_stage1_kernel(
     SLIDING: tl.constexpr = False,
     PDL: tl.constexpr = 0,
     HEADS_FIRST: tl.constexpr = False,
+    DIRECT: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     if HEADS_FIRST:  # the grid's fastest axis is the head: one token's heads are read by programs running together
@@ -134,8 +137,16 @@ def _decode_stage1_kernel(
                 acc = acc * alpha[:, None] + tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
             m_i = m_new
 
-        store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
-                             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+        if DIRECT:  # one split: the program's result is the output, with no partials to merge
+            out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None])
+            tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
+                                 stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+    elif DIRECT:  # an empty request (seq_len 0) attends to nothing: zeros, as stage 2 writes them
+        tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window", "dense_len", "top_k"])
@@ -346,8 +357,9 @@ def decode_attention_fwd(
 
     grid1 = (num_kv_heads * head_blocks, bs, num_kv_splits) if heads_first else (bs, num_kv_heads * head_blocks,
                                                                                    num_kv_splits)
+    direct = num_kv_splits == 1  # stage 1 writes the output itself; no stage 2
     launch(_decode_stage1_kernel, grid1,
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
         sm_scale * k_scale * LOG2E, v_scale, num_kv_splits, min_split_len, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -355,13 +367,16 @@ def decode_attention_fwd(
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
         KV_F16=use_dot and not dot_fp32 and fp8_pool, WIDEN_EARLY=FP8_WIDEN_EARLY and use_dot and not dot_fp32
         and fp8_pool,
-        SLIDING=window > 0, HEADS_FIRST=heads_first,
+        SLIDING=window > 0, HEADS_FIRST=heads_first, DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_opts(q),
     )
+    if direct:
+        return
     grid2 = (bs, num_heads)
     launch(_decode_stage2_kernel, grid2,
         mid_o, mid_lse, o, seq_lens,
