@@ -169,17 +169,21 @@ def test_mixed_batch_decodes_its_one_token_tail(prefix_lens: list[int], extend_l
     (ForwardMode.MIXED, [0, 40, 7, 90, 33], [20, 9, 1, 1, 1]),  # two prompts, three decodes riding along
     (ForwardMode.EXTEND, [3, 0], [17, 40]),
 ])
+@pytest.mark.parametrize("one_split", [False, True], ids=["splits", "one-split"])
 def test_later_layers_replay_the_first_layers_launches(mode: ForwardMode, prefix_lens: list[int],
-                                                      extend_lens: list[int]) -> None:
+                                                      extend_lens: list[int], one_split: bool) -> None:
     """The layers of one batch after the first replay its recorded launches with their own q/k/v, output and KV
     buffers (TritonForwardMetadata.plans); each must still equal the reference for its own layer, and a layer with
-    another attention parameter (here a sliding window) records a plan of its own."""
+    another attention parameter (here a sliding window) records a plan of its own. With one split a request the
+    riding decodes' stage 1 writes the output itself, which the replay must point at each layer's own output."""
     h, hkv, d = 8, 2, 32
     gen = torch.Generator().manual_seed(11)
     runner = make_runner(h, hkv, d, torch.float32)
     backend = TritonAttnBackend(runner)
     for name, value in SMALL_SPLITS.items():
         setattr(backend, name, value)
+    if one_split:
+        backend.num_sms, backend.programs_per_sm = 1, 1
     pool = runner.token_to_kv_pool
 
     def fill(slots: torch.Tensor) -> None:
@@ -203,6 +207,8 @@ def test_later_layers_replay_the_first_layers_launches(mode: ForwardMode, prefix
         out = backend.forward(q, k, v, layer, fb)
         torch.testing.assert_close(out, ref_backend.forward(q, k, v, layer, fb), **tol(torch.float32))
     assert len(backend.forward_metadata.plans) == 2  # the first two layers share one, the windowed has its own
+    if mode == ForwardMode.MIXED:  # its decodes' split count
+        assert (backend.forward_metadata.num_kv_splits == 1) == one_split
 
 
 def test_extend_skips_empty_requests() -> None:
