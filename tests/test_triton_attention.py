@@ -378,3 +378,34 @@ def test_decode_grid_orders_and_one_split_match_reference(kv_dtype: torch.dtype,
             torch.testing.assert_close(out[i], ref, **tol)
     for out in outs:
         assert torch.equal(out[-1], torch.zeros(h, d))  # the empty request's output is zeros
+
+
+def test_decode_one_split_under_a_sliding_window() -> None:
+    """With one split a request (stage 1 writing the output) a sliding window still attends over the last W
+    positions only, as with several splits."""
+    h, hkv, d, seq_lens, window = 4, 2, 32, [5, 20, 47, 90], 24
+    gen = torch.Generator().manual_seed(5)
+    total = sum(seq_lens)
+    k_buf = torch.randn(total, hkv, d, generator=gen)
+    v_buf = torch.randn(total, hkv, d, generator=gen)
+    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    start = 0
+    for i, n in enumerate(seq_lens):
+        r2t[i, :n] = perm[start:start + n]
+        start += n
+    q = torch.randn(len(seq_lens), h, d, generator=gen)
+    shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, 4)
+    for splits in (1, 4):
+        o = torch.full((len(seq_lens), h, d), float("nan"), device=DEVICE)
+        decode_attention.decode_attention_fwd(
+            q.to(DEVICE), k_buf.to(DEVICE), v_buf.to(DEVICE), o, r2t.to(DEVICE),
+            torch.arange(len(seq_lens), device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
+            torch.empty(shape_o, device=DEVICE), torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=16,
+            block_n=16, num_kv_splits=splits, sliding_window=window)
+        for i, n in enumerate(seq_lens):
+            slots = r2t[i, max(0, n - window):n].long()
+            keys = k_buf[slots].repeat_interleave(h // hkv, dim=1)
+            vals = v_buf[slots].repeat_interleave(h // hkv, dim=1)
+            w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], keys) * d ** -0.5, dim=-1)
+            torch.testing.assert_close(o[i].cpu(), torch.einsum("hn,nhd->hd", w, vals), rtol=2e-4, atol=2e-4)
