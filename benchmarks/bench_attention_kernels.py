@@ -80,10 +80,12 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
             caps = sorted({kv_split_cap(bs, h, hkv, sms, m, pps) for m in parse_ints(args.max_kv_splits)
                            for pps in parse_ints(args.programs_per_sm)})
             tiles = [{}]
-            if args.block_n or args.num_stages or args.num_warps or args.heads_first:
-                tiles = [{"block_n": bn, "num_stages": st, "num_warps": nw, "heads_first": bool(hf)}
+            if args.block_n or args.num_stages or args.num_warps or args.heads_first or args.fp8_v_pairs:
+                tiles = [{"block_n": bn, "num_stages": st, "num_warps": nw, "heads_first": bool(hf),
+                          "fp8_v_pairs": bool(vp)}
                          for bn in parse_ints(args.block_n or "64") for st in parse_ints(args.num_stages or "2")
-                         for nw in parse_ints(args.num_warps or "4") for hf in parse_ints(args.heads_first or "0")]
+                         for nw in parse_ints(args.num_warps or "4") for hf in parse_ints(args.heads_first or "1")
+                         for vp in parse_ints(args.fp8_v_pairs or "0")]
             for cap, tile in ((c, t) for c in caps for t in tiles):
                 shape_o, shape_lse = decode_partial_shapes(bs, h, d, cap)
                 mid_o = torch.empty(shape_o, device="cuda", dtype=torch.float32)
@@ -174,6 +176,8 @@ def main() -> None:
     p.add_argument("--num-stages", default="", help="decode: comma-separated pipeline depths to compare")
     p.add_argument("--num-warps", default="", help="decode: comma-separated warps per program to compare")
     p.add_argument("--heads-first", default="", help="decode: '0,1' compares the two grid orders of stage 1")
+    p.add_argument("--fp8-v-pairs", default="", help="decode over an fp8 pool: '0,1' compares V's tile read byte-wise "
+                   "and as words widened in token pairs")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--skip-extend", action="store_true")
     args = p.parse_args()

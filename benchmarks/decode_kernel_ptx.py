@@ -3,9 +3,11 @@ compiler (its bundled LLVM and ptxas), and the PTX instructions of each configur
 
 Static counts are not timings, but they show where a variant's instructions go before any GPU time is spent on it:
 e.g. an fp8 pool's V tile reaches the tensor cores through one-byte shared-memory loads (`ld.shared.b8`: there is
-no transposing matrix load for 8-bit types on sm_90), where a bf16 tile takes `ldmatrix ... .trans`.
+no transposing matrix load for 8-bit types on sm_90), where a bf16 tile takes `ldmatrix ... .trans`; with
+`--fp8-v-pairs 1` V is read as words and widened in token pairs, without them.
 
-    python benchmarks/decode_kernel_ptx.py --kv-dtype bf16 fp8e4nv --block-n 64 128 --num-stages 2 3 --out ptx.json
+    python benchmarks/decode_kernel_ptx.py --kv-dtype bf16 fp8e4nv --block-n 64 128 --num-stages 2 3 \
+        --fp8-v-pairs 0 1 --out ptx.json
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ KEY_OPS = ("ld.shared.b8", "ld.shared", "ldmatrix", "cp.async", "ld.global", "cv
 
 
 def compile_stage1(kv_dtype: str, block_n: int, num_stages: int, num_warps: int = 4, group: int = 4,
-                   head_dim: int = 128, arch: int = 90) -> Any:
+                   head_dim: int = 128, arch: int = 90, v_pairs: bool = False) -> Any:
     """Compile `_decode_stage1_kernel` for `arch` as the serving path launches it: GQA `group`, tensor-core
-    products, a bf16 query, 16-byte aligned pointers and strides divisible by 16 (what Triton sees at run time)."""
+    products, a bf16 query, 16-byte aligned pointers and strides divisible by 16 (what Triton sees at run time);
+    `v_pairs` reads an fp8 pool's V as words widened in token pairs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -41,7 +44,8 @@ def compile_stage1(kv_dtype: str, block_n: int, num_stages: int, num_warps: int 
     fp8 = kv_dtype.startswith("fp8")
     const = dict(GROUP=group, HEAD_BLOCKS=1, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                  BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, USE_DOT=True, DOT_FP32=False,
-                 KV_F16=fp8, WIDEN_EARLY=False, SLIDING=False, PDL=0, HEADS_FIRST=True, DIRECT=True)
+                 KV_F16=fp8, V_PAIRS=(1 if kv_dtype == "fp8e4nv" else 2) if v_pairs and fp8 else 0,
+                 SLIDING=False, PDL=0, HEADS_FIRST=True, DIRECT=True)
     signature = {**pointers, **scalars, **{s: "i32" for s in strides}, **{k: "constexpr" for k in const}}
     names = list(signature)
     aligned = [names.index(n) for n in (*pointers, *strides)]
@@ -77,18 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-n", nargs="+", type=int, default=[64, 128])
     p.add_argument("--num-stages", nargs="+", type=int, default=[2, 3])
     p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--fp8-v-pairs", nargs="+", type=int, default=[0], help="0 and/or 1: V's fp8 tile as words")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 of the target")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
     rows = []
-    for kv in args.kv_dtype:
-        for bn in args.block_n:
-            for st in args.num_stages:
-                compiled = compile_stage1(kv, bn, st, args.num_warps, arch=args.arch)
-                row = {"kv_dtype": kv, "block_n": bn, "num_stages": st, "num_warps": args.num_warps,
-                       "arch": args.arch, **summarize(count_ptx(compiled.asm["ptx"]))}
-                rows.append(row)
-    cols = ["kv_dtype", "block_n", "num_stages", *KEY_OPS, "instructions"]
+    configs = [(kv, bn, st, vp) for kv in args.kv_dtype for bn in args.block_n for st in args.num_stages
+               for vp in args.fp8_v_pairs if not (vp and not kv.startswith("fp8"))]
+    for kv, bn, st, vp in configs:
+        compiled = compile_stage1(kv, bn, st, args.num_warps, arch=args.arch, v_pairs=bool(vp))
+        rows.append({"kv_dtype": kv, "block_n": bn, "num_stages": st, "v_pairs": vp, "num_warps": args.num_warps,
+                     "arch": args.arch, **summarize(count_ptx(compiled.asm["ptx"]))})
+    cols = ["kv_dtype", "block_n", "num_stages", "v_pairs", *KEY_OPS, "instructions"]
     print("  ".join(f"{c:>{max(len(c), 8)}}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]!s:>{max(len(c), 8)}}" for c in cols))

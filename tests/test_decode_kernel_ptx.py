@@ -15,20 +15,24 @@ pytest.importorskip("triton")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def test_counts_show_the_fp8_pool_s_byte_loads(tmp_path) -> None:
+def test_counts_show_the_fp8_pool_s_byte_loads_and_the_word_path_without_them(tmp_path) -> None:
     out = tmp_path / "ptx.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_kernel_ptx.py"), "--kv-dtype",
-                           "bf16", "fp8e4nv", "--block-n", "64", "--num-stages", "2", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "decode_kernel_ptx.py"), "--kv-dtype", "bf16", "fp8e4nv",
+           "--block-n", "64", "--num-stages", "2", "--fp8-v-pairs", "0", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["kv_dtype"]: r for r in json.loads(out.read_text())["rows"]}
-    bf16, fp8 = rows["bf16"], rows["fp8e4nv"]
+    rows = {(r["kv_dtype"], r["v_pairs"]): r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [("bf16", 0), ("fp8e4nv", 0), ("fp8e4nv", 1)]
+    bf16, fp8, pairs = rows["bf16", 0], rows["fp8e4nv", 0], rows["fp8e4nv", 1]
     # both reach the tensor cores: two products of a 16-row query block over 64 tokens x 128 dims, 4 warps
     assert bf16["mma.sync"] == fp8["mma.sync"] > 0
     # bf16 tiles go through (transposing) matrix loads; the fp8 pool's V tile byte by byte, then widened
     assert bf16["ldmatrix"] > 0 and bf16["ld.shared.b8"] == 0 and bf16["cvt.rn.f16x2.e4m3x2"] == 0
     assert fp8["ld.shared.b8"] > 0 and fp8["cvt.rn.f16x2.e4m3x2"] > 0
     assert fp8["instructions"] > bf16["instructions"]
+    # V as words widened in token pairs: no byte loads, the same products and widenings, fewer instructions
+    assert pairs["ld.shared.b8"] == 0 and pairs["mma.sync"] == fp8["mma.sync"]
+    assert pairs["cvt.rn.f16x2.e4m3x2"] == fp8["cvt.rn.f16x2.e4m3x2"] and pairs["instructions"] < fp8["instructions"]
     assert "ld.shared.b8" in proc.stdout  # the table

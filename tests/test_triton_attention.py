@@ -409,3 +409,41 @@ def test_decode_one_split_under_a_sliding_window() -> None:
             vals = v_buf[slots].repeat_interleave(h // hkv, dim=1)
             w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], keys) * d ** -0.5, dim=-1)
             torch.testing.assert_close(o[i].cpu(), torch.einsum("hn,nhd->hd", w, vals), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32q", "bf16q"])
+def test_decode_fp8_v_pairs_match_reference(kv_dtype: torch.dtype, splits: int, q_dtype: torch.dtype) -> None:
+    """An fp8 pool's V read as 32-bit words and widened in (even, odd) token pairs gives the attention of the dense
+    reference, with odd lengths (an even token without its odd partner), GQA 4, one split or several, scales. On a
+    GPU a bfloat16 query takes the fp16 products and the PTX widening; the interpreter and float32 queries widen
+    byte by byte."""
+    h, hkv, d, seq_lens, k_scale, v_scale = 8, 2, 64, [1, 2, 33, 70, 95], 0.5, 2.0
+    gen = torch.Generator().manual_seed(21)
+    total = sum(seq_lens)
+    k_buf = (torch.randn(total, hkv, d, generator=gen) / k_scale).to(kv_dtype).to(DEVICE)
+    v_buf = (torch.randn(total, hkv, d, generator=gen) / v_scale).to(kv_dtype).to(DEVICE)
+    assert decode_attention.v_pairs_fit(v_buf, 32)
+    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    start = 0
+    for i, n in enumerate(seq_lens):
+        r2t[i, :n] = perm[start:start + n]
+        start += n
+    q = torch.randn(len(seq_lens), h, d, generator=gen).to(q_dtype)
+    shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, splits)
+    o = torch.full((len(seq_lens), h, d), float("nan"), device=DEVICE, dtype=q_dtype)
+    decode_attention.decode_attention_fwd(
+        q.to(DEVICE), k_buf, v_buf, o, r2t.to(DEVICE), torch.arange(len(seq_lens), device=DEVICE),
+        torch.tensor(seq_lens, device=DEVICE), torch.empty(shape_o, device=DEVICE),
+        torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=32, block_n=32, num_kv_splits=splits,
+        k_scale=k_scale, v_scale=v_scale, fp8_v_pairs=True)
+    kd, vd = k_buf.cpu().float() * k_scale, v_buf.cpu().float() * v_scale
+    for i, n in enumerate(seq_lens):
+        slots = r2t[i, :n].long()
+        keys = kd[slots].repeat_interleave(h // hkv, dim=1)
+        vals = vd[slots].repeat_interleave(h // hkv, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), keys) * d ** -0.5, dim=-1)
+        tol = 2e-4 if q_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(o[i].cpu().float(), torch.einsum("hn,nhd->hd", w, vals), rtol=tol, atol=tol)

@@ -9,7 +9,9 @@ and merges the partials of the non-empty splits. When the batch is large enough 
 An fp8 pool (k / k_scale, v / v_scale) costs nothing extra: k's scale is folded into the score scale, v's into the
 partial output; its tiles are widened to fp16 (one conversion instruction per two values, where bf16 needs a second
 one), and q and the softmax weights go to fp16 for those products (more mantissa than bf16; |q| and k / k_scale are
-far inside fp16's range).
+far inside fp16's range). Its V tile reaches the tensor cores through one-byte shared-memory loads (the product sums
+over tokens and sm_90 has no transposing matrix load for 8-bit types); `fp8_v_pairs` reads V as 32-bit words
+instead and widens (even, odd) token pairs in registers (`_fp8_pairs`), off by default.
 
 The grid depends only on the batch size (its split axis is `num_kv_splits`, which the caller picks from the batch
 size alone), so both launches can be captured in a CUDA graph. How many splits a request really uses is decided
@@ -44,6 +46,66 @@ from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
+@triton.jit
+def _fp8_pairs(we, wo, FMT: tl.constexpr, PORTABLE: tl.constexpr):
+    """Two tiles of 32-bit words of an fp8 pool, four head dims each (`we` of even tokens, `wo` of the odd ones
+    after them), widened to eight tiles: (even, odd) of dims 4w, 4w+1, 4w+2, 4w+3. FMT 1: e4m3, 2: e5m2. On the GPU
+    one `prmt` pairs an even and an odd token's bytes of two dims, and one `cvt` widens each pair: the tiles reach
+    the products without the one-byte shared-memory loads a transposed fp8 tile takes. PORTABLE (the interpreter,
+    float32 products) widens byte by byte."""
+    if PORTABLE:
+        fp8: tl.constexpr = tl.float8e4nv if FMT == 1 else tl.float8e5
+        e0 = (we & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        o0 = (wo & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        e1 = ((we >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        o1 = ((wo >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        e2 = ((we >> 16) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        o2 = ((wo >> 16) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        e3 = ((we >> 24) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        o3 = ((wo >> 24) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+    else:
+        # a = [e0, o0, e1, o1] and b = [e2, o2, e3, o3] (bytes); each half of a and b widens to an fp16 pair
+        if FMT == 1:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 a, b;
+                .reg .b16 a0, a1, b0, b1;
+                prmt.b32 a, $4, $5, 0x5140;
+                prmt.b32 b, $4, $5, 0x7362;
+                mov.b32 {a0, a1}, a;
+                mov.b32 {b0, b1}, b;
+                cvt.rn.f16x2.e4m3x2 $0, a0;
+                cvt.rn.f16x2.e4m3x2 $1, a1;
+                cvt.rn.f16x2.e4m3x2 $2, b0;
+                cvt.rn.f16x2.e4m3x2 $3, b1;
+                }""", "=r,=r,=r,=r,r,r", [we, wo], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                pack=1)
+        else:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 a, b;
+                .reg .b16 a0, a1, b0, b1;
+                prmt.b32 a, $4, $5, 0x5140;
+                prmt.b32 b, $4, $5, 0x7362;
+                mov.b32 {a0, a1}, a;
+                mov.b32 {b0, b1}, b;
+                cvt.rn.f16x2.e5m2x2 $0, a0;
+                cvt.rn.f16x2.e5m2x2 $1, a1;
+                cvt.rn.f16x2.e5m2x2 $2, b0;
+                cvt.rn.f16x2.e5m2x2 $3, b1;
+                }""", "=r,=r,=r,=r,r,r", [we, wo], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                pack=1)
+        e0 = (x0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        o0 = (x0 >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        e1 = (x1 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        o1 = (x1 >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        e2 = (x2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        o2 = (x2 >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        e3 = (x3 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        o3 = (x3 >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return e0, o0, e1, o1, e2, o2, e3, o3
+
+
 # The split count and length are plain runtime values (not specialised: a value of 1 or a multiple of 16 would
 # otherwise compile its own variant the first time some batch size produced it, in the middle of serving).
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
@@ -66,7 +128,7 @@ def _decode_stage1_kernel(
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_F16: tl.constexpr,
-    WIDEN_EARLY: tl.constexpr = False,
+    V_PAIRS: tl.constexpr = 0,
     SLIDING: tl.constexpr = False,
     PDL: tl.constexpr = 0,
     HEADS_FIRST: tl.constexpr = False,
@@ -108,6 +170,15 @@ def _decode_stage1_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        if V_PAIRS:  # an fp8 pool's V as words of four dims, one accumulator per dim modulo 4 (_fp8_pairs)
+            acc0 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+            acc1 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+            acc3 = tl.zeros([BLOCK_H, BLOCK_D // 4], dtype=tl.float32)
+            offs_w = tl.arange(0, BLOCK_D // 4)
+            mask_w = offs_w < HEAD_DIM // 4
+            offs_pair = tl.arange(0, BLOCK_N // 2)
+            v_words = V_Buf.to(tl.pointer_type(tl.int32), bitcast=True)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -115,8 +186,6 @@ def _decode_stage1_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                         mask=mask_kv, other=0.0)
-            if WIDEN_EARLY:  # fp8 tile widened as loaded, before the transpose (comparisons)
-                k = k.to(tl.float16)
             if USE_DOT:
                 qk = mma(q, tl.trans(k), DOT_FP32)
             else:  # BLOCK_H == 1: q [1, D] against k [N, D], all in 2-D
@@ -127,15 +196,32 @@ def _decode_stage1_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_kv, other=0.0)
-            if WIDEN_EARLY:
-                v = v.to(tl.float16)
-            if USE_DOT:
+            if V_PAIRS:
+                even = n0 + 2 * offs_pair
+                loc_e = tl.load(Req_to_token + row * stride_r2t + even, mask=even < end, other=0).to(tl.int64)
+                loc_o = tl.load(Req_to_token + row * stride_r2t + even + 1, mask=even + 1 < end, other=0).to(tl.int64)
+                w_ptrs = v_words + kv_head * (stride_vh // 4) + offs_w[None, :]
+                we = tl.load(w_ptrs + loc_e[:, None] * (stride_vt // 4), mask=(even < end)[:, None] & mask_w[None, :],
+                             other=0)
+                wo = tl.load(w_ptrs + loc_o[:, None] * (stride_vt // 4),
+                             mask=(even + 1 < end)[:, None] & mask_w[None, :], other=0)
+                e0, o0, e1, o1, e2, o2, e3, o3 = _fp8_pairs(we, wo, V_PAIRS, DOT_FP32)
+                pe, po = tl.split(tl.reshape(p.to(q.dtype), [BLOCK_H, BLOCK_N // 2, 2]))
+                acc0 = acc0 * alpha[:, None] + mma(pe, e0, DOT_FP32) + mma(po, o0, DOT_FP32)
+                acc1 = acc1 * alpha[:, None] + mma(pe, e1, DOT_FP32) + mma(po, o1, DOT_FP32)
+                acc2 = acc2 * alpha[:, None] + mma(pe, e2, DOT_FP32) + mma(po, o2, DOT_FP32)
+                acc3 = acc3 * alpha[:, None] + mma(pe, e3, DOT_FP32) + mma(po, o3, DOT_FP32)
+            elif USE_DOT:
+                v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                            mask=mask_kv, other=0.0)
                 acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, DOT_FP32)
             else:
+                v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                            mask=mask_kv, other=0.0)
                 acc = acc * alpha[:, None] + tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
             m_i = m_new
+        if V_PAIRS:  # dim 4w + i from acc_i[:, w]
+            acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_H, BLOCK_D])
 
         if DIRECT:  # one split: the program's result is the output, with no partials to merge
             out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None])
@@ -204,8 +290,11 @@ def _decode_stage2_kernel(
 # 2.2-2.5 TB/s against 1.6-1.8 with bf16's 64 and 2 (docs/perf-log.md).
 FP8_BLOCK_N = int(os.environ.get("RADIXSERVE_DECODE_FP8_BLOCK_N", "128"))
 FP8_NUM_STAGES = int(os.environ.get("RADIXSERVE_DECODE_FP8_STAGES", "3"))
-# 1: widen each fp8 tile to fp16 as it is loaded, before the transpose for the MMA (an experiment; off)
-FP8_WIDEN_EARLY = os.environ.get("RADIXSERVE_DECODE_FP8_WIDEN_EARLY", "0") == "1"
+# 1: an fp8 pool's V tile is read as 32-bit words and widened in token pairs (`_fp8_pairs`) instead of reaching the
+# tensor cores through one-byte shared-memory loads (`benchmarks/decode_kernel_ptx.py`: 1,441 instructions a
+# 128-token tile against 1,532, no byte loads). Off until GPU timings favour it (`bench_attention_kernels.py
+# --kv-dtype fp8_e4m3 --fp8-v-pairs 0,1`).
+FP8_V_PAIRS = os.environ.get("RADIXSERVE_DECODE_FP8_V_PAIRS", "0") == "1"
 # Stage 1's grid has the heads as its fastest axis, so the programs of one request's KV heads run side by side and
 # read the neighbouring parts of the same pool rows (a token's heads are adjacent). On an H200 (8B shape, batch 512 x
 # 1,024 tokens, bf16) 1-3% faster than requests first, and the 1,000-prompt offline run 0.8% (docs/perf-log.md);
@@ -216,6 +305,14 @@ HEADS_FIRST = os.environ.get("RADIXSERVE_DECODE_HEADS_FIRST", "1") == "1"
 def is_interpreted() -> bool:
     """True when these kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when this module was imported)."""
     return not isinstance(_decode_stage1_kernel, triton.runtime.JITFunction)
+
+
+def v_pairs_fit(v_buffer: torch.Tensor, block_n: int) -> bool:
+    """Whether `fp8_v_pairs` can read this V pool as words: fp8, a head dim of at least 64 and a multiple of 4,
+    tiles of at least 32 tokens (the products' inner size is half the tile), 4-byte aligned rows."""
+    return (v_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and v_buffer.shape[-1] % 4 == 0
+            and v_buffer.shape[-1] >= 64 and block_n >= 32 and v_buffer.stride(0) % 4 == 0
+            and v_buffer.stride(1) % 4 == 0 and v_buffer.data_ptr() % 4 == 0)
 
 
 def decode_partial_shapes(batch_size: int, num_heads: int, head_dim: int,
@@ -306,6 +403,7 @@ def decode_attention_fwd(
     v_scale: float = 1.0,
     sliding_window: int = -1,
     heads_first: bool | None = None,
+    fp8_v_pairs: bool | None = None,
 ) -> None:
     """Attention of one query token per request over its first seq_len KV slots (the last `sliding_window` of them
     when it is positive); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless it is fp8).
@@ -314,7 +412,9 @@ def decode_attention_fwd(
     req_pool_indices, seq_lens: [bs] (int32 or int64, on the device); mid_o [bs, H, S, D] and mid_lse [bs, H, S]
     float32 scratch buffers (`decode_partial_shapes`). num_kv_splits (default S), the number of splits launched per
     request, is the cap: a request of seq_len L uses min(num_kv_splits, cdiv(L, min_split_len)) of them
-    (`kv_split_cap` picks it for a batch size). heads_first (default HEADS_FIRST) orders stage 1's grid.
+    (`kv_split_cap` picks it for a batch size). heads_first (default HEADS_FIRST) orders stage 1's grid;
+    fp8_v_pairs (default FP8_V_PAIRS) reads an fp8 pool's V as words widened in token pairs, where the shapes allow
+    it (a head dim of at least 64 and a multiple of 4, tiles of at least 32 tokens, 4-byte aligned rows).
     """
     if mid_lse.dim() != 3:
         raise ValueError(f"mid_lse must be [bs, H, S]; got {tuple(mid_lse.shape)}")
@@ -354,6 +454,11 @@ def decode_attention_fwd(
     dot_fp32 = use_dot and (interp or q.dtype == torch.float32)
     if heads_first is None:
         heads_first = HEADS_FIRST and bs < 65536  # the grid's second axis holds at most 65,535 programs
+    if fp8_v_pairs is None:
+        fp8_v_pairs = FP8_V_PAIRS
+    v_pairs = 0
+    if fp8_v_pairs and use_dot and v_pairs_fit(v_buffer, block_n):
+        v_pairs = 1 if v_buffer.dtype == torch.float8_e4m3fn else 2
 
     grid1 = (num_kv_heads * head_blocks, bs, num_kv_splits) if heads_first else (bs, num_kv_heads * head_blocks,
                                                                                    num_kv_splits)
@@ -370,8 +475,7 @@ def decode_attention_fwd(
         o.stride(0), o.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
-        KV_F16=use_dot and not dot_fp32 and fp8_pool, WIDEN_EARLY=FP8_WIDEN_EARLY and use_dot and not dot_fp32
-        and fp8_pool,
+        KV_F16=use_dot and not dot_fp32 and fp8_pool, V_PAIRS=v_pairs,
         SLIDING=window > 0, HEADS_FIRST=heads_first, DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_opts(q),
     )
