@@ -148,16 +148,17 @@ def test_256_concurrent_streams(server: Server) -> None:
 def test_maximal_request_does_not_stall_the_server(server: Server) -> None:
     """While requests of --max-request-bytes are rejected, nothing waits on them: the event loop answers /version
     within 200 ms of its usual time, /health (a scheduler round trip, which a loaded CPU slows) within twice its
-    usual time + 200 ms, and a concurrent stream keeps its cadence. The baselines are measured just before under the
+    usual time + 500 ms, and a concurrent stream keeps its cadence. The baselines are measured just before under the
     same load, so a busy CI machine moves both sides; a blocked loop (an 8 MB text tokenized on it took seconds)
-    does not pass."""
+    does not pass. (/health's single worst answer on a 2-core machine varies by ~0.5 s between two quiet spells,
+    the baseline's included, so its margin is wider than the loop's.)"""
     res = run_timing(server.base, AUTH, MAX_REQUEST_BYTES, prompt_chars_rejected=600_000)
     s = res.summary()
     print(f"\ntiming: {json.dumps(s)} rejections: {res.rejections}")
     assert [status for _, status, _ in res.rejections] == [400, 400, 413], res.rejections
     assert len(res.loop_during_ms) >= 3 and len(res.health_during_ms) >= 2 and len(res.stream_gaps_during_s) >= 2, s
     assert s["loop_during_max_ms"] < 200 + s["loop_baseline_max_ms"], s
-    assert s["health_during_max_ms"] < 200 + 2 * s["health_baseline_max_ms"], s
+    assert s["health_during_max_ms"] < 500 + 2 * s["health_baseline_max_ms"], s
     assert s["stream_gap_during_max_s"] < 0.5 + 2 * s["stream_gap_baseline_max_s"], s
     wait_idle(server.base, AUTH)
 
