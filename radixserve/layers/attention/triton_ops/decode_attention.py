@@ -45,6 +45,22 @@ from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
 
+# a = [e0, o0, e1, o1] and b = [e2, o2, e3, o3] (bytes of the even and odd words); each half widens to an fp16 pair
+_PAIRS_PTX = """{
+.reg .b32 a, b;
+.reg .b16 a0, a1, b0, b1;
+prmt.b32 a, $4, $5, 0x5140;
+prmt.b32 b, $4, $5, 0x7362;
+mov.b32 {a0, a1}, a;
+mov.b32 {b0, b1}, b;
+cvt.rn.f16x2.FMTx2 $0, a0;
+cvt.rn.f16x2.FMTx2 $1, a1;
+cvt.rn.f16x2.FMTx2 $2, b0;
+cvt.rn.f16x2.FMTx2 $3, b1;
+}"""
+_PAIRS_E4M3 = tl.constexpr(_PAIRS_PTX.replace("FMT", "e4m3"))
+_PAIRS_E5M2 = tl.constexpr(_PAIRS_PTX.replace("FMT", "e5m2"))
+
 
 @triton.jit
 def _fp8_pairs(we, wo, FMT: tl.constexpr, PORTABLE: tl.constexpr):
@@ -64,37 +80,14 @@ def _fp8_pairs(we, wo, FMT: tl.constexpr, PORTABLE: tl.constexpr):
         e3 = ((we >> 24) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
         o3 = ((wo >> 24) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
     else:
-        # a = [e0, o0, e1, o1] and b = [e2, o2, e3, o3] (bytes); each half of a and b widens to an fp16 pair
         if FMT == 1:
-            x0, x1, x2, x3 = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 a, b;
-                .reg .b16 a0, a1, b0, b1;
-                prmt.b32 a, $4, $5, 0x5140;
-                prmt.b32 b, $4, $5, 0x7362;
-                mov.b32 {a0, a1}, a;
-                mov.b32 {b0, b1}, b;
-                cvt.rn.f16x2.e4m3x2 $0, a0;
-                cvt.rn.f16x2.e4m3x2 $1, a1;
-                cvt.rn.f16x2.e4m3x2 $2, b0;
-                cvt.rn.f16x2.e4m3x2 $3, b1;
-                }""", "=r,=r,=r,=r,r,r", [we, wo], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
-                pack=1)
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(_PAIRS_E4M3, "=r,=r,=r,=r,r,r", [we, wo],
+                                                       dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                                                       pack=1)
         else:
-            x0, x1, x2, x3 = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 a, b;
-                .reg .b16 a0, a1, b0, b1;
-                prmt.b32 a, $4, $5, 0x5140;
-                prmt.b32 b, $4, $5, 0x7362;
-                mov.b32 {a0, a1}, a;
-                mov.b32 {b0, b1}, b;
-                cvt.rn.f16x2.e5m2x2 $0, a0;
-                cvt.rn.f16x2.e5m2x2 $1, a1;
-                cvt.rn.f16x2.e5m2x2 $2, b0;
-                cvt.rn.f16x2.e5m2x2 $3, b1;
-                }""", "=r,=r,=r,=r,r,r", [we, wo], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
-                pack=1)
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(_PAIRS_E5M2, "=r,=r,=r,=r,r,r", [we, wo],
+                                                       dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                                                       pack=1)
         e0 = (x0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
         o0 = (x0 >> 16).to(tl.int16).to(tl.float16, bitcast=True)
         e1 = (x1 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
