@@ -414,11 +414,13 @@ def test_decode_one_split_under_a_sliding_window() -> None:
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32q", "bf16q"])
-def test_decode_fp8_v_pairs_match_reference(kv_dtype: torch.dtype, splits: int, q_dtype: torch.dtype) -> None:
-    """An fp8 pool's V read as 32-bit words and widened in (even, odd) token pairs gives the attention of the dense
-    reference, with odd lengths (an even token without its odd partner), GQA 4, one split or several, scales. On a
-    GPU a bfloat16 query takes the fp16 products and the PTX widening; the interpreter and float32 queries widen
-    byte by byte."""
+@pytest.mark.parametrize("v_pairs", [True, False], ids=["v_pairs", "v_bytes"])
+def test_decode_fp8_pool_matches_reference(kv_dtype: torch.dtype, splits: int, q_dtype: torch.dtype,
+                                           v_pairs: bool) -> None:
+    """Over an fp8 pool, V read as 32-bit words and widened in (even, odd) token pairs (the default), and V's tile
+    widened whole (`fp8_v_pairs=False`), each give the attention of the dense reference, with odd lengths (an even
+    token without its odd partner), GQA 4, one split or several, scales. On a GPU a bfloat16 query takes the fp16
+    products and the PTX widening; the interpreter and float32 queries widen byte by byte."""
     h, hkv, d, seq_lens, k_scale, v_scale = 8, 2, 64, [1, 2, 33, 70, 95], 0.5, 2.0
     gen = torch.Generator().manual_seed(21)
     total = sum(seq_lens)
@@ -438,7 +440,7 @@ def test_decode_fp8_v_pairs_match_reference(kv_dtype: torch.dtype, splits: int, 
         q.to(DEVICE), k_buf, v_buf, o, r2t.to(DEVICE), torch.arange(len(seq_lens), device=DEVICE),
         torch.tensor(seq_lens, device=DEVICE), torch.empty(shape_o, device=DEVICE),
         torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=32, block_n=32, num_kv_splits=splits,
-        k_scale=k_scale, v_scale=v_scale, fp8_v_pairs=True)
+        k_scale=k_scale, v_scale=v_scale, fp8_v_pairs=v_pairs)
     kd, vd = k_buf.cpu().float() * k_scale, v_buf.cpu().float() * v_scale
     for i, n in enumerate(seq_lens):
         slots = r2t[i, :n].long()

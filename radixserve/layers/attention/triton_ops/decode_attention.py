@@ -283,11 +283,12 @@ def _decode_stage2_kernel(
 # 2.2-2.5 TB/s against 1.6-1.8 with bf16's 64 and 2 (docs/perf-log.md).
 FP8_BLOCK_N = int(os.environ.get("RADIXSERVE_DECODE_FP8_BLOCK_N", "128"))
 FP8_NUM_STAGES = int(os.environ.get("RADIXSERVE_DECODE_FP8_STAGES", "3"))
-# 1: an fp8 pool's V tile is read as 32-bit words and widened in token pairs (`_fp8_pairs`) instead of reaching the
-# tensor cores through one-byte shared-memory loads (`benchmarks/decode_kernel_ptx.py`: 1,441 instructions a
-# 128-token tile against 1,532, no byte loads). Off until GPU timings favour it (`bench_attention_kernels.py
-# --kv-dtype fp8_e4m3 --fp8-v-pairs 0,1`).
-FP8_V_PAIRS = os.environ.get("RADIXSERVE_DECODE_FP8_V_PAIRS", "0") == "1"
+# An fp8 pool's V tile is read as 32-bit words and widened in token pairs (`_fp8_pairs`) instead of reaching the
+# tensor cores through one-byte shared-memory loads (`benchmarks/decode_kernel_ptx.py`: 1,396 instructions a
+# 128-token tile against 1,532, no byte loads). On an H200 (8B shape, batch 160-512, 640-1,024 tokens) stage 1 over
+# an e4m3 pool takes 16-23% less time with it (512 x 1,024: 325 against 421 us; docs/perf-log.md).
+# RADIXSERVE_DECODE_FP8_V_PAIRS=0 widens V's tile whole, as before (`bench_attention_kernels.py --fp8-v-pairs 0,1`).
+FP8_V_PAIRS = os.environ.get("RADIXSERVE_DECODE_FP8_V_PAIRS", "1") == "1"
 # Stage 1's grid has the heads as its fastest axis, so the programs of one request's KV heads run side by side and
 # read the neighbouring parts of the same pool rows (a token's heads are adjacent). On an H200 (8B shape, batch 512 x
 # 1,024 tokens, bf16) 1-3% faster than requests first, and the 1,000-prompt offline run 0.8% (docs/perf-log.md);
