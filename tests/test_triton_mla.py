@@ -134,3 +134,38 @@ def test_deepseek_v3_with_triton_kernels_matches_transformers(tmp_path) -> None:
         set_fused_kernels(None)
     for prompt, got in zip(prompts, ours, strict=True):
         assert got == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_kernel_one_split_and_several_match_dense(splits: int) -> None:
+    """One split a request (stage 1 writes the output; no stage 2, the scratch not touched) and three splits give
+    the dense attention over scattered latents, with an empty request (zeros) among them."""
+    from radixserve.layers.attention.triton_ops.decode_attention import split_capacity
+    from radixserve.layers.attention.triton_ops.mla_attention import mla_decode_fwd
+
+    gen = torch.Generator().manual_seed(5)
+    h, seq_lens, scale = 4, [1, 0, 37, 70], 0.3
+    total = sum(seq_lens)
+    kv = torch.randn(total + 1, 1, RANK + ROPE, generator=gen)
+    slots = 1 + torch.randperm(total, generator=gen)
+    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(seq_lens):
+        r2t[i, :n] = slots[start:start + n].to(torch.int32)
+        start += n
+    q = torch.randn(len(seq_lens), h, RANK + ROPE, generator=gen)
+    o = torch.full((len(seq_lens), h, RANK), float("nan"), device=DEVICE)
+    cap = split_capacity(splits)
+    mid_o = torch.full((len(seq_lens), h, cap, RANK), float("nan"), device=DEVICE)
+    mid_lse = torch.empty(len(seq_lens), h, cap, device=DEVICE)
+    mla_decode_fwd(q.to(DEVICE), kv.to(DEVICE), o, r2t.to(DEVICE), torch.arange(len(seq_lens), device=DEVICE),
+                   torch.tensor(seq_lens, device=DEVICE), mid_o, mid_lse, scale, RANK, splits, min_split_len=16)
+    if splits == 1:
+        assert torch.isnan(mid_o).all()  # the direct path does not go through the partials
+    for i, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(o[i].cpu(), torch.zeros(h, RANK))
+            continue
+        keys = kv[r2t[i, :n].long(), 0]  # [n, C + R]
+        w = torch.softmax(q[i] @ keys.T * scale, dim=-1)
+        torch.testing.assert_close(o[i].cpu(), w @ keys[:, :RANK], rtol=2e-4, atol=2e-4)

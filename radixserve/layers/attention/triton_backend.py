@@ -93,6 +93,9 @@ class TritonAttnBackend(AttentionBackend):
         # Tunables (plain attributes so tests can force many small splits; set them before init_cuda_graph_state).
         self.min_split_len = 64  # a request uses at most cdiv(seq_len, min_split_len) splits
         self.programs_per_sm = 8  # split a small batch until stage 1 has this many programs per SM
+        if self.is_mla:  # an MLA program holds every head of the layer and the whole latent
+            from radixserve.layers.attention.triton_ops.mla_attention import PROGRAMS_PER_SM
+            self.programs_per_sm = PROGRAMS_PER_SM
         self.decode_block_n: int | None = None  # None: the kernel's default
         self.decode_use_dot: bool | None = None  # None: tl.dot; False: elementwise (MHA only, slower on GPUs)
         if self.device.type == "cuda":

@@ -7,13 +7,16 @@ keys and as values. C (512 for DeepSeek) and R (64) are kept apart so that neith
 with the other.
 
 - Decode: split-KV like `decode_attention.py` (stage 1 here, one program per request × block of heads × split; the
-  merge is that file's stage 2, with the latent as the head dim). The grid depends on the batch size only, so it
-  captures in a CUDA graph.
+  merge is that file's stage 2, with the latent as the head dim). With one split a request (large batches) stage 1
+  writes the output itself and stage 2 is not launched. The grid depends on the batch size only, so it captures in
+  a CUDA graph.
 - Extend: one program per (request, head, BLOCK_M new tokens); keys are the request's cached prefix and its new
   tokens, all read from the pool (the backend stores the new latents first), the new ones causally.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,6 +29,28 @@ from radixserve.layers.triton_ops.launch import launch
 _LOG2E = 1.4426950408889634
 
 
+def _decode_config() -> tuple[int, int, int]:
+    """Stage 1's tokens per loop step, warps and pipeline stages on a GPU; RADIXSERVE_MLA_DECODE_CFG="N,WARPS,STAGES"
+    overrides them (comparisons: `benchmarks/bench_mla_decode.py`)."""
+    raw = os.environ.get("RADIXSERVE_MLA_DECODE_CFG", "32,8,2")
+    try:
+        block_n, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"RADIXSERVE_MLA_DECODE_CFG must be 'BLOCK_N,WARPS,STAGES', got {raw!r}") from None
+    if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise ValueError(f"RADIXSERVE_MLA_DECODE_CFG {raw!r}: BLOCK_N a power of two >= 16, warps 1-16, stages >= 1")
+    return block_n, warps, stages
+
+
+DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = _decode_config()
+# Split a batch's requests until stage 1 has this many programs per SM (`kv_split_cap`); each MLA program holds all
+# 16 heads of a DeepSeek layer and the whole latent, so it needs fewer than the MHA kernel's 8.
+# RADIXSERVE_MLA_PROGRAMS_PER_SM overrides it.
+PROGRAMS_PER_SM = int(os.environ.get("RADIXSERVE_MLA_PROGRAMS_PER_SM", "8"))
+if PROGRAMS_PER_SM < 1:
+    raise ValueError(f"RADIXSERVE_MLA_PROGRAMS_PER_SM must be positive, got {PROGRAMS_PER_SM}")
+
+
 @triton.jit
 def _mma(a, b, FP32: tl.constexpr):
     if FP32:
@@ -36,12 +61,12 @@ def _mma(a, b, FP32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
 def _mla_decode_stage1_kernel(
-    Q, KV_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE,
+    Q, KV_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out,
     sm_scale_log2, num_kv_splits, min_split_len, num_heads,
     stride_qb, stride_qh, stride_kvt, stride_r2t,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DIRECT: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -79,41 +104,57 @@ def _mla_decode_stage1_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + _mma(p.to(q_c.dtype), kc, DOT_FP32)
             m_i = m_new
-        out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-                    + offs_c[None, :])
-        tl.store(out_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_c[None, :])
-        tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
-                 mask=mask_h)
+        if DIRECT:  # one split: the program's result is the output
+            tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
+                     (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+        else:
+            out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
+                        + offs_c[None, :])
+            tl.store(out_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_c[None, :])
+            tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
+                     mask=mask_h)
+    elif DIRECT:  # an empty request attends to nothing: zeros, as stage 2 writes them
+        tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
+                 tl.zeros([BLOCK_H, BLOCK_C], dtype=Out.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
 
 
 def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, req_to_token: torch.Tensor,
                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.Tensor,
                    mid_lse: torch.Tensor, sm_scale: float, kv_lora_rank: int, num_kv_splits: int,
-                   min_split_len: int = 64, block_n: int | None = None) -> None:
+                   min_split_len: int = 64, block_n: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> None:
     """q [bs, H, C + R]; kv_buffer [slots, 1, C + R]; o [bs, H, C]; mid_o [bs, H, S, C] and mid_lse [bs, H, S]
-    float32 scratch (S >= num_kv_splits, contiguous). Writes o in place."""
+    float32 scratch (S >= num_kv_splits, contiguous; not touched with one split). Writes o in place. block_n /
+    num_warps / num_stages default to DECODE_BLOCK_N / _WARPS / _STAGES on a GPU."""
     bs, num_heads, dim = q.shape
     c = kv_lora_rank
     r = dim - c
     if kv_buffer.dim() != 3 or kv_buffer.shape[1:] != (1, dim) or o.shape != (bs, num_heads, c):
         raise ValueError(f"MLA decode: q {tuple(q.shape)}, kv {tuple(kv_buffer.shape)}, o {tuple(o.shape)} "
                          f"do not fit a latent of {c}")
-    if tuple(mid_o.shape[:2]) != (bs, num_heads) or mid_o.shape[3] != c or mid_lse.shape[2] < num_kv_splits:
+    if num_kv_splits < 1:
+        raise ValueError(f"MLA decode: num_kv_splits must be positive, got {num_kv_splits}")
+    if num_kv_splits > 1 and (tuple(mid_o.shape[:2]) != (bs, num_heads) or mid_o.shape[3] != c
+                              or mid_lse.shape[2] < num_kv_splits):
         raise ValueError(f"MLA decode scratch {tuple(mid_o.shape)} / {tuple(mid_lse.shape)} too small")
     if bs == 0:
         return
     interp = is_interpreted()
-    block_n = block_n or (16 if interp else 32)
+    block_n = block_n or (16 if interp else DECODE_BLOCK_N)
     block_h = 16
     dot_fp32 = interp or q.dtype == torch.float32
+    direct = num_kv_splits == 1  # stage 1 writes o; no stage 2
     launch(_mla_decode_stage1_kernel, (bs, triton.cdiv(num_heads, block_h), num_kv_splits),
-           q, kv_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+           q, kv_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
            sm_scale * _LOG2E, num_kv_splits, min_split_len, num_heads,
            q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+           o.stride(0), o.stride(1),
            C=c, R=r, BLOCK_C=triton.next_power_of_2(c), BLOCK_R=max(16, triton.next_power_of_2(r)),
-           BLOCK_H=block_h, BLOCK_N=block_n, DOT_FP32=dot_fp32,
-           **({} if interp else dict(num_warps=8, num_stages=2)))
+           BLOCK_H=block_h, BLOCK_N=block_n, DOT_FP32=dot_fp32, DIRECT=direct,
+           **({} if interp else dict(num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES)))
+    if direct:
+        return
     block_c = triton.next_power_of_2(c)
     launch(_decode_stage2_kernel, (bs, num_heads),
            mid_o, mid_lse, o, seq_lens, num_kv_splits, min_split_len, 0, 0, 0,  # no sliding window
