@@ -42,7 +42,10 @@ SMALL_SWEEP = [SmallMoEConfig(32, 128, 64, 128, 4, 4), SmallMoEConfig(16, 256, 3
                SmallMoEConfig(32, 128, 64, 128, 2, 4)]
 LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),
                MoEConfig(64, 64, 128, 64, 4, 3), MoEConfig(64, 32, 64, 128, 4, 4), MoEConfig(64, 128, 128, 64, 4, 4),
-               MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3)]
+               MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3),
+               # 32-64 tokens an expert (DeepSeek-V2-Lite at batch 256-512: 64 experts, top-6)
+               MoEConfig(32, 128, 128, 64, 4, 3), MoEConfig(64, 128, 128, 64, 8, 3), MoEConfig(32, 64, 128, 128, 4, 3),
+               MoEConfig(64, 64, 64, 128, 4, 4)]
 
 
 def cfg_name(c: Any) -> str:
