@@ -25,6 +25,10 @@ step() { local name=$1 limit=$2; shift 2
   tr '\r' '\n' < "$LOGS/$name.log" | grep -v 'it/s\]\|req/s\]\|tensor/s\]\|s/it\]\|^\s*$' | tail -n 14 | cut -c1-220; }
 step one_batch_8b 220 python3 -m radixserve.bench_one_batch --model-path $L8 --load-format dummy \
   --batch-size 1 8 32 64 128 160 --input-len 512 --output-len 32 --profile --result-file "$OUT/one_batch_8b.json"
+# the same batches with the decode forward compiled by torch.compile for all six sizes (compile time in its log)
+step one_batch_8b_compile 400 python3 -m radixserve.bench_one_batch --model-path $L8 --load-format dummy \
+  --batch-size 1 8 32 64 128 160 --input-len 512 --output-len 32 --profile --enable-torch-compile \
+  --torch-compile-max-bs 160 --result-file "$OUT/one_batch_8b_compile.json"
 step one_batch_8b_unfused 120 env RADIXSERVE_DISABLE_FUSED_KERNELS=1 python3 -m radixserve.bench_one_batch \
   --model-path $L8 --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 --profile \
   --result-file "$OUT/one_batch_8b_unfused.json"
