@@ -332,6 +332,18 @@ def test_bad_input_raises_value_error() -> None:
         backend.init_forward_metadata_replay_cuda_graph(1, idx, idx, 0)
 
 
+def scattered_table(seq_lens: list[int], gen: torch.Generator, offset: int = 0) -> torch.Tensor:
+    """req_to_token rows (int32) for requests of these lengths, their slots a random permutation of offset ..
+    offset + sum(seq_lens) - 1: each request's KV scattered over the pool."""
+    perm = (offset + torch.randperm(sum(seq_lens), generator=gen)).to(torch.int32)
+    r2t = torch.zeros(len(seq_lens), max(seq_lens + [1]), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(seq_lens):
+        r2t[i, :n] = perm[start:start + n]
+        start += n
+    return r2t
+
+
 @pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.float8_e4m3fn, torch.float32),
                                              (torch.float8_e4m3fn, torch.bfloat16)],
                          ids=["fp32", "fp8_e4m3", "fp8_e4m3-bf16q"])
@@ -347,12 +359,7 @@ def test_decode_grid_orders_and_one_split_match_reference(kv_dtype: torch.dtype,
     v_true = torch.randn(total, hkv, d, generator=gen)
     k_buf = (k_true / k_scale).to(kv_dtype).to(DEVICE)
     v_buf = (v_true / v_scale).to(kv_dtype).to(DEVICE)
-    perm = torch.randperm(total, generator=gen)  # the slots scattered over the pool
-    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)  # the last request is empty
-    start = 0
-    for i, n in enumerate(seq_lens):
-        r2t[i, :n] = perm[start:start + n].to(torch.int32)
-        start += n
+    r2t = scattered_table(seq_lens, gen)  # the last request is empty
     q = torch.randn(len(seq_lens), h, d, generator=gen)
     shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, 4)
     q = q.to(q_dtype)
@@ -388,12 +395,7 @@ def test_decode_one_split_under_a_sliding_window() -> None:
     total = sum(seq_lens)
     k_buf = torch.randn(total, hkv, d, generator=gen)
     v_buf = torch.randn(total, hkv, d, generator=gen)
-    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
-    perm = torch.randperm(total, generator=gen).to(torch.int32)
-    start = 0
-    for i, n in enumerate(seq_lens):
-        r2t[i, :n] = perm[start:start + n]
-        start += n
+    r2t = scattered_table(seq_lens, gen)
     q = torch.randn(len(seq_lens), h, d, generator=gen)
     shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, 4)
     for splits in (1, 4):
@@ -427,12 +429,7 @@ def test_decode_fp8_pool_matches_reference(kv_dtype: torch.dtype, splits: int, q
     k_buf = (torch.randn(total, hkv, d, generator=gen) / k_scale).to(kv_dtype).to(DEVICE)
     v_buf = (torch.randn(total, hkv, d, generator=gen) / v_scale).to(kv_dtype).to(DEVICE)
     assert decode_attention.v_pairs_fit(v_buf, 32)
-    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
-    perm = torch.randperm(total, generator=gen).to(torch.int32)
-    start = 0
-    for i, n in enumerate(seq_lens):
-        r2t[i, :n] = perm[start:start + n]
-        start += n
+    r2t = scattered_table(seq_lens, gen)
     q = torch.randn(len(seq_lens), h, d, generator=gen).to(q_dtype)
     shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, splits)
     o = torch.full((len(seq_lens), h, d), float("nan"), device=DEVICE, dtype=q_dtype)

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_attention import scattered_batch  # noqa: E402
+from test_triton_attention import scattered_batch, scattered_table  # noqa: E402
 
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from radixserve.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
@@ -147,12 +147,7 @@ def test_mla_decode_kernel_one_split_and_several_match_dense(splits: int) -> Non
     h, seq_lens, scale = 4, [1, 0, 37, 70], 0.3
     total = sum(seq_lens)
     kv = torch.randn(total + 1, 1, RANK + ROPE, generator=gen)
-    slots = 1 + torch.randperm(total, generator=gen)
-    r2t = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(seq_lens):
-        r2t[i, :n] = slots[start:start + n].to(torch.int32)
-        start += n
+    r2t = scattered_table(seq_lens, gen, offset=1)  # slot 0 is the pool's padding slot
     q = torch.randn(len(seq_lens), h, RANK + ROPE, generator=gen)
     o = torch.full((len(seq_lens), h, RANK), float("nan"), device=DEVICE)
     cap = split_capacity(splits)
