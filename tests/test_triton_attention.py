@@ -344,6 +344,29 @@ def scattered_table(seq_lens: list[int], gen: torch.Generator, offset: int = 0) 
     return r2t
 
 
+def run_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r2t: torch.Tensor, seq_lens: list[int],
+               splits: int, block_n: int, **kwargs: object) -> torch.Tensor:
+    """`decode_attention_fwd` over requests 0..n-1 of r2t (the output starts as NaN, so a row it does not write
+    fails the comparison), with its own scratch; the output back on the CPU."""
+    bs, h, d = q.shape
+    shape_o, shape_lse = decode_attention.decode_partial_shapes(bs, h, d, splits)
+    o = torch.full((bs, h, d), float("nan"), device=DEVICE, dtype=q.dtype)
+    decode_attention.decode_attention_fwd(
+        q.to(DEVICE), k_buf.to(DEVICE), v_buf.to(DEVICE), o, r2t.to(DEVICE), torch.arange(bs, device=DEVICE),
+        torch.tensor(seq_lens, device=DEVICE), torch.empty(shape_o, device=DEVICE),
+        torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=block_n, block_n=block_n,
+        num_kv_splits=splits, **kwargs)
+    return o.cpu()
+
+
+def dense_decode(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """One request's attention in float32: q [h, d] over keys / values [n, kv heads, d] (GQA by repetition)."""
+    h, d = q.shape
+    keys, vals = (t.float().repeat_interleave(h // t.shape[1], dim=1) for t in (keys, vals))
+    w = torch.softmax(torch.einsum("hd,nhd->hn", q.float(), keys) * d ** -0.5, dim=-1)
+    return torch.einsum("hn,nhd->hd", w, vals)
+
+
 @pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.float8_e4m3fn, torch.float32),
                                              (torch.float8_e4m3fn, torch.bfloat16)],
                          ids=["fp32", "fp8_e4m3", "fp8_e4m3-bf16q"])
@@ -360,26 +383,15 @@ def test_decode_grid_orders_and_one_split_match_reference(kv_dtype: torch.dtype,
     k_buf = (k_true / k_scale).to(kv_dtype).to(DEVICE)
     v_buf = (v_true / v_scale).to(kv_dtype).to(DEVICE)
     r2t = scattered_table(seq_lens, gen)  # the last request is empty
-    q = torch.randn(len(seq_lens), h, d, generator=gen)
-    shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, 4)
-    q = q.to(q_dtype)
-    outs = []
-    for heads_first, splits in ((False, 4), (True, 4), (True, 1), (False, 1)):  # one split: no stage 2
-        o = torch.full((len(seq_lens), h, d), float("nan"), device=DEVICE, dtype=q_dtype)
-        decode_attention.decode_attention_fwd(
-            q.to(DEVICE), k_buf, v_buf, o, r2t.to(DEVICE), torch.arange(len(seq_lens), device=DEVICE),
-            torch.tensor(seq_lens, device=DEVICE), torch.empty(shape_o, device=DEVICE),
-            torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=16, block_n=16, num_kv_splits=splits,
-            k_scale=k_scale, v_scale=v_scale, heads_first=heads_first)
-        outs.append(o.cpu().float())
+    q = torch.randn(len(seq_lens), h, d, generator=gen).to(q_dtype)
+    outs = [run_decode(q, k_buf, v_buf, r2t, seq_lens, splits, 16, k_scale=k_scale, v_scale=v_scale,
+                       heads_first=heads_first).float()
+            for heads_first, splits in ((False, 4), (True, 4), (True, 1), (False, 1))]  # one split: no stage 2
     kd = k_buf.cpu().float() * k_scale
     vd = v_buf.cpu().float() * v_scale
     for i, n in enumerate(seq_lens[:-1]):
         slots = r2t[i, :n].long()
-        keys = kd[slots].repeat_interleave(h // hkv, dim=1)  # [n, h, d]
-        vals = vd[slots].repeat_interleave(h // hkv, dim=1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), keys) * d ** -0.5, dim=-1)
-        ref = torch.einsum("hn,nhd->hd", w, vals)
+        ref = dense_decode(q[i], kd[slots], vd[slots])
         tol = {"rtol": 2e-4, "atol": 2e-4} if q_dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         for out in outs:
             torch.testing.assert_close(out[i], ref, **tol)
@@ -397,20 +409,11 @@ def test_decode_one_split_under_a_sliding_window() -> None:
     v_buf = torch.randn(total, hkv, d, generator=gen)
     r2t = scattered_table(seq_lens, gen)
     q = torch.randn(len(seq_lens), h, d, generator=gen)
-    shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, 4)
     for splits in (1, 4):
-        o = torch.full((len(seq_lens), h, d), float("nan"), device=DEVICE)
-        decode_attention.decode_attention_fwd(
-            q.to(DEVICE), k_buf.to(DEVICE), v_buf.to(DEVICE), o, r2t.to(DEVICE),
-            torch.arange(len(seq_lens), device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
-            torch.empty(shape_o, device=DEVICE), torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=16,
-            block_n=16, num_kv_splits=splits, sliding_window=window)
+        o = run_decode(q, k_buf, v_buf, r2t, seq_lens, splits, 16, sliding_window=window)
         for i, n in enumerate(seq_lens):
             slots = r2t[i, max(0, n - window):n].long()
-            keys = k_buf[slots].repeat_interleave(h // hkv, dim=1)
-            vals = v_buf[slots].repeat_interleave(h // hkv, dim=1)
-            w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], keys) * d ** -0.5, dim=-1)
-            torch.testing.assert_close(o[i].cpu(), torch.einsum("hn,nhd->hd", w, vals), rtol=2e-4, atol=2e-4)
+            torch.testing.assert_close(o[i], dense_decode(q[i], k_buf[slots], v_buf[slots]), rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
@@ -431,18 +434,10 @@ def test_decode_fp8_pool_matches_reference(kv_dtype: torch.dtype, splits: int, q
     assert decode_attention.v_pairs_fit(v_buf, 32)
     r2t = scattered_table(seq_lens, gen)
     q = torch.randn(len(seq_lens), h, d, generator=gen).to(q_dtype)
-    shape_o, shape_lse = decode_attention.decode_partial_shapes(len(seq_lens), h, d, splits)
-    o = torch.full((len(seq_lens), h, d), float("nan"), device=DEVICE, dtype=q_dtype)
-    decode_attention.decode_attention_fwd(
-        q.to(DEVICE), k_buf, v_buf, o, r2t.to(DEVICE), torch.arange(len(seq_lens), device=DEVICE),
-        torch.tensor(seq_lens, device=DEVICE), torch.empty(shape_o, device=DEVICE),
-        torch.empty(shape_lse, device=DEVICE), d ** -0.5, min_split_len=32, block_n=32, num_kv_splits=splits,
-        k_scale=k_scale, v_scale=v_scale, fp8_v_pairs=v_pairs)
+    o = run_decode(q, k_buf, v_buf, r2t, seq_lens, splits, 32, k_scale=k_scale, v_scale=v_scale,
+                   fp8_v_pairs=v_pairs)
     kd, vd = k_buf.cpu().float() * k_scale, v_buf.cpu().float() * v_scale
     for i, n in enumerate(seq_lens):
         slots = r2t[i, :n].long()
-        keys = kd[slots].repeat_interleave(h // hkv, dim=1)
-        vals = vd[slots].repeat_interleave(h // hkv, dim=1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), keys) * d ** -0.5, dim=-1)
         tol = 2e-4 if q_dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(o[i].cpu().float(), torch.einsum("hn,nhd->hd", w, vals), rtol=tol, atol=tol)
+        torch.testing.assert_close(o[i].float(), dense_decode(q[i], kd[slots], vd[slots]), rtol=tol, atol=tol)

@@ -11,7 +11,7 @@ partial output; its tiles are widened to fp16 (one conversion instruction per tw
 one), and q and the softmax weights go to fp16 for those products (more mantissa than bf16; |q| and k / k_scale are
 far inside fp16's range). Its V tile reaches the tensor cores through one-byte shared-memory loads (the product sums
 over tokens and sm_90 has no transposing matrix load for 8-bit types); `fp8_v_pairs` reads V as 32-bit words
-instead and widens (even, odd) token pairs in registers (`_fp8_pairs`), off by default.
+instead and widens (even, odd) token pairs in registers (`_fp8_pairs`), the default where the shapes allow it.
 
 The grid depends only on the batch size (its split axis is `num_kv_splits`, which the caller picks from the batch
 size alone), so both launches can be captured in a CUDA graph. How many splits a request really uses is decided
@@ -80,14 +80,9 @@ def _fp8_pairs(we, wo, FMT: tl.constexpr, PORTABLE: tl.constexpr):
         e3 = ((we >> 24) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
         o3 = ((wo >> 24) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
     else:
-        if FMT == 1:
-            x0, x1, x2, x3 = tl.inline_asm_elementwise(_PAIRS_E4M3, "=r,=r,=r,=r,r,r", [we, wo],
-                                                       dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
-                                                       pack=1)
-        else:
-            x0, x1, x2, x3 = tl.inline_asm_elementwise(_PAIRS_E5M2, "=r,=r,=r,=r,r,r", [we, wo],
-                                                       dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
-                                                       pack=1)
+        asm: tl.constexpr = _PAIRS_E4M3 if FMT == 1 else _PAIRS_E5M2
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [we, wo],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         e0 = (x0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
         o0 = (x0 >> 16).to(tl.int16).to(tl.float16, bitcast=True)
         e1 = (x1 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
