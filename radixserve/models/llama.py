@@ -162,8 +162,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def chain_configs(self) -> tuple | None:
         """The one-row GEMV tiles of q/k/v, o, gate_up (with SiLU·mul) and down when this layer can decode one row
-        as a chain of those products with its norms inside them (`forward_chain`): one GPU, a dense MLP, 16-bit
-        weights the swept table has tiles for, no adapters; None otherwise."""
+        as a chain of those products with the norms in o_proj's and down_proj's launch (`forward_chain`): one GPU, a
+        dense MLP, 16-bit weights the swept table has tiles for, no adapters; None otherwise."""
         attn, mlp = self.self_attn, self.mlp
         if self.fuse_reduce or attn.o_proj.tp_size != 1 or not isinstance(mlp, LlamaMLP):
             return None
@@ -174,29 +174,25 @@ class LlamaDecoderLayer(nn.Module):
                 mlp.gate_up_proj.row_gemv_config(silu_mul=True), mlp.down_proj.row_gemv_config())
         return None if any(c is None for c in cfgs) else cfgs
 
-    def forward_chain(self, positions: torch.Tensor, normed: torch.Tensor | None, residual: torch.Tensor,
-                      forward_batch: ForwardBatch, cfgs: tuple, stats: torch.Tensor, i: int) -> torch.Tensor:
-        """One row through this layer with no norm launch: o_proj and down_proj add the residual in their epilogue
-        and leave the sum's squares in `stats` (rows 2i and 2i + 1); q/k/v and gate_up normalise their input from
-        those (q/k/v from row 2i - 1, the previous layer's; the first layer gets its input already normalised as
-        `normed`). Returns the layer's new residual (its hidden state plus the residual)."""
-        from radixserve.layers.triton_ops.gemv import gemv_row_chain
+    def forward_chain(self, positions: torch.Tensor, normed: torch.Tensor, residual: torch.Tensor,
+                      forward_batch: ForwardBatch, cfgs: tuple, counters: torch.Tensor,
+                      next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row through this layer with no norm launch of its own: `normed` is its input norm's output, and
+        o_proj / down_proj add the residual and apply the next norm in their epilogue (`gemv_row_add_norm`, with
+        this layer's post-attention norm and `next_norm`: the next layer's input norm, or the final one). Returns
+        (next_norm's output, the new residual)."""
+        from radixserve.layers.triton_ops.gemv import gemv_row, gemv_row_add_norm
 
         attn, mlp = self.self_attn, self.mlp
         qkv_cfg, o_cfg, gu_cfg, down_cfg = cfgs
-        if normed is not None:
-            qkv = gemv_row_chain(normed, attn.qkv_proj.weight, attn.qkv_proj.bias, qkv_cfg)
-        else:
-            norm = self.input_layernorm
-            qkv = gemv_row_chain(residual, attn.qkv_proj.weight, attn.qkv_proj.bias, qkv_cfg,
-                                 norm_from=(stats[2 * i - 1], norm.weight, norm.eps))
+        qkv = gemv_row(normed, attn.qkv_proj.weight, attn.qkv_proj.bias, qkv_cfg)
         out = attn(positions, None, forward_batch, qkv=qkv, project=False).reshape(1, -1)
-        mid = gemv_row_chain(out, attn.o_proj.weight, attn.o_proj.bias, o_cfg, add_to=(residual, stats[2 * i]))
-        norm = self.post_attention_layernorm
-        act = gemv_row_chain(mid, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gu_cfg, silu_mul=True,
-                             norm_from=(stats[2 * i], norm.weight, norm.eps))
-        return gemv_row_chain(act, mlp.down_proj.weight, mlp.down_proj.bias, down_cfg,
-                              add_to=(mid, stats[2 * i + 1]))
+        post = self.post_attention_layernorm
+        normed, residual = gemv_row_add_norm(out, attn.o_proj.weight, attn.o_proj.bias, residual, post.weight,
+                                             post.eps, counters[0], o_cfg)
+        act = gemv_row(normed, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gu_cfg, silu_mul=True)
+        return gemv_row_add_norm(act, mlp.down_proj.weight, mlp.down_proj.bias, residual, next_norm.weight,
+                                 next_norm.eps, counters[1], down_cfg)
 
 
 class LlamaModel(nn.Module):
@@ -218,41 +214,43 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.post_attention_layernorm.prefetch_next(getattr(layer.mlp, "gate_up_proj", None))
         self.final_partial = bool(len(self.layers)) and self.layers[-1].mlp_partial
-        self._chain: tuple | None = None  # (per-layer tiles, statistics buffer) of the one-row chain, or ()
+        self._chain: tuple | None = None  # (per-layer tiles, counters, the linears) of the one-row chain, or ()
 
     def _chain_state(self, hidden: torch.Tensor) -> tuple | None:
         """What `forward_chain` needs for this one-row step, or None to take the layers' usual path. Decided once
-        (tiles and the statistics buffer, allocated outside any CUDA-graph capture), adapters checked each call."""
+        (tiles, and the counters, allocated outside any CUDA-graph capture), adapters checked each call."""
         from radixserve.layers.triton_ops import gemv, use_fused
 
-        if not gemv.CHAIN_ENABLED or hidden.shape[0] != 1 or not use_fused(hidden) or not len(self.layers):
+        if not gemv.ADD_NORM_ENABLED or hidden.shape[0] != 1 or not use_fused(hidden) or not len(self.layers):
             return None
         if self._chain is None:
             if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
             cfgs = [layer.chain_configs() for layer in self.layers]
-            linears = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)] \
-                if all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers) else []
-            self._chain = () if any(c is None for c in cfgs) else (
-                cfgs, torch.zeros(2 * len(self.layers), gemv.STAT_SLOTS, dtype=torch.float32, device=hidden.device),
-                linears)
+            if any(c is None for c in cfgs):
+                self._chain = ()
+            else:
+                linears = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+                # two counters a layer, each left at 0 by the kernel that used it
+                counters = torch.zeros(len(self.layers), 2, dtype=torch.int32, device=hidden.device)
+                self._chain = (cfgs, counters, linears)
         if not self._chain or any(lin.lora is not None for lin in self._chain[2]):  # adapters attached since
             return None
         return self._chain
 
     def forward_chain(self, hidden: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
                       chain: tuple) -> torch.Tensor:
-        """One row (batch-1 decode) with the norms inside the one-row products: two launches fewer a layer
-        (`LlamaDecoderLayer.forward_chain`); the statistics are zeroed once a step (one memset)."""
-        cfgs, stats, _ = chain
-        stats.zero_()
+        """One row (batch-1 decode) with each residual add and RMSNorm after o_proj / down_proj in that product's
+        launch (`LlamaDecoderLayer.forward_chain`): the first layer's input norm is the only norm launch."""
+        cfgs, counters, _ = chain
         residual = hidden
         normed = self.layers[0].input_layernorm(hidden)
+        nxt = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, layer in enumerate(self.layers):
-            residual = layer.forward_chain(positions, normed, residual, forward_batch, cfgs[i], stats, i)
-            normed = None
-        return self.norm(residual)
+            normed, residual = layer.forward_chain(positions, normed, residual, forward_batch, cfgs[i], counters[i],
+                                                   nxt[i])
+        return normed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
