@@ -55,13 +55,18 @@ def make_kv(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
     from radixserve.layers.attention.triton_ops.decode_attention import (
+        ONE_LAUNCH,
         decode_attention_fwd,
         decode_partial_shapes,
         kv_split_cap,
+        new_decode_counters,
+        one_launch_pays,
     )
 
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # with counters a split batch merges in stage 1's launch (no stage 2); None: where the backend would
+    one_launch = [bool(x) for x in parse_ints(args.one_launch)] if args.one_launch else [None]
     rows = []
     for bs in parse_ints(args.batch_sizes):
         for seq_len in parse_ints(args.seq_lens):
@@ -86,23 +91,26 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
                          for bn in parse_ints(args.block_n or "64") for st in parse_ints(args.num_stages or "2")
                          for nw in parse_ints(args.num_warps or "4") for hf in parse_ints(args.heads_first or "1")
                          for vp in parse_ints(args.fp8_v_pairs or "0")]
-            for cap, tile in ((c, t) for c in caps for t in tiles):
+            for cap, tile, one in ((c, t, ol) for c in caps for t in tiles for ol in one_launch):
+                if one is None:
+                    one = ONE_LAUNCH and one_launch_pays(h // hkv, cap)
                 shape_o, shape_lse = decode_partial_shapes(bs, h, d, cap)
                 mid_o = torch.empty(shape_o, device="cuda", dtype=torch.float32)
                 mid_lse = torch.empty(shape_lse, device="cuda", dtype=torch.float32)
+                counters = new_decode_counters(bs, h, "cuda") if one else None
 
                 run = functools.partial(decode_attention_fwd, q, k_buf, v_buf, o, req_to_token, rpi, sl, mid_o,
                                         mid_lse, d ** -0.5, min_split_len=args.min_split_len,
                                         use_dot={"auto": None, "on": True, "off": False}[args.decode_dot],
-                                        num_kv_splits=cap, **tile)
+                                        num_kv_splits=cap, counters=counters, **tile)
                 secs = time_graph(run, args.iters)
                 kv_bytes = bs * seq_len * hkv * d * 2 * k_buf.element_size() + bs * seq_len * 4
                 row = {"kernel": "decode", "batch_size": bs, "seq_len": seq_len, "heads": h, "kv_heads": hkv,
                        "head_dim": d, "dtype": str(k_buf.dtype).removeprefix("torch."), "kv_splits": cap, **tile,
-                       "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
+                       "one_launch": one, "time_us": secs * 1e6, "kv_read_gb_per_s": kv_bytes / secs / 1e9}
                 rows.append(row)
                 print(f"decode  bs={bs:4d} seq={seq_len:6d} splits={cap:3d} {str(k_buf.dtype)[6:]:>13} "
-                      f"{' '.join(f'{a}={b}' for a, b in tile.items()):<22} "
+                      f"{' '.join(f'{a}={b}' for a, b in tile.items()):<22} one_launch={int(one)} "
                       f"{row['time_us']:9.1f} us  {row['kv_read_gb_per_s']:8.0f} GB/s", flush=True)
             del k_buf, v_buf, req_to_token
             torch.cuda.empty_cache()
@@ -178,6 +186,8 @@ def main() -> None:
     p.add_argument("--heads-first", default="", help="decode: '0,1' compares the two grid orders of stage 1")
     p.add_argument("--fp8-v-pairs", default="", help="decode over an fp8 pool: '0,1' compares V's tile read byte-wise "
                    "and as words widened in token pairs")
+    p.add_argument("--one-launch", default="", help="decode: '0,1' compares stage 2 as a second launch with the "
+                   "splits merged in stage 1's launch (default: where the backend would, one_launch_pays)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--skip-extend", action="store_true")
     args = p.parse_args()

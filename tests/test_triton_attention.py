@@ -217,7 +217,8 @@ def test_extend_skips_empty_requests() -> None:
 
 
 # ---------------------------------------------------------------- decode
-SMALL_SPLITS = {"min_split_len": 16, "decode_block_n": 16}
+# many small splits, merged in stage 1's launch whatever the shape (the default does so only where it paid)
+SMALL_SPLITS = {"min_split_len": 16, "decode_block_n": 16, "decode_one_launch": True}
 DECODE_CASES = [
     # (H, Hkv, D, seq_lens, dtype, tunables)
     (4, 4, 64, [1, 2, 17, 64, 100, 257], torch.float32, SMALL_SPLITS),  # MHA through a padded tl.dot
@@ -227,12 +228,14 @@ DECODE_CASES = [
     (4, 2, 96, [5, 77], torch.float32, SMALL_SPLITS),  # padded head_dim
     (128, 1, 16, [3, 40], torch.float32, SMALL_SPLITS),  # group of 128: two head blocks per KV head
     (8, 2, 64, [1, 63, 64, 65, 200], torch.float32, {}),  # the default tunables
+    (8, 2, 32, [1, 33, 129, 7], torch.float32, {**SMALL_SPLITS, "decode_one_launch": False}),  # stage 2 merges
 ]
 
 
 def _decode_id(c: tuple) -> str:
     path = "elementwise" if c[5].get("decode_use_dot") is False else "dot"
-    return f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-{path}"
+    launches = "-two-launches" if c[5].get("decode_one_launch") is False else ""
+    return f"H{c[0]}-Hkv{c[1]}-D{c[2]}-{str(c[4])[6:]}-{path}{launches}"
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=_decode_id)
@@ -267,7 +270,7 @@ def test_cuda_graph_metadata_path_matches_eager() -> None:
     gen = torch.Generator().manual_seed(5)
     runner = make_runner(h, hkv, d, torch.float32)
     backend = TritonAttnBackend(runner)
-    backend.min_split_len, backend.decode_block_n = 16, 16
+    backend.min_split_len, backend.decode_block_n, backend.decode_one_launch = 16, 16, True
     layer = make_layer(h, hkv, d)
     seq_lens = [1, 40, 77]
     fb, q, k, v = make_batch(runner, backend, [s - 1 for s in seq_lens], [1] * 3, ForwardMode.DECODE, gen)
@@ -281,10 +284,13 @@ def test_cuda_graph_metadata_path_matches_eager() -> None:
     rpi = torch.cat([fb.req_pool_indices, pad])
     sl = torch.cat([fb.seq_lens, fill])
     backend.init_forward_metadata_capture_cuda_graph(graph_bs, rpi, sl)
-    assert backend.forward_metadata is not None and backend.forward_metadata.num_kv_splits > 1
+    meta = backend.forward_metadata
+    assert meta is not None and meta.num_kv_splits > 1
+    assert meta.counters is not None and meta.counters.shape == (8, h)  # the graphs' own, for any captured bs
     qp = torch.cat([q, torch.zeros(1, q.shape[1], device=DEVICE)])
     out = backend.forward_decode(qp, k, v, layer, fb, save_kv_cache=False)
     torch.testing.assert_close(out[:3], eager, rtol=1e-5, atol=1e-5)
+    assert not meta.counters.any()  # left zero for the next replay
 
     # the next step: one more token per request, passed without padding (the backend pads)
     fb2, q2, k2, v2 = make_batch(runner, backend, [5, 60, 100], [1] * 3, ForwardMode.DECODE, gen)
@@ -300,6 +306,29 @@ def test_cuda_graph_metadata_path_matches_eager() -> None:
 
 
 # ---------------------------------------------------------------- interface
+def test_backend_merges_in_one_launch_where_it_paid() -> None:
+    """By default the backend passes counters (one launch) for GQA groups of 2-8 with at least 32 splits a request,
+    in eager and CUDA-graph decodes alike; not for plain multi-head attention, fewer splits, or when switched off."""
+    assert decode_attention.one_launch_pays(4, 64) and decode_attention.one_launch_pays(8, 32)
+    assert not decode_attention.one_launch_pays(1, 64) and not decode_attention.one_launch_pays(16, 64)
+    assert not decode_attention.one_launch_pays(4, 17)
+    gen = torch.Generator().manual_seed(2)
+    for (h, hkv), num_sms, switch, expected in (((8, 2), 132, None, True), ((8, 2), 8, None, False),
+                                                 ((4, 4), 132, None, False), ((8, 2), 132, False, False),
+                                                 ((4, 4), 8, True, True)):
+        runner = make_runner(h, hkv, 32, torch.float32)
+        backend = TritonAttnBackend(runner)
+        backend.num_sms = num_sms  # 132: 64 splits a request at batch 2; 8: 4-8 splits
+        if switch is not None:
+            backend.decode_one_launch = switch
+        fb, _, _, _ = make_batch(runner, backend, [30, 50], [1, 1], ForwardMode.DECODE, gen)
+        backend.init_forward_metadata(fb)
+        assert (backend.forward_metadata.counters is not None) == expected
+        backend.init_cuda_graph_state(max_bs=4)
+        backend.init_forward_metadata_capture_cuda_graph(2, fb.req_pool_indices, fb.seq_lens)
+        assert (backend.forward_metadata.counters is not None) == expected
+
+
 def test_registry_builds_the_backend() -> None:
     runner = make_runner(4, 2, 32, torch.float32)
     assert isinstance(create_attention_backend("triton", runner), TritonAttnBackend)
@@ -324,6 +353,13 @@ def test_bad_input_raises_value_error() -> None:
         decode_attention.decode_attention_fwd(q, kb[:, :2], kb[:, :2], q.clone(),
                                               runner.req_to_token_pool.req_to_token, idx, idx + 1, mid_o, mid_lse,
                                               1.0, use_dot=False)
+    good = decode_attention.new_decode_counters(2, 4, DEVICE)
+    for bad in (good.long(), good[:1], good[:, :3], decode_attention.new_decode_counters(4, 2, DEVICE).t(),
+                good.view(-1)):
+        with pytest.raises(ValueError, match="counters"):
+            decode_attention.decode_attention_fwd(q, kb[:, :2], kb[:, :2], q.clone(),
+                                                  runner.req_to_token_pool.req_to_token, idx, idx + 1, mid_o,
+                                                  mid_lse, 1.0, counters=bad)
     with pytest.raises(ValueError, match="match"):
         extend_attention.extend_attention_fwd(q, kb[:2], kb[:3], q.clone(), kb, kb,
                                               runner.req_to_token_pool.req_to_token, idx, idx, idx, idx, 1, 1.0)
@@ -441,3 +477,70 @@ def test_decode_fp8_pool_matches_reference(kv_dtype: torch.dtype, splits: int, q
         slots = r2t[i, :n].long()
         tol = 2e-4 if q_dtype == torch.float32 else 2e-2
         torch.testing.assert_close(o[i].float(), dense_decode(q[i], kd[slots], vd[slots]), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- one launch (the last program merges)
+def one_launch_case(seq_lens: list[int], window: int, kv_dtype: torch.dtype, q_dtype: torch.dtype, h: int,
+                    hkv: int, d: int, splits: int, block_n: int, **kwargs: object) -> None:
+    """Two calls in a row with the same counters, each with its own query and the other grid order: one launch (no
+    stage 2), the dense reference's attention (zeros for an empty request), the counters all zero after each."""
+    k_scale, v_scale = (0.5, 2.0) if kv_dtype != torch.float32 else (1.0, 1.0)
+    gen = torch.Generator().manual_seed(splits * 10 + h)
+    total = sum(seq_lens)
+    k_buf = (torch.randn(total, hkv, d, generator=gen) / k_scale).to(kv_dtype)
+    v_buf = (torch.randn(total, hkv, d, generator=gen) / v_scale).to(kv_dtype)
+    kd, vd = k_buf.float() * k_scale, v_buf.float() * v_scale
+    r2t = scattered_table(seq_lens, gen)
+    counters = decode_attention.new_decode_counters(len(seq_lens) + 3, h, DEVICE)  # more rows than the batch
+    launched: list[object] = []
+
+    def counting_launch(fn: object, *args: object, **kw: object) -> None:
+        launched.append(fn)
+        real_launch(fn, *args, **kw)
+
+    real_launch = decode_attention.launch
+    decode_attention.launch = counting_launch
+    try:
+        for heads_first in (False, True):
+            q = torch.randn(len(seq_lens), h, d, generator=gen).to(q_dtype)
+            launched.clear()
+            o = run_decode(q, k_buf, v_buf, r2t, seq_lens, splits, block_n, k_scale=k_scale, v_scale=v_scale,
+                           sliding_window=window, heads_first=heads_first, counters=counters, **kwargs)
+            assert launched == [decode_attention._decode_stage1_kernel]
+            assert not counters.any()
+            tol = 2e-4 if q_dtype == torch.float32 else 2e-2
+            for i, n in enumerate(seq_lens):
+                slots = r2t[i, max(0, n - window) if window > 0 else 0:n].long()
+                ref = dense_decode(q[i], kd[slots], vd[slots]) if n else torch.zeros(h, d)
+                torch.testing.assert_close(o[i].float(), ref, rtol=tol, atol=tol)
+    finally:
+        decode_attention.launch = real_launch
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("h,hkv", [(2, 2), (8, 2)], ids=["group1", "group4"])
+def test_decode_one_launch_matches_reference(splits: int, h: int, hkv: int) -> None:
+    """Requests of 0 tokens, fewer than min_split_len (one split, written directly), and of 2, 3 and more splits:
+    the last program of each request's head block merges its non-empty splits."""
+    one_launch_case([0, 5, 17, 40, 70, 129], -1, torch.float32, torch.float32, h, hkv, 32, splits, 16)
+
+
+def test_decode_one_launch_under_a_sliding_window() -> None:
+    """Under a window the splits cover the last W positions (decode_splits' boundaries, not the full-attention
+    ones): the merging program counts and reads the same splits stage 1 wrote."""
+    one_launch_case([0, 5, 20, 47, 90, 131], 40, torch.float32, torch.float32, 8, 2, 32, 3, 16)
+
+
+@pytest.mark.parametrize("v_pairs", [True, False], ids=["v_pairs", "v_bytes"])
+def test_decode_one_launch_over_an_fp8_pool(v_pairs: bool) -> None:
+    """A scaled fp8 pool (v's scale folded into each partial), V read as token pairs or widened whole."""
+    one_launch_case([0, 2, 33, 70, 95], -1, torch.float8_e4m3fn, torch.float32, 8, 2, 64, 3, 32,
+                    fp8_v_pairs=v_pairs)
+
+
+def test_decode_one_launch_one_split_a_merge_step() -> None:
+    """32 query heads of 128 dims on one KV head fill the merge's tile with one split, so it takes the 2-D path."""
+    from radixserve.layers.attention.triton_ops.common import merge_split_block
+
+    assert merge_split_block(32, 128) == 1
+    one_launch_case([0, 40, 70], -1, torch.float32, torch.float32, 32, 1, 128, 3, 16)

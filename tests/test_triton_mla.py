@@ -66,6 +66,7 @@ def run_both(num_heads: int, prefix_lens: list[int], extend_lens: list[int], mod
     runner = make_runner(num_heads, dtype)
     backend = TritonAttnBackend(runner)
     backend.min_split_len = 16  # several splits per request even for short sequences
+    backend.decode_one_launch = True  # merged in stage 1's launch (the default leaves MLA to stage 2)
     lay = layer(num_heads)
     fb, q, k = make_batch(runner, backend, prefix_lens, extend_lens, mode, gen)
     backend.init_forward_metadata(fb)
@@ -164,3 +165,50 @@ def test_mla_decode_kernel_one_split_and_several_match_dense(splits: int) -> Non
         keys = kv[r2t[i, :n].long(), 0]  # [n, C + R]
         w = torch.softmax(q[i] @ keys.T * scale, dim=-1)
         torch.testing.assert_close(o[i].cpu(), w @ keys[:, :RANK], rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("h", [4, 20], ids=["one-head-block", "two-head-blocks"])
+def test_mla_decode_one_launch_matches_dense(splits: int, h: int) -> None:
+    """With counters, several splits merge in stage 1's launch (the last program of each request's head block
+    merges; no stage 2): the dense attention, zeros for an empty request, one split written directly for a request
+    shorter than min_split_len; two calls in a row with the same counters, which each call leaves zero."""
+    from radixserve.layers.attention.triton_ops import mla_attention
+    from radixserve.layers.attention.triton_ops.decode_attention import new_decode_counters, split_capacity
+
+    gen = torch.Generator().manual_seed(7 + splits)
+    seq_lens, scale = [1, 0, 12, 37, 70], 0.3
+    bs, total = len(seq_lens), sum(seq_lens)
+    kv = torch.randn(total + 1, 1, RANK + ROPE, generator=gen)
+    r2t = scattered_table(seq_lens, gen, offset=1)
+    cap = split_capacity(splits)
+    mid_o = torch.empty(bs, h, cap, RANK, device=DEVICE)
+    mid_lse = torch.empty(bs, h, cap, device=DEVICE)
+    counters = new_decode_counters(bs, h, DEVICE)
+    launched: list[object] = []
+    real_launch = mla_attention.launch
+
+    def counting_launch(fn: object, *args: object, **kw: object) -> None:
+        launched.append(fn)
+        real_launch(fn, *args, **kw)
+
+    mla_attention.launch = counting_launch
+    try:
+        for _ in range(2):
+            q = torch.randn(bs, h, RANK + ROPE, generator=gen)
+            o = torch.full((bs, h, RANK), float("nan"), device=DEVICE)
+            launched.clear()
+            mla_attention.mla_decode_fwd(q.to(DEVICE), kv.to(DEVICE), o, r2t.to(DEVICE),
+                                         torch.arange(bs, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
+                                         mid_o, mid_lse, scale, RANK, splits, min_split_len=16, counters=counters)
+            assert launched == [mla_attention._mla_decode_stage1_kernel]
+            assert not counters.any()
+            for i, n in enumerate(seq_lens):
+                if n == 0:
+                    assert torch.equal(o[i].cpu(), torch.zeros(h, RANK))
+                    continue
+                keys = kv[r2t[i, :n].long(), 0]
+                w = torch.softmax(q[i] @ keys.T * scale, dim=-1)
+                torch.testing.assert_close(o[i].cpu(), w @ keys[:, :RANK], rtol=2e-4, atol=2e-4)
+    finally:
+        mla_attention.launch = real_launch

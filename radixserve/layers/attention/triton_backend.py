@@ -15,9 +15,12 @@ import torch
 
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
 from radixserve.layers.attention.triton_ops.decode_attention import (
+    ONE_LAUNCH,
     decode_attention_fwd,
     is_interpreted,
     kv_split_cap,
+    new_decode_counters,
+    one_launch_pays,
     split_capacity,
 )
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention_fwd
@@ -50,6 +53,7 @@ class TritonForwardMetadata:
     num_kv_splits: int = 1  # splits launched per request (the kernels use fewer for short sequences)
     mid_o: torch.Tensor | None = None  # flat float32 scratch for the partial outputs (split_capacity slots each)
     mid_lse: torch.Tensor | None = None  # flat float32 scratch for the partial log-sum-exps
+    counters: torch.Tensor | None = None  # int32 [>= bs, heads], all zero: merge the splits in one launch (or None)
     cuda_graph: bool = False  # the scratch and index buffers are static: never reallocate them
     # extend (over the first requests of the batch, all of them unless some are decodes at its tail)
     max_extend_len: int = 0
@@ -98,6 +102,9 @@ class TritonAttnBackend(AttentionBackend):
             self.programs_per_sm = PROGRAMS_PER_SM
         self.decode_block_n: int | None = None  # None: the kernel's default
         self.decode_use_dot: bool | None = None  # None: tl.dot; False: elementwise (MHA only, slower on GPUs)
+        # merge a split batch's partials in stage 1's launch (counters): None where that paid (`_one_launch`),
+        # True whenever there are several splits, False never
+        self.decode_one_launch: bool | None = None if ONE_LAUNCH else False
         if self.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -110,6 +117,8 @@ class TritonAttnBackend(AttentionBackend):
         self._cg_seq_lens: torch.Tensor | None = None
         self._cg_mid_o: torch.Tensor | None = None
         self._cg_mid_lse: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
+        self._cg_counters: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- metadata
     def _kv_split_cap(self, bs: int) -> int:
@@ -132,6 +141,23 @@ class TritonAttnBackend(AttentionBackend):
             mid_lse = self._mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
         return mid_o, mid_lse
 
+    def _one_launch(self, splits: int) -> bool:
+        """Whether a decode of `splits` splits a request merges them in stage 1's launch: by default only MHA / GQA
+        shapes where that measured faster than stage 2 (`one_launch_pays`; never MLA, whose one program a request
+        merging 16 heads of 512 took twice stage 2's time)."""
+        if self.decode_one_launch is None:
+            return not self.is_mla and one_launch_pays(self.num_heads // self.num_kv_heads, splits)
+        return self.decode_one_launch
+
+    def _eager_counters(self, bs: int, splits: int) -> torch.Tensor | None:
+        """The one-launch counters for an eager decode of bs requests (None when it launches stage 2); zeroed
+        once, and every decode launch leaves them zero."""
+        if not self._one_launch(splits):
+            return None
+        if self._counters is None or self._counters.shape[0] < bs:
+            self._counters = new_decode_counters(2 * bs, self.num_heads, self.device)  # headroom, as the scratch
+        return self._counters
+
     def _decode_scratch(self, meta: TritonForwardMetadata, bs: int, num_heads: int,
                         head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The split-KV partials (mid_o [bs, heads, cap, head_dim], mid_lse [bs, heads, cap]) for a decode layer:
@@ -153,7 +179,7 @@ class TritonAttnBackend(AttentionBackend):
             mid_o, mid_lse = self._ensure_eager_scratch(bs, self.num_heads, self.v_head_dim, splits)
             self.forward_metadata = TritonForwardMetadata(
                 req_pool_indices=forward_batch.req_pool_indices, seq_lens=forward_batch.seq_lens,
-                num_kv_splits=splits, mid_o=mid_o, mid_lse=mid_lse)
+                num_kv_splits=splits, mid_o=mid_o, mid_lse=mid_lse, counters=self._eager_counters(bs, splits))
             return
         if bs == 0 or not mode.is_extend():
             self.forward_metadata = TritonForwardMetadata()
@@ -179,6 +205,7 @@ class TritonAttnBackend(AttentionBackend):
             meta.num_kv_splits = self._kv_split_cap(tail)
             meta.mid_o, meta.mid_lse = self._ensure_eager_scratch(tail, self.num_heads, self.v_head_dim,
                                                                   meta.num_kv_splits)
+            meta.counters = self._eager_counters(tail, meta.num_kv_splits)
         self.forward_metadata = meta
 
     # ---------------------------------------------------------------- CUDA graphs (decode)
@@ -194,6 +221,8 @@ class TritonAttnBackend(AttentionBackend):
         n_o, n_lse = worst * self.num_heads * self.v_head_dim, worst * self.num_heads
         self._cg_mid_o = torch.empty(n_o, dtype=torch.float32, device=self.device)
         self._cg_mid_lse = torch.empty(n_lse, dtype=torch.float32, device=self.device)
+        # the graphs' own counters: never reallocated (the eager ones grow with the batch)
+        self._cg_counters = new_decode_counters(max_bs, self.num_heads, self.device)
 
     def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._cg_req_pool_indices is None or self._cg_seq_lens is None:
@@ -222,9 +251,11 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor) -> None:
         rpi, sl = self._load_cuda_graph_inputs(bs, req_pool_indices, seq_lens)
+        splits = self._kv_split_cap(bs)
         self.forward_metadata = TritonForwardMetadata(
-            req_pool_indices=rpi[:bs], seq_lens=sl[:bs],
-            num_kv_splits=self._kv_split_cap(bs), mid_o=self._cg_mid_o, mid_lse=self._cg_mid_lse, cuda_graph=True)
+            req_pool_indices=rpi[:bs], seq_lens=sl[:bs], num_kv_splits=splits, mid_o=self._cg_mid_o,
+            mid_lse=self._cg_mid_lse, counters=self._cg_counters if self._one_launch(splits) else None,
+            cuda_graph=True)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
@@ -321,7 +352,7 @@ class TritonAttnBackend(AttentionBackend):
             q3, k_buf, v_buf, o, self.req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
             use_dot=self.decode_use_dot, num_kv_splits=meta.num_kv_splits, k_scale=kv_scales(layer)[0],
-            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer))
+            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer), counters=meta.counters)
 
     # ---------------------------------------------------------------- MLA (latent pool)
     def _mla_store(self, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
@@ -357,5 +388,5 @@ class TritonAttnBackend(AttentionBackend):
         mid_o, mid_lse = self._decode_scratch(meta, bs, num_heads, dv)
         kv_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         mla_decode_fwd(q3, kv_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
-                       layer.scaling, dv, splits, min_split_len=self.min_split_len)
+                       layer.scaling, dv, splits, min_split_len=self.min_split_len, counters=meta.counters)
         return o.view(-1, num_heads * dv)

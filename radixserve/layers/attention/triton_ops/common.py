@@ -72,3 +72,76 @@ def store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d
     tl.store(out_ptrs, acc * (v_scale / safe_l[:, None]), mask=mask_h[:, None] & mask_d[None, :])
     tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split,
              tl.where(live, m_i + tl.log2(safe_l), -1.0e30), mask=mask_h)
+
+
+@triton.jit
+def last_partial_done(Counter, n_valid):
+    """After a decode program has stored its partial (`store_decode_partial`): count it on its (request, head
+    block)'s int32 counter, and return whether it was the last of the n_valid non-empty splits, the program that
+    then merges them (`merge_decode_partials`) and puts the counter back to 0.
+
+    The barrier makes every thread's part of the partial precede the atomic, which thread 0 alone runs (the
+    counter is a scalar) at GPU scope: its release publishes the whole program's stores, and in the last program
+    its acquire (broadcast to the other threads through shared memory behind a barrier) orders the merge's loads
+    after every other program's stores."""
+    tl.debug_barrier()
+    return tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu") == n_valid - 1
+
+
+@triton.jit
+def merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
+                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                          HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """Stage 2's merge of request b's first n_valid splits for heads head0 .. head0 + n_heads - 1 (n_heads <=
+    HEADS), stored into Out: each partial weighted by exp2(lse - the head's largest lse), the sum divided by the sum
+    of the weights; zeros for n_valid 0.
+
+    Run by the last program of the request's head block (`last_partial_done`), so the heads' whole merge is one
+    program's work: SPLIT_BLOCK splits a step, loaded together ([HEADS, SPLIT_BLOCK, BLOCK_D]), with the largest
+    lse found first so that the steps depend on each other only through their sums (one split a step, stage 2's
+    running maximum, waited a round trip to L2 per split). The other programs wrote the partials while this
+    kernel runs: the loads go to L2 (`.cg`), past this SM's L1, which is not kept coherent with other SMs' stores."""
+    offs_h = tl.arange(0, HEADS)
+    mask_h = offs_h < n_heads
+    heads = head0 + offs_h
+    offs_d, mask_d = head_dims(HEAD_DIM, BLOCK_D)
+    lse_ptrs = Mid_LSE + b.to(tl.int64) * stride_mlb + heads[:, None] * stride_mlh  # [HEADS, 1]
+    m = tl.full([HEADS], -1.0e30, dtype=tl.float32)  # (finite: padding heads must not make -inf - -inf)
+    offs_m = tl.arange(0, 64)
+    for s0 in range(0, n_valid, 64):
+        ok = mask_h[:, None] & (s0 + offs_m[None, :] < n_valid)
+        lse = tl.load(lse_ptrs + s0 + offs_m[None, :], mask=ok, other=-1.0e30, cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(lse, axis=1))
+    acc = tl.zeros([HEADS, BLOCK_D], dtype=tl.float32)
+    denom = tl.zeros([HEADS], dtype=tl.float32)
+    if SPLIT_BLOCK == 1:  # 2-D (Triton 3.6 fails to compile the sum over a [HEADS, 1, BLOCK_D] tile's middle axis)
+        o_ptrs = Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + offs_d[None, :]
+        for s in range(0, n_valid):
+            lse = tl.load(lse_ptrs + s, mask=mask_h[:, None], other=-1.0e30, cache_modifier=".cg")  # [HEADS, 1]
+            w = tl.where(mask_h[:, None], tl.exp2(lse - m[:, None]), 0.0)
+            parts = tl.load(o_ptrs + s * stride_mos, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+                            cache_modifier=".cg")
+            acc += w * parts
+            denom += tl.sum(w, axis=1)
+    else:
+        offs_s = tl.arange(0, SPLIT_BLOCK)
+        o_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None, None] * stride_moh
+                  + offs_s[None, :, None] * stride_mos + offs_d[None, None, :])
+        for s0 in range(0, n_valid, SPLIT_BLOCK):
+            ok = mask_h[:, None] & (s0 + offs_s[None, :] < n_valid)  # [HEADS, SPLIT_BLOCK]
+            lse = tl.load(lse_ptrs + s0 + offs_s[None, :], mask=ok, other=-1.0e30, cache_modifier=".cg")
+            w = tl.where(ok, tl.exp2(lse - m[:, None]), 0.0)
+            parts = tl.load(o_ptrs + s0 * stride_mos, mask=ok[:, :, None] & mask_d[None, None, :], other=0.0,
+                            cache_modifier=".cg")
+            acc += tl.sum(w[:, :, None] * parts, axis=1)
+            denom += tl.sum(w, axis=1)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+
+
+def merge_split_block(heads: int, block_d: int) -> int:
+    """Splits a step of `merge_decode_partials` for `heads` heads of block_d: a [heads, splits, block_d] float32
+    tile of at most 4,096 values (32 registers a thread at 4 warps), 1 to 16 splits."""
+    return max(1, min(16, 4096 // (heads * block_d)))

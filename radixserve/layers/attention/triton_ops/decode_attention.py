@@ -4,7 +4,12 @@ Stage 1 launches one program per (block of query heads that share a KV head, req
 its chunk of the request's KV slots, keeps an online softmax, and writes a partial output (already divided by its
 own softmax sum) plus the base-2 log-sum-exp of its scores. Stage 2 launches one program per (request, query head)
 and merges the partials of the non-empty splits. When the batch is large enough that each request gets one split
-(`kv_split_cap` gives 1), stage 1 writes the output itself and stage 2 is not launched.
+(`kv_split_cap` gives 1), stage 1 writes the output itself and stage 2 is not launched. Given `counters` (one int32
+a request and head block, all zero), a launch of several splits merges in stage 1 too: each program that stored a
+partial counts it with one atomic, and the program of its request's non-empty splits that counts last merges them
+all (stage 2's sums, in another order), then puts the counter back to 0 (`last_partial_done`,
+`merge_decode_partials`); stage 2 is not launched. The backend passes counters where that measured faster
+(`ONE_LAUNCH`).
 
 An fp8 pool (k / k_scale, v / v_scale) costs nothing extra: k's scale is folded into the score scale, v's into the
 partial output; its tiles are widened to fp16 (one conversion instruction per two values, where bf16 needs a second
@@ -14,10 +19,11 @@ over tokens and sm_90 has no transposing matrix load for 8-bit types); `fp8_v_pa
 instead and widens (even, odd) token pairs in registers (`_fp8_pairs`), the default where the shapes allow it.
 
 The grid depends only on the batch size (its split axis is `num_kv_splits`, which the caller picks from the batch
-size alone), so both launches can be captured in a CUDA graph. How many splits a request really uses is decided
-inside the kernels from its seq_len: `min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of
-BLOCK_N tokens; programs whose split is empty do nothing, and stage 2 recomputes the same split boundaries, so no
-split count is ever stored. Under a sliding window of W tokens the splits cover only the last W positions.
+size alone), so both launches can be captured in a CUDA graph (and the counters need no reset: every launch leaves
+them zero). How many splits a request really uses is decided inside the kernels from its seq_len:
+`min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of BLOCK_N tokens; programs whose split is
+empty do nothing (nor count), and stage 2 or the merging program recomputes the same split boundaries, so no split
+count is ever stored. Under a sliding window of W tokens the splits cover only the last W positions.
 
 Query heads of one KV head (GQA) are processed together: the K/V tile is loaded once for the group, and the scores
 come from `tl.dot` with the group padded to at least 16 rows (tensor cores want M >= 16). That holds even for plain
@@ -38,6 +44,9 @@ from radixserve.layers.attention.triton_ops.common import (
     decode_head_block,
     decode_splits,
     head_dims,
+    last_partial_done,
+    merge_decode_partials,
+    merge_split_block,
     mma,
     store_decode_partial,
 )
@@ -98,7 +107,7 @@ def _fp8_pairs(we, wo, FMT: tl.constexpr, PORTABLE: tl.constexpr):
 # otherwise compile its own variant the first time some batch size produced it, in the middle of serving).
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
 def _decode_stage1_kernel(
-    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out,
+    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out, Counters,
     sm_scale_log2, v_scale, num_kv_splits, min_split_len, window,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
@@ -107,6 +116,7 @@ def _decode_stage1_kernel(
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
+    stride_cb,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -121,6 +131,9 @@ def _decode_stage1_kernel(
     PDL: tl.constexpr = 0,
     HEADS_FIRST: tl.constexpr = False,
     DIRECT: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
+    MERGE_HEADS: tl.constexpr = 1,
+    MERGE_SPLITS: tl.constexpr = 1,
 ):
     pdl_prologue(PDL)
     if HEADS_FIRST:  # the grid's fastest axis is the head: one token's heads are read by programs running together
@@ -135,7 +148,7 @@ def _decode_stage1_kernel(
 
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     if SLIDING:
-        kv_start, chunk, _ = decode_splits(seq_len, window, num_kv_splits, min_split_len, BLOCK_N)
+        kv_start, chunk, n_valid = decode_splits(seq_len, window, num_kv_splits, min_split_len, BLOCK_N)
     else:
         # full attention: the same boundaries as decode_splits, but with kv_start = 0 and no lower bound on chunk
         # known at compile time, every split starts at a multiple of BLOCK_N (the window-aware form made stage 1
@@ -143,8 +156,12 @@ def _decode_stage1_kernel(
         kv_start = 0
         n_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), num_kv_splits)
         chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+        # the splits below with start < end (chunk is 0 only for seq_len 0, which has none)
+        n_valid = tl.cdiv(seq_len, tl.maximum(chunk, 1))
     start = kv_start + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    mask_o = mask_h[:, None] & mask_d[None, :]
 
     if start < end:
         row = tl.load(Req_pool_indices + b).to(tl.int64)
@@ -213,14 +230,28 @@ def _decode_stage1_kernel(
 
         if DIRECT:  # one split: the program's result is the output, with no partials to merge
             out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None])
-            tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_o)
+        elif MERGE:
+            if n_valid == 1:  # the request's one non-empty split: its result is the output, as with DIRECT
+                out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None])
+                tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_o)
+            else:  # the last of the request's programs for these heads merges the partials (stage 2's work)
+                store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i,
+                                     v_scale, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+                counter = Counters + b.to(tl.int64) * stride_cb + pid_h
+                if last_partial_done(counter, n_valid):
+                    first = (pid_h % HEAD_BLOCKS) * BLOCK_H  # the block's first head in the group
+                    merge_decode_partials(Mid_O, Mid_LSE, Out, b, kv_head * GROUP + first,
+                                          tl.minimum(GROUP - first, BLOCK_H), n_valid,
+                                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                                          stride_ob, stride_oh, MERGE_HEADS, MERGE_SPLITS, HEAD_DIM, BLOCK_D)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch: no memset
         else:
             store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
                                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
-    elif DIRECT:  # an empty request (seq_len 0) attends to nothing: zeros, as stage 2 writes them
-        tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    elif DIRECT or MERGE:
+        if split == 0:  # an empty request (seq_len 0) attends to nothing: zeros, as stage 2 writes them
+            tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty), mask=mask_o)
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window", "dense_len", "top_k"])
@@ -289,6 +320,17 @@ FP8_V_PAIRS = os.environ.get("RADIXSERVE_DECODE_FP8_V_PAIRS", "1") == "1"
 # 1,024 tokens, bf16) 1-3% faster than requests first, and the 1,000-prompt offline run 0.8% (docs/perf-log.md);
 # RADIXSERVE_DECODE_HEADS_FIRST=0 restores the requests-first order.
 HEADS_FIRST = os.environ.get("RADIXSERVE_DECODE_HEADS_FIRST", "1") == "1"
+# A small batch split over many KV splits a request merges them in stage 1's own launch: the last program of each
+# (request, head block) to store its partial merges them (`last_partial_done`, `merge_decode_partials`) instead of
+# stage 2. Replayed from a CUDA graph the gap between the two launches is only ~0.2 us; the gain is the merge's
+# own time, many splits a step where stage 2 waits a round trip to L2 per split. On an H200 (8B shape, bf16, 32
+# query heads on 8 KV heads, 64 splits) batch 1 x 512 / 2,048 / 8,192 tokens took 5.6 / 8.4-8.7 / 14.6 us against
+# 6.0 / 9.7-9.9 / 16.5, batch 2 0.4-1.7 us less, batch 4-8 within 0.5 us; but batch 16 (9 splits) x 512 took
+# 0.7-0.9 us more, plain multi-head attention 1.3-5.7 us more (113 registers a thread against 94), and a group of
+# 128 heads or MLA (one program merging 64 or 16 heads) 2-3x stage 2's time. So the backend passes its counters
+# only where it paid (`one_launch_pays`); RADIXSERVE_DECODE_ONE_LAUNCH=0 never does
+# (`bench_attention_kernels.py --one-launch 0,1` compares them).
+ONE_LAUNCH = os.environ.get("RADIXSERVE_DECODE_ONE_LAUNCH", "1") == "1"
 
 
 def is_interpreted() -> bool:
@@ -310,6 +352,27 @@ def decode_partial_shapes(batch_size: int, num_heads: int, head_dim: int,
     `num_kv_splits` splits (padded to `split_capacity`)."""
     cap = split_capacity(num_kv_splits)
     return (batch_size, num_heads, cap, head_dim), (batch_size, num_heads, cap)
+
+
+def new_decode_counters(batch_size: int, num_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed int32 [batch_size, num_heads] counters with which `decode_attention_fwd` (and `mla_decode_fwd`)
+    merge a split batch in one launch; every call leaves them zero again, so one allocation serves every call and
+    every CUDA graph of at most batch_size requests (calls one after the other on a stream, never two at once)."""
+    return torch.zeros((batch_size, num_heads), dtype=torch.int32, device=device)
+
+
+def one_launch_pays(group: int, num_kv_splits: int) -> bool:
+    """Whether merging in stage 1's launch (counters) beat stage 2 on an H200 for this shape (ONE_LAUNCH's
+    measurements): query groups of 2 to 8 heads a KV head, at least 32 splits a request (batch 1-4 at 8 KV heads)."""
+    return 2 <= group <= 8 and num_kv_splits >= 32
+
+
+def check_decode_counters(counters: torch.Tensor, bs: int, num_heads: int) -> None:
+    """ValueError unless `counters` is the contiguous int32 [>= bs, >= num_heads] of `new_decode_counters`."""
+    if counters.dtype != torch.int32 or counters.dim() != 2 or counters.shape[0] < bs \
+            or counters.shape[1] < num_heads or not counters.is_contiguous():
+        raise ValueError(f"counters must be contiguous int32 [>= {bs}, >= {num_heads}] (new_decode_counters); got "
+                         f"{counters.dtype} {tuple(counters.shape)} with strides {counters.stride()}")
 
 
 def split_capacity(num_kv_splits: int) -> int:
@@ -393,6 +456,7 @@ def decode_attention_fwd(
     sliding_window: int = -1,
     heads_first: bool | None = None,
     fp8_v_pairs: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request over its first seq_len KV slots (the last `sliding_window` of them
     when it is positive); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless it is fp8).
@@ -404,6 +468,8 @@ def decode_attention_fwd(
     (`kv_split_cap` picks it for a batch size). heads_first (default HEADS_FIRST) orders stage 1's grid;
     fp8_v_pairs (default FP8_V_PAIRS) reads an fp8 pool's V as words widened in token pairs, where the shapes allow
     it (a head dim of at least 64 and a multiple of 4, tiles of at least 32 tokens, 4-byte aligned rows).
+    counters (int32 [>= bs, >= H], all zero: `new_decode_counters`; left zero again) merge the splits in stage 1's
+    launch when there are several (ONE_LAUNCH); without them stage 2 merges them in a second launch.
     """
     if mid_lse.dim() != 3:
         raise ValueError(f"mid_lse must be [bs, H, S]; got {tuple(mid_lse.shape)}")
@@ -412,6 +478,8 @@ def decode_attention_fwd(
         num_kv_splits = capacity
     _check_decode_inputs(q, k_buffer, v_buffer, o, mid_o, mid_lse, num_kv_splits)
     bs, num_heads, head_dim = q.shape
+    if counters is not None:
+        check_decode_counters(counters, bs, num_heads)
     if bs == 0:
         return
     num_kv_heads = k_buffer.shape[1]
@@ -452,8 +520,11 @@ def decode_attention_fwd(
     grid1 = (num_kv_heads * head_blocks, bs, num_kv_splits) if heads_first else (bs, num_kv_heads * head_blocks,
                                                                                    num_kv_splits)
     direct = num_kv_splits == 1  # stage 1 writes the output itself; no stage 2
+    merge = not direct and counters is not None  # stage 1's last program of each head block merges; no stage 2
+    merge_heads = min(block_h, triton.next_power_of_2(group))  # the block's real heads (block_h pads them to 16)
     launch(_decode_stage1_kernel, grid1,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
+        counters if merge else mid_lse,  # (a stand-in pointer that the kernel does not touch)
         sm_scale * k_scale * LOG2E, v_scale, num_kv_splits, min_split_len, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -462,13 +533,15 @@ def decode_attention_fwd(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
+        counters.stride(0) if merge else 0,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
         KV_F16=use_dot and not dot_fp32 and fp8_pool, V_PAIRS=v_pairs,
-        SLIDING=window > 0, HEADS_FIRST=heads_first, DIRECT=direct,
+        SLIDING=window > 0, HEADS_FIRST=heads_first, DIRECT=direct, MERGE=merge,
+        MERGE_HEADS=merge_heads, MERGE_SPLITS=merge_split_block(merge_heads, block_d),
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_opts(q),
     )
-    if direct:
+    if direct or merge:
         return
     grid2 = (bs, num_heads)
     launch(_decode_stage2_kernel, grid2,

@@ -8,8 +8,11 @@ with the other.
 
 - Decode: split-KV like `decode_attention.py` (stage 1 here, one program per request × block of heads × split; the
   merge is that file's stage 2, with the latent as the head dim). With one split a request (large batches) stage 1
-  writes the output itself and stage 2 is not launched. The grid depends on the batch size only, so it captures in
-  a CUDA graph.
+  writes the output itself and stage 2 is not launched; with several and `counters`, the last program of each
+  request's head block merges them in stage 1's launch, as there (`merge_decode_partials`), though at DeepSeek's
+  shape that one program's merge of 16 heads x 512 took 2-3x stage 2's time on an H200, so the backend leaves MLA
+  to stage 2 by default (`ONE_LAUNCH` in decode_attention.py). The grid depends on the batch size only, so it
+  captures in a CUDA graph.
 - Extend: one program per (request, head, BLOCK_M new tokens); keys are the request's cached prefix and its new
   tokens, all read from the pool (the backend stores the new latents first), the new ones causally.
 """
@@ -22,8 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.common import decode_splits
-from radixserve.layers.attention.triton_ops.decode_attention import _decode_stage2_kernel, is_interpreted
+from radixserve.layers.attention.triton_ops.common import (
+    decode_splits,
+    last_partial_done,
+    merge_decode_partials,
+    merge_split_block,
+)
+from radixserve.layers.attention.triton_ops.decode_attention import (
+    _decode_stage2_kernel,
+    check_decode_counters,
+    is_interpreted,
+)
 from radixserve.layers.triton_ops.launch import launch
 
 _LOG2E = 1.4426950408889634
@@ -62,17 +74,29 @@ def _mma(a, b, FP32: tl.constexpr):
         return tl.dot(a, b.to(a.dtype))
 
 
+@triton.jit
+def _mla_store_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i,
+                       stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):
+    """A split's partial output (divided by its softmax sum) and base-2 log-sum-exp, as stage 2 reads them."""
+    tl.store(Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_c[None, :],
+             acc / l_i[:, None], mask=mask_h[:, None] & mask_c[None, :])
+    tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
+
+
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
 def _mla_decode_stage1_kernel(
-    Q, KV_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out,
+    Q, KV_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out, Counters,
     sm_scale_log2, num_kv_splits, min_split_len, num_heads,
     stride_qb, stride_qh, stride_kvt, stride_r2t,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, stride_cb,
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DIRECT: tl.constexpr = False,
+    MERGE: tl.constexpr = False,
+    MERGE_SPLITS: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    pid_h = tl.program_id(1)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     mask_h = heads < num_heads
     offs_c = tl.arange(0, BLOCK_C)
@@ -81,9 +105,11 @@ def _mla_decode_stage1_kernel(
     mask_r = offs_r < R
 
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    _, chunk, _ = decode_splits(seq_len, 0, num_kv_splits, min_split_len, BLOCK_N)  # the split stage 2 expects
+    _, chunk, n_valid = decode_splits(seq_len, 0, num_kv_splits, min_split_len, BLOCK_N)  # stage 2's splits
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_c[None, :]
+    mask_o = mask_h[:, None] & mask_c[None, :]
     if start < end:
         row = tl.load(Req_pool_indices + b).to(tl.int64)
         q_base = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
@@ -108,27 +134,36 @@ def _mla_decode_stage1_kernel(
             acc = acc * alpha[:, None] + _mma(p.to(q_c.dtype), kc, DOT_FP32)
             m_i = m_new
         if DIRECT:  # one split: the program's result is the output
-            tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
-                     (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_o)
+        elif MERGE:
+            if n_valid == 1:  # the request's one non-empty split: its result is the output, as with DIRECT
+                tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_o)
+            else:  # the last of the request's programs for these heads merges the partials (stage 2's work)
+                _mla_store_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i,
+                                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+                counter = Counters + b.to(tl.int64) * stride_cb + pid_h
+                if last_partial_done(counter, n_valid):
+                    merge_decode_partials(Mid_O, Mid_LSE, Out, b, pid_h * BLOCK_H, num_heads - pid_h * BLOCK_H,
+                                          n_valid, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                                          stride_ob, stride_oh, BLOCK_H, MERGE_SPLITS, C, BLOCK_C)
+                    tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch: no memset
         else:
-            out_ptrs = (Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-                        + offs_c[None, :])
-            tl.store(out_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_c[None, :])
-            tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i),
-                     mask=mask_h)
-    elif DIRECT:  # an empty request attends to nothing: zeros, as stage 2 writes them
-        tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
-                 tl.zeros([BLOCK_H, BLOCK_C], dtype=Out.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+            _mla_store_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i,
+                               stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+    elif DIRECT or MERGE:
+        if split == 0:  # an empty request attends to nothing: zeros, as stage 2 writes them
+            tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_C], dtype=Out.dtype.element_ty), mask=mask_o)
 
 
 def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, req_to_token: torch.Tensor,
                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.Tensor,
                    mid_lse: torch.Tensor, sm_scale: float, kv_lora_rank: int, num_kv_splits: int,
                    min_split_len: int = 64, block_n: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None) -> None:
+                   num_stages: int | None = None, counters: torch.Tensor | None = None) -> None:
     """q [bs, H, C + R]; kv_buffer [slots, 1, C + R]; o [bs, H, C]; mid_o [bs, H, S, C] and mid_lse [bs, H, S]
     float32 scratch (S >= num_kv_splits, contiguous; not touched with one split). Writes o in place. block_n /
-    num_warps / num_stages default to DECODE_BLOCK_N / _WARPS / _STAGES on a GPU."""
+    num_warps / num_stages default to DECODE_BLOCK_N / _WARPS / _STAGES on a GPU. counters (int32 [>= bs, >= H], all
+    zero: `new_decode_counters`; left zero again) merge several splits in stage 1's launch, without stage 2."""
     bs, num_heads, dim = q.shape
     c = kv_lora_rank
     r = dim - c
@@ -140,6 +175,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
     if num_kv_splits > 1 and (tuple(mid_o.shape[:2]) != (bs, num_heads) or mid_o.shape[3] != c
                               or mid_lse.shape[2] < num_kv_splits):
         raise ValueError(f"MLA decode scratch {tuple(mid_o.shape)} / {tuple(mid_lse.shape)} too small")
+    if counters is not None:
+        check_decode_counters(counters, bs, num_heads)
     if bs == 0:
         return
     interp = is_interpreted()
@@ -147,16 +184,19 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
     block_h = 16
     dot_fp32 = interp or q.dtype == torch.float32
     direct = num_kv_splits == 1  # stage 1 writes o; no stage 2
+    merge = not direct and counters is not None  # stage 1's last program of each head block merges; no stage 2
     launch(_mla_decode_stage1_kernel, (bs, triton.cdiv(num_heads, block_h), num_kv_splits),
            q, kv_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
+           counters if merge else mid_lse,  # (a stand-in pointer that the kernel does not touch)
            sm_scale * _LOG2E, num_kv_splits, min_split_len, num_heads,
            q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-           o.stride(0), o.stride(1),
+           o.stride(0), o.stride(1), counters.stride(0) if merge else 0,
            C=c, R=r, BLOCK_C=triton.next_power_of_2(c), BLOCK_R=max(16, triton.next_power_of_2(r)),
-           BLOCK_H=block_h, BLOCK_N=block_n, DOT_FP32=dot_fp32, DIRECT=direct,
+           BLOCK_H=block_h, BLOCK_N=block_n, DOT_FP32=dot_fp32, DIRECT=direct, MERGE=merge,
+           MERGE_SPLITS=merge_split_block(block_h, triton.next_power_of_2(c)),
            **({} if interp else dict(num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES)))
-    if direct:
+    if direct or merge:
         return
     block_c = triton.next_power_of_2(c)
     launch(_decode_stage2_kernel, (bs, num_heads),
