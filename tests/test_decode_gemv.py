@@ -9,7 +9,7 @@ import torch
 
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.quantization.gemv_configs import GemvConfig
-from radixserve.layers.triton_ops.gemv import gemv_row_add_norm, gemv_row_norm
+from radixserve.layers.triton_ops.gemv import gemv_row_norm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = None if DEV == "cuda" else GemvConfig("ew", 4, 32)  # the interpreter: small tiles, K spans several blocks
@@ -68,41 +68,6 @@ def test_gemv_row_norm_with_norm_matches_layers(dtype: torch.dtype, residual: bo
         assert res is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,n,bias", [(96, 80, False), (72, 40, True)])
-def test_gemv_row_add_norm_matches_linear_then_norm(dtype: torch.dtype, k: int, n: int, bias: bool) -> None:
-    """The product, the residual add and the RMSNorm in one launch (the last program normalises): the same values
-    as F.linear then the layers' RMSNorm with the add; the counter is back at 0, so a second call (as a CUDA
-    graph replays it) gives the same result."""
-    g = torch.Generator().manual_seed(k + n + bias)
-    norm = RMSNorm(n, 1e-6)
-    norm.weight.data = (torch.rand(n, generator=g) + 0.5).to(dtype)
-    a = torch.randn(1, k, generator=g).to(dtype)
-    r = (torch.randn(1, n, generator=g) * 2).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    want_normed, want_h = norm(torch.nn.functional.linear(a, w, b), r)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
-    d = lambda t: t.to(DEV) if t is not None else None  # noqa: E731
-    tol = 2e-5 if dtype == torch.float32 else 3e-2  # bf16: the interpreter truncates where torch rounds
-    for _ in range(2):
-        normed, h = gemv_row_add_norm(d(a), d(w), d(b), d(r), d(norm.weight), 1e-6, counter, CFG)
-        torch.testing.assert_close(h.cpu().float(), want_h.float(), rtol=tol, atol=tol)
-        torch.testing.assert_close(normed.cpu().float(), want_normed.float(), rtol=tol, atol=tol)
-        assert int(counter.item()) == 0
-
-
-def test_gemv_row_add_norm_rejects_bad_inputs() -> None:
-    x, w, r, nw = torch.randn(1, 16), torch.randn(8, 16), torch.randn(1, 8), torch.ones(8)
-    counter = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="counter"):
-        gemv_row_add_norm(x, w, None, r, nw, 1e-6, torch.zeros(1), CFG)
-    with pytest.raises(ValueError, match="norm weight"):
-        gemv_row_add_norm(x, w, None, r, torch.ones(7), 1e-6, counter, CFG)
-    with pytest.raises(ValueError, match="residual"):
-        gemv_row_add_norm(x, w, None, torch.randn(1, 7), nw, 1e-6, counter, CFG)
-
-
 def test_gemv_row_norm_rejects_bad_shapes() -> None:
     x = torch.randn(2, 16)
     with pytest.raises(ValueError, match="x \\[1, K\\]"):
@@ -148,39 +113,3 @@ def test_models_decode_through_the_gemv_token_identical(kind: str, tmp_path, mon
     layers = hf.config.num_hidden_layers
     assert sum(norm for _, norm in calls) == 3 * layers  # three decode steps, every layer's input norm fused
     assert len(calls) == 3 * layers * 2  # and o_proj
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model under the interpreter (GPU: tests/gpu)")
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_dense_models_decode_through_the_chain_token_identical(kind: str, tmp_path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny dense model with the fused kernels on (interpreted on the CPU) and tiles for every product: its
-    one-row decode steps run each layer as four one-row products with the residual adds and norms in o_proj's and
-    down_proj's launch (the last layer's down_proj applies the final norm), and stay greedy token-identical to
-    transformers in float32 (qwen2: q/k/v with a bias)."""
-    from model_utils import hf_greedy, make_runner, make_tiny_model
-
-    from radixserve.bench_one_batch import StaticBatch
-    from radixserve.layers.triton_ops import gemv as gemv_mod
-    from radixserve.layers.triton_ops import set_fused_kernels
-
-    hf = make_tiny_model(kind, str(tmp_path), initializer_range=0.08)
-    runner = make_runner(str(tmp_path))
-    monkeypatch.setattr(gemv_mod, "gemv_config", lambda w, silu_mul=False: GemvConfig("ew", 4, 32))
-    calls: list[int] = []
-    real = gemv_mod.gemv_row_add_norm
-
-    def counting(x: torch.Tensor, w: torch.Tensor, *args: object) -> object:
-        calls.append(w.shape[0])
-        return real(x, w, *args)
-
-    monkeypatch.setattr(gemv_mod, "gemv_row_add_norm", counting)
-    prompt = [5, 17, 42, 99, 3, 250, 7]
-    set_fused_kernels(True)
-    try:
-        ours = StaticBatch(runner).generate([prompt], 4)[0]
-    finally:
-        set_fused_kernels(None)
-    assert ours == hf_greedy(hf, prompt, 4)
-    layers = hf.config.num_hidden_layers
-    assert len(calls) == 3 * layers * 2  # three decode steps, o_proj and down_proj with the add and norm

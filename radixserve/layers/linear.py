@@ -10,8 +10,6 @@ scales) and `shard_scalar` (one value per stacked matrix: per-tensor scales of q
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,9 +17,6 @@ from torch import nn
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from radixserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod, set_weight_attrs
 from radixserve.layers.triton_ops import decode_gemv_enabled
-
-if TYPE_CHECKING:
-    from radixserve.layers.quantization.gemv_configs import GemvConfig
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -120,22 +115,17 @@ class _LinearBase(nn.Module):
         device are fixed once loaded)."""
         if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or torch.compiler.is_compiling():
             return None  # (under torch.compile inductor generates the product)
-        cfg = self.row_gemv_config(silu_mul)
+        cache = self.__dict__.setdefault("_gemv_cfg", {})
+        if silu_mul not in cache:
+            from radixserve.layers.triton_ops.gemv import gemv_config
+
+            cache[silu_mul] = gemv_config(self.weight, silu_mul)
+        cfg = cache[silu_mul]
         if cfg is None:
             return None
         from radixserve.layers.triton_ops.gemv import gemv_row
 
         return gemv_row(x, self.weight, self.bias, cfg, silu_mul=silu_mul)
-
-    def row_gemv_config(self, silu_mul: bool = False) -> GemvConfig | None:
-        """The one-row GEMV's tiles for this layer's 16-bit weight (`triton_ops.gemv.gemv_config`), or None where
-        it keeps cuBLAS; looked up once per layer (the weight's shape and device are fixed once loaded)."""
-        cache = self.__dict__.setdefault("_gemv_cfg", {})
-        if silu_mul not in cache:
-            from radixserve.layers.triton_ops.gemv import gemv_config
-
-            cache[silu_mul] = gemv_config(self.weight, silu_mul) if self._plain else None
-        return cache[silu_mul]
 
     def _plain_cuda(self, x: torch.Tensor) -> torch.Tensor:
         out = self._row_gemv(x) if x.shape[0] == 1 else None

@@ -75,9 +75,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor | None, forward_batch: ForwardBatch,
-                qkv: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
-        """qkv: the projection already made (by the decoder layer, with its input norm in the same launch);
-        project=False: the attention output before o_proj (the caller makes that product itself)."""
+                qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv: the projection already made (by the decoder layer, with its input norm in the same launch)."""
         if qkv is None:
             qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -93,7 +92,7 @@ class LlamaAttention(nn.Module):
         kv_write = self._kv_write(q, k, v, forward_batch)
         q, k = self.rotary_emb(positions, q, k, kv_write, norm)
         out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
-        return self.o_proj(out) if project else out
+        return self.o_proj(out)
 
     def _kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   forward_batch: ForwardBatch) -> KVWrite | None:
@@ -160,40 +159,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=self.fuse_reduce)
         return self.mlp(hidden), residual
 
-    def chain_configs(self) -> tuple | None:
-        """The one-row GEMV tiles of q/k/v, o, gate_up (with SiLU·mul) and down when this layer can decode one row
-        as a chain of those products with the norms in o_proj's and down_proj's launch (`forward_chain`): one GPU, a
-        dense MLP, 16-bit weights the swept table has tiles for, no adapters; None otherwise."""
-        attn, mlp = self.self_attn, self.mlp
-        if self.fuse_reduce or attn.o_proj.tp_size != 1 or not isinstance(mlp, LlamaMLP):
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.lora is not None for lin in linears):
-            return None
-        cfgs = (attn.qkv_proj.row_gemv_config(), attn.o_proj.row_gemv_config(),
-                mlp.gate_up_proj.row_gemv_config(silu_mul=True), mlp.down_proj.row_gemv_config())
-        return None if any(c is None for c in cfgs) else cfgs
-
-    def forward_chain(self, positions: torch.Tensor, normed: torch.Tensor, residual: torch.Tensor,
-                      forward_batch: ForwardBatch, cfgs: tuple, counters: torch.Tensor,
-                      next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row through this layer with no norm launch of its own: `normed` is its input norm's output, and
-        o_proj / down_proj add the residual and apply the next norm in their epilogue (`gemv_row_add_norm`, with
-        this layer's post-attention norm and `next_norm`: the next layer's input norm, or the final one). Returns
-        (next_norm's output, the new residual)."""
-        from radixserve.layers.triton_ops.gemv import gemv_row, gemv_row_add_norm
-
-        attn, mlp = self.self_attn, self.mlp
-        qkv_cfg, o_cfg, gu_cfg, down_cfg = cfgs
-        qkv = gemv_row(normed, attn.qkv_proj.weight, attn.qkv_proj.bias, qkv_cfg)
-        out = attn(positions, None, forward_batch, qkv=qkv, project=False).reshape(1, -1)
-        post = self.post_attention_layernorm
-        normed, residual = gemv_row_add_norm(out, attn.o_proj.weight, attn.o_proj.bias, residual, post.weight,
-                                             post.eps, counters[0], o_cfg)
-        act = gemv_row(normed, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gu_cfg, silu_mul=True)
-        return gemv_row_add_norm(act, mlp.down_proj.weight, mlp.down_proj.bias, residual, next_norm.weight,
-                                 next_norm.eps, counters[1], down_cfg)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qkv_bias: bool = False,
@@ -214,49 +179,9 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.post_attention_layernorm.prefetch_next(getattr(layer.mlp, "gate_up_proj", None))
         self.final_partial = bool(len(self.layers)) and self.layers[-1].mlp_partial
-        self._chain: tuple | None = None  # (per-layer tiles, counters, the linears) of the one-row chain, or ()
-
-    def _chain_state(self, hidden: torch.Tensor) -> tuple | None:
-        """What `forward_chain` needs for this one-row step, or None to take the layers' usual path. Decided once
-        (tiles, and the counters, allocated outside any CUDA-graph capture), adapters checked each call."""
-        from radixserve.layers.triton_ops import gemv, use_fused
-
-        if not gemv.ADD_NORM_ENABLED or hidden.shape[0] != 1 or not use_fused(hidden) or not len(self.layers):
-            return None
-        if self._chain is None:
-            if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            cfgs = [layer.chain_configs() for layer in self.layers]
-            if any(c is None for c in cfgs):
-                self._chain = ()
-            else:
-                linears = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-                # two counters a layer, each left at 0 by the kernel that used it
-                counters = torch.zeros(len(self.layers), 2, dtype=torch.int32, device=hidden.device)
-                self._chain = (cfgs, counters, linears)
-        if not self._chain or any(lin.lora is not None for lin in self._chain[2]):  # adapters attached since
-            return None
-        return self._chain
-
-    def forward_chain(self, hidden: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                      chain: tuple) -> torch.Tensor:
-        """One row (batch-1 decode) with each residual add and RMSNorm after o_proj / down_proj in that product's
-        launch (`LlamaDecoderLayer.forward_chain`): the first layer's input norm is the only norm launch."""
-        cfgs, counters, _ = chain
-        residual = hidden
-        normed = self.layers[0].input_layernorm(hidden)
-        nxt = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for i, layer in enumerate(self.layers):
-            normed, residual = layer.forward_chain(positions, normed, residual, forward_batch, cfgs[i], counters[i],
-                                                   nxt[i])
-        return normed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        chain = self._chain_state(hidden)
-        if chain is not None:
-            return self.forward_chain(hidden, positions, forward_batch, chain)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)

@@ -53,12 +53,10 @@ def _normed_chunk(X, Res, NormW, offs_k, mask_k, rstd, HAS_RES: tl.constexpr, NO
 
 
 @triton.jit
-def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, AddRes, OutNormW, NormOut, Counter, N1, N, K,
-                     stride_wn, stride_w2n, eps, out_eps,
+def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, N1, N, K, stride_wn, stride_w2n, eps,
                      HAS_W2: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SLOT_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0, NORM_OUT: tl.constexpr = False,
-                     NORM_BLOCK: tl.constexpr = 1024):
+                     SLOT_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,36 +122,10 @@ def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, AddRes, OutN
         g = out.to(dtype).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         out = act * up.to(dtype).to(tl.float32)
-    if NORM_OUT:
-        # the residual add and RMSNorm after this product (rounded as `fused_add_rmsnorm` rounds): every program
-        # stores its rows of the new residual, and the last one to finish normalises the whole row
-        out = (out.to(dtype).to(tl.float32) + tl.load(AddRes + rows, mask=row_ok, other=0.0).to(tl.float32))
-        tl.store(Out + rows, out.to(dtype), mask=row_ok)
-        tl.debug_barrier()  # all of this program's stores are made before its one release below
-        finished = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu")
-        if finished == tl.num_programs(0) - 1:
-            tl.debug_barrier()
-            offs = tl.arange(0, NORM_BLOCK)
-            sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-            for c0 in range(0, N, NORM_BLOCK):  # from L2 (".cg"): other SMs wrote these rows
-                v = tl.load(Out + c0 + offs, mask=c0 + offs < N, other=0.0, cache_modifier=".cg").to(tl.float32)
-                sq += v * v
-            rstd = tl.rsqrt(tl.sum(sq, axis=0) / N + out_eps)
-            for c0 in range(0, N, NORM_BLOCK):
-                mask = c0 + offs < N
-                v = tl.load(Out + c0 + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                nw = tl.load(OutNormW + c0 + offs, mask=mask, other=0.0).to(tl.float32)
-                y = (v * rstd).to(dtype).to(tl.float32) * nw
-                tl.store(NormOut + c0 + offs, y.to(dtype), mask=mask)
-            tl.store(Counter, 0)  # ready for the next launch (CUDA graphs replay the same counter)
-    else:
-        tl.store(Out + rows, out.to(dtype), mask=row_ok)
+    tl.store(Out + rows, out.to(dtype), mask=row_ok)
 
 
 ENABLED = os.environ.get("RADIXSERVE_GEMV_ROW", "1") not in ("0", "")
-# The dense layers' one-row decode with the residual add and RMSNorm in o_proj's and down_proj's epilogue
-# (`gemv_row_add_norm`, used by models/llama.py); RADIXSERVE_GEMV_ADD_NORM=0 keeps the norm launches (comparisons)
-ADD_NORM_ENABLED = os.environ.get("RADIXSERVE_GEMV_ADD_NORM", "1") not in ("0", "")
 _CPU_TILES = gemv_configs.GemvConfig("ew", 2, 64)  # the interpreter (CPU tests): small tiles
 
 
@@ -187,28 +159,22 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: tor
             norm: tuple[torch.Tensor | None, torch.Tensor, float] | None, silu_mul: bool, n_out: int,
             cfg: gemv_configs.GemvConfig,
             slots: tuple[torch.Tensor, int, int] | None = None,
-            pdl_level: int | None = None,
-            add_norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            pdl_level: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     k = x.shape[1]
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
     res_out = torch.empty_like(x) if res is not None else None
-    add_res, out_nw, out_eps, counter = add_norm if add_norm is not None else (out, out, 0.0, out)
-    normed = torch.empty_like(out) if add_norm is not None else None
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     n1 = w.shape[0] if w2 is not None else (slots[1] if slots is not None else n_out)
     launch(_gemv_row_kernel, (triton.cdiv(n_out, cfg.block_n),), x, res if res is not None else x, nw,
            res_out if res_out is not None else out, w, w2 if w2 is not None else w,
-           bias if bias is not None else out, out, slots[0] if slots is not None else out, add_res, out_nw,
-           normed if normed is not None else out, counter, n1, n_out, k,
-           w.stride(0), w2.stride(0) if w2 is not None else w.stride(0), float(eps), float(out_eps),
+           bias if bias is not None else out, out, slots[0] if slots is not None else out, n1, n_out, k,
+           w.stride(0), w2.stride(0) if w2 is not None else w.stride(0), float(eps),
            HAS_W2=w2 is not None, NORM=norm is not None, HAS_RES=res is not None, HAS_BIAS=bias is not None,
            SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-           SLOT_ROWS=slots[2] if slots is not None else 0, NORM_OUT=add_norm is not None,
-           NORM_BLOCK=min(1024, triton.next_power_of_2(n_out)), **opts, **pdl.launch_opts(x, pdl_level))
-    return (normed, out) if add_norm is not None else (out, res_out)
+           SLOT_ROWS=slots[2] if slots is not None else 0, **opts, **pdl.launch_opts(x, pdl_level))
+    return out, res_out
 
 
 def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -251,28 +217,3 @@ def gemv_row_norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
             raise ValueError(f"gemv_row: norm weight {tuple(nw.shape)} / residual do not match x {tuple(x.shape)}")
     cfg = config or opt_in_config(n, k, norm is not None, x.is_cuda)
     return _launch(x, w, bias, w2, norm, False, n, cfg)
-
-
-def gemv_row_add_norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                      norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
-                      config: gemv_configs.GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(h) * norm_weight, h) with h = x @ w.T (+ bias) + residual, for one row: the product followed by
-    `fused_add_rmsnorm` (the same roundings) in one launch. Each program adds the residual to its rows and stores
-    them; the last program to finish (an atomic count in `counter`, an int32 scalar that must start at 0 and is
-    left at 0) normalises the whole row, which is then in L2. This removes the norm launch between a layer's
-    o_proj and gate_up, and between its down_proj and the next layer's q/k/v."""
-    _check(x, w)
-    n = w.shape[0]
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"gemv_row_add_norm: bias {tuple(bias.shape)} for {n} outputs")
-    if residual.shape != (1, n) or residual.stride(-1) != 1 or residual.dtype != x.dtype:
-        raise ValueError(f"gemv_row_add_norm: residual {tuple(residual.shape)} {residual.dtype} does not match the "
-                         f"output [1, {n}] {x.dtype}")
-    if norm_weight.shape != (n,):
-        raise ValueError(f"gemv_row_add_norm: norm weight {tuple(norm_weight.shape)} for {n} outputs")
-    if counter.numel() != 1 or counter.dtype != torch.int32 or counter.device != x.device:
-        raise ValueError(f"gemv_row_add_norm: the counter must be one int32 on {x.device}, got "
-                         f"{tuple(counter.shape)} {counter.dtype} on {counter.device}")
-    cfg = config or (gemv_configs.default("row16", 1, True) if x.is_cuda else _CPU_TILES)
-    normed, h = _launch(x, w, bias, None, None, False, n, cfg, add_norm=(residual, norm_weight, eps, counter))
-    return normed, h  # type: ignore[return-value]
