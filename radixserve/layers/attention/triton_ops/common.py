@@ -141,6 +141,19 @@ def merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
              out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
+@triton.jit
+def merge_if_last(Counter, Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
+                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                  HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Stage 1's end in one-launch mode, after the program stored its partial: the last of the request's n_valid
+    programs for these heads (`last_partial_done`) merges them into Out (`merge_decode_partials`) and puts the
+    counter back to 0, ready for the next launch (CUDA graphs replay the same counters, with no memset)."""
+    if last_partial_done(Counter, n_valid):
+        merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid, stride_mob, stride_moh, stride_mos,
+                              stride_mlb, stride_mlh, stride_ob, stride_oh, HEADS, SPLIT_BLOCK, HEAD_DIM, BLOCK_D)
+        tl.atomic_xchg(Counter, 0, sem="relaxed")
+
+
 def merge_split_block(heads: int, block_d: int) -> int:
     """Splits a step of `merge_decode_partials` for `heads` heads of block_d: a [heads, splits, block_d] float32
     tile of at most 4,096 values (32 registers a thread at 4 warps), 1 to 16 splits."""

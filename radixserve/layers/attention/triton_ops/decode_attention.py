@@ -44,8 +44,7 @@ from radixserve.layers.attention.triton_ops.common import (
     decode_head_block,
     decode_splits,
     head_dims,
-    last_partial_done,
-    merge_decode_partials,
+    merge_if_last,
     merge_split_block,
     mma,
     store_decode_partial,
@@ -238,14 +237,11 @@ def _decode_stage1_kernel(
             else:  # the last of the request's programs for these heads merges the partials (stage 2's work)
                 store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i,
                                      v_scale, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
-                counter = Counters + b.to(tl.int64) * stride_cb + pid_h
-                if last_partial_done(counter, n_valid):
-                    first = (pid_h % HEAD_BLOCKS) * BLOCK_H  # the block's first head in the group
-                    merge_decode_partials(Mid_O, Mid_LSE, Out, b, kv_head * GROUP + first,
-                                          tl.minimum(GROUP - first, BLOCK_H), n_valid,
-                                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                                          stride_ob, stride_oh, MERGE_HEADS, MERGE_SPLITS, HEAD_DIM, BLOCK_D)
-                    tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch: no memset
+                first = (pid_h % HEAD_BLOCKS) * BLOCK_H  # the block's first head in the group
+                merge_if_last(Counters + b.to(tl.int64) * stride_cb + pid_h, Mid_O, Mid_LSE, Out, b,
+                              kv_head * GROUP + first, tl.minimum(GROUP - first, BLOCK_H), n_valid,
+                              stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                              MERGE_HEADS, MERGE_SPLITS, HEAD_DIM, BLOCK_D)
         else:
             store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
                                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)

@@ -27,9 +27,9 @@ import triton.language as tl
 
 from radixserve.layers.attention.triton_ops.common import (
     decode_splits,
-    last_partial_done,
-    merge_decode_partials,
+    merge_if_last,
     merge_split_block,
+    store_decode_partial,
 )
 from radixserve.layers.attention.triton_ops.decode_attention import (
     _decode_stage2_kernel,
@@ -72,15 +72,6 @@ def _mma(a, b, FP32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b.to(a.dtype))
-
-
-@triton.jit
-def _mla_store_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i,
-                       stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):
-    """A split's partial output (divided by its softmax sum) and base-2 log-sum-exp, as stage 2 reads them."""
-    tl.store(Mid_O + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_c[None, :],
-             acc / l_i[:, None], mask=mask_h[:, None] & mask_c[None, :])
-    tl.store(Mid_LSE + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len"])
@@ -139,17 +130,15 @@ def _mla_decode_stage1_kernel(
             if n_valid == 1:  # the request's one non-empty split: its result is the output, as with DIRECT
                 tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_o)
             else:  # the last of the request's programs for these heads merges the partials (stage 2's work)
-                _mla_store_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i,
-                                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
-                counter = Counters + b.to(tl.int64) * stride_cb + pid_h
-                if last_partial_done(counter, n_valid):
-                    merge_decode_partials(Mid_O, Mid_LSE, Out, b, pid_h * BLOCK_H, num_heads - pid_h * BLOCK_H,
-                                          n_valid, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                                          stride_ob, stride_oh, BLOCK_H, MERGE_SPLITS, C, BLOCK_C)
-                    tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch: no memset
+                store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i, 1.0,
+                                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+                merge_if_last(Counters + b.to(tl.int64) * stride_cb + pid_h, Mid_O, Mid_LSE, Out, b,
+                              pid_h * BLOCK_H, num_heads - pid_h * BLOCK_H, n_valid, stride_mob, stride_moh,
+                              stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, BLOCK_H, MERGE_SPLITS, C,
+                              BLOCK_C)
         else:
-            _mla_store_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i,
-                               stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
+            store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i, 1.0,
+                                 stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
     elif DIRECT or MERGE:
         if split == 0:  # an empty request attends to nothing: zeros, as stage 2 writes them
             tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_C], dtype=Out.dtype.element_ty), mask=mask_o)
