@@ -89,3 +89,24 @@ def test_prefill_graph_buckets_and_flag() -> None:
     assert prefill_buckets(8) == [8]
     with pytest.raises(ValueError, match="prefill-cuda-graph-max-tokens"):
         ServerArgs(device="cpu", prefill_cuda_graph_max_tokens=-1)
+
+
+def test_batch_one_stays_uncompiled_where_the_one_row_gemv_runs(tmp_path, monkeypatch) -> None:
+    """compiled_batch_sizes: sizes up to the limit, less batch 1 when a linear layer's one-row product would take
+    the one-row GEMV (a table entry for its weight's shape; here the lookup is stubbed, as the table only answers
+    for CUDA weights)."""
+    from radixserve.layers.triton_ops import gemv
+    from radixserve.model_executor.torch_compile import compiled_batch_sizes, uses_one_row_gemv
+
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path)
+    model = make_runner(path).model
+    sizes = [1, 2, 4, 8, 16]
+    assert not uses_one_row_gemv(model)  # CPU weights: no table entry, batch 1 is compiled like the rest
+    assert compiled_batch_sizes(sizes, 8, model) == {1, 2, 4, 8}
+    o_proj = model.model.layers[0].self_attn.o_proj.weight
+    monkeypatch.setattr(gemv, "gemv_config", lambda w, silu_mul=False: (
+        gemv.gemv_configs.GemvConfig("ew", 2, 64) if w is o_proj and not silu_mul else None))
+    assert uses_one_row_gemv(model)
+    assert compiled_batch_sizes(sizes, 8, model) == {2, 4, 8}
+    assert compiled_batch_sizes(sizes, 1, model) == set()

@@ -77,8 +77,11 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         args = model_runner.server_args
         # --enable-torch-compile: these sizes capture the compiled forward (model_executor/torch_compile.py)
-        self.compile_bs = {bs for bs in self.capture_bs if bs <= args.torch_compile_max_bs} \
-            if args.enable_torch_compile else set()
+        self.compile_bs: set[int] = set()
+        if args.enable_torch_compile:
+            from radixserve.model_executor.torch_compile import compiled_batch_sizes
+
+            self.compile_bs = compiled_batch_sizes(self.capture_bs, args.torch_compile_max_bs, model_runner.model)
         self.compiled_forward = None
         if self.compile_bs:
             from radixserve.model_executor.torch_compile import compile_forward
@@ -105,7 +108,8 @@ class CudaGraphRunner:
         model = self.model_runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        desc = "Capturing CUDA graphs" + (f" (torch.compile up to batch {max(self.compile_bs)})"
+        desc = "Capturing CUDA graphs" + (f" (torch.compile of {len(self.compile_bs)} sizes up to "
+                                          f"{max(self.compile_bs)})"
                                           if self.compile_bs else "")
         bar = tqdm(reversed(self.capture_bs), total=len(self.capture_bs), desc=desc,
                    disable=self.model_runner.tp_rank != 0)

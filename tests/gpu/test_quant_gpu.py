@@ -130,6 +130,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tmp_path, level: in
     peaky_tiny_model("llama", str(tmp_path))
 
     def generate(lv: int, graphs: bool) -> list[list[int]]:
+        default = pdl.LEVEL
         pdl.set_level(lv)
         try:
             args = ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=1 << 15,
@@ -137,7 +138,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tmp_path, level: in
                               quantization="fp8", disable_cuda_graph=not graphs)
             return StaticBatch(ModelRunner(ModelConfig(str(tmp_path)), args)).generate(ps, 24)
         finally:
-            pdl.set_level(0)
+            pdl.set_level(default)
 
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, 2048, (int(n),), generator=g).tolist() for n in torch.randint(4, 64, (19,), generator=g)]
@@ -162,16 +163,18 @@ def test_q4_k_gemvs_with_programmatic_dependent_launch(level: int) -> None:
     for m, cfg in ((1, GemvConfig("dp4x", 2, 1024, 2)), (4, GemvConfig("dp4x", 8, 1024, 4)),
                    (16, GemvConfig("mma_rows", 16, 512))):
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-        plain = gguf_gemv(x, G.Q4_K, fields, n, None, cfg)
-        pdl.set_level(level)
+        default = pdl.LEVEL
         try:
+            pdl.set_level(0)
+            plain = gguf_gemv(x, G.Q4_K, fields, n, None, cfg)
+            pdl.set_level(level)
             eager = gguf_gemv(x, G.Q4_K, fields, n, None, cfg)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 captured = gguf_gemv(x, G.Q4_K, fields, n, None, cfg)
             graph.replay()
         finally:
-            pdl.set_level(0)
+            pdl.set_level(default)
         torch.cuda.synchronize()
         assert torch.equal(eager, plain) and torch.equal(captured, plain), (m, cfg)
 
