@@ -57,6 +57,43 @@ def test_compiled_decode_equals_eager(backend: str, tmp_path) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_quantized_layers_run_their_own_product_inside_the_compiled_decode(tmp_path, monkeypatch) -> None:
+    """With fp8 weights the compiled decode keeps each quantized linear as one opaque op (`quantized_linear`): the
+    graph traces without a break, gives the eager tokens and logits, and every run calls the method's product for
+    every quantized layer (a traced product would run the graph's copy of it instead, calling nothing)."""
+    from radixserve.layers.linear import _LinearBase
+    from radixserve.layers.quantization.fp8 import Fp8LinearMethod
+
+    torch._dynamo.reset()
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path)
+    runner = make_runner(path, quantization="fp8")
+    layers = [m for m in runner.model.modules() if isinstance(m, _LinearBase) and not m._plain]
+    assert layers and all(isinstance(m.quant_method, Fp8LinearMethod) for m in layers)
+    expect = StaticBatch(runner).generate(PROMPTS, 5)
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(PROMPTS)
+    sb.decode(batch)
+    want = sb.last_logits.next_token_logits.clone()
+    sb.release(batch)
+
+    seen = _use_compiled_decode(runner, "aot_eager")
+    assert StaticBatch(runner).generate(PROMPTS, 5) == expect
+    calls = []
+    apply = Fp8LinearMethod.apply
+    monkeypatch.setattr(Fp8LinearMethod, "apply", lambda self, layer, x, bias: calls.append(layer) or
+                        apply(self, layer, x, bias))
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(PROMPTS)
+    calls.clear()
+    sb.decode(batch)
+    got = sb.last_logits.next_token_logits
+    sb.release(batch)
+    assert seen and set(seen) == {3}
+    assert sorted(map(id, calls)) == sorted(map(id, layers))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_attention_op_needs_a_forward_context() -> None:
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.model_executor.torch_compile import compiled_attention

@@ -17,6 +17,7 @@ from torch import nn
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from radixserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod, set_weight_attrs
 from radixserve.layers.triton_ops import decode_gemv_enabled
+from radixserve.model_executor.torch_compile import compiled_linear, register_linear_layer
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -55,6 +56,7 @@ class _LinearBase(nn.Module):
         # (set by the models whose small attention projections cuBLAS splits over K at batch 1: the MoE / MLA
         # families)
         self.decode_gemv = False
+        self.compile_key = register_linear_layer(self)  # how a compiled graph's quantized-linear op finds this layer
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
         """Replace how this layer stores its weight and multiplies (before the weights load)."""
@@ -145,6 +147,13 @@ class _LinearBase(nn.Module):
             return gemv_row_norm(x, self.weight, self.bias)[0]
         if self._plain and x.is_cuda:
             return self._plain_cuda(x)
+        return self._quant_product(x)
+
+    def _quant_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The quantization method's product; inside torch.compile a quantized layer is one opaque op that runs
+        the method's own kernels (model_executor/torch_compile.py)."""
+        if not self._plain and torch.compiler.is_compiling():
+            return compiled_linear(x, self)
         return self.quant_method.apply(self, x, self.bias)
 
 
@@ -261,7 +270,7 @@ class RowParallelLinear(_LinearBase):
         elif self._plain and x.is_cuda:
             out = self._plain_cuda(x)
         else:
-            out = self.quant_method.apply(self, x, self.bias)
+            out = self._quant_product(x)
         if self.tp_size > 1 and self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out

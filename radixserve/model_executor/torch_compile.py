@@ -6,7 +6,9 @@ Inside a compiled region the layers run their plain torch code (`use_fused` and 
 RMSNorm, SiLU·mul, rotary). The attention backend is one opaque custom op, `radixserve::attention`: the traced graph
 holds tensors only (no ForwardBatch, no backend metadata), and the op's implementation finds the batch in the
 forward context the runner sets around the call (`forward_context`) and the layer in a registry keyed by
-`RadixAttention.compile_key`. The whole model traces without a graph break (`fullgraph=True` in the tests).
+`RadixAttention.compile_key`. A quantized linear layer (fp8, GGUF) is likewise one opaque op,
+`radixserve::quantized_linear`: its method's own kernels run inside it (traced, the product would be the method's
+dequantising torch reference). The whole model traces without a graph break (`fullgraph=True` in the tests).
 
 Batch 1 stays uncompiled when the model's one-row products go through our one-row GEMV (`triton_ops/gemv.py`):
 the compiled code cannot use it (inductor generates the products), and on the 8B shape the uncompiled batch-1 graph
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _keys = itertools.count()
 _layers: weakref.WeakValueDictionary[int, RadixAttention] = weakref.WeakValueDictionary()
+_linears: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 _batches: list[ForwardBatch] = []
 
 
@@ -82,6 +85,30 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int, out_dim
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        save_kv_cache: bool) -> torch.Tensor:
     return attention_op(q, k, v, layer.compile_key, layer.tp_q_head_num * layer.v_head_dim, save_kv_cache)
+
+
+def register_linear_layer(layer: torch.nn.Module) -> int:
+    """A process-unique key for a linear layer (the quantized-linear op carries it as a constant)."""
+    key = next(_keys)
+    _linears[key] = layer
+    return key
+
+
+@torch.library.custom_op("radixserve::quantized_linear", mutates_args=())
+def quantized_linear_op(x: torch.Tensor, layer_key: int, out_features: int) -> torch.Tensor:
+    """x through the quantized linear layer `layer_key` with its method's own kernels: [..., out_features]."""
+    layer = _linears[layer_key]
+    out = layer.quant_method.apply(layer, x, layer.bias)
+    return out.clone() if out.data_ptr() == x.data_ptr() else out  # a custom op's output may not alias its input
+
+
+@quantized_linear_op.register_fake
+def _(x: torch.Tensor, layer_key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def compiled_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    return quantized_linear_op(x, layer.compile_key, layer.output_size)
 
 
 def uses_one_row_gemv(model: torch.nn.Module) -> bool:
