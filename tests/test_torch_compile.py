@@ -94,6 +94,33 @@ def test_quantized_layers_run_their_own_product_inside_the_compiled_decode(tmp_p
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v2"])
+def test_moe_models_compile_in_one_graph(kind: str, tmp_path) -> None:
+    """MoE layers are one opaque op (`moe_experts`) in the compiled decode: Mixtral and DeepSeek-V2 (MLA, shared
+    experts, grouped routing off) trace without a graph break and give the eager tokens and logits (traced, the
+    experts' torch reference fails on its routing-sized tensors)."""
+    torch._dynamo.reset()
+    path = str(tmp_path / "m")
+    make_tiny_model(kind, path)
+    runner = make_runner(path)
+    expect = StaticBatch(runner).generate(PROMPTS, 5)
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(PROMPTS)
+    sb.decode(batch)
+    want = sb.last_logits.next_token_logits.clone()
+    sb.release(batch)
+
+    seen = _use_compiled_decode(runner, "aot_eager")
+    assert StaticBatch(runner).generate(PROMPTS, 5) == expect
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(PROMPTS)
+    sb.decode(batch)
+    got = sb.last_logits.next_token_logits
+    sb.release(batch)
+    assert seen and set(seen) == {3}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_attention_op_needs_a_forward_context() -> None:
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.model_executor.torch_compile import compiled_attention

@@ -17,7 +17,7 @@ from torch import nn
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from radixserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod, set_weight_attrs
 from radixserve.layers.triton_ops import decode_gemv_enabled
-from radixserve.model_executor.torch_compile import compiled_linear, register_linear_layer
+from radixserve.model_executor.torch_compile import compiled_linear, register_op_layer
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -56,7 +56,7 @@ class _LinearBase(nn.Module):
         # (set by the models whose small attention projections cuBLAS splits over K at batch 1: the MoE / MLA
         # families)
         self.decode_gemv = False
-        self.compile_key = register_linear_layer(self)  # how a compiled graph's quantized-linear op finds this layer
+        self.compile_key = register_op_layer(self)  # how a compiled graph's quantized-linear op finds this layer
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
         """Replace how this layer stores its weight and multiplies (before the weights load)."""

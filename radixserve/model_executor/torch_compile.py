@@ -8,7 +8,10 @@ holds tensors only (no ForwardBatch, no backend metadata), and the op's implemen
 forward context the runner sets around the call (`forward_context`) and the layer in a registry keyed by
 `RadixAttention.compile_key`. A quantized linear layer (fp8, GGUF) is likewise one opaque op,
 `radixserve::quantized_linear`: its method's own kernels run inside it (traced, the product would be the method's
-dequantising torch reference). The whole model traces without a graph break (`fullgraph=True` in the tests).
+dequantising torch reference), and so are a MoE layer's experts, `radixserve::moe_experts`: the fused Triton kernels
+run inside it (the torch reference sizes tensors by the routing, which cannot be traced into one graph). The shared
+experts are then computed by the model's own MLP, never folded into the experts' launch. The whole model traces
+without a graph break (`fullgraph=True` in the tests).
 
 Batch 1 stays uncompiled when the model's one-row products go through our one-row GEMV (`triton_ops/gemv.py`):
 the compiled code cannot use it (inductor generates the products), and on the 8B shape the uncompiled batch-1 graph
@@ -39,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 _keys = itertools.count()
 _layers: weakref.WeakValueDictionary[int, RadixAttention] = weakref.WeakValueDictionary()
-_linears: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_op_layers: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 _batches: list[ForwardBatch] = []
 
 
@@ -87,17 +90,18 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer:
     return attention_op(q, k, v, layer.compile_key, layer.tp_q_head_num * layer.v_head_dim, save_kv_cache)
 
 
-def register_linear_layer(layer: torch.nn.Module) -> int:
-    """A process-unique key for a linear layer (the quantized-linear op carries it as a constant)."""
+def register_op_layer(layer: torch.nn.Module) -> int:
+    """A process-unique key for a linear or MoE layer (the quantized-linear and experts ops carry it as a
+    constant)."""
     key = next(_keys)
-    _linears[key] = layer
+    _op_layers[key] = layer
     return key
 
 
 @torch.library.custom_op("radixserve::quantized_linear", mutates_args=())
 def quantized_linear_op(x: torch.Tensor, layer_key: int, out_features: int) -> torch.Tensor:
     """x through the quantized linear layer `layer_key` with its method's own kernels: [..., out_features]."""
-    layer = _linears[layer_key]
+    layer = _op_layers[layer_key]
     out = layer.quant_method.apply(layer, x, layer.bias)
     return out.clone() if out.data_ptr() == x.data_ptr() else out  # a custom op's output may not alias its input
 
@@ -109,6 +113,27 @@ def _(x: torch.Tensor, layer_key: int, out_features: int) -> torch.Tensor:
 
 def compiled_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     return quantized_linear_op(x, layer.compile_key, layer.output_size)
+
+
+@torch.library.custom_op("radixserve::moe_experts", mutates_args=())
+def moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: int
+                   ) -> torch.Tensor:
+    """The routed experts of the MoE layer `layer_key` for x [T, H]: [T, H], without the attached shared experts
+    (the traced model added those itself) and before any TP reduction."""
+    layer = _op_layers[layer_key]
+    with layer.shared_fold_off():
+        out = layer.quant_method.apply(layer, x, topk_weights, topk_ids)
+    return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+
+@moe_experts_op.register_fake
+def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_key: int) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def compiled_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: torch.nn.Module
+                     ) -> torch.Tensor:
+    return moe_experts_op(x, topk_weights, topk_ids, layer.compile_key)
 
 
 def uses_one_row_gemv(model: torch.nn.Module) -> bool:

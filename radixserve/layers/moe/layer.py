@@ -14,7 +14,9 @@ tensor in this layer's layout (`shard_id=None`). Nothing builds an nn.Module per
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -22,6 +24,7 @@ from torch import nn
 from radixserve.distributed.parallel_state import get_expert_parallel_size, tensor_model_parallel_all_reduce
 from radixserve.layers.moe.methods import MoEMethod, UnquantizedMoEMethod
 from radixserve.layers.moe.router import MoEGate, RouterConfig, select_experts
+from radixserve.model_executor.torch_compile import compiled_experts, register_op_layer
 
 
 class FusedMoE(nn.Module):
@@ -34,6 +37,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"--ep-size must be 1 or the tensor parallel size {tp_size}; got {ep_size}")
         num_experts = router.num_experts
         self.router = router
+        self.compile_key = register_op_layer(self)  # how a compiled graph's experts op finds this layer
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.tp_rank, self.tp_size, self.ep_size = tp_rank, tp_size, ep_size
@@ -114,7 +118,8 @@ class FusedMoE(nn.Module):
         """(gate_up weight [2S, H], down weight [H, S]) when this call's expert launch also computes the attached
         shared MLP, else None."""
         mlp = self.__dict__.get("_shared_mlp")
-        if mlp is None or self.ep_size > 1 or type(self.quant_method) is not UnquantizedMoEMethod:
+        if mlp is None or self.ep_size > 1 or type(self.quant_method) is not UnquantizedMoEMethod \
+                or self.__dict__.get("_fold_off") or torch.compiler.is_compiling():
             return None
         from radixserve.layers.moe import small_batch
         from radixserve.layers.triton_ops import use_fused
@@ -134,6 +139,16 @@ class FusedMoE(nn.Module):
     def shared_folded(self, x: torch.Tensor) -> bool:
         return self.folded_shared_weights(x) is not None
 
+    @contextlib.contextmanager
+    def shared_fold_off(self) -> Iterator[None]:
+        """Within it the experts' launch never computes the attached shared MLP (the compiled graph's experts op:
+        the traced model adds the shared MLP itself)."""
+        self.__dict__["_fold_off"] = True
+        try:
+            yield
+        finally:
+            del self.__dict__["_fold_off"]
+
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +164,10 @@ class FusedMoE(nn.Module):
         return self.run_experts(x, routed[0], routed[1])
 
     def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply(self, x, topk_weights, topk_ids)
+        if torch.compiler.is_compiling():  # one opaque op in the compiled graph (model_executor/torch_compile.py)
+            out = compiled_experts(x, topk_weights, topk_ids, self)
+        else:
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
