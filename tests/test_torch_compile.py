@@ -32,29 +32,36 @@ def _use_compiled_decode(runner, backend: str) -> list[int]:
     return seen
 
 
+def _first_decode_logits(runner, on_prefilled=None) -> torch.Tensor:  # noqa: ANN001
+    """The logits of one decode step of PROMPTS after their prefill (`on_prefilled` runs in between)."""
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill(PROMPTS)
+    if on_prefilled is not None:
+        on_prefilled()
+    sb.decode(batch)
+    logits = sb.last_logits.next_token_logits.clone()
+    sb.release(batch)
+    return logits
+
+
+def _assert_compiled_decode_equals_eager(runner, new_tokens: int, on_prefilled=None) -> None:  # noqa: ANN001
+    """Route the runner's decode through the compiled forward (aot_eager, one graph) and compare with eager: the
+    greedy tokens of PROMPTS and the logits of one decode step."""
+    expect = StaticBatch(runner).generate(PROMPTS, new_tokens)
+    want = _first_decode_logits(runner)
+    seen = _use_compiled_decode(runner, "aot_eager")
+    assert StaticBatch(runner).generate(PROMPTS, new_tokens) == expect
+    got = _first_decode_logits(runner, on_prefilled)
+    assert seen and set(seen) == {3}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch_native"])
 def test_compiled_decode_equals_eager(backend: str, tmp_path) -> None:
     torch._dynamo.reset()
     path = str(tmp_path / "m")
     make_tiny_model("qwen2", path)  # q/k/v bias and tied embeddings on top of the Llama blocks
-    runner = make_runner(path, attention_backend=backend)
-    expect = StaticBatch(runner).generate(PROMPTS, 6)
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill(PROMPTS)
-    sb.decode(batch)
-    want = sb.last_logits.next_token_logits.clone()
-    sb.release(batch)
-
-    seen = _use_compiled_decode(runner, "aot_eager")
-    got_tokens = StaticBatch(runner).generate(PROMPTS, 6)
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill(PROMPTS)
-    sb.decode(batch)
-    got = sb.last_logits.next_token_logits
-    sb.release(batch)
-    assert seen and set(seen) == {3}
-    assert got_tokens == expect
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_compiled_decode_equals_eager(make_runner(path, attention_backend=backend), 6)
 
 
 def test_quantized_layers_run_their_own_product_inside_the_compiled_decode(tmp_path, monkeypatch) -> None:
@@ -70,28 +77,15 @@ def test_quantized_layers_run_their_own_product_inside_the_compiled_decode(tmp_p
     runner = make_runner(path, quantization="fp8")
     layers = [m for m in runner.model.modules() if isinstance(m, _LinearBase) and not m._plain]
     assert layers and all(isinstance(m.quant_method, Fp8LinearMethod) for m in layers)
-    expect = StaticBatch(runner).generate(PROMPTS, 5)
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill(PROMPTS)
-    sb.decode(batch)
-    want = sb.last_logits.next_token_logits.clone()
-    sb.release(batch)
-
-    seen = _use_compiled_decode(runner, "aot_eager")
-    assert StaticBatch(runner).generate(PROMPTS, 5) == expect
     calls = []
     apply = Fp8LinearMethod.apply
-    monkeypatch.setattr(Fp8LinearMethod, "apply", lambda self, layer, x, bias: calls.append(layer) or
-                        apply(self, layer, x, bias))
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill(PROMPTS)
-    calls.clear()
-    sb.decode(batch)
-    got = sb.last_logits.next_token_logits
-    sb.release(batch)
-    assert seen and set(seen) == {3}
-    assert sorted(map(id, calls)) == sorted(map(id, layers))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    def count_calls() -> None:  # once the graph is compiled: a traced product would not call it again
+        monkeypatch.setattr(Fp8LinearMethod, "apply", lambda self, layer, x, bias: calls.append(layer) or
+                            apply(self, layer, x, bias))
+
+    _assert_compiled_decode_equals_eager(runner, 5, on_prefilled=count_calls)
+    assert sorted(map(id, calls)) == sorted(map(id, layers))  # the calls of the last compiled decode step
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "deepseek_v2"])
@@ -102,23 +96,7 @@ def test_moe_models_compile_in_one_graph(kind: str, tmp_path) -> None:
     torch._dynamo.reset()
     path = str(tmp_path / "m")
     make_tiny_model(kind, path)
-    runner = make_runner(path)
-    expect = StaticBatch(runner).generate(PROMPTS, 5)
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill(PROMPTS)
-    sb.decode(batch)
-    want = sb.last_logits.next_token_logits.clone()
-    sb.release(batch)
-
-    seen = _use_compiled_decode(runner, "aot_eager")
-    assert StaticBatch(runner).generate(PROMPTS, 5) == expect
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill(PROMPTS)
-    sb.decode(batch)
-    got = sb.last_logits.next_token_logits
-    sb.release(batch)
-    assert seen and set(seen) == {3}
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_compiled_decode_equals_eager(make_runner(path), 5)
 
 
 def test_attention_op_needs_a_forward_context() -> None:

@@ -58,18 +58,24 @@ def test_compiled_graphs_equal_uncompiled(tmp_path) -> None:
             assert torch.equal(o.argmax(-1)[clear], w.argmax(-1)[clear])
 
 
+def assert_decode_logits_close(plain, compiled, seed: int) -> None:  # noqa: ANN001
+    """Three decode steps of random prompts at batch 1 and 3 (the graph of 4), plain against compiled runner: the
+    logits within bf16 rounding."""
+    g = torch.Generator().manual_seed(seed)
+    for bs in (1, 3):
+        prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
+                   for n in torch.randint(5, 40, (bs,), generator=g)]
+        for w, o in zip(decode_logits(plain, prompts, 3), decode_logits(compiled, prompts, 3), strict=True):
+            torch.testing.assert_close(o, w, rtol=0, atol=0.02 * w.abs().max().item())
+
+
 def test_compiled_graphs_with_fp8_weights_equal_uncompiled(tmp_path) -> None:
     """fp8 layers inside the compiled graphs run their own kernels (the `quantized_linear` op): the same logits within
     bf16 rounding as the uncompiled fp8 graphs."""
     make_tiny_model("llama", str(tmp_path), num_hidden_layers=3)
     plain = gpu_runner(str(tmp_path), quantization="fp8")
     compiled = gpu_runner(str(tmp_path), quantization="fp8", enable_torch_compile=True, torch_compile_max_bs=4)
-    g = torch.Generator().manual_seed(1)
-    for bs in (1, 3):
-        prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
-                   for n in torch.randint(5, 40, (bs,), generator=g)]
-        for w, o in zip(decode_logits(plain, prompts, 3), decode_logits(compiled, prompts, 3), strict=True):
-            torch.testing.assert_close(o, w, rtol=0, atol=0.02 * w.abs().max().item())
+    assert_decode_logits_close(plain, compiled, seed=1)
 
 
 def test_compiled_graphs_of_a_moe_model_equal_uncompiled(tmp_path) -> None:
@@ -79,12 +85,7 @@ def test_compiled_graphs_of_a_moe_model_equal_uncompiled(tmp_path) -> None:
     make_tiny_model("deepseek_v2", str(tmp_path))
     plain = gpu_runner(str(tmp_path))
     compiled = gpu_runner(str(tmp_path), enable_torch_compile=True, torch_compile_max_bs=4)
-    g = torch.Generator().manual_seed(2)
-    for bs in (1, 3):
-        prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
-                   for n in torch.randint(5, 40, (bs,), generator=g)]
-        for w, o in zip(decode_logits(plain, prompts, 3), decode_logits(compiled, prompts, 3), strict=True):
-            torch.testing.assert_close(o, w, rtol=0, atol=0.02 * w.abs().max().item())
+    assert_decode_logits_close(plain, compiled, seed=2)
 
 
 def test_torch_compile_needs_cuda_graphs(tmp_path) -> None:

@@ -119,7 +119,7 @@ class FusedMoE(nn.Module):
         shared MLP, else None."""
         mlp = self.__dict__.get("_shared_mlp")
         if mlp is None or self.ep_size > 1 or type(self.quant_method) is not UnquantizedMoEMethod \
-                or self.__dict__.get("_fold_off") or torch.compiler.is_compiling():
+                or self.__dict__.get("_fold_off"):
             return None
         from radixserve.layers.moe import small_batch
         from radixserve.layers.triton_ops import use_fused
