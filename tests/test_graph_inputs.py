@@ -1,13 +1,15 @@
-"""The kernel that loads a decode batch into a CUDA graph's static buffers (`load_graph_inputs`): live rows copied
-(int32 or int64 sources), padding rows zeroed with the fill length, rows past the graph's size untouched. Runs under
-TRITON_INTERPRET=1 on the CPU (set in conftest), natively on CUDA."""
+"""The kernels that load a decode batch into a CUDA graph's static buffers (`load_graph_inputs`): live rows copied
+(int32 or int64 sources), padding rows zeroed with the fill length, rows past the graph's size untouched; from the
+batch's one-copy pack (`load_decode_pack`) the same, plus the request-table write of the new KV slots and the ids in
+flight resolved through the future map. Run under TRITON_INTERPRET=1 on the CPU (set in conftest), natively on
+CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radixserve.model_executor.graph_inputs import load_graph_inputs
+from radixserve.model_executor.graph_inputs import load_decode_pack, load_graph_inputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,3 +40,48 @@ def test_bad_shapes_raise() -> None:
         load_graph_inputs(dst, (*src[:4], torch.zeros(3, dtype=torch.int64, device=DEV)), 8, fill=1)
     with pytest.raises(ValueError, match="five"):
         load_graph_inputs(dst[:4], src, 8, fill=1)
+
+
+@pytest.mark.parametrize("raw,bs,width,future", [(3, 8, 4, True), (8, 8, 8, False), (1, 1, 2, True),
+                                                 (290, 300, 290, True)])
+def test_decode_pack_loads_writes_table_and_resolves_ids(raw: int, bs: int, width: int, future: bool) -> None:
+    g = torch.Generator().manual_seed(raw)
+    rows_n, cols_n = 400, 64
+    rows = torch.randperm(rows_n, generator=g)[:raw]  # one row per request, as the scheduler gives them
+    lens = torch.randint(1, cols_n + 1, (raw,), generator=g)
+    locs = torch.randint(1, 1 << 20, (raw,), generator=g)
+    fmap = torch.randint(0, 50_000, (64,), generator=g)
+    ids = torch.randint(0, 50_000, (raw,), generator=g)
+    if future:  # every other id is -(slot of the future map)
+        slots = torch.randint(1, 64, (raw,), generator=g)
+        ids[::2] = -slots[::2]
+    pack = torch.full((5, width), -99, dtype=torch.int64)
+    pack[0, :raw], pack[1, :raw], pack[2, :raw], pack[3, :raw], pack[4, :raw] = ids, rows, lens, locs, lens - 1
+    table = torch.randint(0, 9, (rows_n, cols_n), generator=g, dtype=torch.int32)
+    want_table = table.clone()
+    want_table[rows, lens - 1] = locs.to(torch.int32)
+    want_ids = torch.where(ids < 0, fmap[(-ids).clamp(min=0)], ids) if future else ids
+    max_bs = bs + 3
+    dst = tuple(torch.full((max_bs,), -7, dtype=torch.int64, device=DEV) for _ in range(5))
+    table_d = table.to(DEV)
+    load_decode_pack(dst, pack.to(DEV), raw, bs, 1, table_d, fmap.to(DEV) if future else None)
+    for i, (d, want) in enumerate(zip(dst, (want_ids, rows, lens, locs, lens - 1), strict=True)):
+        assert torch.equal(d[:raw].cpu(), want)
+        pad = 1 if i == 2 else 0
+        assert torch.equal(d[raw:bs].cpu(), torch.full((bs - raw,), pad, dtype=torch.int64))
+        assert torch.equal(d[bs:].cpu(), torch.full((max_bs - bs,), -7, dtype=torch.int64))
+    assert torch.equal(table_d.cpu(), want_table)  # the live rows' cells only: padding rows write nothing
+
+
+def test_decode_pack_bad_shapes_raise() -> None:
+    dst = tuple(torch.zeros(8, dtype=torch.int64, device=DEV) for _ in range(5))
+    table = torch.zeros(4, 16, dtype=torch.int32, device=DEV)
+    pack = torch.zeros(5, 4, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="int64 \\[5"):
+        load_decode_pack(dst, pack[:4], 2, 8, 1, table)
+    with pytest.raises(ValueError, match="int64 \\[5"):
+        load_decode_pack(dst, pack, 6, 8, 1, table)
+    with pytest.raises(ValueError, match="int32 table"):
+        load_decode_pack(dst, pack, 2, 8, 1, table.long())
+    with pytest.raises(ValueError, match="does not fit"):
+        load_decode_pack(dst, pack, 4, 2, 1, table)

@@ -186,6 +186,8 @@ class ModelWorkerBatch:
     req_to_token_writes: list  # queued writes to the device request table (applied by the worker)
     # decode: the positions (seq_lens - 1) when the scheduler already has them (the worker computes them otherwise)
     positions: torch.Tensor | None = None
+    # decode: the host array whose five rows are input_ids .. positions (ScheduleBatch.decode_pack), or None
+    decode_pack: torch.Tensor | None = None
     # decode: how many input ids are -(future slot) (None: unknown, the worker counts them)
     num_future_refs: int | None = None
     # structured output: packed int32 token bitmask [bs, ceil(vocab/32)] (bit set = allowed), rows in batch order;
@@ -225,6 +227,9 @@ class ScheduleBatch:
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
         self.seq_lens_list: list[int] | None = None
         self.positions: torch.Tensor | None = None  # decode only
+        # decode only: the [5, n] host array whose rows are input_ids, req_pool_indices, seq_lens, out_cache_loc and
+        # positions (prepare_for_decode), moved to the device in one copy
+        self.decode_pack: torch.Tensor | None = None
         self.num_future_refs: int | None = None  # decode only: input ids that refer to a token still in flight
         self.lora_table: LoRASlotTable | None = None  # the scheduler's adapter slots (None: LoRA is off)
 
@@ -312,6 +317,7 @@ class ScheduleBatch:
         self.seq_lens_list = [len(r.fill_ids) for r in reqs]
         self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int64)
         self.positions = None
+        self.decode_pack = None
         self.sampling_info = DeferredSamplingInfo(reqs, self.device, self.vocab_size)
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
@@ -327,6 +333,7 @@ class ScheduleBatch:
         self.reqs = self.reqs + running.reqs
         self.seq_lens_list = None
         self.positions = None
+        self.decode_pack = None
         self.num_future_refs = None
         self.sampling_info.merge_batch(running.sampling_info)
         self.forward_mode = ForwardMode.MIXED
@@ -355,20 +362,28 @@ class ScheduleBatch:
             rows.append(r.req_pool_idx)
             lens.append(n)
             r.kv_committed_len = n
-        # numpy turns nested lists into an array several times faster than torch.tensor does
-        host = torch.from_numpy(np.array([ids, rows, lens], dtype=np.int64))
-        self.input_ids, self.req_pool_indices, self.seq_lens = host[0], host[1], host[2]
         self.seq_lens_list = lens
         self.num_future_refs = num_pending
-        # the new token's KV slot goes at position seq_len - 1 of each row; that is also its position
-        self.positions = self.seq_lens - 1
+        # One host array holds the batch's five columns (ids, rows, lengths, KV slots, positions), each row 16-byte
+        # aligned: the worker moves it to the device in one copy (ForwardBatch.init_new). The work here is numpy's:
+        # on arrays this small a numpy op costs a fraction of a torch op, and this runs before every decode step.
+        n = len(reqs)
+        if n % 2:
+            ids, rows, lens = ids + [0], rows + [0], lens + [0]
+        pack = np.array([ids, rows, lens, lens, lens], dtype=np.int64)
+        pack[4] -= 1  # the new token's KV slot goes at position seq_len - 1 of its row; that is its position too
+        self.decode_pack = host = torch.from_numpy(pack)
+        self.input_ids, self.req_pool_indices, self.seq_lens, locs_view, self.positions = \
+            (host if n % 2 == 0 else host[:, :n]).unbind(0)
         pool = self.token_to_kv_pool
         if pool.page_size == 1:
-            self.out_cache_loc = self.alloc_token_slots(len(reqs))
+            locs = self.alloc_token_slots(n)
         else:  # the next slot of each request's last page, or a new page
             last = self.req_to_token_pool.req_to_token_cpu[self.req_pool_indices, (self.seq_lens - 2).clamp(min=0)]
-            self.out_cache_loc = self._alloc(pool.decode_tokens_needed(self.seq_lens),
-                                             lambda: pool.alloc_decode(self.seq_lens, last))
+            locs = self._alloc(pool.decode_tokens_needed(self.seq_lens),
+                               lambda: pool.alloc_decode(self.seq_lens, last))
+        pack[3, :n] = locs.numpy()
+        self.out_cache_loc = locs_view
         self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc)
 
     def check_decode_mem(self) -> bool:
@@ -425,6 +440,7 @@ class ScheduleBatch:
         self.reqs = [self.reqs[i] for i in keep_indices]
         self.seq_lens_list = None
         self.positions = None
+        self.decode_pack = None
         self.num_future_refs = None
         idx = torch.tensor(keep_indices, dtype=torch.int64)
         if len(self.req_pool_indices):
@@ -439,6 +455,7 @@ class ScheduleBatch:
         self.reqs = self.reqs + other.reqs
         self.seq_lens_list = None
         self.positions = None
+        self.decode_pack = None
         self.num_future_refs = None
         self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
         self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
@@ -481,6 +498,7 @@ class ScheduleBatch:
             req_to_token_writes=self.req_to_token_pool.take_pending_writes(),
             positions=self.positions if self.forward_mode.is_decode() else None,
             num_future_refs=self.num_future_refs if self.forward_mode.is_decode() else None,
+            decode_pack=self.decode_pack if self.forward_mode.is_decode() else None,
             lora_slots=lora_slots,
             lora_loads=lora_loads,
             pooling=[r.pooling for r in self.reqs] if extend and any(r.pooling for r in self.reqs) else None,

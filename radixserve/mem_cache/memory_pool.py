@@ -97,10 +97,10 @@ class ReqToTokenPool:
 
     def write_batch(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
         """req_to_token[rows[i], cols[i]] = values[i] (CPU tensors): the mirror now, the device at the next forward."""
-        values = values.to(torch.int32)
-        self.req_to_token_cpu[rows, cols] = values
+        # through numpy: a few microseconds, against ~10-15 for the same indexed store as a torch op (every step)
+        self.req_to_token_cpu.numpy()[rows.numpy(), cols.numpy()] = values.numpy()
         if self.req_to_token_cpu is not self.req_to_token:
-            self.pending_writes.append((rows, cols, values))
+            self.pending_writes.append((rows, cols, values))  # values of any int dtype: the device store casts
 
     def take_pending_writes(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         writes, self.pending_writes = self.pending_writes, []
@@ -189,7 +189,7 @@ class TokenToKVPool:
             return None
         out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         if self.debug_checks:
-            self._is_free[out] = False
+            self._is_free.numpy()[out.numpy()] = False  # numpy's indexed store: a fraction of torch's on a few slots
         return out
 
     def alloc(self, need: int) -> torch.Tensor | None:

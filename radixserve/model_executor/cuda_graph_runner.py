@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from radixserve.model_executor.graph_inputs import load_graph_inputs
+from radixserve.model_executor.graph_inputs import launch_decode_pack, load_decode_pack, load_graph_inputs
 
 if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
@@ -72,6 +72,7 @@ class CudaGraphRunner:
             self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
             self.seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pack_dst: tuple[torch.Tensor, ...] | None = None  # the input buffers, once the first replay checked them
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy_ids: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -148,12 +149,18 @@ class CudaGraphRunner:
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.capture_bs, took)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        cap = self.backend.cuda_graph_max_seq_len()
         if self.dp_attention:  # the same answer on every rank: it depends on all ranks' counts only
-            return cap is None and forward_batch.dp_all_decode and max(forward_batch.dp_num_tokens) <= self.max_bs
-        if cap is not None and (forward_batch.seq_lens_cpu is None or max(forward_batch.seq_lens_cpu) > cap):
+            return self.backend.cuda_graph_max_seq_len() is None and forward_batch.dp_all_decode \
+                and max(forward_batch.dp_num_tokens) <= self.max_bs
+        return forward_batch.forward_mode.is_decode() and self.can_run_decode(forward_batch.batch_size,
+                                                                              forward_batch.seq_lens_cpu)
+
+    def can_run_decode(self, batch_size: int, seq_lens_cpu: list[int] | None) -> bool:
+        """Whether a decode batch of this size and these lengths (without DP attention) replays a graph."""
+        cap = self.backend.cuda_graph_max_seq_len()
+        if cap is not None and (seq_lens_cpu is None or max(seq_lens_cpu) > cap):
             return False
-        return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs
+        return 1 <= batch_size <= self.max_bs and not self.dp_attention
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         raw = forward_batch.batch_size
@@ -163,6 +170,18 @@ class CudaGraphRunner:
             for buf in (self.input_ids, self.req_pool_indices, self.out_cache_loc, self.positions):
                 buf[:bs].zero_()
             self.seq_lens[:bs].fill_(self.fill)
+        elif forward_batch.decode_pack is not None:
+            # one kernel loads the batch from its pack, fills padding rows, writes the new KV slots into the request
+            # table and resolves in-flight ids (ForwardBatch's one-copy path)
+            if self._pack_dst is None:  # checked once: the buffers and the table are the same at every replay
+                self._pack_dst = (self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc,
+                                  self.positions)
+                load_decode_pack(self._pack_dst, forward_batch.decode_pack, raw, bs, self.fill,
+                                 forward_batch.req_to_token_pool.req_to_token, forward_batch.future_map)
+            else:
+                launch_decode_pack(self._pack_dst, forward_batch.decode_pack, raw, bs, self.fill,
+                                   forward_batch.req_to_token_pool.req_to_token, forward_batch.future_map)
+            forward_batch.input_ids = self.input_ids[:raw]  # resolved
         else:
             # one kernel loads the batch and fills padding rows (request row 0, the fill length, KV to slot 0)
             load_graph_inputs((self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc,

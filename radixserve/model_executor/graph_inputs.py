@@ -4,7 +4,12 @@ Replaying a captured decode graph first copies the batch's input ids, request ro
 positions into the buffers the graph reads, and fills the padding rows up to the captured batch size. As torch ops
 that is five copies and, for a padded batch, five fills: up to ten tiny kernels and their launches per step, on the
 GPU between two graph replays. This kernel does all of it at once. The row counts are runtime values (not
-specialised), so no batch size compiles a variant of its own while serving."""
+specialised), so no batch size compiles a variant of its own while serving.
+
+A decode batch the scheduler built in one host array (`ScheduleBatch.decode_pack`: ids, request rows, lengths, KV
+slots, positions) arrives as one device array, and its kernel does two more things a step would otherwise spend
+launches on: it resolves input ids still in flight (-(slot) in the overlap worker's future map) and it writes each
+request's new KV slot into the device request table."""
 
 from __future__ import annotations
 
@@ -50,3 +55,58 @@ def load_graph_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, ..
     if not 1 <= raw <= bs:
         raise ValueError(f"a batch of {raw} rows does not fit a graph of {bs}")
     launch(_load_graph_inputs_kernel, (triton.cdiv(bs, _BLOCK),), *dst, *src, raw, bs, fill, BLOCK=_BLOCK)
+
+
+@triton.jit(do_not_specialize=["src_stride", "table_stride", "raw", "bs", "fill"])
+def _load_decode_pack_kernel(Ids, Rows, Lens, Locs, Pos, Src, src_stride, Future, Table, table_stride, raw, bs, fill,
+                             HAS_FUTURE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < raw
+    out = offs < bs
+    ids = tl.load(Src + offs, mask=live, other=0)
+    rows = tl.load(Src + src_stride + offs, mask=live, other=0)
+    lens = tl.load(Src + 2 * src_stride + offs, mask=live, other=0)
+    locs = tl.load(Src + 3 * src_stride + offs, mask=live, other=0)
+    pos = tl.load(Src + 4 * src_stride + offs, mask=live, other=0)
+    if HAS_FUTURE:
+        pending = live & (ids < 0)
+        ids = tl.where(pending, tl.load(Future + tl.where(pending, -ids, 0), mask=pending, other=0), ids)
+    tl.store(Table + rows * table_stride + pos, locs.to(tl.int32), mask=live)
+    lens = tl.where(live, lens, fill)
+    tl.store(Ids + offs, ids, mask=out)
+    tl.store(Rows + offs, rows, mask=out)
+    tl.store(Lens + offs, lens, mask=out)
+    tl.store(Locs + offs, locs, mask=out)
+    tl.store(Pos + offs, pos, mask=out)
+
+
+def load_decode_pack(dst: tuple[torch.Tensor, ...], pack: torch.Tensor, raw: int, bs: int, fill: int,
+                     req_to_token: torch.Tensor, future_map: torch.Tensor | None = None) -> None:
+    """dst: the graph's five int64 input buffers (as for `load_graph_inputs`); pack: the batch's int64 [5, >= raw]
+    array of input ids, request rows, sequence lengths, KV slots and positions. Besides loading the buffers
+    (rows raw..bs-1 padding), it sets req_to_token[row, position] = KV slot for each of the `raw` requests and, given
+    `future_map`, replaces each input id -s by future_map[s]."""
+    if len(dst) != 5:
+        raise ValueError(f"load_decode_pack takes five destination buffers; got {len(dst)}")
+    if pack.dim() != 2 or pack.shape[0] != 5 or pack.shape[1] < raw or pack.stride(1) != 1 \
+            or pack.dtype != torch.int64:
+        raise ValueError(f"the decode pack must be an int64 [5, >= {raw}] array with contiguous rows; got "
+                         f"{tuple(pack.shape)} {pack.dtype}")
+    if any(t.dim() != 1 or t.shape[0] < bs or t.dtype != torch.int64 or t.stride(0) != 1 for t in dst):
+        raise ValueError(f"destination buffers must be contiguous 1-D int64 of at least {bs} rows")
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token must be a 2-D int32 table with contiguous rows")
+    if not 1 <= raw <= bs:
+        raise ValueError(f"a batch of {raw} rows does not fit a graph of {bs}")
+    launch_decode_pack(dst, pack, raw, bs, fill, req_to_token, future_map)
+
+
+def launch_decode_pack(dst: tuple[torch.Tensor, ...], pack: torch.Tensor, raw: int, bs: int, fill: int,
+                       req_to_token: torch.Tensor, future_map: torch.Tensor | None = None) -> None:
+    """`load_decode_pack` without its checks, for the graph runner's replay: its buffers and the request table were
+    checked once, the pack comes from ScheduleBatch.prepare_for_decode and the sizes from the runner (the checks
+    are a tenth of the step's host time at batch 1)."""
+    has_future = future_map is not None
+    launch(_load_decode_pack_kernel, (triton.cdiv(bs, _BLOCK),), *dst, pack, pack.stride(0),
+           future_map if has_future else pack, req_to_token, req_to_token.stride(0), raw, bs, fill,
+           HAS_FUTURE=has_future, BLOCK=_BLOCK)

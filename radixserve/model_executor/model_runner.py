@@ -288,6 +288,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- run
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if forward_batch.decode_pack is not None:  # ForwardBatch.init_new checked that a decode graph runs it
+            return self.cuda_graph_runner.replay(forward_batch)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run(forward_batch):

@@ -130,6 +130,7 @@ class SchedulerSpeculativeMixin:
         batch.seq_lens_list = [n + n_k for n, n_k in zip(seq, k, strict=True)]
         batch.seq_lens = torch.tensor(batch.seq_lens_list, dtype=torch.int64)
         batch.positions = None
+        batch.decode_pack = None
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         try:
             mwb = batch.get_model_worker_batch()

@@ -53,6 +53,48 @@ def test_cuda_graph_decode_equals_eager(tmp_path) -> None:
     assert StaticBatch(graph).generate(ps, 32) == StaticBatch(eager).generate(ps, 32)
 
 
+def test_one_copy_decode_path_equals_the_generic_one(tmp_path, monkeypatch) -> None:
+    """Float32: decode steps through ForwardBatch's one-copy path (the pack and the graph's input kernel, which also
+    writes the request table) give the tokens of the generic path (one copy per column, the table written by an
+    indexed store), and the device request table matches the host mirror after every step."""
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.model_executor import forward_batch_info as fbi
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+    peaky_tiny_model("llama", str(tmp_path))
+    args = ServerArgs(model_path=str(tmp_path), device="cuda", dtype="float32", max_total_tokens=1 << 14,
+                      max_running_requests=48, cuda_graph_max_bs=48)
+    runner = ModelRunner(ModelConfig(str(tmp_path)), args)
+    pool = runner.req_to_token_pool
+    ps = prompts(37, 2048, seed=5)
+    calls: list[int] = []
+    fast = fbi.ForwardBatch._init_graph_decode
+
+    def counted(*a, **k):
+        calls.append(1)
+        return fast(*a, **k)
+
+    def run() -> list[list[int]]:
+        sb = StaticBatch(runner)
+        batch, _ = sb.prefill(ps)
+        for _ in range(24):
+            sb.decode(batch)
+            assert torch.equal(pool.req_to_token.cpu(), pool.req_to_token_cpu)
+        out = [list(r.output_ids) for r in batch.reqs]
+        sb.release(batch)
+        return out
+
+    monkeypatch.setattr(fbi.ForwardBatch, "_init_graph_decode", counted)
+    one_copy = run()
+    assert len(calls) == 24, "every decode step should have taken the one-copy path"
+    monkeypatch.setattr(fbi, "_graph_decode_from_pack", lambda *a: False)
+    calls.clear()
+    generic = run()
+    assert not calls
+    assert one_copy == generic
+
+
 def test_overlap_equals_normal_on_cuda(tmp_path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_scheduler import drain, sampled_workload
