@@ -4,8 +4,9 @@
         --batch-size 1 --input-len 512 --result-file decode_step_phases.json
 
 One request batch is prefilled, then each decode step is cut into: `prep` (ScheduleBatch.prepare_for_decode), `mwb`
-(get_model_worker_batch), `fb_init` (the sampling ops and ForwardBatch.init_new: the one host-to-device copy, the
-request-table writes, attention metadata), `forward` (ModelRunner.forward: a graph replay or the eager launches),
+(get_model_worker_batch), `fb_init` (the sampling ops and ForwardBatch.init_new: the one host-to-device copy; for
+a decode that replays a graph that is all, else also the request-table writes and the attention metadata),
+`forward` (ModelRunner.forward: a graph replay, with its input kernel, or the eager launches),
 `sample` (its launch) and `wait` (the sampled ids back on the host, which waits for the device). The device idles
 while the host runs everything before `forward`; a synchronous step costs about prep + mwb + fb_init + the device's
 time. Medians in microseconds, printed and written to JSON."""
