@@ -206,6 +206,7 @@ def test_graph_runner_sends_sequences_past_the_backend_bound_to_eager() -> None:
 
     runner = make_runner(2, 1, 16, 1)
     stub = SimpleNamespace(backend=TorchNativeAttnBackend(runner), dp_attention=False, max_bs=8)
+    stub.can_run_decode = lambda n, lens: CudaGraphRunner.can_run_decode(stub, n, lens)
     bound = stub.backend.cuda_graph_max_seq_len()
 
     def batch(lens: list[int]) -> SimpleNamespace:
