@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from radixserve.model_executor.graph_inputs import launch_decode_pack, load_decode_pack, load_graph_inputs
+from radixserve.model_executor.graph_inputs import check_graph_buffers, launch_decode_pack, load_graph_inputs
 
 if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
@@ -71,8 +71,9 @@ class CudaGraphRunner:
         else:
             self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
             self.seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int64, device=dev)
+        self.inputs = (self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions)
+        check_graph_buffers(self.inputs, self.max_bs)  # once: replays load them without checks
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pack_dst: tuple[torch.Tensor, ...] | None = None  # the input buffers, once the first replay checked them
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy_ids: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -173,21 +174,14 @@ class CudaGraphRunner:
         elif forward_batch.decode_pack is not None:
             # one kernel loads the batch from its pack, fills padding rows, writes the new KV slots into the request
             # table and resolves in-flight ids (ForwardBatch's one-copy path)
-            if self._pack_dst is None:  # checked once: the buffers and the table are the same at every replay
-                self._pack_dst = (self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc,
-                                  self.positions)
-                load_decode_pack(self._pack_dst, forward_batch.decode_pack, raw, bs, self.fill,
-                                 forward_batch.req_to_token_pool.req_to_token, forward_batch.future_map)
-            else:
-                launch_decode_pack(self._pack_dst, forward_batch.decode_pack, raw, bs, self.fill,
-                                   forward_batch.req_to_token_pool.req_to_token, forward_batch.future_map)
+            launch_decode_pack(self.inputs, forward_batch.decode_pack, raw, bs, self.fill,
+                               forward_batch.req_to_token_pool.req_to_token, forward_batch.future_map)
             forward_batch.input_ids = self.input_ids[:raw]  # resolved
         else:
             # one kernel loads the batch and fills padding rows (request row 0, the fill length, KV to slot 0)
-            load_graph_inputs((self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc,
-                               self.positions), (forward_batch.input_ids, forward_batch.req_pool_indices,
-                                                 forward_batch.seq_lens, forward_batch.out_cache_loc,
-                                                 forward_batch.positions), bs, self.fill)
+            load_graph_inputs(self.inputs, (forward_batch.input_ids, forward_batch.req_pool_indices,
+                                            forward_batch.seq_lens, forward_batch.out_cache_loc,
+                                            forward_batch.positions), bs, self.fill)
         if self.lora is not None:
             self.lora.load_graph_inputs(forward_batch, bs)
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],

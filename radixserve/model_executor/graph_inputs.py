@@ -22,6 +22,17 @@ from radixserve.layers.triton_ops.launch import launch
 _BLOCK = 256
 
 
+@triton.jit
+def _store_graph_inputs(Ids, Rows, Lens, Locs, Pos, offs, live, out, ids, rows, lens, locs, pos, fill):
+    """The graph's five buffers at rows `offs` (< bs: `out`): the batch's values where `live` (< raw), else padding
+    (zeros, and `fill` as the length)."""
+    tl.store(Ids + offs, ids, mask=out)
+    tl.store(Rows + offs, rows, mask=out)
+    tl.store(Lens + offs, tl.where(live, lens, fill), mask=out)
+    tl.store(Locs + offs, locs, mask=out)
+    tl.store(Pos + offs, pos, mask=out)
+
+
 @triton.jit(do_not_specialize=["raw", "bs", "fill"])
 def _load_graph_inputs_kernel(Ids, Rows, Lens, Locs, Pos, SrcIds, SrcRows, SrcLens, SrcLocs, SrcPos, raw, bs, fill,
                               BLOCK: tl.constexpr):
@@ -33,25 +44,27 @@ def _load_graph_inputs_kernel(Ids, Rows, Lens, Locs, Pos, SrcIds, SrcRows, SrcLe
     lens = tl.load(SrcLens + offs, mask=live, other=0).to(tl.int64)
     locs = tl.load(SrcLocs + offs, mask=live, other=0).to(tl.int64)
     pos = tl.load(SrcPos + offs, mask=live, other=0).to(tl.int64)
-    lens = tl.where(live, lens, fill)
-    tl.store(Ids + offs, ids, mask=out)
-    tl.store(Rows + offs, rows, mask=out)
-    tl.store(Lens + offs, lens, mask=out)
-    tl.store(Locs + offs, locs, mask=out)
-    tl.store(Pos + offs, pos, mask=out)
+    _store_graph_inputs(Ids, Rows, Lens, Locs, Pos, offs, live, out, ids, rows, lens, locs, pos, fill)
+
+
+def check_graph_buffers(dst: tuple[torch.Tensor, ...], bs: int) -> None:
+    """Raise unless `dst` is five contiguous 1-D int64 buffers of at least `bs` rows (a graph's inputs)."""
+    if len(dst) != 5:
+        raise ValueError(f"a decode graph has five input buffers; got {len(dst)}")
+    if any(t.dim() != 1 or t.shape[0] < bs or t.dtype != torch.int64 or t.stride(0) != 1 for t in dst):
+        raise ValueError(f"destination buffers must be contiguous 1-D int64 of at least {bs} rows")
 
 
 def load_graph_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, ...], bs: int, fill: int) -> None:
     """dst: the graph's (input_ids, req_pool_indices, seq_lens, out_cache_loc, positions) int64 buffers of at least
     `bs` rows; src: the batch's same five 1-D tensors of `raw` <= bs rows. Rows raw..bs-1 become padding: zeros,
     and `fill` as their sequence length."""
-    if len(dst) != 5 or len(src) != 5:
-        raise ValueError(f"load_graph_inputs takes five destination and five source tensors; got {len(dst)}/{len(src)}")
+    if len(src) != 5:
+        raise ValueError(f"load_graph_inputs takes five source tensors; got {len(src)}")
+    check_graph_buffers(dst, bs)
     raw = src[0].shape[0]
     if any(t.dim() != 1 or t.shape[0] != raw or t.stride(0) != 1 for t in src):
         raise ValueError(f"source tensors must be contiguous 1-D of one length; got {[tuple(t.shape) for t in src]}")
-    if any(t.dim() != 1 or t.shape[0] < bs or t.dtype != torch.int64 or t.stride(0) != 1 for t in dst):
-        raise ValueError(f"destination buffers must be contiguous 1-D int64 of at least {bs} rows")
     if not 1 <= raw <= bs:
         raise ValueError(f"a batch of {raw} rows does not fit a graph of {bs}")
     launch(_load_graph_inputs_kernel, (triton.cdiv(bs, _BLOCK),), *dst, *src, raw, bs, fill, BLOCK=_BLOCK)
@@ -72,12 +85,7 @@ def _load_decode_pack_kernel(Ids, Rows, Lens, Locs, Pos, Src, src_stride, Future
         pending = live & (ids < 0)
         ids = tl.where(pending, tl.load(Future + tl.where(pending, -ids, 0), mask=pending, other=0), ids)
     tl.store(Table + rows * table_stride + pos, locs.to(tl.int32), mask=live)
-    lens = tl.where(live, lens, fill)
-    tl.store(Ids + offs, ids, mask=out)
-    tl.store(Rows + offs, rows, mask=out)
-    tl.store(Lens + offs, lens, mask=out)
-    tl.store(Locs + offs, locs, mask=out)
-    tl.store(Pos + offs, pos, mask=out)
+    _store_graph_inputs(Ids, Rows, Lens, Locs, Pos, offs, live, out, ids, rows, lens, locs, pos, fill)
 
 
 def load_decode_pack(dst: tuple[torch.Tensor, ...], pack: torch.Tensor, raw: int, bs: int, fill: int,
@@ -86,14 +94,11 @@ def load_decode_pack(dst: tuple[torch.Tensor, ...], pack: torch.Tensor, raw: int
     array of input ids, request rows, sequence lengths, KV slots and positions. Besides loading the buffers
     (rows raw..bs-1 padding), it sets req_to_token[row, position] = KV slot for each of the `raw` requests and, given
     `future_map`, replaces each input id -s by future_map[s]."""
-    if len(dst) != 5:
-        raise ValueError(f"load_decode_pack takes five destination buffers; got {len(dst)}")
+    check_graph_buffers(dst, bs)
     if pack.dim() != 2 or pack.shape[0] != 5 or pack.shape[1] < raw or pack.stride(1) != 1 \
             or pack.dtype != torch.int64:
         raise ValueError(f"the decode pack must be an int64 [5, >= {raw}] array with contiguous rows; got "
                          f"{tuple(pack.shape)} {pack.dtype}")
-    if any(t.dim() != 1 or t.shape[0] < bs or t.dtype != torch.int64 or t.stride(0) != 1 for t in dst):
-        raise ValueError(f"destination buffers must be contiguous 1-D int64 of at least {bs} rows")
     if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32 or req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must be a 2-D int32 table with contiguous rows")
     if not 1 <= raw <= bs:
@@ -103,9 +108,9 @@ def load_decode_pack(dst: tuple[torch.Tensor, ...], pack: torch.Tensor, raw: int
 
 def launch_decode_pack(dst: tuple[torch.Tensor, ...], pack: torch.Tensor, raw: int, bs: int, fill: int,
                        req_to_token: torch.Tensor, future_map: torch.Tensor | None = None) -> None:
-    """`load_decode_pack` without its checks, for the graph runner's replay: its buffers and the request table were
-    checked once, the pack comes from ScheduleBatch.prepare_for_decode and the sizes from the runner (the checks
-    are a tenth of the step's host time at batch 1)."""
+    """`load_decode_pack` without its checks, for the graph runner's replay: it checked its buffers when it made
+    them, the request table is the pool's int32 one, the pack comes from ScheduleBatch.prepare_for_decode and the
+    sizes from the runner (the checks cost a tenth of the step's host time at batch 1)."""
     has_future = future_map is not None
     launch(_load_decode_pack_kernel, (triton.cdiv(bs, _BLOCK),), *dst, pack, pack.stride(0),
            future_map if has_future else pack, req_to_token, req_to_token.stride(0), raw, bs, fill,
