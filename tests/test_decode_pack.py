@@ -1,8 +1,9 @@
-"""The decode batch's one host array (`ScheduleBatch.decode_pack`) and the check that sends a batch down
-ForwardBatch's one-copy path (`_graph_decode_from_pack`). The path itself runs only on CUDA
-(tests/gpu/test_gpu_engine.py compares it with the general one); here: the pack's rows are the batch's columns, its
-rows are 16-byte aligned, the batch's own request-table write is the only one queued, and every change to the batch
-(filter, merge, mixing with a prefill, a speculative verify) drops the pack so that a stale one is never sent."""
+"""The decode batch's one host array (`ScheduleBatch.decode_pack`) and the check that sends a batch down ForwardBatch's
+one-copy path (`_graph_decode_from_pack`). The path itself runs only on CUDA (tests/gpu/test_gpu_engine.py compares
+it with the general one); here: the header row holds the batch size and the row stride, the pack's other rows are
+the batch's columns, its rows are 16-byte aligned, the batch's own request-table write is the only one queued, and
+every change to the batch (filter, merge, mixing with a prefill, a speculative verify) drops the pack so that a
+stale one is never sent."""
 
 from __future__ import annotations
 
@@ -35,20 +36,26 @@ def decode_batch(n: int, page_size: int = 1) -> ScheduleBatch:
     return batch
 
 
+FUTURE = torch.zeros(8, dtype=torch.int64)
+
+
 def graph_runner(can_run: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(is_cuda=True, cuda_graph_runner=SimpleNamespace(can_run_decode=lambda n, lens: can_run))
+    return SimpleNamespace(is_cuda=True, cuda_graph_runner=SimpleNamespace(can_run_decode=lambda n, lens: can_run),
+                           future_token_ids_map=FUTURE)
 
 
 @pytest.mark.parametrize("n,page_size", [(1, 1), (4, 1), (5, 1), (3, 16)])
 def test_pack_rows_are_the_batch_columns(n: int, page_size: int) -> None:
     batch = decode_batch(n, page_size)
     pack = batch.decode_pack
-    assert pack.shape == (5, n + n % 2) and pack.dtype == torch.int64
+    m = n + n % 2
+    assert pack.shape == (6, m) and pack.dtype == torch.int64 and pack.is_contiguous()
+    assert pack[0, :2].tolist() == [n, m]  # the header the graph's input kernel reads: batch size, row stride
     assert pack.stride(0) % 2 == 0  # each row starts 16-byte aligned
     cols = (batch.input_ids, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, batch.positions)
     for i, col in enumerate(cols):
-        assert torch.equal(pack[i, :n], col)
-        assert col.data_ptr() == pack[i].data_ptr()  # views, not copies
+        assert torch.equal(pack[i + 1, :n], col)
+        assert col.data_ptr() == pack[i + 1].data_ptr()  # views, not copies
     assert batch.input_ids.tolist() == [100 + i for i in range(n)]
     lens = [len(r.origin_input_ids) + 1 for r in batch.reqs]
     assert batch.seq_lens.tolist() == lens and batch.positions.tolist() == [n_ - 1 for n_ in lens]
@@ -70,6 +77,11 @@ def test_one_copy_path_taken_only_for_an_unchanged_decode_batch() -> None:
     other = (torch.tensor([0]), torch.tensor([7]), torch.tensor([9]))  # another queued write: general path
     assert not _graph_decode_from_pack(mwb, graph_runner(), [other, *writes])
     assert not _graph_decode_from_pack(mwb, graph_runner(), [])
+    # ids in flight resolve through the runner's future map, which the graphs read: another map, general path
+    assert _graph_decode_from_pack(mwb, graph_runner(), writes, FUTURE)
+    mwb.num_future_refs = 1
+    assert _graph_decode_from_pack(mwb, graph_runner(), writes, FUTURE)
+    assert not _graph_decode_from_pack(mwb, graph_runner(), writes, FUTURE.clone())
 
 
 def test_changes_to_the_batch_drop_the_pack() -> None:
@@ -77,6 +89,6 @@ def test_changes_to_the_batch_drop_the_pack() -> None:
     batch.filter_batch([0, 2])
     assert batch.decode_pack is None and batch.get_model_worker_batch().decode_pack is None
     batch.prepare_for_decode()
-    assert batch.decode_pack is not None and batch.decode_pack.shape == (5, 2)
+    assert batch.decode_pack is not None and batch.decode_pack.shape == (6, 2)
     batch.merge_batch(decode_batch(1))
     assert batch.decode_pack is None

@@ -186,7 +186,7 @@ class ModelWorkerBatch:
     req_to_token_writes: list  # queued writes to the device request table (applied by the worker)
     # decode: the positions (seq_lens - 1) when the scheduler already has them (the worker computes them otherwise)
     positions: torch.Tensor | None = None
-    # decode: the host array whose five rows are input_ids .. positions (ScheduleBatch.decode_pack), or None
+    # decode: the host array of a header row and the rows input_ids .. positions (ScheduleBatch.decode_pack), or None
     decode_pack: torch.Tensor | None = None
     # decode: how many input ids are -(future slot) (None: unknown, the worker counts them)
     num_future_refs: int | None = None
@@ -227,9 +227,11 @@ class ScheduleBatch:
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
         self.seq_lens_list: list[int] | None = None
         self.positions: torch.Tensor | None = None  # decode only
-        # decode only: the [5, n] host array whose rows are input_ids, req_pool_indices, seq_lens, out_cache_loc and
-        # positions (prepare_for_decode), moved to the device in one copy
+        # decode only: the [6, n rounded up to even] host array of prepare_for_decode: a header row (batch size, row
+        # stride), then rows viewed as input_ids, req_pool_indices, seq_lens, out_cache_loc and positions; moved to
+        # the device in one copy (pinned on CUDA)
         self.decode_pack: torch.Tensor | None = None
+        self._pin_pack = torch.device(device).type == "cuda"
         self.num_future_refs: int | None = None  # decode only: input ids that refer to a token still in flight
         self.lora_table: LoRASlotTable | None = None  # the scheduler's adapter slots (None: LoRA is off)
 
@@ -364,17 +366,26 @@ class ScheduleBatch:
             r.kv_committed_len = n
         self.seq_lens_list = lens
         self.num_future_refs = num_pending
-        # One host array holds the batch's five columns (ids, rows, lengths, KV slots, positions), each row 16-byte
-        # aligned: the worker moves it to the device in one copy (ForwardBatch.init_new). The work here is numpy's:
-        # on arrays this small a numpy op costs a fraction of a torch op, and this runs before every decode step.
+        # One host array holds the batch: a header row (the batch size and the row stride, read on the device by
+        # the graph's input kernel) and the five columns (ids, rows, lengths, KV slots, positions), each row
+        # 16-byte aligned. On CUDA it is allocated pinned: the worker sends it in one asynchronous copy
+        # (ForwardBatch.init_new, CudaGraphRunner.replay). The work here is numpy's: on arrays this small a numpy
+        # op costs a fraction of a torch op, and this runs before every decode step.
         n = len(reqs)
+        m = n + n % 2
         if n % 2:
             ids, rows, lens = ids + [0], rows + [0], lens + [0]
-        pack = np.array([ids, rows, lens, lens, lens], dtype=np.int64)
-        pack[4] -= 1  # the new token's KV slot goes at position seq_len - 1 of its row; that is its position too
-        self.decode_pack = host = torch.from_numpy(pack)
+        arr = np.array([[n, m] + [0] * (m - 2), ids, rows, lens, lens, lens], dtype=np.int64)
+        arr[5] -= 1  # the new token's KV slot goes at position seq_len - 1 of its row; that is its position too
+        if self._pin_pack:
+            host = torch.empty((6, m), dtype=torch.int64, pin_memory=True)
+            pack = host.numpy()
+            pack[:] = arr
+        else:
+            host, pack = torch.from_numpy(arr), arr
+        self.decode_pack = host
         self.input_ids, self.req_pool_indices, self.seq_lens, locs_view, self.positions = \
-            (host if n % 2 == 0 else host[:, :n]).unbind(0)
+            (host[1:] if n == m else host[1:, :n]).unbind(0)
         pool = self.token_to_kv_pool
         if pool.page_size == 1:
             locs = self.alloc_token_slots(n)
@@ -382,9 +393,10 @@ class ScheduleBatch:
             last = self.req_to_token_pool.req_to_token_cpu[self.req_pool_indices, (self.seq_lens - 2).clamp(min=0)]
             locs = self._alloc(pool.decode_tokens_needed(self.seq_lens),
                                lambda: pool.alloc_decode(self.seq_lens, last))
-        pack[3, :n] = locs.numpy()
+        pack[4, :n] = locs.numpy()
         self.out_cache_loc = locs_view
-        self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc)
+        self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc,
+                                           host=(pack[2, :n], pack[5, :n], pack[4, :n]))
 
     def check_decode_mem(self) -> bool:
         pool = self.token_to_kv_pool

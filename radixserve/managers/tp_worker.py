@@ -72,8 +72,7 @@ class TpModelWorker:
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens
         self.max_running_requests = self.model_runner.max_running_requests
         # Device table of sampled token ids that the scheduler refers to (as negative ids) before it has seen them.
-        self.future_token_ids_map = torch.zeros(4 * (self.max_running_requests + 8), dtype=torch.int64,
-                                                device=self.device)
+        self.future_token_ids_map = self.model_runner.future_token_ids_map
 
     def get_memory_pool(self) -> tuple:
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool

@@ -18,6 +18,7 @@ waits for the device.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,10 +96,13 @@ class ReqToTokenPool:
         self.write_batch(torch.full((end - start,), row, dtype=torch.int64), torch.arange(start, end),
                          values.to(torch.int32))
 
-    def write_batch(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
-        """req_to_token[rows[i], cols[i]] = values[i] (CPU tensors): the mirror now, the device at the next forward."""
+    def write_batch(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor,
+                    host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """req_to_token[rows[i], cols[i]] = values[i] (CPU tensors): the mirror now, the device at the next forward.
+        `host`: the same three as numpy arrays, where the caller has them."""
         # through numpy: a few microseconds, against ~10-15 for the same indexed store as a torch op (every step)
-        self.req_to_token_cpu.numpy()[rows.numpy(), cols.numpy()] = values.numpy()
+        r, c, v = host if host is not None else (rows.numpy(), cols.numpy(), values.numpy())
+        self.req_to_token_cpu.numpy()[r, c] = v
         if self.req_to_token_cpu is not self.req_to_token:
             self.pending_writes.append((rows, cols, values))  # values of any int dtype: the device store casts
 
@@ -176,8 +180,10 @@ class TokenToKVPool:
 
     # ---------------------------------------------------------------- allocator (CPU only)
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.num_pages + 1, dtype=torch.int64)  # page ids when page_size > 1
-        self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
+        # numpy arrays: the allocator runs before every step, and numpy's slices and indexed stores on a few
+        # elements cost a fraction of torch's
+        self.free_slots = np.arange(1, self.num_pages + 1, dtype=np.int64)  # page ids when page_size > 1
+        self._is_free = np.ones(self.num_pages + 1, dtype=np.bool_)
         self._is_free[0] = False
 
     def available_size(self) -> int:
@@ -185,12 +191,13 @@ class TokenToKVPool:
         return len(self.free_slots) * self.page_size
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
-        if n > len(self.free_slots):
+        free = self.free_slots
+        if n > len(free):
             return None
-        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        out, self.free_slots = free[:n], free[n:]
         if self.debug_checks:
-            self._is_free.numpy()[out.numpy()] = False  # numpy's indexed store: a fraction of torch's on a few slots
-        return out
+            self._is_free[out] = False
+        return torch.from_numpy(out)  # shares the slice's memory, which no later free list writes (they are new)
 
     def alloc(self, need: int) -> torch.Tensor | None:
         """`need` free slots as a CPU int64 tensor, or None if there are not enough. With pages: the first `need`
@@ -269,10 +276,11 @@ class TokenToKVPool:
             if lo < 1 or hi > self.num_pages:
                 what = "KV slot" if self.page_size == 1 else "KV page"
                 raise ValueError(f"{what} out of range 1..{self.num_pages}: min={lo} max={hi}")
-            if bool(self._is_free[idx].any()) or idx.unique().numel() != idx.numel():
+            pages = idx.numpy()
+            if self._is_free[pages].any() or idx.unique().numel() != idx.numel():
                 raise ValueError("KV slot freed twice")
-            self._is_free[idx] = True
-        self.free_slots = torch.cat([self.free_slots, idx])
+            self._is_free[pages] = True
+        self.free_slots = np.concatenate([self.free_slots, idx.numpy()])
 
     # ---------------------------------------------------------------- KV data (device)
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,20 @@ class CudaGraphRunner:
             self.seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int64, device=dev)
         self.inputs = (self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions)
         check_graph_buffers(self.inputs, self.max_bs)  # once: replays load them without checks
+        # The static device copy of a decode batch's pack (ScheduleBatch.decode_pack: header row, five columns), the
+        # request table and the future map its input kernel reads. Where the backend's replay hook does not read the
+        # graph's inputs on the device, that kernel is captured at the start of every graph: a decode step is then
+        # one host-to-device copy and one graph launch. The header's batch size starts at -1 (nothing to load).
+        width = self.max_bs + self.max_bs % 2
+        self.pack = torch.zeros(6 * width, dtype=torch.int64, device=dev)
+        self.pack[0] = -1
+        self.future_map = model_runner.future_token_ids_map
+        self.table = model_runner.req_to_token_pool.req_to_token
+        self.load_in_graph = not self.dp_attention and shared is not None \
+            and not self.backend.replay_reads_graph_inputs
+        self._pack_dst: dict[int, torch.Tensor] = {}  # pack width -> the [6, width] view of self.pack
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # batch size -> views of the five buffers
+        self._out_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy_ids: dict[int, torch.Tensor] = {}
@@ -128,11 +142,13 @@ class CudaGraphRunner:
                 with forward_context(fb):
                     t = time.perf_counter()
                     for _ in range(2):  # compile kernels and settle allocations outside the capture
+                        self._load_pack_in_graph(bs)
                         greedy_argmax(forward(fb.input_ids, fb.positions, fb).next_token_logits)
                     if bs in self.compile_bs:
                         compile_s += time.perf_counter() - t
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self._load_pack_in_graph(bs)
                         out = forward(fb.input_ids, fb.positions, fb)
                         greedy = greedy_argmax(out.next_token_logits)  # used when the whole batch is greedy
                 self.graphs[bs] = graph
@@ -148,6 +164,18 @@ class CudaGraphRunner:
                         "%s: %.1f s)", self.capture_bs, took, sorted(self.compile_bs), compile_s)
         else:
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.capture_bs, took)
+
+    def _load_pack_in_graph(self, bs: int) -> None:
+        """The input kernel as the graph's first node (a no-op while the pack header's batch size is -1)."""
+        if self.load_in_graph:
+            launch_decode_pack(self.inputs, self.pack, bs, self.fill, self.table, self.future_map)
+
+    def input_views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The first n rows of the five input buffers (made once per n): a replayed batch's device tensors."""
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = tuple(t[:n] for t in self.inputs)
+        return views
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         if self.dp_attention:  # the same answer on every rank: it depends on all ranks' counts only
@@ -172,21 +200,31 @@ class CudaGraphRunner:
                 buf[:bs].zero_()
             self.seq_lens[:bs].fill_(self.fill)
         elif forward_batch.decode_pack is not None:
-            # one kernel loads the batch from its pack, fills padding rows, writes the new KV slots into the request
-            # table and resolves in-flight ids (ForwardBatch's one-copy path)
-            launch_decode_pack(self.inputs, forward_batch.decode_pack, raw, bs, self.fill,
-                               forward_batch.req_to_token_pool.req_to_token, forward_batch.future_map)
-            forward_batch.input_ids = self.input_ids[:raw]  # resolved
+            # ForwardBatch's one-copy path: the pack to the static device pack, whose kernel (in the graph, or
+            # launched here) loads the buffers, fills padding rows, writes the new KV slots into the request table
+            # and resolves ids in flight
+            host = forward_batch.decode_pack
+            dst = self._pack_dst.get(host.shape[1])
+            if dst is None:
+                dst = self._pack_dst[host.shape[1]] = self.pack[:host.numel()].view(host.shape)
+            dst.copy_(host, non_blocking=True)
+            if not self.load_in_graph:
+                launch_decode_pack(self.inputs, self.pack, bs, self.fill, self.table, self.future_map)
         else:
-            # one kernel loads the batch and fills padding rows (request row 0, the fill length, KV to slot 0)
+            # one kernel loads the batch and fills padding rows (request row 0, the fill length, KV to slot 0); it
+            # sets the device pack's batch size to -1, so the graph's own input kernel leaves the buffers alone
             load_graph_inputs(self.inputs, (forward_batch.input_ids, forward_batch.req_pool_indices,
                                             forward_batch.seq_lens, forward_batch.out_cache_loc,
-                                            forward_batch.positions), bs, self.fill)
+                                            forward_batch.positions), bs, self.fill,
+                              header=self.pack if self.load_in_graph else None)
         if self.lora is not None:
             self.lora.load_graph_inputs(forward_batch, bs)
-        self.backend.init_forward_metadata_replay_cuda_graph(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
+        views = self.input_views(bs)
+        self.backend.init_forward_metadata_replay_cuda_graph(bs, views[1], views[2],
                                                              forward_batch.seq_lens_sum + (bs - raw) * self.fill,
                                                              seq_lens_cpu=forward_batch.seq_lens_cpu)
         self.graphs[bs].replay()
-        return LogitsProcessorOutput(next_token_logits=self.outputs[bs][:raw],
-                                     greedy_token_ids=self.greedy_ids[bs][:raw])
+        out = self._out_views.get((bs, raw))
+        if out is None:
+            out = self._out_views[bs, raw] = (self.outputs[bs][:raw], self.greedy_ids[bs][:raw])
+        return LogitsProcessorOutput(next_token_logits=out[0], greedy_token_ids=out[1])

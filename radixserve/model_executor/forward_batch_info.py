@@ -102,33 +102,29 @@ class ForwardBatch:
     # MoE/MLP layers gather max(dp_num_tokens) rows from every rank.
     dp_num_tokens: list[int] | None = None
     dp_all_decode: bool = False  # every rank decodes or idles: all of them can replay the same CUDA graph
-    # a decode that replays a CUDA graph from its one-copy pack (init_new's fast path): the [5, n] device array the
-    # graph's inputs are loaded from, the future map its in-flight ids resolve through (None: none in flight).
-    # The replay also writes the batch's new KV slots into the request table; until it ran, input_ids may hold
-    # -(future slot) entries.
+    # a decode that replays a CUDA graph from its one-copy pack (init_new's fast path): the batch's [6, n] host
+    # array (ScheduleBatch.decode_pack), which the replay copies to the graph runner's device pack. The replay also
+    # writes the batch's new KV slots into the request table and resolves ids in flight through the model runner's
+    # future map; the tensor fields are the graph's buffers, which hold this batch from the replay on.
     decode_pack: torch.Tensor | None = None
-    future_map: torch.Tensor | None = None
 
     @classmethod
     def _init_graph_decode(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,
-                           sampling_info: SamplingBatchInfo | None, future_map: torch.Tensor | None) -> ForwardBatch:
-        """A decode batch that will replay a CUDA graph: its pack goes to the device in one copy and the graph's
-        input kernel does the rest (request-table write of the new slots, in-flight ids), so no other launch runs
-        before the replay."""
-        pack = batch.decode_pack
-        d = pack.pin_memory().to(model_runner.device, non_blocking=True)
+                           sampling_info: SamplingBatchInfo | None) -> ForwardBatch:
+        """A decode batch that will replay a CUDA graph: nothing runs on the device here. The replay copies its
+        pack into the graph runner's static device pack and the graph's input kernel does the rest (the graph's
+        buffers, the request-table write of the new slots, ids in flight); the tensor fields are views of the graph's
+        buffers, which hold this batch from the replay on."""
         n = len(batch.seq_lens_cpu)
-        n_refs = batch.num_future_refs
-        ids, rows, lens, locs, pos = (d if d.shape[1] == n else d[:, :n]).unbind(0)
+        ids, rows, lens, locs, pos = model_runner.cuda_graph_runner.input_views(n)
         fb = cls(
             forward_mode=batch.forward_mode, batch_size=n, input_ids=ids, req_pool_indices=rows,
             seq_lens=lens, out_cache_loc=locs, seq_lens_sum=batch.seq_lens_sum, positions=pos,
             req_to_token_pool=model_runner.req_to_token_pool, token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend, seq_lens_cpu=batch.seq_lens_cpu,
             return_logprob=batch.return_logprob, top_logprobs_nums=batch.top_logprobs_nums,
-            sampling_info=sampling_info, decode_pack=d,
-            future_map=future_map if future_map is not None and (n_refs is None or n_refs) else None)
-        lora = getattr(model_runner, "lora_manager", None)
+            sampling_info=sampling_info, decode_pack=batch.decode_pack)
+        lora = model_runner.lora_manager
         if lora is not None:
             lora.prepare(fb, batch.lora_slots)
         return fb
@@ -142,8 +138,9 @@ class ForwardBatch:
         CUDA they ride in the batch's one host-to-device copy)."""
         device = model_runner.device
         pool = model_runner.req_to_token_pool
-        if batch.decode_pack is not None and _graph_decode_from_pack(batch, model_runner, req_to_token_writes):
-            return cls._init_graph_decode(batch, model_runner, sampling_info, future_map)
+        if batch.decode_pack is not None and _graph_decode_from_pack(batch, model_runner, req_to_token_writes,
+                                                                     future_map):
+            return cls._init_graph_decode(batch, model_runner, sampling_info)
         if req_to_token_writes and not model_runner.is_cuda:
             pool.apply_writes(req_to_token_writes)
             req_to_token_writes = None
@@ -236,18 +233,24 @@ class ForwardBatch:
         return fb
 
 
-def _graph_decode_from_pack(batch: ModelWorkerBatch, model_runner: ModelRunner, writes: list | None) -> bool:
+def _graph_decode_from_pack(batch: ModelWorkerBatch, model_runner: ModelRunner, writes: list | None,
+                            future_map: torch.Tensor | None = None) -> bool:
     """Whether `batch` (a decode with its pack) takes ForwardBatch's one-copy path: on CUDA, a decode graph runs
-    it, the pack's rows are still the batch's columns, and the only queued request-table write is the batch's own
-    (its new slots at its positions, which the graph's input kernel writes)."""
+    it, the pack's rows are still the batch's columns, the only queued request-table write is the batch's own (its
+    new slots at its positions, which the graph's input kernel writes), and ids in flight, if any, refer to the
+    future map the graphs read (the model runner's)."""
     pack = batch.decode_pack
     if not (model_runner.is_cuda and batch.forward_mode.is_decode() and batch.dp_num_tokens is None):
         return False
     graphs = getattr(model_runner, "cuda_graph_runner", None)
     if graphs is None or not graphs.can_run_decode(len(batch.seq_lens_cpu), batch.seq_lens_cpu):
         return False
-    if batch.input_ids.data_ptr() != pack.data_ptr() or batch.positions is None \
-            or batch.positions.data_ptr() != pack.data_ptr() + 4 * pack.stride(0) * pack.element_size():
+    if future_map is not None and batch.num_future_refs != 0 \
+            and future_map is not getattr(model_runner, "future_token_ids_map", None):
+        return False
+    row = pack.stride(0) * pack.element_size()
+    if batch.input_ids.data_ptr() != pack.data_ptr() + row or batch.positions is None \
+            or batch.positions.data_ptr() != pack.data_ptr() + 5 * row:
         return False
     return writes is not None and len(writes) == 1 and writes[0][0] is batch.req_pool_indices \
         and writes[0][1] is batch.positions

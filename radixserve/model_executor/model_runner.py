@@ -130,6 +130,10 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, model_config.num_hidden_layers, server_args, self.dtype,
                                             self.device)
         self._init_memory_pool()
+        # Device table of sampled token ids that the scheduler refers to (as -(slot)) before it has seen them
+        # (overlap scheduling: the worker writes each step's ids into it); the decode graphs resolve through it.
+        self.future_token_ids_map = torch.zeros(4 * (self.max_running_requests + 8), dtype=torch.int64,
+                                                device=self.device)
         if not self.is_cuda:
             from radixserve.layers import cpu_ops
 

@@ -85,14 +85,23 @@ def test_one_copy_decode_path_equals_the_generic_one(tmp_path, monkeypatch) -> N
         sb.release(batch)
         return out
 
+    assert runner.cuda_graph_runner.load_in_graph  # the triton backend: the input kernel is the graph's first node
     monkeypatch.setattr(fbi.ForwardBatch, "_init_graph_decode", counted)
     one_copy = run()
     assert len(calls) == 24, "every decode step should have taken the one-copy path"
+    take_pack = fbi._graph_decode_from_pack
     monkeypatch.setattr(fbi, "_graph_decode_from_pack", lambda *a: False)
     calls.clear()
     generic = run()
     assert not calls
     assert one_copy == generic
+    # the two paths in turn on the same graphs: a general-path step leaves the pack's batch size at -1, so the
+    # graph's own input kernel does not reload the previous pack over the buffers just loaded
+    turn = iter(range(1 << 20))
+    monkeypatch.setattr(fbi, "_graph_decode_from_pack", lambda *a: next(turn) % 2 == 0 and take_pack(*a))
+    calls.clear()
+    assert run() == one_copy
+    assert len(calls) == 12
 
 
 def test_overlap_equals_normal_on_cuda(tmp_path) -> None:

@@ -24,6 +24,10 @@ class AttentionBackend(ABC):
     # whether a one-request extend can be captured (model_executor/prefill_graph_runner.py): the extend forward
     # reads the request's lengths from the device only, after an init_forward_metadata made at capture time
     supports_prefill_cuda_graph: bool = False
+    # whether init_forward_metadata_replay_cuda_graph reads the graph's input buffers on the device (copies or plans
+    # from them) when they are the backend's own (cuda_graph_input_buffers): if not, the graph runner loads a decode
+    # batch inside the graph itself, after the hook (model_executor/cuda_graph_runner.py)
+    replay_reads_graph_inputs: bool = True
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

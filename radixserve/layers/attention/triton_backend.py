@@ -74,6 +74,7 @@ class TritonForwardMetadata:
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_prefill_cuda_graph = True
+    replay_reads_graph_inputs = False  # its replay hook copies only buffers that are not its own
 
     def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 64) -> None:
         self.device = torch.device(model_runner.device)
