@@ -1,6 +1,7 @@
 """Host time of each call in a synchronised batch-1 decode step, and of a few single operations in a tight loop.
 
-    python benchmarks/decode_host_calls.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy
+    python benchmarks/decode_host_calls.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
+        --cuda-graph-max-bs 8 --prefill-cuda-graph-max-tokens 0 --piecewise-cuda-graph-max-tokens 0
 
 Part one times small host operations a decode step is made of (numpy array, tensor views, pinning, a pinned
 host-to-device copy, a device tensor's `tolist`) 2,000 times each in a tight loop, and one decode graph's replay.
@@ -25,10 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.bench_one_batch import StaticBatch  # noqa: E402
-from radixserve.entrypoints.engine import resolve_model  # noqa: E402
+from radixserve.bench_one_batch import graph_decode_one_request  # noqa: E402
 from radixserve.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
-from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
 
@@ -70,17 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
-    sa = ServerArgs.from_cli_args(args)
-    sa.max_running_requests = sa.max_running_requests or 8
-    sa.cuda_graph_max_bs = 8
-    sa.prefill_cuda_graph_max_tokens = sa.piecewise_cuda_graph_max_tokens = 0
-    single_ops("cuda")
-    runner = ModelRunner(resolve_model(sa), sa)
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill([[i % 1000 + 5 for i in range(512)]])
-    for _ in range(30):
-        sb.decode(batch)
-    torch.cuda.synchronize()
+    server_args = ServerArgs.from_cli_args(args)
+    if torch.cuda.is_available():
+        single_ops("cuda")
+    runner, sb, batch = graph_decode_one_request(server_args, "decode_host_calls")
     graph = runner.cuda_graph_runner.graphs[1]
     tight("graph.replay() then sync (whole graph)", lambda: (graph.replay(), torch.cuda.synchronize()), n=100)
 

@@ -15,9 +15,7 @@ import time
 
 import torch
 
-from radixserve.bench_one_batch import StaticBatch
-from radixserve.entrypoints.engine import resolve_model
-from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.bench_one_batch import graph_decode_one_request
 from radixserve.server_args import ServerArgs
 
 
@@ -27,19 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
-    server_args = ServerArgs.from_cli_args(args)
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_host_profile needs CUDA")
-    if server_args.max_running_requests is None:
-        server_args.max_running_requests = 8
-    runner = ModelRunner(resolve_model(server_args), server_args)
-    if runner.cuda_graph_runner is None:
-        raise SystemExit("decode_host_profile measures a graph replay: run it without --disable-cuda-graph")
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill([[i % 1000 + 5 for i in range(512)]])
-    for _ in range(30):
-        sb.decode(batch)
-    torch.cuda.synchronize()
+    runner, sb, batch = graph_decode_one_request(ServerArgs.from_cli_args(args), "decode_host_profile")
     graph = runner.cuda_graph_runner.graphs[1]
     calls = []
     for _ in range(100):

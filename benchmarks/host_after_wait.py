@@ -1,6 +1,7 @@
 """How fast the host runs a decode step's work right after waiting for the GPU.
 
-    python benchmarks/host_after_wait.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy
+    python benchmarks/host_after_wait.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
+        --cuda-graph-max-bs 8 --prefill-cuda-graph-max-tokens 0 --piecewise-cuda-graph-max-tokens 0
 
 Two measurements on one process. (1) Synchronised batch-1 decode steps in blocks of 120, alternating the wait for
 the sampled token: a blocking synchronisation (`tolist`, as bench_one_batch) or polling a CUDA event in Python
@@ -23,10 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.bench_one_batch import StaticBatch  # noqa: E402
-from radixserve.entrypoints.engine import resolve_model  # noqa: E402
+from radixserve.bench_one_batch import graph_decode_one_request  # noqa: E402
 from radixserve.managers.tp_worker import run_model_worker_batch  # noqa: E402
-from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
 
@@ -46,16 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
-    sa = ServerArgs.from_cli_args(args)
-    sa.max_running_requests = sa.max_running_requests or 8
-    sa.cuda_graph_max_bs = 8
-    sa.prefill_cuda_graph_max_tokens = sa.piecewise_cuda_graph_max_tokens = 0
-    runner = ModelRunner(resolve_model(sa), sa)
-    sb = StaticBatch(runner)
-    batch, _ = sb.prefill([[i % 1000 + 5 for i in range(512)]])
-    for _ in range(30):
-        sb.decode(batch)
-    torch.cuda.synchronize()
+    runner, _, batch = graph_decode_one_request(ServerArgs.from_cli_args(args), "host_after_wait")
 
     def step(poll: bool) -> tuple[float, float, float]:
         t0 = time.perf_counter()

@@ -81,6 +81,28 @@ class StaticBatch:
         return out
 
 
+def graph_decode_one_request(server_args: ServerArgs, tool: str,
+                             input_len: int = 512) -> tuple[ModelRunner, StaticBatch, ScheduleBatch]:
+    """For the benchmarks that time a synchronised decode step's host work: a model runner on CUDA with decode graphs
+    (at most 8 running requests unless the flags say otherwise) and one request of `input_len` tokens, prefilled and
+    decoded 30 steps so that every kernel and graph is warm."""
+    from radixserve.entrypoints.engine import resolve_model
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{tool} needs CUDA")
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = 8
+    runner = ModelRunner(resolve_model(server_args), server_args)
+    if runner.cuda_graph_runner is None:
+        raise SystemExit(f"{tool} times a decode graph's replay: run it without --disable-cuda-graph")
+    sb = StaticBatch(runner)
+    batch, _ = sb.prefill([[i % 1000 + 5 for i in range(input_len)]])
+    for _ in range(30):
+        sb.decode(batch)
+    sb._sync()
+    return runner, sb, batch
+
+
 def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size

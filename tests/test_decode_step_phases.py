@@ -25,3 +25,19 @@ def test_phases_add_up_to_the_step(tmp_path) -> None:
         assert all(p > 0 for p in parts), r
         # medians of the parts against the median of their sum: close, not equal
         assert 0.5 * sum(parts) <= r["step"] <= 2 * sum(parts), r
+
+
+def test_host_timing_benchmarks_refuse_a_machine_without_cuda(tmp_path) -> None:
+    """decode_host_calls / host_after_wait / decode_host_profile time a decode graph's replay: without CUDA they stop
+    with a message instead of failing somewhere inside."""
+    import pytest
+    import torch
+
+    from radixserve.bench_one_batch import graph_decode_one_request
+    from radixserve.server_args import ServerArgs
+
+    if torch.cuda.is_available():
+        pytest.skip("the machine has CUDA")
+    make_tiny_model("llama", str(tmp_path / "m"))
+    with pytest.raises(SystemExit, match="host_after_wait needs CUDA"):
+        graph_decode_one_request(ServerArgs(model_path=str(tmp_path / "m")), "host_after_wait")
