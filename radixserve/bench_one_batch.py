@@ -103,6 +103,7 @@ def graph_decode_one_request(server_args: ServerArgs, tool: str,
     return runner, sb, batch
 
 
+@torch.inference_mode()  # once for the whole loop: the forward and the sample then skip entering it each step
 def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
@@ -155,6 +156,7 @@ def add_bandwidth(result: dict[str, Any], runner: ModelRunner, copy_bw: float) -
                   bandwidth_util=achieved / copy_bw)
 
 
+@torch.inference_mode()
 def profile_decode(runner: ModelRunner, batch_size: int, input_len: int, steps: int, seed: int,
                    top: int = 15) -> dict[str, Any]:
     """Decode `steps` steps under the torch profiler: wall time per step, GPU-busy time per step (union of kernel

@@ -92,3 +92,28 @@ def test_changes_to_the_batch_drop_the_pack() -> None:
     assert batch.decode_pack is not None and batch.decode_pack.shape == (6, 2)
     batch.merge_batch(decode_batch(1))
     assert batch.decode_pack is None
+
+
+def test_packs_alternate_and_keep_the_step_before() -> None:
+    """Two host arrays per batch size, taken in turn: preparing a step leaves the previous step's array (which may
+    still be in flight under overlap) as it was, and the columns are the new step's."""
+    batch = decode_batch(3)
+    first = batch.decode_pack
+    before = first.clone()
+    for r in batch.reqs:
+        r.output_ids.append(7)
+    batch.prepare_for_decode()
+    second = batch.decode_pack
+    assert second.data_ptr() != first.data_ptr() and torch.equal(first, before)
+    lens = [len(r.origin_input_ids) + 2 for r in batch.reqs]
+    assert batch.input_ids.tolist() == [7, 7, 7] and batch.seq_lens.tolist() == lens
+    assert batch.positions.tolist() == [n - 1 for n in lens]
+    assert len(set(batch.out_cache_loc.tolist()) | set(before[4, :3].tolist())) == 6  # new slots each step
+    for r in batch.reqs:
+        r.output_ids.append(8)
+    batch.prepare_for_decode()
+    assert batch.decode_pack.data_ptr() == first.data_ptr() and batch.input_ids.tolist() == [8, 8, 8]
+    assert batch.decode_pack[0, :2].tolist() == [3, 4]
+    batch.filter_batch([0, 2])  # another size: its own pair, with its own header
+    batch.prepare_for_decode()
+    assert batch.decode_pack.shape == (6, 2) and batch.decode_pack[0, :2].tolist() == [2, 2]

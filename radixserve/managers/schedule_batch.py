@@ -232,6 +232,8 @@ class ScheduleBatch:
         # the device in one copy (pinned on CUDA)
         self.decode_pack: torch.Tensor | None = None
         self._pin_pack = torch.device(device).type == "cuda"
+        self._packs: dict[tuple[int, int], tuple] = {}  # (batch size, turn) -> a host array and its views (`_pack`)
+        self._pack_turn = 0
         self.num_future_refs: int | None = None  # decode only: input ids that refer to a token still in flight
         self.lora_table: LoRASlotTable | None = None  # the scheduler's adapter slots (None: LoRA is off)
 
@@ -368,35 +370,50 @@ class ScheduleBatch:
         self.num_future_refs = num_pending
         # One host array holds the batch: a header row (the batch size and the row stride, read on the device by
         # the graph's input kernel) and the five columns (ids, rows, lengths, KV slots, positions), each row
-        # 16-byte aligned. On CUDA it is allocated pinned: the worker sends it in one asynchronous copy
-        # (ForwardBatch.init_new, CudaGraphRunner.replay). The work here is numpy's: on arrays this small a numpy
-        # op costs a fraction of a torch op, and this runs before every decode step.
+        # 16-byte aligned. On CUDA it is pinned: the worker sends it in one asynchronous copy (ForwardBatch.init_new,
+        # CudaGraphRunner.replay). It comes from a ring of two per batch size with its views made once (`_pack`);
+        # the work here is numpy's: on arrays this small a numpy op costs a fraction of a torch op, and this runs
+        # before every decode step.
         n = len(reqs)
-        m = n + n % 2
         if n % 2:
             ids, rows, lens = ids + [0], rows + [0], lens + [0]
-        arr = np.array([[n, m] + [0] * (m - 2), ids, rows, lens, lens, lens], dtype=np.int64)
-        arr[5] -= 1  # the new token's KV slot goes at position seq_len - 1 of its row; that is its position too
-        if self._pin_pack:
-            host = torch.empty((6, m), dtype=torch.int64, pin_memory=True)
-            pack = host.numpy()
-            pack[:] = arr
-        else:
-            host, pack = torch.from_numpy(arr), arr
+        host, pack, cols, (np_rows, np_pos, np_locs) = self._pack(n)
+        pack[1] = ids
+        pack[2] = rows
+        pack[3] = pack[4] = pack[5] = lens  # row 4 (the KV slots) is filled below
+        pack[5] -= 1  # the new token's KV slot goes at position seq_len - 1 of its row; that is its position too
         self.decode_pack = host
-        self.input_ids, self.req_pool_indices, self.seq_lens, locs_view, self.positions = \
-            (host[1:] if n == m else host[1:, :n]).unbind(0)
+        self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions = cols
         pool = self.token_to_kv_pool
         if pool.page_size == 1:
-            locs = self.alloc_token_slots(n)
+            np_locs[:] = self._alloc(n, lambda: pool.take_pages_np(n))
         else:  # the next slot of each request's last page, or a new page
             last = self.req_to_token_pool.req_to_token_cpu[self.req_pool_indices, (self.seq_lens - 2).clamp(min=0)]
-            locs = self._alloc(pool.decode_tokens_needed(self.seq_lens),
-                               lambda: pool.alloc_decode(self.seq_lens, last))
-        pack[4, :n] = locs.numpy()
-        self.out_cache_loc = locs_view
+            np_locs[:] = self._alloc(pool.decode_tokens_needed(self.seq_lens),
+                                     lambda: pool.alloc_decode(self.seq_lens, last)).numpy()
         self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc,
-                                           host=(pack[2, :n], pack[5, :n], pack[4, :n]))
+                                           host=(np_rows, np_pos, np_locs))
+
+    def _pack(self, n: int) -> tuple[torch.Tensor, np.ndarray, tuple[torch.Tensor, ...], tuple[np.ndarray, ...]]:
+        """The host array for a decode step of `n` requests (the header row written), its numpy view, the five
+        column views and numpy views of rows, positions and KV slots. Two per size, taken in turn: the one handed
+        out now was last handed out two decode steps ago or earlier, and every caller has by now waited for that
+        step (the scheduler processes a batch's results before preparing the batch after next; without overlap
+        and in the benchmarks each step waits for its sampled tokens), so its copy to the device is done and no
+        batch in flight reads it."""
+        self._pack_turn ^= 1
+        key = (n, self._pack_turn)
+        entry = self._packs.get(key)
+        if entry is None:
+            if len(self._packs) >= 64:  # batch sizes come and go: keep a bounded set (in-flight ones stay alive)
+                self._packs.clear()
+            m = n + n % 2
+            host = torch.zeros((6, m), dtype=torch.int64, pin_memory=self._pin_pack)
+            pack = host.numpy()
+            pack[0, :2] = (n, m)
+            cols = (host[1:] if n == m else host[1:, :n]).unbind(0)
+            entry = self._packs[key] = (host, pack, cols, (pack[2, :n], pack[5, :n], pack[4, :n]))
+        return entry
 
     def check_decode_mem(self) -> bool:
         pool = self.token_to_kv_pool

@@ -136,11 +136,13 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
     # ================================================================= the loop
     def event_loop(self) -> None:
         """receive → step, forever. Without overlap each batch's results are processed before the next batch is
-        scheduled; with it, after the next batch is launched (so the device never waits for the scheduler)."""
-        while True:
-            self.process_input_requests(self.recv_requests())
-            if not self.step():
-                self.on_idle()
+        scheduled; with it, after the next batch is launched (so the device never waits for the scheduler). The loop
+        runs in inference mode, entered once (the forward and the sample would otherwise enter it every step)."""
+        with torch.inference_mode():
+            while True:
+                self.process_input_requests(self.recv_requests())
+                if not self.step():
+                    self.on_idle()
 
     def step(self) -> bool:
         """One iteration of the loop after receiving: schedule a batch, launch it, process results (under overlap

@@ -62,6 +62,7 @@ class ReqToTokenPool:
         # A CPU mirror: the scheduler and the radix cache read KV slots from it without touching the device.
         self.req_to_token_cpu = torch.zeros((size, max_context_len), dtype=torch.int32) if device != "cpu" \
             else self.req_to_token
+        self._mirror = (self.req_to_token_cpu, self.req_to_token_cpu.numpy())  # and its numpy view (write_batch)
         self.free_slots: list[int] = list(range(size))
         self._is_free = [True] * size
         # Device writes are queued and applied by whoever runs the next forward (the worker thread under overlap
@@ -102,7 +103,10 @@ class ReqToTokenPool:
         `host`: the same three as numpy arrays, where the caller has them."""
         # through numpy: a few microseconds, against ~10-15 for the same indexed store as a torch op (every step)
         r, c, v = host if host is not None else (rows.numpy(), cols.numpy(), values.numpy())
-        self.req_to_token_cpu.numpy()[r, c] = v
+        mirror = self._mirror
+        if mirror[0] is not self.req_to_token_cpu:  # the mirror was replaced (tests do)
+            mirror = self._mirror = (self.req_to_token_cpu, self.req_to_token_cpu.numpy())
+        mirror[1][r, c] = v
         if self.req_to_token_cpu is not self.req_to_token:
             self.pending_writes.append((rows, cols, values))  # values of any int dtype: the device store casts
 
@@ -190,14 +194,20 @@ class TokenToKVPool:
         """Free tokens (free pages times the page size)."""
         return len(self.free_slots) * self.page_size
 
-    def _take_pages(self, n: int) -> torch.Tensor | None:
+    def take_pages_np(self, n: int) -> np.ndarray | None:
+        """`n` free pages (slots when page_size is 1) as an int64 numpy array, or None if there are not enough.
+        The array is a slice of the free list that no later free writes (frees build new arrays)."""
         free = self.free_slots
         if n > len(free):
             return None
         out, self.free_slots = free[:n], free[n:]
         if self.debug_checks:
             self._is_free[out] = False
-        return torch.from_numpy(out)  # shares the slice's memory, which no later free list writes (they are new)
+        return out
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        out = self.take_pages_np(n)
+        return None if out is None else torch.from_numpy(out)
 
     def alloc(self, need: int) -> torch.Tensor | None:
         """`need` free slots as a CPU int64 tensor, or None if there are not enough. With pages: the first `need`

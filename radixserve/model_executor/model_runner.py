@@ -23,6 +23,7 @@ from radixserve.layers.sampler import Sampler
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixserve.mem_cache.mla_memory_pool import MLATokenToKVPool
 from radixserve.model_executor.forward_batch_info import ForwardBatch
+from radixserve.model_executor.inference_mode import inference_mode
 from radixserve.model_loader import get_model
 from radixserve.server_args import ServerArgs
 
@@ -290,7 +291,7 @@ class ModelRunner:
         calculate_kv_scales(self, tokenizer.encode(calibration_text()))
 
     # ---------------------------------------------------------------- run
-    @torch.inference_mode()
+    @inference_mode
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         if forward_batch.decode_pack is not None:  # ForwardBatch.init_new checked that a decode graph runs it
             return self.cuda_graph_runner.replay(forward_batch)
@@ -302,11 +303,12 @@ class ModelRunner:
             return self.piecewise_graph_runner.replay(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
-    @torch.inference_mode()
+    @inference_mode
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
         info = forward_batch.sampling_info
-        next_ids = self.sampler(logits_output, info, forward_batch.return_logprob,
-                                forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)
+        # .forward: the sampler holds no parameters or hooks, and nn.Module.__call__ costs microseconds a step
+        next_ids = self.sampler.forward(logits_output, info, forward_batch.return_logprob,
+                                        forward_batch.top_logprobs_nums or [0] * forward_batch.batch_size)
         if self.tp_size > 1 and not info.is_all_greedy and not self.server_args.enable_dp_attention:
             # every rank saw the same (all-gathered) logits, but a random draw is rank 0's to make
             broadcast_tensor_from_first_rank(next_ids)

@@ -51,7 +51,10 @@ class SamplingBatchInfo:
     top_ks: torch.Tensor  # [bs] int64 (vocab_size when disabled, 1 for greedy rows)
     min_ps: torch.Tensor  # [bs] float32
     seeds: torch.Tensor  # [bs] int64, -1 when the request has no seed
-    sampling_steps: torch.Tensor  # [bs] int64, tokens each request has produced (seeded sampling's counter)
+    # [bs] int64: tokens each request had produced when last brought up to date; `sampling_steps` adds the steps
+    # counted since on the host (only seeded sampling reads the counter, so a batch without a seeded row runs no
+    # device op for it each step)
+    steps_base: torch.Tensor
     vocab_size: int
     device: torch.device
     rows: list[RowSamplingInfo]
@@ -67,9 +70,18 @@ class SamplingBatchInfo:
     need_min_p_sampling: bool = field(default=False, init=False)
     has_seeded: bool = field(default=False, init=False)
     seeded_indices: torch.Tensor | None = field(default=None, init=False)  # rows sampled with their own seed
+    steps_behind: int = field(default=0, init=False)  # steps every row took since steps_base was brought up to date
 
     def __post_init__(self) -> None:
         self._refresh_flags()
+
+    @property
+    def sampling_steps(self) -> torch.Tensor:
+        """[bs] int64: the tokens each request has produced (the seeded sampler's counter)."""
+        if self.steps_behind:
+            self.steps_base = self.steps_base + self.steps_behind
+            self.steps_behind = 0
+        return self.steps_base
 
     @property
     def batch_size(self) -> int:
@@ -122,7 +134,7 @@ class SamplingBatchInfo:
             top_ks=int_t[0].contiguous(),
             min_ps=float_t[2].contiguous(),
             seeds=int_t[1].contiguous(),
-            sampling_steps=int_t[2].contiguous(),
+            steps_base=int_t[2].contiguous(),
             vocab_size=vocab_size,
             device=device,
             rows=rows,
@@ -149,7 +161,8 @@ class SamplingBatchInfo:
         """Keep these rows, in this order (a CPU list; a tensor costs one device sync)."""
         keep = as_index_list(keep_indices, self.batch_size)
         index = host_to_device(keep, torch.int64, self.device)
-        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "sampling_steps"):
+        self.steps_base = self.sampling_steps
+        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "steps_base"):
             setattr(self, name, getattr(self, name)[index])
         if self.logit_bias is not None:
             self.logit_bias = self.logit_bias[index]
@@ -163,7 +176,8 @@ class SamplingBatchInfo:
         """Append other's rows after ours (other is consumed)."""
         if other.vocab_size != self.vocab_size:
             raise ValueError(f"merge_batch: vocab_size {other.vocab_size} != {self.vocab_size}")
-        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "sampling_steps"):
+        self.steps_base, other.steps_base = self.sampling_steps, other.sampling_steps
+        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "steps_base"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)], dim=0))
         self.logit_bias = self._merge_dense(self.logit_bias, other.logit_bias, other.batch_size, torch.float32)
         self.vocab_mask = self._merge_dense(self.vocab_mask, other.vocab_mask, other.batch_size, torch.bool)
@@ -196,5 +210,6 @@ class SamplingBatchInfo:
     def update_penalties(self, next_token_ids: torch.Tensor) -> None:
         """Once per step, after sampling: count the new tokens and advance every row's step counter."""
         self.penalizer_orchestrator.cumulate_output_tokens(next_token_ids)
-        # Out of place: a copy of this info handed to another thread keeps its own counter.
-        self.sampling_steps = self.sampling_steps + 1
+        # Counted on the host; the tensor is brought up to date out of place when read (a copy of this info handed
+        # to another thread keeps its own counter)
+        self.steps_behind += 1
