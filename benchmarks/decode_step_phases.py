@@ -29,6 +29,7 @@ from radixserve.server_args import ServerArgs
 PHASES = ("prep", "mwb", "fb_init", "forward", "sample", "wait", "step")
 
 
+@torch.inference_mode()  # entered once, as bench_one_batch's loop does
 def measure(runner: ModelRunner, batch_size: int, input_len: int, steps: int) -> dict[str, float]:
     sb = StaticBatch(runner)
     g = torch.Generator().manual_seed(0)
