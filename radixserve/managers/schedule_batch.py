@@ -326,7 +326,7 @@ class ScheduleBatch:
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
         """Append the running decode requests to this prefill batch as one-token extends (ForwardMode.MIXED)."""
-        running.prepare_for_decode(write_only=True)
+        running.prepare_for_decode()
         n_prefill = len(self.reqs)
         self.input_ids = torch.cat([self.input_ids, running.input_ids])
         self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
@@ -344,7 +344,7 @@ class ScheduleBatch:
         self.n_prefill = n_prefill
 
     # ---------------------------------------------------------------- decode
-    def prepare_for_decode(self, write_only: bool = False) -> None:
+    def prepare_for_decode(self) -> None:
         """One new token per request: its input is the last sampled token (or -(future slot) while in flight)."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
