@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         setattr(obj, name, timed)
 
     wrap(batch, "prepare_for_decode", "prepare_for_decode")
-    wrap(runner.token_to_kv_pool, "alloc", "  KV allocator")
+    wrap(runner.token_to_kv_pool, "take_pages_np", "  KV allocator")
     wrap(runner.req_to_token_pool, "write_batch", "  request-table mirror write")
     wrap(batch, "get_model_worker_batch", "get_model_worker_batch")
     wrap(ForwardBatch, "init_new", "ForwardBatch.init_new")

@@ -154,6 +154,8 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
             self.last_batch = None
             return True  # an IDLE forward ran: other ranks had work
         if batch is not None:
+            # At most one batch stays in flight: ScheduleBatch._pack reuses a decode's host array two steps later
+            # and relies on the batch that used it having been processed by then.
             self.result_queue.append(self.run_batch(batch))
             if not self.enable_overlap or len(self.result_queue) > 1:
                 self.process_batch_result(self.result_queue.popleft())
