@@ -248,9 +248,6 @@ class ScheduleBatch:
         return any(r.return_logprob for r in self.reqs)
 
     # ---------------------------------------------------------------- memory
-    def alloc_token_slots(self, n: int) -> torch.Tensor:
-        return self._alloc(n, lambda: self.token_to_kv_pool.alloc(n))
-
     def _alloc(self, need: int, alloc: Any) -> torch.Tensor:
         """Run `alloc` (a pool allocation taking `need` tokens of pages), evicting from the cache if it fails."""
         out = alloc()
@@ -380,7 +377,7 @@ class ScheduleBatch:
         host, pack, cols, (np_rows, np_pos, np_locs) = self._pack(n)
         pack[1] = ids
         pack[2] = rows
-        pack[3] = pack[4] = pack[5] = lens  # row 4 (the KV slots) is filled below
+        pack[3] = pack[5] = lens  # row 4, the KV slots, is filled below (its padding column stays 0)
         pack[5] -= 1  # the new token's KV slot goes at position seq_len - 1 of its row; that is its position too
         self.decode_pack = host
         self.input_ids, self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions = cols
