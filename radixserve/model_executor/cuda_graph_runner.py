@@ -22,6 +22,7 @@ from tqdm import tqdm
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from radixserve.model_executor.graph_inputs import check_graph_buffers, launch_decode_pack, load_graph_inputs
+from radixserve.model_executor.raw_copy import RawHostToDevice
 
 if TYPE_CHECKING:
     from radixserve.model_executor.model_runner import ModelRunner
@@ -84,6 +85,11 @@ class CudaGraphRunner:
         self.table = model_runner.req_to_token_pool.req_to_token
         self.load_in_graph = not self.dp_attention and shared is not None \
             and not self.backend.replay_reads_graph_inputs
+        # the pack's copy records no event for the pinned allocator: the last two packs sent stay referenced
+        self.copy_pack = RawHostToDevice(self.pack)
+        self._sent: list[torch.Tensor | None] = [None, None]
+        # the backend's replay hook has nothing to do when it would only load buffers the runner fills itself
+        self.skip_replay_hook = shared is not None and self.backend.replay_hook_only_loads_inputs
         self._pack_dst: dict[int, torch.Tensor] = {}  # pack width -> the [6, width] view of self.pack
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # batch size -> views of the five buffers
         self._out_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -207,7 +213,10 @@ class CudaGraphRunner:
             dst = self._pack_dst.get(host.shape[1])
             if dst is None:
                 dst = self._pack_dst[host.shape[1]] = self.pack[:host.numel()].view(host.shape)
-            dst.copy_(host, non_blocking=True)
+            self.copy_pack(host, dst)
+            # a pack copied two replays ago has reached the device: its step has run (a decode step is prepared
+            # only after the step before the previous one finished: Scheduler.step)
+            self._sent[0], self._sent[1] = self._sent[1], host
             if not self.load_in_graph:
                 launch_decode_pack(self.inputs, self.pack, bs, self.fill, self.table, self.future_map)
         else:
@@ -219,10 +228,11 @@ class CudaGraphRunner:
                               header=self.pack if self.load_in_graph else None)
         if self.lora is not None:
             self.lora.load_graph_inputs(forward_batch, bs)
-        views = self.input_views(bs)
-        self.backend.init_forward_metadata_replay_cuda_graph(bs, views[1], views[2],
-                                                             forward_batch.seq_lens_sum + (bs - raw) * self.fill,
-                                                             seq_lens_cpu=forward_batch.seq_lens_cpu)
+        if not self.skip_replay_hook:
+            views = self.input_views(bs)
+            self.backend.init_forward_metadata_replay_cuda_graph(bs, views[1], views[2],
+                                                                 forward_batch.seq_lens_sum + (bs - raw) * self.fill,
+                                                                 seq_lens_cpu=forward_batch.seq_lens_cpu)
         self.graphs[bs].replay()
         out = self._out_views.get((bs, raw))
         if out is None:

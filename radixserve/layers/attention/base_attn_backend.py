@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
     # from them) when they are the backend's own (cuda_graph_input_buffers): if not, the graph runner loads a decode
     # batch inside the graph itself, after the hook (model_executor/cuda_graph_runner.py)
     replay_reads_graph_inputs: bool = True
+    # whether init_forward_metadata_replay_cuda_graph does nothing but load req_pool_indices / seq_lens into the
+    # buffers cuda_graph_input_buffers names: the graph runner, filling those very buffers, then skips the call
+    replay_hook_only_loads_inputs: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

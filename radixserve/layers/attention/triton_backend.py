@@ -75,6 +75,7 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_prefill_cuda_graph = True
     replay_reads_graph_inputs = False  # its replay hook copies only buffers that are not its own
+    replay_hook_only_loads_inputs = True  # and does nothing else (the kernels read the lengths on the device)
 
     def __init__(self, model_runner: ModelRunner, max_kv_splits: int = 64) -> None:
         self.device = torch.device(model_runner.device)
