@@ -30,13 +30,12 @@ def _driver_memcpy() -> ctypes._CFuncPtr | None:
 
 
 class RawHostToDevice:
-    """Copies contiguous host tensors into one fixed device tensor's prefix on the current stream."""
+    """Copies contiguous host tensors into contiguous views of one device tensor, on the current stream."""
 
     def __init__(self, dst: torch.Tensor) -> None:
         if dst.device.type != "cuda" or not dst.is_contiguous():
             raise ValueError("RawHostToDevice copies into a contiguous CUDA tensor")
         self.dst = dst
-        self._dst_ptr = dst.data_ptr()
         self._dst_bytes = dst.numel() * dst.element_size()
         self._device = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
         self._memcpy = _driver_memcpy()
@@ -45,10 +44,10 @@ class RawHostToDevice:
             logger.info("the CUDA driver library is not loadable here: decode inputs go through Tensor.copy_")
 
     def __call__(self, src: torch.Tensor, dst_view: torch.Tensor) -> None:
-        """dst_view (a view of dst's prefix with src's shape and dtype) ← src, a contiguous host tensor."""
+        """dst_view (a contiguous view of dst with src's shape and dtype) ← src, a contiguous host tensor."""
         nbytes = src.numel() * src.element_size()
         if self._memcpy is not None and nbytes <= self._dst_bytes and src.dtype == self.dst.dtype \
-                and src.is_contiguous() and src.device.type == "cpu":
-            if self._memcpy(self._dst_ptr, src.data_ptr(), nbytes, self._stream(self._device)) == 0:
+                and src.is_contiguous() and src.device.type == "cpu" and dst_view.numel() == src.numel():
+            if self._memcpy(dst_view.data_ptr(), src.data_ptr(), nbytes, self._stream(self._device)) == 0:
                 return
         dst_view.copy_(src, non_blocking=True)

@@ -18,7 +18,8 @@ def test_copies_pinned_arrays_into_the_prefix_in_stream_order() -> None:
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         for width in (2, 4, 8, 2):
-            src = torch.arange(6 * width, dtype=torch.int64).reshape(6, width).pin_memory() + 100 * width
+            src = (torch.arange(6 * width, dtype=torch.int64) + 100 * width).reshape(6, width).pin_memory()
+            assert src.is_pinned()
             view = dst[:src.numel()].view(src.shape)
             torch.cuda._sleep(1_000_000)  # the copy must wait for this kernel: it is on the same stream
             copy(src, view)
@@ -26,6 +27,11 @@ def test_copies_pinned_arrays_into_the_prefix_in_stream_order() -> None:
             side.synchronize()
             assert torch.equal(got.cpu(), src), width
     assert torch.equal(dst[12:].cpu(), torch.arange(12, 48, dtype=torch.int64) + 800)  # the 8-wide copy's tail
+    src = torch.full((6, 2), 5, dtype=torch.int64).pin_memory()
+    copy(src, dst[20:32].view(6, 2))  # a view that does not start at dst's first element
+    torch.cuda.synchronize()
+    assert torch.equal(dst[20:32].cpu(), torch.full((12,), 5, dtype=torch.int64))
+    assert torch.equal(dst[12:20].cpu(), torch.arange(12, 20, dtype=torch.int64) + 800)
 
 
 def test_falls_back_to_copy_for_other_layouts_and_dtypes() -> None:
