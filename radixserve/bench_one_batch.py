@@ -128,6 +128,15 @@ def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_le
             "total_latency_s": prefill + sum(steps), "tp_size": runner.tp_size}
 
 
+def host_probe_us(reps: int = 5, number: int = 2000) -> float:
+    """Microseconds of one pure-Python loop (the sum of range(1000)), the median of `reps` timings: the speed of the
+    host at the time. A synchronised decode step's host work scales with it, so processes of one code on one
+    machine differ with it (docs/perf-log.md, 2026-12-02 (code 126762e))."""
+    import timeit
+
+    return statistics.median(timeit.repeat("sum(range(1000))", number=number, repeat=reps)) / number * 1e6
+
+
 def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting the bytes read plus the bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -353,8 +362,10 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
             if copy_bw is not None and r["decode_tok_s"]:
                 add_bandwidth(r, runner, copy_bw)
             results.append(r)
+    probe = host_probe_us()
     if copy_bw is not None:
         print(f"measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s; weights: {runner.weight_bytes / 1e9:.2f} GB")
+    print(f"host probe: {probe:.2f} us a pure-Python loop of 1,000 additions (the host's speed now)")
     base = {r["batch_size"]: r["median_decode_s"] for r in results if r["input_len"] == args.input_len[0]}
     print(f"\n{'batch':>6} {'context':>8} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} "
           f"{'decode tok/s':>13} {'vs ctx ' + str(args.input_len[0]):>11} {'BW util':>8}")
@@ -372,7 +383,7 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
             print_profile(profiles[-1])
     meta = {"model": model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes,
-            "threads": torch.get_num_threads(), "cores": os.cpu_count()}
+            "threads": torch.get_num_threads(), "cores": os.cpu_count(), "host_probe_us": probe}
     with open(args.result_file, "w") as f:
         json.dump({"meta": meta, "results": results, "profiles": profiles}, f, indent=2)
     print(f"wrote {args.result_file}")

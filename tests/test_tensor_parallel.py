@@ -235,6 +235,8 @@ def test_bench_one_batch_tp2(tmp_path) -> None:
     bench_one_batch.main(["--model-path", path, "--load-format", "dummy", "--tp-size", "2", "--device", "cpu",
                           "--batch-size", "1", "3", "--input-len", "8", "--output-len", "4", "--log-level", "warning",
                           "--result-file", str(out)])
-    results = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
+    results = written["results"]
     assert [r["batch_size"] for r in results] == [1, 3] and all(r["tp_size"] == 2 for r in results)
     assert all(r["decode_tok_s"] > 0 for r in results)
+    assert written["meta"]["host_probe_us"] > 0  # the host's speed at the time, to read the figures against
