@@ -1,13 +1,14 @@
 """`RawHostToDevice`: a pinned host array's asynchronous copy to the device as one driver call.
 
-A decode step sends its batch in one small copy (ScheduleBatch.decode_pack → CudaGraphRunner.pack). Through
-`Tensor.copy_` that copy passes the dispatcher, builds a TensorIterator and records an event for the pinned-memory
-allocator: tens of microseconds of host time on the slower hosts, before the graph can launch, for 100-odd bytes.
-Here it is `cuMemcpyHtoDAsync` on the current stream, called through ctypes. One thing `copy_` did becomes the
-caller's: a pinned source must not be freed or rewritten before the copy has run (pageable memory the driver
-stages before it returns, as `copy_` does). The decode packs keep it: a ring of two per batch size
-(ScheduleBatch._pack), and the graph runner holds the last two it sent. Where the driver library cannot be
-loaded, or a call fails (no context current in the calling thread, say), the copy goes through `copy_`."""
+A decode step sends its batch in one small copy (ScheduleBatch.decode_pack → CudaGraphRunner.pack). For those
+100-odd bytes `Tensor.copy_` passes the dispatcher, builds a TensorIterator and records an event for the
+pinned-memory allocator; here the copy is `cuMemcpyHtoDAsync` on the current stream, called through ctypes (with
+the Triton replay hook skipped too, the replay's host time fell by 8-15 µs on a slow host: docs/perf-log.md,
+code 126762e). One thing `copy_` did becomes the caller's: a pinned source must not be freed or rewritten before
+the copy has run (pageable memory the driver stages before it returns, as `copy_` does). The decode packs keep
+it: a ring of two per batch size (ScheduleBatch._pack), and the graph runner holds the last two it sent. Where the
+driver library cannot be loaded, or a call fails (no context current in the calling thread, say), the copy goes
+through `copy_`."""
 
 from __future__ import annotations
 
