@@ -21,7 +21,8 @@ def test_copies_pinned_arrays_into_the_prefix_in_stream_order() -> None:
             src = (torch.arange(6 * width, dtype=torch.int64) + 100 * width).reshape(6, width).pin_memory()
             assert src.is_pinned()
             view = dst[:src.numel()].view(src.shape)
-            torch.cuda._sleep(1_000_000)  # the copy must wait for this kernel: it is on the same stream
+            torch.cuda._sleep(1_000_000)
+            view.fill_(-1)  # runs after the sleep; a copy issued on another stream would land first and be lost
             copy(src, view)
             got = view.clone()  # stream-ordered after the copy
             side.synchronize()
