@@ -36,8 +36,7 @@ class RawHostToDevice:
     def __init__(self, dst: torch.Tensor) -> None:
         if dst.device.type != "cuda" or not dst.is_contiguous():
             raise ValueError("RawHostToDevice copies into a contiguous CUDA tensor")
-        self.dst = dst
-        self._dst_bytes = dst.numel() * dst.element_size()
+        self.dtype = dst.dtype
         self._device = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
         self._memcpy = _driver_memcpy()
         self._stream = torch._C._cuda_getCurrentRawStream
@@ -46,9 +45,9 @@ class RawHostToDevice:
 
     def __call__(self, src: torch.Tensor, dst_view: torch.Tensor) -> None:
         """dst_view (a contiguous view of dst with src's shape and dtype) ← src, a contiguous host tensor."""
-        nbytes = src.numel() * src.element_size()
-        if self._memcpy is not None and nbytes <= self._dst_bytes and src.dtype == self.dst.dtype \
-                and src.is_contiguous() and src.device.type == "cpu" and dst_view.numel() == src.numel():
+        if self._memcpy is not None and src.dtype == self.dtype and src.is_contiguous() \
+                and src.device.type == "cpu" and dst_view.numel() == src.numel():
+            nbytes = src.numel() * src.element_size()
             if self._memcpy(dst_view.data_ptr(), src.data_ptr(), nbytes, self._stream(self._device)) == 0:
                 return
         dst_view.copy_(src, non_blocking=True)
