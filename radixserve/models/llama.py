@@ -18,6 +18,7 @@ from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.quantization.kv_cache import kv_scale_name, set_kv_scale
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -78,6 +79,10 @@ class LlamaAttention(nn.Module):
                 qkv: torch.Tensor | None = None) -> torch.Tensor:
         """qkv: the projection already made (by the decoder layer, with its input norm in the same launch)."""
         if qkv is None:
+            rotated = self._qkv_rope(positions, hidden, forward_batch)
+            if rotated is not None:  # q/k/v, the rotation and the KV store in one launch
+                q, k, v = rotated.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                return self.o_proj(self.attn(q, k, v, forward_batch, save_kv_cache=False))
             qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         norm = None
@@ -93,6 +98,27 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k, kv_write, norm)
         out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
         return self.o_proj(out)
+
+    def _qkv_rope(self, positions: torch.Tensor, hidden: torch.Tensor | None,
+                  forward_batch: ForwardBatch) -> torch.Tensor | None:
+        """One token with the fused kernels on: q/k/v with q and k rotated and k/v stored in the pool, from one
+        launch (`triton_ops/gemv_rope`), where the one-row GEMV serves this weight; None to take the usual path."""
+        proj = self.qkv_proj
+        if hidden is None or hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.stride(-1) != 1 or self.qk_norm \
+                or proj.lora is not None or not proj._plain or hidden.dtype != proj.weight.dtype \
+                or forward_batch.out_cache_loc is None or not self.rotary_emb.is_neox_style or not use_fused(hidden):
+            return None
+        from radixserve.layers.triton_ops import gemv_rope
+
+        if "_rope_cfg" not in self.__dict__:  # the weight's shape and device are fixed once loaded
+            self._rope_cfg = gemv_rope.gemv_rope_config(proj.weight, self.head_dim)
+        if self._rope_cfg is None:
+            return None
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+        kv = gemv_rope.KVDest(k_buf, v_buf, forward_batch.out_cache_loc, self.attn.k_scale, self.attn.v_scale)
+        return gemv_rope.gemv_qkv_rope(hidden, proj.weight, proj.bias, self.num_heads, self.num_kv_heads,
+                                       self.head_dim, positions, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
+                                       kv, self._rope_cfg)
 
     def _kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   forward_batch: ForwardBatch) -> KVWrite | None:

@@ -1,7 +1,7 @@
 """On CUDA: the batch-1 decode graphs with the one-row Triton GEMV (a table entry for every linear shape of the
-model, SiLU·mul in gate_up's epilogue) give the cuBLAS graphs' logits within bf16 rounding, and the greedy ids the
-graphs take with the Triton row argmax are the argmax of their logits. Batch 2 keeps cuBLAS. Skipped without a
-GPU."""
+model, SiLU·mul in gate_up's epilogue, the rotary embedding and the KV store in q/k/v's) give the cuBLAS graphs'
+logits within bf16 rounding, and the greedy ids the graphs take with the Triton row argmax are the argmax of their
+logits. Batch 2 keeps cuBLAS. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def decode(runner, prompts: list[list[int]], steps: int) -> tuple[list[torch.Ten
 
 
 def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
-    from radixserve.layers.linear import MergedColumnParallelLinear, _LinearBase
+    from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, _LinearBase
+    from radixserve.models.llama import LlamaAttention
 
     model = tmp_path / "m"
     make_tiny_model("llama", str(model), num_hidden_layers=3)
@@ -53,6 +54,8 @@ def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
         if isinstance(mod, _LinearBase):
             n, k = mod.weight.shape
             table[gemv_configs.key("row16", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
+            if isinstance(mod, QKVParallelLinear):
+                table[gemv_configs.key("row16_rope", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
             if isinstance(mod, MergedColumnParallelLinear):
                 table[gemv_configs.key("row16_silu", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
     lm_head = plain.model.lm_head.weight  # the LM head's one-row product too (logits_processor)
@@ -65,7 +68,10 @@ def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
         fast = gpu_runner(str(model))
         layers = [m for m in fast.model.modules() if isinstance(m, _LinearBase)]
         assert layers and all(m.__dict__.get("_gemv_cfg", {}).get(False) is not None or
-                              isinstance(m, MergedColumnParallelLinear) for m in layers)
+                              isinstance(m, (MergedColumnParallelLinear, QKVParallelLinear)) for m in layers)
+        # q/k/v at one row: the same GEMV with the rotary embedding and the KV store in its epilogue
+        attn = [m for m in fast.model.modules() if isinstance(m, LlamaAttention)]
+        assert attn and all(m.__dict__.get("_rope_cfg") is not None for m in attn)
         assert any(m.__dict__.get("_gemv_cfg", {}).get(True) is not None for m in layers)  # gate_up with SiLU·mul
         g = torch.Generator().manual_seed(0)
         for bs in (1, 2):

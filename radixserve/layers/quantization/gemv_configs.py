@@ -1,7 +1,8 @@
 """Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "row16" / "row16_silu" / "row16_norm":
 `triton_ops.gemv`, the one-row 16-bit product — plain, with SiLU·mul in the epilogue, with the input RMSNorm folded
 in — for the dense models' linear layers at batch 1 (only where a sweep found it faster than cuBLAS) and the MoE /
-MLA models' attention projections), per kernel family, row count and weight shape.
+MLA models' attention projections; "row16_rope": `triton_ops.gemv_rope`, q/k/v with the rotary embedding and the KV
+store, block_n its rows per half-head run), per kernel family, row count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two); RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
@@ -16,7 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "row16", "row16_silu", "row16_norm")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "row16", "row16_silu", "row16_norm", "row16_rope")
 
 
 @dataclass(frozen=True)
