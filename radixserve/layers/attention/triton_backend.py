@@ -16,6 +16,7 @@ import torch
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
 from radixserve.layers.attention.triton_ops.decode_attention import (
     ONE_LAUNCH,
+    PROGRAMS_PER_SM,
     decode_attention_fwd,
     is_interpreted,
     kv_split_cap,
@@ -98,10 +99,11 @@ class TritonAttnBackend(AttentionBackend):
         self.max_kv_splits = max_kv_splits
         # Tunables (plain attributes so tests can force many small splits; set them before init_cuda_graph_state).
         self.min_split_len = 64  # a request uses at most cdiv(seq_len, min_split_len) splits
-        self.programs_per_sm = 8  # split a small batch until stage 1 has this many programs per SM
+        # split a small batch until stage 1 has this many programs per SM (the interpreter: 8, many splits in tests)
+        self.programs_per_sm = PROGRAMS_PER_SM if self.device.type == "cuda" else 8
         if self.is_mla:  # an MLA program holds every head of the layer and the whole latent
-            from radixserve.layers.attention.triton_ops.mla_attention import PROGRAMS_PER_SM
-            self.programs_per_sm = PROGRAMS_PER_SM
+            from radixserve.layers.attention.triton_ops import mla_attention
+            self.programs_per_sm = mla_attention.PROGRAMS_PER_SM
         self.decode_block_n: int | None = None  # None: the kernel's default
         self.decode_use_dot: bool | None = None  # None: tl.dot; False: elementwise (MHA only, slower on GPUs)
         # merge a split batch's partials in stage 1's launch (counters): None where that paid (`_one_launch`),

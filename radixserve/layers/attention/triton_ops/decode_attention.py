@@ -327,6 +327,15 @@ HEADS_FIRST = os.environ.get("RADIXSERVE_DECODE_HEADS_FIRST", "1") == "1"
 # only where it paid (`one_launch_pays`); RADIXSERVE_DECODE_ONE_LAUNCH=0 never does
 # (`bench_attention_kernels.py --one-launch 0,1` compares them).
 ONE_LAUNCH = os.environ.get("RADIXSERVE_DECODE_ONE_LAUNCH", "1") == "1"
+# A batch's requests are split until stage 1 has this many programs per SM (`kv_split_cap`), at most
+# cdiv(seq_len, min_split_len) splits a request. On an H200 (8B shape, bf16, 512-8,192 tokens) 2 against the
+# earlier 8: one split from batch 33 up (no stage 2) instead of 2-3, 2-5 splits at batch 8-32 instead of 5-17;
+# stage 1 + 2 at batch 64 x 512 41.3 against 44.8 us, 64 x 8,192 481 against 525, 16 x 512 13.3 against 15.4,
+# batch 1-8 at 512-2,048 tokens 2.7 us less to 0.5 more, at 8,192 up to 2.2 more (docs/perf-log.md, 2026-12-02).
+# RADIXSERVE_DECODE_PROGRAMS_PER_SM overrides it (`bench_attention_kernels.py --programs-per-sm ...` compares).
+PROGRAMS_PER_SM = int(os.environ.get("RADIXSERVE_DECODE_PROGRAMS_PER_SM", "2"))
+if PROGRAMS_PER_SM < 1:
+    raise ValueError(f"RADIXSERVE_DECODE_PROGRAMS_PER_SM must be positive, got {PROGRAMS_PER_SM}")
 
 
 def is_interpreted() -> bool:
