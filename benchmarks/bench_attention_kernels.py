@@ -56,6 +56,7 @@ def make_kv(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
     from radixserve.layers.attention.triton_ops.decode_attention import (
         ONE_LAUNCH,
+        PROGRAMS_PER_SM,
         decode_attention_fwd,
         decode_partial_shapes,
         kv_split_cap,
@@ -83,7 +84,7 @@ def bench_decode(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
             rpi = torch.arange(bs, device="cuda", dtype=torch.int64)
             sl = torch.tensor(seq_lens, device="cuda", dtype=torch.int64)
             caps = sorted({kv_split_cap(bs, h, hkv, sms, m, pps) for m in parse_ints(args.max_kv_splits)
-                           for pps in parse_ints(args.programs_per_sm)})
+                           for pps in parse_ints(args.programs_per_sm) or [PROGRAMS_PER_SM]})
             tiles = [{}]
             if args.block_n or args.num_stages or args.num_warps or args.heads_first or args.fp8_v_pairs:
                 tiles = [{"block_n": bn, "num_stages": st, "num_warps": nw, "heads_first": bool(hf),
@@ -170,7 +171,8 @@ def main() -> None:
     p.add_argument("--seq-lens", default="512,2048,8192,32768")
     p.add_argument("--max-tokens", type=int, default=4_000_000, help="skip decode cases with more KV tokens")
     p.add_argument("--max-kv-splits", default="64", help="comma-separated ceilings on the splits to compare")
-    p.add_argument("--programs-per-sm", default="8", help="comma-separated split targets to compare")
+    p.add_argument("--programs-per-sm", default="", help="comma-separated split targets to compare (default: the "
+                   "engine's, decode_attention.PROGRAMS_PER_SM)")
     p.add_argument("--extend-configs", default="", help="'BLOCK_M,BLOCK_N,WARPS,STAGES;...' to compare "
                                                         "(default: the kernel's own choice)")
     p.add_argument("--min-split-len", type=int, default=64)

@@ -388,9 +388,12 @@ def split_capacity(num_kv_splits: int) -> int:
 
 
 def kv_split_cap(batch_size: int, num_heads: int, num_kv_heads: int, num_sms: int, max_kv_splits: int,
-                 programs_per_sm: int = 8, use_dot: bool | None = None) -> int:
+                 programs_per_sm: int | None = None, use_dot: bool | None = None) -> int:
     """How many KV splits per request to launch for a batch: enough stage-1 programs to fill the GPU
-    `programs_per_sm` times over, at most max_kv_splits. Depends on the batch size only (CUDA-graph safe)."""
+    `programs_per_sm` (default PROGRAMS_PER_SM) times over, at most max_kv_splits. Depends on the batch size only
+    (CUDA-graph safe)."""
+    if programs_per_sm is None:
+        programs_per_sm = PROGRAMS_PER_SM
     group = max(1, num_heads // max(1, num_kv_heads))
     head_blocks = triton.cdiv(group, _block_h(group, use_dot))
     programs = max(1, batch_size * num_kv_heads * head_blocks)
