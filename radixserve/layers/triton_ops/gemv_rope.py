@@ -119,10 +119,13 @@ def _gemv_rope_kernel(X, W, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, K, 
 def gemv_rope_config(w: torch.Tensor, head_dim: int) -> gemv_configs.GemvConfig | None:
     """The tiles for a fused q/k/v + rotary product on this [N, K] CUDA weight, or None to keep the two kernels:
     the table's "row16_rope" entry for the shape (`benchmarks/bench_gemv_rope.py` writes one where the fusion wins);
-    its block_n (rows per half-head run) must tile half a head. Off with RADIXSERVE_GEMV_ROPE=0."""
-    from radixserve.layers.triton_ops.gemv import gemv_config
+    its block_n (rows per half-head run) must tile half a head. The entry stands alone: where the plain one-row GEMV
+    has none (cuBLAS serves the shape), the fused kernel was measured against cuBLAS + rotary. Off with
+    RADIXSERVE_GEMV_ROPE=0 or RADIXSERVE_GEMV_ROW=0 (no Triton one-row GEMV at all)."""
+    from radixserve.layers.triton_ops import gemv
 
-    if not ENABLED or gemv_config(w) is None:  # (gemv_config: a 16-bit CUDA weight the one-row GEMV serves)
+    if not ENABLED or not gemv.ENABLED or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16) \
+            or w.dim() != 2 or w.stride(-1) != 1:
         return None
     cfg = gemv_configs.lookup("row16_rope", 1, w.shape[0], w.shape[1])
     if cfg is None or (head_dim // 2) % cfg.block_n:
