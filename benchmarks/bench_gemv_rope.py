@@ -76,10 +76,10 @@ def main() -> None:
 
     # the baseline is what a layer runs without the fusion: the one-row GEMV where the table has tiles for the shape,
     # else cuBLAS; then the rotary kernel
-    variants = [("gemv + rotary" + (" (table tiles)" if table else " (default tiles)"), two_kernels, None),
-                ("cuBLAS + rotary", cublas_two, None), ("gemv alone (no rotary)", gemv_only, None)]
-    if table is None:
-        variants[0], variants[1] = variants[1], variants[0]
+    gemv_two = ("gemv + rotary (table tiles)" if table else "gemv + rotary (default tiles)", two_kernels, None)
+    cublas = ("cuBLAS + rotary", cublas_two, None)
+    variants = [gemv_two, cublas] if table else [cublas, gemv_two]
+    variants.append(("gemv alone (no rotary)", gemv_only, None))
     table_rope = gemv_rope.gemv_rope_config(ws[0], d)  # the table's pick, if any
     for bn in (1, 2, 4, 8):
         for bk in (1024, 2048, 4096):

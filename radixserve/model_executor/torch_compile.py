@@ -139,10 +139,11 @@ def compiled_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 def uses_one_row_gemv(model: torch.nn.Module) -> bool:
     """Whether a one-row (batch-1) forward of `model` runs a linear layer through the one-row GEMV kernel: a layer
     that opted in (`decode_gemv`, the MoE / MLA attention projections) or a plain 16-bit CUDA weight whose shape
-    has an entry in the swept table (`gemv_config`)."""
+    has an entry in the swept table (`gemv_config`, or the q/k/v + rotary kernel's `rope_entry`)."""
     from radixserve.layers.linear import _LinearBase
     from radixserve.layers.triton_ops import decode_gemv_enabled
     from radixserve.layers.triton_ops.gemv import gemv_config
+    from radixserve.layers.triton_ops.gemv_rope import rope_entry
 
     for m in model.modules():
         if not isinstance(m, _LinearBase) or m.lora is not None or not m._plain:
@@ -150,7 +151,7 @@ def uses_one_row_gemv(model: torch.nn.Module) -> bool:
         w = m.weight
         if m.decode_gemv and w.is_cuda and decode_gemv_enabled(w):
             return True
-        if gemv_config(w) is not None or gemv_config(w, silu_mul=True) is not None:
+        if gemv_config(w) is not None or gemv_config(w, silu_mul=True) is not None or rope_entry(w) is not None:
             return True
     return False
 

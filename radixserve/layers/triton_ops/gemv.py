@@ -129,12 +129,18 @@ ENABLED = os.environ.get("RADIXSERVE_GEMV_ROW", "1") not in ("0", "")
 _CPU_TILES = gemv_configs.GemvConfig("ew", 2, 64)  # the interpreter (CPU tests): small tiles
 
 
+def row16_weight(w: torch.Tensor) -> bool:
+    """Whether the one-row 16-bit kernels may serve this weight: a bf16 / fp16 [N, K] CUDA tensor with unit stride in
+    K, and RADIXSERVE_GEMV_ROW not 0 (whether they do is the table's: `gemv_config`, `gemv_rope.rope_entry`)."""
+    return ENABLED and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.dim() == 2 \
+        and w.stride(-1) == 1
+
+
 def gemv_config(w: torch.Tensor, silu_mul: bool = False) -> gemv_configs.GemvConfig | None:
     """For the dense layers: the table's tiles for this 16-bit [N, K] CUDA weight at one row (N: the stacked rows
     with `silu_mul`), or None where the layer keeps cuBLAS: no entry for the shape (cuBLAS was as fast), another
     dtype, not on CUDA, or RADIXSERVE_GEMV_ROW=0."""
-    if not ENABLED or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 2 \
-            or w.stride(-1) != 1:
+    if not row16_weight(w):
         return None
     return gemv_configs.lookup("row16_silu" if silu_mul else "row16", 1, w.shape[0], w.shape[1])
 

@@ -116,18 +116,22 @@ def _gemv_rope_kernel(X, W, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, K, 
                 _store_kv_half(VBuf, base + HALF, d, y2, v_inv, FP8_MAX)
 
 
-def gemv_rope_config(w: torch.Tensor, head_dim: int) -> gemv_configs.GemvConfig | None:
-    """The tiles for a fused q/k/v + rotary product on this [N, K] CUDA weight, or None to keep the two kernels:
-    the table's "row16_rope" entry for the shape (`benchmarks/bench_gemv_rope.py` writes one where the fusion wins);
-    its block_n (rows per half-head run) must tile half a head. The entry stands alone: where the plain one-row GEMV
-    has none (cuBLAS serves the shape), the fused kernel was measured against cuBLAS + rotary. Off with
-    RADIXSERVE_GEMV_ROPE=0 or RADIXSERVE_GEMV_ROW=0 (no Triton one-row GEMV at all)."""
-    from radixserve.layers.triton_ops import gemv
+def rope_entry(w: torch.Tensor) -> gemv_configs.GemvConfig | None:
+    """The table's "row16_rope" entry for this [N, K] weight's shape (`benchmarks/bench_gemv_rope.py` writes one
+    where the fusion wins), or None. The entry stands alone: where the plain one-row GEMV has none (cuBLAS serves the
+    shape), the fused kernel was measured against cuBLAS + rotary. None with RADIXSERVE_GEMV_ROPE=0 or
+    RADIXSERVE_GEMV_ROW=0 (no Triton one-row GEMV at all), or for a weight the one-row kernels do not serve."""
+    from radixserve.layers.triton_ops.gemv import row16_weight
 
-    if not ENABLED or not gemv.ENABLED or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16) \
-            or w.dim() != 2 or w.stride(-1) != 1:
+    if not ENABLED or not row16_weight(w):
         return None
-    cfg = gemv_configs.lookup("row16_rope", 1, w.shape[0], w.shape[1])
+    return gemv_configs.lookup("row16_rope", 1, w.shape[0], w.shape[1])
+
+
+def gemv_rope_config(w: torch.Tensor, head_dim: int) -> gemv_configs.GemvConfig | None:
+    """The tiles for a fused q/k/v + rotary product on this weight, or None to keep the two kernels: `rope_entry`,
+    whose block_n (rows per half-head run) must tile half a head."""
+    cfg = rope_entry(w)
     if cfg is None or (head_dim // 2) % cfg.block_n:
         return None
     return cfg
