@@ -384,10 +384,10 @@ class ScheduleBatch:
         pool = self.token_to_kv_pool
         if pool.page_size == 1:
             np_locs[:] = self._alloc(n, lambda: pool.take_pages_np(n))
-        else:  # the next slot of each request's last page, or a new page
-            last = self.req_to_token_pool.req_to_token_cpu[self.req_pool_indices, (self.seq_lens - 2).clamp(min=0)]
-            np_locs[:] = self._alloc(pool.decode_tokens_needed(self.seq_lens),
-                                     lambda: pool.alloc_decode(self.seq_lens, last)).numpy()
+        else:  # the next slot of each request's last page, or a new page (numpy too: a torch op per step costs more)
+            lens_np = pack[3, :n]
+            last = self.req_to_token_pool.req_to_token_cpu.numpy()[np_rows, np.maximum(lens_np - 2, 0)]
+            np_locs[:] = self._alloc(pool.decode_tokens_needed(lens_np), lambda: pool.alloc_decode_np(lens_np, last))
         self.req_to_token_pool.write_batch(self.req_pool_indices, self.positions, self.out_cache_loc,
                                            host=(np_rows, np_pos, np_locs))
 
@@ -417,7 +417,7 @@ class ScheduleBatch:
         if pool.page_size == 1:
             need = len(self.reqs)
         else:  # a new page for each request whose next token starts one
-            need = pool.decode_tokens_needed(torch.tensor([r.seqlen for r in self.reqs], dtype=torch.int64))
+            need = pool.decode_tokens_needed(np.fromiter((r.seqlen for r in self.reqs), np.int64, len(self.reqs)))
         cache = self.tree_cache
         avail = self.token_to_kv_pool.available_size() + (cache.evictable_size() if cache is not None else 0)
         return avail >= need

@@ -250,23 +250,28 @@ class TokenToKVPool:
                 parts.append((mine[:, None] * p + torch.arange(p)).flatten()[:s - pre - head])
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
-    def decode_tokens_needed(self, seq_lens: torch.Tensor) -> int:
+    def decode_tokens_needed(self, seq_lens: torch.Tensor | np.ndarray) -> int:
         """Tokens (whole new pages) that `alloc_decode` will take: one page per request whose new token starts one."""
         if self.page_size == 1:
             return len(seq_lens)
-        return int(((seq_lens - 1) % self.page_size == 0).sum()) * self.page_size
+        return int(np.count_nonzero((np.asarray(seq_lens) - 1) % self.page_size == 0)) * self.page_size
 
     def alloc_decode(self, seq_lens: torch.Tensor, last_locs: torch.Tensor) -> torch.Tensor | None:
         """One slot per request for its token at position seq_len - 1: the slot after `last_locs` (the slot of
         position seq_len - 2) in the same page, or the first slot of a new page. None if no page is free."""
+        out = self.alloc_decode_np(np.asarray(seq_lens), np.asarray(last_locs))
+        return None if out is None else torch.from_numpy(out)
+
+    def alloc_decode_np(self, seq_lens: np.ndarray, last_locs: np.ndarray) -> np.ndarray | None:
+        """`alloc_decode` on numpy arrays (int64 slots); what a decode step runs on the host."""
         p = self.page_size
         if p == 1:
-            return self.alloc(len(seq_lens))
+            return self.take_pages_np(len(seq_lens))
         new_page = (seq_lens - 1) % p == 0
-        pages = self._take_pages(int(new_page.sum()))
+        pages = self.take_pages_np(int(np.count_nonzero(new_page)))
         if pages is None:
             return None
-        out = last_locs.to(torch.int64) + 1
+        out = last_locs.astype(np.int64) + 1
         out[new_page] = pages * p
         return out
 

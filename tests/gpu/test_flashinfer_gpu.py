@@ -15,7 +15,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 flashinfer = pytest.importorskip("flashinfer")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.layers.attention.flashinfer_backend import FlashInferAttnBackend  # noqa: E402
+from radixserve.layers.attention.flashinfer_backend import (  # noqa: E402
+    TENSOR_CORES_ENV,
+    FlashInferAttnBackend,
+    decode_on_tensor_cores,
+)
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
@@ -65,15 +69,32 @@ def batch(runner: SimpleNamespace, backend: object, prefix: list[int], new: list
     return fb, q, k, v
 
 
+def test_decode_kernel_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TENSOR_CORES_ENV, raising=False)
+    assert decode_on_tensor_cores(32, 8, torch.bfloat16)  # Llama-3.1-8B: 4 query heads a KV head
+    assert not decode_on_tensor_cores(32, 16, torch.bfloat16)
+    assert not decode_on_tensor_cores(8, 8, torch.bfloat16)
+    assert decode_on_tensor_cores(8, 8, torch.float8_e4m3fn)
+    monkeypatch.setenv(TENSOR_CORES_ENV, "1")
+    assert decode_on_tensor_cores(32, 8, torch.bfloat16)
+    monkeypatch.setenv(TENSOR_CORES_ENV, "yes")
+    with pytest.raises(ValueError, match=TENSOR_CORES_ENV):
+        decode_on_tensor_cores(32, 8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("tensor_cores", ["0", "1"])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("window", [-1, 40])
-def test_extend_and_decode_match_torch_native(page: int, heads: int, kv_heads: int, window: int) -> None:
+def test_extend_and_decode_match_torch_native(page: int, heads: int, kv_heads: int, window: int, tensor_cores: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TENSOR_CORES_ENV, tensor_cores)
     gen = torch.Generator().manual_seed(page * 100 + heads + window)
     for mode, prefix, new in ((ForwardMode.EXTEND, [0, 17, 64, 200], [33, 1, 16, 70]),
                               (ForwardMode.DECODE, [0, 15, 16, 300], [1, 1, 1, 1])):
         runner, layer = setup(heads, kv_heads, page, window)
         backend = FlashInferAttnBackend(runner, sliding_windows=[window])
+        assert backend.tensor_cores == (tensor_cores == "1")
         fb, q, k, v = batch(runner, backend, prefix, new, mode, gen)
         backend.init_forward_metadata(fb)
         out = backend.forward(q, k, v, layer, fb)
@@ -83,7 +104,9 @@ def test_extend_and_decode_match_torch_native(page: int, heads: int, kv_heads: i
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_cuda_graph_hooks_match_eager() -> None:
+@pytest.mark.parametrize("tensor_cores", ["0", "1"])
+def test_cuda_graph_hooks_match_eager(tensor_cores: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TENSOR_CORES_ENV, tensor_cores)
     gen = torch.Generator().manual_seed(7)
     runner, layer = setup(8, 2, 16)
     backend = FlashInferAttnBackend(runner)
@@ -107,6 +130,49 @@ def test_cuda_graph_hooks_match_eager() -> None:
     backend.init_forward_metadata_replay_cuda_graph(4, rpi, lens, int(lens.sum()))
     graph.replay()
     torch.testing.assert_close(out[:3].float(), eager.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("fast", ["0", "1"])
+@pytest.mark.parametrize("tensor_cores", ["0", "1"])
+def test_graph_replays_follow_growing_lengths(page: int, fast: str, tensor_cores: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """One captured graph replayed for 20 steps while three requests grow by a token a step (page boundaries
+    crossed): every replay equals the eager path on those lengths, with the direct replay plan and with plan()."""
+    import dataclasses
+
+    monkeypatch.setenv(TENSOR_CORES_ENV, tensor_cores)
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_FAST_PLAN", fast)
+    gen = torch.Generator().manual_seed(11 + page)
+    runner, layer = setup(8, 2, page)
+    backend = FlashInferAttnBackend(runner)
+    base = [5, 100, 31]
+    fb, q, k, v = batch(runner, backend, [b + 24 for b in base], [1, 1, 1], ForwardMode.DECODE, gen)
+    backend.init_cuda_graph_state(4)
+    rpi = torch.zeros(4, dtype=torch.int64, device=DEV)
+    lens = torch.ones(4, dtype=torch.int64, device=DEV)
+    backend.init_forward_metadata_capture_cuda_graph(4, rpi, lens)
+    assert backend.fast_plan == (fast == "1")  # the direct plan reproduced plan()'s at capture
+    qp = torch.zeros(4, q.shape[1], dtype=DT, device=DEV)
+    out = torch.empty_like(qp)
+    cap = dataclasses.replace(fb, batch_size=4)
+    backend.forward(qp, k.new_zeros(4, k.shape[1]), v.new_zeros(4, v.shape[1]), layer, cap, save_kv_cache=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(backend.forward(qp, k, v, layer, cap, save_kv_cache=False))
+    for step in range(20):
+        now = [b + step + 1 for b in base]
+        q = torch.randn(3, q.shape[1], generator=gen).to(DEV, DT)
+        seq = torch.tensor(now, device=DEV)
+        eager_fb = dataclasses.replace(fb, seq_lens=seq, seq_lens_cpu=now, seq_lens_sum=sum(now))
+        backend.init_forward_metadata(eager_fb)
+        eager = backend.forward(q, k, v, layer, eager_fb, save_kv_cache=False)
+        rpi[:3].copy_(fb.req_pool_indices)
+        lens[:3].copy_(seq)
+        qp[:3].copy_(q)
+        backend.init_forward_metadata_replay_cuda_graph(4, rpi, lens, int(lens.sum()), now + [1])
+        graph.replay()
+        torch.testing.assert_close(out[:3].float(), eager.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_model_decodes_like_triton_teacher_forced(tmp_path) -> None:  # noqa: ANN001

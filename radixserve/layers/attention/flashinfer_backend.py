@@ -7,11 +7,15 @@ positions i*P .. i*P+P-1 in one page), so the page ids of a request are req_to_t
 
 - extend: `BatchPrefillWithPagedKVCacheWrapper` (causal over the cached prefix and the new tokens, which are stored
   in the pool first);
-- decode: `BatchDecodeWithPagedKVCacheWrapper` with tensor cores (the query heads of a KV head are one tile: GQA);
+- decode: `BatchDecodeWithPagedKVCacheWrapper`, on FlashInfer's tensor-core kernel (a KV head's query group as one
+  tile) from 4 query heads a KV head, else on its CUDA-core decode kernel; `decode_on_tensor_cores` decides,
+  `RADIXSERVE_FLASHINFER_TENSOR_CORES=0|1` forces it, and where the decode kernel's module cannot be loaded (no
+  compiler, no module built ahead of time) decode falls back to the tensor cores with one warning;
 - both use FlashInfer's FA2 kernels (one JIT module per dtype / head_dim / sliding-window setting); a model whose
   layers have a sliding window gets a second pair of wrappers planned with `window_left = W - 1`;
 - CUDA graphs: one decode wrapper per captured batch size, bound to static index buffers; the replay hook plans it
-  (on the host, outside the graph) for the batch at hand.
+  (on the host, outside the graph) for the batch at hand, directly through the wrapper's module rather than
+  FlashInfer's `plan()` (`_replay_plan`; `RADIXSERVE_FLASHINFER_FAST_PLAN=0` goes through `plan()`).
 
 Planning happens once per forward in `init_forward_metadata`; every layer then calls `run`. MLA, an fp8 KV cache
 and logit soft-capping are not served (a clear error at start).
@@ -19,12 +23,16 @@ and logit soft-capping are not served (a clear error at start).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
+from radixserve.layers.attention.triton_ops.page_indices import fill_page_indices
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -33,7 +41,26 @@ if TYPE_CHECKING:
 
 import flashinfer  # noqa: E402  (an ImportError here tells the registry the backend is not installed)
 
+logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 256 << 20
+TENSOR_CORES_ENV = "RADIXSERVE_FLASHINFER_TENSOR_CORES"  # "1": decode on the prefill kernel, "0": the decode kernel
+FAST_PLAN_ENV = "RADIXSERVE_FLASHINFER_FAST_PLAN"  # "0": CUDA-graph replays plan through FlashInfer's plan()
+
+
+def decode_on_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
+    """Whether decode runs FlashInfer's tensor-core (prefill) kernel over one-token queries rather than its CUDA-core
+    decode kernel: tensor cores from 4 query heads a KV head (at Llama-3.1-8B's 32 / 8 on the H200 the prefill
+    kernel took 272 / 1,550 / 3,473 µs a step at batch 1 / 64 / 160 against the decode kernel's 477 / 1,773 /
+    4,132) and for an fp8 KV cache; the decode kernel for narrower groups, where a query group fills little of a
+    tensor-core tile. The environment variable overrides the rule."""
+    forced = os.environ.get(TENSOR_CORES_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"{TENSOR_CORES_ENV} must be 0 or 1, got {forced!r}")
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return True
+    return num_heads // max(1, num_kv_heads) >= 4
 
 
 def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], page_size: int,
@@ -106,13 +133,36 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
                         for w in self.windows}
-        self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                         use_tensor_cores=True, backend="fa2")
-                       for w in self.windows}
+        self.tensor_cores = decode_on_tensor_cores(self.num_heads, self.num_kv_heads, self.kv_dtype)
+        self.decode = self._decode_wrappers()
+        if not self.tensor_cores:
+            try:  # the decode kernel's module is built (or found ahead of time) here, not inside a forward
+                self._plan_decode(self.decode, torch.zeros(1, dtype=torch.int64, device=self.device), [1])
+            except Exception as exc:  # noqa: BLE001  (FlashInfer raises RuntimeError / OSError / its own types)
+                if os.environ.get(TENSOR_CORES_ENV, "").strip() == "0":
+                    raise
+                logger.warning("flashinfer: its decode kernel is not available (%s: %s); decode runs the "
+                               "tensor-core prefill kernel", type(exc).__name__, str(exc).splitlines()[0][:200])
+                self.tensor_cores = True
+                self.decode = self._decode_wrappers()
         self.plan: _Plan | None = None
+        self.fast_plan = os.environ.get(FAST_PLAN_ENV, "1").strip() != "0"
+        self._qo_host: dict[int, torch.Tensor] = {}
+        self._empty_q = torch.empty(0, dtype=self.q_dtype)
+        self._empty_kv = torch.empty(0, dtype=self.kv_dtype)
         self._cg: dict[int, dict[int, Any]] = {}  # captured bs -> window_left -> graph-bound decode wrapper
         self._cg_rpi: torch.Tensor | None = None
         self._cg_seq_lens: torch.Tensor | None = None
+
+    def _decode_wrappers(self, bs: int | None = None) -> dict[int, Any]:
+        """One decode wrapper per window; bound to the graph buffers of batch size `bs` when given."""
+        graph = {} if bs is None else {
+            "use_cuda_graph": True, "paged_kv_indptr_buffer": self._cg_indptr[:bs + 1],
+            "paged_kv_indices_buffer": self._cg_indices, "paged_kv_last_page_len_buffer": self._cg_last[:bs]}
+        return {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                 use_tensor_cores=self.tensor_cores,
+                                                                 backend="fa2", **graph)
+                for w in self.windows}
 
     # ---------------------------------------------------------------- planning
     def _plan_decode(self, wrappers: dict[int, Any], rows: torch.Tensor, seq_lens: list[int],
@@ -155,9 +205,16 @@ class FlashInferAttnBackend(AttentionBackend):
         self._cg_rpi = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         self._cg_seq_lens = torch.ones(max_bs, dtype=torch.int64, device=self.device)
         max_pages = self.req_to_token.shape[1] // self.page_size + 1
-        self._cg_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        # kv_indptr and last_page_len side by side: a replay sends both up in one copy
+        self._cg_meta = torch.zeros(2 * max_bs + 1, dtype=torch.int32, device=self.device)
+        self._cg_indptr, self._cg_last = self._cg_meta[:max_bs + 1], self._cg_meta[max_bs + 1:]
         self._cg_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device)
-        self._cg_last = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        # pinned staging for a replay's kv_indptr / last_page_len, three in turn, each with the event of its last copy
+        self._cg_ring = []
+        for _ in range(3):
+            buf = torch.zeros(2 * max_bs + 1, dtype=torch.int32, pin_memory=True)
+            self._cg_ring.append((buf, buf.numpy(), torch.cuda.Event()))
+        self._cg_turn = 0
 
     def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._cg_rpi is None or self._cg_seq_lens is None:
@@ -179,19 +236,75 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor) -> None:
         lens = self._load(bs, req_pool_indices, seq_lens)
-        wrappers = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-            paged_kv_indptr_buffer=self._cg_indptr[:bs + 1], paged_kv_indices_buffer=self._cg_indices,
-            paged_kv_last_page_len_buffer=self._cg_last[:bs], backend="fa2") for w in self.windows}
+        wrappers = self._decode_wrappers(bs)
         self._cg[bs] = wrappers
         self._plan_decode(wrappers, self._cg_rpi[:bs], lens)
         self.plan = _Plan(True, wrappers)
+        if self.fast_plan:
+            self._check_fast_plan(bs, lens)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
                                                 seq_lens_cpu: list[int] | None = None) -> None:
         lens = self._load(bs, req_pool_indices, seq_lens, seq_lens_cpu)
-        self._plan_decode(self._cg[bs], self._cg_rpi[:bs], lens)
+        if self.fast_plan:
+            self._replay_plan(bs, lens)
+        else:
+            self._plan_decode(self._cg[bs], self._cg_rpi[:bs], lens)
+
+    # A replay's plan without FlashInfer's plan(): its Python re-checks the arguments, re-copies the page table and
+    # looks its module up on every call (~0.5 ms a step at batch 1, ~1.4 ms at 160, measured). A graph-bound wrapper
+    # only needs its device buffers refilled and its module's scheduler run on the new lengths, which is what this
+    # does: kv_indptr and last_page_len go up in one copy, the page ids are written by one kernel
+    # (`fill_page_indices`), and each window's wrapper gets the plan of the module that its first plan() loaded.
+    # At every capture the result is checked against plan()'s; a mismatch turns this path off with a warning.
+    def _replay_plan(self, bs: int, lens: list[int]) -> None:
+        p, top = self.page_size, self.cg_max_bs + 1
+        buf, arr, sent = self._cg_ring[self._cg_turn]
+        self._cg_turn = (self._cg_turn + 1) % len(self._cg_ring)
+        sent.synchronize()  # the copy that last read this pinned buffer is done (returns at once when it is)
+        lens_np = np.asarray(lens, dtype=np.int64)
+        pages = (lens_np + p - 1) // p
+        arr[0] = 0
+        np.cumsum(pages, out=arr[1:bs + 1])
+        arr[top:top + bs] = np.where(pages > 0, lens_np - (pages - 1) * p, 0)
+        self._cg_meta[:top + bs].copy_(buf[:top + bs], non_blocking=True)
+        sent.record()
+        fill_page_indices(self.req_to_token, self._cg_rpi[:bs], self._cg_meta, self._cg_indices, p,
+                          int(pages.max()) if bs else 0)
+        indptr_host, kv_lens = buf[:bs + 1], torch.from_numpy(lens_np.astype(np.int32))
+        qo = self._qo_host.get(bs)
+        if qo is None:
+            qo = self._qo_host[bs] = torch.arange(bs + 1, dtype=torch.int32)
+        for w, wrapper in self._cg[bs].items():
+            ws = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+                  wrapper._pin_memory_int_workspace_buffer)
+            if self.tensor_cores:  # the prefill module's scheduler over one-token queries
+                wrapper._plan_info = wrapper._cached_module.plan(
+                    *ws, qo, indptr_host, kv_lens, bs, bs, self.num_heads, self.num_kv_heads, p, True,
+                    self.head_dim, self.head_dim, False, w, -1, False, 0)
+            else:
+                wrapper._plan_info = wrapper._cached_module.plan(
+                    *ws, indptr_host, bs, self.num_heads, self.num_kv_heads, p, True, w, 0.0, self.head_dim,
+                    self.head_dim, self._empty_q, self._empty_kv)
+
+    def _check_fast_plan(self, bs: int, lens: list[int]) -> None:
+        wrappers = self._cg[bs]
+        want = {w: list(wrapper._plan_info) for w, wrapper in wrappers.items()}
+        indices = self._cg_indices[:int(self._cg_indptr[bs])].clone()
+        try:
+            self._replay_plan(bs, lens)
+            got = {w: list(wrapper._plan_info) for w, wrapper in wrappers.items()}
+            same = got == want and torch.equal(indices, self._cg_indices[:indices.numel()])
+        except Exception as exc:  # noqa: BLE001  (another FlashInfer release: private names or signatures differ)
+            logger.warning("flashinfer: replays plan through plan() (the direct plan failed: %s: %s)",
+                           type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            same = None
+        if same is False:
+            logger.warning("flashinfer: replays plan through plan() (the direct plan differs from it)")
+        if not same:
+            self.fast_plan = False
+            self._plan_decode(wrappers, self._cg_rpi[:bs], lens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
