@@ -215,6 +215,7 @@ class FlashInferAttnBackend(AttentionBackend):
             buf = torch.zeros(2 * max_bs + 1, dtype=torch.int32, pin_memory=True)
             self._cg_ring.append((buf, buf.numpy(), torch.cuda.Event()))
         self._cg_turn = 0
+        self._cg_planned: dict[int, torch.cuda.Event] = {}
 
     def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._cg_rpi is None or self._cg_seq_lens is None:
@@ -276,6 +277,13 @@ class FlashInferAttnBackend(AttentionBackend):
         qo = self._qo_host.get(bs)
         if qo is None:
             qo = self._qo_host[bs] = torch.arange(bs + 1, dtype=torch.int32)
+        # each module plan fills its wrapper's pinned buffer and queues a copy from it: the previous replay's copy
+        # must have run before that buffer is written again (with overlap the host plans a step ahead)
+        planned = self._cg_planned.get(bs)
+        if planned is None:
+            planned = self._cg_planned[bs] = torch.cuda.Event()
+        else:
+            planned.synchronize()
         for w, wrapper in self._cg[bs].items():
             ws = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
                   wrapper._pin_memory_int_workspace_buffer)
@@ -287,6 +295,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 wrapper._plan_info = wrapper._cached_module.plan(
                     *ws, indptr_host, bs, self.num_heads, self.num_kv_heads, p, True, w, 0.0, self.head_dim,
                     self.head_dim, self._empty_q, self._empty_kv)
+        planned.record()
 
     def _check_fast_plan(self, bs: int, lens: list[int]) -> None:
         wrappers = self._cg[bs]
