@@ -82,6 +82,24 @@ def test_decode_kernel_rule(monkeypatch: pytest.MonkeyPatch) -> None:
         decode_on_tensor_cores(32, 8, torch.bfloat16)
 
 
+def test_pdl_setting_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RADIXSERVE_FLASHINFER_PDL=0 / 1 only changes how FlashInfer's kernels are launched: the same outputs, bit
+    for bit, as FlashInfer's default; another value is refused."""
+    outs = []
+    for pdl in ("", "0", "1"):
+        monkeypatch.setenv("RADIXSERVE_FLASHINFER_PDL", pdl)
+        gen = torch.Generator().manual_seed(5)
+        runner, layer = setup(8, 2, 16)
+        backend = FlashInferAttnBackend(runner)
+        fb, q, k, v = batch(runner, backend, [0, 15, 16, 300], [1, 1, 1, 1], ForwardMode.DECODE, gen)
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward(q, k, v, layer, fb))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_PDL", "on")
+    with pytest.raises(ValueError, match="RADIXSERVE_FLASHINFER_PDL"):
+        FlashInferAttnBackend(setup(8, 2, 16)[0])
+
+
 @pytest.mark.parametrize("tensor_cores", ["0", "1"])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])

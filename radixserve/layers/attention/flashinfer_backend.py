@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 256 << 20
 TENSOR_CORES_ENV = "RADIXSERVE_FLASHINFER_TENSOR_CORES"  # "1": decode on the prefill kernel, "0": the decode kernel
 FAST_PLAN_ENV = "RADIXSERVE_FLASHINFER_FAST_PLAN"  # "0": CUDA-graph replays plan through FlashInfer's plan()
+PDL_ENV = "RADIXSERVE_FLASHINFER_PDL"  # "0" / "1": launch FlashInfer's kernels without / with PDL (unset: its default)
 
 
 def decode_on_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
@@ -147,6 +148,10 @@ class FlashInferAttnBackend(AttentionBackend):
                 self.decode = self._decode_wrappers()
         self.plan: _Plan | None = None
         self.fast_plan = os.environ.get(FAST_PLAN_ENV, "1").strip() != "0"
+        pdl = os.environ.get(PDL_ENV, "").strip()
+        if pdl not in ("", "0", "1"):
+            raise ValueError(f"{PDL_ENV} must be 0 or 1, got {pdl!r}")
+        self.pdl = None if not pdl else pdl == "1"
         self._qo_host: dict[int, torch.Tensor] = {}
         self._empty_q = torch.empty(0, dtype=self.q_dtype)
         self._empty_kv = torch.empty(0, dtype=self.kv_dtype)
@@ -336,7 +341,7 @@ class FlashInferAttnBackend(AttentionBackend):
         w = sliding_window(layer)
         wrapper = self.plan.wrappers[w - 1 if w > 0 else -1]
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-        o = wrapper.run(q3, self._paged(forward_batch, layer.layer_id))
+        o = wrapper.run(q3, self._paged(forward_batch, layer.layer_id), enable_pdl=self.pdl)
         return o.reshape(-1, layer.tp_q_head_num * layer.head_dim)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
