@@ -304,9 +304,9 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _check_fast_plan(self, bs: int, lens: list[int]) -> None:
         wrappers = self._cg[bs]
-        want = {w: list(wrapper._plan_info) for w, wrapper in wrappers.items()}
         indices = self._cg_indices[:int(self._cg_indptr[bs])].clone()
         try:
+            want = {w: list(wrapper._plan_info) for w, wrapper in wrappers.items()}
             self._replay_plan(bs, lens)
             got = {w: list(wrapper._plan_info) for w, wrapper in wrappers.items()}
             same = got == want and torch.equal(indices, self._cg_indices[:indices.numel()])
