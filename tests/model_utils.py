@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from types import ModuleType
 from typing import Any
 
 import torch
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import benchmarks/<name>.py (the folder is not a package) as a module."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, script)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {script}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:

@@ -4,27 +4,17 @@ request row it took."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-from model_utils import make_tiny_model
+from model_utils import load_benchmark, make_tiny_model
 
 from radixserve.entrypoints.engine import resolve_model
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 
 
-def _load_bench():  # noqa: ANN202
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_mixed_step.py")
-    spec = importlib.util.spec_from_file_location("bench_mixed_step", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    return bench
-
-
 def test_steps_and_accounting(tmp_path) -> None:
-    bench = _load_bench()
+    bench = load_benchmark("bench_mixed_step")
     make_tiny_model("llama", str(tmp_path / "m"))
     args = ServerArgs(model_path=str(tmp_path / "m"), dtype="float32", max_total_tokens=2048, max_running_requests=8)
     runner = ModelRunner(resolve_model(args), args)
@@ -41,7 +31,7 @@ def test_steps_and_accounting(tmp_path) -> None:
 
 
 def test_main_writes_the_table(tmp_path) -> None:
-    bench = _load_bench()
+    bench = load_benchmark("bench_mixed_step")
     make_tiny_model("llama", str(tmp_path / "m"))
     out = tmp_path / "mixed.json"
     bench.main(["--model-path", str(tmp_path / "m"), "--dtype", "float32", "--max-total-tokens", "2048",

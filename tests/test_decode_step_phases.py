@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-from model_utils import make_tiny_model
+from model_utils import load_benchmark, make_tiny_model
 
 
 def test_phases_add_up_to_the_step(tmp_path) -> None:
     make_tiny_model("llama", str(tmp_path / "m"))
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "decode_step_phases.py")
-    spec = importlib.util.spec_from_file_location("decode_step_phases", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    bench = load_benchmark("decode_step_phases")
     out = tmp_path / "phases.json"
     bench.main(["--model-path", str(tmp_path / "m"), "--dtype", "float32", "--max-total-tokens", "2048",
                 "--batch-size", "1", "3", "--input-len", "24", "--steps", "8", "--result-file", str(out)])

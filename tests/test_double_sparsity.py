@@ -5,7 +5,6 @@ channel file, the calibrate command and the server flags."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -299,17 +298,15 @@ def test_embedded_model_agrees_with_dense_at_2k_context(embedded_model_path: str
     Python reference's topics (`pydoc_data`, fixed for a Python version) for the calibration (8,192 tokens, the
     command's default) and the decode, not the bench's default of this package's sources, which every edit to the
     package changes (on 2026-12-01 they moved this figure from above 95% to 92.9%)."""
-    import importlib.util
     import pydoc_data.topics
+
+    from model_utils import load_benchmark
 
     text_file = tmp_path / "topics.txt"
     text_file.write_text("\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)),
                          encoding="utf-8")
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_double_sparsity.py")
-    spec = importlib.util.spec_from_file_location("bench_double_sparsity", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    bench = load_benchmark("bench_double_sparsity")
     args = bench.build_parser().parse_args(
         ["accuracy", "--model-path", embedded_model_path, "--context", "2048", "--heavy-token-num", "512",
          "--steps", "128", "--calib-tokens", "8192", "--no-free-running", "--channel-file-out",

@@ -4,20 +4,11 @@ that is not the package is refused. (Building the modules needs nvcc and flashin
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import tarfile
 from pathlib import Path
 
 import pytest
-
-
-def _load_script():  # noqa: ANN202
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "flashinfer_aot.py")
-    spec = importlib.util.spec_from_file_location("flashinfer_aot", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+from model_utils import load_benchmark
 
 
 def _touch(path: Path, text: str = "x") -> None:
@@ -26,7 +17,7 @@ def _touch(path: Path, text: str = "x") -> None:
 
 
 def test_bundle_layout(tmp_path: Path) -> None:
-    aot = _load_script()
+    aot = load_benchmark("flashinfer_aot")
     pkg = tmp_path / "site" / "flashinfer"
     for rel in ("__init__.py", "decode.py", "jit/core.py", "data/csrc/batch_decode.cu", "data/include/a.cuh",
                 "data/cutlass/include/cute.hpp", "data/spdlog/spdlog.h", "__pycache__/decode.cpython-312.pyc",
