@@ -116,14 +116,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--arch", default="9.0a", help="FLASHINFER_CUDA_ARCH_LIST (9.0a: Hopper)")
     p.add_argument("--workspace", default=None, help="FlashInfer's build folder (default: a temporary one)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: $MAX_JOBS, else ninja's)")
     args = p.parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be positive, got {args.jobs}")
     if shutil.which("nvcc") is None:
         sys.exit("flashinfer_aot: nvcc is not on PATH")
     work = Path(args.workspace or tempfile.mkdtemp(prefix="flashinfer-aot-"))
     os.environ["FLASHINFER_CUDA_ARCH_LIST"] = args.arch
     os.environ["FLASHINFER_WORKSPACE_BASE"] = str(work)
-    os.environ.setdefault("MAX_JOBS", str(args.jobs))
+    if args.jobs is not None:
+        os.environ["MAX_JOBS"] = str(args.jobs)  # FlashInfer's ninja runs take it
     import flashinfer  # after the environment: FlashInfer reads it at import
 
     stub = _stub_libcuda(work / "stub")

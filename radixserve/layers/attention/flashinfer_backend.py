@@ -48,17 +48,23 @@ FAST_PLAN_ENV = "RADIXSERVE_FLASHINFER_FAST_PLAN"  # "0": CUDA-graph replays pla
 PDL_ENV = "RADIXSERVE_FLASHINFER_PDL"  # "0" / "1": launch FlashInfer's kernels without / with PDL (unset: its default)
 
 
+def _env_flag(name: str) -> bool | None:
+    """An environment switch: "1" True, "0" False, unset or empty None; anything else is refused."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return None if not value else value == "1"
+
+
 def decode_on_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
     """Whether decode runs FlashInfer's tensor-core (prefill) kernel over one-token queries rather than its CUDA-core
     decode kernel: tensor cores from 4 query heads a KV head (at Llama-3.1-8B's 32 / 8 on the H200 the prefill
     kernel took 272 / 1,550 / 3,473 µs a step at batch 1 / 64 / 160 against the decode kernel's 477 / 1,773 /
     4,132) and for an fp8 KV cache; the decode kernel for narrower groups, where a query group fills little of a
     tensor-core tile. The environment variable overrides the rule."""
-    forced = os.environ.get(TENSOR_CORES_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise ValueError(f"{TENSOR_CORES_ENV} must be 0 or 1, got {forced!r}")
+    forced = _env_flag(TENSOR_CORES_ENV)
+    if forced is not None:
+        return forced
     if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return True
     return num_heads // max(1, num_kv_heads) >= 4
@@ -140,18 +146,15 @@ class FlashInferAttnBackend(AttentionBackend):
             try:  # the decode kernel's module is built (or found ahead of time) here, not inside a forward
                 self._plan_decode(self.decode, torch.zeros(1, dtype=torch.int64, device=self.device), [1])
             except Exception as exc:  # noqa: BLE001  (FlashInfer raises RuntimeError / OSError / its own types)
-                if os.environ.get(TENSOR_CORES_ENV, "").strip() == "0":
+                if _env_flag(TENSOR_CORES_ENV) is False:
                     raise
                 logger.warning("flashinfer: its decode kernel is not available (%s: %s); decode runs the "
                                "tensor-core prefill kernel", type(exc).__name__, str(exc).splitlines()[0][:200])
                 self.tensor_cores = True
                 self.decode = self._decode_wrappers()
         self.plan: _Plan | None = None
-        self.fast_plan = os.environ.get(FAST_PLAN_ENV, "1").strip() != "0"
-        pdl = os.environ.get(PDL_ENV, "").strip()
-        if pdl not in ("", "0", "1"):
-            raise ValueError(f"{PDL_ENV} must be 0 or 1, got {pdl!r}")
-        self.pdl = None if not pdl else pdl == "1"
+        self.fast_plan = _env_flag(FAST_PLAN_ENV) is not False
+        self.pdl = _env_flag(PDL_ENV)  # None: FlashInfer's default
         self._qo_host: dict[int, torch.Tensor] = {}
         self._empty_q = torch.empty(0, dtype=self.q_dtype)
         self._empty_kv = torch.empty(0, dtype=self.kv_dtype)
