@@ -1,6 +1,7 @@
 """Sweep the block sizes of the decode GEMV kernels (fp8 per-channel, GGUF Q4_K and Q8_0, the one-row 16-bit GEMV
-"row16" / "row16_silu") on a model's linear shapes and pick the fastest per (family, M, N, K), against the device's
-copy bandwidth and the bf16 cuBLAS product (for "row16_silu": cuBLAS, then the SiLU·mul kernel).
+"row16" / "row16_silu", the 16-bit product of 17..256 rows "mid16") on a model's linear shapes and pick the fastest
+per (family, M, N, K), against the device's copy bandwidth and the bf16 cuBLAS product (for "row16_silu":
+cuBLAS, then the SiLU·mul kernel).
 
 Each candidate is checked against the torch reference, then timed inside a CUDA graph (as in decode) over enough
 copies of the weight that the set is several times the L2, so every call reads HBM. Candidates compile first in a
@@ -9,6 +10,7 @@ the estimated weight time of one decode step of the model, and writes the picks 
 
     python benchmarks/sweep_gemv.py --families fp8 q4_k q8_0 --m 1 --out picks.json
     python benchmarks/sweep_gemv.py --families row16 row16_silu --m 1 --baselines --out picks.json  # only wins kept
+    python benchmarks/sweep_gemv.py --families mid16 mid16_silu --m 32 64 96 128 160 256 --baselines --out picks.json
     RADIXSERVE_GEMV_CONFIGS=picks.json python benchmarks/bench_quant_gpu.py --config fp8 --batch-size 1
 """
 
@@ -24,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # layer_timing, also when imported as a module
 
-from radixserve.layers.quantization.gemv_configs import GemvConfig, key  # noqa: E402
+from radixserve.layers.quantization.gemv_configs import MID_FAMILIES, GemvConfig, key  # noqa: E402
 
 # Llama-3.1-8B: qkv, o, gate_up, down (N, K); each appears once per layer
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -38,7 +40,7 @@ SHAPE_SETS = {"8b": (SHAPES_8B, LM_HEAD_8B),
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
     out: list[GemvConfig] = []
-    if (family == "fp8_mid") != (m > 16):  # fp8_mid takes 17..256 rows, the GEMV kernels 1..16
+    if (family in MID_FAMILIES) != (m > 16):  # fp8_mid / mid16 take 17..256 rows, the GEMV kernels 1..16
         return out
     if family in ("fp8", "fp8_silu"):
         if m <= 2:
@@ -68,6 +70,17 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             out.append(GemvConfig("w8a8", 64, 128, 4, 3, block_m=256))
         out += [GemvConfig("w8a16", bn, 128, w, 3, block_m=bm) for bn, w in ((64, 4), (128, 8)) for bm in bms[:2]]
         out.append(GemvConfig("w8a8", 32, 256, 4, 4, block_m=bms[0]))
+    elif family in ("mid16", "mid16_silu"):  # the transposed 16-bit product (triton_ops/gemm_mid), against cuBLAS
+        out.append(GemvConfig("cublas", 0, 0))  # (with the SiLU·mul kernel after it for mid16_silu)
+        bms = (16, 32, 64) if m <= 32 else (32, 64) if m <= 64 else (32, 64, 128)
+        for bn in (32, 64, 128):
+            for bm in bms:
+                if bn * bm > (64 * 64 if family == "mid16_silu" else 128 * 64):  # the accumulators' registers
+                    continue
+                for bk, st in ((64, 4), (128, 3), (128, 4)):
+                    for split in (1, 2, 4):
+                        out.append(GemvConfig("tn", bn, bk, 8 if bn * bm >= 128 * 64 else 4, st, block_m=bm,
+                                              split_k=split))
     elif family in ("q4_k", "q8_0"):
         bns = (1, 2, 4, 8) if m == 1 else (2, 4)
         bks = (256, 512, 1024) if family == "q4_k" else (512, 1024)
@@ -111,7 +124,7 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
         q, s = quantize_rows(w)
         return {"w": q, "s": s}
-    if family in ("cublas", "cublas_silu", "row16", "row16_silu"):
+    if family in ("cublas", "cublas_silu", "row16", "row16_silu", "mid16", "mid16_silu"):
         return {"w": w.to(torch.bfloat16)}
     from radixserve.layers.quantization import gguf_formats as G
 
@@ -140,6 +153,13 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
         from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
 
         return fp8_mid_mm(x, fields["w"], fields["s"], x.dtype, cfg)
+    if family in ("mid16", "mid16_silu"):
+        silu = family == "mid16_silu"
+        if cfg is None or cfg.kernel == "cublas":
+            return call("cublas_silu" if silu else "cublas", x, fields, n, None)
+        from radixserve.layers.triton_ops.gemm_mid import mid_mm
+
+        return mid_mm(x, fields["w"], None, cfg, silu_mul=silu)
     if family == "fp8_gemm":  # the previous W8A16 tl.dot kernel
         from radixserve.layers.quantization.fp8_kernels import fp8_gemm
 
@@ -162,7 +182,8 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
 def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
     import torch
 
-    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu"):
+    if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu",
+                  "mid16", "mid16_silu"):
         w = fields["w"].float() * fields["s"].view(-1, 1) if "s" in fields else fields["w"].float()
         out = x.float() @ w.t()
         if family.endswith("_silu"):
@@ -196,11 +217,11 @@ def _compile_worker(jobs: list[tuple[str, int, dict]]) -> int:
                 print(f"warm-up failed for {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         try:  # Q4_K's d/dmin row stride (K / 256) is a multiple of 16 at K = 4096, not at 14336: both variants
-            for k in (4096, 14336) if family in ("q4_k", "fp8_mid") else (4096,):  # fp8_mid: x's quant kernel
+            for k in (4096, 14336) if family in ("q4_k",) + MID_FAMILIES else (4096,):  # fp8_mid: x's quant
                 fields = make_weight(family, 128, k, 0)
-                # fp8_mid: also a row count that is not a multiple of 16 (the other specialisation a model's
-                # CUDA graphs compile)
-                for rows in (m, m - 1) if family == "fp8_mid" else (m,):
+                # fp8_mid / mid16: also a row count that is not a multiple of 16 (the other specialisation a
+                # model's CUDA graphs compile)
+                for rows in (m, m - 1) if family in MID_FAMILIES else (m,):
                     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                     call(family, x, fields, 128, GemvConfig(**cfg))
             done += 1
@@ -343,14 +364,14 @@ def main() -> None:
             from radixserve.layers.quantization import gemv_configs
 
             out = [c for c in out if c.kernel in args.kernels]
-            table = [gemv_configs.get_mid(m, n, k) if family == "fp8_mid" else gemv_configs.get(family, m, n, k)
-                     for n, k in shapes]
+            table = [gemv_configs.get_mid(m, n, k, family) if family in MID_FAMILIES
+                     else gemv_configs.get(family, m, n, k) for n, k in shapes]
             out += [c for c in dict.fromkeys(table) if c is not None and c not in out]
         return out
 
     plan = [(f, m, c) for f in args.families for m in args.m for c in cands(f, m)]
-    seen: set = set()  # an fp8_mid config compiles the same kernel at every M
-    plan = [p for p in plan if p[0] != "fp8_mid" or (p[2] not in seen and not seen.add(p[2]))]
+    seen: set = set()  # an fp8_mid / mid16 config compiles the same kernel at every M
+    plan = [p for p in plan if p[0] not in MID_FAMILIES or ((p[0], p[2]) not in seen and not seen.add((p[0], p[2])))]
     if args.warm_fp8:
         plan = [("fp8_warm", 1, GemvConfig("ew", n, k, variant="pdl" if args.pdl_chain else "")) for n, k in shapes] \
             + plan
@@ -401,11 +422,18 @@ def main() -> None:
                     for r in rows:
                         c = r["cfg"]
                         print(f"    {n}x{k} {c['kernel']:<9} bn={c['block_n']:<3} bk={c['block_k']:<5} "
+                              f"bm={c.get('block_m', 16):<3} sk={c.get('split_k', 1)} "
                               f"w={c['num_warps']} s={c['num_stages']} {c['variant'] or '-':<5} {r['us']:7.1f} us "
                               f"{r['util']:6.1%} err {r['rel_err']:.1e}", flush=True)
                 best = rows[0]
-                # the one-row 16-bit GEMV replaces cuBLAS only where it wins by 2% or more (no entry: cuBLAS keeps it)
-                if family not in ("row16", "row16_silu") or (base is not None and best["us"] < 0.98 * base["us"]):
+                # the one-row 16-bit GEMV replaces cuBLAS only where it wins by 2% or more (no entry: cuBLAS keeps
+                # it); mid16 likewise, with a "cublas" entry where it does not (its entries hold for the rows up to
+                # the swept M, so a swept M that cuBLAS wins needs saying)
+                if family in ("mid16", "mid16_silu"):
+                    cublas = [r for r in rows if r["cfg"]["kernel"] == "cublas"]
+                    win = best["cfg"]["kernel"] == "tn" and (not cublas or best["us"] < 0.98 * cublas[0]["us"])
+                    picks[f"{family}/{m}/{n}/{k}"] = best["cfg"] if win else GemvConfig("cublas", 0, 0).to_dict()
+                elif family not in ("row16", "row16_silu") or (base is not None and best["us"] < 0.98 * base["us"]):
                     picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
                 per_step = 1 / LAYERS_8B if (n, k) == lm_head else 1  # the LM head runs once a step
                 step_best += best["us"] * per_step
@@ -413,7 +441,8 @@ def main() -> None:
                 c = best["cfg"]
                 desc = f"{c['kernel']} bn={c['block_n']} bk={c['block_k']} w={c['num_warps']} s={c['num_stages']}" \
                        f"{' ' + c['variant'] if c['variant'] else ''}" \
-                       f"{' bm=' + str(c['block_m']) if family == 'fp8_mid' else ''}"
+                       f"{' bm=' + str(c['block_m']) if family in MID_FAMILIES else ''}"\
+                       f"{' sk=' + str(c['split_k']) if family.startswith('mid16') else ''}"
                 if family == "fp8_mid":  # the default path's time (per-token quant + torch._scaled_mm)
                     sm = [r for r in rows if r["cfg"]["kernel"] == "scaled_mm"]
                     old = {"us": sm[0]["us"]} if sm else None

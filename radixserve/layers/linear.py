@@ -129,8 +129,24 @@ class _LinearBase(nn.Module):
 
         return gemv_row(x, self.weight, self.bias, cfg, silu_mul=silu_mul)
 
+    def _mid_gemm(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | None:
+        """17..256 activation rows on a 16-bit CUDA weight: the Triton product (`triton_ops/gemm_mid`; with
+        `silu_mul`, of a stacked [gate; up] with the activation in its epilogue) where the swept table says it beats
+        cuBLAS for this shape at this many rows; None otherwise (looked up once per row count and layer)."""
+        m = x.shape[0]
+        if not 17 <= m <= 256 or x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.weight.dtype \
+                or torch.compiler.is_compiling():
+            return None
+        from radixserve.layers.triton_ops import gemm_mid
+
+        cache = self.__dict__.setdefault("_mid_cfg", {})
+        if (m, silu_mul) not in cache:
+            cache[m, silu_mul] = gemm_mid.mid_config(self.weight, m, silu_mul)
+        cfg = cache[m, silu_mul]
+        return None if cfg is None else gemm_mid.mid_mm(x, self.weight, self.bias, cfg, silu_mul=silu_mul)
+
     def _plain_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._row_gemv(x) if x.shape[0] == 1 else None
+        out = self._row_gemv(x) if x.shape[0] == 1 else self._mid_gemm(x)
         return F.linear(x, self.weight, self.bias) if out is None else out
 
     def gemv_ok(self, x: torch.Tensor) -> bool:
@@ -196,15 +212,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate; up] layer computed in its product's epilogue, when its quantization
-        method offers that for `x` (fp8 decode GEMVs) or, unquantized, the one-row Triton GEMV has a tile for the
-        shape; with adapters, in the LoRA expand at one row (the hook decides); None otherwise (the caller applies
-        SiluAndMul)."""
+        method offers that for `x` (fp8 decode GEMVs) or, unquantized, the one-row Triton GEMV or the 17..256-row
+        product has a table entry for the shape; with adapters, in the LoRA expand at one row (the hook decides);
+        None otherwise (the caller applies SiluAndMul)."""
         if len(self.shard_sizes) != 2 or self.shard_sizes[0] != self.shard_sizes[1]:
             return None
         if self.lora is not None:  # with adapters: their expand and the activation in one kernel, at one row
             return self.lora.silu_and_mul(x)
-        if self._plain and x.is_cuda:  # 16-bit weights at one row: the Triton GEMV where the table picks it
-            return self._row_gemv(x, silu_mul=True) if x.shape[0] == 1 else None
+        if self._plain and x.is_cuda:  # 16-bit: the one-row GEMV / 17..256-row product where the table picks it
+            return self._row_gemv(x, silu_mul=True) if x.shape[0] == 1 else self._mid_gemm(x, silu_mul=True)
         fused = getattr(self.quant_method, "apply_silu_and_mul", None)
         return None if fused is None else fused(self, x, self.bias)
 

@@ -1,7 +1,8 @@
 """On CUDA: the batch-1 decode graphs with the one-row Triton GEMV (a table entry for every linear shape of the
 model, SiLU·mul in gate_up's epilogue, the rotary embedding and the KV store in q/k/v's) give the cuBLAS graphs'
 logits within bf16 rounding, and the greedy ids the graphs take with the Triton row argmax are the argmax of their
-logits. Batch 2 keeps cuBLAS. Skipped without a GPU."""
+logits. Batch 2 keeps cuBLAS. A batch of 20 through the 17..256-row product (`triton_ops/gemm_mid`) likewise.
+Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -83,6 +84,58 @@ def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
                 scale = w.abs().max().item()
                 torch.testing.assert_close(o, w, rtol=0, atol=0.02 * scale)
                 assert step_ids == o.argmax(-1).tolist()  # the graph's Triton argmax of its own logits
+    finally:
+        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
+        gemv_configs.reload()
+
+
+def test_mid_gemm_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
+    """A batch of 20 decoding through the 17..256-row Triton product (`triton_ops/gemm_mid`: every linear from the
+    table, gate_up with SiLU·mul in its epilogue, split over K with the tickets) gives cuBLAS's logits within bf16
+    rounding, in CUDA graphs replayed step after step."""
+    from radixserve.layers.linear import MergedColumnParallelLinear, _LinearBase
+
+    model = tmp_path / "m"
+    make_tiny_model("llama", str(model), num_hidden_layers=3)
+
+    def runner(path: str):
+        from radixserve.configs.model_config import ModelConfig
+        from radixserve.model_executor.model_runner import ModelRunner
+        from radixserve.server_args import ServerArgs
+
+        args = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", max_total_tokens=1 << 14,
+                          max_running_requests=24, cuda_graph_max_bs=24)
+        return ModelRunner(ModelConfig(path), args)
+
+    plain = runner(str(model))
+    tile = gemv_configs.GemvConfig("tn", 16, 32, 4, 3, block_m=16, split_k=2).to_dict()
+    table = {}
+    for mod in plain.model.modules():
+        if isinstance(mod, _LinearBase):
+            n, k = mod.weight.shape
+            table[f"mid16/32/{n}/{k}"] = tile
+            if isinstance(mod, MergedColumnParallelLinear):
+                table[f"mid16_silu/32/{n}/{k}"] = tile
+    picks = tmp_path / "picks.json"
+    picks.write_text(json.dumps({"configs": table}))
+    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(picks))
+    gemv_configs.reload()
+    try:
+        fast = runner(str(model))
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
+                   for n in torch.randint(5, 40, (20,), generator=g)]
+        want, _ = decode(plain, prompts, 4)
+        got, _ = decode(fast, prompts, 4)
+        layers = [m for m in fast.model.modules() if isinstance(m, _LinearBase)]
+        # (the graph's rows: 20 or the captured size above it)
+        def took(m: _LinearBase, silu: bool) -> bool:
+            return any(c is not None for (_, s), c in m.__dict__.get("_mid_cfg", {}).items() if s == silu)
+
+        assert all(took(m, False) for m in layers if not isinstance(m, MergedColumnParallelLinear))
+        assert any(took(m, True) for m in layers)
+        for w, o in zip(want, got, strict=True):
+            torch.testing.assert_close(o, w, rtol=0, atol=0.02 * w.abs().max().item())
     finally:
         monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
         gemv_configs.reload()

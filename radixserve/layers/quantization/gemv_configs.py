@@ -2,10 +2,13 @@
 `triton_ops.gemv`, the one-row 16-bit product — plain, with SiLU·mul in the epilogue, with the input RMSNorm folded
 in — for the dense models' linear layers at batch 1 (only where a sweep found it faster than cuBLAS) and the MoE /
 MLA models' attention projections; "row16_rope": `triton_ops.gemv_rope`, q/k/v with the rotary embedding and the KV
-store, block_n its rows per half-head run), per kernel family, row count and weight shape.
+store, block_n its rows per half-head run; "fp8_mid": `fp8_mid`, fp8 weights at 17..256 rows; "mid16" /
+"mid16_silu": `triton_ops.gemm_mid`, 16-bit weights at 17..256 rows, plain or gate_up with SiLU·mul), per kernel
+family, row count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
-"family/M/N/K" (M rounded up to a power of two); RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
+"family/M/N/K" (M rounded up to a power of two; for the 17..256-row families the M swept, `get_mid`);
+RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
 sweep's picks are tried before they are committed). A shape the table lacks gets the default of its family.
 
 `block_k` is the number of weight columns (K) one program reads per loop step, for every family."""
@@ -17,7 +20,9 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "row16", "row16_silu", "row16_norm", "row16_rope")
+FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "mid16", "mid16_silu", "row16", "row16_silu",
+            "row16_norm", "row16_rope")
+MID_FAMILIES = ("fp8_mid", "mid16", "mid16_silu")  # keyed by the M they were swept at, not its power-of-two bucket
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,8 @@ class GemvConfig:
     # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion; q4_k / q8_0: "magic" turns the
     # integers to floats with the 2^23 trick
     variant: str = ""
-    block_m: int = 16  # "fp8_mid" only: batch rows per program
+    block_m: int = 16  # "fp8_mid" / "mid16" only: batch rows per program
+    split_k: int = 1  # "mid16" / "mid16_silu" only: programs over K per output tile
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,21 +101,22 @@ def lookup(family: str, m: int, n: int, k: int) -> GemvConfig | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _mid_rows(n: int, k: int) -> tuple[tuple[int, GemvConfig], ...]:
+def _mid_rows(family: str, n: int, k: int) -> tuple[tuple[int, GemvConfig], ...]:
     found = []
     for name, cfg in _table().items():
         fam, m, nn, kk = name.split("/")
-        if fam == "fp8_mid" and int(nn) == n and int(kk) == k:
+        if fam == family and int(nn) == n and int(kk) == k:
             found.append((int(m), cfg))
     return tuple(sorted(found, key=lambda t: t[0]))
 
 
-def get_mid(m: int, n: int, k: int) -> GemvConfig | None:
-    """The "fp8_mid" entry for an M-row product (17..256 rows) of an [N, K] fp8 weight: the entry swept at the
-    smallest M >= m ("fp8_mid/<M>/N/K", M as swept, not bucketed), else the largest swept M if m is within 1/4 of
-    it; None when the table has none for the shape (the caller keeps `torch._scaled_mm`). Its `kernel` is
-    "w8a8", "w8a16", "scaled_mm", "scaled_mm_t" or "scaled_mm_unit"."""
-    rows = _mid_rows(n, k)
+def get_mid(m: int, n: int, k: int, family: str = "fp8_mid") -> GemvConfig | None:
+    """The `family` entry for an M-row product (17..256 rows) of an [N, K] weight: the entry swept at the smallest
+    M >= m ("<family>/<M>/N/K", M as swept, not bucketed), else the largest swept M if m is within 1/4 of it; None
+    when the table has none for the shape (the caller keeps its library product). "fp8_mid" entries' `kernel` is
+    "w8a8", "w8a16", "scaled_mm", "scaled_mm_t" or "scaled_mm_unit"; "mid16" / "mid16_silu" entries' "tn" or
+    "cublas"."""
+    rows = _mid_rows(family, n, k)
     for swept, cfg in rows:
         if m <= swept:
             return cfg
