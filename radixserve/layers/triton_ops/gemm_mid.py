@@ -18,7 +18,8 @@ inside CUDA graphs).
 Which tiles run for a shape and batch comes from the swept table (families "mid16" and "mid16_silu",
 `gemv_configs.get_mid`, swept by `benchmarks/sweep_gemv.py --families mid16 mid16_silu --baselines`; a "tn" entry
 only where the kernel beat cuBLAS by 2%); a shape the table lacks stays on `F.linear` (and the activation kernel).
-RADIXSERVE_GEMM_MID=0 keeps every shape on cuBLAS."""
+RADIXSERVE_GEMM_MID=0 keeps every shape on cuBLAS. Launched with programmatic dependent launch where the decode
+path's other Triton kernels are (`triton_ops/pdl.py`)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 MIN_M, MAX_M = 17, 256
 ENABLED = os.environ.get("RADIXSERVE_GEMM_MID", "1") != "0"
@@ -39,7 +42,8 @@ _TICKETS = 1 << 16  # output tiles a split product may have (one int32 count eac
 @triton.jit
 def _mid_kernel(X, W, Bias, Out, Part, Tickets, M, N, K, stride_xm, stride_wn, stride_om,
                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, FP32: tl.constexpr, SPLIT_K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)  # the batch's blocks first: programs next to each other read the same weight rows
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -152,7 +156,7 @@ def mid_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: gem
     launch(_mid_kernel, grid, x, w, bias if bias is not None else out, out, part, tickets, m, n_out, k, x.stride(0),
            w.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
            FP32=x.dtype == torch.float32 or not x.is_cuda, SPLIT_K=split, BLOCK_M=cfg.block_m,
-           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **opts)
+           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **opts, **pdl.launch_opts(x))
     return out
 
 
