@@ -32,10 +32,11 @@ from radixserve.layers.quantization.gemv_configs import MID_FAMILIES, GemvConfig
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 LAYERS_8B = 32
 LM_HEAD_8B = (128256, 4096)  # once a step; swept for the 16-bit GEMV only
-# --shapes: (qkv, o, gate_up, down) and the LM head of each rank; 8b_tp2: the 8B split over 2 ranks (the LM head's
-# vocabulary too)
-SHAPE_SETS = {"8b": (SHAPES_8B, LM_HEAD_8B),
-              "8b_tp2": ([(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)], (64128, 4096))}
+# --shapes: (qkv, o, gate_up, down), the LM head of each rank and the layer count; 8b_tp2: the 8B split over 2
+# ranks (the LM head's vocabulary too); qwen2.5-7b: Qwen2.5-7B (28 q heads and 4 KV heads of 128)
+SHAPE_SETS = {"8b": (SHAPES_8B, LM_HEAD_8B, LAYERS_8B),
+              "8b_tp2": ([(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)], (64128, 4096), LAYERS_8B),
+              "qwen2.5-7b": ([(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)], (152064, 3584), 28)}
 
 
 def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
@@ -354,7 +355,7 @@ def main() -> None:
 
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
-    layer_shapes, lm_head = SHAPE_SETS[args.shapes]
+    layer_shapes, lm_head, layers = SHAPE_SETS[args.shapes]
     shapes = layer_shapes + ([lm_head] if "row16" in args.families else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -435,7 +436,7 @@ def main() -> None:
                     picks[f"{family}/{m}/{n}/{k}"] = best["cfg"] if win else GemvConfig("cublas", 0, 0).to_dict()
                 elif family not in ("row16", "row16_silu") or (base is not None and best["us"] < 0.98 * base["us"]):
                     picks[f"fp8_mid/{m}/{n}/{k}" if family == "fp8_mid" else key(family, m, n, k)] = best["cfg"]
-                per_step = 1 / LAYERS_8B if (n, k) == lm_head else 1  # the LM head runs once a step
+                per_step = 1 / layers if (n, k) == lm_head else 1  # the LM head runs once a step
                 step_best += best["us"] * per_step
                 step_base += base["us"] * per_step if base else 0.0
                 c = best["cfg"]
@@ -450,9 +451,9 @@ def main() -> None:
                 print(f"{n:>6}x{k:<5} {desc:<44} {best['us']:7.1f} {best['gbs']:6.0f} {best['util']:6.1%} {second} "
                       f"{base['us'] if base else float('nan'):8.1f} {old['us'] if old else float('nan'):7.1f}"
                       f"  ({time.time() - t:.1f} s)", flush=True)
-            base_txt = f" (bf16 cuBLAS {step_base * LAYERS_8B / 1e3:.3f} ms)" if step_base else ""
-            print(f"{family} M={m}: the linears of a layer x {LAYERS_8B} layers (+ the LM head) = "
-                  f"{step_best * LAYERS_8B / 1e3:.3f} ms{base_txt}", flush=True)
+            base_txt = f" (bf16 cuBLAS {step_base * layers / 1e3:.3f} ms)" if step_base else ""
+            print(f"{family} M={m}: the linears of a layer x {layers} layers (+ the LM head) = "
+                  f"{step_best * layers / 1e3:.3f} ms{base_txt}", flush=True)
             result = {"device": torch.cuda.get_device_name(), "copy_bw_gbs": copy_bw / 1e9, "configs": picks}
             if args.out:  # after every family and M: a sweep cut short still leaves its picks so far
                 with open(args.out, "w") as f:
