@@ -1,7 +1,7 @@
 """Sweep the block sizes of the decode GEMV kernels (fp8 per-channel, GGUF Q4_K and Q8_0, the one-row 16-bit GEMV
-"row16" / "row16_silu", the 16-bit product of 17..256 rows "mid16") on a model's linear shapes and pick the fastest
-per (family, M, N, K), against the device's copy bandwidth and the bf16 cuBLAS product (for "row16_silu":
-cuBLAS, then the SiLU·mul kernel).
+"row16" / "row16_silu", the 16-bit product of 17..256 rows "mid16" / "mid16_silu") on a model's linear shapes and
+pick the fastest per (family, M, N, K), against the device's copy bandwidth and the bf16 cuBLAS product (for the
+"_silu" families: cuBLAS, then the SiLU·mul kernel).
 
 Each candidate is checked against the torch reference, then timed inside a CUDA graph (as in decode) over enough
 copies of the weight that the set is several times the L2, so every call reads HBM. Candidates compile first in a
@@ -79,6 +79,9 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                 if bn * bm > (64 * 64 if family == "mid16_silu" else 128 * 64):  # the accumulators' registers
                     continue
                 for bk, st in ((64, 4), (128, 3), (128, 4)):
+                    rows = (2 * bn if family == "mid16_silu" else bn) + bm  # weight and x rows a stage holds
+                    if rows * bk * 2 * st > 224 * 1024:  # past an H100 / H200 SM's shared memory
+                        continue
                     for split in (1, 2, 4):
                         out.append(GemvConfig("tn", bn, bk, 8 if bn * bm >= 128 * 64 else 4, st, block_m=bm,
                                               split_k=split))

@@ -8,8 +8,8 @@ family, row count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two; for the 17..256-row families the M swept, `get_mid`);
-RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a
-sweep's picks are tried before they are committed). A shape the table lacks gets the default of its family.
+RADIXSERVE_GEMV_CONFIGS=path.json adds or overrides entries (how a sweep's picks are tried before they are
+committed). A shape the table lacks gets the default of its family.
 
 `block_k` is the number of weight columns (K) one program reads per loop step, for every family."""
 
@@ -37,7 +37,7 @@ class GemvConfig:
     # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion; q4_k / q8_0: "magic" turns the
     # integers to floats with the 2^23 trick
     variant: str = ""
-    block_m: int = 16  # "fp8_mid" / "mid16" only: batch rows per program
+    block_m: int = 16  # the 17..256-row families only: batch rows per program
     split_k: int = 1  # "mid16" / "mid16_silu" only: programs over K per output tile
 
     def to_dict(self) -> dict:
