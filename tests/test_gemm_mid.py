@@ -7,6 +7,7 @@ table. CPU: under TRITON_INTERPRET=1 (GPU: the same tests on CUDA)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -138,3 +139,22 @@ def test_gate_up_layer_takes_the_fused_activation_from_the_table(table) -> None:
     assert fused is not None and fused.shape == (40, 96)
     assert layer.silu_and_mul(x[:16]) is None  # below 17 rows: not this kernel (16-row batches keep cuBLAS)
     torch.testing.assert_close(fused.float(), SiluAndMul()(layer(x)).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_committed_entries_fit_their_shapes() -> None:
+    """Every "tn" entry of the committed table divides its K into split_k x block_k runs (else `mid_config` would
+    drop it at run time) and uses power-of-two tiles; "cublas" entries carry no tiles."""
+    path = os.path.join(os.path.dirname(gemv_configs.__file__), "gemv_configs.json")
+    with open(path) as f:
+        entries = {k: v for k, v in json.load(f)["configs"].items() if k.startswith("mid16")}
+    assert entries
+    for name, raw in entries.items():
+        _, m, _n, k = (int(p) if p.isdigit() else p for p in name.split("/"))
+        cfg = GemvConfig(**raw)
+        assert gemm_mid.MIN_M <= m <= gemm_mid.MAX_M, name
+        if cfg.kernel == "cublas":
+            continue
+        assert cfg.kernel == "tn", name
+        assert k % (cfg.split_k * cfg.block_k) == 0, name
+        for size in (cfg.block_n, cfg.block_m, cfg.block_k):
+            assert size >= 16 and size & (size - 1) == 0, name
