@@ -1,8 +1,9 @@
 """The 16-bit product of 17..256 rows (`layers/triton_ops/gemm_mid.py`) against torch: whole and split over K (the last
 split's ticket sums the partials), M not a multiple of the tile, a bias, SiLU·mul of a stacked [gate; up] in the
-epilogue (against the unfused product and activation), the ticket counts back at zero after each launch; the table
-lookup (`mid_config`: "cublas" entries and missing shapes keep cuBLAS) and a linear layer taking the kernel from the
-table. CPU: under TRITON_INTERPRET=1 (GPU: the same tests on CUDA)."""
+epilogue (against the unfused product and activation), the ticket counts back at zero after each launch; the
+committed table's entries fit their shapes; the table lookup (`mid_config`: "cublas" entries and missing shapes keep
+cuBLAS) and a linear layer taking the kernel from the table. CPU: under TRITON_INTERPRET=1 (GPU: the same tests on
+CUDA)."""
 
 from __future__ import annotations
 
