@@ -48,7 +48,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.gate_up_proj.silu_and_mul(x)  # fused into the product where the layer can (fp8 decode)
+        act = self.gate_up_proj.silu_and_mul(x)  # fused into the product where the layer can (see silu_and_mul)
         return self.down_proj(act if act is not None else self.act_fn(self.gate_up_proj(x)))
 
 
