@@ -133,12 +133,12 @@ class _LinearBase(nn.Module):
         """17..256 activation rows on a 16-bit CUDA weight: the Triton product (`triton_ops/gemm_mid`; with
         `silu_mul`, of a stacked [gate; up] with the activation in its epilogue) where the swept table says it beats
         cuBLAS for this shape at this many rows; None otherwise (looked up once per row count and layer)."""
-        m = x.shape[0]
-        if not 17 <= m <= 256 or x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.weight.dtype \
-                or torch.compiler.is_compiling():
-            return None
         from radixserve.layers.triton_ops import gemm_mid
 
+        m = x.shape[0]
+        if not gemm_mid.MIN_M <= m <= gemm_mid.MAX_M or x.dim() != 2 or x.stride(-1) != 1 \
+                or x.dtype != self.weight.dtype or torch.compiler.is_compiling():
+            return None
         cache = self.__dict__.setdefault("_mid_cfg", {})
         if (m, silu_mul) not in cache:
             cache[m, silu_mul] = gemm_mid.mid_config(self.weight, m, silu_mul)

@@ -6,6 +6,7 @@ Skipped without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -22,14 +23,28 @@ from radixserve.bench_one_batch import StaticBatch  # noqa: E402
 from radixserve.layers.quantization import gemv_configs  # noqa: E402
 
 
-def gpu_runner(path: str):
+def gpu_runner(path: str, max_bs: int = 8):
     from radixserve.configs.model_config import ModelConfig
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 
     args = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", max_total_tokens=1 << 14,
-                      max_running_requests=8, cuda_graph_max_bs=8)
+                      max_running_requests=max_bs, cuda_graph_max_bs=max_bs)
     return ModelRunner(ModelConfig(path), args)
+
+
+@contextlib.contextmanager
+def gemv_table(tmp_path, monkeypatch, table: dict):  # noqa: ANN001, ANN201
+    """The GEMV table with `table`'s entries added (RADIXSERVE_GEMV_CONFIGS) while the block runs."""
+    picks = tmp_path / "picks.json"
+    picks.write_text(json.dumps({"configs": table}))
+    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(picks))
+    gemv_configs.reload()
+    try:
+        yield
+    finally:
+        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
+        gemv_configs.reload()
 
 
 def decode(runner, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -61,11 +76,7 @@ def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
                 table[gemv_configs.key("row16_silu", 1, n, k)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
     lm_head = plain.model.lm_head.weight  # the LM head's one-row product too (logits_processor)
     table[gemv_configs.key("row16", 1, *lm_head.shape)] = gemv_configs.GemvConfig("ew", 2, 64).to_dict()
-    picks = tmp_path / "picks.json"
-    picks.write_text(json.dumps({"configs": table}))
-    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(picks))
-    gemv_configs.reload()
-    try:
+    with gemv_table(tmp_path, monkeypatch, table):
         fast = gpu_runner(str(model))
         layers = [m for m in fast.model.modules() if isinstance(m, _LinearBase)]
         assert layers and all(m.__dict__.get("_gemv_cfg", {}).get(False) is not None or
@@ -84,9 +95,6 @@ def test_gemv_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
                 scale = w.abs().max().item()
                 torch.testing.assert_close(o, w, rtol=0, atol=0.02 * scale)
                 assert step_ids == o.argmax(-1).tolist()  # the graph's Triton argmax of its own logits
-    finally:
-        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
-        gemv_configs.reload()
 
 
 def test_mid_gemm_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
@@ -98,16 +106,7 @@ def test_mid_gemm_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
     model = tmp_path / "m"
     make_tiny_model("llama", str(model), num_hidden_layers=3)
 
-    def runner(path: str):
-        from radixserve.configs.model_config import ModelConfig
-        from radixserve.model_executor.model_runner import ModelRunner
-        from radixserve.server_args import ServerArgs
-
-        args = ServerArgs(model_path=path, device="cuda", dtype="bfloat16", max_total_tokens=1 << 14,
-                          max_running_requests=24, cuda_graph_max_bs=24)
-        return ModelRunner(ModelConfig(path), args)
-
-    plain = runner(str(model))
+    plain = gpu_runner(str(model), max_bs=24)
     tile = gemv_configs.GemvConfig("tn", 16, 32, 4, 3, block_m=16, split_k=2).to_dict()
     table = {}
     for mod in plain.model.modules():
@@ -116,12 +115,8 @@ def test_mid_gemm_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
             table[f"mid16/32/{n}/{k}"] = tile
             if isinstance(mod, MergedColumnParallelLinear):
                 table[f"mid16_silu/32/{n}/{k}"] = tile
-    picks = tmp_path / "picks.json"
-    picks.write_text(json.dumps({"configs": table}))
-    monkeypatch.setenv("RADIXSERVE_GEMV_CONFIGS", str(picks))
-    gemv_configs.reload()
-    try:
-        fast = runner(str(model))
+    with gemv_table(tmp_path, monkeypatch, table):
+        fast = gpu_runner(str(model), max_bs=24)
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
                    for n in torch.randint(5, 40, (20,), generator=g)]
@@ -136,6 +131,3 @@ def test_mid_gemm_graphs_equal_cublas_graphs(tmp_path, monkeypatch) -> None:
         assert any(took(m, True) for m in layers)
         for w, o in zip(want, got, strict=True):
             torch.testing.assert_close(o, w, rtol=0, atol=0.02 * w.abs().max().item())
-    finally:
-        monkeypatch.delenv("RADIXSERVE_GEMV_CONFIGS")
-        gemv_configs.reload()
