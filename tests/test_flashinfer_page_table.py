@@ -49,27 +49,32 @@ def test_page_table_lists_each_requests_pages(page_table, page_size: int) -> Non
     assert into is out and out[:len(want)].tolist() == want
 
 
+@pytest.mark.parametrize("programs", [512, 5])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_page_indices_kernel_matches_page_table(page_table, page_size: int) -> None:
+def test_page_indices_kernel_matches_page_table(page_table, page_size: int, programs: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The replay's one-launch page ids (Triton; the interpreter here) equal page_table's, requests of several
-    lengths (past one block of pages, a request of one page, padding rows of length 1) written at their offsets."""
+    lengths (past one block of pages, a request of one page, padding rows of length 1) written at their offsets;
+    with 5 programs for 5 requests (one split each) a request's program loops over its blocks of pages."""
+    from radixserve.layers.attention.triton_ops import page_indices
     from radixserve.layers.attention.triton_ops.page_indices import BLOCK_PAGES, fill_page_indices
 
+    monkeypatch.setattr(page_indices, "PROGRAMS", programs)
+    assert page_indices.page_index_splits(5) == (32 if programs == 512 else 1)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on the CPU
     gen = torch.Generator().manual_seed(page_size)
-    width = (BLOCK_PAGES + 40) * page_size
+    width = (2 * BLOCK_PAGES + 40) * page_size
     r2t = torch.zeros(5, width, dtype=torch.int32)
     for row in range(5):  # each row's pages in a shuffled order of page ids
         perm = torch.randperm(width // page_size, generator=gen) + 1000 * row
         i = torch.arange(width)
         r2t[row] = (perm[i // page_size] * page_size + i % page_size).to(torch.int32)
     rows = torch.tensor([4, 0, 2, 1, 1])
-    lens = [(BLOCK_PAGES + 3) * page_size - 1, 1, 37, 1, page_size]
+    lens = [(2 * BLOCK_PAGES + 3) * page_size - 1, 1, 37, 1, page_size]
     indptr, want, _ = page_table(r2t, rows, lens, page_size)
     out = torch.full((want.numel() + 8,), -1, dtype=torch.int32, device=dev)
-    pages = [(n + page_size - 1) // page_size for n in lens]
-    fill_page_indices(r2t.to(dev), rows.to(dev), indptr.to(dev), out, page_size, max(pages))
+    fill_page_indices(r2t.to(dev), rows.to(dev), indptr.to(dev), out, page_size)
     assert out[:want.numel()].tolist() == want.tolist()
     assert out[want.numel():].tolist() == [-1] * 8  # nothing written past the last request's pages
     with pytest.raises(ValueError, match="indptr"):
-        fill_page_indices(r2t.to(dev), rows.to(dev), indptr[:3].to(dev), out, page_size, max(pages))
+        fill_page_indices(r2t.to(dev), rows.to(dev), indptr[:3].to(dev), out, page_size)

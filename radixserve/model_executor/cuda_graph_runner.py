@@ -234,6 +234,7 @@ class CudaGraphRunner:
                                                                  forward_batch.seq_lens_sum + (bs - raw) * self.fill,
                                                                  seq_lens_cpu=forward_batch.seq_lens_cpu)
         self.graphs[bs].replay()
+        self.backend.after_replay_cuda_graph(bs)
         out = self._out_views.get((bs, raw))
         if out is None:
             out = self._out_views[bs, raw] = (self.outputs[bs][:raw], self.greedy_ids[bs][:raw])

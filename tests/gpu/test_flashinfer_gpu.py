@@ -156,7 +156,9 @@ def test_cuda_graph_hooks_match_eager(tensor_cores: str, monkeypatch: pytest.Mon
 def test_graph_replays_follow_growing_lengths(page: int, fast: str, tensor_cores: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """One captured graph replayed for 20 steps while three requests grow by a token a step (page boundaries
-    crossed): every replay equals the eager path on those lengths, with the direct replay plan and with plan()."""
+    crossed; at step 10 by two, which the plan made ahead did not expect): every replay equals the eager path on
+    those lengths, with the direct replay plan and with plan(). With the direct plan, the next step is planned
+    after each replay (on every second step once the GPU has caught up, so the plan ahead surely runs)."""
     import dataclasses
 
     monkeypatch.setenv(TENSOR_CORES_ENV, tensor_cores)
@@ -178,8 +180,9 @@ def test_graph_replays_follow_growing_lengths(page: int, fast: str, tensor_cores
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out.copy_(backend.forward(qp, k, v, layer, cap, save_kv_cache=False))
+    hits = 0
     for step in range(20):
-        now = [b + step + 1 for b in base]
+        now = [b + step + 1 + (step >= 10) for b in base]
         q = torch.randn(3, q.shape[1], generator=gen).to(DEV, DT)
         seq = torch.tensor(now, device=DEV)
         eager_fb = dataclasses.replace(fb, seq_lens=seq, seq_lens_cpu=now, seq_lens_sum=sum(now))
@@ -188,9 +191,15 @@ def test_graph_replays_follow_growing_lengths(page: int, fast: str, tensor_cores
         rpi[:3].copy_(fb.req_pool_indices)
         lens[:3].copy_(seq)
         qp[:3].copy_(q)
+        hits += backend._ahead is not None and backend._ahead[1] == now + [1]
         backend.init_forward_metadata_replay_cuda_graph(4, rpi, lens, int(lens.sum()), now + [1])
         graph.replay()
+        if step % 2:
+            torch.cuda.synchronize()
+        backend.after_replay_cuda_graph(4)
         torch.testing.assert_close(out[:3].float(), eager.float(), atol=1e-2, rtol=1e-2)
+    # each odd step surely planned the next (8 of them hit: step 10 was not what step 9 expected, 19 is the last)
+    assert hits >= 8 if fast == "1" else hits == 0
 
 
 def test_model_decodes_like_triton_teacher_forced(tmp_path) -> None:  # noqa: ANN001

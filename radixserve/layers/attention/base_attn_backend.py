@@ -57,6 +57,11 @@ class AttentionBackend(ABC):
         hold `get_cuda_graph_seq_len_fill_value()`), so a backend that plans on the host need not read them back."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
+    def after_replay_cuda_graph(self, bs: int) -> None:
+        """Right after the graph of batch size bs was launched (the GPU runs it now): a backend that plans on the host
+        may prepare the likely next replay here, where a synchronous host would only wait. Nothing by default."""
+        return None
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_len written into the padded rows of a replayed graph."""
         return 1

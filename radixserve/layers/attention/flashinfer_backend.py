@@ -15,7 +15,11 @@ positions i*P .. i*P+P-1 in one page), so the page ids of a request are req_to_t
   layers have a sliding window gets a second pair of wrappers planned with `window_left = W - 1`;
 - CUDA graphs: one decode wrapper per captured batch size, bound to static index buffers; the replay hook plans it
   (on the host, outside the graph) for the batch at hand, directly through the wrapper's module rather than
-  FlashInfer's `plan()` (`_replay_plan`; `RADIXSERVE_FLASHINFER_FAST_PLAN=0` goes through `plan()`).
+  FlashInfer's `plan()` (`_replay_plan`; `RADIXSERVE_FLASHINFER_FAST_PLAN=0` goes through `plan()`). The page ids
+  are written inside the graph (one kernel before the first layer's attention, reading the request table after the
+  graph's input kernel), so the hook reads nothing on the device. Right after a replay is launched, while the GPU
+  runs it and the host would wait, the next step is planned on the guess that every request grows by one token
+  (`after_replay_cuda_graph`); the next replay plans only where the guess was wrong.
 
 Planning happens once per forward in `init_forward_metadata`; every layer then calls `run`. MLA, an fp8 KV cache
 and logit soft-capping are not served (a clear error at start).
@@ -104,10 +108,12 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[in
 class _Plan:
     decode: bool
     wrappers: dict[int, Any]  # window_left -> the planned wrapper
+    graph: bool = False  # a captured decode: its first attention layer writes the page ids (`_run`)
 
 
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    replay_reads_graph_inputs = False  # the replay hook plans from the host lengths; the graph reads the page table
 
     def __init__(self, model_runner: ModelRunner, sliding_windows: list[int] | None = None) -> None:
         """sliding_windows: the layers' windows in tokens (-1: none), read from the model when not given."""
@@ -161,6 +167,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self._cg: dict[int, dict[int, Any]] = {}  # captured bs -> window_left -> graph-bound decode wrapper
         self._cg_rpi: torch.Tensor | None = None
         self._cg_seq_lens: torch.Tensor | None = None
+        self._fill_layer: int | None = None  # the layer whose attention writes a captured decode's page ids
+        self._replayed: tuple[int, list[int], int] | None = None  # the last replay: bs, padded lengths, real rows
+        self._ahead: tuple[int, list[int]] | None = None  # the plan made after it for the step expected next
 
     def _decode_wrappers(self, bs: int | None = None) -> dict[int, Any]:
         """One decode wrapper per window; bound to the graph buffers of batch size `bs` when given."""
@@ -248,7 +257,8 @@ class FlashInferAttnBackend(AttentionBackend):
         wrappers = self._decode_wrappers(bs)
         self._cg[bs] = wrappers
         self._plan_decode(wrappers, self._cg_rpi[:bs], lens)
-        self.plan = _Plan(True, wrappers)
+        self.plan = _Plan(True, wrappers, graph=True)
+        self._fill_layer = self._replayed = self._ahead = None
         if self.fast_plan:
             self._check_fast_plan(bs, lens)
 
@@ -256,16 +266,47 @@ class FlashInferAttnBackend(AttentionBackend):
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
                                                 seq_lens_cpu: list[int] | None = None) -> None:
         lens = self._load(bs, req_pool_indices, seq_lens, seq_lens_cpu)
+        ahead, self._ahead = self._ahead, None
+        self._replayed = (bs, lens, len(seq_lens_cpu) if seq_lens_cpu is not None else bs)
+        if ahead is not None and ahead[0] == bs and ahead[1] == lens:
+            return  # planned while the GPU ran the previous step
         if self.fast_plan:
             self._replay_plan(bs, lens)
         else:
-            self._plan_decode(self._cg[bs], self._cg_rpi[:bs], lens)
+            self._plan_graph(bs, lens)
+
+    def after_replay_cuda_graph(self, bs: int) -> None:
+        """Plan the step expected next (the same rows, each one token longer) while the GPU runs this one. Only
+        when this replay's plan copies have already run, i.e. the GPU had caught up with the host: a host that runs
+        ahead of the GPU (overlap scheduling) plans at the next replay as before and never waits here."""
+        last = self._replayed
+        planned = self._cg_planned.get(bs)
+        if not self.fast_plan or last is None or last[0] != bs or planned is None or not planned.query():
+            return
+        _, lens, real = last
+        expected = [n + 1 for n in lens[:real]] + lens[real:]
+        self._replay_plan(bs, expected)
+        self._ahead = (bs, expected)
+
+    def _plan_graph(self, bs: int, lens: list[int]) -> None:
+        """A replay's plan through plan(): kv_indptr and last_page_len from the host lengths; the page ids are the
+        graph's own (its first layer writes them), so plan() is handed the graph's index buffer as they are."""
+        p = self.page_size
+        pages = [(n + p - 1) // p for n in lens]
+        indptr = torch.zeros(bs + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
+        last = torch.tensor([n - (k - 1) * p if k else 0 for n, k in zip(lens, pages, strict=True)], dtype=torch.int32)
+        indices = self._cg_indices[:int(indptr[-1])]
+        for w, wrapper in self._cg[bs].items():
+            wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, p,
+                         window_left=w, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
+                         sm_scale=self.sm_scale)
 
     # A replay's plan without FlashInfer's plan(): its Python re-checks the arguments, re-copies the page table and
     # looks its module up on every call (~0.5 ms a step at batch 1, ~1.4 ms at 160, measured). A graph-bound wrapper
     # only needs its device buffers refilled and its module's scheduler run on the new lengths, which is what this
-    # does: kv_indptr and last_page_len go up in one copy, the page ids are written by one kernel
-    # (`fill_page_indices`), and each window's wrapper gets the plan of the module that its first plan() loaded.
+    # does: kv_indptr and last_page_len go up in one copy (the graph's first layer writes the page ids from them,
+    # `fill_page_indices`), and each window's wrapper gets the plan of the module that its first plan() loaded.
     # At every capture the result is checked against plan()'s; a mismatch turns this path off with a warning.
     def _replay_plan(self, bs: int, lens: list[int]) -> None:
         p, top = self.page_size, self.cg_max_bs + 1
@@ -279,8 +320,6 @@ class FlashInferAttnBackend(AttentionBackend):
         arr[top:top + bs] = np.where(pages > 0, lens_np - (pages - 1) * p, 0)
         self._cg_meta[:top + bs].copy_(buf[:top + bs], non_blocking=True)
         sent.record()
-        fill_page_indices(self.req_to_token, self._cg_rpi[:bs], self._cg_meta, self._cg_indices, p,
-                          int(pages.max()) if bs else 0)
         indptr_host, kv_lens = buf[:bs + 1], torch.from_numpy(lens_np.astype(np.int32))
         qo = self._qo_host.get(bs)
         if qo is None:
@@ -311,6 +350,7 @@ class FlashInferAttnBackend(AttentionBackend):
         try:
             want = {w: list(wrapper._plan_info) for w, wrapper in wrappers.items()}
             self._replay_plan(bs, lens)
+            self._fill_indices(bs)
             got = {w: list(wrapper._plan_info) for w, wrapper in wrappers.items()}
             same = got == want and torch.equal(indices, self._cg_indices[:indices.numel()])
         except Exception as exc:  # noqa: BLE001  (another FlashInfer release: private names or signatures differ)
@@ -322,6 +362,9 @@ class FlashInferAttnBackend(AttentionBackend):
         if not same:
             self.fast_plan = False
             self._plan_decode(wrappers, self._cg_rpi[:bs], lens)
+
+    def _fill_indices(self, bs: int) -> None:
+        fill_page_indices(self.req_to_token, self._cg_rpi[:bs], self._cg_indptr, self._cg_indices, self.page_size)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -341,6 +384,11 @@ class FlashInferAttnBackend(AttentionBackend):
             forward_batch.token_to_kv_pool.set_kv_buffer(
                 layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, layer.tp_k_head_num, layer.head_dim),
                 v.reshape(-1, layer.tp_v_head_num, layer.head_dim), *kv_scales(layer))
+        if self.plan.graph:  # a captured decode: the first layer writes the page ids the graph's plan points at
+            if self._fill_layer is None:
+                self._fill_layer = layer.layer_id
+            if layer.layer_id == self._fill_layer:
+                self._fill_indices(forward_batch.batch_size)
         w = sliding_window(layer)
         wrapper = self.plan.wrappers[w - 1 if w > 0 else -1]
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)

@@ -109,6 +109,11 @@ class FlexAttnBackend(AttentionBackend):
         self._fill_in_graph = self.is_cuda or is_interpreted()
         self._graph_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fill_layer: int | None = None
+        # with the lists built in the graph the replay hook has nothing to do: the graph runner then loads each batch
+        # into this backend's own input buffers from inside the graph (its input kernel first) and skips the hook
+        self.replay_reads_graph_inputs = not self._fill_in_graph
+        self.replay_hook_only_loads_inputs = self._fill_in_graph
+        self._cg_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- metadata
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -282,6 +287,13 @@ class FlexAttnBackend(AttentionBackend):
     # ---------------------------------------------------------------- CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self._graphs, self._graph_max_bs = {}, max_bs
+        if self._fill_in_graph:
+            self._cg_inputs = (torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+                               torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64,
+                                          device=self.device))
+
+    def cuda_graph_input_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._cg_inputs
 
     def _graph_meta(self, bs: int) -> dict[str, Any]:
         if self._graphs is None:
@@ -307,7 +319,7 @@ class FlexAttnBackend(AttentionBackend):
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
                                                 seq_lens_cpu: list[int] | None = None) -> None:
         if self._fill_in_graph:
-            return  # the graph rebuilds its block lists itself
+            return  # the graph rebuilds its block lists itself, from the input buffers it was captured with
         # the batch's longest row (seq_lens_sum bounds it where the host lengths were not given)
         longest = self._longest if self._longest is not None else seq_lens_sum
         self._fill_decode_meta(self._graph_meta(bs), req_pool_indices, seq_lens, longest)
