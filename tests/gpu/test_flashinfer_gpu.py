@@ -246,3 +246,22 @@ def test_model_decodes_like_triton_teacher_forced(tmp_path) -> None:  # noqa: AN
                 near += bool(a[row, want] - a[row, got] < 0.02 * a[row].abs().max())
         assert (a - b).abs().max() < 0.05 * a.abs().max() + 0.5
     assert misses == near, (misses, near)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_scheduler_replays_planned_ahead_equal_plan(tmp_path, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the scheduler (radix cache, chunked prefill, page size 16, decode in CUDA graphs), bf16: replays that
+    take the plan made after the previous step (or plan directly) give the tokens of replays that all plan through
+    FlashInfer's plan(), with and without overlap scheduling (the same plans, so the same kernels and bits)."""
+    from model_utils import make_tiny_model
+    from test_scheduler import run, workload
+
+    make_tiny_model("llama", str(tmp_path), hidden_size=256, intermediate_size=256, num_attention_heads=2,
+                    num_key_value_heads=1, vocab_size=512)
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer", page_size=16, chunked_prefill_size=16,
+              cuda_graph_max_bs=8, enable_overlap_schedule=overlap)
+    reqs = workload(n=10)
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_FAST_PLAN", "0")
+    want = run(str(tmp_path), reqs, **kw)
+    monkeypatch.delenv("RADIXSERVE_FLASHINFER_FAST_PLAN")
+    assert run(str(tmp_path), reqs, **kw) == want
