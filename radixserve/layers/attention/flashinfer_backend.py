@@ -74,17 +74,23 @@ def decode_on_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: torch.dt
     return num_heads // max(1, num_kv_heads) >= 4
 
 
+def host_page_meta(seq_lens: list[int], page_size: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """(pages per request, kv_indptr [bs+1] int32, last_page_len [bs] int32) on the host for these lengths."""
+    pages = [(n + page_size - 1) // page_size for n in seq_lens]
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(seq_lens, pages, strict=True)],
+                        dtype=torch.int32)
+    return pages, indptr, last
+
+
 def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], page_size: int,
                out_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(kv_indptr [bs+1] int32 on the host, kv_indices int32 on the device, last_page_len [bs] int32 on the host)
     for requests in rows `rows` (device) of the request table with host lengths `seq_lens`. Nothing waits for the
     GPU: the host values go up in one copy from pinned memory, so the planning of the next step overlaps the GPU's
     work on the current one (a plain host-to-device copy synchronises the stream)."""
-    pages = [(n + page_size - 1) // page_size for n in seq_lens]
-    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
-    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(seq_lens, pages, strict=True)],
-                        dtype=torch.int32)
+    pages, indptr, last = host_page_meta(seq_lens, page_size)
     total = int(indptr[-1])
     dev = req_to_token.device
     if total:
@@ -291,14 +297,10 @@ class FlashInferAttnBackend(AttentionBackend):
     def _plan_graph(self, bs: int, lens: list[int]) -> None:
         """A replay's plan through plan(): kv_indptr and last_page_len from the host lengths; the page ids are the
         graph's own (its first layer writes them), so plan() is handed the graph's index buffer as they are."""
-        p = self.page_size
-        pages = [(n + p - 1) // p for n in lens]
-        indptr = torch.zeros(bs + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
-        last = torch.tensor([n - (k - 1) * p if k else 0 for n, k in zip(lens, pages, strict=True)], dtype=torch.int32)
+        _, indptr, last = host_page_meta(lens, self.page_size)
         indices = self._cg_indices[:int(indptr[-1])]
         for w, wrapper in self._cg[bs].items():
-            wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, p,
+            wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
                          window_left=w, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
                          sm_scale=self.sm_scale)
 
