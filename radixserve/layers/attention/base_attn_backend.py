@@ -16,7 +16,7 @@ class AttentionBackend(ABC):
     """Required: init_forward_metadata, forward_extend, forward_decode. Optional, for CUDA graphs (decode): a backend
     that sets `supports_cuda_graph` implements init_cuda_graph_state and the capture / replay hooks; the model runner
     checks the flag at start and runs decode eagerly for a backend without it. cuda_graph_input_buffers,
-    get_cuda_graph_seq_len_fill_value and cuda_graph_max_seq_len have defaults."""
+    after_replay_cuda_graph, get_cuda_graph_seq_len_fill_value and cuda_graph_max_seq_len have defaults."""
 
     # whether decode can be captured in a CUDA graph (the init_*_cuda_graph hooks below are implemented, and the
     # decode forward never reads device values on the host)
