@@ -14,7 +14,7 @@ import torch
 
 
 @pytest.fixture()
-def page_table(monkeypatch):
+def backend_module(monkeypatch):
     name = "radixserve.layers.attention.flashinfer_backend"
     stubbed = importlib.util.find_spec("flashinfer") is None
     if stubbed:
@@ -22,12 +22,32 @@ def page_table(monkeypatch):
         stub.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)
         monkeypatch.setitem(sys.modules, "flashinfer", stub)
         monkeypatch.delitem(sys.modules, name, raising=False)
-    yield importlib.import_module(name).page_table
+    yield importlib.import_module(name)
     if stubbed:  # leave no module built on the stand-in behind (the registry must still see no flashinfer)
         sys.modules.pop(name, None)
         package = sys.modules["radixserve.layers.attention"]
         if hasattr(package, "flashinfer_backend"):
             delattr(package, "flashinfer_backend")
+
+
+@pytest.fixture()
+def page_table(backend_module):
+    return backend_module.page_table
+
+
+def test_ragged_threshold_setting(backend_module, monkeypatch) -> None:
+    """RADIXSERVE_FLASHINFER_RAGGED_MIN_TOKENS: unset the module's default, a count as given, anything else refused."""
+    env = backend_module.RAGGED_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert backend_module.ragged_min_tokens() == backend_module.RAGGED_MIN_TOKENS
+    monkeypatch.setenv(env, " 0 ")
+    assert backend_module.ragged_min_tokens() == 0
+    monkeypatch.setenv(env, "4096")
+    assert backend_module.ragged_min_tokens() == 4096
+    for bad in ("-1", "1e3", "many"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            backend_module.ragged_min_tokens()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -122,6 +122,43 @@ def test_extend_and_decode_match_torch_native(page: int, heads: int, kv_heads: i
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("prefix", [[0, 0, 0], [0, 17, 300], [16, 64, 5]])
+def test_ragged_extend_matches_paged_and_torch_native(page: int, heads: int, kv_heads: int, prefix: list[int],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """From RADIXSERVE_FLASHINFER_RAGGED_MIN_TOKENS new tokens an extend runs ragged (+ paged over the prefixes,
+    merged): no prefix at all, some requests without one, prefixes off page boundaries. The same attention as the
+    paged path and as torch_native; below the threshold the paged path runs."""
+    new = [200, 1, 77]
+    outs = {}
+    for threshold in ("0", "100000"):
+        monkeypatch.setenv("RADIXSERVE_FLASHINFER_RAGGED_MIN_TOKENS", threshold)
+        gen = torch.Generator().manual_seed(page + heads + sum(prefix))
+        runner, layer = setup(heads, kv_heads, page)
+        backend = FlashInferAttnBackend(runner)
+        fb, q, k, v = batch(runner, backend, prefix, new, ForwardMode.EXTEND, gen)
+        backend.init_forward_metadata(fb)
+        assert (backend.plan.ragged is not None) == (threshold == "0")
+        assert backend.plan.prefix == (threshold == "0" and any(prefix))
+        outs[threshold] = backend.forward(q, k, v, layer, fb)
+        ref = TorchNativeAttnBackend(runner)
+        ref.init_forward_metadata(fb)
+        want = ref.forward(q, k, v, layer, fb, save_kv_cache=False)
+        torch.testing.assert_close(outs[threshold].float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["0"].float(), outs["100000"].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_sliding_window_keeps_the_paged_extend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_RAGGED_MIN_TOKENS", "0")
+    runner, _ = setup(8, 2, 16, window=40)
+    backend = FlashInferAttnBackend(runner, sliding_windows=[40, -1])
+    assert backend.ragged is None
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_RAGGED_MIN_TOKENS", "many")
+    with pytest.raises(ValueError, match="RAGGED_MIN_TOKENS"):
+        FlashInferAttnBackend(runner)
+
+
 @pytest.mark.parametrize("tensor_cores", ["0", "1"])
 def test_cuda_graph_hooks_match_eager(tensor_cores: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TENSOR_CORES_ENV, tensor_cores)
@@ -202,9 +239,13 @@ def test_graph_replays_follow_growing_lengths(page: int, fast: str, tensor_cores
     assert hits >= 8 if fast == "1" else hits == 0
 
 
-def test_model_decodes_like_triton_teacher_forced(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("ragged", ["0", "100000"])
+def test_model_decodes_like_triton_teacher_forced(tmp_path, ragged: str,  # noqa: ANN001
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16, CUDA graphs on both, page size 16: flashinfer decodes triton's greedy tokens (teacher-forced) with the
-    same argmax at every step but near-ties (triton's own lead under 2% of the step's largest |logit|)."""
+    same argmax at every step but near-ties (triton's own lead under 2% of the step's largest |logit|); its prefill
+    on the ragged kernel or the paged one."""
+    monkeypatch.setenv("RADIXSERVE_FLASHINFER_RAGGED_MIN_TOKENS", ragged)
     from model_utils import make_tiny_model
 
     from radixserve.bench_one_batch import StaticBatch

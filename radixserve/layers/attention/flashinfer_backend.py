@@ -6,7 +6,10 @@ its K buffer [rows, Hkv, D] is viewed as [rows / P, P, Hkv, D] (page p = slots p
 positions i*P .. i*P+P-1 in one page), so the page ids of a request are req_to_token[row, 0:len:P] // P.
 
 - extend: `BatchPrefillWithPagedKVCacheWrapper` (causal over the cached prefix and the new tokens, which are stored
-  in the pool first);
+  in the pool first); from RAGGED_MIN_TOKENS new tokens in the batch, a model without sliding windows runs the new
+  tokens' attention among themselves on FlashInfer's ragged kernel (`BatchPrefillWithRaggedKVCacheWrapper`: K and V
+  read where the layer computed them, not gathered through the page table), the attention to the cached prefixes
+  on the paged kernel, and merges the two by their log-sum-exps (`triton_ops/merge_state.py`);
 - decode: `BatchDecodeWithPagedKVCacheWrapper`, on FlashInfer's tensor-core kernel (a KV head's query group as one
   tile) from 4 query heads a KV head, else on its CUDA-core decode kernel; `decode_on_tensor_cores` decides,
   `RADIXSERVE_FLASHINFER_TENSOR_CORES=0|1` forces it, and where the decode kernel's module cannot be loaded (no
@@ -36,6 +39,7 @@ import numpy as np
 import torch
 
 from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
+from radixserve.layers.attention.triton_ops.merge_state import merge_attn_states
 from radixserve.layers.attention.triton_ops.page_indices import fill_page_indices
 
 if TYPE_CHECKING:
@@ -50,6 +54,8 @@ WORKSPACE_BYTES = 256 << 20
 TENSOR_CORES_ENV = "RADIXSERVE_FLASHINFER_TENSOR_CORES"  # "1": decode on the prefill kernel, "0": the decode kernel
 FAST_PLAN_ENV = "RADIXSERVE_FLASHINFER_FAST_PLAN"  # "0": CUDA-graph replays plan through FlashInfer's plan()
 PDL_ENV = "RADIXSERVE_FLASHINFER_PDL"  # "0" / "1": launch FlashInfer's kernels without / with PDL (unset: its default)
+RAGGED_ENV = "RADIXSERVE_FLASHINFER_RAGGED_MIN_TOKENS"  # overrides RAGGED_MIN_TOKENS (0: every extend ragged)
+RAGGED_MIN_TOKENS = 512  # an extend batch with this many new tokens runs them on the ragged kernel
 
 
 def _env_flag(name: str) -> bool | None:
@@ -58,6 +64,16 @@ def _env_flag(name: str) -> bool | None:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return None if not value else value == "1"
+
+
+def ragged_min_tokens() -> int:
+    """New tokens from which an extend batch runs the ragged kernel (RAGGED_MIN_TOKENS unless the variable says)."""
+    value = os.environ.get(RAGGED_ENV, "").strip()
+    if not value:
+        return RAGGED_MIN_TOKENS
+    if not value.isdigit():
+        raise ValueError(f"{RAGGED_ENV} must be a count of tokens (0 or more), got {value!r}")
+    return int(value)
 
 
 def decode_on_tensor_cores(num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
@@ -113,8 +129,10 @@ def page_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[in
 @dataclass
 class _Plan:
     decode: bool
-    wrappers: dict[int, Any]  # window_left -> the planned wrapper
+    wrappers: dict[int, Any]  # window_left -> the planned wrapper (with `ragged`: over the cached prefixes only)
     graph: bool = False  # a captured decode: its first attention layer writes the page ids (`_run`)
+    ragged: Any = None  # an extend's new tokens among themselves, merged with `wrappers` when `prefix` is set
+    prefix: bool = False  # some request of a ragged extend has a cached prefix
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -152,6 +170,10 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
                         for w in self.windows}
+        # sliding-window layers keep the paged path (a window would cut across the ragged / prefix split)
+        self.ragged_min_tokens = ragged_min_tokens()
+        self.ragged = (flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+                       if self.windows == [-1] else None)
         self.tensor_cores = decode_on_tensor_cores(self.num_heads, self.num_kv_heads, self.kv_dtype)
         self.decode = self._decode_wrappers()
         if not self.tensor_cores:
@@ -213,12 +235,21 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError("an extend ForwardBatch needs extend_seq_lens_cpu")
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0)
-        indptr, indices, last = page_table(self.req_to_token, forward_batch.req_pool_indices, lens, self.page_size)
-        for w, wrapper in self.prefill.items():
+        ragged = self.ragged is not None and int(qo_indptr[-1]) >= self.ragged_min_tokens
+        prefix = lens
+        if ragged:
+            self.ragged.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
+                             q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
+            prefix = [n - e for n, e in zip(lens, ext, strict=True)]
+            if not any(prefix):
+                self.plan = _Plan(False, {}, ragged=self.ragged)
+                return
+        indptr, indices, last = page_table(self.req_to_token, forward_batch.req_pool_indices, prefix, self.page_size)
+        for w, wrapper in self.prefill.items():  # causal over the whole request, or all of its cached prefix
             wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.page_size, causal=True, window_left=w, q_data_type=self.q_dtype,
+                         self.page_size, causal=not ragged, window_left=w, q_data_type=self.q_dtype,
                          kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
-        self.plan = _Plan(False, self.prefill)
+        self.plan = _Plan(False, self.prefill, ragged=self.ragged if ragged else None, prefix=ragged)
 
     # ---------------------------------------------------------------- CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -391,11 +422,26 @@ class FlashInferAttnBackend(AttentionBackend):
                 self._fill_layer = layer.layer_id
             if layer.layer_id == self._fill_layer:
                 self._fill_indices(forward_batch.batch_size)
-        w = sliding_window(layer)
-        wrapper = self.plan.wrappers[w - 1 if w > 0 else -1]
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-        o = wrapper.run(q3, self._paged(forward_batch, layer.layer_id), enable_pdl=self.pdl)
+        if self.plan.ragged is not None:
+            o = self._run_ragged(q3, k, v, layer, forward_batch)
+        else:
+            w = sliding_window(layer)
+            wrapper = self.plan.wrappers[w - 1 if w > 0 else -1]
+            o = wrapper.run(q3, self._paged(forward_batch, layer.layer_id), enable_pdl=self.pdl)
         return o.reshape(-1, layer.tp_q_head_num * layer.head_dim)
+
+    def _run_ragged(self, q3: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                    forward_batch: ForwardBatch) -> torch.Tensor:
+        """The new tokens' attention among themselves (causal) merged with their attention to the cached prefixes."""
+        k3 = k.reshape(-1, layer.tp_k_head_num, layer.head_dim).to(self.kv_dtype)
+        v3 = v.reshape(-1, layer.tp_v_head_num, layer.head_dim).to(self.kv_dtype)
+        if not self.plan.prefix:
+            return self.plan.ragged.run(q3, k3, v3, enable_pdl=self.pdl)
+        o_new, s_new = self.plan.ragged.run(q3, k3, v3, return_lse=True, enable_pdl=self.pdl)
+        o_pre, s_pre = self.plan.wrappers[-1].run(q3, self._paged(forward_batch, layer.layer_id), return_lse=True,
+                                                  enable_pdl=self.pdl)
+        return merge_attn_states(o_new, s_new, o_pre, s_pre)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
