@@ -48,20 +48,13 @@ def rebuild(runner: ModelRunner, backend: str, page_size: int, batch_sizes: list
     runner.server_args.attention_backend = backend
     runner._init_memory_pool()
     runner.attn_backend = create_attention_backend(backend, runner)
-    if runner.is_cuda and not runner.server_args.disable_cuda_graph:
-        sizes = sorted(set(batch_sizes))
-        original = cuda_graph_runner.capture_batch_sizes
-        cuda_graph_runner.capture_batch_sizes = lambda max_bs: [s for s in sizes if s <= max_bs]
-        try:
-            runner.cuda_graph_runner = cuda_graph_runner.CudaGraphRunner(runner)
-        finally:
-            cuda_graph_runner.capture_batch_sizes = original
-        if runner.server_args.prefill_cuda_graph_max_tokens > 0:
-            from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
-
-            if prefill_graphs_supported(runner):
-                runner.prefill_graph_runner = PrefillGraphRunner(runner,
-                                                                 runner.server_args.prefill_cuda_graph_max_tokens)
+    sizes = sorted(set(batch_sizes))
+    original = cuda_graph_runner.capture_batch_sizes
+    cuda_graph_runner.capture_batch_sizes = lambda max_bs: [s for s in sizes if s <= max_bs]
+    try:  # decode graphs (the measured batch sizes only), one-request prefill and piecewise extend graphs
+        runner._init_graphs()
+    finally:
+        cuda_graph_runner.capture_batch_sizes = original
     return time.perf_counter() - t0
 
 

@@ -167,19 +167,28 @@ class ModelRunner:
             if n:
                 logger.info("compiled the fused MoE kernels for %d block configs in %.1f s", n,
                             time.perf_counter() - t0)
-        if self.is_cuda and not server_args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
-            logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly", backend)
-        elif self.is_cuda and not server_args.disable_cuda_graph:
+        self._init_graphs()
+
+    # ---------------------------------------------------------------- setup
+    def _init_graphs(self) -> None:
+        """The decode CUDA graphs, then the one-request prefill graphs and the piecewise extend graphs (CUDA, graphs
+        on, a backend that supports them). Called at start, and again by a benchmark that swaps the backend."""
+        args = self.server_args
+        self.cuda_graph_runner = self.prefill_graph_runner = self.piecewise_graph_runner = None
+        if self.is_cuda and not args.disable_cuda_graph and not self.attn_backend.supports_cuda_graph:
+            logger.info("the %s attention backend has no CUDA-graph support: decode runs eagerly",
+                        type(self.attn_backend).__name__)
+        elif self.is_cuda and not args.disable_cuda_graph:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.cuda_graph_runner = CudaGraphRunner(self)
-        if self.cuda_graph_runner is not None and server_args.prefill_cuda_graph_max_tokens > 0:
+        if self.cuda_graph_runner is not None and args.prefill_cuda_graph_max_tokens > 0:
             from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
 
             if prefill_graphs_supported(self):
                 self.prefill_graph_runner = PrefillGraphRunner(self, self._graph_max_tokens(
-                    server_args.prefill_cuda_graph_max_tokens))
-        if self.cuda_graph_runner is not None and server_args.piecewise_cuda_graph_max_tokens > 0:
+                    args.prefill_cuda_graph_max_tokens))
+        if self.cuda_graph_runner is not None and args.piecewise_cuda_graph_max_tokens > 0:
             from radixserve.model_executor.piecewise_graph_runner import (
                 PiecewiseGraphRunner,
                 piecewise_graphs_supported,
@@ -187,12 +196,11 @@ class ModelRunner:
 
             if piecewise_graphs_supported(self):
                 self.piecewise_graph_runner = PiecewiseGraphRunner(self, self._graph_max_tokens(
-                    server_args.piecewise_cuda_graph_max_tokens))
+                    args.piecewise_cuda_graph_max_tokens))
             else:
                 logger.info("piecewise CUDA graphs are not supported for this model or setup: extend batches run "
                             "eagerly")
 
-    # ---------------------------------------------------------------- setup
     def _graph_max_tokens(self, flag: int) -> int:
         """The largest token bucket of the extend graphs: the flag's, but never past the context length or the KV
         pool (the capture runs a dummy prompt of that many tokens at positions 0..n-1)."""
