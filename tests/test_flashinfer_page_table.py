@@ -98,3 +98,11 @@ def test_page_indices_kernel_matches_page_table(page_table, page_size: int, prog
     assert out[want.numel():].tolist() == [-1] * 8  # nothing written past the last request's pages
     with pytest.raises(ValueError, match="indptr"):
         fill_page_indices(r2t.to(dev), rows.to(dev), indptr[:3].to(dev), out, page_size)
+
+
+def test_ragged_plan_merges_only_with_cached_prefixes(backend_module) -> None:
+    """A ragged extend attends to the paged wrappers too exactly when they were planned (over cached prefixes)."""
+    plan = backend_module._Plan
+    assert plan(False, {-1: "paged"}, ragged="ragged").prefix
+    assert not plan(False, {}, ragged="ragged").prefix
+    assert not plan(False, {-1: "paged"}).prefix

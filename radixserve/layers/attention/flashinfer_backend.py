@@ -131,8 +131,12 @@ class _Plan:
     decode: bool
     wrappers: dict[int, Any]  # window_left -> the planned wrapper (with `ragged`: over the cached prefixes only)
     graph: bool = False  # a captured decode: its first attention layer writes the page ids (`_run`)
-    ragged: Any = None  # an extend's new tokens among themselves, merged with `wrappers` when `prefix` is set
-    prefix: bool = False  # some request of a ragged extend has a cached prefix
+    ragged: Any = None  # an extend's new tokens among themselves, merged with `wrappers` where there are any
+
+    @property
+    def prefix(self) -> bool:
+        """A ragged extend with cached prefixes to attend to as well (its `wrappers` are planned over them)."""
+        return self.ragged is not None and bool(self.wrappers)
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -236,20 +240,21 @@ class FlashInferAttnBackend(AttentionBackend):
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0)
         ragged = self.ragged is not None and int(qo_indptr[-1]) >= self.ragged_min_tokens
-        prefix = lens
+        paged_lens = lens  # what the paged kernel reads of each request: all of it, or its cached prefix
         if ragged:
             self.ragged.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
                              q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
-            prefix = [n - e for n, e in zip(lens, ext, strict=True)]
-            if not any(prefix):
+            paged_lens = [n - e for n, e in zip(lens, ext, strict=True)]
+            if not any(paged_lens):
                 self.plan = _Plan(False, {}, ragged=self.ragged)
                 return
-        indptr, indices, last = page_table(self.req_to_token, forward_batch.req_pool_indices, prefix, self.page_size)
+        indptr, indices, last = page_table(self.req_to_token, forward_batch.req_pool_indices, paged_lens,
+                                           self.page_size)
         for w, wrapper in self.prefill.items():  # causal over the whole request, or all of its cached prefix
             wrapper.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.page_size, causal=not ragged, window_left=w, q_data_type=self.q_dtype,
                          kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
-        self.plan = _Plan(False, self.prefill, ragged=self.ragged if ragged else None, prefix=ragged)
+        self.plan = _Plan(False, self.prefill, ragged=self.ragged if ragged else None)
 
     # ---------------------------------------------------------------- CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int) -> None:
