@@ -48,7 +48,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             for bn in ((2, 4, 8) if m == 1 else (2, 4)):
                 for bk in ((1024, 2048) if m == 1 else (1024,)):
                     for w in (4, 8):
-                        for v in ("", "f16"):
+                        for v in ("", "f16", "r8", "ef+r8", "pf", "pf+r8") if m == 1 else ("", "f16"):
                             out.append(GemvConfig("ew", bn, bk, w, 2, v))
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]

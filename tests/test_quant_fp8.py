@@ -298,7 +298,8 @@ def test_fp8_gemv_kernel_matches_reference(m: int, bn: int, bk: int) -> None:
 
 @pytest.mark.parametrize("m,kernel,block_n,block_k,variant", [
     (1, "ew", 4, 128, ""), (1, "ew", 8, 64, "f16"), (2, "ew", 2, 128, ""), (2, "ew", 4, 64, "f16"),
-    (3, "dot", 16, 64, ""), (16, "dot", 32, 32, ""), (3, "ew", 4, 64, "")])
+    (3, "dot", 16, 64, ""), (16, "dot", 32, 32, ""), (3, "ew", 4, 64, ""), (1, "ew", 4, 128, "pf+r8"),
+    (1, "ew", 2, 64, "ef+r8"), (1, "ew", 8, 64, "pf"), (2, "ew", 2, 128, "r8"), (1, "ew", 2, 64, "f16+pf+r8+ef")])
 def test_fp8_skinny_gemv_matches_reference(m: int, kernel: str, block_n: int, block_k: int, variant: str) -> None:
     """The decode kernels of `fp8_gemv` on per-channel weights: elementwise (Triton's widening and the bit-moving
     one, which must be exact on subnormal fp8 values too) and tensor-core; rows not a multiple of the tile; an "ew"
@@ -322,6 +323,27 @@ def test_fp8_skinny_gemv_matches_reference(m: int, kernel: str, block_n: int, bl
     qb, sb = quantize_blocks(w, 16, 128)
     assert fp8_skinny_gemv(x, qb, sb, torch.float32) is None  # block-wise scales: not these kernels
     assert fp8_skinny_gemv(torch.randn(17, k), q, s, torch.float32) is None  # more rows than they take
+
+
+@pytest.mark.parametrize("variant", ["", "pf", "r8", "pf+r8+ef"])
+def test_fp8_skinny_gemv_silu_mul_variants(variant: str) -> None:
+    """gate_up with SiLU·mul in the elementwise GEMV's epilogue, for each way of streaming the weight (prefetching
+    the next step, runs of 8 summed in the thread, evict-first): silu(x @ gate.T) * (x @ up.T) of the reference;
+    an unknown flag is a ValueError."""
+    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 2 * 19, 384
+    q, s = quantize_rows(torch.randn(n, k, generator=g))
+    x = torch.randn(1, k, generator=g)
+    ref = fp8_linear_ref(x, q, s, 1, k, None, None)
+    want = torch.nn.functional.silu(ref[:, :19]) * ref[:, 19:]
+    cfg = GemvConfig("ew", 4, 128, variant=variant)
+    out = fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, None, cfg, silu_mul=True)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="unknown variant"):
+        fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, None, GemvConfig("ew", 4, 128, variant="pf+x"))
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])

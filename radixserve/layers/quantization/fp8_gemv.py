@@ -47,11 +47,29 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def _load_w(ptrs, mask_n, EVICT: tl.constexpr):
+    if EVICT:
+        return tl.load(ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=mask_n[:, None], other=0.0)
+
+
+@triton.jit
+def _runs8(p):
+    """The sums of the [BLOCK_N, BLOCK_K] products' runs of 8 columns (one thread's: no exchange)."""
+    return tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 8, 8)), axis=2)
+
+
+@triton.jit
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
                         HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
-                        SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                        SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
+                        PREFETCH: tl.constexpr = False, EVICT: tl.constexpr = False, RED8: tl.constexpr = False):
     """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
-    silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`."""
+    silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`.
+    More fp8 bytes in flight per thread (the kernel is bound by them, not by instructions): PREFETCH issues the
+    next step's weight loads before this step's products; RED8 sums each thread's runs of 8 products before they
+    reach the accumulator ([BLOCK_N, BLOCK_K / 8] registers instead of [BLOCK_N, BLOCK_K], so larger tiles and more
+    programs fit an SM); EVICT streams the weight past L1 (evict-first), leaving it to x."""
     pdl_prologue(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -63,16 +81,36 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     up_rows = N * stride_wn.to(tl.int64)
     # x read through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): same layout too
     x_ptrs = X + offs_k[None, :] + 0 * offs_n[:, None]
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # the second row of x, or the up rows
-    for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
-        wf = _widen(tl.load(w_ptrs, mask=mask_n[:, None], other=0.0), WIDEN_F16)
+    ACC_K: tl.constexpr = BLOCK_K // 8 if RED8 else BLOCK_K
+    acc0 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)  # the second row of x, or the up rows
+    if PREFETCH:
+        w_next = _load_w(w_ptrs, mask_n, EVICT)
+        u_next = _load_w(w_ptrs + up_rows, mask_n, EVICT) if SILU_MUL else w_next
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
+        if PREFETCH:  # the last step reloads its own tile (an L2 hit) rather than mask every byte
+            w, u = w_next, u_next
+            step = tl.where(k0 + BLOCK_K < K, BLOCK_K, 0)
+            w_next = _load_w(w_ptrs + step, mask_n, EVICT)
+            if SILU_MUL:
+                u_next = _load_w(w_ptrs + step + up_rows, mask_n, EVICT)
+        else:
+            w = _load_w(w_ptrs, mask_n, EVICT)
+            u = _load_w(w_ptrs + up_rows, mask_n, EVICT) if SILU_MUL else w
+        wf = _widen(w, WIDEN_F16)
         x0 = tl.load(x_ptrs).to(tl.float32)
-        acc0 += wf * x0
-        if TWO_ROWS:
-            acc1 += wf * tl.load(x_ptrs + stride_xm).to(tl.float32)
-        if SILU_MUL:
-            acc1 += _widen(tl.load(w_ptrs + up_rows, mask=mask_n[:, None], other=0.0), WIDEN_F16) * x0
+        if RED8:
+            acc0 += _runs8(wf * x0)
+            if TWO_ROWS:
+                acc1 += _runs8(wf * tl.load(x_ptrs + stride_xm).to(tl.float32))
+            if SILU_MUL:
+                acc1 += _runs8(_widen(u, WIDEN_F16) * x0)
+        else:
+            acc0 += wf * x0
+            if TWO_ROWS:
+                acc1 += wf * tl.load(x_ptrs + stride_xm).to(tl.float32)
+            if SILU_MUL:
+                acc1 += _widen(u, WIDEN_F16) * x0
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
@@ -132,6 +170,9 @@ def _fp8_gemv_dot_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stri
 
 
 MAX_M = 16
+# the elementwise kernel's variant flags, joined by "+": "f16" widens by moving bits, "pf" prefetches the next step's
+# weight, "ef" loads the weight evict-first, "r8" sums runs of 8 products in the thread (`_fp8_gemv_ew_kernel`)
+EW_FLAGS = {"", "f16", "pf", "ef", "r8"}
 
 
 def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -163,11 +204,15 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if cfg.kernel == "ew":
         block_n = max(1, cfg.block_n // 2) if silu_mul else cfg.block_n
-        widen = cfg.variant == "f16"
+        flags = set(cfg.variant.split("+"))
+        if not flags <= EW_FLAGS:
+            raise ValueError(f"fp8 GEMV: unknown variant {cfg.variant!r} (flags joined by '+': {sorted(EW_FLAGS)})")
+        widen = "f16" in flags
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
                out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
-               BLOCK_K=block_k, **opts, **pdl.launch_opts(x, pdl_level))
+               BLOCK_K=block_k, PREFETCH="pf" in flags, EVICT="ef" in flags, RED8="r8" in flags, **opts,
+               **pdl.launch_opts(x, pdl_level))
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
                w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,
