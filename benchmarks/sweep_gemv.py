@@ -44,12 +44,14 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
     if (family in MID_FAMILIES) != (m > 16):  # fp8_mid / mid16 take 17..256 rows, the GEMV kernels 1..16
         return out
     if family in ("fp8", "fp8_silu"):
-        if m <= 2:
-            for bn in ((2, 4, 8) if m == 1 else (2, 4)):
-                for bk in ((1024, 2048) if m == 1 else (1024,)):
+        if m == 1:
+            for bn in (1, 2, 4, 8):
+                for bk in (1024, 2048, 4096):
                     for w in (4, 8):
-                        for v in ("", "f16", "r8", "ef+r8", "pf", "pf+r8") if m == 1 else ("", "f16"):
+                        for v in ("", "r8", "ef+r8", "l2+r8", "l2+ef+r8"):
                             out.append(GemvConfig("ew", bn, bk, w, 2, v))
+        elif m == 2:
+            out += [GemvConfig("ew", bn, 1024, w, 2, v) for bn in (2, 4) for w in (4, 8) for v in ("", "f16")]
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]
