@@ -4,9 +4,7 @@ fused kernel (`triton_ops/gemv_rope.py`) over a range of tiles. Each layer runs 
 decode; 32 layers, each with its own weight (the set several times the L2), are captured in one CUDA graph with the
 launches as the decode graphs make them (programmatic dependent launch where it is on), and the graph is replayed back
 to back. Prints µs per layer and writes JSON; `--picks-out` writes a table entry only where a fused tile beats the
-baseline. `--fp8`: the weight quantised to fp8 with a scale a row (`--quantization fp8`); the baseline is then the
-fp8 decode GEMV (`fp8_gemv`, table tiles) + rotary, the fused tiles also sum runs of 8 in the thread ("r8") and
-ask their rows into L2 before the PDL wait ("l2"), and the picks go to the "fp8_rope" family.
+baseline.
 
     python benchmarks/bench_gemv_rope.py --shape 8b --out gemv_rope.json
 """
@@ -30,7 +28,6 @@ def main() -> None:
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--samples", type=int, default=15)
-    p.add_argument("--fp8", action="store_true", help="fp8 weights with a scale a row (family fp8_rope)")
     p.add_argument("--out", default=None)
     p.add_argument("--picks-out", default=None, help="a gemv_configs JSON with the best fused tiles (family "
                    "row16_rope) if they beat the two kernels, else none (RADIXSERVE_GEMV_CONFIGS=that file)")
@@ -49,14 +46,6 @@ def main() -> None:
     n = (hq + 2 * hk) * d
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16() for _ in range(args.layers)]
-    scales: dict[int, torch.Tensor] = {}
-    if args.fp8:
-        from radixserve.layers.quantization.fp8 import quantize_rows
-        from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
-
-        ws = [quantize_rows(w) for w in ws]
-        scales = {w.data_ptr(): sc for w, sc in ws}
-        ws = [w for w, _ in ws]
     bias = torch.randn(n, device="cuda", generator=g).bfloat16() if has_bias else None
     x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
     norm = RMSNorm(k, 1e-5).cuda().bfloat16()
@@ -64,13 +53,8 @@ def main() -> None:
     cos, sin = ang.cos(), ang.sin()
     pos, loc = torch.tensor([777], device="cuda"), torch.tensor([3], device="cuda")
     k_buf, v_buf = (torch.zeros(16, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    table = gemv_config(ws[0]) if not args.fp8 else None
+    table = gemv_config(ws[0])
     plain_cfg = table or GemvConfig("ew", 4, 1024)
-
-    def product(xn: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if args.fp8:  # the table's fp8 GEMV tiles
-            return fp8_skinny_gemv(xn, w, scales[w.data_ptr()], xn.dtype, bias)
-        return gemv_row(xn, w, bias, plain_cfg)
 
     def rotate(out: torch.Tensor) -> torch.Tensor:
         q, kk, v = out.split([hq * d, hk * d, hk * d], dim=-1)
@@ -78,36 +62,33 @@ def main() -> None:
         return out
 
     def two_kernels(w: torch.Tensor) -> torch.Tensor:
-        return rotate(product(norm(x), w))
+        return rotate(gemv_row(norm(x), w, bias, plain_cfg))
 
     def cublas_two(w: torch.Tensor) -> torch.Tensor:
         return rotate(torch.nn.functional.linear(norm(x), w, bias))
 
     def gemv_only(w: torch.Tensor) -> torch.Tensor:
-        return product(norm(x), w)
+        return gemv_row(norm(x), w, bias, plain_cfg)
 
     def fused(cfg: GemvConfig):  # noqa: ANN202
         dest = gemv_rope.KVDest(k_buf, v_buf, loc)
-        return lambda w: gemv_rope.gemv_qkv_rope(norm(x), w, bias, hq, hk, d, pos, cos, sin, dest, cfg,
-                                                 scales.get(w.data_ptr()))
+        return lambda w: gemv_rope.gemv_qkv_rope(norm(x), w, bias, hq, hk, d, pos, cos, sin, dest, cfg)
 
     # the baseline is what a layer runs without the fusion: the one-row GEMV where the table has tiles for the shape,
-    # else cuBLAS (fp8: the fp8 GEMV); then the rotary kernel
-    gemv_two = ("gemv + rotary (table tiles)" if table or args.fp8 else "gemv + rotary (default tiles)", two_kernels,
-                None)
+    # else cuBLAS; then the rotary kernel
+    gemv_two = ("gemv + rotary (table tiles)" if table else "gemv + rotary (default tiles)", two_kernels, None)
     cublas = ("cuBLAS + rotary", cublas_two, None)
-    variants = [gemv_two] if args.fp8 else [gemv_two, cublas] if table else [cublas, gemv_two]
+    variants = [gemv_two, cublas] if table else [cublas, gemv_two]
     variants.append(("gemv alone (no rotary)", gemv_only, None))
     table_rope = gemv_rope.gemv_rope_config(ws[0], d)  # the table's pick, if any
     for bn in (1, 2, 4, 8):
         for bk in (1024, 2048, 4096):
             for warps in (4, 8):
-                for flags in ("r8", "l2+r8") if args.fp8 else ("",):
-                    if (2 * bn * bk <= 16384 or flags) and (d // 2) % bn == 0:
-                        cfg = GemvConfig("ew", bn, bk, warps, 2, flags)
-                        name = f"fused bn={bn} bk={bk} w={warps} {flags}" + (" (table)" if cfg == table_rope else "")
-                        variants.append((name, fused(cfg), cfg))
-    ref = two_kernels(ws[0]).float() if args.fp8 else cublas_two(ws[0]).float()
+                if 2 * bn * bk <= 16384 and (d // 2) % bn == 0:
+                    cfg = GemvConfig("ew", bn, bk, warps, 2)
+                    name = f"fused bn={bn} bk={bk} w={warps}" + (" (table)" if cfg == table_rope else "")
+                    variants.append((name, fused(cfg), cfg))
+    ref = cublas_two(ws[0]).float()
     rows = []
     for name, fn, cfg in variants:
         try:
@@ -121,9 +102,9 @@ def main() -> None:
             continue
         rows.append({"variant": name, "cfg": cfg.to_dict() if cfg else None, "us_per_layer": us, "rel_err": err})
         print(f"{name:40s} {us:8.2f} µs/layer  rel err vs cuBLAS + rotary {err:.1e}", flush=True)
-    weight_bytes = n * k * ws[0].element_size()
+    weight_bytes = n * k * 2
     base = rows[0]["us_per_layer"] if rows else float("nan")
-    print(f"\n## {args.shape}: q/k/v {n}x{k} {ws[0].dtype} ({weight_bytes / 1e6:.1f} MB a layer) after its RMSNorm, "
+    print(f"\n## {args.shape}: q/k/v {n}x{k} bf16 ({weight_bytes / 1e6:.1f} MB a layer) after its RMSNorm, "
           f"{args.layers} layers in one graph; table tiles {table}; baseline: {rows[0]['variant'] if rows else '-'}")
     print(f"{'variant':40s} {'µs/layer':>9s} {'vs baseline':>15s} {'weight GB/s':>12s}")
     for r in sorted(rows, key=lambda r: r["us_per_layer"]):
@@ -133,14 +114,14 @@ def main() -> None:
     if args.picks_out and fused_rows:
         best = min(fused_rows, key=lambda r: r["us_per_layer"])
         wins = best["us_per_layer"] < base and best["rel_err"] < 1e-2
-        picks = {"configs": {key("fp8_rope" if args.fp8 else "row16_rope", 1, n, k): best["cfg"]} if wins else {}}
+        picks = {"configs": {key("row16_rope", 1, n, k): best["cfg"]} if wins else {}}
         with open(args.picks_out, "w") as f:
             json.dump(picks, f, indent=1)
         print(f"best fused: {best['variant']} ({best['us_per_layer'] - base:+.2f} µs a layer against "
               f"{rows[0]['variant']}): {'written to' if wins else 'no win, nothing in'} {args.picks_out}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"shape": args.shape, "fp8": args.fp8, "n": n, "k": k, "layers": args.layers, "device":
+            json.dump({"shape": args.shape, "n": n, "k": k, "layers": args.layers, "device":
                        torch.cuda.get_device_name(), "table_cfg": table.to_dict() if table else None,
                        "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")

@@ -69,31 +69,6 @@ def test_gemv_qkv_rope_fp8_pool_with_scales(pool_dtype: torch.dtype) -> None:
     assert not torch.isnan(kb.float()).any()
 
 
-@pytest.mark.parametrize("variant,block_n", [("", 2), ("r8", 4), ("l2+r8", 1)])
-def test_gemv_qkv_rope_fp8_weight_equals_fp8_gemv_then_rotary(variant: str, block_n: int) -> None:
-    """An fp8 weight with a scale a row: the fused kernel gives the bits of the fp8 decode GEMV (same tile width
-    and accumulation) followed by the rotary kernel, in the output and in the pool."""
-    from radixserve.layers.quantization.fp8 import quantize_rows
-    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
-
-    x, w, b, cos, sin, pos, loc, (kb, vb, kb_ref, vb_ref) = _case(torch.bfloat16, 4, 2, 16, 64, True,
-                                                                  torch.bfloat16, 11)
-    q8, s8 = (t.to(DEV) for t in quantize_rows(w.float().cpu()))
-    out = gemv_qkv_rope(x, q8, b, 4, 2, 16, pos, cos, sin, KVDest(kb, vb, loc), GemvConfig("ew", block_n, 32,
-                        variant=variant), s8)
-    ref = fp8_skinny_gemv(x, q8, s8, x.dtype, b, GemvConfig("ew", 2, 32, variant=variant.replace("l2+", "")))
-    q, kk, v = ref.split([64, 32, 32], dim=-1)
-    apply_rotary_inplace(pos, q, kk, cos, sin, 16, KVWrite(kb_ref, vb_ref, loc, v))
-    assert torch.equal(out, ref)
-    assert torch.equal(kb, kb_ref) and torch.equal(vb, vb_ref)
-    with pytest.raises(ValueError, match="scales"):
-        gemv_qkv_rope(x, q8, b, 4, 2, 16, pos, cos, sin, None, GemvConfig("ew", 2, 32))
-    with pytest.raises(ValueError, match="scales"):
-        gemv_qkv_rope(x, w, b, 4, 2, 16, pos, cos, sin, None, GemvConfig("ew", 2, 32), s8)
-    with pytest.raises(ValueError, match="unknown variant"):
-        gemv_qkv_rope(x, q8, b, 4, 2, 16, pos, cos, sin, None, GemvConfig("ew", 2, 32, variant="f16"), s8)
-
-
 def test_gemv_qkv_rope_without_kv_store_and_bad_arguments() -> None:
     x, w, b, cos, sin, pos, loc, (kb, vb, _, _) = _case(torch.float32, 2, 1, 8, 32, False, torch.float32, 1)
     cfg = GemvConfig("ew", 2, 16)
@@ -144,35 +119,3 @@ def test_models_decode_through_gemv_rope_token_identical(kind: str, tmp_path, mo
         set_fused_kernels(None)
     assert ours == hf_greedy(hf, prompt, 4)
     assert len(calls) == 3 * hf.config.num_hidden_layers  # three one-row steps, every layer fused
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model under the interpreter (GPU: tests/gpu)")
-def test_fp8_model_decodes_through_gemv_rope(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tiny Llama quantised online to fp8: every one-row step's q/k/v takes the fused kernel on the fp8 weight and
-    its row scales, and the greedy tokens equal those of the same model with the kernels unfused."""
-    from model_utils import make_runner, make_tiny_model
-
-    from radixserve.bench_one_batch import StaticBatch
-    from radixserve.layers.triton_ops import gemv_rope, set_fused_kernels
-
-    hf = make_tiny_model("llama", str(tmp_path), initializer_range=0.08)
-    runner = make_runner(str(tmp_path), quantization="fp8")
-    monkeypatch.setattr(gemv_rope, "gemv_rope_config", lambda w, d: GemvConfig("ew", 2, 32, variant="r8"))
-    calls: list[torch.dtype] = []
-    real = gemv_rope.gemv_qkv_rope
-
-    def counting(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(w.dtype)
-        return real(x, w, *args)
-
-    monkeypatch.setattr(gemv_rope, "gemv_qkv_rope", counting)
-    prompt = [5, 17, 42, 99, 3, 250, 7]
-    plain = StaticBatch(runner).generate([prompt], 4)[0]
-    assert not calls
-    set_fused_kernels(True)
-    try:
-        fused = StaticBatch(runner).generate([prompt], 4)[0]
-    finally:
-        set_fused_kernels(None)
-    assert calls == [torch.float8_e4m3fn] * (3 * hf.config.num_hidden_layers)
-    assert fused == plain

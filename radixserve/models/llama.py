@@ -105,15 +105,10 @@ class LlamaAttention(nn.Module):
         launch (`triton_ops/gemv_rope`), where the one-row GEMV serves this weight; None to take the usual path."""
         proj = self.qkv_proj
         if hidden is None or hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.stride(-1) != 1 or self.qk_norm \
-                or proj.lora is not None or forward_batch.out_cache_loc is None or not self.rotary_emb.is_neox_style \
-                or not use_fused(hidden):
+                or proj.lora is not None or not proj._plain or hidden.dtype != proj.weight.dtype \
+                or forward_batch.out_cache_loc is None or not self.rotary_emb.is_neox_style or not use_fused(hidden):
             return None
-        from radixserve.layers.quantization.fp8 import per_channel_scale
         from radixserve.layers.triton_ops import gemv_rope
-
-        w_scale = None if proj._plain else per_channel_scale(proj)  # 16-bit, or fp8 with a scale a row
-        if (proj._plain and hidden.dtype != proj.weight.dtype) or (not proj._plain and w_scale is None):
-            return None
 
         if "_rope_cfg" not in self.__dict__:  # the weight's shape and device are fixed once loaded
             self._rope_cfg = gemv_rope.gemv_rope_config(proj.weight, self.head_dim)
@@ -123,7 +118,7 @@ class LlamaAttention(nn.Module):
         kv = gemv_rope.KVDest(k_buf, v_buf, forward_batch.out_cache_loc, self.attn.k_scale, self.attn.v_scale)
         return gemv_rope.gemv_qkv_rope(hidden, proj.weight, proj.bias, self.num_heads, self.num_kv_heads,
                                        self.head_dim, positions, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
-                                       kv, self._rope_cfg, w_scale)
+                                       kv, self._rope_cfg)
 
     def _kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   forward_batch: ForwardBatch) -> KVWrite | None:

@@ -269,19 +269,6 @@ class Fp8LinearMethod(LinearMethodBase):
                         a_group_k=bk if self.block is not None else w.shape[1], bias=bias)
 
 
-def per_channel_scale(layer: _LinearBase) -> torch.Tensor | None:
-    """The [N] float32 row scales of a layer whose weight is fp8 with one scale a row and no static activation scale
-    (what the decode GEMVs of `fp8_gemv` and the fused q/k/v + rotary kernel take), else None."""
-    method = getattr(layer, "quant_method", None)
-    if not isinstance(method, Fp8LinearMethod) or method.block is not None or not SKINNY \
-            or getattr(layer, "input_scale", None) is not None or layer.weight.dtype != FP8:
-        return None
-    scale = getattr(layer, "weight_scale", None)
-    if scale is None or scale.numel() != layer.weight.shape[0]:
-        return None
-    return scale.reshape(-1)
-
-
 def _mid_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
                  ) -> torch.Tensor | None:
     """The swept kernel of `fp8_mid` for this batch size and weight shape, or None (no entry, or the entry is

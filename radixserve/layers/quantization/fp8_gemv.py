@@ -27,7 +27,6 @@ from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import l2_prefetch, pdl_prologue
-from radixserve.layers.triton_ops.sum_runs import sum_runs8
 
 
 @triton.jit
@@ -52,6 +51,12 @@ def _load_w(ptrs, mask_n, EVICT: tl.constexpr):
     if EVICT:
         return tl.load(ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
     return tl.load(ptrs, mask=mask_n[:, None], other=0.0)
+
+
+@triton.jit
+def _runs8(p):
+    """The sums of the [BLOCK_N, BLOCK_K] products' runs of 8 columns (one thread's: no exchange)."""
+    return tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 8, 8)), axis=2)
 
 
 @triton.jit
@@ -93,11 +98,11 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
         wf = _widen(w, WIDEN_F16)
         x0 = tl.load(x_ptrs).to(tl.float32)
         if RED8:
-            acc0 += sum_runs8(wf * x0)
+            acc0 += _runs8(wf * x0)
             if TWO_ROWS:
-                acc1 += sum_runs8(wf * tl.load(x_ptrs + stride_xm).to(tl.float32))
+                acc1 += _runs8(wf * tl.load(x_ptrs + stride_xm).to(tl.float32))
             if SILU_MUL:
-                acc1 += sum_runs8(_widen(u, WIDEN_F16) * x0)
+                acc1 += _runs8(_widen(u, WIDEN_F16) * x0)
         else:
             acc0 += wf * x0
             if TWO_ROWS:

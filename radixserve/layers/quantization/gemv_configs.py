@@ -1,10 +1,10 @@
 """Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "row16" / "row16_silu" / "row16_norm":
 `triton_ops.gemv`, the one-row 16-bit product — plain, with SiLU·mul in the epilogue, with the input RMSNorm folded
 in — for the dense models' linear layers at batch 1 (only where a sweep found it faster than cuBLAS) and the MoE /
-MLA models' attention projections; "row16_rope" / "fp8_rope": `triton_ops.gemv_rope`, q/k/v with the rotary
-embedding and the KV store (16-bit / fp8 weights), block_n its rows per half-head run; "fp8_mid": `fp8_mid`, fp8
-weights at 17..256 rows; "mid16" / "mid16_silu": `triton_ops.gemm_mid`, 16-bit weights at 17..256 rows, plain or
-gate_up with SiLU·mul), per kernel family, row count and weight shape.
+MLA models' attention projections; "row16_rope": `triton_ops.gemv_rope`, q/k/v with the rotary embedding and the KV
+store, block_n its rows per half-head run; "fp8_mid": `fp8_mid`, fp8 weights at 17..256 rows; "mid16" /
+"mid16_silu": `triton_ops.gemm_mid`, 16-bit weights at 17..256 rows, plain or gate_up with SiLU·mul), per kernel
+family, row count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two; for the 17..256-row families the M swept, `get_mid`);
@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 
 FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "mid16", "mid16_silu", "row16", "row16_silu",
-            "row16_norm", "row16_rope", "fp8_rope")
+            "row16_norm", "row16_rope")
 MID_FAMILIES = ("fp8_mid", "mid16", "mid16_silu")  # keyed by the M they were swept at, not its power-of-two bucket
 
 

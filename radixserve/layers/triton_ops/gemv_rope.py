@@ -25,8 +25,7 @@ from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.kv_store import fp8_max, fp8_saturate
 from radixserve.layers.triton_ops.launch import launch
-from radixserve.layers.triton_ops.pdl import l2_prefetch, pdl_prologue
-from radixserve.layers.triton_ops.sum_runs import sum_runs8
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 ENABLED = os.environ.get("RADIXSERVE_GEMV_ROPE", "1") not in ("0", "")
 
@@ -49,25 +48,15 @@ def _store_kv_half(Buf, base, d, y, inv, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rope_kernel(X, W, Scale, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, K, stride_wn, stride_cache,
+def _gemv_rope_kernel(X, W, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, K, stride_wn, stride_cache,
                       stride_kb, stride_vb, num_q_heads, num_kv_heads, k_inv, v_inv,
                       HAS_BIAS: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr, EVEN_K: tl.constexpr,
-                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
-                      W_SCALED: tl.constexpr = False, RED8: tl.constexpr = False, L2: tl.constexpr = False):
-    """W_SCALED: an fp8 weight with one float32 scale a row (`Scale`), applied to the product before the bias.
-    RED8 and L2 as in `fp8_gemv._fp8_gemv_ew_kernel` (runs of 8 products summed in the thread; the program's two
-    runs of rows asked into L2 before the PDL wait)."""
+                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     per_head = HALF // BLOCK_N
     head = pid // per_head
-    d0 = (pid % per_head) * BLOCK_N
-    if L2:
-        if PDL > 0:
-            first = (head * (2 * HALF) + d0).to(tl.int64) * stride_wn
-            l2_prefetch(W + first, BLOCK_N * stride_wn)
-            l2_prefetch(W + first + HALF * stride_wn, BLOCK_N * stride_wn)
-    pdl_prologue(PDL)
-    d = d0 + tl.arange(0, BLOCK_N)  # positions in the head's first half
+    d = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the head's first half
     rows = head * (2 * HALF) + d
     # what the epilogue needs besides the product, asked for before the loop so that its latency hides behind the
     # weight's (only cos / sin, which need the position, are loaded after it)
@@ -76,17 +65,13 @@ def _gemv_rope_kernel(X, W, Scale, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
     if HAS_BIAS:
         b1 = tl.load(Bias + rows).to(tl.float32)
         b2 = tl.load(Bias + rows + HALF).to(tl.float32)
-    if W_SCALED:
-        s1 = tl.load(Scale + rows)
-        s2 = tl.load(Scale + rows + HALF)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
     hi = HALF * stride_wn.to(tl.int64)  # the same pairs' second halves
     # x through a [BLOCK_N, BLOCK_K] tile of the weight tile's layout (the repeats hit L1), as in gemv.py
     x_ptrs = X + cols[None, :] + 0 * rows[:, None]
-    ACC_K: tl.constexpr = BLOCK_K // 8 if RED8 else BLOCK_K
-    acc1 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
@@ -97,19 +82,12 @@ def _gemv_rope_kernel(X, W, Scale, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
             x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
             w1 = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
             w2 = tl.load(w_ptrs + hi, mask=mask, other=0.0, eviction_policy="evict_first")
-        if RED8:
-            acc1 += sum_runs8(w1.to(tl.float32) * x)
-            acc2 += sum_runs8(w2.to(tl.float32) * x)
-        else:
-            acc1 += w1.to(tl.float32) * x
-            acc2 += w2.to(tl.float32) * x
+        acc1 += w1.to(tl.float32) * x
+        acc2 += w2.to(tl.float32) * x
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     o1 = tl.sum(acc1, axis=1)
     o2 = tl.sum(acc2, axis=1)
-    if W_SCALED:
-        o1 *= s1
-        o2 *= s2
     if HAS_BIAS:
         o1 += b1
         o2 += b2
@@ -139,18 +117,13 @@ def _gemv_rope_kernel(X, W, Scale, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
 
 
 def rope_entry(w: torch.Tensor) -> gemv_configs.GemvConfig | None:
-    """The table's "row16_rope" entry for this 16-bit [N, K] weight's shape, or its "fp8_rope" entry for an fp8
-    one (`benchmarks/bench_gemv_rope.py [--fp8]` writes one where the fusion wins), or None. A 16-bit entry stands
-    alone: where the plain one-row GEMV has none (cuBLAS serves the shape), the fused kernel was measured against
-    cuBLAS + rotary. None with RADIXSERVE_GEMV_ROPE=0, for a 16-bit weight with RADIXSERVE_GEMV_ROW=0 (no Triton
-    one-row GEMV at all), or for a weight the one-row kernels do not serve."""
+    """The table's "row16_rope" entry for this [N, K] weight's shape (`benchmarks/bench_gemv_rope.py` writes one
+    where the fusion wins), or None. The entry stands alone: where the plain one-row GEMV has none (cuBLAS serves the
+    shape), the fused kernel was measured against cuBLAS + rotary. None with RADIXSERVE_GEMV_ROPE=0 or
+    RADIXSERVE_GEMV_ROW=0 (no Triton one-row GEMV at all), or for a weight the one-row kernels do not serve."""
     from radixserve.layers.triton_ops.gemv import row16_weight
 
-    if not ENABLED:
-        return None
-    if w.dtype == torch.float8_e4m3fn and w.is_cuda and w.dim() == 2 and w.stride(-1) == 1:
-        return gemv_configs.lookup("fp8_rope", 1, w.shape[0], w.shape[1])
-    if not row16_weight(w):
+    if not ENABLED or not row16_weight(w):
         return None
     return gemv_configs.lookup("row16_rope", 1, w.shape[0], w.shape[1])
 
@@ -166,26 +139,16 @@ def gemv_rope_config(w: torch.Tensor, head_dim: int) -> gemv_configs.GemvConfig 
 
 def gemv_qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, num_q_heads: int, num_kv_heads: int,
                   head_dim: int, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                  kv: KVDest | None, config: gemv_configs.GemvConfig,
-                  w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  kv: KVDest | None, config: gemv_configs.GemvConfig) -> torch.Tensor:
     """qkv [1, (Hq + 2 Hk) D] = x [1, K] @ w.T (+ bias), q and k heads rotated at `positions[0]` (neox layout;
     cos/sin caches [max_pos, D/2] float32); with `kv` the
-    rotated k and the v rows are also stored in the pool. `config.block_n`: rows per program in each half-head run;
-    `config.variant`: flags joined by "+", "r8" (runs of 8 products summed in the thread) and "l2" (the program's
-    rows asked into L2 before the PDL wait). `w_scale`: for an fp8 (e4m3) weight, its float32 scale a row ([N])."""
+    rotated k and the v rows are also stored in the pool. `config.block_n`: rows per program in each half-head run."""
     n = w.shape[0]
     half = head_dim // 2
-    fp8 = w.dtype == torch.float8_e4m3fn
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or w.dim() != 2 or w.shape[1] != x.shape[1] \
-            or w.stride(-1) != 1 or (w.dtype != x.dtype and not fp8):
-        raise ValueError(f"gemv_qkv_rope expects x [1, K] and w [N, K] of x's dtype (or fp8 e4m3) with unit stride "
-                         f"in K; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
-    if fp8 != (w_scale is not None) or (fp8 and (w_scale.numel() != n or w_scale.dtype != torch.float32)):
-        raise ValueError(f"gemv_qkv_rope: an fp8 weight takes its float32 scales [N] and a 16-bit one none; got w "
-                         f"{w.dtype}, scales {None if w_scale is None else (tuple(w_scale.shape), w_scale.dtype)}")
-    flags = set(config.variant.split("+"))
-    if not flags <= {"", "r8", "l2"}:
-        raise ValueError(f"gemv_qkv_rope: unknown variant {config.variant!r} (flags 'r8', 'l2' joined by '+')")
+            or w.stride(-1) != 1 or w.dtype != x.dtype:
+        raise ValueError(f"gemv_qkv_rope expects x [1, K] and w [N, K] of x's dtype with unit stride in K; got x "
+                         f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
     if head_dim % 2 or n != (num_q_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"gemv_qkv_rope: {n} rows are not ({num_q_heads} + 2 x {num_kv_heads}) heads of an even "
                          f"head_dim {head_dim}")
@@ -214,12 +177,8 @@ def gemv_qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
         k_buf = v_buf = out
         loc, skb, svb, k_inv, v_inv, fmax = positions, 0, 0, 1.0, 1.0, 0.0
     opts = dict(num_warps=config.num_warps, num_stages=config.num_stages) if x.is_cuda else {}
-    even_k = k % block_k == 0
-    launch(_gemv_rope_kernel, (n // (2 * config.block_n),), x, w, w_scale.reshape(-1) if fp8 else out,
-           bias if bias is not None else out, out, positions, cos_cache, sin_cache, loc, k_buf, v_buf, k, w.stride(0),
-           cos_cache.stride(0), skb, svb, num_q_heads, num_kv_heads, k_inv, v_inv, HAS_BIAS=bias is not None,
-           STORE_KV=kv is not None, FP8_MAX=fmax, EVEN_K=even_k, HALF=half, BLOCK_N=config.block_n, BLOCK_K=block_k,
-           W_SCALED=fp8, RED8="r8" in flags and even_k and block_k % 8 == 0,
-           L2="l2" in flags and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0, **opts,
-           **pdl.launch_opts(x))
+    launch(_gemv_rope_kernel, (n // (2 * config.block_n),), x, w, bias if bias is not None else out, out, positions,
+           cos_cache, sin_cache, loc, k_buf, v_buf, k, w.stride(0), cos_cache.stride(0), skb, svb, num_q_heads,
+           num_kv_heads, k_inv, v_inv, HAS_BIAS=bias is not None, STORE_KV=kv is not None, FP8_MAX=fmax,
+           EVEN_K=k % block_k == 0, HALF=half, BLOCK_N=config.block_n, BLOCK_K=block_k, **opts, **pdl.launch_opts(x))
     return out
