@@ -48,7 +48,7 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             for bn in (1, 2, 4, 8):
                 for bk in (1024, 2048, 4096):
                     for w in (4, 8):
-                        for v in ("", "r8", "ef+r8", "l2+r8", "l2+ef+r8"):
+                        for v in ("", "r8", "ef+r8"):
                             out.append(GemvConfig("ew", bn, bk, w, 2, v))
         elif m == 2:
             out += [GemvConfig("ew", bn, 1024, w, 2, v) for bn in (2, 4) for w in (4, 8) for v in ("", "f16")]

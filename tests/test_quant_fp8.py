@@ -298,8 +298,8 @@ def test_fp8_gemv_kernel_matches_reference(m: int, bn: int, bk: int) -> None:
 
 @pytest.mark.parametrize("m,kernel,block_n,block_k,variant", [
     (1, "ew", 4, 128, ""), (1, "ew", 8, 64, "f16"), (2, "ew", 2, 128, ""), (2, "ew", 4, 64, "f16"),
-    (3, "dot", 16, 64, ""), (16, "dot", 32, 32, ""), (3, "ew", 4, 64, ""), (1, "ew", 4, 128, "l2+r8"),
-    (1, "ew", 2, 64, "ef+r8"), (1, "ew", 8, 64, "l2"), (2, "ew", 2, 128, "r8"), (1, "ew", 2, 64, "f16+l2+r8+ef")])
+    (3, "dot", 16, 64, ""), (16, "dot", 32, 32, ""), (3, "ew", 4, 64, ""), (1, "ew", 4, 128, "r8"),
+    (1, "ew", 2, 64, "ef+r8"), (2, "ew", 2, 128, "r8"), (1, "ew", 2, 64, "f16+r8+ef")])
 def test_fp8_skinny_gemv_matches_reference(m: int, kernel: str, block_n: int, block_k: int, variant: str) -> None:
     """The decode kernels of `fp8_gemv` on per-channel weights: elementwise (Triton's widening and the bit-moving
     one, which must be exact on subnormal fp8 values too) and tensor-core; rows not a multiple of the tile; an "ew"
@@ -325,10 +325,10 @@ def test_fp8_skinny_gemv_matches_reference(m: int, kernel: str, block_n: int, bl
     assert fp8_skinny_gemv(torch.randn(17, k), q, s, torch.float32) is None  # more rows than they take
 
 
-@pytest.mark.parametrize("variant", ["", "l2", "r8", "l2+r8+ef"])
+@pytest.mark.parametrize("variant", ["", "ef", "r8", "r8+ef"])
 def test_fp8_skinny_gemv_silu_mul_variants(variant: str) -> None:
-    """gate_up with SiLU·mul in the elementwise GEMV's epilogue, for each way of streaming the weight (its rows
-    asked into L2 first, runs of 8 summed in the thread, evict-first): silu(x @ gate.T) * (x @ up.T) of the reference;
+    """gate_up with SiLU·mul in the elementwise GEMV's epilogue, for each way of streaming the weight (runs of 8
+    summed in the thread, evict-first): silu(x @ gate.T) * (x @ up.T) of the reference;
     an unknown flag is a ValueError."""
     from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
     from radixserve.layers.quantization.gemv_configs import GemvConfig

@@ -26,7 +26,7 @@ import triton.language as tl
 from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
-from radixserve.layers.triton_ops.pdl import l2_prefetch, pdl_prologue
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
@@ -63,23 +63,15 @@ def _runs8(p):
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
                         HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
-                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False, L2: tl.constexpr = False):
+                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False):
     """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
     silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`.
     More fp8 bytes in flight per SM (the kernel is bound by them, not by instructions): RED8 sums each thread's
     runs of 8 products before they reach the accumulator ([BLOCK_N, BLOCK_K / 8] registers instead of [BLOCK_N,
     BLOCK_K], so larger tiles and more programs fit an SM); EVICT streams the weight past L1 (evict-first), leaving
-    it to x. L2 (with PDL): before waiting for the previous kernel, the program asks for its whole slice of the
-    weight into L2, so its first steps do not start from HBM (the wrapper checks the slice is 16-byte aligned)."""
-    n0 = tl.program_id(0) * BLOCK_N
-    if L2:
-        if PDL > 0:
-            nbytes = tl.minimum(N - n0, BLOCK_N) * stride_wn
-            l2_prefetch(W + n0.to(tl.int64) * stride_wn, nbytes)
-            if SILU_MUL:
-                l2_prefetch(W + (N + n0).to(tl.int64) * stride_wn, nbytes)
+    it to x."""
     pdl_prologue(PDL)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     # Runs of 8 contiguous columns: the fp8 bytes and the 16-bit x then get the same register layout (8 a thread),
     # so nothing is exchanged through shared memory inside the loop.
@@ -169,9 +161,8 @@ def _fp8_gemv_dot_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stri
 
 MAX_M = 16
 # the elementwise kernel's variant flags, joined by "+": "f16" widens by moving bits, "ef" loads the weight
-# evict-first, "r8" sums runs of 8 products in the thread, "l2" prefetches the program's weight rows into L2 before
-# the PDL wait (`_fp8_gemv_ew_kernel`)
-EW_FLAGS = {"", "f16", "ef", "r8", "l2"}
+# evict-first, "r8" sums runs of 8 products in the thread (`_fp8_gemv_ew_kernel`)
+EW_FLAGS = {"", "f16", "ef", "r8"}
 
 
 def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -210,9 +201,7 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
                out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
-               BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags,
-               L2="l2" in flags and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0, **opts,
-               **pdl.launch_opts(x, pdl_level))
+               BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, **opts, **pdl.launch_opts(x, pdl_level))
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
                w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,

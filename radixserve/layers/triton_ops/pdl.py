@@ -60,18 +60,6 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def l2_prefetch(ptr, nbytes):
-    """Ask for `nbytes` from `ptr` (16-byte aligned, a multiple of 16 bytes) into L2 without waiting for them: one
-    bulk prefetch by the program's first thread (`cp.async.bulk.prefetch.L2`, Hopper and later). Meant for a
-    kernel's constant operands (weights) before `pdl_prologue`: the previous kernel is still running then, and
-    the bytes arrive while the program waits. Call it only where PDL > 0 (which implies such a GPU)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @functools.lru_cache(maxsize=16)
 def _capable(device_index: int) -> bool:
     return AVAILABLE and torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -86,5 +74,4 @@ def launch_opts(t: torch.Tensor, level: int | None = None) -> dict[str, Any]:
     return {"PDL": level, "launch_pdl": True}
 
 
-__all__ = ["AVAILABLE", "LEVEL", "gdc_launch_dependents", "gdc_wait", "l2_prefetch", "launch_opts", "pdl_prologue",
-           "set_level"]
+__all__ = ["AVAILABLE", "LEVEL", "gdc_launch_dependents", "gdc_wait", "launch_opts", "pdl_prologue", "set_level"]
