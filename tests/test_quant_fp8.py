@@ -343,7 +343,7 @@ def test_fp8_skinny_gemv_silu_mul_variants(variant: str) -> None:
     out = fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, None, cfg, silu_mul=True)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="unknown variant"):
-        fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, None, GemvConfig("ew", 4, 128, variant="pf+x"))
+        fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, None, GemvConfig("ew", 4, 128, variant="r8+x"))
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])

@@ -9,7 +9,9 @@ the per-output-channel scale is applied once at the end.
 - `_fp8_gemv_ew_kernel` (elementwise, for M <= 2): BLOCK_N rows x BLOCK_K columns per step, products on the CUDA
   cores into a [BLOCK_N, BLOCK_K] float32 accumulator per activation row, summed over K once, after the loop.
   WIDEN_F16 chooses how the fp8 byte is widened: Triton's conversion (False) or by moving its bits into an fp16
-  (True; exact, the factor 2^8 it leaves goes into the epilogue's scale).
+  (True; exact, the factor 2^8 it leaves goes into the epilogue's scale). RED8 sums each thread's runs of 8
+  products first, so the accumulator is [BLOCK_N, BLOCK_K / 8]: its registers, not instructions, limited how many
+  programs (and fp8 bytes in flight) an SM holds.
 - `_fp8_gemv_dot_kernel` (tensor cores, for larger M): the product transposed, W tile [BLOCK_N, BLOCK_K] (widened
   to the activation dtype) times x.T [BLOCK_K, 16], so the weight's rows fill the MMA's 16+ rows and x's few rows
   its narrow side.

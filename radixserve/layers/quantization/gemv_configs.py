@@ -34,8 +34,9 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    # fp8 "ew": "f16" widens the byte by moving its bits, "" by Triton's conversion; q4_k / q8_0: "magic" turns the
-    # integers to floats with the 2^23 trick
+    # fp8 "ew": flags joined by "+" (`fp8_gemv.EW_FLAGS`): "f16" widens the byte by moving its bits (else Triton's
+    # conversion), "r8" sums runs of 8 products in the thread, "ef" loads the weight evict-first; q4_k / q8_0:
+    # "magic" turns the integers to floats with the 2^23 trick
     variant: str = ""
     block_m: int = 16  # the 17..256-row families only: batch rows per program
     split_k: int = 1  # "mid16" / "mid16_silu" only: programs over K per output tile
