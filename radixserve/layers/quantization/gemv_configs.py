@@ -27,7 +27,7 @@ MID_FAMILIES = ("fp8_mid", "mid16", "mid16_silu")  # keyed by the M they were sw
 
 @dataclass(frozen=True)
 class GemvConfig:
-    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x",
+    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x", "dp4h",
     # "mma_rows" (`gguf_int_kernels`; only dp4x and mma_rows take more than GEMV_MAX_M rows)
     kernel: str
     block_n: int

@@ -19,11 +19,13 @@ from radixserve.layers.quantization.gguf_int_kernels import (
     _q4_k_chunk_scales,
     _q4_k_gemv_dp4a_kernel,
     _q4_k_gemv_dp4w_kernel,
+    _q4_k_gemv_dp4h_kernel,
     _q4_k_gemv_dp4x_kernel,
     _q4_k_gemv_dp4x_rows_kernel,
     _q4_k_gemv_mma2d_kernel,
     _q4_k_gemv_mma_kernel,
     _q4_k_gemv_mma_rows_kernel,
+    q8_1_halves,
     q8_1_words,
 )
 from radixserve.layers.triton_ops import pdl
@@ -156,6 +158,14 @@ def gemv_max_m(fmt: str) -> int:
     return Q4_K_GEMV_MAX_M if fmt == "Q4_K" else GEMV_MAX_M
 
 
+def _dp4h_views_fit(fields: dict[str, torch.Tensor]) -> bool:
+    """Whether the Q4_K fields can be read as `_q4_k_gemv_dp4h_kernel` reads them: the q bytes as 32-bit words,
+    the sub-block scales and mins as 16-bit pairs."""
+    wq, sc, mn = fields["qweight"], fields["scales"], fields["mins"]
+    return wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0 and all(
+        t.stride(0) % 2 == 0 and t.data_ptr() % 2 == 0 and t.stride(1) == 1 for t in (sc, mn))
+
+
 def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int,
               bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor | None:
     """The product for a few rows (decode, M <= `gemv_max_m(fmt)`) straight from the packed fields; None when the
@@ -199,6 +209,14 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
                    fields["mins"], d, fields["dmin"], out, b, m, n, k, w32.stride(0), sc.stride(0), d.stride(0),
                    out.stride(0), HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64,
                    ROWS=rows, **opts, **pdl.launch_opts(x))
+            return out
+        if cfg.kernel == "dp4h" and _dp4h_views_fit(fields):
+            w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
+            xw, f = q8_1_halves(x)
+            launch(_q4_k_gemv_dp4h_kernel, grid, xw, f, w32, sc16, mn16, d, fields["dmin"], out, b, n, k,
+                   w32.stride(0), sc16.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, EVEN_N=n % block_n == 0, **opts,
+                   **pdl.launch_opts(x))
             return out
         if rows_kernel == "mma_rows":
             words, xs, _, xsum = q8_1_words(x)
