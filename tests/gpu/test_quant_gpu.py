@@ -231,7 +231,8 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
             if m <= GEMV_MAX_M:
                 cfgs += [GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
                          GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8),
-                         GemvConfig("dp4h", 4, 1024, 1), GemvConfig("dp4h", 8, 2048, 2), GemvConfig("dp4h", 1, 4096, 4)]
+                         GemvConfig("dp4h", 4, 1024, 1), GemvConfig("dp4h", 8, 2048, 2), GemvConfig("dp4h", 1, 4096, 4),
+                         GemvConfig("dp4c", 8, 2048, 1), GemvConfig("dp4c", 4, 4096, 2), GemvConfig("dp4c", 1, 4096, 1)]
             for cfg in cfgs:
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 

@@ -18,6 +18,7 @@ from radixserve.layers.quantization.gguf_int_kernels import (
     _q4_k_chunk_pointers,
     _q4_k_chunk_scales,
     _q4_k_gemv_dp4a_kernel,
+    _q4_k_gemv_dp4c_kernel,
     _q4_k_gemv_dp4h_kernel,
     _q4_k_gemv_dp4w_kernel,
     _q4_k_gemv_dp4x_kernel,
@@ -25,6 +26,7 @@ from radixserve.layers.quantization.gguf_int_kernels import (
     _q4_k_gemv_mma2d_kernel,
     _q4_k_gemv_mma_kernel,
     _q4_k_gemv_mma_rows_kernel,
+    q8_1_blocks,
     q8_1_halves,
     q8_1_words,
 )
@@ -214,6 +216,14 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
             w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
             xw, f = q8_1_halves(x)
             launch(_q4_k_gemv_dp4h_kernel, grid, xw, f, w32, sc16, mn16, d, fields["dmin"], out, b, n, k,
+                   w32.stride(0), sc16.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, EVEN_N=n % block_n == 0, **opts,
+                   **pdl.launch_opts(x))
+            return out
+        if cfg.kernel == "dp4c" and _dp4h_views_fit(fields):
+            w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
+            xw, f = q8_1_blocks(x)
+            launch(_q4_k_gemv_dp4c_kernel, grid, xw, f, w32, sc16, mn16, d, fields["dmin"], out, b, n, k, f.stride(0),
                    w32.stride(0), sc16.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                    ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, EVEN_N=n % block_n == 0, **opts,
                    **pdl.launch_opts(x))
