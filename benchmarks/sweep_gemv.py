@@ -112,10 +112,8 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
             out += [GemvConfig("dp4x", bn, bk, w, st) for bn, bk, w, st in
                     [(4, 512, 4, 2), (8, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (16, 256, 4, 3),
                      (32, 256, 4, 2), (4, 1024, 2, 2), (2, 1024, 2, 2)]]
-            # dp4x laid out by half-chunks: a thread's 16-byte words and their scales in one register layout
-            out += [GemvConfig("dp4h", bn, bk, w, 1) for bn in (1, 2, 4, 8) for bk, w in
-                    [(1024, 1), (2048, 1), (2048, 2), (4096, 2), (4096, 4)]]
-            # ... by whole chunks: a thread's two halves and rows in its own registers (block_k / 64 >= threads)
+            # dp4x laid out by whole chunks: a thread's two halves and rows in its own registers (block_k / 64 >=
+            # the program's threads), the scales in the same register layout
             out += [GemvConfig("dp4c", bn, bk, w, 1) for bn in (1, 2, 4, 8) for bk, w in
                     [(2048, 1), (4096, 1), (4096, 2)]]
             # every row of x (up to 16) as a column of one int8 MMA per sub-block, x quantised beforehand

@@ -264,9 +264,8 @@ def test_q4_k_int8_gemv_matches_reference(kernel: str, m: int, block_n: int, blo
                                                       ("dp4x", 1, 4, 256), ("dp4x", 2, 16, 512), ("dp4x", 3, 2, 256),
                                                       ("dp4x", 5, 4, 512), ("dp4x", 8, 2, 1024),
                                                       ("mma_rows", 1, 16, 256), ("mma_rows", 5, 32, 512),
-                                                      ("mma_rows", 16, 16, 1024), ("dp4h", 1, 4, 1024),
-                                                      ("dp4h", 2, 1, 256), ("dp4h", 1, 8, 512),
-                                                      ("dp4c", 1, 4, 2048), ("dp4c", 3, 8, 1024), ("dp4c", 1, 1, 256)])
+                                                      ("mma_rows", 16, 16, 1024), ("dp4c", 1, 4, 2048),
+                                                      ("dp4c", 3, 8, 1024), ("dp4c", 1, 1, 256)])
 def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int, block_k: int) -> None:
     """`_q4_k_gemv_dp4w_kernel` / `_q4_k_gemv_dp4x_kernel` (q bytes read as int32 words, x quantised to int8 per
     32 columns once per program and step, or beforehand by `_q8_1_words_kernel`, and packed into words, dp4a per
@@ -275,8 +274,8 @@ def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int
     the float x; rows not a multiple of the tile, a bias, a block of tiny values, one of negative values only. dp4x
     takes every row of x (2 to 8) in one program: batches of 3 and 5 leave rows of its tile empty; 9 rows are the
     dequantising product's. `_q4_k_gemv_mma_rows_kernel` (the same quantised x as int8 bytes, one int8 MMA per
-    sub-block with a column per row of x) the same, up to 16 rows. dp4h (half-chunks, x's factors per half) the
-    same at one row a program, 37 rows leaving its tile part empty; dp4c (whole chunks a thread) too."""
+    sub-block with a column per row of x) the same, up to 16 rows. dp4c (whole chunks a thread, x's factors per
+    block) the same at one row of x a program, 37 weight rows leaving its last tile part empty."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_kernels import ROWS_MAX_M, gguf_gemv
 

@@ -207,7 +207,7 @@ def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
 def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
     """The decode GEMVs against the dequantised weight: Q8_0 up to 4 rows; Q4_K's table / default picks up to 8
     rows (more: None, the dequantising product's), and each Q4_K kernel at every batch it takes (dp4x up to 8 rows,
-    mma_rows up to 16, the others, dp4h among them, up to 4)."""
+    mma_rows up to 16, the others, dp4c among them, up to 4)."""
     from radixserve.layers.quantization import gemv_configs
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_kernels import GEMV_MAX_M, ROWS_MAX_M, gguf_gemv
@@ -231,8 +231,9 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
             if m <= GEMV_MAX_M:
                 cfgs += [GemvConfig("mma", 16, 512), GemvConfig("mma", 64, 256, 8), GemvConfig("dp4a", 4, 512),
                          GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8),
-                         GemvConfig("dp4h", 4, 1024, 1), GemvConfig("dp4h", 8, 2048, 2), GemvConfig("dp4h", 1, 4096, 4),
-                         GemvConfig("dp4c", 8, 2048, 1), GemvConfig("dp4c", 4, 4096, 2), GemvConfig("dp4c", 1, 4096, 1)]
+                         GemvConfig("dp4c", 1, 2048, 1), GemvConfig("dp4c", 8, 2048, 1), GemvConfig("dp4c", 4, 4096, 2),
+                         GemvConfig("dp4c", 1, 512, 1), GemvConfig("dp4c", 2, 2048, 4)]
+            # (the last two, and 4 x 4,096 at K = 14,336, which takes block_k 2,048: fewer chunks a step than threads)
             for cfg in cfgs:
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 

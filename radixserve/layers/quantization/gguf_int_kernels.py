@@ -470,45 +470,11 @@ def q8_1_words(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 @triton.jit
-def _q8_1_halves_kernel(X, Words, F, K, stride_xm, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
-    """x [M, K] -> the inputs of `_q4_k_gemv_dp4h_kernel`: per 32-column block its int8 levels packed 4 to a word
-    (Words [M, K / 4], as `_q8_1_words_kernel`), and per half-chunk (chunk c = blocks 2c / 2c + 1, half h = their
-    columns 16h..16h + 15) eight float32 factors (F [M, K / 4]): for the low block then the high one, the scale a
-    (the high block's divided by 16: its dot products come 16 times too large), p = 8 (sum(x) - a sum(levels)) and
-    c = sum(x) over the half's 16 columns, then 0 — so that a sub-block's half contributes
-    d sc (a dot + p) - dmin m c, which summed over both halves is the centred product of the other integer kernels.
-    One program per row and BLOCK_G blocks."""
-    pdl_prologue(PDL)
-    m = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    mask_g = g < K // 32
-    h = tl.arange(0, 2)
-    offs = g[:, None, None, None] * 32 + h[None, :, None, None] * 16 + tl.arange(0, 4)[None, None, :, None] * 4 \
-        + tl.arange(0, 4)[None, None, None, :]  # [BLOCK_G, 2, 4, 4]: block, half, word, byte
-    x = tl.load(X + m * stride_xm + offs, mask=mask_g[:, None, None, None], other=0.0).to(tl.float32)
-    xs = tl.maximum(tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1), 1e-30) / 127.0  # [BLOCK_G]
-    q = _round_to_int8(x / xs[:, None, None, None]).to(tl.int32)
-    shift = (tl.arange(0, 4) * 8)[None, None, None, :]
-    words = tl.sum((q & 0xFF) << shift, axis=3)  # [BLOCK_G, 2, 4]; disjoint bits: the sum is the OR
-    w_offs = g[:, None, None] * 8 + h[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    tl.store(Words + m * (K // 4) + w_offs, words, mask=mask_g[:, None, None])
-    qsum = tl.sum(tl.sum(q, axis=3), axis=2).to(tl.float32)  # [BLOCK_G, 2]
-    xsum = tl.sum(tl.sum(x, axis=3), axis=2)
-    a = tl.where(g % 2 == 1, xs / 16.0, xs)[:, None]
-    p = 8.0 * (xsum - xs[:, None] * qsum)
-    j = tl.arange(0, 4)[None, None, :]
-    f = tl.where(j == 0, a[:, :, None], tl.where(j == 1, p[:, :, None], tl.where(j == 2, xsum[:, :, None], 0.0)))
-    # block b = 2c + lo/hi, half h -> F[8 (2c + h) + 4 (b % 2) + j]
-    f_offs = ((g // 2 * 2)[:, None, None] + h[None, :, None]) * 8 + (g % 2 * 4)[:, None, None] + j
-    tl.store(F + m * (K // 4) + f_offs, f, mask=mask_g[:, None, None])
-
-
-@triton.jit
 def _dp4a_halves(w, xlo, xhi, ASM: tl.constexpr):
-    """Half-chunks of Q4_K words w [..., 4] (word j: four weights' nibbles) against x's words for their low and
-    high nibbles -> (the integer dot of the low nibbles, 16 times that of the high ones) [...]: with ASM, four
-    chained `dp4a` per nibble half in one inline PTX block (the high nibbles masked in place, not shifted); under
-    the interpreter, the same sums from the unpacked bytes."""
+    """Half-chunks of Q4_K words w [..., 4] (16 bytes: word j holds four weights' nibbles) against x's words for
+    their low and high nibbles -> (the integer dot of the low nibbles, 16 times that of the high ones) [...]: with
+    ASM, four chained `dp4a` per nibble half in one inline PTX block (the high nibbles masked in place, not
+    shifted); under the interpreter, the same sums from the unpacked bytes."""
     if ASM:
         s = tl.inline_asm_elementwise(
             "{.reg .b32 t, a, b; "
@@ -548,69 +514,6 @@ def _load_rows(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_gemv_dp4h_kernel(XW, F, W32, Sc16, Mn16, D, Dmin, Out, Bias, N, K, stride_ww, stride_s16, stride_dn,
-                           stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                           NCH: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = 0):
-    """One row of x (program axis 1) times BLOCK_N Q4_K rows, with x quantised beforehand (`q8_1_halves`) and the
-    work laid out by half-chunks: each step reads 2 NCH half-chunks of 16 bytes (4 words: weights 64c + 16h + 4j..
-    in the low nibbles, 64c + 32 + 16h + 4j.. in the high ones) of every row, so that a thread holds whole
-    half-chunks (one 16-byte load each) and sums its 4 words' `dp4a` in registers; the x side (its words and the
-    half's factors a, p, c) is read as 16-byte vectors shared by the BLOCK_N rows, and the sub-blocks' scales (the
-    pairs of sub-blocks 2c / 2c + 1 as one 16-bit load each) and d / dmin meet the integer dots in the same layout.
-    A half contributes d (sc_lo (a_lo lo + p_lo) + sc_hi (a_hi hi + p_hi)) - dmin (m_lo c_lo + m_hi c_hi).
-    EVEN_N: N is a multiple of BLOCK_N, so the loads need no masks."""
-    pdl_prologue(PDL)
-    m = tl.program_id(1).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
-    hc = tl.arange(0, 2 * NCH)  # half-chunk 2c + h of the step
-    j = tl.arange(0, 4)
-    c = hc // 2
-    w_ptrs = W32 + rows[:, None, None] * stride_ww + ((c * 8 + hc % 2 * 4)[:, None] + j[None, :])[None, :, :]
-    x_ptrs = XW + m * (K // 4) + ((c * 16 + hc % 2 * 4)[:, None] + j[None, :])[None, :, :]  # [1, 2 NCH, 4]
-    f_ptrs = F + m * (K // 4) + (hc * 8)[:, None] + j[None, :]  # [2 NCH, 4]: the low block's a, p, c, 0
-    s_ptrs = Sc16 + rows[:, None] * stride_s16 + c[None, :]  # [BLOCK_N, 2 NCH]: sub-blocks 2c and 2c + 1
-    m_ptrs = Mn16 + rows[:, None] * stride_s16 + c[None, :]
-    d_ptrs = D + rows[:, None] * stride_dn + c[None, :] // 4
-    dm_ptrs = Dmin + rows[:, None] * stride_dn + c[None, :] // 4
-    mask_w = mask_n[:, None, None]
-    mask_s = mask_n[:, None]
-    acc = tl.zeros((BLOCK_N, 2 * NCH), dtype=tl.float32)
-    for g0 in range(0, K // 64, NCH):  # K % (64 * NCH) == 0 (the wrapper checks)
-        w = _load_rows(w_ptrs + g0 * 8, mask_w, EVEN_N)  # [BLOCK_N, 2 NCH, 4] int32
-        xlo = tl.broadcast_to(tl.load(x_ptrs + g0 * 16), w.shape)
-        xhi = tl.broadcast_to(tl.load(x_ptrs + g0 * 16 + 8), w.shape)
-        a_lo, p_lo, c_lo, _ = _split4(tl.load(f_ptrs + g0 * 16))
-        a_hi, p_hi, c_hi, _ = _split4(tl.load(f_ptrs + g0 * 16 + 4))
-        sc = _load_rows(s_ptrs + g0, mask_s, EVEN_N).to(tl.int32)
-        mn = _load_rows(m_ptrs + g0, mask_s, EVEN_N).to(tl.int32)
-        d = _load_rows(d_ptrs + g0 // 4, mask_s, EVEN_N).to(tl.float32)
-        dm = _load_rows(dm_ptrs + g0 // 4, mask_s, EVEN_N).to(tl.float32)
-        lo, hi = _dp4a_halves(w, xlo, xhi, ASM)
-        t_lo = lo.to(tl.float32) * a_lo[None, :] + p_lo[None, :]
-        t_hi = hi.to(tl.float32) * a_hi[None, :] + p_hi[None, :]
-        acc += d * ((sc & 0xFF).to(tl.float32) * t_lo + ((sc >> 8) & 0xFF).to(tl.float32) * t_hi) \
-            - dm * ((mn & 0xFF).to(tl.float32) * c_lo[None, :] + ((mn >> 8) & 0xFF).to(tl.float32) * c_hi[None, :])
-    out = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
-
-
-def q8_1_halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 64, rows contiguous) -> (words int32 [M, K / 4], factors float32 [M, K / 4]): the
-    activations of `_q4_k_gemv_dp4h_kernel`."""
-    m, k = x.shape
-    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
-    f = torch.empty((m, k // 4), dtype=torch.float32, device=x.device)
-    block_g = 16
-    launch(_q8_1_halves_kernel, (m, triton.cdiv(k // 32, block_g)), x, words, f, k, x.stride(0), BLOCK_G=block_g,
-           **(dict(num_warps=4) if x.is_cuda else {}), **pdl.launch_opts(x))
-    return words, f
-
-
-@triton.jit
 def _q8_1_blocks_kernel(X, Words, F, K, stride_xm, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
     """x [M, K] -> the inputs of `_q4_k_gemv_dp4c_kernel`: per 32-column block its int8 levels packed 4 to a word
     (Words [M, K / 4], as `_q8_1_words_kernel`) and four float32 factors (F [M, K / 8]): the scale a (an odd
@@ -637,10 +540,16 @@ def _q8_1_blocks_kernel(X, Words, F, K, stride_xm, BLOCK_G: tl.constexpr, PDL: t
 def _q4_k_gemv_dp4c_kernel(XW, F, W32, Sc16, Mn16, D, Dmin, Out, Bias, N, K, stride_fm, stride_ww, stride_s16,
                            stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
                            NCH: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = 0):
-    """As `_q4_k_gemv_dp4h_kernel` with a thread holding whole chunks: the step's words as [2 (half), BLOCK_N,
-    NCH, 4] tiles, so that with NCH at least the program's threads the halves and rows are the thread's own
-    registers; the two halves' integer dots are added before anything else, and each (row, chunk) converts its
-    scales once for its 32 bytes. x's factors are per block (`q8_1_blocks`)."""
+    """One row of x (program axis 1) times BLOCK_N Q4_K rows with integer products, laid out so that a thread holds
+    whole 32-byte chunks: each step reads NCH chunks of every row as [2 (half), BLOCK_N, NCH, 4] word tiles (half h,
+    word j of chunk c: weights 64c + 16h + 4j.. in its low nibbles, 64c + 32 + 16h + 4j.. in its high ones), so
+    that with NCH >= the program's threads a chunk's two 16-byte halves and the rows are the thread's own
+    registers. Its 8 words take 16 chained `dp4a` (`_dp4a_halves`), the halves' integer dots are added in the
+    thread, and the chunk's scales (sub-blocks 2c / 2c + 1 as one 16-bit load each, d / dmin) and x's per-block
+    factors (`q8_1_blocks`: 16-byte loads shared by the rows) meet them in the same register layout: a chunk
+    contributes d (sc_lo (a_lo lo + p_lo) + sc_hi (a_hi hi + p_hi)) - dmin (m_lo c_lo + m_hi c_hi), with no data
+    exchanged between threads inside the loop (where `_q4_k_gemv_dp4x_kernel` converts layouts through shared
+    memory, and spends ~3x the instructions a byte). EVEN_N: N is a multiple of BLOCK_N, the loads need no masks."""
     pdl_prologue(PDL)
     m = tl.program_id(1).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -19,7 +19,6 @@ from radixserve.layers.quantization.gguf_int_kernels import (
     _q4_k_chunk_scales,
     _q4_k_gemv_dp4a_kernel,
     _q4_k_gemv_dp4c_kernel,
-    _q4_k_gemv_dp4h_kernel,
     _q4_k_gemv_dp4w_kernel,
     _q4_k_gemv_dp4x_kernel,
     _q4_k_gemv_dp4x_rows_kernel,
@@ -27,7 +26,6 @@ from radixserve.layers.quantization.gguf_int_kernels import (
     _q4_k_gemv_mma_kernel,
     _q4_k_gemv_mma_rows_kernel,
     q8_1_blocks,
-    q8_1_halves,
     q8_1_words,
 )
 from radixserve.layers.triton_ops import pdl
@@ -160,8 +158,8 @@ def gemv_max_m(fmt: str) -> int:
     return Q4_K_GEMV_MAX_M if fmt == "Q4_K" else GEMV_MAX_M
 
 
-def _dp4h_views_fit(fields: dict[str, torch.Tensor]) -> bool:
-    """Whether the Q4_K fields can be read as `_q4_k_gemv_dp4h_kernel` reads them: the q bytes as 32-bit words,
+def _dp4c_views_fit(fields: dict[str, torch.Tensor]) -> bool:
+    """Whether the Q4_K fields can be read as `_q4_k_gemv_dp4c_kernel` reads them: the q bytes as 32-bit words,
     the sub-block scales and mins as 16-bit pairs."""
     wq, sc, mn = fields["qweight"], fields["scales"], fields["mins"]
     return wq.stride(0) % 4 == 0 and wq.data_ptr() % 4 == 0 and all(
@@ -212,15 +210,7 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
                    out.stride(0), HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64,
                    ROWS=rows, **opts, **pdl.launch_opts(x))
             return out
-        if cfg.kernel == "dp4h" and _dp4h_views_fit(fields):
-            w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
-            xw, f = q8_1_halves(x)
-            launch(_q4_k_gemv_dp4h_kernel, grid, xw, f, w32, sc16, mn16, d, fields["dmin"], out, b, n, k,
-                   w32.stride(0), sc16.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, EVEN_N=n % block_n == 0, **opts,
-                   **pdl.launch_opts(x))
-            return out
-        if cfg.kernel == "dp4c" and _dp4h_views_fit(fields):
+        if cfg.kernel == "dp4c" and _dp4c_views_fit(fields):
             w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
             xw, f = q8_1_blocks(x)
             launch(_q4_k_gemv_dp4c_kernel, grid, xw, f, w32, sc16, mn16, d, fields["dmin"], out, b, n, k, f.stride(0),
