@@ -265,7 +265,7 @@ def test_q4_k_int8_gemv_matches_reference(kernel: str, m: int, block_n: int, blo
                                                       ("dp4x", 5, 4, 512), ("dp4x", 8, 2, 1024),
                                                       ("mma_rows", 1, 16, 256), ("mma_rows", 5, 32, 512),
                                                       ("mma_rows", 16, 16, 1024), ("dp4c", 1, 4, 2048),
-                                                      ("dp4c", 3, 8, 1024), ("dp4c", 1, 1, 256)])
+                                                      ("dp4c", 3, 8, 2048), ("dp4c", 1, 1, 4096)])
 def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int, block_k: int) -> None:
     """`_q4_k_gemv_dp4w_kernel` / `_q4_k_gemv_dp4x_kernel` (q bytes read as int32 words, x quantised to int8 per
     32 columns once per program and step, or beforehand by `_q8_1_words_kernel`, and packed into words, dp4a per
@@ -280,7 +280,7 @@ def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int
     from radixserve.layers.quantization.gguf_kernels import ROWS_MAX_M, gguf_gemv
 
     g = torch.Generator().manual_seed(block_k + m + 7)
-    n, k = 37, 1024
+    n, k = 37, 2048 if kernel == "dp4c" else 1024  # dp4c: K takes a block_k of 2,048 (else dp4x runs)
     fields = G.quantize(G.Q4_K, torch.randn(n, k, generator=g))
     x = torch.randn(m, k, generator=g)
     x[0, :32] *= 1e-3
@@ -297,6 +297,28 @@ def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int
     if kernel in ROWS_MAX_M:  # one row more than the kernel takes: the dequantising product's
         more = torch.randn(ROWS_MAX_M[kernel] + 1, k).to(DEV)
         assert gguf_gemv(more, G.Q4_K, fields, n, None, GemvConfig(kernel, block_n, block_k)) is None
+
+
+def test_q4_k_dp4c_falls_back_to_dp4x_where_k_takes_no_2048_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp4c runs only where a step can give every lane its own chunk (block_k 2,048): at K = 3,584 (Qwen2.5-7B's
+    hidden size) the product is dp4x's, still the exact one, and dp4c's x quantiser is never called."""
+    from radixserve.layers.quantization import gguf_kernels
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    def _no_dp4c(x: torch.Tensor) -> None:
+        raise AssertionError("dp4c ran for a K without a 2,048-column step")
+
+    monkeypatch.setattr(gguf_kernels, "q8_1_blocks", _no_dp4c)
+    g = torch.Generator().manual_seed(5)
+    n, k = 8, 3584
+    fields = G.quantize(G.Q4_K, torch.randn(n, k, generator=g))
+    x = torch.randn(1, k, generator=g)
+    out = gguf_kernels.gguf_gemv(x.to(DEV), G.Q4_K, {f: v.to(DEV) for f, v in fields.items()}, n, None,
+                                 GemvConfig("dp4c", 1, 2048, 1))
+    xq = _q8_blocks_ref(x)
+    w = G.dequantize(G.Q4_K, fields)
+    exact = xq @ w.t() + (x - xq).view(1, -1, 32).sum(-1) @ _offset_terms(fields).t()
+    torch.testing.assert_close(out.cpu(), exact, rtol=1e-4, atol=2e-3)
 
 
 def _offset_terms(fields: dict[str, torch.Tensor]) -> torch.Tensor:

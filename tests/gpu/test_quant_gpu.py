@@ -233,7 +233,7 @@ def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:
                          GemvConfig("dp4w", 16, 512), GemvConfig("dp4w", 4, 1024), GemvConfig("dp4w", 64, 256, 8),
                          GemvConfig("dp4c", 1, 2048, 1), GemvConfig("dp4c", 8, 2048, 1), GemvConfig("dp4c", 4, 4096, 2),
                          GemvConfig("dp4c", 1, 512, 1), GemvConfig("dp4c", 2, 2048, 4)]
-            # (the last two, and 4 x 4,096 at K = 14,336, which takes block_k 2,048: fewer chunks a step than threads)
+            # (the last two: dp4x runs for a block_k under 2,048, dp4c with one warp for 4 warps of 32 chunks)
             for cfg in cfgs:
                 assert _rel(gguf_gemv(x, fmt, fields, n, None, cfg), ref) < 1e-2, (n, k, cfg)
 

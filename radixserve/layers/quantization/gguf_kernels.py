@@ -158,6 +158,12 @@ def gemv_max_m(fmt: str) -> int:
     return Q4_K_GEMV_MAX_M if fmt == "Q4_K" else GEMV_MAX_M
 
 
+# dp4c needs a step of >= 32 chunks (one a lane): programs whose lanes would share chunks sum wrongly on the GPU
+# (H200, Triton 3.6; tests/gpu/test_quant_gpu.py), so K must take a block_k of 2,048; other shapes get dp4x
+DP4C_MIN_BLOCK_K = 2048
+DP4C_FALLBACK = GemvConfig("dp4x", 2, 1024, 2)
+
+
 def _dp4c_views_fit(fields: dict[str, torch.Tensor]) -> bool:
     """Whether the Q4_K fields can be read as `_q4_k_gemv_dp4c_kernel` reads them: the q bytes as 32-bit words,
     the sub-block scales and mins as 16-bit pairs."""
@@ -177,6 +183,8 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     if k % 256 or m > gemv_max_m(fmt) or x.stride(-1) != 1:
         return None
     cfg = config or gemv_configs.get("q4_k" if q4k else "q8_0", m, n, k, x.is_cuda)
+    if q4k and cfg.kernel == "dp4c" and (k % DP4C_MIN_BLOCK_K or not _dp4c_views_fit(fields)):
+        cfg = DP4C_FALLBACK
     dp4x = q4k and cfg.kernel == "dp4x" and fields["qweight"].stride(0) % 4 == 0 \
         and fields["qweight"].data_ptr() % 4 == 0
     rows_kernel = "dp4x" if dp4x else cfg.kernel if q4k and cfg.kernel == "mma_rows" else None
@@ -210,8 +218,10 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
                    out.stride(0), HAS_BIAS=bias is not None, ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64,
                    ROWS=rows, **opts, **pdl.launch_opts(x))
             return out
-        if cfg.kernel == "dp4c" and _dp4c_views_fit(fields):
+        if cfg.kernel == "dp4c":
             w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
+            if x.is_cuda:  # every thread its own chunks (block_k / 64 >= 32 lanes x the warps)
+                opts["num_warps"] = max(1, min(cfg.num_warps, block_k // DP4C_MIN_BLOCK_K))
             xw, f = q8_1_blocks(x)
             launch(_q4_k_gemv_dp4c_kernel, grid, xw, f, w32, sc16, mn16, d, fields["dmin"], out, b, n, k, f.stride(0),
                    w32.stride(0), sc16.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
