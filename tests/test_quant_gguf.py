@@ -299,9 +299,12 @@ def test_q4_k_word_dp4a_gemv_matches_reference(kernel: str, m: int, block_n: int
         assert gguf_gemv(more, G.Q4_K, fields, n, None, GemvConfig(kernel, block_n, block_k)) is None
 
 
-def test_q4_k_dp4c_falls_back_to_dp4x_where_k_takes_no_2048_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    """dp4c runs only where a step can give every lane its own chunk (block_k 2,048): at K = 3,584 (Qwen2.5-7B's
-    hidden size) the product is dp4x's, still the exact one, and dp4c's x quantiser is never called."""
+@pytest.mark.parametrize("k,block_k", [(3584, 2048), (4096, 512)])
+def test_q4_k_dp4c_falls_back_to_dp4x_where_k_takes_no_2048_block(monkeypatch: pytest.MonkeyPatch, k: int,
+                                                                   block_k: int) -> None:
+    """dp4c runs only where a step can give every lane its own chunk (block_k 2,048 or more): at K = 3,584
+    (Qwen2.5-7B's hidden size), or with a config's block_k of 512, the product is dp4x's, still the exact one, and
+    dp4c's x quantiser is never called."""
     from radixserve.layers.quantization import gguf_kernels
     from radixserve.layers.quantization.gemv_configs import GemvConfig
 
@@ -310,11 +313,11 @@ def test_q4_k_dp4c_falls_back_to_dp4x_where_k_takes_no_2048_block(monkeypatch: p
 
     monkeypatch.setattr(gguf_kernels, "q8_1_blocks", _no_dp4c)
     g = torch.Generator().manual_seed(5)
-    n, k = 8, 3584
+    n = 8
     fields = G.quantize(G.Q4_K, torch.randn(n, k, generator=g))
     x = torch.randn(1, k, generator=g)
     out = gguf_kernels.gguf_gemv(x.to(DEV), G.Q4_K, {f: v.to(DEV) for f, v in fields.items()}, n, None,
-                                 GemvConfig("dp4c", 1, 2048, 1))
+                                 GemvConfig("dp4c", 1, block_k, 1))
     xq = _q8_blocks_ref(x)
     w = G.dequantize(G.Q4_K, fields)
     exact = xq @ w.t() + (x - xq).view(1, -1, 32).sum(-1) @ _offset_terms(fields).t()

@@ -159,7 +159,8 @@ def gemv_max_m(fmt: str) -> int:
 
 
 # dp4c needs a step of >= 32 chunks (one a lane): programs whose lanes would share chunks sum wrongly on the GPU
-# (H200, Triton 3.6; tests/gpu/test_quant_gpu.py), so K must take a block_k of 2,048; other shapes get dp4x
+# (H200, Triton 3.6; tests/gpu/test_quant_gpu.py), so the config's block_k must be 2,048 or more and K a multiple
+# of 2,048; other configs and shapes get dp4x
 DP4C_MIN_BLOCK_K = 2048
 DP4C_FALLBACK = GemvConfig("dp4x", 2, 1024, 2)
 
@@ -183,7 +184,8 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
     if k % 256 or m > gemv_max_m(fmt) or x.stride(-1) != 1:
         return None
     cfg = config or gemv_configs.get("q4_k" if q4k else "q8_0", m, n, k, x.is_cuda)
-    if q4k and cfg.kernel == "dp4c" and (k % DP4C_MIN_BLOCK_K or not _dp4c_views_fit(fields)):
+    if q4k and cfg.kernel == "dp4c" and (cfg.block_k < DP4C_MIN_BLOCK_K or k % DP4C_MIN_BLOCK_K
+                                         or not _dp4c_views_fit(fields)):
         cfg = DP4C_FALLBACK
     dp4x = q4k and cfg.kernel == "dp4x" and fields["qweight"].stride(0) % 4 == 0 \
         and fields["qweight"].data_ptr() % 4 == 0
