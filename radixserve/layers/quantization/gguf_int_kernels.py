@@ -7,6 +7,8 @@ w = d sc (q - 8) + (8 d sc - dmin m), so out = d sc x_scale dot(q - 8, x_q) + (8
 - `dp4a` / `dp4w`: dp4a on the CUDA cores, x quantised per weight row or once per program and step;
 - `dp4x`: the same on words with x quantised beforehand (`q8_1_words`), one row of x a program; `dp4x_rows`: up to
   8 rows of x in one program, the weight's words read once;
+- `dp4c`: one row of x a program, whole 32-byte chunks a thread, x's factors per block (`q8_1_blocks`): no exchange
+  between threads in the loop (the one-row pick on the 8B shapes);
 - `mma_rows`: up to 16 rows of x as the columns of one int8 MMA per sub-block.
 Dispatch, limits and the float kernels: `gguf_kernels`."""
 
