@@ -111,6 +111,42 @@ def test_fp8_kv_cache_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
     assert first >= 15, f"fp8 agreed with bf16 on the first token of {first} of 19 prompts"
 
 
+def test_q4_k_engine_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
+    """A model 2,048 wide (so that the one-row Q4_K GEMV is dp4c: K of 2,048 and 4,096) quantised to Q4_K on load:
+    CUDA-graph decode gives the eager decode's tokens, and the first greedy token mostly agrees with bf16's."""
+    from model_utils import make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.layers.quantization import gemv_configs
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+    hf = make_tiny_model("llama", str(tmp_path), hidden_size=2048, intermediate_size=4096, num_attention_heads=16,
+                         num_key_value_heads=4, num_hidden_layers=2, vocab_size=2048)
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(30.0)  # a margin between the top tokens, as a trained model has
+    hf.save_pretrained(str(tmp_path))
+    assert {gemv_configs.get("q4_k", 1, n, k).kernel for n, k in ((3072, 2048), (2048, 2048), (8192, 2048),
+                                                                  (2048, 4096))} == {"dp4c"}
+
+    def runner(**kw):
+        args = ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=1 << 15,
+                          max_running_requests=40, cuda_graph_max_bs=40, **kw)
+        return ModelRunner(ModelConfig(str(tmp_path)), args)
+
+    def generate(sb: StaticBatch) -> list[list[int]]:  # one prompt at a time: one-row decode GEMVs
+        return [sb.generate([p], 16)[0] for p in ps]
+
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(3, 2048, (int(n),), generator=g).tolist() for n in torch.randint(4, 64, (12,), generator=g)]
+    got = generate(StaticBatch(runner(quantization="q4_k")))
+    assert got == generate(StaticBatch(runner(quantization="q4_k", disable_cuda_graph=True)))
+    base = generate(StaticBatch(runner()))
+    first = sum(x[0] == y[0] for x, y in zip(got, base, strict=True))
+    assert first >= 9, f"Q4_K agreed with bf16 on the first token of {first} of 12 prompts"
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_programmatic_dependent_launch_gives_the_same_tokens(tmp_path, level: int) -> None:
     """Our decode kernels (RMSNorm, rotary + KV store, decode attention, the fp8 GEMVs, SiLU·mul) launched as
@@ -149,8 +185,9 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tmp_path, level: in
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_q4_k_gemvs_with_programmatic_dependent_launch(level: int) -> None:
-    """Q4_K's x quantisation and its dp4x (1 and 4 rows) and mma_rows (16 rows) GEMVs launched as programmatic
-    dependent launches give the plain launches' results bit for bit, eagerly and replayed from a CUDA graph."""
+    """Q4_K's x quantisation and its dp4c / dp4x (1 row), dp4x (4 rows) and mma_rows (16 rows) GEMVs launched as
+    programmatic dependent launches give the plain launches' results bit for bit, eagerly and replayed from a CUDA
+    graph."""
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_kernels import gguf_gemv
     from radixserve.layers.triton_ops import pdl
@@ -160,8 +197,8 @@ def test_q4_k_gemvs_with_programmatic_dependent_launch(level: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(level)
     n, k = 4096, 4096
     fields = G.quantize(G.Q4_K, torch.randn(n, k, device="cuda", generator=g) * 0.02)
-    for m, cfg in ((1, GemvConfig("dp4x", 2, 1024, 2)), (4, GemvConfig("dp4x", 8, 1024, 4)),
-                   (16, GemvConfig("mma_rows", 16, 512))):
+    for m, cfg in ((1, GemvConfig("dp4c", 1, 2048, 1)), (1, GemvConfig("dp4x", 2, 1024, 2)),
+                   (4, GemvConfig("dp4x", 8, 1024, 4)), (16, GemvConfig("mma_rows", 16, 512))):
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         default = pdl.LEVEL
         try:
