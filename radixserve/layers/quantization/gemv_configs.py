@@ -27,8 +27,9 @@ MID_FAMILIES = ("fp8_mid", "mid16", "mid16_silu")  # keyed by the M they were sw
 
 @dataclass(frozen=True)
 class GemvConfig:
-    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x", "dp4c",
-    # "mma_rows" (`gguf_int_kernels`; only dp4x and mma_rows take more than GEMV_MAX_M rows)
+    # "ew" (CUDA cores) or "dot" (tensor cores; fp8 only); q4_k also "acc", "mma", "dp4a", "dp4w", "dp4x",
+    # "mma_rows" (`gguf_int_kernels`) and "dp4c" (`gguf_chunk_kernels`); only dp4x and mma_rows take more than
+    # GEMV_MAX_M rows
     kernel: str
     block_n: int
     block_k: int
@@ -77,7 +78,7 @@ def default(family: str, m: int, cuda: bool) -> GemvConfig:
         return GemvConfig("ew", 4, 1024) if m <= 2 else GemvConfig("dot", 32, 256, 4, 3)
     if family in ("row16", "row16_silu", "row16_norm"):
         return GemvConfig("ew", 4, 1024)
-    if family == "q4_k" and m == 1:  # whole chunks a thread (`gguf_int_kernels`: dp4c), the 8B shapes' pick
+    if family == "q4_k" and m == 1:  # whole chunks a thread (`gguf_chunk_kernels`: dp4c), the 8B shapes' pick
         return GemvConfig("dp4c", 1, 2048, 1, 1)
     if family == "q4_k":  # every row of x in one program (`gguf_int_kernels`: dp4x)
         if m <= 2:

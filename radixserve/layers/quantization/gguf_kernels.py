@@ -1,8 +1,9 @@
 """Decode GEMVs that read GGUF Q8_0 / Q4_K weights in their packed fields (`gguf_formats`): out = x @ dequant(W).T
 (+ bias), with the kernel and block sizes from the swept table (`gemv_configs`). Here: the kernels that dequantise
 in registers (Q8_0; Q4_K's "ew" and "acc") and `gguf_gemv`, which picks and launches a kernel; Q4_K's integer-product
-kernels are in `gguf_int_kernels`. Most kernels run one program per row of x (up to GEMV_MAX_M rows); Q4_K's dp4x
-(up to 8 rows) and mma_rows (up to 16) take every row of x in one program; those and x's quantisation before them
+kernels are in `gguf_int_kernels` and `gguf_chunk_kernels` (dp4c). Most kernels run one program per row of x (up to
+GEMV_MAX_M rows); Q4_K's dp4x (up to 8 rows) and mma_rows (up to 16) take every row of x in one program; those, dp4c
+and x's quantisation before them
 launch with programmatic dependent launch when RADIXSERVE_PDL asks for it (`triton_ops.pdl`). Larger products:
 `gguf_gemm`."""
 
@@ -14,18 +15,17 @@ import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.quantization.gemv_configs import GemvConfig
+from radixserve.layers.quantization.gguf_chunk_kernels import _q4_k_gemv_dp4c_kernel, q8_1_blocks
 from radixserve.layers.quantization.gguf_int_kernels import (
     _q4_k_chunk_pointers,
     _q4_k_chunk_scales,
     _q4_k_gemv_dp4a_kernel,
-    _q4_k_gemv_dp4c_kernel,
     _q4_k_gemv_dp4w_kernel,
     _q4_k_gemv_dp4x_kernel,
     _q4_k_gemv_dp4x_rows_kernel,
     _q4_k_gemv_mma2d_kernel,
     _q4_k_gemv_mma_kernel,
     _q4_k_gemv_mma_rows_kernel,
-    q8_1_blocks,
     q8_1_words,
 )
 from radixserve.layers.triton_ops import pdl
