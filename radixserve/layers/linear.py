@@ -165,6 +165,16 @@ class _LinearBase(nn.Module):
             return self._plain_cuda(x)
         return self._quant_product(x)
 
+    def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this layer applied to norm(x + residual), x + residual) where the quantization method folds the residual
+        add and the RMSNorm `norm` into the launch before its product (Q4_K at one row:
+        `GGUFLinearMethod.apply_normed`); None otherwise (the caller runs the norm)."""
+        fused = getattr(self.quant_method, "apply_normed", None)
+        if fused is None or self.lora is not None:
+            return None
+        return fused(self, x, residual, norm.weight, norm.eps, self.bias)
+
     def _quant_product(self, x: torch.Tensor) -> torch.Tensor:
         """The quantization method's product; inside torch.compile a quantized layer is one opaque op that runs
         the method's own kernels (model_executor/torch_compile.py)."""
@@ -275,6 +285,16 @@ class RowParallelLinear(_LinearBase):
         if block > 1 and self.tp_size > 1:
             _blocks(self.input_size, block, "input columns")
         self._copy(param, loaded.narrow(dim, self.tp_rank * n, n))
+
+    def gated_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This layer applied to silu(gate) * up of x = [gate | up] where the quantization method folds the
+        activation into the launch before its product (Q4_K at one row: `GGUFLinearMethod.apply_gated`); None
+        otherwise (the caller applies SiluAndMul)."""
+        fused = getattr(self.quant_method, "apply_gated", None)
+        out = None if fused is None or self.lora is not None else fused(self, x, self.bias)
+        if out is not None and self.tp_size > 1 and self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:  # a partial sum on each rank, like the base output: reduced with it

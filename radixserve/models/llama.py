@@ -49,7 +49,22 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = self.gate_up_proj.silu_and_mul(x)  # fused into the product where the layer can (see silu_and_mul)
-        return self.down_proj(act if act is not None else self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(act) if act is not None else self._down(self.gate_up_proj(x))
+
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after `norm`'s residual add; the add and the norm in gate_up's launch where its quantization
+        method folds them in (`normed_product`)."""
+        fused = self.gate_up_proj.normed_product(x, residual, norm)
+        if fused is None:
+            x, residual = norm(x, residual)
+            return self.forward(x), residual
+        gate_up, residual = fused
+        return self._down(gate_up), residual
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj.gated_product(gate_up)  # the activation in down's launch where it can
+        return out if out is not None else self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):
@@ -170,6 +185,10 @@ class LlamaDecoderLayer(nn.Module):
             qkv, new_residual = gemv_row_norm(hidden, qkv_proj.weight, qkv_proj.bias,
                                               norm=(residual, norm.weight, norm.eps))
             residual = hidden if new_residual is None else new_residual
+            hidden = self.self_attn(positions, None, forward_batch, qkv=qkv)
+        elif (fused := None if self.input_partial else
+              qkv_proj.normed_product(hidden, residual, self.input_layernorm)) is not None:
+            qkv, residual = fused  # the residual add and the norm in q/k/v's launch (its quantization method's)
             hidden = self.self_attn(positions, None, forward_batch, qkv=qkv)
         else:
             if residual is None:

@@ -21,6 +21,7 @@ from radixserve.layers.quantization.base import LinearMethodBase, QuantizationCo
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import _LinearBase
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +139,42 @@ class GGUFLinearMethod(LinearMethodBase):
 
             out = cpu_ops.linear(x2, fmts.dequantize(self.fmt, self.fields(layer)).to(x.dtype), bias)
         return out.view(*shape[:-1], out.shape[-1])
+
+    def _dp4c(self, layer: _LinearBase, x: torch.Tensor, k: int) -> GemvConfig | None:
+        """The dp4c tiles when this layer's product of the one row `x` runs through dp4c, else None."""
+        from radixserve.layers.triton_ops import use_fused
+
+        if self.fmt != fmts.Q4_K or x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or not use_fused(x) \
+                or k != layer.input_size:
+            return None
+        from radixserve.layers.quantization.gguf_kernels import dp4c_config
+
+        return dp4c_config(layer.output_size, k, self.fields(layer), x.is_cuda)
+
+    def apply_normed(self, layer: _LinearBase, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(x + residual) * weight through this layer, x + residual) with the norm and x's quantisation in
+        one launch before dp4c (`gguf_prologue`), for one row; None where dp4c does not serve the product."""
+        cfg = self._dp4c(layer, x, x.shape[-1])
+        if cfg is None:
+            return None
+        from radixserve.layers.quantization.gguf_kernels import dp4c_gemv
+        from radixserve.layers.quantization.gguf_prologue import q8_1_blocks_normed
+
+        xw, f, new_res = q8_1_blocks_normed(x, residual, weight, eps)
+        out = x.new_empty((1, layer.output_size))
+        return dp4c_gemv(xw, f, self.fields(layer), layer.output_size, bias, cfg, out), \
+            (x if new_res is None else new_res)
+
+    def apply_gated(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """silu(gate) * up of x = [gate | up] through this layer, the activation and x's quantisation in one
+        launch before dp4c (`gguf_prologue`), for one row; None where dp4c does not serve the product."""
+        cfg = self._dp4c(layer, x, x.shape[-1] // 2)
+        if cfg is None:
+            return None
+        from radixserve.layers.quantization.gguf_kernels import dp4c_gemv
+        from radixserve.layers.quantization.gguf_prologue import q8_1_blocks_gated
+
+        xw, f = q8_1_blocks_gated(x)
+        out = x.new_empty((1, layer.output_size))
+        return dp4c_gemv(xw, f, self.fields(layer), layer.output_size, bias, cfg, out)

@@ -1,7 +1,8 @@
 """The Q4_K one-row decode GEMV that gives each thread whole 32-byte chunks (`_q4_k_gemv_dp4c_kernel`, "dp4c" in
 the GEMV table) and the quantisation of x it reads (`q8_1_blocks`): int8 levels packed in words as for the other
 integer kernels of `gguf_int_kernels`, with per-block factors that fold the centring and the mins in. Dispatch and
-its limits: `gguf_kernels.gguf_gemv`."""
+its limits: `gguf_kernels.gguf_gemv`; x quantised in the launch of the norm or activation before the product:
+`gguf_prologue`."""
 
 from __future__ import annotations
 
@@ -60,6 +61,17 @@ def _load_rows(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _store_dp4c_factors(F, m, g, mask_g, xs, qsum, xsum, K):
+    """Blocks g of row m: their four float32 factors for `_q4_k_gemv_dp4c_kernel` into F [M, K / 8] (see
+    `_q8_1_blocks_kernel`)."""
+    a = tl.where(g % 2 == 1, xs / 16.0, xs)[:, None]
+    p = (8.0 * (xsum - xs * qsum.to(tl.float32)))[:, None]
+    j = tl.arange(0, 4)[None, :]
+    f = tl.where(j == 0, a, tl.where(j == 1, p, tl.where(j == 2, xsum[:, None], 0.0)))
+    tl.store(F + m * (K // 8) + g[:, None] * 4 + j, f, mask=mask_g[:, None])
+
+
+@triton.jit
 def _q8_1_blocks_kernel(X, Words, F, K, stride_xm, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
     """x [M, K] -> the inputs of `_q4_k_gemv_dp4c_kernel`: per 32-column block its int8 levels packed 4 to a word
     (Words [M, K / 4], as `_q8_1_words_kernel`) and four float32 factors (F [M, K / 8]): the scale a (an odd
@@ -68,11 +80,7 @@ def _q8_1_blocks_kernel(X, Words, F, K, stride_xm, BLOCK_G: tl.constexpr, PDL: t
     product of the other integer kernels. One program per row and BLOCK_G blocks."""
     pdl_prologue(PDL)
     m, g, mask_g, xs, qsum, xsum = _q8_1_row_blocks(X, Words, K, stride_xm, BLOCK_G)
-    a = tl.where(g % 2 == 1, xs / 16.0, xs)[:, None]
-    p = (8.0 * (xsum - xs * qsum.to(tl.float32)))[:, None]
-    j = tl.arange(0, 4)[None, :]
-    f = tl.where(j == 0, a, tl.where(j == 1, p, tl.where(j == 2, xsum[:, None], 0.0)))
-    tl.store(F + m * (K // 8) + g[:, None] * 4 + j, f, mask=mask_g[:, None])
+    _store_dp4c_factors(F, m, g, mask_g, xs, qsum, xsum, K)
 
 
 @triton.jit

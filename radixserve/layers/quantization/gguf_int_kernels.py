@@ -305,18 +305,34 @@ def _q4_k_gemv_dp4w_kernel(X, W32, Sc, Mn, D, Dmin, Out, Bias, N, K, stride_xm, 
 
 
 @triton.jit
-def _q8_1_row_blocks(X, Words, K, stride_xm, BLOCK_G: tl.constexpr):
-    """The shared part of x's quantisation kernels: this program's row m and BLOCK_G 32-column blocks g of x,
-    their int8 levels packed 4 to a word stored to Words [M, K / 4]; returns (m, g, mask_g, the blocks' scales, sums
-    of the levels, float sums)."""
+def _q8_1_row_tile(K, BLOCK_G: tl.constexpr):
+    """This program's row m of x and its BLOCK_G 32-column blocks g (mask_g: those inside the row), with the
+    offsets in the row of their values as a [BLOCK_G, 8, 4] tile (word j of block g: columns 32 g + 4 j ..)."""
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     mask_g = g < K // 32
     offs = g[:, None, None] * 32 + tl.arange(0, 8)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    x = tl.load(X + m * stride_xm + offs, mask=mask_g[:, None, None], other=0.0).to(tl.float32)
+    return m, g, mask_g, offs
+
+
+@triton.jit
+def _q8_1_store_words(x, Words, m, g, mask_g, K):
+    """x [BLOCK_G, 8, 4] (float32 values of blocks g of row m) -> their int8 levels packed 4 to a word, stored to
+    Words [M, K / 4]; returns (the blocks' scales, sums of the levels, float sums)."""
     words, xs, qsum, xsum = _q8_words(x)
     w_offs = g[:, None] * 8 + tl.arange(0, 8)[None, :]
     tl.store(Words + m * (K // 4) + w_offs, words, mask=mask_g[:, None])
+    return xs, qsum, xsum
+
+
+@triton.jit
+def _q8_1_row_blocks(X, Words, K, stride_xm, BLOCK_G: tl.constexpr):
+    """The shared part of x's quantisation kernels: this program's row m and BLOCK_G 32-column blocks g of x,
+    their int8 levels packed 4 to a word stored to Words [M, K / 4]; returns (m, g, mask_g, the blocks' scales, sums
+    of the levels, float sums)."""
+    m, g, mask_g, offs = _q8_1_row_tile(K, BLOCK_G)
+    x = tl.load(X + m * stride_xm + offs, mask=mask_g[:, None, None], other=0.0).to(tl.float32)
+    xs, qsum, xsum = _q8_1_store_words(x, Words, m, g, mask_g, K)
     return m, g, mask_g, xs, qsum, xsum
 
 

@@ -173,6 +173,37 @@ def _dp4c_views_fit(fields: dict[str, torch.Tensor]) -> bool:
         t.stride(0) % 2 == 0 and t.data_ptr() % 2 == 0 and t.stride(1) == 1 for t in (sc, mn))
 
 
+def dp4c_config(n: int, k: int, fields: dict[str, torch.Tensor], cuda: bool,
+                config: GemvConfig | None = None) -> GemvConfig | None:
+    """The tiles of the one-row dp4c product of this Q4_K weight ([n, k]): `config`, else the table's entry, when
+    it names dp4c and the shape and fields take it; None where another kernel serves the product (then x's
+    quantisation cannot be fused into the operation before it: `gguf_prologue`)."""
+    cfg = config or gemv_configs.get("q4_k", 1, n, k, cuda)
+    fits = cfg.kernel == "dp4c" and cfg.block_k >= DP4C_MIN_BLOCK_K and k % DP4C_MIN_BLOCK_K == 0 \
+        and _dp4c_views_fit(fields)
+    return cfg if fits else None
+
+
+def dp4c_gemv(xw: torch.Tensor, f: torch.Tensor, fields: dict[str, torch.Tensor], n: int,
+              bias: torch.Tensor | None, cfg: GemvConfig, out: torch.Tensor) -> torch.Tensor:
+    """out [M, n] = x @ dequant(W).T (+ bias) from x already quantised (`q8_1_blocks`: words [M, K / 4], factors
+    F [M, K / 8]) through `_q4_k_gemv_dp4c_kernel`, with `cfg` from `dp4c_config`."""
+    m, k = xw.shape[0], xw.shape[1] * 4
+    wq, sc, d = fields["qweight"], fields["scales"], fields["d"]
+    w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
+    block_k = max(256, cfg.block_k)
+    while k % block_k:
+        block_k //= 2
+    opts = {}
+    if xw.is_cuda:  # every thread its own chunks (block_k / 64 >= 32 lanes x the warps)
+        opts = dict(num_warps=max(1, min(cfg.num_warps, block_k // DP4C_MIN_BLOCK_K)), num_stages=cfg.num_stages)
+    launch(_q4_k_gemv_dp4c_kernel, (triton.cdiv(n, cfg.block_n), m), xw, f, w32, sc16, mn16, d, fields["dmin"], out,
+           bias if bias is not None else d, n, k, f.stride(0), w32.stride(0), sc16.stride(0), d.stride(0),
+           out.stride(0), HAS_BIAS=bias is not None, ASM=xw.is_cuda, BLOCK_N=cfg.block_n, NCH=block_k // 64,
+           EVEN_N=n % cfg.block_n == 0, **opts, **pdl.launch_opts(xw))
+    return out
+
+
 def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int,
               bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor | None:
     """The product for a few rows (decode, M <= `gemv_max_m(fmt)`) straight from the packed fields; None when the
@@ -221,15 +252,8 @@ def gguf_gemv(x: torch.Tensor, fmt: str, fields: dict[str, torch.Tensor], n: int
                    ROWS=rows, **opts, **pdl.launch_opts(x))
             return out
         if cfg.kernel == "dp4c":
-            w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
-            if x.is_cuda:  # every thread its own chunks (block_k / 64 >= 32 lanes x the warps)
-                opts["num_warps"] = max(1, min(cfg.num_warps, block_k // DP4C_MIN_BLOCK_K))
             xw, f = q8_1_blocks(x)
-            launch(_q4_k_gemv_dp4c_kernel, grid, xw, f, w32, sc16, mn16, d, fields["dmin"], out, b, n, k, f.stride(0),
-                   w32.stride(0), sc16.stride(0), d.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                   ASM=x.is_cuda, BLOCK_N=block_n, NCH=block_k // 64, EVEN_N=n % block_n == 0, **opts,
-                   **pdl.launch_opts(x))
-            return out
+            return dp4c_gemv(xw, f, fields, n, bias, cfg, out)
         if rows_kernel == "mma_rows":
             words, xs, _, xsum = q8_1_words(x)
             launch(_q4_k_gemv_mma_rows_kernel, (grid[0],), words.view(torch.int8), xs, xsum, wq, sc,
