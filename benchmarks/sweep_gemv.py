@@ -114,8 +114,8 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                      (32, 256, 4, 2), (4, 1024, 2, 2), (2, 1024, 2, 2)]]
             # dp4x laid out by whole chunks: a thread's two halves and rows in its own registers (block_k / 64 >=
             # the program's threads), the scales in the same register layout
-            out += [GemvConfig("dp4c", bn, bk, w, 1) for bn in (1, 2, 4, 8) for bk, w in
-                    [(2048, 1), (4096, 1), (4096, 2)]]
+            out += [GemvConfig("dp4c", bn, bk, w, st) for bn in (1, 2, 4, 8) for bk, w, st in
+                    [(2048, 1, 1), (4096, 1, 1), (4096, 2, 1), (2048, 1, 2), (2048, 1, 3)]]
             # every row of x (up to 16) as a column of one int8 MMA per sub-block, x quantised beforehand
             out += [GemvConfig("mma_rows", bn, bk, w, st) for bn, bk, w, st in
                     [(16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (32, 512, 4, 2), (64, 256, 4, 2),

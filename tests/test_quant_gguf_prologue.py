@@ -16,7 +16,7 @@ from radixserve.layers.triton_ops import set_fused_kernels
 from radixserve.layers.triton_ops.activation import silu_and_mul
 from radixserve.layers.triton_ops.norm import fused_add_rmsnorm, rmsnorm
 
-DP4C = GemvConfig("dp4c", 256, 2048, 1)  # many rows a program: few programs under the interpreter
+DP4C = GemvConfig("dp4c", 128, 2048, 1)  # many rows a program (64 a half-head run): few programs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,11 +101,12 @@ def test_linear_hooks_equal_the_unfused_products(monkeypatch: pytest.MonkeyPatch
         norm = RMSNorm(2048, 1e-6)
         norm.weight.data.normal_(1.0, 0.2, generator=g)
         x, res = torch.randn(1, 2048, generator=g), torch.randn(1, 2048, generator=g)
-        out, new_res = col.normed_product(x, res, norm)
+        out, new_res, rotated = col.normed_product(x, res, norm)
+        assert not rotated
         ref_in, ref_res = norm(x, res)
         assert torch.equal(new_res, ref_res)
         torch.testing.assert_close(out, col(ref_in), rtol=0, atol=0)
-        out, same = col.normed_product(x, None, norm)
+        out, same, _ = col.normed_product(x, None, norm)
         assert same is x
         torch.testing.assert_close(out, col(norm(x)), rtol=0, atol=0)
         assert col.normed_product(torch.randn(2, 2048), None, norm) is None
@@ -127,30 +128,67 @@ def test_linear_hooks_equal_the_unfused_products(monkeypatch: pytest.MonkeyPatch
 
 def test_q4_k_model_decodes_the_same_tokens_with_the_fused_quantisers(tmp_path, monkeypatch) -> None:
     """A 2,048-wide Q4_K Llama decoding one prompt through the fused kernels on the CPU (dp4c forced for every
-    one-row product): every decode step folds the input norm into q/k/v, the post-attention norm into gate/up and
-    SiLU·mul into down, and gives the tokens of the same model with the hooks off."""
+    one-row product): every decode step folds the input norm into q/k/v (with the rotation and the KV store in its
+    epilogue), the post-attention norm into gate/up and SiLU·mul into down, and gives the tokens of the same model
+    with the hooks off."""
     from model_utils import make_runner, make_tiny_model
 
     from radixserve.bench_one_batch import StaticBatch
-    from radixserve.layers.quantization import gguf_prologue
+    from radixserve.layers.quantization import gguf_chunk_rope, gguf_prologue
     from radixserve.layers.quantization.gguf import GGUFLinearMethod
 
     make_tiny_model("llama", str(tmp_path), hidden_size=2048, intermediate_size=2048, num_attention_heads=16,
                     num_key_value_heads=4, num_hidden_layers=1, vocab_size=512)
     _dp4c_everywhere(monkeypatch)
     calls: list[str] = []
-    for name in ("q8_1_blocks_normed", "q8_1_blocks_gated"):
-        real = getattr(gguf_prologue, name)
-        monkeypatch.setattr(gguf_prologue, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    for mod, name in ((gguf_prologue, "q8_1_blocks_normed"), (gguf_prologue, "q8_1_blocks_gated"),
+                      (gguf_chunk_rope, "dp4c_qkv_rope")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     prompt = [5, 17, 42, 99]  # up to 4 rows: the GEMV's ("ew" above)
     set_fused_kernels(True)
     try:
         fused = StaticBatch(make_runner(str(tmp_path), quantization="q4_k")).generate([prompt], 4)[0]
         assert calls.count("q8_1_blocks_normed") == 2 * 3 and calls.count("q8_1_blocks_gated") == 3
+        assert calls.count("dp4c_qkv_rope") == 3  # q/k/v rotated and k/v stored in the product's epilogue
         monkeypatch.setattr(GGUFLinearMethod, "apply_normed", lambda *a: None)
         monkeypatch.setattr(GGUFLinearMethod, "apply_gated", lambda *a: None)
         plain = StaticBatch(make_runner(str(tmp_path), quantization="q4_k")).generate([prompt], 4)[0]
     finally:
         set_fused_kernels(None)
-    assert len(calls) == 9
+    assert len(calls) == 12
     assert fused == plain
+
+
+@pytest.mark.parametrize("block_n,head_dim,with_kv", [(2, 16, True), (16, 64, True), (4, 32, False)])
+def test_q4_k_qkv_rope_equals_dp4c_then_the_rotation(block_n: int, head_dim: int, with_kv: bool) -> None:
+    """`dp4c_qkv_rope` (q/k/v through dp4c, R = block_n / 2 rows of each half-head run a program, q and k rotated
+    and k / v stored in the epilogue) against dp4c's product rotated by the reference formula and stored by hand;
+    other KV slots untouched."""
+    from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs, dp4c_qkv_rope
+    from radixserve.layers.quantization.gguf_kernels import dp4c_gemv
+    from radixserve.layers.triton_ops.gemv_rope import KVDest
+
+    g = torch.Generator().manual_seed(block_n + head_dim)
+    hq, hk, k = 4, 2, 2048
+    n, half = (hq + 2 * hk) * head_dim, head_dim // 2
+    fields = G.quantize(G.Q4_K, torch.randn(n, k, generator=g) * 0.05)
+    bias = torch.randn(n, generator=g)
+    xw, f = q8_1_blocks(torch.randn(1, k, generator=g))
+    cfg = GemvConfig("dp4c", block_n, 2048, 1)
+    pos = torch.tensor([37])
+    freqs = torch.arange(64).float()[:, None] * (1e4 ** (-torch.arange(half).float() / half))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    kv = KVDest(torch.zeros(8, hk, head_dim), torch.zeros(8, hk, head_dim), torch.tensor([5])) if with_kv else None
+    rope = RopeArgs(hq, hk, head_dim, pos, cos, sin, kv)
+    got = dp4c_qkv_rope(xw, f, fields, n, bias, cfg, rope, torch.empty(1, n))
+    plain = dp4c_gemv(xw, f, fields, n, bias, cfg, torch.empty(1, n)).view(hq + 2 * hk, head_dim)
+    x1, x2 = plain[:, :half], plain[:, half:]
+    c, s_ = cos[37], sin[37]
+    ref = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+    ref[hq + hk:] = plain[hq + hk:]  # v is not rotated
+    torch.testing.assert_close(got.view(hq + 2 * hk, head_dim), ref, rtol=1e-5, atol=1e-5)
+    if with_kv:
+        torch.testing.assert_close(kv.k_buf[5], ref[hq:hq + hk], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.v_buf[5], ref[hq + hk:], rtol=0, atol=0)
+        assert not kv.k_buf[torch.arange(8) != 5].any() and not kv.v_buf[torch.arange(8) != 5].any()

@@ -10,14 +10,24 @@ scales) and `shard_scalar` (one value per stacked matrix: per-tensor scales of q
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
-from radixserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod, set_weight_attrs
+from radixserve.layers.quantization.base import (
+    LinearMethodBase,
+    NormedProduct,
+    UnquantizedLinearMethod,
+    set_weight_attrs,
+)
 from radixserve.layers.triton_ops import decode_gemv_enabled
 from radixserve.model_executor.torch_compile import compiled_linear, register_op_layer
+
+if TYPE_CHECKING:
+    from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -165,15 +175,16 @@ class _LinearBase(nn.Module):
             return self._plain_cuda(x)
         return self._quant_product(x)
 
-    def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(this layer applied to norm(x + residual), x + residual) where the quantization method folds the residual
-        add and the RMSNorm `norm` into the launch before its product (Q4_K at one row:
-        `GGUFLinearMethod.apply_normed`); None otherwise (the caller runs the norm)."""
+    def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                       rope: RopeArgs | None = None) -> NormedProduct | None:
+        """This layer applied to norm(x + residual), with x + residual, where the quantization method folds the
+        residual add and the RMSNorm `norm` into the launch before its product (Q4_K at one row:
+        `GGUFLinearMethod.apply_normed`; with `rope`, q/k/v's rotation and KV store too where it can, saying so in
+        `rotated`); None otherwise (the caller runs the norm)."""
         fused = getattr(self.quant_method, "apply_normed", None)
         if fused is None or self.lora is not None:
             return None
-        return fused(self, x, residual, norm.weight, norm.eps, self.bias)
+        return fused(self, x, residual, norm.weight, norm.eps, self.bias, rope)
 
     def _quant_product(self, x: torch.Tensor) -> torch.Tensor:
         """The quantization method's product; inside torch.compile a quantized layer is one opaque op that runs

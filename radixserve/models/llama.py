@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+    from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
     from radixserve.layers.triton_ops.rotary import KVWrite
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
@@ -59,8 +60,7 @@ class LlamaMLP(nn.Module):
         if fused is None:
             x, residual = norm(x, residual)
             return self.forward(x), residual
-        gate_up, residual = fused
-        return self._down(gate_up), residual
+        return self._down(fused.out), fused.residual
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = self.down_proj.gated_product(gate_up)  # the activation in down's launch where it can
@@ -113,6 +113,37 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k, kv_write, norm)
         out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
         return self.o_proj(out)
+
+    def normed_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                       norm: RMSNorm, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the block's output, x + residual) with the residual add and the input `norm` in q/k/v's launch, and
+        the rotation and KV store in its epilogue where it takes them, when q/k/v's quantization method folds the
+        norm in (`normed_product`); None otherwise."""
+        fused = self.qkv_proj.normed_product(hidden, residual, norm, self._rope_args(positions, hidden, forward_batch))
+        if fused is None:
+            return None
+        if not fused.rotated:
+            return self.forward(positions, None, forward_batch, qkv=fused.out), fused.residual
+        q, k, v = fused.out.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v, forward_batch, save_kv_cache=False)), fused.residual
+
+    def _rope_args(self, positions: torch.Tensor, hidden: torch.Tensor,
+                   forward_batch: ForwardBatch) -> RopeArgs | None:
+        """What q/k/v's product needs to rotate q and k and store k and v itself (one token, neox layout, no q/k
+        norm, no adapters, a KV slot), or None."""
+        if hidden.dim() != 2 or hidden.shape[0] != 1 or self.qk_norm or self.qkv_proj.lora is not None \
+                or forward_batch.out_cache_loc is None or not self.rotary_emb.is_neox_style or not use_fused(hidden):
+            return None
+        from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
+        from radixserve.layers.triton_ops.gemv_rope import ENABLED, KVDest
+
+        if not ENABLED:  # RADIXSERVE_GEMV_ROPE=0: the rotary kernel after the product
+            return None
+
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+        kv = KVDest(k_buf, v_buf, forward_batch.out_cache_loc, self.attn.k_scale, self.attn.v_scale)
+        return RopeArgs(self.num_heads, self.num_kv_heads, self.head_dim, positions, self.rotary_emb.cos_cache,
+                        self.rotary_emb.sin_cache, kv)
 
     def _qkv_rope(self, positions: torch.Tensor, hidden: torch.Tensor | None,
                   forward_batch: ForwardBatch) -> torch.Tensor | None:
@@ -187,9 +218,8 @@ class LlamaDecoderLayer(nn.Module):
             residual = hidden if new_residual is None else new_residual
             hidden = self.self_attn(positions, None, forward_batch, qkv=qkv)
         elif (fused := None if self.input_partial else
-              qkv_proj.normed_product(hidden, residual, self.input_layernorm)) is not None:
-            qkv, residual = fused  # the residual add and the norm in q/k/v's launch (its quantization method's)
-            hidden = self.self_attn(positions, None, forward_batch, qkv=qkv)
+              self.self_attn.normed_forward(positions, hidden, residual, self.input_layernorm, forward_batch)):
+            hidden, residual = fused  # the residual add and the norm in q/k/v's launch (its quantization method's)
         else:
             if residual is None:
                 residual = hidden

@@ -7,7 +7,7 @@ sharding attributes the linear loaders read (see `layers/linear.py`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +16,14 @@ from radixserve.layers import cpu_ops
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import _LinearBase
+
+
+class NormedProduct(NamedTuple):
+    """What a method's `apply_normed` returns: the product of the normed x, the new residual, and whether the
+    q/k/v rotation and KV store it was asked for (a `RopeArgs`) were done in the same launch."""
+    out: torch.Tensor
+    residual: torch.Tensor
+    rotated: bool
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:

@@ -17,11 +17,18 @@ import torch
 from torch import nn
 
 from radixserve.layers.quantization import gguf_formats as fmts
-from radixserve.layers.quantization.base import LinearMethodBase, QuantizationConfig, QuantizeMethodBase, new_param
+from radixserve.layers.quantization.base import (
+    LinearMethodBase,
+    NormedProduct,
+    QuantizationConfig,
+    QuantizeMethodBase,
+    new_param,
+)
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import _LinearBase
     from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
 
 logger = logging.getLogger(__name__)
 
@@ -152,19 +159,25 @@ class GGUFLinearMethod(LinearMethodBase):
         return dp4c_config(layer.output_size, k, self.fields(layer), x.is_cuda)
 
     def apply_normed(self, layer: _LinearBase, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(RMSNorm(x + residual) * weight through this layer, x + residual) with the norm and x's quantisation in
-        one launch before dp4c (`gguf_prologue`), for one row; None where dp4c does not serve the product."""
+                     eps: float, bias: torch.Tensor | None, rope: RopeArgs | None = None) -> NormedProduct | None:
+        """RMSNorm(x + residual) * weight through this layer, with the norm and x's quantisation in one launch
+        before dp4c (`gguf_prologue`), for one row; with `rope` (a q/k/v layer) q and k rotated and k / v stored in
+        dp4c's epilogue where its tiles pair the rotary halves (`gguf_chunk_rope`). None where dp4c does not serve
+        the product."""
         cfg = self._dp4c(layer, x, x.shape[-1])
         if cfg is None:
             return None
+        from radixserve.layers.quantization.gguf_chunk_rope import dp4c_qkv_rope, rope_rows
         from radixserve.layers.quantization.gguf_kernels import dp4c_gemv
         from radixserve.layers.quantization.gguf_prologue import q8_1_blocks_normed
 
         xw, f, new_res = q8_1_blocks_normed(x, residual, weight, eps)
         out = x.new_empty((1, layer.output_size))
-        return dp4c_gemv(xw, f, self.fields(layer), layer.output_size, bias, cfg, out), \
-            (x if new_res is None else new_res)
+        residual = x if new_res is None else new_res
+        if rope is not None and rope_rows(cfg, rope.head_dim):
+            return NormedProduct(dp4c_qkv_rope(xw, f, self.fields(layer), layer.output_size, bias, cfg, rope, out),
+                                 residual, True)
+        return NormedProduct(dp4c_gemv(xw, f, self.fields(layer), layer.output_size, bias, cfg, out), residual, False)
 
     def apply_gated(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """silu(gate) * up of x = [gate | up] through this layer, the activation and x's quantisation in one

@@ -84,24 +84,10 @@ def _q8_1_blocks_kernel(X, Words, F, K, stride_xm, BLOCK_G: tl.constexpr, PDL: t
 
 
 @triton.jit
-def _q4_k_gemv_dp4c_kernel(XW, F, W32, Sc16, Mn16, D, Dmin, Out, Bias, N, K, stride_fm, stride_ww, stride_s16,
-                           stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                           NCH: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = 0):
-    """One row of x (program axis 1) times BLOCK_N Q4_K rows with integer products, laid out so that a thread holds
-    whole 32-byte chunks: each step reads NCH chunks of every row as [2 (half), BLOCK_N, NCH, 4] word tiles (half h,
-    word j of chunk c: weights 64c + 16h + 4j.. in its low nibbles, 64c + 32 + 16h + 4j.. in its high ones), so
-    that with NCH >= the program's threads a chunk's two 16-byte halves and the rows are the thread's own
-    registers. Its 8 words take 16 chained `dp4a` (`_dp4a_halves`), the halves' integer dots are added in the
-    thread, and the chunk's scales (sub-blocks 2c / 2c + 1 as one 16-bit load each, d / dmin) and x's per-block
-    factors (`q8_1_blocks`: 16-byte loads shared by the rows) meet them in the same register layout: a chunk
-    contributes d (sc_lo (a_lo lo + p_lo) + sc_hi (a_hi hi + p_hi)) - dmin (m_lo c_lo + m_hi c_hi), with no data
-    exchanged between threads inside the loop (where `_q4_k_gemv_dp4x_kernel` converts layouts through shared
-    memory, and spends ~3x the instructions a byte). EVEN_N: N is a multiple of BLOCK_N, the loads need no masks."""
-    pdl_prologue(PDL)
-    m = tl.program_id(1).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
+def _dp4c_row_sums(XW, F, W32, Sc16, Mn16, D, Dmin, m, rows, mask_n, K, stride_fm, stride_ww, stride_s16, stride_dn,
+                   ASM: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr, EVEN_N: tl.constexpr):
+    """The float32 products of row m of x with weight rows `rows` [BLOCK_N] (int64; mask_n: those that exist), the
+    loop of `_q4_k_gemv_dp4c_kernel` (see there)."""
     h = tl.arange(0, 2)[:, None, None, None]
     c = tl.arange(0, NCH)
     j = tl.arange(0, 4)
@@ -136,7 +122,30 @@ def _q4_k_gemv_dp4c_kernel(XW, F, W32, Sc16, Mn16, D, Dmin, Out, Bias, N, K, str
         t_hi = tl.sum(hi, axis=0).to(tl.float32) * a_hi + p_hi
         acc += d * ((sc & 0xFF).to(tl.float32) * t_lo + ((sc >> 8) & 0xFF).to(tl.float32) * t_hi) \
             - dm * ((mn & 0xFF).to(tl.float32) * c_lo + ((mn >> 8) & 0xFF).to(tl.float32) * c_hi)
-    out = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _q4_k_gemv_dp4c_kernel(XW, F, W32, Sc16, Mn16, D, Dmin, Out, Bias, N, K, stride_fm, stride_ww, stride_s16,
+                           stride_dn, stride_om, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           NCH: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = 0):
+    """One row of x (program axis 1) times BLOCK_N Q4_K rows with integer products, laid out so that a thread holds
+    whole 32-byte chunks: each step reads NCH chunks of every row as [2 (half), BLOCK_N, NCH, 4] word tiles (half h,
+    word j of chunk c: weights 64c + 16h + 4j.. in its low nibbles, 64c + 32 + 16h + 4j.. in its high ones), so
+    that with NCH >= the program's threads a chunk's two 16-byte halves and the rows are the thread's own
+    registers. Its 8 words take 16 chained `dp4a` (`_dp4a_halves`), the halves' integer dots are added in the
+    thread, and the chunk's scales (sub-blocks 2c / 2c + 1 as one 16-bit load each, d / dmin) and x's per-block
+    factors (`q8_1_blocks`: 16-byte loads shared by the rows) meet them in the same register layout: a chunk
+    contributes d (sc_lo (a_lo lo + p_lo) + sc_hi (a_hi hi + p_hi)) - dmin (m_lo c_lo + m_hi c_hi), with no data
+    exchanged between threads inside the loop (where `_q4_k_gemv_dp4x_kernel` converts layouts through shared
+    memory, and spends ~3x the instructions a byte). EVEN_N: N is a multiple of BLOCK_N, the loads need no masks."""
+    pdl_prologue(PDL)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    out = _dp4c_row_sums(XW, F, W32, Sc16, Mn16, D, Dmin, m, rows, mask_n, K, stride_fm, stride_ww, stride_s16,
+                         stride_dn, ASM, BLOCK_N, NCH, EVEN_N)
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Out + m * stride_om + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)

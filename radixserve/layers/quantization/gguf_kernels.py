@@ -184,6 +184,17 @@ def dp4c_config(n: int, k: int, fields: dict[str, torch.Tensor], cuda: bool,
     return cfg if fits else None
 
 
+def dp4c_tiles(cfg: GemvConfig, k: int, cuda: bool) -> tuple[int, dict]:
+    """(block_k, launch options) of a dp4c launch over K = k: the config's block_k halved until it divides K; on
+    the GPU the config's warps capped so that every thread has its own chunks (block_k / 64 >= 32 lanes x warps)."""
+    block_k = max(256, cfg.block_k)
+    while k % block_k:
+        block_k //= 2
+    if not cuda:
+        return block_k, {}
+    return block_k, dict(num_warps=max(1, min(cfg.num_warps, block_k // DP4C_MIN_BLOCK_K)), num_stages=cfg.num_stages)
+
+
 def dp4c_gemv(xw: torch.Tensor, f: torch.Tensor, fields: dict[str, torch.Tensor], n: int,
               bias: torch.Tensor | None, cfg: GemvConfig, out: torch.Tensor) -> torch.Tensor:
     """out [M, n] = x @ dequant(W).T (+ bias) from x already quantised (`q8_1_blocks`: words [M, K / 4], factors
@@ -191,12 +202,7 @@ def dp4c_gemv(xw: torch.Tensor, f: torch.Tensor, fields: dict[str, torch.Tensor]
     m, k = xw.shape[0], xw.shape[1] * 4
     wq, sc, d = fields["qweight"], fields["scales"], fields["d"]
     w32, sc16, mn16 = wq.view(torch.int32), sc.view(torch.int16), fields["mins"].view(torch.int16)
-    block_k = max(256, cfg.block_k)
-    while k % block_k:
-        block_k //= 2
-    opts = {}
-    if xw.is_cuda:  # every thread its own chunks (block_k / 64 >= 32 lanes x the warps)
-        opts = dict(num_warps=max(1, min(cfg.num_warps, block_k // DP4C_MIN_BLOCK_K)), num_stages=cfg.num_stages)
+    block_k, opts = dp4c_tiles(cfg, k, xw.is_cuda)
     launch(_q4_k_gemv_dp4c_kernel, (triton.cdiv(n, cfg.block_n), m), xw, f, w32, sc16, mn16, d, fields["dmin"], out,
            bias if bias is not None else d, n, k, f.stride(0), w32.stride(0), sc16.stride(0), d.stride(0),
            out.stride(0), HAS_BIAS=bias is not None, ASM=xw.is_cuda, BLOCK_N=cfg.block_n, NCH=block_k // 64,

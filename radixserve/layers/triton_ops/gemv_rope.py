@@ -48,6 +48,38 @@ def _store_kv_half(Buf, base, d, y, inv, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _rope_store(o1, o2, head, d, rows, Out, Cos, Sin, pos, stride_cache, loc, KBuf, VBuf, stride_kb, stride_vb,
+                num_q_heads, num_kv_heads, k_inv, v_inv, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr,
+                HALF: tl.constexpr):
+    """The epilogue of a q/k/v product whose program holds rows `rows` (first halves, d within the head) and
+    rows + HALF of head `head`, their float32 sums o1 / o2 (+ bias): rounded as the plain product stores them,
+    q and k rotated at position `pos`, all stored to Out and (STORE_KV) k and v to the token's slot `loc`."""
+    dtype = Out.dtype.element_ty
+    x1 = o1.to(dtype).to(tl.float32)  # the projection's output as the plain GEMV stores it
+    x2 = o2.to(dtype).to(tl.float32)
+    if head < num_q_heads + num_kv_heads:  # q or k: rotate
+        cos = tl.load(Cos + pos * stride_cache + d)
+        sin = tl.load(Sin + pos * stride_cache + d)
+        y1 = (x1 * cos - x2 * sin).to(dtype)
+        y2 = (x2 * cos + x1 * sin).to(dtype)
+    else:  # v
+        y1 = x1.to(dtype)
+        y2 = x2.to(dtype)
+    tl.store(Out + rows, y1)
+    tl.store(Out + rows + HALF, y2)
+    if STORE_KV:
+        if head >= num_q_heads:
+            if head < num_q_heads + num_kv_heads:
+                base = loc * stride_kb + (head - num_q_heads) * (2 * HALF)
+                _store_kv_half(KBuf, base, d, y1, k_inv, FP8_MAX)
+                _store_kv_half(KBuf, base + HALF, d, y2, k_inv, FP8_MAX)
+            else:
+                base = loc * stride_vb + (head - num_q_heads - num_kv_heads) * (2 * HALF)
+                _store_kv_half(VBuf, base, d, y1, v_inv, FP8_MAX)
+                _store_kv_half(VBuf, base + HALF, d, y2, v_inv, FP8_MAX)
+
+
+@triton.jit
 def _gemv_rope_kernel(X, W, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, K, stride_wn, stride_cache,
                       stride_kb, stride_vb, num_q_heads, num_kv_heads, k_inv, v_inv,
                       HAS_BIAS: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr, EVEN_K: tl.constexpr,
@@ -91,29 +123,8 @@ def _gemv_rope_kernel(X, W, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, K, 
     if HAS_BIAS:
         o1 += b1
         o2 += b2
-    dtype = Out.dtype.element_ty
-    x1 = o1.to(dtype).to(tl.float32)  # the projection's output as the plain GEMV stores it
-    x2 = o2.to(dtype).to(tl.float32)
-    if head < num_q_heads + num_kv_heads:  # q or k: rotate
-        cos = tl.load(Cos + pos * stride_cache + d)
-        sin = tl.load(Sin + pos * stride_cache + d)
-        y1 = (x1 * cos - x2 * sin).to(dtype)
-        y2 = (x2 * cos + x1 * sin).to(dtype)
-    else:  # v
-        y1 = x1.to(dtype)
-        y2 = x2.to(dtype)
-    tl.store(Out + rows, y1)
-    tl.store(Out + rows + HALF, y2)
-    if STORE_KV:
-        if head >= num_q_heads:
-            if head < num_q_heads + num_kv_heads:
-                base = loc * stride_kb + (head - num_q_heads) * (2 * HALF)
-                _store_kv_half(KBuf, base, d, y1, k_inv, FP8_MAX)
-                _store_kv_half(KBuf, base + HALF, d, y2, k_inv, FP8_MAX)
-            else:
-                base = loc * stride_vb + (head - num_q_heads - num_kv_heads) * (2 * HALF)
-                _store_kv_half(VBuf, base, d, y1, v_inv, FP8_MAX)
-                _store_kv_half(VBuf, base + HALF, d, y2, v_inv, FP8_MAX)
+    _rope_store(o1, o2, head, d, rows, Out, Cos, Sin, pos, stride_cache, loc, KBuf, VBuf, stride_kb, stride_vb,
+                num_q_heads, num_kv_heads, k_inv, v_inv, STORE_KV, FP8_MAX, HALF)
 
 
 def rope_entry(w: torch.Tensor) -> gemv_configs.GemvConfig | None:
@@ -137,6 +148,34 @@ def gemv_rope_config(w: torch.Tensor, head_dim: int) -> gemv_configs.GemvConfig 
     return cfg
 
 
+def rope_launch_args(who: str, n: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     bias: torch.Tensor | None, positions: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor, kv: KVDest | None, out: torch.Tensor) -> tuple:
+    """Checks a fused q/k/v + rotary product's arguments (ValueError naming `who`) and returns the kernel's KV
+    arguments: (loc, k_buf, v_buf, k_buf row stride, v_buf row stride, 1 / k_scale, 1 / v_scale, fp8 max or 0),
+    `out` and `positions` standing in for the pointers when there is no KV destination."""
+    half = head_dim // 2
+    if head_dim % 2 or n != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"{who}: {n} rows are not ({num_q_heads} + 2 x {num_kv_heads}) heads of an even "
+                         f"head_dim {head_dim}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"{who}: bias {tuple(bias.shape)} for {n} outputs")
+    if positions.numel() < 1 or cos_cache.shape != sin_cache.shape or cos_cache.shape[-1] < half \
+            or cos_cache.stride(-1) != 1 or cos_cache.stride() != sin_cache.stride():
+        raise ValueError(f"{who}: a position and cos / sin caches of one contiguous [max_pos, D/2] layout")
+    if kv is None:  # unused pointer arguments
+        return positions, out, out, 0, 0, 1.0, 1.0, 0.0
+    for name, buf in (("k_buf", kv.k_buf), ("v_buf", kv.v_buf)):
+        if buf.dim() != 3 or buf.shape[1:] != (num_kv_heads, head_dim) or buf.stride(2) != 1 \
+                or buf.stride(1) != head_dim:
+            raise ValueError(f"{who}: {name} {tuple(buf.shape)} does not hold rows of {num_kv_heads} heads x "
+                             f"{head_dim}")
+    if kv.loc.numel() < 1 or kv.k_buf.dtype != kv.v_buf.dtype:
+        raise ValueError(f"{who}: the KV destination needs a slot and one dtype for k and v")
+    return (kv.loc, kv.k_buf, kv.v_buf, kv.k_buf.stride(0), kv.v_buf.stride(0), 1.0 / kv.k_scale, 1.0 / kv.v_scale,
+            fp8_max(kv.k_buf.dtype))
+
+
 def gemv_qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, num_q_heads: int, num_kv_heads: int,
                   head_dim: int, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                   kv: KVDest | None, config: gemv_configs.GemvConfig) -> torch.Tensor:
@@ -149,33 +188,13 @@ def gemv_qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
             or w.stride(-1) != 1 or w.dtype != x.dtype:
         raise ValueError(f"gemv_qkv_rope expects x [1, K] and w [N, K] of x's dtype with unit stride in K; got x "
                          f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
-    if head_dim % 2 or n != (num_q_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"gemv_qkv_rope: {n} rows are not ({num_q_heads} + 2 x {num_kv_heads}) heads of an even "
-                         f"head_dim {head_dim}")
     if config.block_n < 1 or half % config.block_n:
         raise ValueError(f"gemv_qkv_rope: {config.block_n} rows a program do not tile half a head ({half})")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"gemv_qkv_rope: bias {tuple(bias.shape)} for {n} outputs")
-    if positions.numel() < 1 or cos_cache.shape != sin_cache.shape or cos_cache.shape[-1] < half \
-            or cos_cache.stride(-1) != 1 or cos_cache.stride() != sin_cache.stride():
-        raise ValueError("gemv_qkv_rope: a position and cos / sin caches of one contiguous [max_pos, D/2] layout")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    loc, k_buf, v_buf, skb, svb, k_inv, v_inv, fmax = rope_launch_args(
+        "gemv_qkv_rope", n, num_q_heads, num_kv_heads, head_dim, bias, positions, cos_cache, sin_cache, kv, out)
     k = x.shape[1]
     block_k = min(config.block_k, triton.next_power_of_2(k))
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if kv is not None:
-        for name, buf in (("k_buf", kv.k_buf), ("v_buf", kv.v_buf)):
-            if buf.dim() != 3 or buf.shape[1:] != (num_kv_heads, head_dim) or buf.stride(2) != 1 \
-                    or buf.stride(1) != head_dim:
-                raise ValueError(f"gemv_qkv_rope: {name} {tuple(buf.shape)} does not hold rows of {num_kv_heads} "
-                                 f"heads x {head_dim}")
-        if kv.loc.numel() < 1 or kv.k_buf.dtype != kv.v_buf.dtype:
-            raise ValueError("gemv_qkv_rope: the KV destination needs a slot and one dtype for k and v")
-        k_buf, v_buf, loc = kv.k_buf, kv.v_buf, kv.loc
-        skb, svb = k_buf.stride(0), v_buf.stride(0)
-        k_inv, v_inv, fmax = 1.0 / kv.k_scale, 1.0 / kv.v_scale, fp8_max(k_buf.dtype)
-    else:  # unused pointer arguments
-        k_buf = v_buf = out
-        loc, skb, svb, k_inv, v_inv, fmax = positions, 0, 0, 1.0, 1.0, 0.0
     opts = dict(num_warps=config.num_warps, num_stages=config.num_stages) if x.is_cuda else {}
     launch(_gemv_rope_kernel, (n // (2 * config.block_n),), x, w, bias if bias is not None else out, out, positions,
            cos_cache, sin_cache, loc, k_buf, v_buf, k, w.stride(0), cos_cache.stride(0), skb, svb, num_q_heads,
