@@ -114,9 +114,9 @@ def test_fp8_kv_cache_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
 def test_q4_k_engine_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
     """A model 2,048 wide (so that the one-row Q4_K GEMV is dp4c: K of 2,048 and 4,096) quantised to Q4_K on load:
     CUDA-graph decode (dp4c with the norms and SiLU·mul fused into x's quantisation) gives the eager decode's
-    tokens, and the first greedy token mostly agrees with bf16's. Prefill graphs are off on both sides: a prompt
-    replays the graph of its padded token bucket (57 rows run as 64), and cuBLAS's product over the dequantised
-    weight sums a row differently at another row count (logits 1-2 bf16 steps apart)."""
+    tokens, and the first greedy token mostly agrees with bf16's. Prefill and piecewise graphs are off on both
+    sides: a prompt replays the graph of its padded token bucket (57 rows run as 64), and cuBLAS's product over the
+    dequantised weight sums a row differently at another row count (logits 1-2 bf16 steps apart)."""
     from model_utils import make_tiny_model
 
     from radixserve.bench_one_batch import StaticBatch
@@ -135,7 +135,8 @@ def test_q4_k_engine_cuda_graph_equals_eager_and_stays_close(tmp_path) -> None:
 
     def runner(**kw):
         args = ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=1 << 15,
-                          max_running_requests=40, cuda_graph_max_bs=40, prefill_cuda_graph_max_tokens=0, **kw)
+                          max_running_requests=40, cuda_graph_max_bs=40, prefill_cuda_graph_max_tokens=0,
+                          piecewise_cuda_graph_max_tokens=0, **kw)
         return ModelRunner(ModelConfig(str(tmp_path)), args)
 
     def generate(sb: StaticBatch) -> list[list[int]]:  # one prompt at a time: one-row decode GEMVs
