@@ -52,15 +52,13 @@ class LlamaMLP(nn.Module):
         act = self.gate_up_proj.silu_and_mul(x)  # fused into the product where the layer can (see silu_and_mul)
         return self.down_proj(act) if act is not None else self._down(self.gate_up_proj(x))
 
-    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor,
-                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block after `norm`'s residual add; the add and the norm in gate_up's launch where its quantization
-        method folds them in (`normed_product`)."""
+    def normed_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the block's output, x + residual) with `norm`'s residual add and the norm in gate_up's launch, where its
+        quantization method folds them in (`normed_product`); None otherwise (the caller norms and calls the
+        block, so that hooks on it fire)."""
         fused = self.gate_up_proj.normed_product(x, residual, norm)
-        if fused is None:
-            x, residual = norm(x, residual)
-            return self.forward(x), residual
-        return self._down(fused.out), fused.residual
+        return None if fused is None else (self._down(fused.out), fused.residual)
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = self.down_proj.gated_product(gate_up)  # the activation in down's launch where it can
@@ -231,6 +229,9 @@ class LlamaDecoderLayer(nn.Module):
         forward_norm = None if self.fuse_reduce else getattr(self.mlp, "forward_norm", None)
         if forward_norm is not None:
             return forward_norm(hidden, residual, self.post_attention_layernorm)
+        if not self.fuse_reduce and isinstance(self.mlp, LlamaMLP) and (
+                normed := self.mlp.normed_forward(hidden, residual, self.post_attention_layernorm)) is not None:
+            return normed
         hidden, residual = self.post_attention_layernorm(hidden, residual, reduce=self.fuse_reduce)
         return self.mlp(hidden), residual
 
