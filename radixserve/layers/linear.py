@@ -181,10 +181,15 @@ class _LinearBase(nn.Module):
         residual add and the RMSNorm `norm` into the launch before its product (Q4_K at one row:
         `GGUFLinearMethod.apply_normed`; with `rope`, q/k/v's rotation and KV store too where it can, saying so in
         `rotated`); None otherwise (the caller runs the norm)."""
-        fused = getattr(self.quant_method, "apply_normed", None)
-        if fused is None or self.lora is not None:
+        if not self.folds_norm:
             return None
-        return fused(self, x, residual, norm.weight, norm.eps, self.bias, rope)
+        return self.quant_method.apply_normed(self, x, residual, norm.weight, norm.eps, self.bias, rope)
+
+    @property
+    def folds_norm(self) -> bool:
+        """Whether this layer's quantization method can take the norm before it into its launch (`normed_product`;
+        whether it does for a given x is its own call)."""
+        return self.lora is None and hasattr(self.quant_method, "apply_normed")
 
     def _quant_product(self, x: torch.Tensor) -> torch.Tensor:
         """The quantization method's product; inside torch.compile a quantized layer is one opaque op that runs

@@ -117,6 +117,8 @@ class LlamaAttention(nn.Module):
         """(the block's output, x + residual) with the residual add and the input `norm` in q/k/v's launch, and
         the rotation and KV store in its epilogue where it takes them, when q/k/v's quantization method folds the
         norm in (`normed_product`); None otherwise."""
+        if not self.qkv_proj.folds_norm:  # (no rotation arguments built for a layer that cannot use them)
+            return None
         fused = self.qkv_proj.normed_product(hidden, residual, norm, self._rope_args(positions, hidden, forward_batch))
         if fused is None:
             return None
@@ -137,7 +139,6 @@ class LlamaAttention(nn.Module):
 
         if not ENABLED:  # RADIXSERVE_GEMV_ROPE=0: the rotary kernel after the product
             return None
-
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
         kv = KVDest(k_buf, v_buf, forward_batch.out_cache_loc, self.attn.k_scale, self.attn.v_scale)
         return RopeArgs(self.num_heads, self.num_kv_heads, self.head_dim, positions, self.rotary_emb.cos_cache,
