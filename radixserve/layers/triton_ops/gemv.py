@@ -37,7 +37,7 @@ import triton.language as tl
 from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
-from radixserve.layers.triton_ops.pdl import pdl_prologue, weight_prologue
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
@@ -56,16 +56,10 @@ def _normed_chunk(X, Res, NormW, offs_k, mask_k, rstd, HAS_RES: tl.constexpr, NO
 def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, N1, N, K, stride_wn, stride_w2n, eps,
                      HAS_W2: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SLOT_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                     SLOT_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HAS_W2 or SLOT_ROWS > 0:
-        pdl_prologue(PDL)
-    else:  # the program's weight rows asked of the L2 before the PDL wait (gate and up rows with SILU_MUL)
-        pf_rows = tl.minimum(rows, N - 1)
-        if SILU_MUL:
-            pf_rows = tl.reshape(tl.join(pf_rows, pf_rows + N), (2 * BLOCK_N,))
-        weight_prologue(PDL, PREFETCH, W, pf_rows, stride_wn, K, 32)
     row_ok = rows < N
     if SLOT_ROWS > 0:  # rows from N1 on come in slots of SLOT_ROWS: only slot `*Slot`'s are computed (-1: none)
         slot = tl.load(Slot)
@@ -185,8 +179,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: tor
            w.stride(0), w2.stride(0) if w2 is not None else w.stride(0), float(eps),
            HAS_W2=w2 is not None, NORM=norm is not None, HAS_RES=res is not None, HAS_BIAS=bias is not None,
            SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-           SLOT_ROWS=slots[2] if slots is not None else 0, **opts,
-           **pdl.launch_opts(x, pdl_level, weight=w2 is None and slots is None))
+           SLOT_ROWS=slots[2] if slots is not None else 0, **opts, **pdl.launch_opts(x, pdl_level))
     return out, res_out
 
 
