@@ -62,6 +62,29 @@ def _runs8(p):
 
 
 @triton.jit
+def _acc(acc, wf, x, RED8: tl.constexpr):
+    """acc + the products of the widened weight tile and x (RED8: as sums of runs of 8, `_runs8`)."""
+    if RED8:
+        return acc + _runs8(wf * x)
+    return acc + wf * x
+
+
+@triton.jit
+def _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+             dtype: tl.constexpr):
+    """The float32 outputs of rows offs_n from their accumulator (scaled, + bias); with SILU_MUL acc1 holds the up
+    rows N + offs_n and the result is silu(gate) * up."""
+    scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
+    bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    out = tl.sum(acc0, axis=1) * scale + bias
+    if SILU_MUL:
+        scale_u = tl.load(S + N + offs_n, mask=mask_n, other=0.0) * out_factor
+        bias_u = tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+        out = _silu_mul(out, tl.sum(acc1, axis=1) * scale_u + bias_u, dtype)
+    return out
+
+
+@triton.jit
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
                         HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
@@ -91,31 +114,18 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
         u = _load_w(w_ptrs + up_rows, mask_n, EVICT) if SILU_MUL else w
         wf = _widen(w, WIDEN_F16)
         x0 = tl.load(x_ptrs).to(tl.float32)
-        if RED8:
-            acc0 += _runs8(wf * x0)
-            if TWO_ROWS:
-                acc1 += _runs8(wf * tl.load(x_ptrs + stride_xm).to(tl.float32))
-            if SILU_MUL:
-                acc1 += _runs8(_widen(u, WIDEN_F16) * x0)
-        else:
-            acc0 += wf * x0
-            if TWO_ROWS:
-                acc1 += wf * tl.load(x_ptrs + stride_xm).to(tl.float32)
-            if SILU_MUL:
-                acc1 += _widen(u, WIDEN_F16) * x0
+        acc0 = _acc(acc0, wf, x0, RED8)
+        if TWO_ROWS:
+            acc1 = _acc(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32), RED8)
+        if SILU_MUL:
+            acc1 = _acc(acc1, _widen(u, WIDEN_F16), x0, RED8)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
-    bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
-    out0 = tl.sum(acc0, axis=1) * scale + bias
-    if SILU_MUL:
-        scale_u = tl.load(S + N + offs_n, mask=mask_n, other=0.0) * out_factor
-        bias_u = tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
-        out0 = _silu_mul(out0, tl.sum(acc1, axis=1) * scale_u + bias_u, Out.dtype.element_ty)
+    out0 = _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, SILU_MUL, Out.dtype.element_ty)
     tl.store(Out + offs_n, out0.to(Out.dtype.element_ty), mask=mask_n)
     if TWO_ROWS:
-        tl.store(Out + stride_om + offs_n, (tl.sum(acc1, axis=1) * scale + bias).to(Out.dtype.element_ty),
-                 mask=mask_n)
+        out1 = _row_out(acc1, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, False, Out.dtype.element_ty)
+        tl.store(Out + stride_om + offs_n, out1.to(Out.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
