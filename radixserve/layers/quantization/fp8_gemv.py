@@ -64,9 +64,11 @@ def _runs8(p):
 @triton.jit
 def _acc(acc, wf, x, RED8: tl.constexpr):
     """acc + the products of the widened weight tile and x (RED8: as sums of runs of 8, `_runs8`)."""
-    if RED8:
-        return acc + _runs8(wf * x)
-    return acc + wf * x
+    if RED8:  # (both branches assign: compiled Triton does not end a function at a return inside a static if)
+        acc = acc + _runs8(wf * x)
+    else:
+        acc = acc + wf * x
+    return acc
 
 
 @triton.jit
