@@ -101,13 +101,13 @@ def test_linear_hooks_equal_the_unfused_products(monkeypatch: pytest.MonkeyPatch
         norm = RMSNorm(2048, 1e-6)
         norm.weight.data.normal_(1.0, 0.2, generator=g)
         x, res = torch.randn(1, 2048, generator=g), torch.randn(1, 2048, generator=g)
-        out, new_res, rotated, activated = col.normed_product(x, res, norm)
-        assert not rotated and not activated
+        out, new_res, rotated = col.normed_product(x, res, norm)
+        assert not rotated
         ref_in, ref_res = norm(x, res)
         assert torch.equal(new_res, ref_res)
         torch.testing.assert_close(out, col(ref_in), rtol=0, atol=0)
-        out, same, _, activated = col.normed_product(x, None, norm, activate=True)
-        assert same is x and not activated  # Q4_K hands the activation to down's launch (`gated_product`)
+        out, same, _ = col.normed_product(x, None, norm)
+        assert same is x
         torch.testing.assert_close(out, col(norm(x)), rtol=0, atol=0)
         assert col.normed_product(torch.randn(2, 2048), None, norm) is None
 

@@ -57,10 +57,8 @@ class LlamaMLP(nn.Module):
         """(the block's output, x + residual) with `norm`'s residual add and the norm in gate_up's launch, where its
         quantization method folds them in (`normed_product`); None otherwise (the caller norms and calls the
         block, so that hooks on it fire)."""
-        fused = self.gate_up_proj.normed_product(x, residual, norm, activate=True)
-        if fused is None:
-            return None
-        return (self.down_proj(fused.out) if fused.activated else self._down(fused.out)), fused.residual
+        fused = self.gate_up_proj.normed_product(x, residual, norm)
+        return None if fused is None else (self._down(fused.out), fused.residual)
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = self.down_proj.gated_product(gate_up)  # the activation in down's launch where it can
@@ -149,11 +147,18 @@ class LlamaAttention(nn.Module):
     def _qkv_rope(self, positions: torch.Tensor, hidden: torch.Tensor | None,
                   forward_batch: ForwardBatch) -> torch.Tensor | None:
         """One token with the fused kernels on: q/k/v with q and k rotated and k/v stored in the pool, from one
-        launch (`triton_ops/gemv_rope`), where the one-row GEMV serves this weight; None to take the usual path."""
+        launch (`triton_ops/gemv_rope`, or the quantization method's `apply_rope`), where the one-row GEMV serves
+        this weight; None to take the usual path."""
         proj = self.qkv_proj
         if hidden is None or hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.stride(-1) != 1 or self.qk_norm \
-                or proj.lora is not None or not proj._plain or hidden.dtype != proj.weight.dtype \
-                or forward_batch.out_cache_loc is None or not self.rotary_emb.is_neox_style or not use_fused(hidden):
+                or proj.lora is not None or forward_batch.out_cache_loc is None or not self.rotary_emb.is_neox_style \
+                or not use_fused(hidden):
+            return None
+        if not proj._plain:  # a quantization method's product: its own fused kernel where it has one (fp8)
+            fused = getattr(proj.quant_method, "apply_rope", None)
+            rope = self._rope_args(positions, hidden, forward_batch) if fused is not None else None
+            return None if rope is None else fused(proj, hidden, proj.bias, rope)
+        if hidden.dtype != proj.weight.dtype:
             return None
         from radixserve.layers.triton_ops import gemv_rope
 

@@ -19,13 +19,11 @@ if TYPE_CHECKING:
 
 
 class NormedProduct(NamedTuple):
-    """What a method's `apply_normed` returns: the product of the normed x, the new residual, whether the q/k/v
-    rotation and KV store it was asked for (a `RopeArgs`) were done in the same launch, and whether a [gate; up]
-    product asked to `activate` came back as silu(gate) * up."""
+    """What a method's `apply_normed` returns: the product of the normed x, the new residual, and whether the
+    q/k/v rotation and KV store it was asked for (a `RopeArgs`) were done in the same launch."""
     out: torch.Tensor
     residual: torch.Tensor
     rotated: bool
-    activated: bool = False
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:

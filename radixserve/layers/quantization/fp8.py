@@ -27,7 +27,6 @@ from torch import nn
 
 from radixserve.layers.quantization.base import (
     LinearMethodBase,
-    NormedProduct,
     QuantizationConfig,
     QuantizeMethodBase,
     is_ignored,
@@ -235,25 +234,17 @@ class Fp8LinearMethod(LinearMethodBase):
         out = fp8_skinny_gemv(x2, layer.weight, layer.weight_scale, x2.dtype, bias, silu_mul=True)
         return None if out is None else out.view(*x.shape[:-1], out.shape[-1])
 
-    def apply_normed(self, layer: _LinearBase, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, bias: torch.Tensor | None, rope: RopeArgs | None = None,
-                     activate: bool = False) -> NormedProduct | None:
-        """RMSNorm(x + residual) * weight through this layer with the norm in the product's launch, for one row
-        with per-channel scales where the table's tile for the shape is the elementwise GEMV (`fp8_gemv_fused`);
-        with `rope` q and k rotated and k / v stored in its epilogue, with `activate` silu(gate) * up. None
-        otherwise, or with RADIXSERVE_FP8_FOLD_NORM=0."""
-        from radixserve.layers.quantization import fp8_gemv_fused
+    def apply_rope(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+                   rope: RopeArgs) -> torch.Tensor | None:
+        """q/k/v for one row with q and k rotated and k / v stored to `rope.kv` in the elementwise GEMV's epilogue
+        (`fp8_gemv_rope`; per-channel scales, on the GPU kernels, where the table's tile for the shape pairs the
+        rotary halves); None otherwise (the caller runs the product and the rotary kernel)."""
+        if self.block is not None or not SKINNY or getattr(layer, "input_scale", None) is not None \
+                or x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or not _on_gpu_kernels(x):
+            return None
+        from radixserve.layers.quantization.fp8_gemv_rope import fp8_qkv_rope
 
-        if not fp8_gemv_fused.ENABLED or self.block is not None or not SKINNY \
-                or getattr(layer, "input_scale", None) is not None or x.dim() != 2 or x.shape[0] != 1 \
-                or x.stride(-1) != 1 or not _on_gpu_kernels(x):
-            return None
-        fused = fp8_gemv_fused.fp8_normed_gemv(x, residual, weight, eps, layer.weight, layer.weight_scale, bias,
-                                               silu_mul=activate, rope=rope)
-        if fused is None:
-            return None
-        out, new_residual, rotated = fused
-        return NormedProduct(out, x if new_residual is None else new_residual, rotated, activate)
+        return fp8_qkv_rope(x, layer.weight, layer.weight_scale, bias, rope)
 
     def _apply_kernels(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int,
                        small: bool, input_scale: torch.Tensor | None) -> torch.Tensor:
