@@ -72,26 +72,16 @@ def _acc(acc, wf, x, RED8: tl.constexpr):
 
 
 @triton.jit
-def _row_params(S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The scales (x out_factor) and biases of rows offs_n (and of the up rows N + offs_n with SILU_MUL), asked for
-    before the loop: their latency then hides behind the weight's instead of adding to the program's tail."""
+def _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+             dtype: tl.constexpr):
+    """The float32 outputs of rows offs_n from their accumulator (scaled, + bias); with SILU_MUL acc1 holds the up
+    rows N + offs_n and the result is silu(gate) * up."""
     scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
-    bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else tl.zeros_like(scale)
-    scale_u = scale
-    bias_u = bias
-    if SILU_MUL:
-        scale_u = tl.load(S + N + offs_n, mask=mask_n, other=0.0) * out_factor
-        if HAS_BIAS:
-            bias_u = tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    return scale, bias, scale_u, bias_u
-
-
-@triton.jit
-def _row_out(acc0, acc1, scale, bias, scale_u, bias_u, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
-    """The float32 outputs of the program's rows from their accumulator (scaled, + bias: `_row_params`); with
-    SILU_MUL acc1 holds the up rows and the result is silu(gate) * up."""
+    bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     out = tl.sum(acc0, axis=1) * scale + bias
     if SILU_MUL:
+        scale_u = tl.load(S + N + offs_n, mask=mask_n, other=0.0) * out_factor
+        bias_u = tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
         out = _silu_mul(out, tl.sum(acc1, axis=1) * scale_u + bias_u, dtype)
     return out
 
@@ -118,7 +108,6 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     up_rows = N * stride_wn.to(tl.int64)
     # x read through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): same layout too
     x_ptrs = X + offs_k[None, :] + 0 * offs_n[:, None]
-    scale, bias, scale_u, bias_u = _row_params(S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, SILU_MUL)
     ACC_K: tl.constexpr = BLOCK_K // 8 if RED8 else BLOCK_K
     acc0 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)  # the second row of x, or the up rows
@@ -134,10 +123,10 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
             acc1 = _acc(acc1, _widen(u, WIDEN_F16), x0, RED8)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out0 = _row_out(acc0, acc1, scale, bias, scale_u, bias_u, SILU_MUL, Out.dtype.element_ty)
+    out0 = _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, SILU_MUL, Out.dtype.element_ty)
     tl.store(Out + offs_n, out0.to(Out.dtype.element_ty), mask=mask_n)
     if TWO_ROWS:
-        out1 = _row_out(acc1, acc1, scale, bias, scale, bias, False, Out.dtype.element_ty)
+        out1 = _row_out(acc1, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, False, Out.dtype.element_ty)
         tl.store(Out + stride_om + offs_n, out1.to(Out.dtype.element_ty), mask=mask_n)
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
-from radixserve.layers.quantization.fp8_gemv import EW_FLAGS, _acc, _load_w, _row_out, _row_params, _widen
+from radixserve.layers.quantization.fp8_gemv import EW_FLAGS, _acc, _load_w, _row_out, _widen
 from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.gemv_rope import _rope_store, rope_launch_args
@@ -36,13 +36,12 @@ def _fp8_gemv_rope_kernel(X, W, S, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
     i = tl.arange(0, BLOCK_N)
     offs_n = head * (2 * HALF) + (pid % per_head) * R + i % R + (i // R) * HALF  # both runs
     mask_n = offs_n < N
-    pos = tl.load(Positions).to(tl.int64)  # before the loop (as the scales): their latency hides behind the weight's
+    pos = tl.load(Positions).to(tl.int64)  # before the loop: their latency hides behind the weight's
     loc = tl.load(Loc).to(tl.int64) if STORE_KV else 0
     offs_k = tl.arange(0, BLOCK_K)
     offs_k = (offs_k // 8) * 8 + offs_k % 8  # runs of 8 columns a thread, as in `_fp8_gemv_ew_kernel`
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_k[None, :] + 0 * offs_n[:, None]  # x in the weight tile's layout (L1 serves the repeats)
-    scale, bias, _, _ = _row_params(S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, False)
     ACC_K: tl.constexpr = BLOCK_K // 8 if RED8 else BLOCK_K
     acc = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
@@ -50,7 +49,7 @@ def _fp8_gemv_rope_kernel(X, W, S, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
         acc = _acc(acc, _widen(w, WIDEN_F16), tl.load(x_ptrs).to(tl.float32), RED8)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out = _row_out(acc, acc, scale, bias, scale, bias, False, Out.dtype.element_ty)
+    out = _row_out(acc, acc, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, False, Out.dtype.element_ty)
     o1, o2 = tl.split(tl.permute(tl.reshape(out, (2, R)), (1, 0)))
     d = (pid % per_head) * R + tl.arange(0, R)
     _rope_store(o1, o2, head, d, head * (2 * HALF) + d, Out, Cos, Sin, pos, stride_cache, loc, KBuf, VBuf,
