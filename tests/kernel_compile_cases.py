@@ -1,6 +1,8 @@
 """Compiles the decode GEMV kernels for sm_90 without a GPU (run by tests/test_kernel_compile.py in a process
 without TRITON_INTERPRET, where `@triton.jit` gives compilable functions). Prints one JSON line: {"probe": error or
-null, "results": {case: error or null}}."""
+null, "results": {case: error or null}}. With `--specs FILE`: the kernels FILE lists (module, name, signature,
+constexprs: launches recorded under the interpreter, `test_kernel_compile.launch_specs`) instead of the cases
+below."""
 
 from __future__ import annotations
 
@@ -76,6 +78,15 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     return out
 
 
+def recorded_cases(path: str) -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
+    import importlib
+
+    with open(path) as f:
+        specs = json.load(f)
+    return {f"{s['module']}.{s['name']} {sorted(s['constexprs'].items())}": (
+        getattr(importlib.import_module(s["module"]), s["name"]), s["signature"], s["constexprs"]) for s in specs}
+
+
 def main() -> None:
     try:
         _compile(_probe_kernel, {"X": "*fp32"}, {"BLOCK": 16})
@@ -83,7 +94,8 @@ def main() -> None:
         print(json.dumps({"probe": f"{type(e).__name__}: {e}", "results": {}}))
         return
     results = {}
-    for name, (fn, sig, const) in cases().items():
+    todo = recorded_cases(sys.argv[2]) if sys.argv[1:2] == ["--specs"] else cases()
+    for name, (fn, sig, const) in todo.items():
         try:
             _compile(fn, sig, const)
             results[name] = None

@@ -11,17 +11,90 @@ import subprocess
 import sys
 from pathlib import Path
 
+import inspect
+from typing import Any
+
 import pytest
+import torch
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
-def test_decode_gemv_kernels_compile_for_sm90() -> None:
+def _compile_report(*extra: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("kernel_compile_cases.py")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), *extra], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     if report["probe"] is not None:
         pytest.skip(f"Triton cannot compile for sm_90 here: {report['probe']}")
     failed = {name: err for name, err in report["results"].items() if err is not None}
-    assert len(report["results"]) == 8
     assert not failed, "\n\n".join(f"{name}: {err}" for name, err in failed.items())
+    return report
+
+
+def test_decode_gemv_kernels_compile_for_sm90() -> None:
+    assert len(_compile_report()["results"]) == 8
+
+
+def launch_specs(records: list) -> list[dict[str, Any]]:
+    """The distinct (kernel, argument types, constexpr values) of launches recorded under the interpreter
+    (`launch.recording`), as `kernel_compile_cases.py --specs` reads them; launch options are left out."""
+    specs: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        fn = rec.fn.fn  # the Python function under the interpreter's wrapper
+        params = list(inspect.signature(fn).parameters.values())
+        given = dict(zip([p.name for p in params], rec.args, strict=False))
+        given.update({k: v for k, v in rec.kwargs.items() if k in {p.name for p in params}})
+        sig: dict[str, str] = {}
+        const: dict[str, Any] = {}
+        for p in params:
+            value = given.get(p.name, p.default)
+            if "constexpr" in str(p.annotation) or value is None:
+                if value is not None and not isinstance(value, (bool, int, float, str)):
+                    raise TypeError(f"{fn.__name__}: constexpr {p.name} = {value!r} has no JSON form")
+                const[p.name] = value
+            elif isinstance(value, torch.Tensor):
+                sig[p.name] = "*" + _TYPES[value.dtype]
+            elif isinstance(value, bool):
+                sig[p.name] = "i1"
+            elif isinstance(value, int):
+                sig[p.name] = "i32" if -(1 << 31) <= value < 1 << 31 else "i64"
+            elif isinstance(value, float):
+                sig[p.name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(value).__name__}")
+        spec = {"module": fn.__module__, "name": fn.__name__, "signature": sig, "constexprs": const}
+        specs[json.dumps(spec, sort_keys=True)] = spec
+    return list(specs.values())
+
+
+def test_a_models_decode_launches_compile_for_sm90(tmp_path) -> None:
+    """Every kernel (and constexpr variant) a tiny Llama's prefill and decode launch on the Triton attention
+    backend and the fused-kernel path, unquantized, online fp8 and Q4_K, recorded under the interpreter and
+    compiled for sm_90."""
+    from model_utils import make_runner, make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.layers.triton_ops.launch import recording
+
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path, hidden_size=256, intermediate_size=256, num_attention_heads=8,
+                    num_key_value_heads=4, num_hidden_layers=1, vocab_size=512)
+    set_fused_kernels(True)
+    try:
+        with recording() as records:
+            for quant in (None, "fp8", "q4_k"):
+                runner = make_runner(path, dtype_override="bfloat16", attention_backend="triton", quantization=quant)
+                StaticBatch(runner).generate([[5, 17, 42, 99, 7, 3, 11]], 3)
+    finally:
+        set_fused_kernels(None)
+    specs = launch_specs(records)
+    names = {s["name"] for s in specs}
+    assert {"_rmsnorm_kernel", "_fp8_gemv_ew_kernel"} <= names, names
+    (tmp_path / "specs.json").write_text(json.dumps(specs))
+    report = _compile_report("--specs", str(tmp_path / "specs.json"))
+    assert len(report["results"]) == len(specs)
