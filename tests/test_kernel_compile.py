@@ -5,13 +5,12 @@ the other tests run under does not, e.g. a `return` inside a `tl.constexpr` bran
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import inspect
 from typing import Any
 
 import pytest
