@@ -1,6 +1,6 @@
-"""The decode GEMV kernels compiled for an H100/H200 (sm_90) on a machine without a GPU (`kernel_compile_cases.py`,
-in a process without TRITON_INTERPRET): Triton's compiler and the `ptxas` its wheel carries find what the interpreter
-the other tests run under does not, e.g. a `return` inside a `tl.constexpr` branch followed by a second `return`
+"""Our Triton kernels compiled for an H100/H200 (sm_90) on a machine without a GPU (`kernel_compile_cases.py`, in a
+process without TRITON_INTERPRET): the decode GEMVs in chosen variants, and every variant tiny models launch.
+Triton's compiler and the `ptxas` its wheel carries find what the interpreter the other tests run under does not, e.g. a `return` inside a `tl.constexpr` branch followed by a second `return`
 (the compiler goes on to the second). Skipped where the Triton install cannot compile for CUDA."""
 
 from __future__ import annotations
@@ -70,30 +70,48 @@ def launch_specs(records: list) -> list[dict[str, Any]]:
     return list(specs.values())
 
 
-def test_a_models_decode_launches_compile_for_sm90(tmp_path) -> None:
-    """Every kernel (and constexpr variant) a tiny Llama's prefill and decode launch on the Triton attention
-    backend and the fused-kernel path, unquantized, online fp8 and Q4_K, recorded under the interpreter and
-    compiled for sm_90."""
+def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
+    """Every kernel (and constexpr variant) that tiny models' prefill and decode launch on the Triton attention
+    backend and the fused-kernel path — a Llama unquantized, online fp8 and Q4_K; DeepSeek-V2 (MLA), Qwen2-MoE and
+    Qwen3-MoE — recorded under the interpreter and compiled for sm_90."""
     from model_utils import make_runner, make_tiny_model
 
     from radixserve.bench_one_batch import StaticBatch
+    from radixserve.layers.quantization import gemv_configs
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.triton_ops import set_fused_kernels
     from radixserve.layers.triton_ops.launch import recording
 
-    path = str(tmp_path / "m")
-    make_tiny_model("llama", path, hidden_size=256, intermediate_size=256, num_attention_heads=8,
-                    num_key_value_heads=4, num_hidden_layers=1, vocab_size=512)
+    real_get = gemv_configs.get
+
+    def few_programs(fam: str, m: int, n: int, k: int, cuda: bool = True) -> GemvConfig:
+        if fam in ("fp8", "fp8_silu", "q4_k") and m <= 2:  # the GPU's kind of tile: few programs to interpret
+            return GemvConfig("ew", 16, 256, variant="ef+r8" if fam != "q4_k" else "")
+        return real_get(fam, m, n, k, cuda)
+
+    monkeypatch.setattr(gemv_configs, "get", few_programs)
+    runs = [("llama", None), ("llama", "fp8"), ("llama", "q4_k"), ("deepseek_v2", None), ("qwen2_moe", None),
+            ("qwen3_moe", None)]
+    prompts = [[5, 17, 42, 99, 7, 3, 11], [(7 * i) % 250 + 1 for i in range(12)]]  # up to 8 rows and more
     set_fused_kernels(True)
     try:
         with recording() as records:
-            for quant in (None, "fp8", "q4_k"):
+            for kind, quant in runs:
+                path = str(tmp_path / kind)
+                if kind == "llama":
+                    make_tiny_model("llama", path, hidden_size=256, intermediate_size=256, num_attention_heads=8,
+                                    num_key_value_heads=4, num_hidden_layers=1, vocab_size=512)
+                elif quant is None:
+                    make_tiny_model(kind, path)
                 runner = make_runner(path, dtype_override="bfloat16", attention_backend="triton", quantization=quant)
-                StaticBatch(runner).generate([[5, 17, 42, 99, 7, 3, 11]], 3)
+                StaticBatch(runner).generate(prompts, 3)  # a batch of two
+                StaticBatch(runner).generate(prompts[:1], 3)  # and one row
     finally:
         set_fused_kernels(None)
     specs = launch_specs(records)
     names = {s["name"] for s in specs}
-    assert {"_rmsnorm_kernel", "_fp8_gemv_ew_kernel"} <= names, names
+    assert {"_rmsnorm_kernel", "_fp8_gemv_ew_kernel", "_fp8_gemv_rope_kernel", "_mla_decode_stage1_kernel",
+            "_extend_kernel", "_decode_stage1_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
