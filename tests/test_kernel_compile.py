@@ -1,7 +1,8 @@
 """Our Triton kernels compiled for an H100/H200 (sm_90) on a machine without a GPU (`kernel_compile_cases.py`, in a
 process without TRITON_INTERPRET): the decode GEMVs in chosen variants, and every variant tiny models launch.
-Triton's compiler and the `ptxas` its wheel carries find what the interpreter the other tests run under does not, e.g. a `return` inside a `tl.constexpr` branch followed by a second `return`
-(the compiler goes on to the second). Skipped where the Triton install cannot compile for CUDA."""
+Triton's compiler and the `ptxas` its wheel carries find what the interpreter the other tests run under does not,
+e.g. a `return` inside a `tl.constexpr` branch followed by a second `return` (the compiler goes on to the second).
+Skipped where the Triton install cannot compile for CUDA."""
 
 from __future__ import annotations
 
