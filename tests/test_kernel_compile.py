@@ -91,6 +91,8 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
         return real_get(fam, m, n, k, cuda)
 
     monkeypatch.setattr(gemv_configs, "get", few_programs)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # with CUDA the kernels run (and compile) for real elsewhere
+        pytest.skip("records launches under the interpreter")
     runs = [("llama", None), ("llama", "fp8"), ("llama", "q4_k"), ("deepseek_v2", None), ("qwen2_moe", None),
             ("qwen3_moe", None)]
     prompts = [[5, 17, 42, 99, 7, 3, 11], [(7 * i) % 250 + 1 for i in range(12)]]  # up to 8 rows and more
