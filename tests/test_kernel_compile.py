@@ -41,7 +41,8 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
 
 def launch_specs(records: list) -> list[dict[str, Any]]:
     """The distinct (kernel, argument types, constexpr values) of launches recorded under the interpreter
-    (`launch.recording`), as `kernel_compile_cases.py --specs` reads them; launch options are left out."""
+    (`launch.recording`), as `kernel_compile_cases.py --specs` reads them; launch options are left out, and PDL /
+    ASM take the values a GPU launch gives them (level 1; the inline-asm paths)."""
     specs: dict[str, dict[str, Any]] = {}
     for rec in records:
         fn = rec.fn.fn  # the Python function under the interpreter's wrapper
@@ -66,6 +67,9 @@ def launch_specs(records: list) -> list[dict[str, Any]]:
                 sig[p.name] = "fp32"
             else:
                 raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(value).__name__}")
+        for name, gpu_value in (("PDL", 1), ("ASM", True)):  # what a launch on the GPU sets (PDL level 1, asm)
+            if name in const:
+                const[name] = gpu_value
         spec = {"module": fn.__module__, "name": fn.__name__, "signature": sig, "constexprs": const}
         specs[json.dumps(spec, sort_keys=True)] = spec
     return list(specs.values())
@@ -111,10 +115,56 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
                 StaticBatch(runner).generate(prompts[:1], 3)  # and one row
     finally:
         set_fused_kernels(None)
-    specs = launch_specs(records)
+    with recording() as direct:
+        _gpu_only_products()
+    specs = launch_specs(records + direct)
     names = {s["name"] for s in specs}
     assert {"_rmsnorm_kernel", "_fp8_gemv_ew_kernel", "_fp8_gemv_rope_kernel", "_mla_decode_stage1_kernel",
-            "_extend_kernel", "_decode_stage1_kernel"} <= names, names
+            "_extend_kernel", "_decode_stage1_kernel", "_gemv_row_kernel", "_gemv_rope_kernel", "_mid_kernel",
+            "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
+
+
+def _gpu_only_products() -> None:
+    """The products the layers take only on CUDA (the one-row 16-bit GEMVs, the 17..256-row kernels, Q4_K's dp4c
+    at K = 2,048), called directly on small CPU tensors."""
+    from radixserve.layers.quantization import gguf_formats as G
+    from radixserve.layers.quantization.fp8 import quantize_rows
+    from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.quantization.gguf_chunk_kernels import q8_1_blocks
+    from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs, dp4c_qkv_rope
+    from radixserve.layers.quantization.gguf_kernels import dp4c_gemv
+    from radixserve.layers.quantization.gguf_prologue import q8_1_blocks_gated, q8_1_blocks_normed
+    from radixserve.layers.triton_ops.gemm_mid import mid_mm
+    from radixserve.layers.triton_ops.gemv import gemv_row, gemv_row_norm
+    from radixserve.layers.triton_ops.gemv_rope import KVDest, gemv_qkv_rope
+
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    x, w = torch.randn(1, 256, generator=g).to(bf), torch.randn(128, 256, generator=g).to(bf)
+    tiles = GemvConfig("ew", 16, 256)
+    gemv_row(x, w, config=tiles)
+    gemv_row(x, w, config=tiles, silu_mul=True)
+    gemv_row_norm(x, w, None, w[:32], (x.clone(), torch.ones(256, dtype=bf), 1e-6), tiles)
+    cos, sin = torch.ones(8, 8), torch.zeros(8, 8)
+    kv = KVDest(torch.zeros(4, 2, 16, dtype=bf), torch.zeros(4, 2, 16, dtype=bf), torch.tensor([1]))
+    gemv_qkv_rope(x, w, None, 4, 2, 16, torch.tensor([3]), cos, sin, kv, GemvConfig("ew", 8, 256))
+    mid_mm(torch.randn(24, 256, generator=g).to(bf), w, None, GemvConfig("tn", 64, 64, block_m=32))
+    q, sc = quantize_rows(w.float())
+    fp8_mid_mm(torch.randn(24, 256, generator=g).to(bf), q, sc, bf, GemvConfig("w8a8", 64, 128, block_m=32))
+    fp8_mid_mm(torch.randn(24, 256, generator=g).to(bf), q, sc, bf, GemvConfig("w8a16", 64, 128, block_m=32))
+    k = 2048
+    fields = G.quantize(G.Q4_K, torch.randn(128, k, generator=g) * 0.05)
+    xk = torch.randn(1, k, generator=g)
+    xw, f, _ = q8_1_blocks_normed(xk, xk.clone(), torch.ones(k), 1e-6)
+    q8_1_blocks_gated(torch.randn(1, 2 * k, generator=g))
+    q8_1_blocks(xk)
+    dp4c = GemvConfig("dp4c", 32, 2048, 1)
+    dp4c_gemv(xw, f, fields, 128, None, dp4c, torch.empty(1, 128))
+    kv32 = KVDest(torch.zeros(4, 1, 32), torch.zeros(4, 1, 32), torch.tensor([1]))
+    rope = RopeArgs(2, 1, 32, torch.tensor([3]), torch.ones(8, 16), torch.zeros(8, 16), kv32)  # 16 rows a run
+    dp4c_qkv_rope(xw, f, fields, 128, None, dp4c, rope, torch.empty(1, 128))
+
