@@ -35,7 +35,8 @@ SHAPES = {"qwen3-30b-a3b qkv+norm": (5120, 0, 2048, True), "qwen3-30b-a3b o_proj
           "dsv2-lite q+kv_a+norm": (3072, 576, 2048, True), "dsv2-lite o_proj": (2048, 0, 2048, False)}
 TINY = {"tiny norm": (40, 8, 64, True), "tiny": (48, 0, 96, False)}  # a CPU check of the script
 SWEEP = [(4, 1024, 4, 2), (2, 1024, 4, 2), (8, 512, 4, 2), (4, 512, 4, 3), (2, 2048, 4, 2), (8, 1024, 8, 2),
-         (16, 256, 4, 3), (1, 2048, 4, 2)]
+         (16, 256, 4, 3), (1, 2048, 4, 2), (4, 2048, 4, 2), (4, 2048, 8, 2), (8, 2048, 8, 2), (2, 4096, 4, 2),
+         (4, 4096, 8, 2)]
 
 
 def copy_bandwidth(device: str) -> float:

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
@@ -63,12 +65,13 @@ def _gate_topk_kernel(X, W, Logits, Done, Bias, Weights, Ids, Res, NormW, XOut, 
                       hidden, stride_x, stride_r, scaling, eps,
                       BLOCK_E: tl.constexpr, H_PAD: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                       K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                      NORM: tl.constexpr):
+                      NORM: tl.constexpr, PDL: tl.constexpr = 0):
     """The router's linear layer and the top-k in one launch, for a few tokens. Program p computes the float32
     logits of experts [p·BLOCK_E, (p+1)·BLOCK_E) for every token (its weight rows read once, held in registers);
     the last program to finish (a counter in `Done`, put back to 0 by it) selects every token's experts.
     NORM: the router's input is RMSNorm(X + Res) · NormW, rounded as `fused_add_rmsnorm` rounds; every program
     computes it for itself and program 0 also stores it (XOut) and the new residual (ResOut)."""
+    pdl_prologue(PDL)
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_h = tl.arange(0, H_PAD)
     e_ok = offs_e < num_experts
@@ -125,8 +128,10 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, sigmoid: bool, renormali
 # and one program selects for all of them, so its time grows with the batch: on the H200 at Qwen3-30B-A3B's shape
 # it took 6.9 us a layer at 1 token (the four launches it replaces, ~10 us) and 37 us at 8 tokens.
 GATE_TOPK_TOKENS = 1
-# (expert rows per program, warps) of that launch; None: the heuristic in `fused_gate_topk` (one row of 2048 per
-# program at 4 warps for the 2048-wide routers). benchmarks/bench_router.py times the choices.
+# (expert rows per program, warps) of that launch; None: the heuristic in `fused_gate_topk` (one row per program for
+# the 2048-wide routers, at one warp: its top-k rounds then reduce within a warp; on the H200 with programmatic
+# dependent launch 5.56 against 6.90 us at 4 warps for Qwen3-30B-A3B, 4.39 against 5.30 for DeepSeek-V2-Lite).
+# benchmarks/bench_router.py times the choices.
 GATE_TOPK_CONFIG: tuple[int, int] | None = None
 
 
@@ -160,13 +165,14 @@ def fused_gate_topk(x: torch.Tensor, weight: torch.Tensor, done: torch.Tensor, t
         return weights, ids, x_out, res_out
     logits = torch.empty((t, num_experts), dtype=torch.float32, device=x.device)
     h_pad = triton.next_power_of_2(hidden)
-    block_e, warps = config or GATE_TOPK_CONFIG or (max(1, min(8, 2048 // h_pad)),  # many programs: few rows each
-                                                    8 if max(1, min(8, 2048 // h_pad)) * h_pad > 8192 else 4)
+    rows_per = max(1, min(8, 2048 // h_pad))  # many programs: few rows each
+    block_e, warps = config or GATE_TOPK_CONFIG or (rows_per, 1 if rows_per * h_pad <= 2048 else
+                                                    8 if rows_per * h_pad > 8192 else 4)
     if interpreted:
         block_e = 4
     bias = correction_bias if correction_bias is not None else weights
     res, nw, eps = norm if norm is not None else (x, x, 0.0)
-    opts = {} if interpreted else {"num_warps": warps}
+    opts = {} if interpreted else {"num_warps": warps, **pdl.launch_opts(x)}
     launch(_gate_topk_kernel, (triton.cdiv(num_experts, block_e),), x, weight, logits, done, bias, weights, ids, res,
            nw, x_out if x_out is not None else x, res_out if res_out is not None else x, t, num_experts, hidden,
            x.stride(0), res.stride(0), float(scaling), float(eps), BLOCK_E=block_e, H_PAD=h_pad,

@@ -36,7 +36,9 @@ from radixserve.layers.attention.triton_ops.decode_attention import (
     check_decode_counters,
     is_interpreted,
 )
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 _LOG2E = 1.4426950408889634
 
@@ -84,7 +86,9 @@ def _mla_decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DIRECT: tl.constexpr = False,
     MERGE: tl.constexpr = False,
     MERGE_SPLITS: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -184,7 +188,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
            C=c, R=r, BLOCK_C=triton.next_power_of_2(c), BLOCK_R=max(16, triton.next_power_of_2(r)),
            BLOCK_H=block_h, BLOCK_N=block_n, DOT_FP32=dot_fp32, DIRECT=direct, MERGE=merge,
            MERGE_SPLITS=merge_split_block(block_h, triton.next_power_of_2(c)),
-           **({} if interp else dict(num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES)))
+           **({} if interp else dict(num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES,
+                                     **pdl.launch_opts(q))))
     if direct or merge:
         return
     block_c = triton.next_power_of_2(c)
@@ -193,7 +198,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
            o.stride(0), o.stride(1),
            HEAD_DIM=c, BLOCK_D=block_c, BLOCK_N=block_n, SPLIT_BLOCK=1,
-           **({} if interp else dict(num_warps=4, num_stages=1)))
+           **({} if interp else dict(num_warps=4, num_stages=1, **pdl.launch_opts(q))))
 
 
 @triton.jit

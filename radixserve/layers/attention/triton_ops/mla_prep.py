@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 HEAD_PROGRAM_TOKENS = 16  # up to this many tokens a program per head (block) loops over them; beyond, per token
 
@@ -71,7 +73,8 @@ def _mla_prep_kernel(Q, KVA, Positions, Cos, Sin, WKC, NormW, QOut, KOut, Loc, n
                      stride_cache,
                      NOPE: tl.constexpr, NOPE_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
                      ROPE_HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_R: tl.constexpr, NUM_RB: tl.constexpr,
-                     NEOX: tl.constexpr, USE_LOC: tl.constexpr):
+                     NEOX: tl.constexpr, USE_LOC: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     rb = tl.program_id(1)
     if rb < NUM_RB:  # absorption: q_nope · W_UK for one rank block of one head
@@ -156,13 +159,15 @@ def mla_decode_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor
            cos_cache.stride(0), NOPE=nope, NOPE_PAD=triton.next_power_of_2(nope), RANK=rank,
            RANK_PAD=triton.next_power_of_2(rank), ROPE_HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2),
            BLOCK_R=block_r, NUM_RB=num_rb, NEOX=neox, USE_LOC=loc is not None,
-           **({} if interpreted else {"num_warps": 4}))
+           **({} if interpreted else {"num_warps": 4, **pdl.launch_opts(q)}))
     return q_full
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
 def _mla_out_kernel(Att, WVC, Out, num_tokens, stride_ot, stride_oh, stride_wh, stride_wv, stride_out,
-                    RANK: tl.constexpr, RANK_PAD: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+                    RANK: tl.constexpr, RANK_PAD: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
+                    PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, RANK_PAD)
@@ -189,5 +194,5 @@ def mla_absorb_out(o: torch.Tensor, w_vc: torch.Tensor, interpreted: bool = Fals
     block_v = 16
     launch(_mla_out_kernel, (heads, triton.cdiv(v, block_v)), o, w_vc, out, t, o.stride(0), o.stride(1),
            w_vc.stride(0), w_vc.stride(1), out.stride(0), RANK=rank, RANK_PAD=triton.next_power_of_2(rank), V=v,
-           BLOCK_V=block_v, **({} if interpreted else {"num_warps": 4}))
+           BLOCK_V=block_v, **({} if interpreted else {"num_warps": 4, **pdl.launch_opts(o)}))
     return out
