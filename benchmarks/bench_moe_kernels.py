@@ -39,15 +39,7 @@ SMALL_SWEEP = [SmallMoEConfig(32, 128, 64, 128, 4, 4), SmallMoEConfig(16, 256, 3
                # the down projection varied alone (gate/up as DEFAULT)
                SmallMoEConfig(32, 128, 32, 128, 4, 4), SmallMoEConfig(32, 128, 32, 256, 4, 3),
                SmallMoEConfig(32, 128, 128, 64, 4, 4), SmallMoEConfig(32, 128, 64, 256, 4, 3),
-               SmallMoEConfig(32, 128, 64, 128, 2, 4),
-               # the elementwise kernels (the one-row GEMV's form), alone and each with the other's tiles
-               SmallMoEConfig(2, 2048, 4, 1024, 4, 2, "ew", "ew"), SmallMoEConfig(4, 2048, 4, 1024, 4, 2, "ew", "ew"),
-               SmallMoEConfig(4, 1024, 8, 512, 4, 2, "ew", "ew"), SmallMoEConfig(2, 1024, 4, 256, 4, 2, "ew", "ew"),
-               SmallMoEConfig(4, 2048, 8, 1024, 4, 2, "ew", "ew"), SmallMoEConfig(8, 1024, 16, 256, 4, 2, "ew", "ew"),
-               SmallMoEConfig(2, 2048, 2, 1024, 4, 2, "ew", "ew"), SmallMoEConfig(4, 2048, 4, 512, 4, 2, "ew", "ew"),
-               SmallMoEConfig(4, 2048, 2, 2048, 4, 2, "ew", "ew"), SmallMoEConfig(2, 2048, 8, 256, 8, 2, "ew", "ew"),
-               SmallMoEConfig(4, 2048, 64, 128, 4, 4, "ew", "dot"), SmallMoEConfig(2, 2048, 64, 128, 4, 4, "ew", "dot"),
-               SmallMoEConfig(32, 128, 4, 1024, 4, 4, "dot", "ew"), SmallMoEConfig(32, 128, 8, 512, 4, 4, "dot", "ew")]
+               SmallMoEConfig(32, 128, 64, 128, 2, 4)]
 LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),
                MoEConfig(64, 64, 128, 64, 4, 3), MoEConfig(64, 32, 64, 128, 4, 4), MoEConfig(64, 128, 128, 64, 4, 4),
                MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3),

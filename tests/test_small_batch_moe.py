@@ -12,11 +12,6 @@ from moe_utils import DEVICE, expert_weights, skewed_ids
 from radixserve.layers.moe.moe_torch import moe_forward_torch
 from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
 
-# the elementwise kernels: K runs off (16 of 24 / 20) and on (8) the sizes, a row block past the intermediate size,
-# and each mixed with the other kernel
-EW = [SmallMoEConfig(4, 16, 8, 16, 1, 1, "ew", "ew"), SmallMoEConfig(32, 8, 2, 8, 1, 1, "ew", "ew"),
-      SmallMoEConfig(16, 16, 16, 16, 1, 1, "ew", "dot"), SmallMoEConfig(16, 16, 4, 32, 1, 1, "dot", "ew")]
-
 
 def _inputs(t: int, k: int, e: int, h: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
@@ -36,27 +31,24 @@ def test_small_batch_moe_matches_reference(top_k: int, tokens: int) -> None:
     # other tile shapes: a column block wider than the intermediate size, several K steps in the down kernel
     cfg = SmallMoEConfig(32, 16, 32, 16, 1, 1)
     torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, config=cfg), ref, atol=1e-5, rtol=1e-5)
-    for cfg in EW:  # the elementwise kernels, alone and mixed with the tensor-core ones
-        torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, config=cfg), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [None, EW[0]])
-def test_small_batch_moe_with_experts_held_elsewhere(cfg: SmallMoEConfig | None) -> None:
+def test_small_batch_moe_with_experts_held_elsewhere() -> None:
     """Expert parallelism: rank r holds experts 4r..4r+3 of 8; the two partial outputs add up to the whole."""
     e, h, i, t, k = 8, 16, 12, 3, 2
     w13, w2 = expert_weights(e, h, i, seed=3)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids = torch.tensor([[0, 5], [6, 7], [1, 2]], dtype=torch.int32, device=DEVICE)  # token 1: none on rank 0
     weights = torch.rand(t, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    halves = [small_batch_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids, expert_offset=4 * r,
-                              config=cfg) for r in range(2)]
+    halves = [small_batch_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids, expert_offset=4 * r)
+              for r in range(2)]
     torch.testing.assert_close(halves[0], moe_forward_torch(x, w13[:4], w2[:4], weights, ids), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(halves[0] + halves[1], moe_forward_torch(x, w13, w2, weights, ids),
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunks,cfg", [(1, None), (2, None), (2, EW[0]), (2, EW[1])])
-def test_small_batch_moe_folds_the_shared_experts(chunks: int, cfg: SmallMoEConfig | None) -> None:
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_small_batch_moe_folds_the_shared_experts(chunks: int) -> None:
     """A shared MLP of intermediate size chunks·I ([2S, H] gate rows then up rows, [H, S]) added as weight-1
     assignments equals the routed experts plus the MLP computed on its own."""
     e, h, i, t, k = 6, 16, 12, 3, 2
@@ -68,7 +60,7 @@ def test_small_batch_moe_folds_the_shared_experts(chunks: int, cfg: SmallMoEConf
     gu = F.linear(x, sw13)
     shared = F.linear(F.silu(gu[:, :s]) * gu[:, s:], sw2)
     ref = moe_forward_torch(x, w13, w2, weights, ids) + shared
-    got = small_batch_moe(x, w13, w2, weights, ids, shared_w13=sw13, shared_w2=sw2, config=cfg)
+    got = small_batch_moe(x, w13, w2, weights, ids, shared_w13=sw13, shared_w2=sw2)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="multiple of"):
         small_batch_moe(x, w13, w2, weights, ids, shared_w13=sw13[:, :-1], shared_w2=sw2)

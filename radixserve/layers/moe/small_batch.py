@@ -20,7 +20,6 @@ path is for batches of up to `SMALL_BATCH_TOKENS` tokens, the sorted grouped GEM
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,35 +44,9 @@ class SmallMoEConfig:
     block_k_down: int = 128
     warps: int = 4
     stages: int = 4
-    # "dot": the 16-row tensor-core tiles above; "ew": the one-row GEMV's elementwise form (a [BLOCK_N, BLOCK_K]
-    # float32 accumulator summed once after the loop; down: a program per (token, column block) that adds every
-    # slot of its token itself, no partials and no counter)
-    gate_up_kernel: str = "dot"
-    down_kernel: str = "dot"
-
-    def __post_init__(self) -> None:
-        for kind in (self.gate_up_kernel, self.down_kernel):
-            if kind not in ("dot", "ew"):
-                raise ValueError(f"SmallMoEConfig: kernel {kind!r} is neither 'dot' nor 'ew'")
 
 
-def _from_env() -> SmallMoEConfig:
-    """RADIXSERVE_SMALL_MOE_CFG="gate_up BLOCK_N,BLOCK_K,down BLOCK_N,BLOCK_K,warps,stages[,gate_up kernel,down
-    kernel]" replaces the default tiles (for benchmarks); unset: SmallMoEConfig()."""
-    spec = os.environ.get("RADIXSERVE_SMALL_MOE_CFG", "")
-    if not spec:
-        return SmallMoEConfig()
-    parts = spec.split(",")
-    if len(parts) not in (6, 8):
-        raise ValueError(f"RADIXSERVE_SMALL_MOE_CFG needs 6 integers and optionally two kernel names, got {spec!r}")
-    try:
-        nums = [int(p) for p in parts[:6]]
-    except ValueError:
-        raise ValueError(f"RADIXSERVE_SMALL_MOE_CFG: {spec!r} does not start with 6 integers") from None
-    return SmallMoEConfig(*nums, *parts[6:])
-
-
-DEFAULT = _from_env()
+DEFAULT = SmallMoEConfig()
 INTERPRETED = SmallMoEConfig(16, 16, 16, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick
 ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute is free here, bytes are not)
 
@@ -185,92 +158,6 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
         tl.atomic_xchg(counter, 0)
 
 
-@triton.jit
-def _small_gate_up_ew_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_local, inter_size, shared_inter,
-                             hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                             PDL: tl.constexpr = 0):
-    """`_small_gate_up_kernel` in the one-row GEMV's elementwise form: program (assignment, row block) streams the
-    gate and up rows of its block into [BLOCK_N, BLOCK_K] float32 accumulators, x through a tile of the same
-    layout (its repeats hit L1), and stores SiLU(gate)·up."""
-    pdl_prologue(PDL)
-    a = tl.program_id(0)
-    tok = a // slots
-    j = a % slots
-    is_routed = j < top_k
-    e = tl.load(Ids + tok * top_k + j, mask=is_routed, other=0).to(tl.int32) - offset
-    held = (e >= 0) & (e < num_local)
-    use = held | (j >= top_k)
-    e64 = tl.where(held, e, 0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter_size
-    n_read = offs_n < tl.where(use, inter_size, 0)
-    chunk = (j - top_k).to(tl.int64)
-    gate_rows = tl.where(is_routed, offs_n, chunk * inter_size + offs_n).to(tl.int64)
-    up_shift = tl.where(is_routed, inter_size, shared_inter).to(tl.int64)
-    stride_row = tl.where(is_routed, stride_wn, stride_ws).to(tl.int64)
-    base = tl.where(is_routed, W13 + e64 * stride_we, W13S)
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = base + gate_rows[:, None] * stride_row + offs_k[None, :]
-    u_ptrs = g_ptrs + up_shift * stride_row
-    x_ptrs = X + tok.to(tl.int64) * stride_x + offs_k[None, :] + 0 * offs_n[:, None]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            m = n_read[:, None]
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            k_ok = offs_k[None, :] < hidden - k0
-            m = n_read[:, None] & k_ok
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        acc_g += tl.load(g_ptrs, mask=m, other=0.0).to(tl.float32) * x
-        acc_u += tl.load(u_ptrs, mask=m, other=0.0).to(tl.float32) * x
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    act = g / (1.0 + tl.exp(-g)) * u
-    tl.store(Inter + a.to(tl.int64) * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit(do_not_specialize=["top_k"])  # top-k 1 would be a constexpr, and the slot tests below Python bools
-def _small_down_ew_kernel(Inter, W2, W2S, Out, Weights, Ids, top_k, offset, num_local, hidden,
-                          stride_i, stride_we, stride_wn, stride_ws, stride_o,
-                          SLOTS: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr = 0):
-    """Program (token, output column block): sum over the token's SLOTS slots of (routing weight · activated row)
-    times the slot's W_down rows of the block, in one [BLOCK_N, BLOCK_K] float32 accumulator, stored once. The
-    slots and the INTER columns are unrolled, so every slot's expert id is read before the weights stream."""
-    pdl_prologue(PDL)
-    tok = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(SLOTS):
-        is_routed = top_k > j
-        e = tl.load(Ids + tok * top_k + j, mask=is_routed, other=0).to(tl.int32) - offset
-        held = (e >= 0) & (e < num_local)
-        use = held | ~is_routed
-        wt = tl.where(is_routed,
-                      tl.load(Weights + tok * top_k + j, mask=is_routed & held, other=0.0).to(tl.float32), 1.0)
-        # routed: W2[e][n, k]; shared chunk c: the shared down weight's [n, c·INTER + k]
-        stride_row = tl.where(is_routed, stride_wn, stride_ws).to(tl.int64)
-        base = tl.where(is_routed, W2 + tl.where(held, e, 0).to(tl.int64) * stride_we,
-                        W2S + (j - top_k) * INTER)
-        w_ptrs = base + offs_n.to(tl.int64)[:, None] * stride_row + offs_k[None, :]
-        a_ptrs = Inter + (tok * SLOTS + j).to(tl.int64) * stride_i + offs_k[None, :] + 0 * offs_n[:, None]
-        n_read = offs_n < tl.where(use, hidden, 0)  # (not `n_ok & use`: the interpreter makes that int32)
-        for k0 in tl.static_range(0, INTER, BLOCK_K):
-            k_ok = offs_k[None, :] < INTER - k0
-            act = tl.load(a_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32) * wt
-            w = tl.load(w_ptrs + k0, mask=n_read[:, None] & k_ok, other=0.0)
-            acc += w.to(tl.float32) * act
-    tl.store(Out + tok.to(tl.int64) * stride_o + offs_n, tl.sum(acc, axis=1).to(Out.dtype.element_ty), mask=n_ok)
-
-
 def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, expert_offset: int = 0, shared_w13: torch.Tensor | None = None,
                     shared_w2: torch.Tensor | None = None, config: SmallMoEConfig | None = None,
@@ -314,27 +201,15 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     weights = topk_weights.contiguous()
     slots = top_k + chunks
     act = torch.empty((num_tokens * slots, inter), dtype=x.dtype, device=x.device)
+    partial = torch.empty((num_tokens * slots, hidden), dtype=torch.float32, device=x.device)
     sw13 = w13 if shared_w13 is None else shared_w13
     sw2 = w2 if shared_w2 is None else shared_w2
     fp32 = x.dtype == torch.float32
     opts = {} if interp else {"num_warps": cfg.warps, "num_stages": cfg.stages, **pdl.launch_opts(x)}
-    grid_gu = (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up))
-    gu_args = (x, w13, sw13, act, ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden,
-               x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(-2), act.stride(0))
-    if cfg.gate_up_kernel == "ew":
-        block_k = min(cfg.block_k_gate_up, triton.next_power_of_2(hidden))
-        launch(_small_gate_up_ew_kernel, grid_gu, *gu_args, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=block_k,
-               EVEN_K=hidden % block_k == 0, **opts)
-    else:
-        launch(_small_gate_up_kernel, grid_gu, *gu_args, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
-               FP32=fp32, **opts)
-    if cfg.down_kernel == "ew":
-        launch(_small_down_ew_kernel, (num_tokens, blocks_down), act, w2, sw2, out, weights, ids, top_k,
-               expert_offset, num_local, hidden, act.stride(0), w2.stride(0), w2.stride(1), sw2.stride(-2),
-               out.stride(0), SLOTS=slots, INTER=inter, BLOCK_N=cfg.block_n_down,
-               BLOCK_K=min(cfg.block_k_down, triton.next_power_of_2(inter)), **opts)
-        return out
-    partial = torch.empty((num_tokens * slots, hidden), dtype=torch.float32, device=x.device)
+    launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13, act,
+           ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0), w13.stride(0),
+           w13.stride(1), sw13.stride(-2), act.stride(0), BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
+           FP32=fp32, **opts)
     launch(_small_down_kernel, (num_tokens * slots, blocks_down), act, w2, sw2, out, partial, counters, weights, ids,
            top_k, slots, expert_offset, num_local, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
            sw2.stride(-2), out.stride(0), S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
