@@ -63,13 +63,19 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                  KBuf=kv, VBuf=kv, N="i32", K="i32", stride_wn="i32", out_factor="fp32"),
             dict(HAS_BIAS=True, STORE_KV=True, FP8_MAX=448.0 if kv == "*fp8e4nv" else 0.0, HALF=64,
                  WIDEN_F16=widen, EVICT=True, RED8=red8, BLOCK_N=4, BLOCK_K=1024, PDL=1))
+    row_args = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "ResOut": "*bf16", "W": "*bf16", "W2": "*bf16",
+                "Bias": "*bf16", "Out": "*bf16", "Slot": "*i32", "N1": "i32", "N": "i32", "K": "i32",
+                "stride_wn": "i32", "stride_w2n": "i32", "eps": "fp32"}
     out["row16 norm"] = (
-        _gemv_row_kernel,
-        {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "ResOut": "*bf16", "W": "*bf16", "W2": "*bf16",
-         "Bias": "*bf16", "Out": "*bf16", "Slot": "*i32", "N1": "i32", "N": "i32", "K": "i32", "stride_wn": "i32",
-         "stride_w2n": "i32", "eps": "fp32"},
+        _gemv_row_kernel, row_args,
         dict(HAS_W2=False, NORM=True, HAS_RES=True, HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, BLOCK_N=4,
              BLOCK_K=1024, SLOT_ROWS=0, PDL=1))
+    # the MoE / MLA attention's pick: one chunk of K (the weight asked for before the statistics, no loop after),
+    # two weights (DeepSeek's q_proj + kv_a)
+    out["row16 norm one chunk"] = (
+        _gemv_row_kernel, row_args,
+        dict(HAS_W2=True, NORM=True, HAS_RES=True, HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, BLOCK_N=2,
+             BLOCK_K=2048, SLOT_ROWS=0, PDL=1))
     out["row16 rope"] = (
         _gemv_rope_kernel,
         dict(ROPE_ARGS, X="*bf16", W="*bf16", Bias="*bf16", Out="*bf16", KBuf="*bf16", VBuf="*bf16", K="i32",
