@@ -80,6 +80,7 @@ def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, N1, N, K, st
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = 0
+    tl.static_assert(not (NORM and SILU_MUL), "the input norm's first chunk below has no up half")
     if NORM:
         # the first chunk of the weight is asked for before the statistics pass, so its latency overlaps that pass
         # (the rest of the row follows in the loop); its product is taken once rstd is known
@@ -181,8 +182,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: tor
             slots: tuple[torch.Tensor, int, int] | None = None,
             pdl_level: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     k = x.shape[1]
-    if norm is not None and silu_mul:
-        raise ValueError("gemv_row: the input norm and silu_mul do not combine")
     block_k = min(cfg.block_k, triton.next_power_of_2(k))
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
