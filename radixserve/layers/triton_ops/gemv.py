@@ -84,11 +84,8 @@ def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, N1, N, K, st
     if NORM:
         # the first chunk of the weight is asked for before the statistics pass, so its latency overlaps that pass
         # (the rest of the row follows in the loop); its product is taken once rstd is known
-        if EVEN_K:
-            w_first = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            w_first = tl.load(w_ptrs, mask=row_ok[:, None] & (cols[None, :] < K), other=0.0,
-                              eviction_policy="evict_first")
+        first_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (cols[None, :] < K)
+        w_first = tl.load(w_ptrs, mask=first_mask, other=0.0, eviction_policy="evict_first")
         # the row's statistics: one pass over x (+ residual)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
