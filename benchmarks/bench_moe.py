@@ -29,6 +29,7 @@ from radixserve.bench_one_batch import (  # noqa: E402
     measure_copy_bandwidth,
     print_profile,
     profile_decode,
+    profile_prefill,
 )
 from radixserve.layers.moe import FusedMoE  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile decode at each batch size (CUDA): kernels per step and the top kernels")
     parser.add_argument("--profile-top", type=int, default=30)
+    parser.add_argument("--profile-prefill", type=int, nargs=2, default=None, metavar=("BATCH", "LEN"),
+                        help="also profile one prefill of BATCH prompts of LEN tokens (CUDA)")
     parser.add_argument("--moe-small-batch-tokens", type=int, default=None,
                         help="tokens up to which the MoE layers take the two-launch small-batch path "
                              "(0: never; default: the layer's own bound)")
@@ -193,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
             profiles.append(profile_decode(runner, bs, args.input_len, 10, server_args.random_seed,
                                            top=args.profile_top))
             print_profile(profiles[-1])
+    if args.profile_prefill and runner.is_cuda:
+        profiles.append(profile_prefill(runner, *args.profile_prefill, server_args.random_seed, top=args.profile_top))
+        print_profile(profiles[-1])
     compare: dict[str, dict[int, float]] = {}
     for name in args.compare:  # on the CPU too (no graphs there): checks the script
         switch, changed = COMPARISONS[name]

@@ -45,11 +45,16 @@ LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4)
                MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3),
                # 32-64 tokens an expert (DeepSeek-V2-Lite at batch 256-512: 64 experts, top-6)
                MoEConfig(32, 128, 128, 64, 4, 3), MoEConfig(64, 128, 128, 64, 8, 3), MoEConfig(32, 64, 128, 128, 4, 3),
-               MoEConfig(64, 64, 64, 128, 4, 4)]
+               MoEConfig(64, 64, 64, 128, 4, 4),
+               # prefill chunks (hundreds to thousands of rows an expert): wider and deeper tiles
+               MoEConfig(128, 128, 128, 64, 8, 4), MoEConfig(128, 64, 128, 64, 8, 4),
+               MoEConfig(128, 128, 256, 64, 8, 3), MoEConfig(128, 64, 256, 64, 8, 3),
+               MoEConfig(128, 128, 128, 32, 8, 5), MoEConfig(64, 128, 256, 64, 8, 3),
+               MoEConfig(128, 128, 128, 128, 8, 2)]
 
 
 def cfg_name(c: Any) -> str:
-    return "/".join(str(v) for v in dataclasses.astuple(c))
+    return "/".join(str(int(v) if isinstance(v, bool) else v) for v in dataclasses.astuple(c))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         variants: list[tuple[str, str, Any]] = [("grouped", cfg_name(moe_config(t, top_k, num_e, inter, hidden,
                                                                                      not cuda)),
                                                  lambda layer: grouped(layer))]
-        if args.sweep_large:
-            variants += [("grouped", cfg_name(c), lambda layer, c=c: grouped(layer, c)) for c in LARGE_SWEEP]
+        if args.sweep_large:  # each tile with the grid in both orders (MoEConfig.n_first)
+            sweep = [dataclasses.replace(c, n_first=o) for c in LARGE_SWEEP for o in (True, False)]
+            variants += [("grouped", cfg_name(c), lambda layer, c=c: grouped(layer, c)) for c in sweep]
         if t <= 64:
             variants.append(("small", cfg_name(DEFAULT if cuda else INTERPRETED), lambda layer: small(layer)))
             if args.sweep_small:

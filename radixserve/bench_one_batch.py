@@ -218,6 +218,38 @@ def profile_decode(runner: ModelRunner, batch_size: int, input_len: int, steps: 
             sb._sync()
         wall = time.perf_counter() - t0
     sb.release(batch)
+    busy, count, table = _kernel_summary(prof, steps, runner.model_config.num_hidden_layers, top)
+    return {"batch_size": batch_size, "input_len": input_len, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+            "unprofiled_wall_ms_per_step": plain_wall * 1e3, "graph_floor_ms": floor,
+            "host_forward_call_ms_per_step": sum(inner) / max(1, len(inner)) * 1e3,
+            "gpu_busy_ms_per_step": busy / steps / 1e3, "kernels_per_step": count / steps,
+            "top_kernels": table}
+
+
+def profile_prefill(runner: ModelRunner, batch_size: int, input_len: int, seed: int,
+                    top: int = 15) -> dict[str, Any]:
+    """One prefill of `batch_size` prompts of `input_len` tokens under the torch profiler (after an untimed one):
+    wall time, GPU-busy time, kernels and the kernels that take the most GPU time (none on the CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    sb = StaticBatch(runner)
+    activity = torch.profiler.ProfilerActivity.CUDA if runner.is_cuda else torch.profiler.ProfilerActivity.CPU
+    for _ in range(2):
+        prompts = torch.randint(0, runner.model_config.vocab_size, (batch_size, input_len), generator=g).tolist()
+        sb._sync()
+        with torch.profiler.profile(activities=[activity]) as prof:
+            t0 = time.perf_counter()
+            batch, _ = sb.prefill(prompts)
+            sb._sync()
+            wall = time.perf_counter() - t0
+        sb.release(batch)
+    busy, count, table = _kernel_summary(prof, 1, runner.model_config.num_hidden_layers, top)
+    return {"batch_size": batch_size, "input_len": input_len, "prefill": True, "wall_ms": wall * 1e3,
+            "gpu_busy_ms": busy / 1e3, "kernels": count, "tokens_per_s": batch_size * input_len / wall,
+            "top_kernels": table}
+
+
+def _kernel_summary(prof: Any, steps: int, layers: int, top: int) -> tuple[float, int, list[dict[str, Any]]]:
+    """GPU-busy µs (the union of kernel intervals), the number of kernels and the `top` kernels by GPU time."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and e.time_range.end > e.time_range.start]
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
@@ -233,15 +265,10 @@ def profile_decode(runner: ModelRunner, batch_size: int, input_len: int, steps: 
     for e in sorted(kernels, key=lambda e: e.time_range.start):
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    layers = runner.model_config.num_hidden_layers
     table = [{"kernel": name[:90], "calls_per_step": len(ts) / steps, "us_per_step": sum(ts) / steps,
               "share": sum(ts) / max(busy, 1e-9), "us_by_position": _by_layer_position(ts, steps, layers)}
              for name, ts in ranked]
-    return {"batch_size": batch_size, "input_len": input_len, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-            "unprofiled_wall_ms_per_step": plain_wall * 1e3, "graph_floor_ms": floor,
-            "host_forward_call_ms_per_step": sum(inner) / max(1, len(inner)) * 1e3,
-            "gpu_busy_ms_per_step": busy / steps / 1e3, "kernels_per_step": len(kernels) / steps,
-            "top_kernels": table}
+    return busy, len(kernels), table
 
 
 def _by_layer_position(times: list[float], steps: int, layers: int) -> list[float] | None:
@@ -255,18 +282,26 @@ def _by_layer_position(times: list[float], steps: int, layers: int) -> list[floa
 
 
 def print_profile(p: dict[str, Any]) -> None:
-    print(f"\nprofile, batch {p['batch_size']}: wall {p['wall_ms_per_step']:.3f} ms/step, GPU busy "
-          f"{p['gpu_busy_ms_per_step']:.3f} ms/step, {p['kernels_per_step']:.0f} kernels/step; without the profiler "
-          f"{p['unprofiled_wall_ms_per_step']:.3f} ms/step, of which {p['host_forward_call_ms_per_step']:.3f} ms "
-          f"in the ModelRunner.forward call (host); graph floor "
-          f"{'-' if p['graph_floor_ms'] is None else format(p['graph_floor_ms'], '.3f')} ms (the decode graph "
-          f"replayed back to back)")
+    if p.get("prefill"):
+        print(f"\nprofile, prefill of {p['batch_size']} x {p['input_len']} tokens: wall {p['wall_ms']:.2f} ms "
+              f"({p['tokens_per_s']:,.0f} tok/s), GPU busy {p['gpu_busy_ms']:.2f} ms, {p['kernels']} kernels")
+    else:
+        _print_decode_header(p)
     print(f"{'us/step':>9} {'calls':>6} {'share':>6}  kernel")
     for k in p["top_kernels"]:
         print(f"{k['us_per_step']:>9.1f} {k['calls_per_step']:>6.0f} {k['share']:>6.1%}  {k['kernel']}")
         if k.get("us_by_position"):
             print(f"{'':>24}per call at each position in a layer: "
                   + ", ".join(f"{v:.1f}" for v in k["us_by_position"]) + " µs")
+
+
+def _print_decode_header(p: dict[str, Any]) -> None:
+    print(f"\nprofile, batch {p['batch_size']}: wall {p['wall_ms_per_step']:.3f} ms/step, GPU busy "
+          f"{p['gpu_busy_ms_per_step']:.3f} ms/step, {p['kernels_per_step']:.0f} kernels/step; without the profiler "
+          f"{p['unprofiled_wall_ms_per_step']:.3f} ms/step, of which {p['host_forward_call_ms_per_step']:.3f} ms "
+          f"in the ModelRunner.forward call (host); graph floor "
+          f"{'-' if p['graph_floor_ms'] is None else format(p['graph_floor_ms'], '.3f')} ms (the decode graph "
+          f"replayed back to back)")
 
 
 def correctness_test(runner: ModelRunner, tokenizer: Any, output_len: int) -> list[str]:
@@ -328,6 +363,8 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
                         help="also profile decode (CUDA only): GPU-busy time per step and the top kernels")
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--profile-top", type=int, default=15, help="kernels listed per profile (by GPU time)")
+    parser.add_argument("--profile-prefill", type=int, nargs=2, default=None, metavar=("BATCH", "LEN"),
+                        help="also profile one prefill of BATCH prompts of LEN tokens (CUDA)")
     parser.add_argument("--result-file", default="bench_one_batch.json")
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
@@ -381,6 +418,9 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
             profiles.append(profile_decode(runner, bs, args.input_len[0], args.profile_steps,
                                            server_args.random_seed, top=args.profile_top))
             print_profile(profiles[-1])
+    if args.profile_prefill and runner.is_cuda:
+        profiles.append(profile_prefill(runner, *args.profile_prefill, server_args.random_seed, top=args.profile_top))
+        print_profile(profiles[-1])
     meta = {"model": model_config.model_path, "device": runner.device, "dtype": str(runner.dtype),
             "attention_backend": type(runner.attn_backend).__name__, "weight_bytes": runner.weight_bytes,
             "threads": torch.get_num_threads(), "cores": os.cpu_count(), "host_probe_us": probe}

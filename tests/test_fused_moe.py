@@ -1,6 +1,6 @@
 """The router against transformers' routers, and the fused MoE Triton kernel (run by Triton's interpreter on the
-CPU) against the per-expert torch reference: uneven loads, an expert with no tokens, top-k 1/2/8, experts held by
-another rank (expert parallelism)."""
+CPU) against the per-expert torch reference, its grid in either order: uneven loads, an expert with no tokens, top-k
+1/2/8, experts held by another rank (expert parallelism)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ def test_fused_moe_matches_reference(top_k: int, tokens: int, one_program: bool,
     # a larger row block: several experts' rows padded inside one block size, the heavy expert over several blocks
     cfg = MoEConfig(block_m=32, block_n_gate_up=16, block_n_down=32, block_k=16, num_warps=1, num_stages=1)
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=cfg), ref, atol=1e-5, rtol=1e-5)
+    # the grid in either order (row blocks first; or column blocks first, as launched past MAX_GRID_Y row blocks)
+    for n_first in (False, True):
+        cfg = MoEConfig(16, 8, 16, 16, 1, 1, n_first=n_first)
+        torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=cfg), ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(fm, "MAX_GRID_Y", 1)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=MoEConfig(16, 8, 16, 16, 1, 1)), ref,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_fused_moe_with_experts_held_elsewhere() -> None:

@@ -151,14 +151,24 @@ def _mma(a, b, FP32: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def _block_ids(N_FIRST: tl.constexpr):
+    """(row block, column block) of this program. N_FIRST: the grid's first (fastest) axis is the column block, so
+    the programs running at once share a few row blocks (their gathered rows of x stay in the L2 across the column
+    blocks) and an expert's weight tiles are reused by its row blocks while still cached; else the row block."""
+    if N_FIRST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
 # Sizes that change with the batch are not specialised on (a value of 1 or a multiple of 16 would otherwise compile
 # a variant of its own mid-serving, the first time some batch produced it).
 @triton.jit(do_not_specialize=["num_valid"])
 def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, inter_size, hidden,
                     stride_x, stride_we, stride_wn, stride_i,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
+                    N_FIRST: tl.constexpr):
+    pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -192,9 +202,9 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
 @triton.jit(do_not_specialize=["num_valid"])
 def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, hidden, inter_size,
                  stride_i, stride_we, stride_wn, stride_o,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
+                 N_FIRST: tl.constexpr):
+    pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -229,7 +239,10 @@ class MoEConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    n_first: bool = True  # the grid's order (`_block_ids`)
 
+
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis: more row blocks than this launch row-block-first
 
 # Per-shape overrides: (experts held, intermediate per rank, hidden) -> {max tokens: config}; the first entry whose
 # bound covers the batch wins. Shapes not listed use the heuristic below.
@@ -289,15 +302,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     out = (torch.zeros if partial_held else torch.empty)((n, hidden), dtype=x.dtype, device=x.device)
     fp32 = x.dtype == torch.float32
     opts = {} if interp else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch(_gate_up_kernel, (aligned.max_blocks, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, inter_cache,
+    n_first = cfg.n_first and aligned.max_blocks <= MAX_GRID_Y
+
+    def grid(n_blocks: int) -> tuple[int, int]:
+        return (n_blocks, aligned.max_blocks) if n_first else (aligned.max_blocks, n_blocks)
+
+    launch(_gate_up_kernel, grid(triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, inter_cache,
            aligned.sorted_ids, aligned.expert_ids, aligned.total, n, top_k, inter, hidden, x.stride(0),
            w13.stride(0), w13.stride(1), inter_cache.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
-           BLOCK_K=cfg.block_k, FP32=fp32, **opts)
+           BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, **opts)
     weights = topk_weights.reshape(-1).float().contiguous()
-    launch(_down_kernel, (aligned.max_blocks, triton.cdiv(hidden, cfg.block_n_down)), inter_cache, w2, out,
+    launch(_down_kernel, grid(triton.cdiv(hidden, cfg.block_n_down)), inter_cache, w2, out,
            weights, aligned.sorted_ids, aligned.expert_ids, aligned.total, n, hidden, inter, inter_cache.stride(0),
            w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k, FP32=fp32, **opts)
+           BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, **opts)
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -1,0 +1,22 @@
+"""bench_one_batch.profile_prefill on the CPU: a prefill's figures, and every KV slot and request row given back."""
+
+from __future__ import annotations
+
+from model_utils import make_runner, make_tiny_model
+
+from radixserve.bench_one_batch import print_profile, profile_prefill
+
+
+def test_profile_prefill_reports_and_frees(tmp_path, capsys) -> None:
+    make_tiny_model("llama", str(tmp_path))
+    runner = make_runner(str(tmp_path))
+    kv_free = runner.token_to_kv_pool.available_size()
+    rows_free = runner.req_to_token_pool.available_size()
+    p = profile_prefill(runner, 3, 7, seed=0, top=5)
+    assert p["prefill"] and (p["batch_size"], p["input_len"]) == (3, 7)
+    assert p["wall_ms"] > 0 and p["tokens_per_s"] > 0
+    assert p["kernels"] == 0 and p["top_kernels"] == []  # no CUDA kernels on the CPU
+    assert runner.token_to_kv_pool.available_size() == kv_free
+    assert runner.req_to_token_pool.available_size() == rows_free
+    print_profile(p)
+    assert "prefill of 3 x 7 tokens" in capsys.readouterr().out
