@@ -7,8 +7,10 @@ k_pe (qk_rope_head_dim values) shared by all heads. Head h's key is [W_UK_h c, k
 into the query and the output ("weight absorption"):
     q_h · k_h = (W_UK_h^T q_nope_h) · c + q_pe_h · k_pe,      o_h = W_UV_h (sum_j p_hj c_j),
 so the backend does multi-query attention with key [c, k_pe] (kv_lora_rank + rope dims), value c, and one KV head,
-reading the latent pool (`mem_cache/mla_memory_pool.py`) and never an expanded K/V. Prefill, chunked prefill on a
-cached prefix and decode all take this path.
+reading the latent pool (`mem_cache/mla_memory_pool.py`) and never an expanded K/V. Decode and short extends on a
+long cached prefix take this path; a prefill, whose cost is the products rather than the reads, expands its keys
+through kv_b_proj and attends in the heads' own dimensions (`triton_ops/mla_expanded.py`), 3.4x fewer
+multiply-adds a score at DeepSeek's shapes.
 
 The queries come from q_proj (q_lora_rank None, V2-Lite) or q_b_proj(RMSNorm(q_a_proj x)). Rotary dims are
 interleaved pairs in DeepSeek's checkpoints (V2 always; V3 when `rope_interleave`), with YaRN scaling as the configs
@@ -23,6 +25,7 @@ of its own rows. A rank without requests runs an IDLE forward: no attention, onl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -55,6 +58,9 @@ if TYPE_CHECKING:
 
 # tokens up to which q absorption, rotary, the latent norm and store run fused (`mla_prep.py`); None: every batch
 FUSED_PREP_TOKENS: int | None = None
+# prefills whose lengths favour it run in the expanded (multi-head) form (`_attend_expanded`); RADIXSERVE_MLA_EXPANDED=0
+# keeps every extend in the latent form
+EXPANDED_PREFILL = os.environ.get("RADIXSERVE_MLA_EXPANDED", "1") != "0"
 
 
 class DeepseekMLAAttention(nn.Module):
@@ -121,6 +127,8 @@ class DeepseekMLAAttention(nn.Module):
         t = first.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
         q = q.view(t, self.num_heads, self.nope + self.rope)
+        if self._expanded_fits(q, forward_batch):
+            return self.o_proj(self._attend_expanded(positions, q, kv_a, forward_batch))
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
         if 0 < t <= (FUSED_PREP_TOKENS or t) and use_fused(first) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
@@ -135,6 +143,56 @@ class DeepseekMLAAttention(nn.Module):
         o = self._attend_unfused(positions, q, kv_a, w_kc, forward_batch)
         o = torch.bmm(o.view(t, self.num_heads, self.rank).transpose(0, 1), w_vc.transpose(1, 2))  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+
+    def _expanded_fits(self, q: torch.Tensor, forward_batch: ForwardBatch) -> bool:
+        """A prefill (no decodes riding along) on CUDA or under the Triton interpreter, with a latent pool of the
+        activations' dtype, whose lengths make the expanded form the cheaper one (`mla_expanded.expanded_pays`)."""
+        from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+        from radixserve.layers.attention.triton_ops.mla_expanded import expanded_pays
+        from radixserve.model_executor.forward_batch_info import ForwardMode
+
+        fb = forward_batch
+        if not EXPANDED_PREFILL or fb.forward_mode != ForwardMode.EXTEND or fb.extend_seq_lens_cpu is None \
+                or fb.extend_prefix_lens_cpu is None or fb.out_cache_loc is None or q.shape[0] == 0 \
+                or not (q.is_cuda or is_interpreted()) or self.kv_b_proj.weight.dtype != q.dtype:
+            return False
+        if fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)[0].dtype != q.dtype:
+            return False
+        return expanded_pays(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, self.num_heads, self.rank,
+                             self.rope, self.nope, self.v_dim)
+
+    def _attend_expanded(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor,
+                         fb: ForwardBatch) -> torch.Tensor:
+        """A prefill in the expanded form (`triton_ops/mla_expanded.py`): the new latents and rotated keys go into
+        the pool, every key of each request (its cached prefix from the pool) is expanded through kv_b_proj, and
+        the heads attend in their own dimensions; returns [T, H * v_head_dim] for o_proj."""
+        from radixserve.layers.attention.triton_ops.mla_expanded import mla_expanded_extend
+
+        t = q.shape[0]
+        latent, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q[..., self.nope:], k_pe)
+        q = torch.cat([q[..., :self.nope], q_pe.reshape(t, self.num_heads, self.rope)], dim=-1)
+        rows = torch.cat([latent, k_pe.reshape(t, self.rope)], dim=-1)  # [T, rank + rope]
+        pool = fb.token_to_kv_pool
+        pool.set_kv_buffer(self.attn.layer_id, fb.out_cache_loc, rows.view(t, 1, -1), None)
+        ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        dev = q.device
+        if any(pre):  # each request's keys from the pool: its prefix and (stored just now) its new tokens
+            kv_lens = [e + p for e, p in zip(ext, pre, strict=True)]
+            keys = pool.get_kv_buffer(self.attn.layer_id)[0].view(-1, self.rank + self.rope)[
+                _key_slots(fb, kv_lens)]
+            kv_lens_d = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+            kv_start = torch.cumsum(kv_lens_d, 0, dtype=torch.int32) - kv_lens_d
+        else:
+            keys, kv_lens_d = rows, fb.extend_seq_lens.to(torch.int32)
+            kv_start = fb.extend_start_loc.to(torch.int32)
+        kv = self.kv_b_proj(keys[:, :self.rank]).view(-1, self.num_heads, self.nope + self.v_dim)
+        o = torch.empty((t, self.num_heads, self.v_dim), dtype=q.dtype, device=dev)
+        mla_expanded_extend(q, kv[..., :self.nope], kv[..., self.nope:], keys[:, self.rank:], o,
+                            fb.extend_start_loc.to(torch.int32), kv_start, fb.extend_seq_lens.to(torch.int32),
+                            kv_lens_d, max(ext), self.attn.scaling)
+        return o.view(t, self.num_heads * self.v_dim)
 
     def _prep_fused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_kc: torch.Tensor,
                     forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -167,6 +225,18 @@ class DeepseekMLAAttention(nn.Module):
         q_full = torch.cat([q_latent, q_pe.reshape(t, self.num_heads, self.rope)], dim=-1)
         k_full = torch.cat([latent, k_pe.reshape(t, self.rope)], dim=-1)  # [T, rank + rope]
         return self.attn(q_full.reshape(t, -1), k_full, latent, forward_batch)  # [T, H * rank]
+
+
+def _key_slots(fb: ForwardBatch, kv_lens: list[int]) -> torch.Tensor:
+    """The pool slots of every request's first kv_lens[b] tokens, request after request (one gather, no host
+    sync)."""
+    dev = fb.req_pool_indices.device
+    total = sum(kv_lens)
+    lens = torch.tensor(kv_lens, dtype=torch.int64, device=dev)
+    rows = torch.repeat_interleave(fb.req_pool_indices.to(torch.int64), lens, output_size=total)
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+    cols = torch.arange(total, device=dev) - starts
+    return fb.req_to_token_pool.req_to_token[rows, cols].to(torch.int64)
 
 
 class DeepseekMoE(nn.Module):
