@@ -156,42 +156,40 @@ class DeepseekMLAAttention(nn.Module):
                 or fb.extend_prefix_lens_cpu is None or fb.out_cache_loc is None or q.shape[0] == 0 \
                 or not (q.is_cuda or is_interpreted()) or self.kv_b_proj.weight.dtype != q.dtype:
             return False
-        if fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)[0].dtype != q.dtype:
+        pool_rows = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)[0]
+        if pool_rows.dtype != q.dtype or not pool_rows.is_contiguous():
             return False
         return expanded_pays(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, self.num_heads, self.rank,
                              self.rope, self.nope, self.v_dim)
 
     def _attend_expanded(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor,
                          fb: ForwardBatch) -> torch.Tensor:
-        """A prefill in the expanded form (`triton_ops/mla_expanded.py`): the new latents and rotated keys go into
-        the pool, every key of each request (its cached prefix from the pool) is expanded through kv_b_proj, and
-        the heads attend in their own dimensions; returns [T, H * v_head_dim] for o_proj."""
+        """A prefill in the expanded form (`triton_ops/mla_expanded.py`): one launch rotates q_pe and writes the new
+        tokens' key rows into the pool (`mla_expanded_prep`), every key of each request (its cached prefix too) is
+        expanded through kv_b_proj, and the heads attend in their own dimensions; returns [T, H * v_head_dim] for
+        o_proj."""
+        from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
         from radixserve.layers.attention.triton_ops.mla_expanded import mla_expanded_extend
+        from radixserve.layers.attention.triton_ops.mla_prep import mla_expanded_prep
 
         t = q.shape[0]
-        latent, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        q_pe, k_pe = self.rotary_emb(positions, q[..., self.nope:], k_pe)
-        q = torch.cat([q[..., :self.nope], q_pe.reshape(t, self.num_heads, self.rope)], dim=-1)
-        rows = torch.cat([latent, k_pe.reshape(t, self.rope)], dim=-1)  # [T, rank + rope]
-        pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(self.attn.layer_id, fb.out_cache_loc, rows.view(t, 1, -1), None)
+        rot, norm = self.rotary_emb, self.kv_a_layernorm
+        rows = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)[0].view(-1, self.rank + self.rope)
+        q = mla_expanded_prep(q, kv_a, positions, rot.cos_cache, rot.sin_cache, norm.weight, norm.eps,
+                              rot.is_neox_style, rows, fb.out_cache_loc, is_interpreted())
         ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        dev = q.device
         if any(pre):  # each request's keys from the pool: its prefix and (stored just now) its new tokens
             kv_lens = [e + p for e, p in zip(ext, pre, strict=True)]
-            keys = pool.get_kv_buffer(self.attn.layer_id)[0].view(-1, self.rank + self.rope)[
-                _key_slots(fb, kv_lens)]
-            kv_lens_d = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
-            kv_start = torch.cumsum(kv_lens_d, 0, dtype=torch.int32) - kv_lens_d
+            keys = rows[_key_slots(fb, kv_lens)]
+            kv_lens_d = torch.tensor(kv_lens, dtype=torch.int64).to(q.device, non_blocking=True)
+            kv_start = torch.cumsum(kv_lens_d, 0) - kv_lens_d
         else:
-            keys, kv_lens_d = rows, fb.extend_seq_lens.to(torch.int32)
-            kv_start = fb.extend_start_loc.to(torch.int32)
+            keys, kv_lens_d, kv_start = rows[fb.out_cache_loc], fb.extend_seq_lens, fb.extend_start_loc
         kv = self.kv_b_proj(keys[:, :self.rank]).view(-1, self.num_heads, self.nope + self.v_dim)
-        o = torch.empty((t, self.num_heads, self.v_dim), dtype=q.dtype, device=dev)
+        o = torch.empty((t, self.num_heads, self.v_dim), dtype=q.dtype, device=q.device)
         mla_expanded_extend(q, kv[..., :self.nope], kv[..., self.nope:], keys[:, self.rank:], o,
-                            fb.extend_start_loc.to(torch.int32), kv_start, fb.extend_seq_lens.to(torch.int32),
-                            kv_lens_d, max(ext), self.attn.scaling)
+                            fb.extend_start_loc, kv_start, fb.extend_seq_lens, kv_lens_d, max(ext),
+                            self.attn.scaling)
         return o.view(t, self.num_heads * self.v_dim)
 
     def _prep_fused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, w_kc: torch.Tensor,
@@ -232,7 +230,7 @@ def _key_slots(fb: ForwardBatch, kv_lens: list[int]) -> torch.Tensor:
     sync)."""
     dev = fb.req_pool_indices.device
     total = sum(kv_lens)
-    lens = torch.tensor(kv_lens, dtype=torch.int64, device=dev)
+    lens = torch.tensor(kv_lens, dtype=torch.int64).to(dev, non_blocking=True)
     rows = torch.repeat_interleave(fb.req_pool_indices.to(torch.int64), lens, output_size=total)
     starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
     cols = torch.arange(total, device=dev) - starts

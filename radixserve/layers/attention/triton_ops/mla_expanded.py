@@ -121,7 +121,7 @@ def mla_expanded_extend(q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, 
     from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
 
     interp = is_interpreted()
-    block_m, block_n, warps, stages = blocks or ((16, 16, 1, 1) if interp else (64, 64, 4, 2))
+    block_m, block_n, warps, stages = blocks or ((16, 16, 1, 1) if interp else (128, 64, 8, 3))
     launch(_mla_expanded_kernel, (bs, heads, triton.cdiv(max_ext, block_m)),
            q, k_nope, v, k_pe, o, q_start, kv_start, ext_lens, kv_lens, sm_scale * LOG2E,
            q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), v.stride(0), v.stride(1), k_pe.stride(0),

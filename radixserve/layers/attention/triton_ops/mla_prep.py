@@ -67,6 +67,35 @@ def _key_row(KVA, Positions, Cos, Sin, NormW, KOut, Loc, t, eps, stride_kva, str
               ROPE_HALF, HALF_PAD, NEOX)
 
 
+def mla_expanded_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                      sin_cache: torch.Tensor, norm_weight: torch.Tensor, eps: float, neox: bool, k_out: torch.Tensor,
+                      loc: torch.Tensor, interpreted: bool = False) -> torch.Tensor:
+    """The expanded form's preparation in one launch (a program per token): returns q [T, H, nope + rope] with
+    q_pe rotated, and writes the key rows [RMSNorm(c), rope(k_pe)] into rows `loc` of k_out (the latent pool's
+    [slots, rank + rope] view). Shapes as `mla_decode_prep`'s, without W_UK."""
+    t, heads, qk = q.shape
+    rank = norm_weight.shape[0]
+    rope = kv_a.shape[1] - rank
+    nope = qk - rope
+    if rope <= 0 or rope % 2 or nope <= 0 or kv_a.shape[0] != t or loc.shape != (t,) \
+            or k_out.shape[-1] != rank + rope:
+        raise ValueError(f"mla_expanded_prep: q {tuple(q.shape)}, kv_a {tuple(kv_a.shape)}, norm "
+                         f"{tuple(norm_weight.shape)}, k_out {tuple(k_out.shape)}, loc {tuple(loc.shape)} do not fit")
+    if q.stride(2) != 1 or kv_a.stride(1) != 1 or k_out.stride(-1) != 1 or cos_cache.stride(1) != 1 \
+            or cos_cache.stride() != sin_cache.stride():
+        raise ValueError("mla_expanded_prep: every operand needs unit stride in its last dimension")
+    q_full = torch.empty((t, heads, qk), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_full
+    launch(_mla_rows_kernel, (t,), q, q, kv_a, positions, cos_cache, sin_cache, norm_weight, q_full, k_out, loc,
+           heads, float(eps), q.stride(0), q.stride(1), q.stride(1), q.stride(0), kv_a.stride(0), q_full.stride(0),
+           q_full.stride(1), k_out.stride(0), cos_cache.stride(0), NOPE=nope, RANK=rank,
+           RANK_PAD=triton.next_power_of_2(rank), ROPE_HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2),
+           NEOX=neox, USE_LOC=True, QW=nope, QW_PAD=triton.next_power_of_2(nope),
+           **({} if interpreted else {"num_warps": 4}))
+    return q_full
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
 def _mla_prep_kernel(Q, KVA, Positions, Cos, Sin, WKC, NormW, QOut, KOut, Loc, num_tokens, eps,
                      stride_qt, stride_qh, stride_kva, stride_wh, stride_wn, stride_qot, stride_qoh, stride_ko,
@@ -103,17 +132,18 @@ def _mla_rows_kernel(Q, QLat, KVA, Positions, Cos, Sin, NormW, QOut, KOut, Loc, 
                      stride_qt, stride_qh, stride_lh, stride_lt, stride_kva, stride_qot, stride_qoh, stride_ko,
                      stride_cache,
                      NOPE: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_HALF: tl.constexpr,
-                     HALF_PAD: tl.constexpr, NEOX: tl.constexpr, USE_LOC: tl.constexpr):
-    """Program t (many tokens): q_full[t, h] = [QLat[h, t] (the absorption, a bmm before), rope(q_pe[t, h])] for
-    every head, and token t's key row."""
+                     HALF_PAD: tl.constexpr, NEOX: tl.constexpr, USE_LOC: tl.constexpr, QW: tl.constexpr,
+                     QW_PAD: tl.constexpr):
+    """Program t (many tokens): q_full[t, h] = [QLat[h, t] (QW values: the absorption, a bmm before; or q_nope
+    itself for the expanded form), rope(q_pe[t, h])] for every head, and token t's key row."""
     t = tl.program_id(0)
     pos = tl.load(Positions + t).to(tl.int64)
-    offs_c = tl.arange(0, RANK_PAD)
-    c_ok = offs_c < RANK
+    offs_c = tl.arange(0, QW_PAD)
+    c_ok = offs_c < QW
     for h in range(num_heads):
         lat = tl.load(QLat + h * stride_lh + t * stride_lt + offs_c, mask=c_ok, other=0.0)
         tl.store(QOut + t * stride_qot + h * stride_qoh + offs_c, lat.to(QOut.dtype.element_ty), mask=c_ok)
-        _rope_row(Q + t * stride_qt + h * stride_qh + NOPE, QOut + t * stride_qot + h * stride_qoh + RANK,
+        _rope_row(Q + t * stride_qt + h * stride_qh + NOPE, QOut + t * stride_qot + h * stride_qoh + QW,
                   Cos + pos * stride_cache, Sin + pos * stride_cache, ROPE_HALF, HALF_PAD, NEOX)
     _key_row(KVA, Positions, Cos, Sin, NormW, KOut, Loc, t, eps, stride_kva, stride_ko, stride_cache,
              RANK, RANK_PAD, ROPE_HALF, HALF_PAD, NEOX, USE_LOC)
@@ -149,7 +179,7 @@ def mla_decode_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor
                q_lat.stride(1), kv_a.stride(0), q_full.stride(0), q_full.stride(1), k_out.stride(0),
                cos_cache.stride(0), NOPE=nope, RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
                ROPE_HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2), NEOX=neox, USE_LOC=loc is not None,
-               **({} if interpreted else {"num_warps": 4}))
+               QW=rank, QW_PAD=triton.next_power_of_2(rank), **({} if interpreted else {"num_warps": 4}))
         return q_full
     block_r = 16 if interpreted else 64
     num_rb = triton.cdiv(rank, block_r)
