@@ -107,6 +107,9 @@ class ForwardBatch:
     # writes the batch's new KV slots into the request table and resolves ids in flight through the model runner's
     # future map; the tensor fields are the graph's buffers, which hold this batch from the replay on.
     decode_pack: torch.Tensor | None = None
+    # MLA's expanded prefill on cached prefixes: (pool slots of every request's keys, each request's first key row,
+    # its key count), built by the first layer and read by the others (models/deepseek_v2.py)
+    mla_key_layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def _init_graph_decode(cls, batch: ModelWorkerBatch, model_runner: ModelRunner,

@@ -179,10 +179,10 @@ class DeepseekMLAAttention(nn.Module):
                               rot.is_neox_style, rows, fb.out_cache_loc, is_interpreted())
         ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         if any(pre):  # each request's keys from the pool: its prefix and (stored just now) its new tokens
-            kv_lens = [e + p for e, p in zip(ext, pre, strict=True)]
-            keys = rows[_key_slots(fb, kv_lens)]
-            kv_lens_d = torch.tensor(kv_lens, dtype=torch.int64).to(q.device, non_blocking=True)
-            kv_start = torch.cumsum(kv_lens_d, 0) - kv_lens_d
+            if fb.mla_key_layout is None:  # the same for every layer: built once a forward
+                fb.mla_key_layout = _key_layout(fb, [e + p for e, p in zip(ext, pre, strict=True)])
+            slots, kv_start, kv_lens_d = fb.mla_key_layout
+            keys = rows[slots]
         else:
             keys, kv_lens_d, kv_start = rows[fb.out_cache_loc], fb.extend_seq_lens, fb.extend_start_loc
         kv = self.kv_b_proj(keys[:, :self.rank]).view(-1, self.num_heads, self.nope + self.v_dim)
@@ -225,16 +225,16 @@ class DeepseekMLAAttention(nn.Module):
         return self.attn(q_full.reshape(t, -1), k_full, latent, forward_batch)  # [T, H * rank]
 
 
-def _key_slots(fb: ForwardBatch, kv_lens: list[int]) -> torch.Tensor:
-    """The pool slots of every request's first kv_lens[b] tokens, request after request (one gather, no host
-    sync)."""
+def _key_layout(fb: ForwardBatch, kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pool slots of every request's first kv_lens[b] tokens, request after request, with each request's first
+    row among them and its count (device tensors; no host sync)."""
     dev = fb.req_pool_indices.device
     total = sum(kv_lens)
     lens = torch.tensor(kv_lens, dtype=torch.int64).to(dev, non_blocking=True)
+    starts = torch.cumsum(lens, 0) - lens
     rows = torch.repeat_interleave(fb.req_pool_indices.to(torch.int64), lens, output_size=total)
-    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
-    cols = torch.arange(total, device=dev) - starts
-    return fb.req_to_token_pool.req_to_token[rows, cols].to(torch.int64)
+    cols = torch.arange(total, device=dev) - torch.repeat_interleave(starts, lens, output_size=total)
+    return fb.req_to_token_pool.req_to_token[rows, cols].to(torch.int64), starts, lens
 
 
 class DeepseekMoE(nn.Module):
