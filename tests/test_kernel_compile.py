@@ -121,7 +121,8 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
     names = {s["name"] for s in specs}
     assert {"_rmsnorm_kernel", "_fp8_gemv_ew_kernel", "_fp8_gemv_rope_kernel", "_mla_decode_stage1_kernel",
             "_extend_kernel", "_decode_stage1_kernel", "_gemv_row_kernel", "_gemv_rope_kernel", "_mid_kernel",
-            "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel"} <= names, names
+            "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel", "_mla_expanded_kernel",
+            "_mla_rows_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
