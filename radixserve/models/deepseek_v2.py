@@ -154,7 +154,8 @@ class DeepseekMLAAttention(nn.Module):
         fb = forward_batch
         if not EXPANDED_PREFILL or fb.forward_mode != ForwardMode.EXTEND or fb.extend_seq_lens_cpu is None \
                 or fb.extend_prefix_lens_cpu is None or fb.out_cache_loc is None or q.shape[0] == 0 \
-                or not (q.is_cuda or is_interpreted()) or self.kv_b_proj.weight.dtype != q.dtype:
+                or not (q.is_cuda or is_interpreted()) or self.kv_b_proj.weight.dtype != q.dtype \
+                or getattr(self.kv_b_proj, "lora", None) is not None:  # the latent form reads its weight alone
             return False
         pool_rows = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)[0]
         if pool_rows.dtype != q.dtype or not pool_rows.is_contiguous():
