@@ -103,9 +103,9 @@ def mla_expanded_extend(q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, 
                         kv_lens: torch.Tensor, max_ext: int, sm_scale: float,
                         blocks: tuple[int, int, int, int] | None = None) -> None:
     """q [T, H, D + R] (the rotated part last); k_nope [S, H, D], v [S, H, DV] (views of kv_b_proj's output may
-    be passed: any row and head strides); k_pe [S, R]; o [T, H, DV]. The int32 vectors give each request's first
-    query row, first key row, new tokens and keys (see the module's text). blocks: (BLOCK_M, BLOCK_N, warps,
-    stages) instead of the default."""
+    be passed: any row and head strides); k_pe [S, R]; o [T, H, DV]. The integer vectors (int32 or int64) give each
+    request's first query row, first key row, new tokens and keys (see the module's text). blocks: (BLOCK_M,
+    BLOCK_N, warps, stages) instead of the default."""
     num_tokens, heads, qk_dim = q.shape
     d, dv, r = k_nope.shape[2], v.shape[2], k_pe.shape[1]
     if (qk_dim != d + r or k_nope.shape[1] != heads or v.shape[:2] != k_nope.shape[:2]
