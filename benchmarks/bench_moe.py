@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         small_batch.SMALL_BATCH_TOKENS = args.moe_small_batch_tokens
     server_args = ServerArgs.from_cli_args(args)
     if server_args.max_running_requests is None:
-        server_args.max_running_requests = max(args.batch_size)
+        server_args.max_running_requests = max(args.batch_size + (args.profile_prefill or [0])[:1])
     logging.basicConfig(level=server_args.log_level.upper())
     from radixserve.entrypoints.engine import resolve_model
 
