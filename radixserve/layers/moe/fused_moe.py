@@ -156,9 +156,13 @@ def _block_ids(N_FIRST: tl.constexpr):
     """(row block, column block) of this program. N_FIRST: the grid's first (fastest) axis is the column block, so
     the programs running at once share a few row blocks (their gathered rows of x stay in the L2 across the column
     blocks) and an expert's weight tiles are reused by its row blocks while still cached; else the row block."""
-    if N_FIRST:
-        return tl.program_id(1), tl.program_id(0)
-    return tl.program_id(0), tl.program_id(1)
+    if N_FIRST:  # one return after the branch: a return inside a constexpr branch followed by another is not
+        pid_m = tl.program_id(1)  # compiled as it is interpreted (perf-log.md, "A check that needs no GPU")
+        pid_n = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    return pid_m, pid_n
 
 
 # Sizes that change with the batch are not specialised on (a value of 1 or a multiple of 16 would otherwise compile
