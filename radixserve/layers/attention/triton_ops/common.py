@@ -18,6 +18,26 @@ def mma(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_step(qk, v, visible, m_i, l_i, acc, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
+                        ROWS_MAY_BE_EMPTY: tl.constexpr = False):
+    """One KV block of the online softmax over scores qk [BLOCK_M, BLOCK_N] (already times the scale and log2 e):
+    the running max m_i, sum l_i and output acc updated with p·v. `visible` is only read when MASKED.
+    ROWS_MAY_BE_EMPTY: a row may see no key of this block before it has seen any (sliding window); its running max
+    is then still -inf, and the exponentials are taken against 0 instead (so they give 0, not NaN)."""
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_ref = m_new
+    if ROWS_MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def window_start(seq_len, window):
     """The first KV position the last query of a seq_len-token sequence sees: seq_len - window under a sliding
     window (window > 0), else 0."""

@@ -17,28 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.common import LOG2E, mma
+from radixserve.layers.attention.triton_ops.common import LOG2E, mma, online_softmax_step
 from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit
 def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
                   ROWS_MAY_BE_EMPTY: tl.constexpr = False):
-    """One KV block of the online softmax; `visible` [BLOCK_M, BLOCK_N] is only read when MASKED.
-    ROWS_MAY_BE_EMPTY: a row may see no key of this block before it has seen any (sliding window); its running max
-    is then still -inf, and the exponentials are taken against 0 instead (so they give 0, not NaN)."""
+    """One KV block of the online softmax (`online_softmax_step`) with the scores q·k; `visible` [BLOCK_M, BLOCK_N]
+    is only read when MASKED."""
     qk = mma(q, tl.trans(k), DOT_FP32) * sm_scale_log2
-    if MASKED:
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    m_ref = m_new
-    if ROWS_MAY_BE_EMPTY:
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, DOT_FP32)
-    return m_new, l_i, acc
+    return online_softmax_step(qk, v, visible, m_i, l_i, acc, DOT_FP32, MASKED, ROWS_MAY_BE_EMPTY)
 
 
 @triton.jit

@@ -21,22 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.common import LOG2E, mma
+from radixserve.layers.attention.triton_ops.common import LOG2E, mma, online_softmax_step
 from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit
 def _expanded_step(q_n, q_r, kn, kr, v, visible, m_i, l_i, acc, scale_log2, DOT_FP32: tl.constexpr,
                    MASKED: tl.constexpr):
+    """One key block: the scores from the heads' own part and the shared rotated part, then the online softmax."""
     qk = (mma(q_n, tl.trans(kn), DOT_FP32) + mma(q_r, tl.trans(kr), DOT_FP32)) * scale_log2
-    if MASKED:
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_FP32)
-    return m_new, l_i, acc
+    return online_softmax_step(qk, v, visible, m_i, l_i, acc, DOT_FP32, MASKED)
 
 
 @triton.jit
@@ -81,8 +75,7 @@ def _mla_expanded_kernel(
         kn = tl.load(k_rows + t[:, None] * stride_kt, mask=d_ok, other=0.0)
         kr = tl.load(p_rows + t[:, None] * stride_pt, mask=r_ok, other=0.0)
         v = tl.load(v_rows + t[:, None] * stride_vt, mask=v_ok, other=0.0)
-        m_i, l_i, acc = _expanded_step(q_n, q_r, kn, kr, v, q_pos[:, None] >= 0, m_i, l_i, acc, scale_log2,
-                                       DOT_FP32, False)
+        m_i, l_i, acc = _expanded_step(q_n, q_r, kn, kr, v, None, m_i, l_i, acc, scale_log2, DOT_FP32, False)
     end = tl.minimum(kv_len, first_pos + BLOCK_M)
     for n0 in range(full_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
