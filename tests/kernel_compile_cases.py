@@ -2,7 +2,7 @@
 without TRITON_INTERPRET, where `@triton.jit` gives compilable functions). Prints one JSON line: {"probe": error or
 null, "results": {case: error or null}}. With `--specs FILE`: the kernels FILE lists (module, name, signature,
 constexprs: launches recorded under the interpreter, `test_kernel_compile.launch_specs`) instead of the cases
-below."""
+below; with `--tiles`: `tile_cases`, each also checked against sm_90's shared memory."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> None:
+def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, int] | None = None
+             ) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -28,7 +29,7 @@ def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> 
     if missing:
         raise ValueError(f"{fn.__name__}: no type given for {missing}")
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @triton.jit
@@ -84,6 +85,48 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     return out
 
 
+SM90_SHARED_MAX = 232_448  # the most dynamic shared memory an sm_90 block may opt into (227 KB)
+
+
+def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]]:
+    """Kernels at the tiles and launch options a GPU launch gives them for DeepSeek-V2's head sizes, in float32 and
+    bfloat16: each must fit sm_90's shared memory (`--tiles`)."""
+    import torch
+
+    from radixserve.layers.attention.triton_ops import mla_attention, mla_expanded
+
+    out = {}
+    for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        bm, bn, warps, stages = mla_expanded.default_blocks(dt)
+        fn = mla_expanded._mla_expanded_kernel
+        sig = {n: "i32" for n in fn.arg_names}
+        sig.update({n: "*" + name for n in ("Q", "K", "V", "KPE", "Out")})
+        sig.update({n: "*i32" for n in ("QStart", "KVStart", "ExtLens", "KVLens")}, scale_log2="fp32")
+        out[f"mla_expanded {name} {bm}x{bn}"] = (
+            fn, sig, dict(D=128, R=64, DV=128, BLOCK_D=128, BLOCK_R=64, BLOCK_DV=128, BLOCK_M=bm, BLOCK_N=bn,
+                          DOT_FP32=dt == torch.float32), dict(num_warps=warps, num_stages=stages))
+        fn = mla_attention._mla_decode_stage1_kernel
+        sig = {n: "i32" for n in fn.arg_names}
+        sig.update({n: "*" + name for n in ("Q", "KV_Buf", "Out")}, Mid_O="*fp32", Mid_LSE="*fp32",
+                   Req_to_token="*i32", Req_pool_indices="*i64", Seq_lens="*i32", Counters="*i32",
+                   sm_scale_log2="fp32")
+        out[f"mla_decode {name}"] = (
+            fn, sig, dict(C=512, R=64, BLOCK_C=512, BLOCK_R=64, BLOCK_H=16, BLOCK_N=mla_attention.DECODE_BLOCK_N,
+                          DOT_FP32=dt == torch.float32, DIRECT=True, MERGE=False, MERGE_SPLITS=1, PDL=1),
+            dict(num_warps=mla_attention.DECODE_WARPS, num_stages=mla_attention.DECODE_STAGES))
+    # the grouped GEMMs' largest heuristic tile (a large prefill), float32
+    from radixserve.layers.moe import fused_moe
+
+    cfg = fused_moe.moe_config(1 << 20, 1, 1, 1024, 1024)
+    for fn, block_n in ((fused_moe._gate_up_kernel, cfg.block_n_gate_up), (fused_moe._down_kernel, cfg.block_n_down)):
+        sig = {n: "*i32" if n in ("Sorted", "ExpertIds", "Total") else "i32" for n in fn.arg_names}
+        sig.update({n: "*fp32" for n in ("X", "W13", "Inter", "W2", "Out", "Weights") if n in fn.arg_names})
+        out[f"{fn.__name__} fp32 {cfg.block_m}x{block_n}"] = (
+            fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True),
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return out
+
+
 def recorded_cases(path: str) -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     import importlib
 
@@ -100,6 +143,15 @@ def main() -> None:
         print(json.dumps({"probe": f"{type(e).__name__}: {e}", "results": {}}))
         return
     results = {}
+    if sys.argv[1:2] == ["--tiles"]:
+        for name, (fn, sig, const, opts) in tile_cases().items():
+            try:
+                shared = _compile(fn, sig, const, opts).metadata.shared
+                results[name] = None if shared <= SM90_SHARED_MAX else f"{shared} bytes of shared memory"
+            except Exception as e:
+                results[name] = f"{type(e).__name__}: {str(e)[:2000]}"
+        print(json.dumps({"probe": None, "results": results}))
+        return
     todo = recorded_cases(sys.argv[2]) if sys.argv[1:2] == ["--specs"] else cases()
     for name, (fn, sig, const) in todo.items():
         try:
