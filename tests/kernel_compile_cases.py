@@ -124,6 +124,20 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
         out[f"{fn.__name__} fp32 {cfg.block_m}x{block_n}"] = (
             fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    # the router on the tensor cores (DeepSeek-V2-Lite's 64 experts top-6, DeepSeek-V3's 256 with its bias) and
+    # the top-k sum, at the GPU's launch options
+    from radixserve.layers.moe import gate_gemm
+
+    fn = gate_gemm._gate_block_kernel
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(X="*bf16", W="*bf16", Bias="*fp32", Logits="*fp32", Weights="*fp32", Ids="*i32", scaling="fp32")
+    for e_pad, k, block_t, block_k, sigmoid in ((64, 6, 32, 128, False), (256, 8, 16, 64, True)):
+        out[f"gate_block E={e_pad} k={k}"] = (
+            fn, sig, dict(BLOCK_T=block_t, E_PAD=e_pad, BLOCK_K=block_k, K=k, K_PAD=triton.next_power_of_2(k),
+                          SIGMOID=sigmoid, HAS_BIAS=sigmoid, RENORM=True, SELECT=True, UPCAST=False, PDL=1),
+            dict(num_warps=4, num_stages=3))
+    out["moe_sum k=6"] = (fused_moe._moe_sum_kernel, {"Rows": "*bf16", "Out": "*bf16", "hidden": "i32"},
+                          dict(K=6, BLOCK_H=1024), dict(num_warps=4))
     return out
 
 

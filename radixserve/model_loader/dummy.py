@@ -80,7 +80,9 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 42) -> None:
     name and the full model shape (not on the TP rank or size, nor on the order of parameters).
 
     Norm weights get 1 plus small noise (a model whose norms are all zero would output constants), biases and
-    matrices a normal distribution with std 0.02. The same seed gives the same weights on the same device type.
+    matrices a normal distribution with std 0.02; a parameter with a `dummy_dtype` (one a model holds in float32
+    while its checkpoints store it in the model's dtype: MoEGate's weight) is rounded to that dtype. The same seed
+    gives the same weights on the same device type.
     """
     for name, module, leaf, param in _parameters(model):
         device = param.device
@@ -99,6 +101,9 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 42) -> None:
             if loader is None or (len(shards) == 1 and shape == tuple(data.shape) and shard_id is None
                                   and not isinstance(module, RowParallelLinear)):
                 data.normal_(mean, std, generator=gen)  # held whole: generate in place
+                rounded = getattr(param, "dummy_dtype", data.dtype)  # a checkpoint's dtype (MoEGate's weight)
+                if rounded != data.dtype:
+                    data.copy_(data.to(rounded))
                 continue
             full = torch.empty(shape, dtype=data.dtype, device=device)
             full.normal_(mean, std, generator=gen)

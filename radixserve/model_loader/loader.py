@@ -112,6 +112,10 @@ def get_model(
         bar.close()
     with torch.no_grad():
         finish_quantization(model)
+        for module in model.modules():  # forms of weights derived once they are in (e.g. MoEGate's half copy)
+            hook = getattr(module, "after_weights_loaded", None)
+            if hook is not None:
+                hook()
     model.eval()
     if torch_device.type == "cuda":
         torch.cuda.synchronize(torch_device)

@@ -102,19 +102,53 @@ class MoEGate(nn.Module):
 
         # the one-launch router's counter (its last program puts it back to 0)
         self.register_buffer("done_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+        # the dtype a checkpoint of the model (built under it as torch's default) stores the gate in: random
+        # (dummy) weights are rounded to it, as loading such a checkpoint would give them
+        self.weight.dummy_dtype = torch.get_default_dtype()
+        # the weight in that dtype when it holds exactly those values (`after_weights_loaded`): many tokens' logits
+        # then run on the tensor cores (`gate_gemm.py`), the same float32 sums
+        self.weight_half: torch.Tensor | None = None
+
+    def after_weights_loaded(self) -> None:
+        """Called once the weights are in (model_loader): keep the half-precision copy when it is exact."""
+        half = self.weight.dummy_dtype
+        self.weight_half = None
+        if half in (torch.bfloat16, torch.float16) and self.weight.dtype == torch.float32:
+            w = self.weight.detach().to(half)
+            if torch.equal(w.float(), self.weight.detach()):
+                self.weight_half = w.contiguous()
+
+    def _half_fits(self, x: torch.Tensor) -> bool:
+        from radixserve.layers.moe.gate_gemm import gate_fits
+
+        return self.weight_half is not None and use_fused(x) and x.shape[0] > 1 and gate_fits(x, self.weight_half) \
+            and self.weight_half.device == x.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._half_fits(x):
+            from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+            from radixserve.layers.moe.gate_gemm import gate_logits
+
+            return gate_logits(x, self.weight_half, is_interpreted())
         return F.linear(x.float(), self.weight.float())
 
     def route(self, x: torch.Tensor, cfg: RouterConfig, norm: tuple[torch.Tensor, nn.Module] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """`select_experts(self(x), cfg, bias)` in one launch where it applies (CUDA or forced kernels, at most
-        GATE_TOPK_TOKENS tokens, an ungrouped router, a float32 weight): (weights, ids, the experts' input, the new
-        residual or None); None elsewhere (the caller then runs the linear layer and select_experts).
+        """`select_experts(self(x), cfg, bias)` in one launch where it applies (CUDA or forced kernels, an ungrouped
+        router; at most GATE_TOPK_TOKENS tokens with a float32 weight, more with the exact half-precision copy):
+        (weights, ids, the experts' input, the new residual or None); None elsewhere (the caller then runs the
+        linear layer and select_experts).
         With `norm` = (residual, an RMSNorm), x is the block's input before that norm: the same launch does the
         residual add and the norm (`fused_add_rmsnorm`'s arithmetic) and returns its two outputs."""
         from radixserve.layers.moe import topk_kernel
 
+        if norm is None and (cfg.num_groups or 1) == 1 and self._half_fits(x):
+            from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
+            from radixserve.layers.moe.gate_gemm import gate_topk_blocks
+
+            w, ids = gate_topk_blocks(x, self.weight_half, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize,
+                                      cfg.routed_scaling_factor, self.e_score_correction_bias, is_interpreted())
+            return w, ids, x, None
         if not use_fused(x) or x.shape[0] > topk_kernel.GATE_TOPK_TOKENS or (cfg.num_groups or 1) != 1 \
                 or x.dim() != 2 or x.stride(-1) != 1 or self.weight.dtype != torch.float32 \
                 or self.done_counter.device != x.device:

@@ -6,13 +6,13 @@ Up to HEAD_PROGRAM_TOKENS tokens (decode at small batch), one launch: program (h
 BLOCK_R): q_full[t, h, r-block] = q_nope[t, h] · W_UK[h][:, r-block] for every token (the head's W_UK block read
 once, held in registers); program (h, R): q_full[t, h, rank:] = rope(q_pe[t, h]); program (0, R) also writes every
 token's key row [RMSNorm(c) · w, rope(k_pe)] — into the latent pool at the token's slot (`loc`) when given, else
-into `k_out`. More tokens (large decode batches, prefill): the absorption is one batched GEMM, then one program
-per token copies its latent queries into q_full, rotates its q_pe and writes its key row. Rotation pairs are
+into `k_out`. More tokens (large decode batches, prefill): the absorption is one batched GEMM writing into q_full,
+then one program per token rotates its q_pe and writes its key row. Rotation pairs are
 interleaved (DeepSeek's checkpoints) or neox halves. The arithmetic is the torch path's: float32, the RMSNorm
 rounded as `RMSNorm` rounds, one rounding per output.
 
 `mla_absorb_out` is the output side: o_proj's input [T, H·v] = per head the attention output (over the latent)
-times W_UV^T, in one launch up to HEAD_PROGRAM_TOKENS tokens (a bmm and a transposing copy beyond).
+times W_UV^T, in one launch up to HEAD_PROGRAM_TOKENS tokens (a bmm into the output's layout beyond).
 """
 
 from __future__ import annotations
@@ -133,16 +133,17 @@ def _mla_rows_kernel(Q, QLat, KVA, Positions, Cos, Sin, NormW, QOut, KOut, Loc, 
                      stride_cache,
                      NOPE: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_HALF: tl.constexpr,
                      HALF_PAD: tl.constexpr, NEOX: tl.constexpr, USE_LOC: tl.constexpr, QW: tl.constexpr,
-                     QW_PAD: tl.constexpr):
-    """Program t (many tokens): q_full[t, h] = [QLat[h, t] (QW values: the absorption, a bmm before; or q_nope
-    itself for the expanded form), rope(q_pe[t, h])] for every head, and token t's key row."""
+                     QW_PAD: tl.constexpr, COPY_Q: tl.constexpr = True):
+    """Program t (many tokens): q_full[t, h] = [QLat[h, t] (QW values: q_nope itself for the expanded form; the
+    absorption's bmm writes them in place, COPY_Q False), rope(q_pe[t, h])] for every head, and token t's key row."""
     t = tl.program_id(0)
     pos = tl.load(Positions + t).to(tl.int64)
     offs_c = tl.arange(0, QW_PAD)
     c_ok = offs_c < QW
     for h in range(num_heads):
-        lat = tl.load(QLat + h * stride_lh + t * stride_lt + offs_c, mask=c_ok, other=0.0)
-        tl.store(QOut + t * stride_qot + h * stride_qoh + offs_c, lat.to(QOut.dtype.element_ty), mask=c_ok)
+        if COPY_Q:
+            lat = tl.load(QLat + h * stride_lh + t * stride_lt + offs_c, mask=c_ok, other=0.0)
+            tl.store(QOut + t * stride_qot + h * stride_qoh + offs_c, lat.to(QOut.dtype.element_ty), mask=c_ok)
         _rope_row(Q + t * stride_qt + h * stride_qh + NOPE, QOut + t * stride_qot + h * stride_qoh + QW,
                   Cos + pos * stride_cache, Sin + pos * stride_cache, ROPE_HALF, HALF_PAD, NEOX)
     _key_row(KVA, Positions, Cos, Sin, NormW, KOut, Loc, t, eps, stride_kva, stride_ko, stride_cache,
@@ -172,14 +173,15 @@ def mla_decode_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor
     q_full = torch.empty((t, heads, rank + rope), dtype=q.dtype, device=q.device)
     if t == 0:
         return q_full
-    if t > HEAD_PROGRAM_TOKENS:  # the absorption as one batched GEMM, the rest a program per token
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_kc)  # [H, T, rank]
-        launch(_mla_rows_kernel, (t,), q, q_lat, kv_a, positions, cos_cache, sin_cache, norm_weight, q_full, k_out,
-               loc if loc is not None else positions, heads, float(eps), q.stride(0), q.stride(1), q_lat.stride(0),
-               q_lat.stride(1), kv_a.stride(0), q_full.stride(0), q_full.stride(1), k_out.stride(0),
+    if t > HEAD_PROGRAM_TOKENS:  # the absorption as one batched GEMM into q_full, the rest a program per token
+        torch.bmm(q[..., :nope].transpose(0, 1), w_kc, out=q_full[..., :rank].transpose(0, 1))  # [H, T, rank]
+        launch(_mla_rows_kernel, (t,), q, q_full, kv_a, positions, cos_cache, sin_cache, norm_weight, q_full, k_out,
+               loc if loc is not None else positions, heads, float(eps), q.stride(0), q.stride(1), 0, 0,
+               kv_a.stride(0), q_full.stride(0), q_full.stride(1), k_out.stride(0),
                cos_cache.stride(0), NOPE=nope, RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
                ROPE_HALF=rope // 2, HALF_PAD=triton.next_power_of_2(rope // 2), NEOX=neox, USE_LOC=loc is not None,
-               QW=rank, QW_PAD=triton.next_power_of_2(rank), **({} if interpreted else {"num_warps": 4}))
+               QW=rank, QW_PAD=triton.next_power_of_2(rank), COPY_Q=False,
+               **({} if interpreted else {"num_warps": 4}))
         return q_full
     block_r = 16 if interpreted else 64
     num_rb = triton.cdiv(rank, block_r)
@@ -216,9 +218,10 @@ def mla_absorb_out(o: torch.Tensor, w_vc: torch.Tensor, interpreted: bool = Fals
     v = w_vc.shape[1]
     if w_vc.shape != (heads, v, rank) or o.stride(2) != 1 or w_vc.stride(2) != 1:
         raise ValueError(f"mla_absorb_out: o {tuple(o.shape)} and w_vc {tuple(w_vc.shape)} do not fit together")
-    if t > HEAD_PROGRAM_TOKENS:  # a batched GEMM and the transposing copy
-        return torch.bmm(o.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1).reshape(t, heads * v)
     out = torch.empty((t, heads * v), dtype=o.dtype, device=o.device)
+    if t > HEAD_PROGRAM_TOKENS:  # a batched GEMM writing [T, H·v] through a transposed view (no copy after it)
+        torch.bmm(o.transpose(0, 1), w_vc.transpose(1, 2), out=out.view(t, heads, v).transpose(0, 1))
+        return out
     if t == 0:
         return out
     block_v = 16

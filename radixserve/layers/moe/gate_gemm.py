@@ -1,0 +1,135 @@
+"""The router for many tokens on the tensor cores: float32 logits of half-precision operands, and the top-k.
+
+The router's logits are float32 (`MoEGate`: x.float() @ W.float()), which cuBLAS runs on the CUDA cores with a
+separate cast of x. When the gate's weights are exactly half-precision values (a bf16 checkpoint's always are) and
+x is in that dtype, a bf16 x bf16 product accumulated in float32 computes the same sums: each product is exact in
+float32, only the order of the additions differs, as between any two GEMM algorithms. One launch per layer:
+program p takes BLOCK_T tokens and all experts (E <= 256), sums over the hidden dim on the tensor cores, then either
+stores the logits or selects each token's experts as `_select_row` does (scores, bias, repeated argmax,
+renormalisation, scaling), for routers without expert groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.layers.triton_ops import pdl
+from radixserve.layers.triton_ops.launch import launch
+from radixserve.layers.triton_ops.pdl import pdl_prologue
+
+MAX_EXPERTS = 256  # every expert's logit of a token in one program's registers
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _gate_block_kernel(X, W, Bias, Logits, Weights, Ids, num_tokens, num_experts, hidden, stride_x, scaling,
+                       BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, K: tl.constexpr,
+                       K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                       SELECT: tl.constexpr, UPCAST: tl.constexpr = False, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, E_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_ok = rows < num_tokens
+    e_ok = offs_e < num_experts
+    x_ptrs = X + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+    w_ptrs = W + offs_e[None, :].to(tl.int64) * hidden + offs_k[:, None]  # W^T's [BLOCK_K, E_PAD] tile
+    acc = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        x = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies bf16 operands wrongly; float32 gives the same sums
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, w)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SELECT:
+        valid = e_ok[None, :]  # (rows past the tokens hold zeros: finite scores, never stored)
+        if SIGMOID:
+            scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-acc)), 0.0)
+        else:
+            logits = tl.where(valid, acc, float("-inf"))
+            p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            scores = p / tl.sum(p, axis=1)[:, None]
+        choice = scores
+        if HAS_BIAS:
+            choice = choice + tl.load(Bias + offs_e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+        choice = tl.where(e_ok[None, :], choice, float("-inf"))
+        offs_j = tl.arange(0, K_PAD)
+        w_out = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+        i_out = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+        for j in tl.static_range(K):
+            best = tl.argmax(choice, axis=1)
+            hit = offs_e[None, :] == best[:, None]
+            w_j = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+            w_out = tl.where(offs_j[None, :] == j, w_j[:, None], w_out)
+            i_out = tl.where(offs_j[None, :] == j, best.to(tl.int32)[:, None], i_out)
+            choice = tl.where(hit, float("-inf"), choice)
+        if RENORM:
+            total = tl.sum(w_out, axis=1)
+            if SIGMOID:
+                total += 1e-20
+            w_out = w_out / total[:, None]
+        mask = r_ok[:, None] & (offs_j[None, :] < K)
+        out = rows[:, None].to(tl.int64) * K + offs_j[None, :]
+        tl.store(Weights + out, w_out * scaling, mask=mask)
+        tl.store(Ids + out, i_out, mask=mask)
+    else:
+        tl.store(Logits + rows[:, None].to(tl.int64) * num_experts + offs_e[None, :], acc,
+                 mask=r_ok[:, None] & e_ok[None, :])
+
+
+def gate_fits(x: torch.Tensor, weight_half: torch.Tensor) -> bool:
+    """Whether `gate_logits` / `gate_topk_blocks` take x [T, H] with this [E, H] half-precision weight."""
+    return (x.dim() == 2 and x.dtype == weight_half.dtype and x.stride(-1) == 1
+            and weight_half.shape[1] == x.shape[1] and weight_half.shape[0] <= MAX_EXPERTS
+            and weight_half.is_contiguous())
+
+
+def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, interpreted: bool
+            ) -> tuple[torch.Tensor, ...]:
+    if not gate_fits(x, weight_half):
+        raise ValueError(f"MoE gate: x {tuple(x.shape)} {x.dtype} does not fit the weight "
+                         f"{tuple(weight_half.shape)} {weight_half.dtype} (same dtype, <= {MAX_EXPERTS} experts)")
+    t, hidden = x.shape
+    num_experts = weight_half.shape[0]
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    block_t = 16 if interpreted or e_pad >= 256 else 32
+    block_k = 16 if interpreted else 64 if e_pad >= 256 else 128
+    opts = {} if interpreted else {"num_warps": 4, "num_stages": 3, **pdl.launch_opts(x)}
+    if select is None:
+        logits = torch.empty((t, num_experts), dtype=torch.float32, device=x.device)
+        outs: tuple[torch.Tensor, ...] = (logits,)
+        top_k, sigmoid, renorm, scaling, bias = 1, False, False, 1.0, None
+        weights = ids = logits
+    else:
+        top_k, sigmoid, renorm, scaling, bias = select
+        weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+        ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+        logits = weights
+        outs = (weights, ids)
+    if t:
+        launch(_gate_block_kernel, (triton.cdiv(t, block_t),), x, weight_half,
+               bias if bias is not None else weights, logits, weights, ids, t, num_experts, hidden, x.stride(0),
+               float(scaling), BLOCK_T=block_t, E_PAD=e_pad, BLOCK_K=block_k, K=top_k,
+               K_PAD=triton.next_power_of_2(top_k), SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renorm,
+               SELECT=select is not None, UPCAST=interpreted, **opts)
+    return outs
+
+
+def gate_logits(x: torch.Tensor, weight_half: torch.Tensor, interpreted: bool = False) -> torch.Tensor:
+    """float32 [T, E] = x [T, H] @ weight_half [E, H]^T, summed in float32 (x in weight_half's dtype)."""
+    return _launch(x, weight_half, None, interpreted)[0]
+
+
+def gate_topk_blocks(x: torch.Tensor, weight_half: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool,
+                     scaling: float, correction_bias: torch.Tensor | None = None, interpreted: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_topk(gate_logits(x, weight_half), ...)` in one launch: (weights float32 [T, k], ids int32 [T, k])."""
+    if not 1 <= top_k <= weight_half.shape[0]:
+        raise ValueError(f"MoE gate: top_k {top_k} must be in 1..{weight_half.shape[0]}")
+    weights, ids = _launch(x, weight_half, (top_k, sigmoid, renormalize, scaling, correction_bias), interpreted)
+    return weights, ids
