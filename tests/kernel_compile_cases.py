@@ -128,14 +128,19 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
     # the top-k sum, at the GPU's launch options
     from radixserve.layers.moe import gate_gemm
 
-    fn = gate_gemm._gate_block_kernel
+    fn = gate_gemm._gate_partial_kernel
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update(X="*bf16", W="*bf16", Bias="*fp32", Logits="*fp32", Weights="*fp32", Ids="*i32", scaling="fp32")
-    for e_pad, k, block_t, block_k, sigmoid in ((64, 6, 32, 128, False), (256, 8, 16, 64, True)):
-        out[f"gate_block E={e_pad} k={k}"] = (
-            fn, sig, dict(BLOCK_T=block_t, E_PAD=e_pad, BLOCK_K=block_k, K=k, K_PAD=triton.next_power_of_2(k),
-                          SIGMOID=sigmoid, HAS_BIAS=sigmoid, RENORM=True, SELECT=True, UPCAST=False, PDL=1),
-            dict(num_warps=4, num_stages=3))
+    sig.update(X="*bf16", W="*bf16", Partials="*fp32")
+    for e_pad, block_k in ((64, 128), (256, 64)):
+        out[f"gate_partial E={e_pad}"] = (fn, sig, dict(BLOCK_T=16, E_PAD=e_pad, BLOCK_K=block_k, UPCAST=False, PDL=1),
+                                          dict(num_warps=4, num_stages=3))
+    fn = gate_gemm._gate_finish_kernel
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(Partials="*fp32", Bias="*fp32", Logits="*fp32", Weights="*fp32", Ids="*i32", scaling="fp32")
+    for e_pad, k, sigmoid in ((64, 6, False), (256, 8, True)):
+        out[f"gate_finish E={e_pad} k={k}"] = (
+            fn, sig, dict(SPLITS=8, BLOCK_T=4, E_PAD=e_pad, K=k, K_PAD=triton.next_power_of_2(k), SIGMOID=sigmoid,
+                          HAS_BIAS=sigmoid, RENORM=True, SELECT=True, PDL=1), dict(num_warps=4))
     out["moe_sum k=6"] = (fused_moe._moe_sum_kernel, {"Rows": "*bf16", "Out": "*bf16", "hidden": "i32"},
                           dict(K=6, BLOCK_H=1024), dict(num_warps=4))
     return out

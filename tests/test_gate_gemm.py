@@ -44,7 +44,7 @@ def _same_choice(w: torch.Tensor, ids: torch.Tensor, w_ref: torch.Tensor, ids_re
     ("softmax", True, False, 1, 5, 128)])
 def test_gate_topk_in_one_launch_equals_linear_then_router(scoring: str, renorm: bool, bias: bool, k: int,
                                                            tokens: int, experts: int) -> None:
-    x, w = _inputs(tokens, experts, 48, k + tokens)
+    x, w = _inputs(tokens, experts, 96, k + tokens)  # 96: the hidden dim in 3 chunks
     g = torch.Generator().manual_seed(7)
     correction = (torch.randn(experts, generator=g) * 0.5).to(DEVICE) if bias else None
     cfg = RouterConfig(experts, k, scoring, renorm, routed_scaling_factor=2.5)

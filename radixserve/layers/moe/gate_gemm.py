@@ -3,10 +3,11 @@
 The router's logits are float32 (`MoEGate`: x.float() @ W.float()), which cuBLAS runs on the CUDA cores with a
 separate cast of x. When the gate's weights are exactly half-precision values (a bf16 checkpoint's always are) and
 x is in that dtype, a bf16 x bf16 product accumulated in float32 computes the same sums: each product is exact in
-float32, only the order of the additions differs, as between any two GEMM algorithms. One launch per layer:
-program p takes BLOCK_T tokens and all experts (E <= 256), sums over the hidden dim on the tensor cores, then either
-stores the logits or selects each token's experts as `_select_row` does (scores, bias, repeated argmax,
-renormalisation, scaling), for routers without expert groups.
+float32, only the order of the additions differs, as between any two GEMM algorithms. Two launches per layer:
+program (p, s) of the first takes BLOCK_T tokens and all experts (E <= 256) and sums over the s-th chunk of the
+hidden dim on the tensor cores (the chunks make enough programs for a batch of a few hundred tokens); the second
+adds each token's chunks in order and stores the logits, or selects the token's experts as `_select_row` does
+(scores, bias, repeated argmax, renormalisation, scaling), for routers without expert groups.
 """
 
 from __future__ import annotations
@@ -23,21 +24,24 @@ MAX_EXPERTS = 256  # every expert's logit of a token in one program's registers
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _gate_block_kernel(X, W, Bias, Logits, Weights, Ids, num_tokens, num_experts, hidden, stride_x, scaling,
-                       BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, K: tl.constexpr,
-                       K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       SELECT: tl.constexpr, UPCAST: tl.constexpr = False, PDL: tl.constexpr = 0):
+def _gate_partial_kernel(X, W, Partials, num_tokens, num_experts, hidden, stride_x, k_chunk,
+                         BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                         UPCAST: tl.constexpr = False, PDL: tl.constexpr = 0):
+    """Program (p, s): float32 sums over hidden [s·k_chunk, (s+1)·k_chunk) of BLOCK_T tokens' logits, every
+    expert, into Partials[s]."""
     pdl_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
     offs_e = tl.arange(0, E_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = split * k_chunk + tl.arange(0, BLOCK_K)
     r_ok = rows < num_tokens
     e_ok = offs_e < num_experts
     x_ptrs = X + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :]
     w_ptrs = W + offs_e[None, :].to(tl.int64) * hidden + offs_k[:, None]  # W^T's [BLOCK_K, E_PAD] tile
+    end = tl.minimum(hidden, (split + 1) * k_chunk)
     acc = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = offs_k < hidden - k0
+    for k0 in range(split * k_chunk, end, BLOCK_K):
+        k_ok = offs_k < end - (k0 - split * k_chunk)
         x = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
         if UPCAST:  # Triton's interpreter multiplies bf16 operands wrongly; float32 gives the same sums
@@ -46,6 +50,28 @@ def _gate_block_kernel(X, W, Bias, Logits, Weights, Ids, num_tokens, num_experts
         acc += tl.dot(x, w)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    out = Partials + split * num_tokens * num_experts
+    tl.store(out + rows[:, None].to(tl.int64) * num_experts + offs_e[None, :], acc,
+             mask=r_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _gate_finish_kernel(Partials, Bias, Logits, Weights, Ids, num_tokens, num_experts, scaling,
+                        SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
+                        K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                        SELECT: tl.constexpr, PDL: tl.constexpr = 0):
+    """BLOCK_T tokens: the logits (the partial sums added in order), then, SELECT, the experts as `_select_row`
+    chooses them; else the logits stored."""
+    pdl_prologue(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, E_PAD)
+    r_ok = rows < num_tokens
+    e_ok = offs_e < num_experts
+    at = rows[:, None].to(tl.int64) * num_experts + offs_e[None, :]
+    mask = r_ok[:, None] & e_ok[None, :]
+    acc = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(Partials + s * num_tokens * num_experts + at, mask=mask, other=0.0)
     if SELECT:
         valid = e_ok[None, :]  # (rows past the tokens hold zeros: finite scores, never stored)
         if SIGMOID:
@@ -57,7 +83,7 @@ def _gate_block_kernel(X, W, Bias, Logits, Weights, Ids, num_tokens, num_experts
         choice = scores
         if HAS_BIAS:
             choice = choice + tl.load(Bias + offs_e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
-        choice = tl.where(e_ok[None, :], choice, float("-inf"))
+        choice = tl.where(valid, choice, float("-inf"))
         offs_j = tl.arange(0, K_PAD)
         w_out = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
         i_out = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
@@ -73,13 +99,12 @@ def _gate_block_kernel(X, W, Bias, Logits, Weights, Ids, num_tokens, num_experts
             if SIGMOID:
                 total += 1e-20
             w_out = w_out / total[:, None]
-        mask = r_ok[:, None] & (offs_j[None, :] < K)
+        kmask = r_ok[:, None] & (offs_j[None, :] < K)
         out = rows[:, None].to(tl.int64) * K + offs_j[None, :]
-        tl.store(Weights + out, w_out * scaling, mask=mask)
-        tl.store(Ids + out, i_out, mask=mask)
+        tl.store(Weights + out, w_out * scaling, mask=kmask)
+        tl.store(Ids + out, i_out, mask=kmask)
     else:
-        tl.store(Logits + rows[:, None].to(tl.int64) * num_experts + offs_e[None, :], acc,
-                 mask=r_ok[:, None] & e_ok[None, :])
+        tl.store(Logits + at, acc, mask=mask)
 
 
 def gate_fits(x: torch.Tensor, weight_half: torch.Tensor) -> bool:
@@ -87,6 +112,13 @@ def gate_fits(x: torch.Tensor, weight_half: torch.Tensor) -> bool:
     return (x.dim() == 2 and x.dtype == weight_half.dtype and x.stride(-1) == 1
             and weight_half.shape[1] == x.shape[1] and weight_half.shape[0] <= MAX_EXPERTS
             and weight_half.is_contiguous())
+
+
+def _splits(t: int, hidden: int, block_t: int, block_k: int, num_sms: int) -> int:
+    """Hidden-dim chunks per token block: about two programs a SM in all (a batch of 256 tokens is only 16 token
+    blocks), each chunk at least two BLOCK_K steps."""
+    blocks = triton.cdiv(t, block_t)
+    return max(1, min(triton.cdiv(2 * num_sms, blocks), hidden // (2 * block_k), 16))
 
 
 def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, interpreted: bool
@@ -97,9 +129,11 @@ def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, in
     t, hidden = x.shape
     num_experts = weight_half.shape[0]
     e_pad = max(16, triton.next_power_of_2(num_experts))
-    block_t = 16 if interpreted or e_pad >= 256 else 32
-    block_k = 16 if interpreted else 64 if e_pad >= 256 else 128
-    opts = {} if interpreted else {"num_warps": 4, "num_stages": 3, **pdl.launch_opts(x)}
+    block_t, block_k = (16, 16) if interpreted else (16, 64 if e_pad >= 256 else 128)
+    sms = 4 if interpreted else torch.cuda.get_device_properties(x.device).multi_processor_count
+    splits = _splits(t, hidden, block_t, block_k, sms)
+    k_chunk = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
+    splits = triton.cdiv(hidden, k_chunk)
     if select is None:
         logits = torch.empty((t, num_experts), dtype=torch.float32, device=x.device)
         outs: tuple[torch.Tensor, ...] = (logits,)
@@ -112,11 +146,17 @@ def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, in
         logits = weights
         outs = (weights, ids)
     if t:
-        launch(_gate_block_kernel, (triton.cdiv(t, block_t),), x, weight_half,
-               bias if bias is not None else weights, logits, weights, ids, t, num_experts, hidden, x.stride(0),
-               float(scaling), BLOCK_T=block_t, E_PAD=e_pad, BLOCK_K=block_k, K=top_k,
-               K_PAD=triton.next_power_of_2(top_k), SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renorm,
-               SELECT=select is not None, UPCAST=interpreted, **opts)
+        partials = torch.empty((splits, t, num_experts), dtype=torch.float32, device=x.device)
+        opts = {} if interpreted else {"num_warps": 4, "num_stages": 3, **pdl.launch_opts(x)}
+        launch(_gate_partial_kernel, (triton.cdiv(t, block_t), splits), x, weight_half, partials, t, num_experts,
+               hidden, x.stride(0), k_chunk, BLOCK_T=block_t, E_PAD=e_pad, BLOCK_K=block_k, UPCAST=interpreted,
+               **opts)
+        fin_t = 16 if interpreted else 4
+        opts = {} if interpreted else {"num_warps": 4, **pdl.launch_opts(x)}
+        launch(_gate_finish_kernel, (triton.cdiv(t, fin_t),), partials, bias if bias is not None else weights,
+               logits, weights, ids, t, num_experts, float(scaling), SPLITS=splits, BLOCK_T=fin_t, E_PAD=e_pad,
+               K=top_k, K_PAD=triton.next_power_of_2(top_k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
+               RENORM=renorm, SELECT=select is not None, **opts)
     return outs
 
 
