@@ -141,6 +141,30 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
         out[f"gate_finish E={e_pad} k={k}"] = (
             fn, sig, dict(SPLITS=8, BLOCK_T=4, E_PAD=e_pad, K=k, K_PAD=triton.next_power_of_2(k), SIGMOID=sigmoid,
                           HAS_BIAS=sigmoid, RENORM=True, SELECT=True, PDL=1), dict(num_warps=4))
+    # the MHA kernels' GPU defaults in float32, the largest tiles: extend at head dims 64 / 128 / 256, decode at 256
+    from radixserve.layers.attention.triton_ops import decode_attention, extend_attention
+
+    fn = extend_attention._extend_kernel
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update({n: "*fp32" for n in ("Q", "K_Ext", "V_Ext", "Out", "K_Buf", "V_Buf")}, sm_scale_log2="fp32",
+               prefix_scale_log2="fp32", v_scale="fp32")
+    sig.update({n: "*i32" for n in ("Req_to_token", "Req_pool_indices", "Prefix_lens", "Extend_lens", "Extend_start")})
+    for hd in (64, 128, 256):
+        bm, bn, warps, stages = extend_attention._default_blocks(hd, False)
+        out[f"extend fp32 d={hd}"] = (fn, sig, dict(GROUP=4, HEAD_DIM=hd, BLOCK_D=hd, BLOCK_M=bm, BLOCK_N=bn,
+                                                    DOT_FP32=True, KV_FP8=False, SLIDING=False),
+                                      dict(num_warps=warps, num_stages=stages))
+    fn = decode_attention._decode_stage1_kernel
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update({n: "*fp32" for n in ("Q", "K_Buf", "V_Buf", "Out", "Mid_O", "Mid_LSE")}, sm_scale_log2="fp32",
+               v_scale="fp32")
+    sig.update({n: "*i32" for n in ("Req_to_token", "Req_pool_indices", "Seq_lens", "Counters")})
+    block_h = decode_attention._block_h(8, True)
+    out["decode fp32 d=256 group 8"] = (
+        fn, sig, dict(GROUP=8, HEAD_BLOCKS=triton.cdiv(8, block_h), HEAD_DIM=256, BLOCK_D=256, BLOCK_H=block_h,
+                      BLOCK_N=64, USE_DOT=True, DOT_FP32=True, KV_F16=False, V_PAIRS=0, SLIDING=False, PDL=1,
+                      HEADS_FIRST=False, DIRECT=False, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1),
+        dict(num_warps=8, num_stages=2))
     out["moe_sum k=6"] = (fused_moe._moe_sum_kernel, {"Rows": "*bf16", "Out": "*bf16", "hidden": "i32"},
                           dict(K=6, BLOCK_H=1024), dict(num_warps=4))
     return out
