@@ -95,17 +95,19 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 42) -> None:
         mean, std = (1.0, _NORM_NOISE_STD) if _is_norm(name) and name.endswith(".weight") else (0.0, _MATRIX_STD)
         shards = full_shards(module, leaf, param)
         loader = getattr(param, "weight_loader", None)
+        rounded = getattr(param, "dummy_dtype", data.dtype)  # a checkpoint's dtype (MoEGate's weight)
         for shard_id, shape in shards:
             gen = torch.Generator(device=device)
             gen.manual_seed(tensor_seed(seed, name, shard_id))
             if loader is None or (len(shards) == 1 and shape == tuple(data.shape) and shard_id is None
                                   and not isinstance(module, RowParallelLinear)):
                 data.normal_(mean, std, generator=gen)  # held whole: generate in place
-                rounded = getattr(param, "dummy_dtype", data.dtype)  # a checkpoint's dtype (MoEGate's weight)
                 if rounded != data.dtype:
                     data.copy_(data.to(rounded))
                 continue
             full = torch.empty(shape, dtype=data.dtype, device=device)
             full.normal_(mean, std, generator=gen)
+            if rounded != data.dtype:
+                full.copy_(full.to(rounded))
             loader(param, full, shard_id)
             del full

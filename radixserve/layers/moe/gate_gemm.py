@@ -168,7 +168,8 @@ def gate_logits(x: torch.Tensor, weight_half: torch.Tensor, interpreted: bool = 
 def gate_topk_blocks(x: torch.Tensor, weight_half: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool,
                      scaling: float, correction_bias: torch.Tensor | None = None, interpreted: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_topk(gate_logits(x, weight_half), ...)` in one launch: (weights float32 [T, k], ids int32 [T, k])."""
+    """`fused_topk(gate_logits(x, weight_half), ...)` in two launches, the second choosing from the chunks' sums:
+    (weights float32 [T, k], ids int32 [T, k])."""
     if not 1 <= top_k <= weight_half.shape[0]:
         raise ValueError(f"MoE gate: top_k {top_k} must be in 1..{weight_half.shape[0]}")
     weights, ids = _launch(x, weight_half, (top_k, sigmoid, renormalize, scaling, correction_bias), interpreted)

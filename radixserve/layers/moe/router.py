@@ -134,10 +134,11 @@ class MoEGate(nn.Module):
 
     def route(self, x: torch.Tensor, cfg: RouterConfig, norm: tuple[torch.Tensor, nn.Module] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """`select_experts(self(x), cfg, bias)` in one launch where it applies (CUDA or forced kernels, an ungrouped
-        router; at most GATE_TOPK_TOKENS tokens with a float32 weight, more with the exact half-precision copy):
-        (weights, ids, the experts' input, the new residual or None); None elsewhere (the caller then runs the
-        linear layer and select_experts).
+        """`select_experts(self(x), cfg, bias)` in fused kernels where they apply (CUDA or forced kernels, an
+        ungrouped router): one launch for at most GATE_TOPK_TOKENS tokens with the float32 weight, two
+        (`gate_gemm.gate_topk_blocks`) for more with the exact half-precision copy. Returns (weights, ids, the
+        experts' input, the new residual or None); None elsewhere (the caller then runs the linear layer and
+        select_experts).
         With `norm` = (residual, an RMSNorm), x is the block's input before that norm: the same launch does the
         residual add and the norm (`fused_add_rmsnorm`'s arithmetic) and returns its two outputs."""
         from radixserve.layers.moe import topk_kernel
