@@ -119,3 +119,27 @@ def test_moe_sum_equals_torch_sum(tokens: int, k: int, hidden: int) -> None:
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="contiguous rows"):
         moe_sum(rows, tokens + 1, k, INTERP)
+
+
+def test_gate_config_overrides_the_heuristic() -> None:
+    x, w = _inputs(21, 20, 96, 5)
+    ref_w, ref_ids = gate_topk_blocks(x, w, 3, False, True, 1.0, None, INTERP)
+    for cfg in ((16, 16, 1, 4), (32, 32, 3, 2), (16, 16, 6, 1)):  # 1, 3 and 6 chunks of the hidden dim
+        got_w, got_ids = gate_topk_blocks(x, w, 3, False, True, 1.0, None, INTERP, config=cfg)
+        _same_choice(got_w.cpu(), got_ids.cpu(), ref_w.cpu(), ref_ids.cpu())
+    with pytest.raises(ValueError, match="powers of two"):
+        gate_topk_blocks(x, w, 3, False, True, 1.0, None, INTERP, config=(24, 16, 1, 4))
+
+
+def test_bench_router_many_tokens_compares_both_paths() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_router import many_tokens
+
+    rows = many_tokens([3], layers=1, reps=1)
+    paths = {(r["shape"], r["path"]) for r in rows}
+    assert ("deepseek-v2-lite", "float32 linear, top-k") in paths
+    assert ("qwen3-30b-a3b", "tensor cores, heuristic") in paths
+    assert all(r["same_ids"] == 1.0 for r in rows if "same_ids" in r) and all(r["us"] > 0 for r in rows)

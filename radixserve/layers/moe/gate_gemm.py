@@ -121,8 +121,8 @@ def _splits(t: int, hidden: int, block_t: int, block_k: int, num_sms: int) -> in
     return max(1, min(triton.cdiv(2 * num_sms, blocks), hidden // (2 * block_k), 16))
 
 
-def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, interpreted: bool
-            ) -> tuple[torch.Tensor, ...]:
+def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, interpreted: bool,
+            config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
     if not gate_fits(x, weight_half):
         raise ValueError(f"MoE gate: x {tuple(x.shape)} {x.dtype} does not fit the weight "
                          f"{tuple(weight_half.shape)} {weight_half.dtype} (same dtype, <= {MAX_EXPERTS} experts)")
@@ -130,8 +130,16 @@ def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, in
     num_experts = weight_half.shape[0]
     e_pad = max(16, triton.next_power_of_2(num_experts))
     block_t, block_k = (16, 16) if interpreted else (16, 64 if e_pad >= 256 else 128)
-    sms = 4 if interpreted else torch.cuda.get_device_properties(x.device).multi_processor_count
-    splits = _splits(t, hidden, block_t, block_k, sms)
+    warps = 4
+    if config is not None:
+        block_t, block_k, splits, warps = config
+        if block_t < 16 or block_k < 16 or block_t & (block_t - 1) or block_k & (block_k - 1) or splits < 1 \
+                or warps not in (1, 2, 4, 8):
+            raise ValueError(f"MoE gate config {config}: (BLOCK_T, BLOCK_K) powers of two >= 16, splits >= 1, "
+                             "warps 1/2/4/8")
+    else:
+        sms = 4 if interpreted else torch.cuda.get_device_properties(x.device).multi_processor_count
+        splits = _splits(t, hidden, block_t, block_k, sms)
     k_chunk = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
     splits = triton.cdiv(hidden, k_chunk)
     if select is None:
@@ -147,7 +155,7 @@ def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, in
         outs = (weights, ids)
     if t:
         partials = torch.empty((splits, t, num_experts), dtype=torch.float32, device=x.device)
-        opts = {} if interpreted else {"num_warps": 4, "num_stages": 3, **pdl.launch_opts(x)}
+        opts = {} if interpreted else {"num_warps": warps, "num_stages": 3, **pdl.launch_opts(x)}
         launch(_gate_partial_kernel, (triton.cdiv(t, block_t), splits), x, weight_half, partials, t, num_experts,
                hidden, x.stride(0), k_chunk, BLOCK_T=block_t, E_PAD=e_pad, BLOCK_K=block_k, UPCAST=interpreted,
                **opts)
@@ -166,11 +174,13 @@ def gate_logits(x: torch.Tensor, weight_half: torch.Tensor, interpreted: bool = 
 
 
 def gate_topk_blocks(x: torch.Tensor, weight_half: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool,
-                     scaling: float, correction_bias: torch.Tensor | None = None, interpreted: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     scaling: float, correction_bias: torch.Tensor | None = None, interpreted: bool = False,
+                     config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_topk(gate_logits(x, weight_half), ...)` in two launches, the second choosing from the chunks' sums:
-    (weights float32 [T, k], ids int32 [T, k])."""
+    (weights float32 [T, k], ids int32 [T, k]). `config`: (BLOCK_T, BLOCK_K, hidden-dim chunks, warps) of the
+    first launch instead of the heuristic (`benchmarks/bench_router.py --tokens` sweeps them)."""
     if not 1 <= top_k <= weight_half.shape[0]:
         raise ValueError(f"MoE gate: top_k {top_k} must be in 1..{weight_half.shape[0]}")
-    weights, ids = _launch(x, weight_half, (top_k, sigmoid, renormalize, scaling, correction_bias), interpreted)
+    weights, ids = _launch(x, weight_half, (top_k, sigmoid, renormalize, scaling, correction_bias), interpreted,
+                           config)
     return weights, ids
