@@ -89,8 +89,9 @@ SM90_SHARED_MAX = 232_448  # the most dynamic shared memory an sm_90 block may o
 
 
 def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]]:
-    """Kernels at the tiles and launch options a GPU launch gives them for DeepSeek-V2's head sizes, in float32 and
-    bfloat16: each must fit sm_90's shared memory (`--tiles`)."""
+    """Kernels at the tiles and launch options a GPU launch gives them, each of which must fit sm_90's shared memory
+    (`--tiles`): the MLA kernels at DeepSeek-V2's head sizes in float32 and bfloat16, the largest float32 tiles of
+    the grouped GEMMs and of the MHA extend / decode kernels, the tensor-core router and the top-k sum."""
     import torch
 
     from radixserve.layers.attention.triton_ops import mla_attention, mla_expanded
