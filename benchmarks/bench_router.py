@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,17 +36,24 @@ MANY_CONFIGS = [(16, 128, 1, 4), (16, 128, 4, 4), (16, 128, 8, 4), (16, 64, 8, 4
                 (32, 64, 8, 4), (64, 64, 4, 4), (16, 128, 8, 2)]
 
 
+def _shapes(dev: str, layers: int) -> Iterator[tuple]:
+    """(name, hidden, top-k, renormalise, generator, `layers` float32 [experts, hidden] router weights) of each
+    shape; small stand-ins on the CPU (the interpreter)."""
+    for name, (e, h, k, renorm) in SHAPES.items():
+        if dev == "cpu":
+            e, h = 16, 64
+        g = torch.Generator(device=dev).manual_seed(e)
+        yield name, h, k, renorm, g, [torch.randn(e, h, generator=g, device=dev) / h ** 0.5 for _ in range(layers)]
+
+
 def many_tokens(tokens: list[int], layers: int, reps: int) -> list[dict]:
     """The router of T tokens: the float32 path against the tensor-core one at its heuristic and the sweep."""
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     rows = []
     print(f"{'shape':<18} {'tokens':>6} {'path':<34} {'us/layer':>9} {'same ids':>9}")
-    for name, (e, h, k, renorm) in SHAPES.items():
-        if not cuda:
-            e, h = 16, 64
-        g = torch.Generator(device=dev).manual_seed(e)
-        ws = [(torch.randn(e, h, generator=g, device=dev) / h ** 0.5).bfloat16() for _ in range(layers)]
+    for name, h, k, renorm, g, ws in _shapes(dev, layers):
+        ws = [w.bfloat16() for w in ws]
         ws32 = [w.float() for w in ws]
         for t in tokens:
             x = torch.randn(t, h, generator=g, device=dev).bfloat16()
@@ -97,11 +105,7 @@ def main() -> None:
     configs = CONFIGS if cuda else [(4, 4)]
     rows = []
     print(f"{'shape':<18} {'path':<26} {'us/layer':>9} {'same ids':>9}")
-    for name, (e, h, k, renorm) in SHAPES.items():
-        if not cuda:
-            e, h = 16, 64
-        g = torch.Generator(device=dev).manual_seed(e)
-        ws = [torch.randn(e, h, generator=g, device=dev) / h ** 0.5 for _ in range(args.layers)]
+    for name, h, k, renorm, g, ws in _shapes(dev, args.layers):
         x = torch.randn(1, h, generator=g, device=dev, dtype=dt)
         res = torch.randn(1, h, generator=g, device=dev, dtype=dt)
         nw = torch.rand(h, generator=g, device=dev, dtype=dt) + 0.5
