@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                "shapes": len(best_of_shape)}
     if best:
         print(f"\nbest over {len(best_of_shape)} shapes: BLOCK_N {best[0]}, {best[1]} warps, {best[2]} stages, "
-              f"{best[3]} programs per SM, swap {best[4]} (mean {complete[best] / len(best_of_shape):.3f} x each shape's best)")
+              f"{best[3]} programs per SM, swap {best[4]} "
+              f"(mean {complete[best] / len(best_of_shape):.3f} x each shape's best)")
         for (bs, seq), t in sorted(best_of_shape.items()):
             mine = next(x for x in ok if (x["batch_size"], x["seq_len"]) == (bs, seq)
                         and (x["block_n"], x["num_warps"], x["num_stages"], x["programs_per_sm"], x["swap"]) == best)
