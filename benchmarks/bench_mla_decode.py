@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-warps", default="4,8")
     p.add_argument("--num-stages", default="1,2,3")
     p.add_argument("--programs-per-sm", default="1,2,4,8")
-    p.add_argument("--swap", default="0,1", help="stage 1's products as [tokens, heads] (1) or [heads, tokens] (0)")
     p.add_argument("--min-split-len", type=int, default=64)
     p.add_argument("--max-kv-splits", type=int, default=64)
     p.add_argument("--iters", type=int, default=30)
@@ -56,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     h, c, r = args.heads, args.rank, args.rope
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = list(itertools.product(parse_ints(args.block_n), parse_ints(args.num_warps),
-                                     parse_ints(args.num_stages), parse_ints(args.swap)))
+                                     parse_ints(args.num_stages)))
     rows: list[dict] = []
-    print(f"{'batch':>5} {'ctx':>5} {'N':>3} {'warps':>5} {'stages':>6} {'pps':>3} {'swap':>4} {'splits':>6} {'us':>9} "
+    print(f"{'batch':>5} {'ctx':>5} {'N':>3} {'warps':>5} {'stages':>6} {'pps':>3} {'splits':>6} {'us':>9} "
           f"{'GB/s':>7}")
     for bs, seq in shapes(args.shapes):
         n = bs * seq
@@ -76,15 +75,14 @@ def main(argv: list[str] | None = None) -> None:
             cap = split_capacity(splits)
             mid_o = torch.empty(bs, h, cap, c, device="cuda")
             mid_lse = torch.empty(bs, h, cap, device="cuda")
-            for block_n, warps, stages, swap in configs:
+            for block_n, warps, stages in configs:
                 o = torch.empty(bs, h, c, device="cuda", dtype=torch.bfloat16)
 
                 call = functools.partial(
                     mla_decode_fwd, q, kv, o, req_to_token, rows_idx, lens, mid_o, mid_lse, scale, c, splits,
-                    min_split_len=args.min_split_len, block_n=block_n, num_warps=warps, num_stages=stages,
-                    swap=bool(swap))
+                    min_split_len=args.min_split_len, block_n=block_n, num_warps=warps, num_stages=stages)
                 row = {"batch_size": bs, "seq_len": seq, "block_n": block_n, "num_warps": warps,
-                       "num_stages": stages, "programs_per_sm": pps, "swap": swap, "splits": splits}
+                       "num_stages": stages, "programs_per_sm": pps, "splits": splits}
                 try:
                     call()
                     torch.cuda.synchronize()
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 shown = (f"{row['time_us']:9.1f} {row['gb_per_s']:7.0f}" if "time_us" in row
                          else f"  failed: {row['error'][:60]}")
-                print(f"{bs:5d} {seq:5d} {block_n:3d} {warps:5d} {stages:6d} {pps:3d} {swap:4d} {splits:6d} {shown}",
+                print(f"{bs:5d} {seq:5d} {block_n:3d} {warps:5d} {stages:6d} {pps:3d} {splits:6d} {shown}",
                       flush=True)
 
     ok = [x for x in rows if "time_us" in x]
@@ -111,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     score: dict[tuple, float] = {}
     count: dict[tuple, int] = {}
     for x in ok:
-        key = (x["block_n"], x["num_warps"], x["num_stages"], x["programs_per_sm"], x["swap"])
+        key = (x["block_n"], x["num_warps"], x["num_stages"], x["programs_per_sm"])
         score[key] = score.get(key, 0.0) + x["time_us"] / best_of_shape[(x["batch_size"], x["seq_len"])]
         count[key] = count.get(key, 0) + 1
     complete = {k: v for k, v in score.items() if count[k] == len(best_of_shape)}
@@ -120,18 +118,16 @@ def main(argv: list[str] | None = None) -> None:
                "shapes": len(best_of_shape)}
     if best:
         print(f"\nbest over {len(best_of_shape)} shapes: BLOCK_N {best[0]}, {best[1]} warps, {best[2]} stages, "
-              f"{best[3]} programs per SM, swap {best[4]} "
-              f"(mean {complete[best] / len(best_of_shape):.3f} x each shape's best)")
+              f"{best[3]} programs per SM (mean {complete[best] / len(best_of_shape):.3f} x each shape's best)")
         for (bs, seq), t in sorted(best_of_shape.items()):
             mine = next(x for x in ok if (x["batch_size"], x["seq_len"]) == (bs, seq)
-                        and (x["block_n"], x["num_warps"], x["num_stages"], x["programs_per_sm"], x["swap"]) == best)
+                        and (x["block_n"], x["num_warps"], x["num_stages"], x["programs_per_sm"]) == best)
             print(f"  {bs:4d} x {seq:5d}: {mine['time_us']:8.1f} us ({mine['gb_per_s']:.0f} GB/s), shape's best "
                   f"{t:8.1f}")
         if args.best_env:
             with open(args.best_env, "w") as f:
                 f.write(f"export RADIXSERVE_MLA_DECODE_CFG={best[0]},{best[1]},{best[2]}\n"
-                        f"export RADIXSERVE_MLA_PROGRAMS_PER_SM={best[3]}\n"
-                        f"export RADIXSERVE_MLA_DECODE_SWAP={best[4]}\n")
+                        f"export RADIXSERVE_MLA_PROGRAMS_PER_SM={best[3]}\n")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "args": vars(args), "results": rows,

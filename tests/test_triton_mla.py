@@ -137,12 +137,10 @@ def test_deepseek_v3_with_triton_kernels_matches_transformers(tmp_path) -> None:
         assert got == hf_greedy(hf, prompt, 8)
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["heads-by-tokens", "tokens-by-heads"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_mla_decode_kernel_one_split_and_several_match_dense(splits: int, swap: bool) -> None:
+def test_mla_decode_kernel_one_split_and_several_match_dense(splits: int) -> None:
     """One split a request (stage 1 writes the output; no stage 2, the scratch not touched) and three splits give
-    the dense attention over scattered latents, with an empty request (zeros) among them; stage 1's products as
-    [heads, tokens] and as [tokens, heads]."""
+    the dense attention over scattered latents, with an empty request (zeros) among them."""
     from radixserve.layers.attention.triton_ops.decode_attention import split_capacity
     from radixserve.layers.attention.triton_ops.mla_attention import mla_decode_fwd
 
@@ -157,8 +155,7 @@ def test_mla_decode_kernel_one_split_and_several_match_dense(splits: int, swap: 
     mid_o = torch.full((len(seq_lens), h, cap, RANK), float("nan"), device=DEVICE)
     mid_lse = torch.empty(len(seq_lens), h, cap, device=DEVICE)
     mla_decode_fwd(q.to(DEVICE), kv.to(DEVICE), o, r2t.to(DEVICE), torch.arange(len(seq_lens), device=DEVICE),
-                   torch.tensor(seq_lens, device=DEVICE), mid_o, mid_lse, scale, RANK, splits, min_split_len=16,
-                   swap=swap)
+                   torch.tensor(seq_lens, device=DEVICE), mid_o, mid_lse, scale, RANK, splits, min_split_len=16)
     if splits == 1:
         assert torch.isnan(mid_o).all()  # the direct path does not go through the partials
     assert_dense_mla(o, q, kv, r2t, seq_lens, scale)
@@ -176,10 +173,9 @@ def assert_dense_mla(o: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, r2t: to
         torch.testing.assert_close(o[i].cpu(), w @ keys[:, :RANK], rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["heads-by-tokens", "tokens-by-heads"])
 @pytest.mark.parametrize("splits", [2, 3])
 @pytest.mark.parametrize("h", [4, 20], ids=["one-head-block", "two-head-blocks"])
-def test_mla_decode_one_launch_matches_dense(splits: int, h: int, swap: bool) -> None:
+def test_mla_decode_one_launch_matches_dense(splits: int, h: int) -> None:
     """With counters, several splits merge in stage 1's launch (the last program of each request's head block
     merges; no stage 2): the dense attention, zeros for an empty request, one split written directly for a request
     shorter than min_split_len; two calls in a row with the same counters, which each call leaves zero."""
@@ -210,8 +206,7 @@ def test_mla_decode_one_launch_matches_dense(splits: int, h: int, swap: bool) ->
             launched.clear()
             mla_attention.mla_decode_fwd(q.to(DEVICE), kv.to(DEVICE), o, r2t.to(DEVICE),
                                          torch.arange(bs, device=DEVICE), torch.tensor(seq_lens, device=DEVICE),
-                                         mid_o, mid_lse, scale, RANK, splits, min_split_len=16, counters=counters,
-                                         swap=swap)
+                                         mid_o, mid_lse, scale, RANK, splits, min_split_len=16, counters=counters)
             assert launched == [mla_attention._mla_decode_stage1_kernel]
             assert not counters.any()
             assert_dense_mla(o, q, kv, r2t, seq_lens, scale)

@@ -54,10 +54,8 @@ def test_fused_moe_bf16_at_qwen3_30b_shape(tokens: int) -> None:
         torch.testing.assert_close(graph_out, fused_moe(x, w13, w2, new_w, new_ids))
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["heads-by-tokens", "tokens-by-heads"])
-@pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("bs,seq", [(1, 700), (16, 300), (64, 90)])
-def test_mla_decode_at_deepseek_v2_lite_shape(bs: int, seq: int, splits: int, swap: bool) -> None:
+def test_mla_decode_at_deepseek_v2_lite_shape(bs: int, seq: int) -> None:
     from radixserve.layers.attention.triton_ops.decode_attention import split_capacity
     from radixserve.layers.attention.triton_ops.mla_attention import mla_decode_fwd
 
@@ -68,12 +66,13 @@ def test_mla_decode_at_deepseek_v2_lite_shape(bs: int, seq: int, splits: int, sw
     req_to_token = torch.arange(1, bs * seq + 1, device="cuda", dtype=torch.int32).view(bs, seq)
     rows = torch.arange(bs, device="cuda")
     lens = torch.full((bs,), seq, device="cuda")
+    splits = 8
     cap = split_capacity(splits)
     o = torch.empty(bs, h, c, device="cuda", dtype=torch.bfloat16)
     mid_o = torch.empty(bs, h, cap, c, device="cuda")
     mid_lse = torch.empty(bs, h, cap, device="cuda")
     scale = (192 ** -0.5)
-    mla_decode_fwd(q, kv, o, req_to_token, rows, lens, mid_o, mid_lse, scale, c, splits, swap=swap)
+    mla_decode_fwd(q, kv, o, req_to_token, rows, lens, mid_o, mid_lse, scale, c, splits)
     keys = kv[req_to_token.long()].squeeze(2).float()  # [bs, seq, c + r]
     scores = torch.einsum("bhd,bsd->bhs", q.float(), keys) * scale
     ref = torch.einsum("bhs,bsc->bhc", scores.softmax(-1), keys[..., :c])

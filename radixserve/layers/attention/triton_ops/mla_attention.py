@@ -58,13 +58,6 @@ def _decode_config() -> tuple[int, int, int]:
 
 
 DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = _decode_config()
-# Stage 1's products with the tile's tokens as the MMA's long side and the block of heads as its narrow one (scores
-# as [tokens, heads], the output accumulated as [latent, heads]): 16 heads are too few rows for Hopper's warpgroup
-# MMA, 64 tokens are not. RADIXSERVE_MLA_DECODE_SWAP=1|0.
-_SWAP_ENV = os.environ.get("RADIXSERVE_MLA_DECODE_SWAP", "0")
-if _SWAP_ENV not in ("0", "1"):
-    raise ValueError(f"RADIXSERVE_MLA_DECODE_SWAP must be 0 or 1, got {_SWAP_ENV!r}")
-DECODE_SWAP = _SWAP_ENV == "1"
 # Split a batch's requests until stage 1 has this many programs per SM (`kv_split_cap`); each MLA program holds all
 # 16 heads of a DeepSeek layer and the whole latent, so one a SM is enough (the MHA kernel aims for 8): on an H200
 # with the tile above, batch 128 x 1,024 tokens in 2 splits a request takes 56.7 us against 74.4 in the 9 that 8
@@ -94,7 +87,6 @@ def _mla_decode_stage1_kernel(
     MERGE: tl.constexpr = False,
     MERGE_SPLITS: tl.constexpr = 1,
     PDL: tl.constexpr = 0,
-    SWAP: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -115,50 +107,27 @@ def _mla_decode_stage1_kernel(
     mask_o = mask_h[:, None] & mask_c[None, :]
     if start < end:
         row = tl.load(Req_pool_indices + b).to(tl.int64)
-        q_row = Q + b.to(tl.int64) * stride_qb
+        q_base = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q_c = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+        q_r = tl.load(q_base + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if SWAP:  # tokens x heads: the tile's tokens are the MMA's long side, the heads its narrow one
-            q_t = q_row + heads[None, :] * stride_qh
-            q_ct = tl.load(q_t + offs_c[:, None], mask=mask_c[:, None] & mask_h[None, :], other=0.0)
-            q_rt = tl.load(q_t + C + offs_r[:, None], mask=mask_r[:, None] & mask_h[None, :], other=0.0)
-            acc_t = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-            for n0 in range(start, end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < end
-                loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-                kv_base = KV_Buf + loc[:, None] * stride_kvt
-                kc = tl.load(kv_base + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
-                kr = tl.load(kv_base + C + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-                s = _mma(kc, q_ct, DOT_FP32) + _mma(kr, q_rt, DOT_FP32)
-                s = tl.where(mask_n[:, None], s * sm_scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=0))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                acc_t = acc_t * alpha[None, :] + _mma(tl.trans(kc), p.to(kc.dtype), DOT_FP32)
-                m_i = m_new
-            acc = tl.trans(acc_t)
-        else:  # heads x tokens
-            q_base = q_row + heads[:, None] * stride_qh
-            q_c = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
-            q_r = tl.load(q_base + C + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
-            acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
-            for n0 in range(start, end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < end
-                loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-                kv_base = KV_Buf + loc[:, None] * stride_kvt
-                kc = tl.load(kv_base + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
-                kr = tl.load(kv_base + C + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-                qk = _mma(q_c, tl.trans(kc), DOT_FP32) + _mma(q_r, tl.trans(kr), DOT_FP32)
-                qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + _mma(p.to(q_c.dtype), kc, DOT_FP32)
-                m_i = m_new
+        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            loc = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_base = KV_Buf + loc[:, None] * stride_kvt
+            kc = tl.load(kv_base + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+            kr = tl.load(kv_base + C + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            qk = _mma(q_c, tl.trans(kc), DOT_FP32) + _mma(q_r, tl.trans(kr), DOT_FP32)
+            qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _mma(p.to(q_c.dtype), kc, DOT_FP32)
+            m_i = m_new
         if DIRECT:  # one split: the program's result is the output
             tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_o)
         elif MERGE:
@@ -183,13 +152,11 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mid_o: torch.Tensor,
                    mid_lse: torch.Tensor, sm_scale: float, kv_lora_rank: int, num_kv_splits: int,
                    min_split_len: int = 64, block_n: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, counters: torch.Tensor | None = None,
-                   swap: bool | None = None) -> None:
+                   num_stages: int | None = None, counters: torch.Tensor | None = None) -> None:
     """q [bs, H, C + R]; kv_buffer [slots, 1, C + R]; o [bs, H, C]; mid_o [bs, H, S, C] and mid_lse [bs, H, S]
     float32 scratch (S >= num_kv_splits, contiguous; not touched with one split). Writes o in place. block_n /
     num_warps / num_stages default to DECODE_BLOCK_N / _WARPS / _STAGES on a GPU. counters (int32 [>= bs, >= H], all
-    zero: `new_decode_counters`; left zero again) merge several splits in stage 1's launch, without stage 2. swap
-    (default DECODE_SWAP): stage 1's products as [tokens, heads] rather than [heads, tokens]."""
+    zero: `new_decode_counters`; left zero again) merge several splits in stage 1's launch, without stage 2."""
     bs, num_heads, dim = q.shape
     c = kv_lora_rank
     r = dim - c
@@ -221,7 +188,6 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
            C=c, R=r, BLOCK_C=triton.next_power_of_2(c), BLOCK_R=max(16, triton.next_power_of_2(r)),
            BLOCK_H=block_h, BLOCK_N=block_n, DOT_FP32=dot_fp32, DIRECT=direct, MERGE=merge,
            MERGE_SPLITS=merge_split_block(block_h, triton.next_power_of_2(c)),
-           SWAP=DECODE_SWAP if swap is None else swap,
            **({} if interp else dict(num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or DECODE_STAGES,
                                      **pdl.launch_opts(q))))
     if direct or merge:
