@@ -57,22 +57,30 @@ def test_fused_moe_with_experts_held_elsewhere() -> None:
 
 @pytest.mark.parametrize("one_program", [True, False])
 def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both align paths: the one-program one (decode sizes) and the parallel one (prefill sizes)."""
+    """Both align paths: the one-program one (decode sizes) and the parallel one (prefill sizes; several programs
+    count, the last lays out the buckets), twice in a row (the parallel path's counts and ticket are zero again
+    after each call), and with the experts of another rank left out."""
     from radixserve.layers.moe import fused_moe as fm
 
     monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
-    ids = skewed_ids(13, 3, 7).to(DEVICE)
-    a = moe_align_block_size(ids, 4, 7)
-    total = int(a.total)
-    rows = a.sorted_ids[:total].tolist()
-    assert sorted(r for r in rows if r < ids.numel()) == list(range(ids.numel()))
-    flat = ids.flatten().tolist()
-    for b in range(total // 4):  # every real row of a block belongs to the block's expert
-        for r in rows[4 * b:4 * b + 4]:
-            if r < ids.numel():
-                assert flat[r] == int(a.expert_ids[b])
-    counts = torch.bincount(ids.flatten().long().cpu(), minlength=7)
-    assert total == int(((counts + 3) // 4 * 4).sum())
+    monkeypatch.setattr(fm, "ALIGN_CHUNK", 8)
+    for seed, (num_local, offset) in enumerate([(7, 0), (7, 0), (4, 3)]):
+        ids = skewed_ids(13, 3, 7, seed=seed).to(DEVICE)
+        a = moe_align_block_size(ids, 4, num_local, offset)
+        n = ids.numel()
+        flat = ids.flatten().tolist()
+        held = [i for i, e in enumerate(flat) if offset <= e < offset + num_local]
+        total = int(a.total)
+        rows = a.sorted_ids[:total].tolist()
+        assert sorted(r for r in rows if r != n) == held  # each held assignment once, the others left out
+        for b in range(total // 4):  # every real row of a block belongs to the block's expert
+            for r in rows[4 * b:4 * b + 4]:
+                if r != n:
+                    assert flat[r] - offset == int(a.expert_ids[b])
+        counts = torch.tensor([flat.count(offset + e) for e in range(num_local)])
+        assert total == int(((counts + 3) // 4 * 4).sum())
+        if not one_program:
+            assert not fm._align_state(ids.device).any()
 
 
 def test_router_matches_transformers_grouped_topk_with_correction_bias() -> None:

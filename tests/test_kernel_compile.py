@@ -129,7 +129,7 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
     assert {"_rmsnorm_kernel", "_fp8_gemv_ew_kernel", "_fp8_gemv_rope_kernel", "_mla_decode_stage1_kernel",
             "_extend_kernel", "_decode_stage1_kernel", "_gemv_row_kernel", "_gemv_rope_kernel", "_mid_kernel",
             "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel", "_mla_expanded_kernel",
-            "_mla_rows_kernel"} <= names, names
+            "_mla_rows_kernel", "_align_count_kernel", "_align_scatter_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
@@ -137,7 +137,9 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
 
 def _gpu_only_products() -> None:
     """The products the layers take only on CUDA (the one-row 16-bit GEMVs, the 17..256-row kernels, Q4_K's dp4c
-    at K = 2,048), called directly on small CPU tensors."""
+    at K = 2,048), called directly on small CPU tensors; and the MoE align's parallel path (batches of more than
+    `SMALL_ALIGN` assignments), which the tiny models' batches do not reach."""
+    from radixserve.layers.moe import fused_moe
     from radixserve.layers.quantization import gguf_formats as G
     from radixserve.layers.quantization.fp8 import quantize_rows
     from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
@@ -175,4 +177,6 @@ def _gpu_only_products() -> None:
     kv32 = KVDest(torch.zeros(4, 1, 32), torch.zeros(4, 1, 32), torch.tensor([1]))
     rope = RopeArgs(2, 1, 32, torch.tensor([3]), torch.ones(8, 16), torch.zeros(8, 16), kv32)  # 16 rows a run
     dp4c_qkv_rope(xw, f, fields, 128, None, dp4c, rope, torch.empty(1, 128))
+    ids = torch.randint(0, 128, (fused_moe.SMALL_ALIGN // 8 + 1, 8), generator=g, dtype=torch.int32)
+    fused_moe.moe_align_block_size(ids, 64, 128)
 

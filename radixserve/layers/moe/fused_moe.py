@@ -1,8 +1,8 @@
 """The experts as two grouped GEMMs in Triton.
 
-1. Align (`moe_align_block_size`: a parallel count, one program for the offsets, a parallel scatter; no host
-   sync): the token→expert assignments (T·k of them, numbered t·k + j) are bucketed by expert and each bucket
-   padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to one expert. `sorted_ids` lists
+1. Align (`moe_align_block_size`: a parallel count whose last program lays out the buckets, a parallel scatter;
+   no host sync): the token→expert assignments (T·k of them, numbered t·k + j) are bucketed by expert and each
+   bucket padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to one expert. `sorted_ids` lists
    assignment numbers (padding = T·k), `expert_ids` the expert of each block, `total` the padded length. The grid
    is sized from shapes alone (an upper bound on the blocks; programs past `total` return at once), so it can be
    captured in a CUDA graph.
@@ -26,46 +26,51 @@ import triton.language as tl
 from radixserve.layers.triton_ops.launch import launch
 
 
-@triton.jit(do_not_specialize=["n"])
-def _align_count_kernel(Ids, Counts, n, offset, num_local, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Per-expert counts of one chunk of assignments, added into Counts (the last bin collects the padding lanes
-    and experts held by other ranks)."""
+@triton.jit(do_not_specialize=["n", "max_blocks", "num_programs"])
+def _align_count_kernel(Ids, State, Sorted, ExpertIds, Total, Cursor, n, offset, num_local, max_blocks,
+                        num_programs, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCKS: tl.constexpr, PAD_J: tl.constexpr):
+    """Per-expert counts of one chunk of assignments, added into State[:E_PAD] (the last bin collects the padding
+    lanes and experts held by other ranks); the program that draws the last ticket (State[E_PAD]) then lays the
+    buckets out: each bucket's first row as its scatter cursor, the padded total, the expert of every block, and
+    the padding rows (assignment number n) at each bucket's end. It reads the counts back by exchanging them for
+    zeros and puts the ticket back to 0, so State is zero again between launches and CUDA-graph replays."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
     held = (offs < n) & (e >= 0) & (e < num_local)
-    hist = tl.histogram(tl.where(held, e, E_PAD - 1), E_PAD)
-    tl.atomic_add(Counts + tl.arange(0, E_PAD), hist)
-
-
-@triton.jit(do_not_specialize=["max_blocks"])
-def _align_offsets_kernel(Counts, ExpertIds, Total, PadStart, Cursor, num_local, max_blocks,
-                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
-    """One program: padded bucket starts, the expert of every block, the padded total."""
     offs_e = tl.arange(0, E_PAD)
-    counts = tl.load(Counts + offs_e, mask=offs_e < num_local, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_end = tl.cumsum(padded, 0)
-    tl.store(PadStart + offs_e, pad_end - padded)
-    tl.store(Cursor + offs_e, tl.zeros([E_PAD], dtype=tl.int32))
-    tl.store(Total, tl.sum(padded, 0))
-    for b0 in range(0, max_blocks, BLOCKS):
-        offs_b = b0 + tl.arange(0, BLOCKS)
-        # a block's expert: how many experts end at or before its first row (blocks past the total get the last)
-        eid = tl.sum((pad_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
+    tl.atomic_add(State + offs_e, tl.histogram(tl.where(held, e, E_PAD - 1), E_PAD), sem="relaxed", scope="gpu")
+    tl.debug_barrier()  # every thread's counts are added before the ticket is drawn
+    if tl.atomic_add(State + E_PAD, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
+        counts = tl.atomic_xchg(State + offs_e, tl.zeros([E_PAD], dtype=tl.int32), sem="relaxed", scope="gpu")
+        counts = tl.where(offs_e < num_local, counts, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, 0)
+        start = pad_end - padded
+        tl.store(Cursor + offs_e, start)
+        tl.store(Total, tl.sum(padded, 0))
+        for b0 in range(0, max_blocks, BLOCKS):
+            offs_b = b0 + tl.arange(0, BLOCKS)
+            # a block's expert: how many experts end at or before its first row (blocks past the total get the last)
+            eid = tl.sum((pad_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
+        for j0 in range(0, BLOCK_M, PAD_J):  # [experts, PAD_J] padding rows at a time
+            j = j0 + tl.arange(0, PAD_J)
+            pad = (j[None, :] < (padded - counts)[:, None]) & (offs_e < num_local)[:, None]
+            tl.store(Sorted + (start + counts)[:, None] + j[None, :],
+                     tl.zeros([E_PAD, PAD_J], dtype=tl.int32) + n, mask=pad)
+        tl.atomic_xchg(State + E_PAD, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["n"])
-def _align_scatter_kernel(Ids, Sorted, PadStart, Cursor, n, offset, num_local, CHUNK: tl.constexpr):
+def _align_scatter_kernel(Ids, Sorted, Cursor, n, offset, num_local, CHUNK: tl.constexpr):
     """Each held assignment takes the next free row of its expert's bucket (the order within a bucket does not
     change any result: every row of a GEMM tile is computed on its own)."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
     held = (offs < n) & (e >= 0) & (e < num_local)
-    e = tl.where(held, e, 0)
-    slot = tl.atomic_add(Cursor + e, 1, mask=held)
-    base = tl.load(PadStart + e, mask=held, other=0)
-    tl.store(Sorted + base + slot, offs.to(tl.int32), mask=held)
+    slot = tl.atomic_add(Cursor + tl.where(held, e, 0), 1, mask=held)
+    tl.store(Sorted + slot, offs.to(tl.int32), mask=held)
 
 
 @triton.jit(do_not_specialize=["n", "max_blocks"])
@@ -98,6 +103,20 @@ def _align_small_kernel(Ids, Sorted, ExpertIds, Total, Cursor, n, offset, num_lo
 
 
 SMALL_ALIGN = 1024  # assignments (tokens x top-k) up to which the one-program align runs
+ALIGN_CHUNK = 1024  # assignments a program of the parallel align's count
+_ALIGN_STATE_EXPERTS = 1024  # the most (local) experts + 1 the parallel align's counts hold
+_ALIGN_STATE: dict[torch.device, torch.Tensor] = {}
+
+
+def _align_state(device: torch.device) -> torch.Tensor:
+    """The per-device counts and ticket of the parallel align (zero between launches), kept once made outside a
+    CUDA graph capture (one made inside a capture is zeroed only when that graph replays, which is all it needs)."""
+    t = _ALIGN_STATE.get(device)
+    if t is None:
+        t = torch.zeros(_ALIGN_STATE_EXPERTS + 1, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ALIGN_STATE[device] = t
+    return t
 
 
 @dataclass
@@ -112,8 +131,8 @@ class AlignedAssignments:
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
                          expert_offset: int = 0) -> AlignedAssignments:
     """Bucket the assignments by (local) expert, each bucket padded to a multiple of block_m, without waiting for
-    the host: one program for a decode-sized batch, else five launches (two fills, a parallel count, one program
-    for the offsets, a parallel scatter)."""
+    the host: one program for a decode-sized batch, else two launches (a parallel count whose last program lays out
+    the buckets, then a parallel scatter). Rows past `total` are left unwritten: no GEMM program reads them."""
     n = topk_ids.numel()
     max_blocks = triton.cdiv(n + min(num_local, n) * (block_m - 1), block_m)
     dev = topk_ids.device
@@ -127,19 +146,20 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
                expert_offset, num_local, max_blocks, BLOCK_M=block_m, E_PAD=e_pad,
                N_PAD=max(16, triton.next_power_of_2(n)), BLOCKS=64, FILL=256, num_warps=4)
         return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
-    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    if e_pad > _ALIGN_STATE_EXPERTS:
+        raise ValueError(f"moe_align_block_size: {num_local} experts a rank; at most {_ALIGN_STATE_EXPERTS - 1}")
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)
-    scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=dev)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    state = _align_state(dev)
     ids = topk_ids.reshape(-1)
-    chunk = 1024
-    launch(_align_count_kernel, (triton.cdiv(n, chunk),), ids, counts, n, expert_offset, num_local, E_PAD=e_pad,
-           CHUNK=chunk, num_warps=4)
-    launch(_align_offsets_kernel, (1,), counts, expert_ids, total, scratch[:e_pad], scratch[e_pad:], num_local,
-           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, BLOCKS=64, num_warps=4)
-    launch(_align_scatter_kernel, (triton.cdiv(n, 256),), ids, sorted_ids, scratch[:e_pad], scratch[e_pad:], n,
-           expert_offset, num_local, CHUNK=256, num_warps=4)
+    programs = triton.cdiv(n, ALIGN_CHUNK)
+    launch(_align_count_kernel, (programs,), ids, state, sorted_ids, expert_ids, total, cursor, n, expert_offset,
+           num_local, max_blocks, programs, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, BLOCKS=64,
+           PAD_J=max(1, min(block_m, 4096 // e_pad)), num_warps=4)
+    launch(_align_scatter_kernel, (triton.cdiv(n, 256),), ids, sorted_ids, cursor, n, expert_offset, num_local,
+           CHUNK=256, num_warps=4)
     return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
 
 
