@@ -58,12 +58,14 @@ def test_fused_moe_with_experts_held_elsewhere() -> None:
 @pytest.mark.parametrize("one_program", [True, False])
 def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both align paths: the one-program one (decode sizes) and the parallel one (prefill sizes; several programs
-    count, the last lays out the buckets), twice in a row (the parallel path's counts and ticket are zero again
-    after each call), and with the experts of another rank left out."""
+    count, the last lays out the buckets, several scatter and share out the blocks' experts and the padding), twice
+    in a row (the parallel path's counts and ticket are zero again after each call), and with the experts of another
+    rank left out."""
     from radixserve.layers.moe import fused_moe as fm
 
     monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
     monkeypatch.setattr(fm, "ALIGN_CHUNK", 8)
+    monkeypatch.setattr(fm, "ALIGN_SCATTER_CHUNK", 8)
     for seed, (num_local, offset) in enumerate([(7, 0), (7, 0), (4, 3)]):
         ids = skewed_ids(13, 3, 7, seed=seed).to(DEVICE)
         a = moe_align_block_size(ids, 4, num_local, offset)

@@ -26,15 +26,15 @@ import triton.language as tl
 from radixserve.layers.triton_ops.launch import launch
 
 
-@triton.jit(do_not_specialize=["n", "max_blocks", "num_programs"])
-def _align_count_kernel(Ids, State, Sorted, ExpertIds, Total, Cursor, n, offset, num_local, max_blocks,
-                        num_programs, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCKS: tl.constexpr, PAD_J: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "num_programs"])
+def _align_count_kernel(Ids, State, Bounds, Total, n, offset, num_local, num_programs, BLOCK_M: tl.constexpr,
+                        E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Per-expert counts of one chunk of assignments, added into State[:E_PAD] (the last bin collects the padding
-    lanes and experts held by other ranks); the program that draws the last ticket (State[E_PAD]) then lays the
-    buckets out: each bucket's first row as its scatter cursor, the padded total, the expert of every block, and
-    the padding rows (assignment number n) at each bucket's end. It reads the counts back by exchanging them for
-    zeros and puts the ticket back to 0, so State is zero again between launches and CUDA-graph replays."""
+    lanes and experts held by other ranks); the program that draws the last ticket (State[E_PAD]) lays the buckets
+    out in Bounds: [0, E_PAD) each bucket's first row (the scatter's cursors), [E_PAD, 2 E_PAD) the end of its
+    assignments, [2 E_PAD, 3 E_PAD) its padded end; and the padded total. It reads the counts back by exchanging
+    them for zeros and puts the ticket back to 0, so State is zero again between launches and CUDA-graph
+    replays."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
     held = (offs < n) & (e >= 0) & (e < num_local)
@@ -46,31 +46,39 @@ def _align_count_kernel(Ids, State, Sorted, ExpertIds, Total, Cursor, n, offset,
         counts = tl.where(offs_e < num_local, counts, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pad_end = tl.cumsum(padded, 0)
-        start = pad_end - padded
-        tl.store(Cursor + offs_e, start)
+        tl.store(Bounds + offs_e, pad_end - padded)
+        tl.store(Bounds + E_PAD + offs_e, pad_end - padded + counts)
+        tl.store(Bounds + 2 * E_PAD + offs_e, pad_end)
         tl.store(Total, tl.sum(padded, 0))
-        for b0 in range(0, max_blocks, BLOCKS):
-            offs_b = b0 + tl.arange(0, BLOCKS)
-            # a block's expert: how many experts end at or before its first row (blocks past the total get the last)
-            eid = tl.sum((pad_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-            tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
-        for j0 in range(0, BLOCK_M, PAD_J):  # [experts, PAD_J] padding rows at a time
-            j = j0 + tl.arange(0, PAD_J)
-            pad = (j[None, :] < (padded - counts)[:, None]) & (offs_e < num_local)[:, None]
-            tl.store(Sorted + (start + counts)[:, None] + j[None, :],
-                     tl.zeros([E_PAD, PAD_J], dtype=tl.int32) + n, mask=pad)
         tl.atomic_xchg(State + E_PAD, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["n"])
-def _align_scatter_kernel(Ids, Sorted, Cursor, n, offset, num_local, CHUNK: tl.constexpr):
-    """Each held assignment takes the next free row of its expert's bucket (the order within a bucket does not
-    change any result: every row of a GEMM tile is computed on its own)."""
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+@triton.jit(do_not_specialize=["n", "max_blocks"])
+def _align_scatter_kernel(Ids, Sorted, ExpertIds, Bounds, n, offset, num_local, max_blocks, BLOCK_M: tl.constexpr,
+                          E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCKS: tl.constexpr, PAD_E: tl.constexpr):
+    """Each held assignment of this program's chunk takes the next free row of its expert's bucket (the order within
+    a bucket does not change any result: every row of a GEMM tile is computed on its own). The programs also share
+    out the rest of the layout: the expert of BLOCKS blocks each, and the padding rows (assignment number n) at the
+    end of PAD_E buckets each. Rows past the total are left unwritten: no GEMM program reads them."""
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(Ids + offs, mask=offs < n, other=-1).to(tl.int32) - offset
     held = (offs < n) & (e >= 0) & (e < num_local)
-    slot = tl.atomic_add(Cursor + tl.where(held, e, 0), 1, mask=held)
+    slot = tl.atomic_add(Bounds + tl.where(held, e, 0), 1, mask=held)
     tl.store(Sorted + slot, offs.to(tl.int32), mask=held)
+    offs_e = tl.arange(0, E_PAD)
+    pad_end = tl.load(Bounds + 2 * E_PAD + offs_e, mask=offs_e < num_local, other=2147483647)
+    offs_b = pid * BLOCKS + tl.arange(0, BLOCKS)
+    # a block's expert: how many experts end at or before its first row (blocks past the total get the last)
+    eid = tl.sum((pad_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(ExpertIds + offs_b, tl.minimum(eid, num_local - 1), mask=offs_b < max_blocks)
+    ex = pid * PAD_E + tl.arange(0, PAD_E)
+    ok = ex < num_local
+    first = tl.load(Bounds + E_PAD + ex, mask=ok, other=0)
+    last = tl.load(Bounds + 2 * E_PAD + ex, mask=ok, other=0)
+    j = tl.arange(0, BLOCK_M)
+    tl.store(Sorted + first[:, None] + j[None, :], tl.zeros([PAD_E, BLOCK_M], dtype=tl.int32) + n,
+             mask=ok[:, None] & (first[:, None] + j[None, :] < last[:, None]))
 
 
 @triton.jit(do_not_specialize=["n", "max_blocks"])
@@ -104,6 +112,7 @@ def _align_small_kernel(Ids, Sorted, ExpertIds, Total, Cursor, n, offset, num_lo
 
 SMALL_ALIGN = 1024  # assignments (tokens x top-k) up to which the one-program align runs
 ALIGN_CHUNK = 1024  # assignments a program of the parallel align's count
+ALIGN_SCATTER_CHUNK = 256  # assignments a program of its scatter
 _ALIGN_STATE_EXPERTS = 1024  # the most (local) experts + 1 the parallel align's counts hold
 _ALIGN_STATE: dict[torch.device, torch.Tensor] = {}
 
@@ -151,15 +160,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
-    state = _align_state(dev)
+    bounds = torch.empty(3 * e_pad, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
-    programs = triton.cdiv(n, ALIGN_CHUNK)
-    launch(_align_count_kernel, (programs,), ids, state, sorted_ids, expert_ids, total, cursor, n, expert_offset,
-           num_local, max_blocks, programs, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, BLOCKS=64,
-           PAD_J=max(1, min(block_m, 4096 // e_pad)), num_warps=4)
-    launch(_align_scatter_kernel, (triton.cdiv(n, 256),), ids, sorted_ids, cursor, n, expert_offset, num_local,
-           CHUNK=256, num_warps=4)
+    counting = triton.cdiv(n, ALIGN_CHUNK)
+    launch(_align_count_kernel, (counting,), ids, _align_state(dev), bounds, total, n, expert_offset, num_local,
+           counting, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=4)
+    # the scatter's programs: one a chunk of assignments, and enough for the blocks' experts (a [blocks, e_pad]
+    # comparison each) and the buckets' padding
+    blocks = max(16, min(64, 8192 // e_pad))
+    programs = max(triton.cdiv(n, ALIGN_SCATTER_CHUNK), triton.cdiv(max_blocks, blocks))
+    pad_e = max(2, triton.next_power_of_2(triton.cdiv(num_local, programs)))
+    launch(_align_scatter_kernel, (programs,), ids, sorted_ids, expert_ids, bounds, n, expert_offset, num_local,
+           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_SCATTER_CHUNK, BLOCKS=blocks, PAD_E=pad_e,
+           num_warps=4)
     return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
 
 
