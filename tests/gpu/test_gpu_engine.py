@@ -170,3 +170,26 @@ def test_no_triton_compilation_after_warmup(tmp_path) -> None:
         if s.worker_client is not None:
             s.worker_client.shutdown()
     assert compiled == [], compiled
+
+
+@pytest.mark.parametrize("rows", [8, 64, 300])
+def test_lm_head_float32_logits_match_the_widened_16_bit_product(rows: int) -> None:
+    """From FLOAT_LOGITS_MIN_ROWS rows a bf16 LM head writes float32 logits from its accumulator: the widened bf16
+    product's values to within its rounding, with a padded vocabulary cut off and the result contiguous."""
+    from types import SimpleNamespace
+
+    from radixserve.layers import logits_processor as lp
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(rows, 256, device="cuda", generator=g).to(torch.bfloat16)
+    weight = torch.randn(1000, 256, device="cuda", generator=g).to(torch.bfloat16) * 0.05
+    head = SimpleNamespace(weight=weight, tp_size=1)
+    got = lp.LogitsProcessor(990)._logits(hidden, head)
+    ref = (hidden @ weight.T)[:, :990].float()
+    assert got.dtype == torch.float32 and got.shape == (rows, 990) and got.is_contiguous()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=2 ** -7)  # about bf16 rounding of the reference
+    exact = (hidden.float() @ weight.float().T)[:, :990]
+    if rows >= lp.FLOAT_LOGITS_MIN_ROWS:  # the float32 result is nearer the exact sums than the rounded one
+        assert (got - exact).abs().mean() < (ref - exact).abs().mean()
+    else:
+        assert torch.equal(got, ref)
