@@ -212,9 +212,11 @@ def test_gate_and_topk_in_one_launch_match_linear_then_router(scoring: str, reno
 @pytest.mark.skipif(torch.cuda.is_available(), reason="forces the kernels on CPU tensors: Triton's interpreter only")
 def test_precompile_runs_every_block_config_a_batch_may_pick() -> None:
     """`precompile` runs the grouped GEMM once per distinct config of batches up to max_tokens (here the heuristic's
-    first two), on the model's first MoE layer, and leaves its weights as they were."""
+    first two), on the model's first MoE layer, and the parallel align at each config's block_m, and leaves the
+    weights as they were."""
     from radixserve.layers.moe import FusedMoE, RouterConfig
     from radixserve.layers.moe.fused_moe import moe_config, precompile
+    from radixserve.layers.triton_ops.launch import recording
     from radixserve.model_loader.dummy import initialize_dummy_weights
 
     holder = torch.nn.Module()
@@ -222,6 +224,11 @@ def test_precompile_runs_every_block_config_a_batch_may_pick() -> None:
     initialize_dummy_weights(holder, seed=3)
     before = holder.experts.w13_weight.clone()
     assert precompile(holder, 256) == 0  # weights on the CPU: nothing to compile unless forced
-    assert len({moe_config(n, 2, 8, 8, 16) for n in (9, 256)}) == 2
-    assert precompile(holder, 256, force=True) == 2
+    configs = {moe_config(n, 2, 8, 8, 16) for n in (9, 256)}
+    assert len(configs) == 2
+    with recording() as records:
+        assert precompile(holder, 256, force=True) == 2
     assert torch.equal(holder.experts.w13_weight, before)
+    aligned = {(r.fn.fn.__name__, r.kwargs["BLOCK_M"]) for r in records if "BLOCK_M" in r.kwargs}
+    for cfg in configs:  # the parallel align (batches over SMALL_ALIGN assignments) at each config's block_m
+        assert {("_align_count_kernel", cfg.block_m), ("_align_scatter_kernel", cfg.block_m)} <= aligned

@@ -113,6 +113,7 @@ def _align_small_kernel(Ids, Sorted, ExpertIds, Total, Cursor, n, offset, num_lo
 SMALL_ALIGN = 1024  # assignments (tokens x top-k) up to which the one-program align runs
 ALIGN_CHUNK = 1024  # assignments a program of the parallel align's count
 ALIGN_SCATTER_CHUNK = 256  # assignments a program of its scatter
+_ALIGN_PAD_E = 8  # buckets a scatter program pads
 _ALIGN_STATE_EXPERTS = 1024  # the most (local) experts + 1 the parallel align's counts hold
 _ALIGN_STATE: dict[torch.device, torch.Tensor] = {}
 
@@ -166,12 +167,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
     launch(_align_count_kernel, (counting,), ids, _align_state(dev), bounds, total, n, expert_offset, num_local,
            counting, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=4)
     # the scatter's programs: one a chunk of assignments, and enough for the blocks' experts (a [blocks, e_pad]
-    # comparison each) and the buckets' padding
+    # comparison each) and the buckets' padding. Its constexprs depend on the model and block_m alone, so that no
+    # batch size compiles a variant of its own while serving (`precompile` builds each block_m's).
     blocks = max(16, min(64, 8192 // e_pad))
-    programs = max(triton.cdiv(n, ALIGN_SCATTER_CHUNK), triton.cdiv(max_blocks, blocks))
-    pad_e = max(2, triton.next_power_of_2(triton.cdiv(num_local, programs)))
+    programs = max(triton.cdiv(n, ALIGN_SCATTER_CHUNK), triton.cdiv(max_blocks, blocks),
+                   triton.cdiv(num_local, _ALIGN_PAD_E))
     launch(_align_scatter_kernel, (programs,), ids, sorted_ids, expert_ids, bounds, n, expert_offset, num_local,
-           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_SCATTER_CHUNK, BLOCKS=blocks, PAD_E=pad_e,
+           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_SCATTER_CHUNK, BLOCKS=blocks, PAD_E=_ALIGN_PAD_E,
            num_warps=4)
     return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
 
@@ -385,7 +387,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> int:
     """Compile the grouped-GEMM kernels for every block config that a batch of up to `max_tokens` tokens may pick
-    (`moe_config`), by running each once on 16 tokens of the model's first unquantized MoE layer, so that no large
+    (`moe_config`), by running each once on 16 tokens of the model's first unquantized MoE layer (and the parallel
+    align, which batches of more than SMALL_ALIGN assignments take, at each config's block_m), so that no large
     prefill in service pays Triton's compilation (seconds each; the start-up warm-up's short request reaches only
     the small-batch path). CUDA only, unless `force` (tests, under the interpreter). Returns how many configs ran."""
     from radixserve.layers.moe import small_batch
@@ -410,8 +413,10 @@ def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> 
     ids = (torch.arange(rows * top_k, device=w13.device) % num_local).view(rows, top_k).to(torch.int32) \
         + layer.expert_offset
     weights = torch.full((rows, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
+    many = torch.arange(SMALL_ALIGN + 1, device=w13.device, dtype=torch.int32) % num_local + layer.expert_offset
     for cfg in configs:
         fused_moe(x, w13, w2, weights, ids, layer.expert_offset, layer.num_experts, config=cfg)
+        moe_align_block_size(many, cfg.block_m, num_local, layer.expert_offset)  # the parallel align's kernels
     if w13.is_cuda:
         torch.cuda.synchronize(w13.device)
     return len(configs)
