@@ -85,6 +85,21 @@ def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pyt
             assert not fm._align_state(ids.device).any()
 
 
+def test_parallel_align_compiles_one_variant_a_block_size() -> None:
+    """The parallel align's launches take the same constexprs at every batch size (assignments past SMALL_ALIGN) for
+    a given block size, so no batch seen first while serving compiles a variant of its own."""
+    from radixserve.layers.moe import fused_moe as fm
+    from radixserve.layers.triton_ops.launch import recording
+
+    g = torch.Generator().manual_seed(0)
+    with recording() as records:
+        for n in (fm.SMALL_ALIGN + 1, 2048, 3000, 20000):
+            ids = torch.randint(0, 128, (n,), generator=g, dtype=torch.int32).to(DEVICE)
+            moe_align_block_size(ids, 64, 128)
+    variants = {(r.fn.fn.__name__, tuple(sorted(r.kwargs.items()))) for r in records}
+    assert len(variants) == 2, variants  # the count and the scatter, one variant each
+
+
 def test_router_matches_transformers_grouped_topk_with_correction_bias() -> None:
     """DeepSeek-V3's router (sigmoid, e_score_correction_bias, groups ranked by their two best, renormalised and
     scaled) and DeepSeek-V2's group-limited greedy, against transformers' router modules."""
