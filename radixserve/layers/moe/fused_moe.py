@@ -114,18 +114,18 @@ SMALL_ALIGN = 1024  # assignments (tokens x top-k) up to which the one-program a
 ALIGN_CHUNK = 1024  # assignments a program of the parallel align's count
 ALIGN_SCATTER_CHUNK = 256  # assignments a program of its scatter
 _ALIGN_PAD_E = 8  # buckets a scatter program pads
-_ALIGN_STATE_EXPERTS = 1024  # the most (local) experts + 1 the parallel align's counts hold
-_ALIGN_STATE: dict[torch.device, torch.Tensor] = {}
+_ALIGN_STATE: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _align_state(device: torch.device) -> torch.Tensor:
-    """The per-device counts and ticket of the parallel align (zero between launches), kept once made outside a
-    CUDA graph capture (one made inside a capture is zeroed only when that graph replays, which is all it needs)."""
-    t = _ALIGN_STATE.get(device)
+def _align_state(device: torch.device, e_pad: int) -> torch.Tensor:
+    """The parallel align's e_pad counts and its ticket on a device (zero between launches), kept once made outside
+    a CUDA graph capture (one made inside a capture is zeroed only when that graph replays, which is all it needs).
+    Layers run one after another on a device's stream, so one state serves them all."""
+    t = _ALIGN_STATE.get((device, e_pad))
     if t is None:
-        t = torch.zeros(_ALIGN_STATE_EXPERTS + 1, dtype=torch.int32, device=device)
+        t = torch.zeros(e_pad + 1, dtype=torch.int32, device=device)
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _ALIGN_STATE[device] = t
+            _ALIGN_STATE[(device, e_pad)] = t
     return t
 
 
@@ -156,15 +156,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local: int,
                expert_offset, num_local, max_blocks, BLOCK_M=block_m, E_PAD=e_pad,
                N_PAD=max(16, triton.next_power_of_2(n)), BLOCKS=64, FILL=256, num_warps=4)
         return AlignedAssignments(sorted_ids, expert_ids, total, max_blocks, block_m)
-    if e_pad > _ALIGN_STATE_EXPERTS:
-        raise ValueError(f"moe_align_block_size: {num_local} experts a rank; at most {_ALIGN_STATE_EXPERTS - 1}")
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     bounds = torch.empty(3 * e_pad, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     counting = triton.cdiv(n, ALIGN_CHUNK)
-    launch(_align_count_kernel, (counting,), ids, _align_state(dev), bounds, total, n, expert_offset, num_local,
+    launch(_align_count_kernel, (counting,), ids, _align_state(dev, e_pad), bounds, total, n, expert_offset, num_local,
            counting, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=4)
     # the scatter's programs: one a chunk of assignments, and enough for the blocks' experts (a [blocks, e_pad]
     # comparison each) and the buckets' padding. Its constexprs depend on the model and block_m alone, so that no
