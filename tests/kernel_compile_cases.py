@@ -140,8 +140,8 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
     sig.update(Partials="*fp32", Bias="*fp32", Logits="*fp32", Weights="*fp32", Ids="*i32", scaling="fp32")
     for e_pad, k, sigmoid in ((64, 6, False), (256, 8, True)):
         out[f"gate_finish E={e_pad} k={k}"] = (
-            fn, sig, dict(SPLITS=8, BLOCK_T=4, E_PAD=e_pad, K=k, K_PAD=triton.next_power_of_2(k), SIGMOID=sigmoid,
-                          HAS_BIAS=sigmoid, RENORM=True, SELECT=True, PDL=1), dict(num_warps=4))
+            fn, sig, dict(MAX_SPLITS=gate_gemm.MAX_SPLITS, BLOCK_T=4, E_PAD=e_pad, K=k, K_PAD=triton.next_power_of_2(k),
+                          SIGMOID=sigmoid, HAS_BIAS=sigmoid, RENORM=True, SELECT=True, PDL=1), dict(num_warps=4))
     # the MHA kernels' GPU defaults in float32, the largest tiles: extend at head dims 64 / 128 / 256, decode at 256
     from radixserve.layers.attention.triton_ops import decode_attention, extend_attention
 

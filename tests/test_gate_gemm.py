@@ -131,6 +131,21 @@ def test_gate_config_overrides_the_heuristic() -> None:
         gate_topk_blocks(x, w, 3, False, True, 1.0, None, INTERP, config=(24, 16, 1, 4))
 
 
+def test_gate_kernels_compile_one_variant_whatever_the_batch() -> None:
+    """The hidden-dim chunk count changes with the batch (3 chunks at 2 tokens, 1 at 300 here); the launches'
+    constexprs do not, so no batch seen first while serving compiles a variant of its own."""
+    from radixserve.layers.triton_ops.launch import recording
+
+    with recording() as records:
+        for tokens in (2, 40, 300):
+            x, w = _inputs(tokens, 20, 96, tokens)
+            gate_topk_blocks(x, w, 3, False, True, 1.0, None, INTERP)
+    chunks = {r.args[0].shape[0] for r in records if r.fn.fn.__name__ == "_gate_finish_kernel"}
+    assert len(chunks) > 1  # the batches did take different chunk counts
+    variants = {(r.fn.fn.__name__, tuple(sorted(r.kwargs.items()))) for r in records}
+    assert len(variants) == 2, variants  # the partial sums and the finish, one variant each
+
+
 def test_bench_router_many_tokens_compares_both_paths() -> None:
     import sys
     from pathlib import Path

@@ -21,6 +21,7 @@ from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 MAX_EXPERTS = 256  # every expert's logit of a token in one program's registers
+MAX_SPLITS = 16  # hidden-dim chunks the heuristic (`_splits`) makes at most
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -55,13 +56,14 @@ def _gate_partial_kernel(X, W, Partials, num_tokens, num_experts, hidden, stride
              mask=r_ok[:, None] & e_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _gate_finish_kernel(Partials, Bias, Logits, Weights, Ids, num_tokens, num_experts, scaling,
-                        SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
+@triton.jit(do_not_specialize=["num_tokens", "splits"])
+def _gate_finish_kernel(Partials, Bias, Logits, Weights, Ids, num_tokens, num_experts, scaling, splits,
+                        MAX_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                         K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                         SELECT: tl.constexpr, PDL: tl.constexpr = 0):
-    """BLOCK_T tokens: the logits (the partial sums added in order), then, SELECT, the experts as `_select_row`
-    chooses them; else the logits stored."""
+    """BLOCK_T tokens: the logits (the `splits` partial sums added in order), then, SELECT, the experts as
+    `_select_row` chooses them; else the logits stored. The loop is unrolled to MAX_SPLITS with the chunks past
+    `splits` masked off (their loads all issued at once, and one compiled variant whatever the batch's count)."""
     pdl_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, E_PAD)
@@ -70,8 +72,9 @@ def _gate_finish_kernel(Partials, Bias, Logits, Weights, Ids, num_tokens, num_ex
     at = rows[:, None].to(tl.int64) * num_experts + offs_e[None, :]
     mask = r_ok[:, None] & e_ok[None, :]
     acc = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += tl.load(Partials + s * num_tokens * num_experts + at, mask=mask, other=0.0)
+    chunk = num_tokens.to(tl.int64) * num_experts
+    for s in tl.static_range(MAX_SPLITS):
+        acc += tl.load(Partials + s * chunk + at, mask=mask & (s * chunk + at < splits * chunk), other=0.0)
     if SELECT:
         valid = e_ok[None, :]  # (rows past the tokens hold zeros: finite scores, never stored)
         if SIGMOID:
@@ -118,7 +121,7 @@ def _splits(t: int, hidden: int, block_t: int, block_k: int, num_sms: int) -> in
     """Hidden-dim chunks per token block: about two programs a SM in all (a batch of 256 tokens is only 16 token
     blocks), each chunk at least two BLOCK_K steps."""
     blocks = triton.cdiv(t, block_t)
-    return max(1, min(triton.cdiv(2 * num_sms, blocks), hidden // (2 * block_k), 16))
+    return max(1, min(triton.cdiv(2 * num_sms, blocks), hidden // (2 * block_k), MAX_SPLITS))
 
 
 def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, interpreted: bool,
@@ -162,7 +165,8 @@ def _launch(x: torch.Tensor, weight_half: torch.Tensor, select: tuple | None, in
         fin_t = 16 if interpreted else 4
         opts = {} if interpreted else {"num_warps": 4, **pdl.launch_opts(x)}
         launch(_gate_finish_kernel, (triton.cdiv(t, fin_t),), partials, bias if bias is not None else weights,
-               logits, weights, ids, t, num_experts, float(scaling), SPLITS=splits, BLOCK_T=fin_t, E_PAD=e_pad,
+               logits, weights, ids, t, num_experts, float(scaling), splits,
+               MAX_SPLITS=max(MAX_SPLITS, triton.next_power_of_2(splits)), BLOCK_T=fin_t, E_PAD=e_pad,
                K=top_k, K_PAD=triton.next_power_of_2(top_k), SIGMOID=sigmoid, HAS_BIAS=bias is not None,
                RENORM=renorm, SELECT=select is not None, **opts)
     return outs
