@@ -130,23 +130,16 @@ def test_overlap_equals_normal_on_cuda(tmp_path) -> None:
         assert on[rid]["ids"] == off[rid]["ids"], rid
 
 
-def test_no_triton_compilation_after_warmup(tmp_path) -> None:
-    """After the start-up warm-up, serving compiles no new Triton kernel specialisation: batches of odd and even
-    sizes and token counts (device views are 16-byte aligned), eager decode above the captured sizes, prefix hits,
-    chunked and mixed prefill all reuse the kernels compiled by the warm-up and the graph capture."""
+def compiled_while_serving(s, waves: list[int], shared_len: int, max_tail: int) -> list[str]:
+    """Runs waves of greedy requests (odd ones sharing a prefix of shared_len tokens, tails of 1..max_tail) through
+    the warmed-up scheduler s, checks that each produced all its tokens, and returns the Triton kernels compiled
+    meanwhile."""
     from test_scheduler import drain
     from triton import knobs
 
     from radixserve.managers import io_struct as io
-    from radixserve.managers.scheduler import Scheduler
     from radixserve.sampling.sampling_params import SamplingParams
-    from radixserve.server_args import ServerArgs
 
-    make_tiny_model("llama", str(tmp_path), vocab_size=512)
-    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=8192,
-                             skip_tokenizer_init=True, cuda_graph_max_bs=4, chunked_prefill_size=32,
-                             enable_mixed_chunk=True), port_args={})
-    s.warmup()
     compiled: list[str] = []
 
     def on_compile(**kw) -> bool:
@@ -156,19 +149,54 @@ def test_no_triton_compilation_after_warmup(tmp_path) -> None:
     knobs.runtime.jit_cache_hook = on_compile
     try:
         g = torch.Generator().manual_seed(7)
-        shared = torch.randint(3, 512, (21,), generator=g).tolist()
-        for wave, n in enumerate([1, 3, 2, 7, 12, 5]):  # eager decode above the captured batch size 4
+        shared = torch.randint(3, 512, (shared_len,), generator=g).tolist()
+        for wave, n in enumerate(waves):
             for i in range(n):
-                tail = torch.randint(3, 512, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+                tail = torch.randint(3, 512, (int(torch.randint(1, max_tail, (1,), generator=g)),),
+                                     generator=g).tolist()
                 prompt = shared + tail if i % 2 else tail
                 s.process_input_requests([io.TokenizedGenerateReqInput(
                     rid=f"w{wave}r{i}", input_text=None, input_ids=prompt, sampling_params=SamplingParams.from_dict(
                         {"max_new_tokens": 3 + i, "temperature": 0, "ignore_eos": True}))])
-            drain(s)
+            results = drain(s)
+            assert {rid: len(r["ids"]) for rid, r in results.items()} == {f"w{wave}r{i}": 3 + i for i in range(n)}
     finally:
         knobs.runtime.jit_cache_hook = None
         if s.worker_client is not None:
             s.worker_client.shutdown()
+    return compiled
+
+
+def test_no_triton_compilation_after_warmup(tmp_path) -> None:
+    """After the start-up warm-up, serving compiles no new Triton kernel specialisation: batches of odd and even
+    sizes and token counts (device views are 16-byte aligned), eager decode above the captured sizes, prefix hits,
+    chunked and mixed prefill all reuse the kernels compiled by the warm-up and the graph capture."""
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.server_args import ServerArgs
+
+    make_tiny_model("llama", str(tmp_path), vocab_size=512)
+    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=8192,
+                             skip_tokenizer_init=True, cuda_graph_max_bs=4, chunked_prefill_size=32,
+                             enable_mixed_chunk=True), port_args={})
+    s.warmup()
+    compiled = compiled_while_serving(s, [1, 3, 2, 7, 12, 5], 21, 40)  # eager decode above the captured size 4
+    assert compiled == [], compiled
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v2"])
+def test_no_triton_compilation_after_warmup_moe(kind: str, tmp_path) -> None:
+    """The same for MoE models with prefill batches of up to 2,048 tokens: the experts' grouped GEMMs at every block
+    size, the parallel align (more than 1,024 token-expert assignments) and the router over any number of tokens
+    were compiled before serving (`fused_moe.precompile`, the warm-up, the graph capture)."""
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.server_args import ServerArgs
+
+    make_tiny_model(kind, str(tmp_path), vocab_size=512)
+    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=32768,
+                             skip_tokenizer_init=True, cuda_graph_max_bs=4, chunked_prefill_size=2048),
+                  port_args={})
+    s.warmup()
+    compiled = compiled_while_serving(s, [1, 3, 6, 2], 100, 380)  # up to ~2,000 prompt tokens a prefill batch
     assert compiled == [], compiled
 
 
