@@ -62,6 +62,7 @@ def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pyt
     in a row (the parallel path's counts and ticket are zero again after each call), and with the experts of another
     rank left out."""
     from radixserve.layers.moe import fused_moe as fm
+    from radixserve.layers.triton_ops import device_buffers
 
     monkeypatch.setattr(fm, "SMALL_ALIGN", 1024 if one_program else 0)
     monkeypatch.setattr(fm, "ALIGN_CHUNK", 8)
@@ -82,7 +83,7 @@ def test_align_buckets_every_assignment_once(one_program: bool, monkeypatch: pyt
         counts = torch.tensor([flat.count(offset + e) for e in range(num_local)])
         assert total == int(((counts + 3) // 4 * 4).sum())
         if not one_program:
-            state = fm._ALIGN_STATE[(ids.device, 1 << num_local.bit_length())]  # the one the launches used
+            state = device_buffers._KEPT[(f"moe align state {1 << num_local.bit_length()}", ids.device)]  # used
             assert not state.any()
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.triton_ops.device_buffers import kept_buffer
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -114,19 +115,11 @@ SMALL_ALIGN = 1024  # assignments (tokens x top-k) up to which the one-program a
 ALIGN_CHUNK = 1024  # assignments a program of the parallel align's count
 ALIGN_SCATTER_CHUNK = 256  # assignments a program of its scatter
 _ALIGN_PAD_E = 8  # buckets a scatter program pads
-_ALIGN_STATE: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
 def _align_state(device: torch.device, e_pad: int) -> torch.Tensor:
-    """The parallel align's e_pad counts and its ticket on a device (zero between launches), kept once made outside
-    a CUDA graph capture (one made inside a capture is zeroed only when that graph replays, which is all it needs).
-    Layers run one after another on a device's stream, so one state serves them all."""
-    t = _ALIGN_STATE.get((device, e_pad))
-    if t is None:
-        t = torch.zeros(e_pad + 1, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _ALIGN_STATE[(device, e_pad)] = t
-    return t
+    """The parallel align's e_pad counts and its ticket on a device (zero between launches). Layers run one after
+    another on a device's stream, so one state serves them all."""
+    return kept_buffer(f"moe align state {e_pad}", device, lambda d: torch.zeros(e_pad + 1, dtype=torch.int32,
+                                                                                   device=d))
 
 
 @dataclass

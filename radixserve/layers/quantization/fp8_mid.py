@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.quantization.gemv_configs import GemvConfig
+from radixserve.layers.triton_ops.device_buffers import kept_buffer
 from radixserve.layers.triton_ops.launch import launch
 
 MAX_M = 256
@@ -127,18 +128,9 @@ def scaled_mm_transposed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, 
     return out if bias is None else out + bias.to(out_dtype)
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
 def _unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 1.0 on `device` (torch._scaled_mm's tensor-wise scale), kept once it was made outside a CUDA graph
-    capture (one made inside a capture is filled only when that graph replays)."""
-    one = _ONES.get(device)
-    if one is None:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _ONES[device] = one
-    return one
+    """A float32 1.0 on `device` (torch._scaled_mm's tensor-wise scale)."""
+    return kept_buffer("fp8 unit scale", device, lambda d: torch.ones((), dtype=torch.float32, device=d))
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
+from radixserve.layers.triton_ops.device_buffers import kept_buffer
 from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
 
@@ -107,18 +108,9 @@ def _mid_kernel(X, W, Bias, Out, Part, Tickets, M, N, K, stride_xm, stride_wn, s
         tl.store(o_ptrs, acc.to(dtype), mask=mask_m[None, :] & mask_n[:, None])
 
 
-_TICKET_BUFFERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _tickets(device: torch.device) -> torch.Tensor:
-    """The per-device ticket counts (zero between launches), kept once made outside a CUDA graph capture (one made
-    inside a capture is zeroed only when that graph replays, which is all that graph needs)."""
-    t = _TICKET_BUFFERS.get(device)
-    if t is None:
-        t = torch.zeros(_TICKETS, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _TICKET_BUFFERS[device] = t
-    return t
+    """The per-device ticket counts (zero between launches)."""
+    return kept_buffer("mid_mm tickets", device, lambda d: torch.zeros(_TICKETS, dtype=torch.int32, device=d))
 
 
 def mid_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: gemv_configs.GemvConfig,
