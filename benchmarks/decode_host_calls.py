@@ -1,4 +1,5 @@
-"""Host time of each call in a synchronised batch-1 decode step, and of a few single operations in a tight loop.
+"""Host time of each call in a synchronised decode step (batch 1 unless --batch-size), and of a few single
+operations in a tight loop.
 
     python benchmarks/decode_host_calls.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
         --cuda-graph-max-bs 8 --prefill-cuda-graph-max-tokens 0 --piecewise-cuda-graph-max-tokens 0
@@ -68,12 +69,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=1, help="requests decoded together (a captured size)")
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
     if torch.cuda.is_available():
         single_ops("cuda")
-    runner, sb, batch = graph_decode_one_request(server_args, "decode_host_calls")
-    graph = runner.cuda_graph_runner.graphs[1]
+    runner, sb, batch = graph_decode_one_request(server_args, "decode_host_calls", batch_size=args.batch_size)
+    cgr = runner.cuda_graph_runner
+    graph = cgr.graphs[min(b for b in cgr.capture_bs if b >= args.batch_size)]
     tight("graph.replay() then sync (whole graph)", lambda: (graph.replay(), torch.cuda.synchronize()), n=100)
 
     acc: dict[str, list[float]] = {}

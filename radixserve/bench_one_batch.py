@@ -81,22 +81,25 @@ class StaticBatch:
         return out
 
 
-def graph_decode_one_request(server_args: ServerArgs, tool: str,
-                             input_len: int = 512) -> tuple[ModelRunner, StaticBatch, ScheduleBatch]:
+def graph_decode_one_request(server_args: ServerArgs, tool: str, input_len: int = 512,
+                             batch_size: int = 1) -> tuple[ModelRunner, StaticBatch, ScheduleBatch]:
     """For the benchmarks that time a synchronised decode step's host work: a model runner on CUDA with decode graphs
-    (at most 8 running requests unless the flags say otherwise) and one request of `input_len` tokens, prefilled and
-    decoded 30 steps so that every kernel and graph is warm."""
+    (at most max(8, batch_size) running requests unless the flags say otherwise) and `batch_size` requests of
+    `input_len` tokens, prefilled and decoded 30 steps so that every kernel and graph is warm."""
     from radixserve.entrypoints.engine import resolve_model
 
     if not torch.cuda.is_available():
         raise SystemExit(f"{tool} needs CUDA")
     if server_args.max_running_requests is None:
-        server_args.max_running_requests = 8
+        server_args.max_running_requests = max(8, batch_size)
     runner = ModelRunner(resolve_model(server_args), server_args)
     if runner.cuda_graph_runner is None:
         raise SystemExit(f"{tool} times a decode graph's replay: run it without --disable-cuda-graph")
+    if batch_size > runner.cuda_graph_runner.max_bs:
+        raise SystemExit(f"{tool}: batch {batch_size} has no decode graph (--cuda-graph-max-bs "
+                         f"{runner.cuda_graph_runner.max_bs})")
     sb = StaticBatch(runner)
-    batch, _ = sb.prefill([[i % 1000 + 5 for i in range(input_len)]])
+    batch, _ = sb.prefill([[(i + j) % 1000 + 5 for i in range(input_len)] for j in range(batch_size)])
     for _ in range(30):
         sb.decode(batch)
     sb._sync()

@@ -132,13 +132,15 @@ def test_gate_config_overrides_the_heuristic() -> None:
 
 
 def test_gate_kernels_compile_one_variant_whatever_the_batch() -> None:
-    """The hidden-dim chunk count changes with the batch (3 chunks at 2 tokens, 1 at 300 here); the launches'
-    constexprs do not, so no batch seen first while serving compiles a variant of its own."""
+    """The hidden-dim chunk count changes with the batch (interpreted: 3 chunks at 2 tokens, 1 at 300; on a GPU with
+    a 2,048-wide hidden dim 8 at 2 tokens, fewer at 3,000); the launches' constexprs do not, so no batch seen first
+    while serving compiles a variant of its own."""
     from radixserve.layers.triton_ops.launch import recording
 
+    hidden, sizes = (96, (2, 40, 300)) if INTERP else (2048, (2, 40, 3000))
     with recording() as records:
-        for tokens in (2, 40, 300):
-            x, w = _inputs(tokens, 20, 96, tokens)
+        for tokens in sizes:
+            x, w = _inputs(tokens, 20, hidden, tokens)
             gate_topk_blocks(x, w, 3, False, True, 1.0, None, INTERP)
     chunks = {r.args[0].shape[0] for r in records if r.fn.fn.__name__ == "_gate_finish_kernel"}
     assert len(chunks) > 1  # the batches did take different chunk counts

@@ -1,4 +1,4 @@
-"""The scheduler's start-up warm-up: one short request run to completion before serving. A mixin of Scheduler."""
+"""The scheduler's start-up warm-up: a few short requests run to completion before serving. A mixin of Scheduler."""
 
 from __future__ import annotations
 
@@ -8,22 +8,34 @@ from radixserve.sampling.sampling_params import SamplingParams
 
 class SchedulerWarmupMixin:
     def warmup(self, prompt_len: int = 16, max_new_tokens: int = 4) -> None:
-        """Run a short greedy request through a prefill and a few decode steps before serving, then one that extends
-        its cached prompt by a few tokens (a prefill on a radix hit: MLA models attend to a cached prefix in another
-        form than to a fresh prompt), so that the first user requests do not pay Triton's compilation of the
-        kernels' specialisations (seconds on a GPU). Nothing is sent; the cache, the pools and the counters are left
-        as they were. Every TP rank runs the same warm-up, so their collectives pair up."""
+        """Run short greedy requests through the step kinds serving meets before serving, so that the first user
+        requests do not pay Triton's compilation of the kernels' specialisations (seconds on a GPU): a prefill and
+        decode steps; a longer prompt arriving while the first one decodes (with a step token budget or mixed chunks,
+        a prefill with a decode riding along: MLA models attend to such a batch in their latent form); then one
+        extending the first's cached prompt by a few tokens (a prefill on a radix hit). Nothing is sent; the cache,
+        the pools and the counters are left as they were. Every TP rank runs the same warm-up, so their collectives
+        pair up."""
         if not self.is_idle():
             raise RuntimeError("warm-up needs an idle scheduler")
-        n = min(prompt_len, self.context_len - 1 - max_new_tokens - 2)
-        ids = [1 + (i * 7919) % (self.vocab_size - 1) for i in range(max(1, n))]
+        room = self.context_len - 1 - 2 * max_new_tokens - 2
+        n = max(1, min(prompt_len, room))
+        ids = [1 + (i * 7919) % (self.vocab_size - 1) for i in range(n)]
+        longer = [1 + (i * 104729 + 3) % (self.vocab_size - 1) for i in range(max(1, min(2 * n + 8, room)))]
         sp = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True})
+        first = SamplingParams.from_dict({"max_new_tokens": 2 * max_new_tokens, "temperature": 0,
+                                          "ignore_eos": True})  # still decoding when the longer prompt comes
         socket, outbox_len = self.send_to_detokenizer, len(self.outbox)
         self.send_to_detokenizer = None  # outputs land in the outbox, dropped below
         try:
-            for rid, prompt in (("__warmup__", ids), ("__warmup_hit__", ids + ids[:2])):
+            for rid, prompt, params, then in (("__warmup__", ids, first, ("__warmup_mixed__", longer)),
+                                              ("__warmup_hit__", ids + ids[:2], sp, None)):
                 self.handle_generate_request(io.TokenizedGenerateReqInput(
-                    rid=rid, input_text=None, input_ids=prompt, sampling_params=sp))
+                    rid=rid, input_text=None, input_ids=prompt, sampling_params=params))
+                if then is not None:
+                    for _ in range(2):  # its prefill, and its first decode step
+                        self.step()
+                    self.handle_generate_request(io.TokenizedGenerateReqInput(
+                        rid=then[0], input_text=None, input_ids=then[1], sampling_params=sp))
                 while self.step() or not self.is_idle():
                     pass
         finally:

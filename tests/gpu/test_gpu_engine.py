@@ -143,7 +143,9 @@ def compiled_while_serving(s, waves: list[int], shared_len: int, max_tail: int) 
     compiled: list[str] = []
 
     def on_compile(**kw) -> bool:
-        compiled.append(str(kw.get("repr", ""))[:160])
+        spec = kw.get("compile") or {}  # the variant: constexprs and the arguments' alignment / value attributes
+        compiled.append(f"{str(kw.get('repr', '')).split('[')[0]} constants {spec.get('constants')} "
+                        f"attrs {spec.get('configs')}"[:1500])
         return False  # compile as usual
 
     knobs.runtime.jit_cache_hook = on_compile

@@ -96,7 +96,9 @@ def mla_expanded_prep(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tens
     return q_full
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # a batch-dependent size: one variant for all
+# a batch-dependent size, and two pointers read one value a token (views into a batch's host-built pack, at any
+# 8-byte offset): one variant for all
+@triton.jit(do_not_specialize=["num_tokens", "Positions", "Loc"], do_not_specialize_on_alignment=["Positions", "Loc"])
 def _mla_prep_kernel(Q, KVA, Positions, Cos, Sin, WKC, NormW, QOut, KOut, Loc, num_tokens, eps,
                      stride_qt, stride_qh, stride_kva, stride_wh, stride_wn, stride_qot, stride_qoh, stride_ko,
                      stride_cache,
@@ -127,7 +129,8 @@ def _mla_prep_kernel(Q, KVA, Positions, Cos, Sin, WKC, NormW, QOut, KOut, Loc, n
                          RANK, RANK_PAD, ROPE_HALF, HALF_PAD, NEOX, USE_LOC)
 
 
-@triton.jit
+# as _mla_prep_kernel's: one value a token, at any offset
+@triton.jit(do_not_specialize=["Positions", "Loc"], do_not_specialize_on_alignment=["Positions", "Loc"])
 def _mla_rows_kernel(Q, QLat, KVA, Positions, Cos, Sin, NormW, QOut, KOut, Loc, num_heads, eps,
                      stride_qt, stride_qh, stride_lh, stride_lt, stride_kva, stride_qot, stride_qoh, stride_ko,
                      stride_cache,

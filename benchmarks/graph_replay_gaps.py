@@ -1,0 +1,127 @@
+"""Where a synchronised decode step loses time against the same graph replayed back to back.
+
+    python benchmarks/graph_replay_gaps.py --model-path radixserve/configs/shapes/llama-3.1-8b --load-format dummy \
+        --batch-size 160 --cuda-graph-max-bs 160
+
+Decodes `--batch-size` requests until warm, then times that batch's decode graph three ways: replayed back to
+back (the graph floor, CUDA events), replayed then synchronised (a synchronised step with no host work), and two
+replays then one synchronisation. Then, under the torch profiler, one replay at a time (synchronised, with a
+pause between) against the same number back to back: per replay the span from its first kernel's start to its
+last kernel's end, the idle time between its kernels and the largest gaps with the kernels on either side. Prints a
+table and writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixserve.bench_one_batch import graph_decode_one_request  # noqa: E402
+from radixserve.server_args import ServerArgs  # noqa: E402
+
+
+def timed(fn: Any, n: int) -> float:
+    """Median µs of `fn()` over n calls, after 10 untimed."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def floor_us(graph: Any, n: int = 50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n * 1e3
+
+
+def replays_under_profiler(graph: Any, reps: int, synced: bool) -> list[list[tuple[float, float, str]]]:
+    """Kernel (start, end, name) lists, one per replay, times in µs."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+            if synced:
+                torch.cuda.synchronize()
+                time.sleep(0.002)
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    per = len(kernels) // reps
+    if len(kernels) % reps:
+        print(f"warning: {len(kernels)} kernels for {reps} replays, not a whole number a replay: cut at {per}")
+    return [kernels[i * per:(i + 1) * per] for i in range(reps)]
+
+
+def gap_stats(replays: list[list[tuple[float, float, str]]], top: int) -> dict[str, Any]:
+    spans, idles, gaps = [], [], {}
+    for ks in replays[1:]:  # the first replay of each series is left out
+        spans.append(ks[-1][1] - ks[0][0])
+        idle, reach = 0.0, ks[0][1]
+        for i in range(1, len(ks)):
+            g = ks[i][0] - reach
+            if g > 0:
+                idle += g
+                gaps.setdefault(i, []).append(g)
+            reach = max(reach, ks[i][1])
+        idles.append(idle)
+    ks = replays[-1]
+    worst = sorted(((statistics.median(v), i) for i, v in gaps.items()), reverse=True)[:top]
+    return {"kernels": len(ks), "span_us": statistics.median(spans), "idle_us": statistics.median(idles),
+            "first_kernel": ks[0][2][:60], "last_kernel": ks[-1][2][:60],
+            "largest_gaps": [{"after": ks[i - 1][2][:60], "before": ks[i][2][:60], "index": i, "us": g}
+                             for g, i in worst]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=20, help="replays in each profiled series")
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--out", default="graph_replay_gaps.json")
+    args = parser.parse_args(argv)
+    runner, _, _ = graph_decode_one_request(ServerArgs.from_cli_args(args), "graph_replay_gaps",
+                                            batch_size=args.batch_size)
+    cgr = runner.cuda_graph_runner
+    graph = cgr.graphs[min(b for b in cgr.capture_bs if b >= args.batch_size)]
+    result: dict[str, Any] = {"batch_size": args.batch_size, "floor_us": floor_us(graph)}
+    result["replay_sync_us"] = timed(lambda: (graph.replay(), torch.cuda.synchronize()), 100)
+    result["two_replays_sync_us"] = timed(lambda: (graph.replay(), graph.replay(), torch.cuda.synchronize()), 50)
+    result["synced"] = gap_stats(replays_under_profiler(graph, args.reps, True), args.top)
+    result["back_to_back"] = gap_stats(replays_under_profiler(graph, args.reps, False), args.top)
+    print(f"batch {args.batch_size}: floor {result['floor_us']:.1f} us, replay + sync {result['replay_sync_us']:.1f}, "
+          f"two replays + sync {result['two_replays_sync_us']:.1f}")
+    print(f"{'series':<14} {'kernels':>7} {'span us':>9} {'idle us':>9}  first / last kernel")
+    for k in ("synced", "back_to_back"):
+        s = result[k]
+        print(f"{k:<14} {s['kernels']:>7} {s['span_us']:>9.1f} {s['idle_us']:>9.1f}  {s['first_kernel']} / "
+              f"{s['last_kernel']}")
+    for k in ("synced", "back_to_back"):
+        print(f"largest gaps, {k}:")
+        for g in result[k]["largest_gaps"]:
+            print(f"  {g['us']:7.1f} us at kernel {g['index']:>4}: {g['after']} -> {g['before']}")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
