@@ -7,8 +7,11 @@ Decodes `--batch-size` requests until warm, then times that batch's decode graph
 back (the graph floor, CUDA events), replayed then synchronised (a synchronised step with no host work), and two
 replays then one synchronisation. Then, under the torch profiler, one replay at a time (synchronised, with a
 pause between) against the same number back to back: per replay the span from its first kernel's start to its
-last kernel's end, the idle time between its kernels and the largest gaps with the kernels on either side. Prints a
-table and writes JSON."""
+last kernel's end, the idle time between its kernels and the largest gaps with the kernels on either side. Last,
+whole synchronised decode steps as `bench_one_batch` times them (prepare, forward, sample, wait for the tokens),
+under the profiler with host activity too: per step (medians, µs from the step's start) when the device's first
+copy and first kernel began, when its last kernel ended, and when the step returned. Prints a table and writes
+JSON."""
 
 from __future__ import annotations
 
@@ -91,6 +94,36 @@ def gap_stats(replays: list[list[tuple[float, float, str]]], top: int) -> dict[s
                              for g, i in worst]}
 
 
+def step_timeline(sb: Any, batch: Any, steps: int) -> dict[str, float]:
+    """Medians over `steps` synchronised decode steps, in µs from each step's start (its `record_function` range)."""
+    sb._sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("decode_step"):
+                sb.decode(batch)
+                sb._sync()
+    events = prof.events()
+    marks = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "decode_step"
+                   and e.device_type == torch.autograd.DeviceType.CPU)
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+              and e.time_range.end > e.time_range.start]
+    rows: dict[str, list[float]] = {}
+    for s0, s1 in marks[1:]:  # the first step is left out
+        mine = [e for e in device if s0 <= e.time_range.start <= s1]
+        kernels = [e for e in mine if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+        copies = [e for e in mine if "memcpy" in e.name.lower()]
+        if not kernels:
+            continue
+        for key, value in (("step", s1 - s0), ("first_copy", min((e.time_range.start for e in copies), default=0) - s0),
+                           ("first_kernel", min(e.time_range.start for e in kernels) - s0),
+                           ("last_kernel_end", max(e.time_range.end for e in kernels) - s0),
+                           ("last_device_end", max(e.time_range.end for e in mine) - s0),
+                           ("copies", float(len(copies)))):
+            rows.setdefault(key, []).append(value)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
@@ -99,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--out", default="graph_replay_gaps.json")
     args = parser.parse_args(argv)
-    runner, _, _ = graph_decode_one_request(ServerArgs.from_cli_args(args), "graph_replay_gaps",
+    runner, sb, batch = graph_decode_one_request(ServerArgs.from_cli_args(args), "graph_replay_gaps",
                                             batch_size=args.batch_size)
     cgr = runner.cuda_graph_runner
     graph = cgr.graphs[min(b for b in cgr.capture_bs if b >= args.batch_size)]
@@ -108,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     result["two_replays_sync_us"] = timed(lambda: (graph.replay(), graph.replay(), torch.cuda.synchronize()), 50)
     result["synced"] = gap_stats(replays_under_profiler(graph, args.reps, True), args.top)
     result["back_to_back"] = gap_stats(replays_under_profiler(graph, args.reps, False), args.top)
+    result["step_timeline"] = step_timeline(sb, batch, args.reps)
     print(f"batch {args.batch_size}: floor {result['floor_us']:.1f} us, replay + sync {result['replay_sync_us']:.1f}, "
           f"two replays + sync {result['two_replays_sync_us']:.1f}")
     print(f"{'series':<14} {'kernels':>7} {'span us':>9} {'idle us':>9}  first / last kernel")
@@ -119,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"largest gaps, {k}:")
         for g in result[k]["largest_gaps"]:
             print(f"  {g['us']:7.1f} us at kernel {g['index']:>4}: {g['after']} -> {g['before']}")
+    t = result["step_timeline"]
+    print("a synchronised decode step, µs from its start (medians): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
