@@ -10,8 +10,10 @@ pause between) against the same number back to back: per replay the span from it
 last kernel's end, the idle time between its kernels and the largest gaps with the kernels on either side. Last,
 whole synchronised decode steps as `bench_one_batch` times them (prepare, forward, sample, wait for the tokens),
 under the profiler with host activity too: per step (medians, µs from the step's start) when the device's first
-copy and first kernel began, when its last kernel ended, and when the step returned. Prints a table and writes
-JSON."""
+copy and first kernel began, when its last kernel ended, and when the step returned; and the same steps without
+the profiler, cut by CUDA events recorded at the step's start (the stream idle: its host time), just before and
+after the graph's launch, and at its end (idle again): the host's share before the launch, the graph inside a real
+step, and the tail from the graph's end to the step's return. Prints a table and writes JSON."""
 
 from __future__ import annotations
 
@@ -124,6 +126,40 @@ def step_timeline(sb: Any, batch: Any, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
+def step_events(sb: Any, batch: Any, graph: Any, steps: int) -> dict[str, float]:
+    """Medians over `steps` synchronised decode steps, µs, from CUDA events around the graph's replay."""
+    marks: list[Any] = []
+    replay = graph.replay
+
+    def timed_replay() -> None:
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        replay()
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+
+    graph.replay = timed_replay
+    rows: dict[str, list[float]] = {}
+    try:
+        for _ in range(steps + 1):
+            marks.clear()
+            sb._sync()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            sb.decode(batch)
+            end.record()
+            end.synchronize()
+            if len(marks) != 2:
+                raise SystemExit(f"the step replayed its graph {len(marks) // 2} times, not once")
+            for key, value in (("before_launch", start.elapsed_time(marks[0])),
+                               ("graph", marks[0].elapsed_time(marks[1])),
+                               ("after_graph", marks[1].elapsed_time(end)), ("step", start.elapsed_time(end))):
+                rows.setdefault(key, []).append(value * 1e3)
+    finally:
+        del graph.replay
+    return {k: statistics.median(v[1:]) for k, v in rows.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
@@ -142,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     result["synced"] = gap_stats(replays_under_profiler(graph, args.reps, True), args.top)
     result["back_to_back"] = gap_stats(replays_under_profiler(graph, args.reps, False), args.top)
     result["step_timeline"] = step_timeline(sb, batch, args.reps)
+    result["step_events"] = step_events(sb, batch, graph, 5 * args.reps)
     print(f"batch {args.batch_size}: floor {result['floor_us']:.1f} us, replay + sync {result['replay_sync_us']:.1f}, "
           f"two replays + sync {result['two_replays_sync_us']:.1f}")
     print(f"{'series':<14} {'kernels':>7} {'span us':>9} {'idle us':>9}  first / last kernel")
@@ -156,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     t = result["step_timeline"]
     print("a synchronised decode step, µs from its start (medians): "
           + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
+    print("the same steps by CUDA events, µs (medians): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in result["step_events"].items()))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
