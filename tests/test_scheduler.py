@@ -352,6 +352,33 @@ def test_warmup_leaves_no_trace(tiny_path, reference, overlap, page_size) -> Non
         s.worker_client.shutdown()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("budget", [0, 256])
+def test_warmup_runs_the_step_kinds_serving_meets(tiny_path, overlap, budget) -> None:
+    """The warm-up compiles kernels by running them: a fresh prefill, decode steps, a prefill on a radix hit and,
+    with a step token budget (the default on one GPU), a prefill with a decode riding along (MIXED)."""
+    from radixserve.model_executor.forward_batch_info import ForwardMode
+
+    s = make_scheduler(tiny_path, enable_overlap_schedule=overlap, step_token_budget=budget)
+    seen: list[tuple[ForwardMode, int, int]] = []
+    run = s.run_batch
+
+    def recording(batch):
+        seen.append((batch.forward_mode, len(batch.reqs), sum(batch.prefix_lens or [0])))
+        return run(batch)
+
+    s.run_batch = recording
+    s.warmup()
+    modes = {m for m, _, _ in seen}
+    assert ForwardMode.EXTEND in modes and ForwardMode.DECODE in modes
+    assert any(m == ForwardMode.EXTEND and pre > 0 for m, _, pre in seen)  # the radix hit
+    mixed = [n for m, n, _ in seen if m == ForwardMode.MIXED]
+    assert (mixed != []) == bool(budget) and all(n == 2 for n in mixed)  # the longer prompt and the first's decode
+    assert s.is_idle() and s.check_memory()
+    if s.worker_client is not None:
+        s.worker_client.shutdown()
+
+
 def test_warmup_refuses_a_busy_scheduler(tiny_path) -> None:
     s = make_scheduler(tiny_path)
     submit(s, "busy", [5, 6, 7], 3)
