@@ -13,7 +13,9 @@ under the profiler with host activity too: per step (medians, µs from the step'
 copy and first kernel began, when its last kernel ended, and when the step returned; and the same steps without
 the profiler, cut by CUDA events recorded at the step's start (the stream idle: its host time), just before and
 after the graph's launch, and at its end (idle again): the host's share before the launch, the graph inside a real
-step, and the tail from the graph's end to the step's return. Prints a table and writes JSON."""
+step, and the tail from the graph's end to the step's return; then the graph alone timed by the same events, after
+the host spun as long as a step's work before its launch and / or after the batch's pack was copied. Prints a
+table and writes JSON."""
 
 from __future__ import annotations
 
@@ -160,6 +162,27 @@ def step_events(sb: Any, batch: Any, graph: Any, steps: int) -> dict[str, float]
     return {k: statistics.median(v[1:]) for k, v in rows.items()}
 
 
+def graph_alone_us(graph: Any, reps: int, idle_us: float = 0.0, before: Any = None) -> float:
+    """Median µs between CUDA events recorded just before and after one replay on an idle stream, the host first
+    spinning `idle_us` after the synchronisation (as a step's host work would) and then calling `before` (e.g. the
+    pack's copy)."""
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        until = time.perf_counter() + idle_us * 1e-6
+        while time.perf_counter() < until:
+            pass
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times[1:])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
@@ -195,6 +218,19 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
     print("the same steps by CUDA events, µs (medians): "
           + ", ".join(f"{k} {v:.1f}" for k, v in result["step_events"].items()))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    # the graph on its own, timed the same way, to tell what in a step makes it slower: alone; after the host spun
+    # as long as a step's work before the launch; after the batch's pack was copied to the device as a step does
+    idle = result["step_events"]["before_launch"]
+    host = batch.decode_pack
+    copy = (lambda: cgr.copy_pack(host, cgr.pack[:host.numel()].view(host.shape))) if host is not None else None
+    result["graph_alone"] = {"alone": graph_alone_us(graph, 5 * args.reps),
+                             "after_idle": graph_alone_us(graph, 5 * args.reps, idle),
+                             "after_copy": graph_alone_us(graph, 5 * args.reps, 0.0, copy) if copy else None,
+                             "after_idle_and_copy": graph_alone_us(graph, 5 * args.reps, idle, copy) if copy else None}
+    print("the graph alone by the same events, µs (medians): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in result["graph_alone"].items() if v is not None))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
