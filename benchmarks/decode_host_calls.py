@@ -27,20 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.bench_one_batch import graph_decode_one_request  # noqa: E402
+from radixserve.bench_one_batch import median_call_us, warm_graph_decode  # noqa: E402
 from radixserve.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
 
 def tight(name: str, fn: Callable[[], Any], n: int = 2000) -> None:
-    for _ in range(50):
-        fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    print(f"{name:48} {statistics.median(times) * 1e6:8.2f} us", flush=True)
+    print(f"{name:48} {median_call_us(fn, n, warmup=50):8.2f} us", flush=True)
 
 
 def single_ops(dev: str) -> None:
@@ -74,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     server_args = ServerArgs.from_cli_args(args)
     if torch.cuda.is_available():
         single_ops("cuda")
-    runner, sb, batch = graph_decode_one_request(server_args, "decode_host_calls", batch_size=args.batch_size)
+    runner, sb, batch = warm_graph_decode(server_args, "decode_host_calls", batch_size=args.batch_size)
     cgr = runner.cuda_graph_runner
     graph = cgr.graphs[min(b for b in cgr.capture_bs if b >= args.batch_size)]
     tight("graph.replay() then sync (whole graph)", lambda: (graph.replay(), torch.cuda.synchronize()), n=100)

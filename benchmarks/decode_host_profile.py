@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from radixserve.bench_one_batch import graph_decode_one_request
+from radixserve.bench_one_batch import warm_graph_decode
 from radixserve.server_args import ServerArgs
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
-    runner, sb, batch = graph_decode_one_request(ServerArgs.from_cli_args(args), "decode_host_profile")
+    runner, sb, batch = warm_graph_decode(ServerArgs.from_cli_args(args), "decode_host_profile")
     graph = runner.cuda_graph_runner.graphs[1]
     calls = []
     for _ in range(100):

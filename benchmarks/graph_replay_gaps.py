@@ -31,20 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.bench_one_batch import graph_decode_one_request  # noqa: E402
+from radixserve.bench_one_batch import median_call_us, warm_graph_decode  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
-
-
-def timed(fn: Any, n: int) -> float:
-    """Median µs of `fn()` over n calls, after 10 untimed."""
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
 
 
 def floor_us(graph: Any, n: int = 50) -> float:
@@ -191,13 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--out", default="graph_replay_gaps.json")
     args = parser.parse_args(argv)
-    runner, sb, batch = graph_decode_one_request(ServerArgs.from_cli_args(args), "graph_replay_gaps",
+    runner, sb, batch = warm_graph_decode(ServerArgs.from_cli_args(args), "graph_replay_gaps",
                                             batch_size=args.batch_size)
     cgr = runner.cuda_graph_runner
     graph = cgr.graphs[min(b for b in cgr.capture_bs if b >= args.batch_size)]
     result: dict[str, Any] = {"batch_size": args.batch_size, "floor_us": floor_us(graph)}
-    result["replay_sync_us"] = timed(lambda: (graph.replay(), torch.cuda.synchronize()), 100)
-    result["two_replays_sync_us"] = timed(lambda: (graph.replay(), graph.replay(), torch.cuda.synchronize()), 50)
+    result["replay_sync_us"] = median_call_us(lambda: (graph.replay(), torch.cuda.synchronize()), 100)
+    result["two_replays_sync_us"] = median_call_us(
+        lambda: (graph.replay(), graph.replay(), torch.cuda.synchronize()), 50)
     result["synced"] = gap_stats(replays_under_profiler(graph, args.reps, True), args.top)
     result["back_to_back"] = gap_stats(replays_under_profiler(graph, args.reps, False), args.top)
     result["step_timeline"] = step_timeline(sb, batch, args.reps)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.bench_one_batch import graph_decode_one_request  # noqa: E402
+from radixserve.bench_one_batch import warm_graph_decode  # noqa: E402
 from radixserve.managers.tp_worker import run_model_worker_batch  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
-    runner, _, batch = graph_decode_one_request(ServerArgs.from_cli_args(args), "host_after_wait")
+    runner, _, batch = warm_graph_decode(ServerArgs.from_cli_args(args), "host_after_wait")
 
     def step(poll: bool) -> tuple[float, float, float]:
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,7 +82,7 @@ class StaticBatch:
         return out
 
 
-def graph_decode_one_request(server_args: ServerArgs, tool: str, input_len: int = 512,
+def warm_graph_decode(server_args: ServerArgs, tool: str, input_len: int = 512,
                              batch_size: int = 1) -> tuple[ModelRunner, StaticBatch, ScheduleBatch]:
     """For the benchmarks that time a synchronised decode step's host work: a model runner on CUDA with decode graphs
     (at most max(8, batch_size) running requests unless the flags say otherwise) and `batch_size` requests of
@@ -129,6 +130,18 @@ def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_le
             "prefill_latency_s": prefill, "prefill_tok_s": batch_size * input_len / prefill,
             "median_decode_s": med, "decode_tok_s": batch_size / med if steps else None,
             "total_latency_s": prefill + sum(steps), "tp_size": runner.tp_size}
+
+
+def median_call_us(fn: Callable[[], Any], n: int, warmup: int = 10) -> float:
+    """Median microseconds of one `fn()` call over n calls timed one by one, after `warmup` untimed."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
 
 
 def host_probe_us(reps: int = 5, number: int = 2000) -> float:

@@ -28,11 +28,11 @@ def test_host_timing_benchmarks_refuse_a_machine_without_cuda(tmp_path) -> None:
     import pytest
     import torch
 
-    from radixserve.bench_one_batch import graph_decode_one_request
+    from radixserve.bench_one_batch import warm_graph_decode
     from radixserve.server_args import ServerArgs
 
     if torch.cuda.is_available():
         pytest.skip("the machine has CUDA")
     make_tiny_model("llama", str(tmp_path / "m"))
     with pytest.raises(SystemExit, match="host_after_wait needs CUDA"):
-        graph_decode_one_request(ServerArgs(model_path=str(tmp_path / "m")), "host_after_wait")
+        warm_graph_decode(ServerArgs(model_path=str(tmp_path / "m")), "host_after_wait")

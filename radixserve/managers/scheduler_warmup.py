@@ -26,18 +26,23 @@ class SchedulerWarmupMixin:
                                           "ignore_eos": True})  # still decoding when the longer prompt comes
         socket, outbox_len = self.send_to_detokenizer, len(self.outbox)
         self.send_to_detokenizer = None  # outputs land in the outbox, dropped below
+
+        def submit(rid: str, prompt: list[int], params: SamplingParams) -> None:
+            self.handle_generate_request(io.TokenizedGenerateReqInput(
+                rid=rid, input_text=None, input_ids=prompt, sampling_params=params))
+
+        def drain() -> None:
+            while self.step() or not self.is_idle():
+                pass
+
         try:
-            for rid, prompt, params, then in (("__warmup__", ids, first, ("__warmup_mixed__", longer)),
-                                              ("__warmup_hit__", ids + ids[:2], sp, None)):
-                self.handle_generate_request(io.TokenizedGenerateReqInput(
-                    rid=rid, input_text=None, input_ids=prompt, sampling_params=params))
-                if then is not None:
-                    for _ in range(2):  # its prefill, and its first decode step
-                        self.step()
-                    self.handle_generate_request(io.TokenizedGenerateReqInput(
-                        rid=then[0], input_text=None, input_ids=then[1], sampling_params=sp))
-                while self.step() or not self.is_idle():
-                    pass
+            submit("__warmup__", ids, first)
+            self.step()  # its prefill
+            self.step()  # its first decode step
+            submit("__warmup_mixed__", longer, sp)
+            drain()
+            submit("__warmup_hit__", ids + ids[:2], sp)
+            drain()
         finally:
             self.send_to_detokenizer = socket
             del self.outbox[outbox_len:]
