@@ -125,12 +125,12 @@ def count_host_syncs(s: Scheduler, steps: int) -> dict[str, int]:
     return counts
 
 
-def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int, profile_steps: int
-        ) -> dict[str, Any]:
+def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int, profile_steps: int,
+        copy_bw: float, **extra: Any) -> dict[str, Any]:
     args = ServerArgs(model_path=model_path, load_format="dummy", skip_tokenizer_init=True,
                       max_running_requests=bs, cuda_graph_max_bs=max(bs, 8), disable_overlap_schedule=not overlap,
                       max_total_tokens=bs * (input_len + output_len + 8), chunked_prefill_size=-1,
-                      max_prefill_tokens=bs * input_len + 1)
+                      max_prefill_tokens=bs * input_len + 1, **extra)
     s = Scheduler(args, port_args={})
     rng = random.Random(0)
     vocab = s.vocab_size
@@ -167,12 +167,19 @@ def run(model_path: str, bs: int, overlap: bool, input_len: int, output_len: int
     # floor's replays see (the last batch's), so that longer attention at the end does not flatter the host share
     tail = stamps[-52:-2]
     step_ms = (tail[-1] - tail[0]) / (len(tail) - 1) * 1e3 if len(tail) > 1 else float("nan")
+    # the roofline as bench_one_batch counts it: every weight + the KV of each token attended to, at the context
+    # the tail's steps saw on average (the last 50 steps before the final two)
+    runner = s.worker.model_runner
+    tail_len = input_len + output_len - 2 - len(tail) / 2
+    step_bytes = runner.weight_bytes + bs * tail_len * runner.token_to_kv_pool.bytes_per_token()
+    roofline = step_bytes / copy_bw * 1e3 / step_ms if copy_bw else float("nan")
     if s.worker_client is not None:
         s.worker_client.shutdown()
     return {"batch_size": bs, "overlap": overlap, "decode_tok_s": bs * steps_unprofiled / (t2 - t1),
             "decode_tok_s_profiled": bs * (ct1 - ct0) / (t1 - t0), "gpu_idle_fraction": idle,
             "gpu_idle_between_steps": step_idle, "graph_floor_ms": floor,
             "step_ms": step_ms, "host_share": max(0.0, 1.0 - floor / step_ms),
+            "step_bytes": step_bytes, "roofline_fraction": roofline,
             "steps": s.forward_ct, "host_syncs": syncs}
 
 
@@ -183,20 +190,29 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=30)
+    parser.add_argument("--quantization", default=None, help="as the server's flag (e.g. fp8)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--overlap-only", action="store_true", help="skip the runs without overlap")
     parser.add_argument("--result-file", default="bench_overlap.json")
     args = parser.parse_args()
+    from radixserve.bench_one_batch import measure_copy_bandwidth
+
+    copy_bw = measure_copy_bandwidth("cuda")
+    extra = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     results = []
     for bs in args.batch_size:
-        for overlap in (False, True):
-            results.append(run(args.model_path, bs, overlap, args.input_len, args.output_len, args.profile_steps))
+        for overlap in ((True,) if args.overlap_only else (False, True)):
+            results.append(run(args.model_path, bs, overlap, args.input_len, args.output_len, args.profile_steps,
+                               copy_bw, **extra))
             torch.cuda.empty_cache()
-    print(f"\n{'batch':>6} {'overlap':>8} {'decode tok/s':>13} {'GPU idle':>9} {'between steps':>14} "
-          f"{'step ms':>8} {'graph floor ms':>15} {'host share':>11}")
+    print(f"\ncopy bandwidth {copy_bw / 1e9:,.0f} GB/s")
+    print(f"{'batch':>6} {'overlap':>8} {'decode tok/s':>13} {'GPU idle':>9} {'between steps':>14} "
+          f"{'step ms':>8} {'graph floor ms':>15} {'host share':>11} {'of roofline':>12}")
     for r in results:
         print(f"{r['batch_size']:>6} {str(r['overlap']):>8} {r['decode_tok_s']:>13.1f} {r['gpu_idle_fraction']:>9.2%} "
               f"{r['gpu_idle_between_steps']:>14.2%} {r['step_ms']:>8.3f} "
-              f"{r['graph_floor_ms']:>15.3f} {r['host_share']:>11.2%}")
-    for bs in args.batch_size:
+              f"{r['graph_floor_ms']:>15.3f} {r['host_share']:>11.2%} {r['roofline_fraction']:>12.1%}")
+    for bs in [] if args.overlap_only else args.batch_size:
         off = next(r for r in results if r["batch_size"] == bs and not r["overlap"])
         on = next(r for r in results if r["batch_size"] == bs and r["overlap"])
         print(f"batch {bs}: overlap speed-up {on['decode_tok_s'] / off['decode_tok_s']:.2f}x")
@@ -204,7 +220,8 @@ def main() -> None:
         if r["host_syncs"]:
             print(f"host syncs (bs {r['batch_size']}, overlap {r['overlap']}): {r['host_syncs']}")
     with open(args.result_file, "w") as f:
-        json.dump({"model": args.model_path, "results": results}, f, indent=2)
+        json.dump({"model": args.model_path, "copy_bw_gbs": copy_bw / 1e9, "args": vars(args), "results": results},
+                  f, indent=2)
 
 
 if __name__ == "__main__":
