@@ -17,7 +17,8 @@ zero. Block sizes come from `moe_config(...)` per shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -25,6 +26,9 @@ import triton.language as tl
 
 from radixserve.layers.triton_ops.device_buffers import kept_buffer
 from radixserve.layers.triton_ops.launch import launch
+
+if TYPE_CHECKING:
+    from radixserve.layers.moe.methods import ExpertScales
 
 
 @triton.jit(do_not_specialize=["n", "num_programs"])
@@ -178,6 +182,19 @@ def _mma(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _wdot(a, w, S, s_cols, s_ok, k0, group_k, QUANT: tl.constexpr, FP32: tl.constexpr):
+    """a [M, BLOCK_K] @ w [BLOCK_K, BLOCK_N]. QUANT: w is fp8, widened to a's dtype (exact), and the step's product
+    scaled by each column's scale for the K group the step lies in (S + s_cols: the columns' scale rows, float32;
+    a step never spans two groups: the wrapper keeps BLOCK_K a divisor of group_k)."""
+    if QUANT:
+        part = _mma(a, w.to(a.dtype), FP32)
+        part = part * tl.load(S + s_cols + k0 // group_k, mask=s_ok, other=0.0)[None, :]
+    else:
+        part = _mma(a, w, FP32)
+    return part
+
+
+@triton.jit
 def _block_ids(N_FIRST: tl.constexpr):
     """(row block, column block) of this program. N_FIRST: the grid's first (fastest) axis is the column block, so
     the programs running at once share a few row blocks (their gathered rows of x stay in the L2 across the column
@@ -195,9 +212,10 @@ def _block_ids(N_FIRST: tl.constexpr):
 # a variant of its own mid-serving, the first time some batch produced it).
 @triton.jit(do_not_specialize=["num_valid"])
 def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, inter_size, hidden,
-                    stride_x, stride_we, stride_wn, stride_i,
+                    stride_x, stride_we, stride_wn, stride_i, Scale, stride_se, stride_sn, group_n, group_k,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                    N_FIRST: tl.constexpr):
+                    N_FIRST: tl.constexpr, QUANT: tl.constexpr = False):
+    """QUANT: W13 is fp8 with float32 scales [E, rows / group_n, hidden / group_k] (`_wdot`)."""
     pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
@@ -212,6 +230,8 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
     x_ptrs = X + tok[:, None] * stride_x + offs_k[None, :]
     wg_ptrs = W13 + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     wu_ptrs = wg_ptrs + inter_size * stride_wn
+    sg_cols = expert * stride_se + (offs_n // group_n) * stride_sn  # the gate and up columns' scale rows
+    su_cols = expert * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -219,8 +239,8 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
         x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g += _mma(x, wg, FP32)
-        acc_u += _mma(x, wu, FP32)
+        acc_g += _wdot(x, wg, Scale, sg_cols, n_ok, k0, group_k, QUANT, FP32)
+        acc_u += _wdot(x, wu, Scale, su_cols, n_ok, k0, group_k, QUANT, FP32)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -231,9 +251,9 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
 
 @triton.jit(do_not_specialize=["num_valid"])
 def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, hidden, inter_size,
-                 stride_i, stride_we, stride_wn, stride_o,
+                 stride_i, stride_we, stride_wn, stride_o, Scale, stride_se, stride_sn, group_n, group_k,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                 N_FIRST: tl.constexpr):
+                 N_FIRST: tl.constexpr, QUANT: tl.constexpr = False):
     pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
@@ -247,12 +267,13 @@ def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, h
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = Inter + rows64[:, None] * stride_i + offs_k[None, :]
     w_ptrs = W2 + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_cols = expert * stride_se + (offs_n // group_n) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         k_ok = offs_k < inter_size - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += _mma(a, w, FP32)
+        acc += _wdot(a, w, Scale, s_cols, n_ok, k0, group_k, QUANT, FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(Weights + rows64, mask=row_ok, other=0.0)
@@ -334,11 +355,22 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, inter_size: int, h
     return MoEConfig(128, 128, 128, 64, 8, 3)
 
 
+def scale_args(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor) -> tuple[tuple, tuple]:
+    """The kernels' (Scale, stride_se, stride_sn, group_n, group_k) for w13 and w2; placeholders (the weight
+    itself, never read) when the weights are not fp8."""
+    if scales is None:
+        return (w13, 0, 0, 1, 1), (w2, 0, 0, 1, 1)
+    s13, s2 = scales.w13, scales.w2
+    return ((s13, s13.stride(0), s13.stride(1), scales.group_n, scales.group_k13),
+            (s2, s2.stride(0), s2.stride(1), scales.group_n, scales.group_k2))
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_offset: int = 0, num_global_experts: int | None = None,
-              config: MoEConfig | None = None) -> torch.Tensor:
+              config: MoEConfig | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """The same result as `moe_forward_torch` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] with global
-    expert ids; this rank holds experts expert_offset .. expert_offset + E - 1 of `num_global_experts`)."""
+    expert ids; this rank holds experts expert_offset .. expert_offset + E - 1 of `num_global_experts`). With
+    `scales` the weights are fp8 and widened in the kernels (W8A16)."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -350,6 +382,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     interp = is_interpreted()
     cfg = config or moe_config(num_tokens, top_k, num_local, inter, hidden, interp)
+    if scales is not None:  # a K step within one scale group
+        cfg = replace(cfg, block_k=min(cfg.block_k, scales.group_k13, scales.group_k2))
+    q13, q2 = scale_args(scales, w13, w2)
     x = x.contiguous()
     n = num_tokens * top_k
     aligned = moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_offset)
@@ -365,32 +400,33 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     launch(_gate_up_kernel, grid(triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, inter_cache,
            aligned.sorted_ids, aligned.expert_ids, aligned.total, n, top_k, inter, hidden, x.stride(0),
-           w13.stride(0), w13.stride(1), inter_cache.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
-           BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, **opts)
+           w13.stride(0), w13.stride(1), inter_cache.stride(0), *q13, BLOCK_M=cfg.block_m,
+           BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, QUANT=scales is not None,
+           **opts)
     weights = topk_weights.reshape(-1).float().contiguous()
     launch(_down_kernel, grid(triton.cdiv(hidden, cfg.block_n_down)), inter_cache, w2, out,
            weights, aligned.sorted_ids, aligned.expert_ids, aligned.total, n, hidden, inter, inter_cache.stride(0),
-           w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, **opts)
+           w2.stride(0), w2.stride(1), out.stride(0), *q2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
+           BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, QUANT=scales is not None, **opts)
     return moe_sum(out, num_tokens, top_k, interp)
 
 
 
 def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> int:
     """Compile the grouped-GEMM kernels for every block config that a batch of up to `max_tokens` tokens may pick
-    (`moe_config`), by running each once on 16 tokens of the model's first unquantized MoE layer (and the parallel
-    align, which batches of more than SMALL_ALIGN assignments take, at each config's block_m), so that no large
-    prefill in service pays Triton's compilation (seconds each; the start-up warm-up's short request reaches only
-    the small-batch path). CUDA only, unless `force` (tests, under the interpreter). Returns how many configs ran."""
+    (`moe_config`), by running each once on 16 tokens of the model's first MoE layer (in its weights' form: fp8
+    experts compile their own variants) and the parallel align, which batches of more than SMALL_ALIGN assignments
+    take, at each config's block_m, so that no large prefill in service pays Triton's compilation (seconds each;
+    the start-up warm-up's short request reaches only the small-batch path). CUDA only, unless `force` (tests,
+    under the interpreter). Returns how many configs ran."""
     from radixserve.layers.moe import small_batch
     from radixserve.layers.moe.layer import FusedMoE
-    from radixserve.layers.moe.methods import UnquantizedMoEMethod
 
-    layer = next((m for m in model.modules()
-                  if isinstance(m, FusedMoE) and type(m.quant_method) is UnquantizedMoEMethod), None)
+    layer = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
     if layer is None or not (layer.w13_weight.is_cuda or force):
         return 0
     w13, w2 = layer.w13_weight, layer.w2_weight
+    scales = layer.quant_method.expert_scales(layer)
     num_local, inter, hidden = w13.shape[0], w2.shape[2], w2.shape[1]
     top_k = layer.router.top_k
     sizes, t = [], small_batch.SMALL_BATCH_TOKENS + 1
@@ -400,13 +436,14 @@ def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> 
     sizes.append(max(max_tokens, small_batch.SMALL_BATCH_TOKENS + 1))
     configs = list(dict.fromkeys(moe_config(n, top_k, num_local, inter, hidden) for n in sizes))
     rows = 16
-    x = torch.zeros(rows, hidden, dtype=w13.dtype, device=w13.device)
+    dtype = layer.act_dtype if scales is not None else w13.dtype
+    x = torch.zeros(rows, hidden, dtype=dtype, device=w13.device)
     ids = (torch.arange(rows * top_k, device=w13.device) % num_local).view(rows, top_k).to(torch.int32) \
         + layer.expert_offset
     weights = torch.full((rows, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
     many = torch.arange(SMALL_ALIGN + 1, device=w13.device, dtype=torch.int32) % num_local + layer.expert_offset
     for cfg in configs:
-        fused_moe(x, w13, w2, weights, ids, layer.expert_offset, layer.num_experts, config=cfg)
+        fused_moe(x, w13, w2, weights, ids, layer.expert_offset, layer.num_experts, config=cfg, scales=scales)
         moe_align_block_size(many, cfg.block_m, num_local, layer.expert_offset)  # the parallel align's kernels
     if w13.is_cuda:
         torch.cuda.synchronize(w13.device)

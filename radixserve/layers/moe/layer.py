@@ -56,6 +56,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.inter_per_rank = intermediate_size // self.moe_tp_size
         self.reduce_results = reduce_results
+        self.act_dtype = torch.get_default_dtype()  # the model dtype it is built under: its activations'
         self.quant_method = quant_method or UnquantizedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.inter_per_rank)
         from radixserve.layers.moe.small_batch import counters_needed
@@ -63,6 +64,14 @@ class FusedMoE(nn.Module):
         # the small-batch path's per-block counters (each put back to 0 by the launch that uses it)
         self.register_buffer("small_counters", torch.zeros(counters_needed(hidden_size), dtype=torch.int32),
                              persistent=False)
+
+    def set_quant_method(self, method: MoEMethod) -> None:
+        """Hold the experts as `method` does (`quantization.apply_quantization`, before the weights load): the
+        current method's parameters go, the new one's are created."""
+        for name, _ in list(self.named_parameters(recurse=False)):
+            delattr(self, name)
+        self.quant_method = method
+        method.create_weights(self, self.num_local_experts, self.hidden_size, self.inter_per_rank)
 
     # ---------------------------------------------------------------- loading
     def full_shape(self, param_name: str) -> tuple[int, ...]:
@@ -173,20 +182,23 @@ class FusedMoE(nn.Module):
         return out
 
 
-_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_WEIGHT = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv|weight_scale|input_scale)$")
 _SHARD_OF = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 
 def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
-    """Load a per-expert checkpoint tensor (`...experts.<e>.{gate,up,down}_proj.weight`, or Mixtral's w1/w3/w2)
-    into its layer's stacked parameter; returns that parameter's name, or None if `name` is not an expert's."""
+    """Load a per-expert checkpoint tensor (`...experts.<e>.{gate,up,down}_proj.weight`, or Mixtral's w1/w3/w2;
+    an fp8 checkpoint's `.weight_scale_inv` / `.weight_scale` / `.input_scale` beside them) into its layer's
+    stacked parameter; returns that parameter's name, or None if `name` is not an expert's."""
     m = _EXPERT_WEIGHT.match(name)
     if m is None:
         return None
-    prefix, expert, part = m.groups()
+    prefix, expert, part, kind = m.groups()
     shard = _SHARD_OF[part]
-    target = f"{prefix}.{'w2_weight' if shard == 'w2' else 'w13_weight'}"
+    target = f"{prefix}.{'w2' if shard == 'w2' else 'w13'}_{kind}"
     if target not in params:
-        raise ValueError(f"weight {name!r} has no stacked expert parameter {target!r}")
+        raise ValueError(f"checkpoint tensor {name!r} has no stacked expert parameter {target!r} (is the "
+                         f"checkpoint's quantization what the model was built for?)")
     params[target].weight_loader(params[target], tensor, shard, int(expert))
     return target

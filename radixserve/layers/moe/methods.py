@@ -7,6 +7,7 @@ reduction around it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,20 @@ from radixserve.layers.triton_ops import use_fused
 
 if TYPE_CHECKING:
     from radixserve.layers.moe.layer import FusedMoE
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """The float32 scales of fp8 expert weights, one per (group_n rows x group_k columns) block of each expert's
+    matrix: w13 [E, ceil(2I / group_n), ceil(H / group_k13)], w2 [E, ceil(H / group_n), ceil(I / group_k2)],
+    contiguous. Per output channel: group_n 1 and group_k the whole row (H, I); block-wise checkpoints: their block.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    group_n: int
+    group_k13: int
+    group_k2: int
 
 
 class MoEMethod(QuantizeMethodBase, ABC):
@@ -38,10 +53,38 @@ class MoEMethod(QuantizeMethodBase, ABC):
         repack or quantize here. Weights in the model dtype need nothing."""
         return None
 
+    def expert_scales(self, layer: FusedMoE) -> ExpertScales | None:
+        """The scales the fused kernels widen `w13_weight` / `w2_weight` with; None for weights in the model
+        dtype."""
+        return None
+
+    def run(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            ) -> torch.Tensor:
+        """`apply` through the layer's stacked `w13_weight` / `w2_weight` and `expert_scales`: the small-batch
+        kernels for a few tokens and the grouped GEMMs for more on the GPU (the small-batch path also computes an
+        attached shared MLP, `FusedMoE.folded_shared_weights`), the per-expert torch reference elsewhere."""
+        scales = self.expert_scales(layer)
+        if use_fused(x):
+            from radixserve.layers.moe import small_batch
+
+            if x.shape[0] <= small_batch.SMALL_BATCH_TOKENS:
+                shared = layer.folded_shared_weights(x)
+                counters = layer.small_counters if layer.small_counters.device == x.device else None
+                return small_batch.small_batch_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                                   layer.expert_offset, *(shared or (None, None)),
+                                                   counters=counters, scales=scales)
+            from radixserve.layers.moe.fused_moe import fused_moe
+
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,
+                             layer.num_experts, scales=scales)
+        from radixserve.layers.moe.moe_torch import moe_forward_torch
+
+        return moe_forward_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,
+                                 scales)
+
 
 class UnquantizedMoEMethod(MoEMethod):
-    """Weights in the model dtype. The fused Triton kernel for CUDA tensors (`use_fused`), the per-expert torch
-    reference elsewhere."""
+    """Weights in the model dtype (`run`)."""
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
         layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter_size, hidden_size), requires_grad=False)
@@ -51,19 +94,4 @@ class UnquantizedMoEMethod(MoEMethod):
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        if use_fused(x):
-            from radixserve.layers.moe import small_batch
-
-            if x.shape[0] <= small_batch.SMALL_BATCH_TOKENS:
-                shared = layer.folded_shared_weights(x)
-                counters = layer.small_counters if layer.small_counters.device == x.device else None
-                return small_batch.small_batch_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                                   layer.expert_offset, *(shared or (None, None)),
-                                                   counters=counters)
-            from radixserve.layers.moe.fused_moe import fused_moe
-
-            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,
-                             layer.num_experts)
-        from radixserve.layers.moe.moe_torch import moe_forward_torch
-
-        return moe_forward_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset)
+        return self.run(layer, x, topk_weights, topk_ids)

@@ -4,15 +4,29 @@ weight, summed over the token's experts."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from radixserve.layers.moe.methods import ExpertScales
+
+
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int) -> torch.Tensor:
+    """One fp8 expert matrix w [N, K] in float32 from its scales [ceil(N / group_n), ceil(K / group_k)]."""
+    n, k = w.shape
+    s = scale.repeat_interleave(group_n, dim=0)[:n].repeat_interleave(group_k, dim=1)[:, :k]
+    return w.float() * s
+
 
 def moe_forward_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+                      topk_ids: torch.Tensor, expert_offset: int = 0, scales: ExpertScales | None = None,
+                      ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k] with global expert ids.
     Experts outside [expert_offset, expert_offset + E) are not held here and contribute nothing (expert
-    parallelism: another rank adds them)."""
+    parallelism: another rank adds them). With `scales` the weights are fp8: each expert used is dequantised and
+    its products taken in float32, the intermediate and the output rounded to x's dtype as the kernels round them."""
     num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
@@ -30,8 +44,15 @@ def moe_forward_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
         assign = order[start:start + n]
         start += n
         tok = assign // k
-        h = F.linear(x[tok], w13[e])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e]) * topk_weights.flatten()[assign, None].to(x.dtype)
+        if scales is None:
+            h = F.linear(x[tok], w13[e])
+            h = F.silu(h[:, :inter]) * h[:, inter:]
+            y = F.linear(h, w2[e]) * topk_weights.flatten()[assign, None].to(x.dtype)
+        else:
+            g = scales.group_n
+            h = F.linear(x[tok].float(), dequantize_expert(w13[e], scales.w13[e], g, scales.group_k13))
+            h = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+            y = F.linear(h.float(), dequantize_expert(w2[e], scales.w2[e], g, scales.group_k2))
+            y = (y * topk_weights.flatten()[assign, None].float()).to(x.dtype)
         out.index_add_(0, tok, y)
     return out

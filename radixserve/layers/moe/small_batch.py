@@ -20,15 +20,20 @@ path is for batches of up to `SMALL_BATCH_TOKENS` tokens, the sorted grouped GEM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.moe.fused_moe import _wdot, scale_args
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
+
+if TYPE_CHECKING:
+    from radixserve.layers.moe.methods import ExpertScales
 
 # Tokens up to which the MoE layer takes this path. On the H200 at Qwen3-30B-A3B's layer shape (one layer's experts,
 # CUDA graphs, benchmarks/bench_moe_kernels.py): 25.8 us against the grouped path's 32.4 at 1 token, 130.6 against
@@ -54,17 +59,11 @@ ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute
 
 
 @triton.jit
-def _dot(a, b, FP32: tl.constexpr):
-    if FP32:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
 def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_local, inter_size, shared_inter,
-                          hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = 0):
+                          hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i, Scale, stride_se, stride_sn,
+                          group_n, group_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
+                          PDL: tl.constexpr = 0, QUANT: tl.constexpr = False):
+    """QUANT: W13 is fp8 with float32 scales (`fused_moe._wdot`); no shared chunks then."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -89,6 +88,8 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     g_ptrs = base + gate_rows[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     u_ptrs = base + (gate_rows + up_shift)[None, :] * stride_row + offs_k[:, None]
     x_ptrs = X + tok.to(tl.int64) * stride_x + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
+    sg_cols = e64 * stride_se + (offs_n // group_n) * stride_sn  # the gate and up columns' scale rows
+    su_cols = e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
     acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -97,8 +98,8 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
         m = k_ok[:, None] & n_read[None, :]
         wg = tl.load(g_ptrs, mask=m, other=0.0)
         wu = tl.load(u_ptrs, mask=m, other=0.0)
-        acc_g = acc_g + _dot(x, wg, FP32)
-        acc_u = acc_u + _dot(x, wu, FP32)
+        acc_g = acc_g + _wdot(x, wg, Scale, sg_cols, n_read, k0, group_k, QUANT, FP32)
+        acc_u = acc_u + _wdot(x, wu, Scale, su_cols, n_read, k0, group_k, QUANT, FP32)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -110,9 +111,9 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
 
 @triton.jit
 def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k, slots, offset, num_local, hidden,
-                       inter_size, stride_i, stride_we, stride_wn, stride_ws, stride_o,
-                       S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                       PDL: tl.constexpr = 0):
+                       inter_size, stride_i, stride_we, stride_wn, stride_ws, stride_o, Scale, stride_se, stride_sn,
+                       group_n, group_k, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = False):
     """Program (assignment, column block): its weighted down-projection into Partial (float32); the last of a
     token's `slots` programs for a column block (a counter per block in Count, put back to 0 by it) sums them in
     slot order and stores the token's output."""
@@ -139,12 +140,13 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
     rows = tl.arange(0, 16)
     w_ptrs = base + offs_n.to(tl.int64)[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     a_ptrs = Inter + a.to(tl.int64) * stride_i + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
+    s_cols = e64 * stride_se + (offs_n // group_n) * stride_sn
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         k_ok = offs_k < inter_size - k0
         act = tl.load(a_ptrs, mask=(rows == 0)[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_read[None, :], other=0.0)
-        acc = acc + _dot(act, w, FP32)
+        acc = acc + _wdot(act, w, Scale, s_cols, n_read, k0, group_k, QUANT, FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     part = tl.sum(tl.where((rows == 0)[:, None], acc, 0.0), axis=0) * wt
@@ -163,10 +165,11 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
 def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, expert_offset: int = 0, shared_w13: torch.Tensor | None = None,
                     shared_w2: torch.Tensor | None = None, config: SmallMoEConfig | None = None,
-                    counters: torch.Tensor | None = None) -> torch.Tensor:
+                    counters: torch.Tensor | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t]) (+ the shared MLP SiLU(x G^T)·(x U^T) D^T when
     `shared_w13` [2S, H] / `shared_w2` [H, S] are given, S a multiple of the routed intermediate size), for
-    x [T, H], w13 [E, 2I, H], w2 [E, H, I]; experts outside [expert_offset, expert_offset + E) add nothing."""
+    x [T, H], w13 [E, 2I, H], w2 [E, H, I]; experts outside [expert_offset, expert_offset + E) add nothing. With
+    `scales` the routed weights are fp8, widened in the kernels (no shared MLP then)."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -185,6 +188,8 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
             raise ValueError(f"small_batch_moe: shared weights {tuple(shared_w13.shape)} / "
                              f"{tuple(shared_w2.shape)} are not [2S, H] / [H, S] with S a multiple of {inter}")
         chunks = shared_inter // inter
+        if scales is not None:
+            raise ValueError("small_batch_moe: a shared MLP cannot ride along with fp8 experts")
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
@@ -192,6 +197,10 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
     interp = is_interpreted()
     cfg = config or (INTERPRETED if interp else DEFAULT)
+    if scales is not None:  # a K step within one scale group
+        cfg = replace(cfg, block_k_gate_up=min(cfg.block_k_gate_up, scales.group_k13),
+                      block_k_down=min(cfg.block_k_down, scales.group_k2))
+    q13, q2 = scale_args(scales, w13, w2)
     blocks_down = triton.cdiv(hidden, cfg.block_n_down)
     if counters is None:
         counters = torch.zeros(num_tokens * blocks_down, dtype=torch.int32, device=x.device)
@@ -210,12 +219,12 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     opts = {} if interp else {"num_warps": cfg.warps, "num_stages": cfg.stages, **pdl.launch_opts(x)}
     launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13, act,
            ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0), w13.stride(0),
-           w13.stride(1), sw13.stride(-2), act.stride(0), BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up,
-           FP32=fp32, **opts)
+           w13.stride(1), sw13.stride(-2), act.stride(0), *q13, BLOCK_N=cfg.block_n_gate_up,
+           BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=scales is not None, **opts)
     launch(_small_down_kernel, (num_tokens * slots, blocks_down), act, w2, sw2, out, partial, counters, weights, ids,
            top_k, slots, expert_offset, num_local, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-           sw2.stride(-2), out.stride(0), S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k_down, FP32=fp32, **opts)
+           sw2.stride(-2), out.stride(0), *q2, S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
+           BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=scales is not None, **opts)
     return out
 
 

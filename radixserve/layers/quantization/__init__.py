@@ -85,15 +85,13 @@ READ_AS_MATRIX = ("kv_b_proj",)
 
 
 def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
-    """Give every layer that `config` quantizes its method and parameters; returns how many layers changed.
+    """Give every layer that `config` quantizes its method and parameters (linear layers, and the MoE layers'
+    stacked experts where the method has a MoE form); returns how many layers changed."""
+    from radixserve.layers.moe.layer import FusedMoE
 
-    MoE expert layers (`layers/moe`, which take their method at construction) stay in the model dtype: no
-    quantized MoE method exists yet. A checkpoint whose experts are stored quantized is refused."""
-    count, experts = 0, 0
+    count, experts_kept = 0, 0
     for prefix, module in model.named_modules():
         if not hasattr(module, "set_quant_method"):
-            if hasattr(module, "quant_method") and hasattr(module, "w13_weight"):
-                experts += 1
             continue
         if prefix.rsplit(".", 1)[-1] in READ_AS_MATRIX:
             continue
@@ -101,12 +99,11 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
         if method is not None:
             module.set_quant_method(method)
             count += 1
-    if experts and getattr(config, "serialized", False) and config.name == "fp8":
-        raise ValueError("fp8 checkpoints of MoE models (fp8 experts) are not supported yet; load the 16-bit "
-                         "checkpoint with --quantization fp8 (dense and attention layers in fp8, experts in 16 bits)")
-    if experts:
-        logger.warning("%s quantization: %d MoE expert layers stay in the model dtype (no quantized MoE method yet)",
-                       config.name, experts)
+        elif isinstance(module, FusedMoE):
+            experts_kept += 1
+    if experts_kept:
+        logger.warning("%s quantization: %d MoE expert layers stay in the model dtype (%s has no MoE form)",
+                       config.name, experts_kept, config.name)
     logger.info("%s quantization on %d layers", config.name, count)
     if hasattr(config, "log_summary"):
         config.log_summary()

@@ -6,6 +6,7 @@ Three ways in, one layer at the end:
 - a checkpoint with block-wise scales (`weight_scale_inv` [ceil(N/bn), ceil(K/bk)], `weight_block_size`
   [bn, bk], as DeepSeek-V3 and the Qwen3 FP8 releases ship): kept as they are;
 - `--quantization fp8` on a 16/32-bit checkpoint: quantised after loading, one scale per output channel.
+The MoE layers' experts take the same three forms (`fp8_moe.py`).
 
 The product: for a batch of at most `SMALL_M` rows the weight is widened inside a Triton kernel (W8A16; the
 product reads the fp8 bytes once and needs no activation scales; per-channel weights through the bandwidth-bound
@@ -141,9 +142,16 @@ class Fp8Config(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from radixserve.layers.linear import _LinearBase
+        from radixserve.layers.moe.layer import FusedMoE
 
+        if is_ignored(prefix, self.ignored_layers):
+            return None
         if isinstance(layer, _LinearBase):
-            return None if is_ignored(prefix, self.ignored_layers) else Fp8LinearMethod(self)
+            return Fp8LinearMethod(self)
+        if isinstance(layer, FusedMoE):
+            from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
+
+            return Fp8MoEMethod(self)
         return None
 
 

@@ -1,0 +1,148 @@
+"""FP8 experts: the MoE layers of an fp8 model (`Fp8Config` gives every `FusedMoE` this method).
+
+Three ways in, as for the linear layers (`fp8.py`):
+- a checkpoint with block-wise scales (DeepSeek-V3, the Qwen3 FP8 releases): each expert's `gate_proj` / `up_proj`
+  / `down_proj` `.weight` (float8_e4m3fn) and `.weight_scale_inv` [ceil(N / bn), ceil(K / bk)], stacked here;
+- a checkpoint with per-tensor scales (`.weight_scale`, one per expert matrix): the scale becomes its rows';
+- `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row.
+
+The product is W8A16: the fused kernels (`small_batch`, `fused_moe`) widen the fp8 tile to the activation dtype
+(exactly) and scale each K step's product by its columns' scales, so the experts' bytes read are halved and the
+activations need no scales. A static checkpoint's `input_scale`s load and go unused: nothing here quantises the
+activations. On the CPU the torch reference dequantises one expert at a time (`moe_torch`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixserve.layers.moe.methods import ExpertScales, MoEMethod
+from radixserve.layers.quantization.fp8 import FP8, quantize_rows
+
+if TYPE_CHECKING:
+    from radixserve.layers.moe.layer import FusedMoE
+    from radixserve.layers.quantization.fp8 import Fp8Config
+
+
+def _param(data: torch.Tensor, loader: object) -> nn.Parameter:
+    p = nn.Parameter(data, requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class Fp8MoEMethod(MoEMethod):
+    """The layer ends with `w13_weight` fp8 [E, 2I, H], `w2_weight` fp8 [E, H, I] and their float32 scales
+    `w13_scale` / `w2_scale` (`ExpertScales`' layout)."""
+
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+        self.block = config.weight_block_size
+        self.groups: tuple[int, int, int] | None = None  # (group_n, group_k13, group_k2), set after loading
+
+    # ------------------------------------------------------------ weights
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
+        e, h, i = num_experts, hidden_size, inter_size
+        if not self.config.serialized:  # 16/32-bit weights, quantised after loading
+            layer.w13_weight = _param(torch.empty(e, 2 * i, h), layer.weight_loader)
+            layer.w2_weight = _param(torch.empty(e, h, i), layer.weight_loader)
+            return
+        layer.w13_weight = _param(torch.empty(e, 2 * i, h, dtype=FP8), layer.weight_loader)
+        layer.w2_weight = _param(torch.empty(e, h, i, dtype=FP8), layer.weight_loader)
+
+        def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
+                   expert_id: int | None = None) -> None:
+            self._load_scale(layer, param, loaded, shard_id, expert_id)
+
+        if self.block is not None:
+            bn, bk = self.block
+            if i % bn or (layer.moe_tp_size > 1 and i % bk):
+                raise ValueError(f"block-wise fp8 experts: the intermediate size per rank {i} is not a multiple of "
+                                 f"the block {self.block}")
+            f32 = torch.float32
+            layer.w13_weight_scale_inv = _param(torch.ones(e, 2 * (i // bn), -(-h // bk), dtype=f32), loader)
+            layer.w2_weight_scale_inv = _param(torch.ones(e, -(-h // bn), -(-i // bk), dtype=f32), loader)
+            return
+        layer.w13_weight_scale = _param(torch.ones(e, 2, dtype=torch.float32), loader)  # (gate, up) of each expert
+        layer.w2_weight_scale = _param(torch.ones(e, dtype=torch.float32), loader)
+        if self.config.activation_scheme == "static":
+            layer.w13_input_scale = _param(torch.ones(e, 2, dtype=torch.float32), loader)
+            layer.w2_input_scale = _param(torch.ones(e, dtype=torch.float32), loader)
+
+    def _load_scale(self, layer: FusedMoE, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None,
+                    expert_id: int | None) -> None:
+        """One expert's scale tensor from the checkpoint (`shard_id` w1 = gate, w3 = up, w2 = down)."""
+        if shard_id not in ("w1", "w2", "w3") or expert_id is None or not 0 <= expert_id < layer.num_experts:
+            raise ValueError(f"fp8 expert scale: shard {shard_id!r} / expert {expert_id} is not one expert's "
+                             f"gate, up or down matrix")
+        local = expert_id - layer.expert_offset
+        if not 0 <= local < layer.num_local_experts:
+            return  # another rank's expert
+        is_w13 = shard_id != "w2"
+        loaded = loaded.float()
+        if param.dim() == 3:  # block-wise: rows of blocks over N, columns over K
+            bn, bk = self.block
+            h, i_full, i = layer.hidden_size, layer.intermediate_size, layer.inter_per_rank
+            full = (-(-i_full // bn), -(-h // bk)) if is_w13 else (-(-h // bn), -(-i_full // bk))
+            if tuple(loaded.shape) != full:
+                raise ValueError(f"expert {expert_id} {shard_id} weight_scale_inv shape {tuple(loaded.shape)}, "
+                                 f"expected {full}")
+            if is_w13:
+                nb = i // bn
+                dst = param.data[local, :nb] if shard_id == "w1" else param.data[local, nb:]
+                dst.copy_(loaded[layer.moe_tp_rank * nb:(layer.moe_tp_rank + 1) * nb])
+            else:
+                kb = -(-i // bk)
+                param.data[local].copy_(loaded[:, layer.moe_tp_rank * kb:layer.moe_tp_rank * kb + kb])
+            return
+        if loaded.numel() != 1:
+            raise ValueError(f"expert {expert_id} {shard_id}: a per-tensor fp8 scale has one value, got "
+                             f"{tuple(loaded.shape)}")
+        if is_w13:
+            param.data[local, 0 if shard_id == "w1" else 1] = loaded.reshape(())
+        else:
+            param.data[local] = loaded.reshape(())
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        h, i = layer.hidden_size, layer.inter_per_rank
+        if not self.config.serialized:
+            q13, s13 = _quantize_experts(layer.w13_weight.data)
+            q2, s2 = _quantize_experts(layer.w2_weight.data)
+            layer.w13_weight = _param(q13, layer.weight_loader)
+            layer.w2_weight = _param(q2, layer.weight_loader)
+            self.groups = (1, h, i)
+        elif self.block is not None:
+            s13, s2 = layer.w13_weight_scale_inv.data, layer.w2_weight_scale_inv.data
+            del layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+            self.groups = (self.block[0], self.block[1], self.block[1])
+        else:  # per tensor: each matrix's scale on each of its rows
+            per = layer.w13_weight_scale.data
+            s13 = per.repeat_interleave(i, dim=1).unsqueeze(-1)
+            s2 = layer.w2_weight_scale.data[:, None, None].expand(-1, h, 1)
+            del layer.w13_weight_scale, layer.w2_weight_scale
+            for name in ("w13_input_scale", "w2_input_scale"):  # W8A16: the activations are not quantised
+                if hasattr(layer, name):
+                    delattr(layer, name)
+            self.groups = (1, h, i)
+        layer.w13_scale = nn.Parameter(s13.float().contiguous(), requires_grad=False)
+        layer.w2_scale = nn.Parameter(s2.float().contiguous(), requires_grad=False)
+
+    def expert_scales(self, layer: FusedMoE) -> ExpertScales | None:
+        if self.groups is None:
+            raise RuntimeError("fp8 experts used before their weights were processed (finish_quantization)")
+        return ExpertScales(layer.w13_scale, layer.w2_scale, *self.groups)
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.run(layer, x, topk_weights, topk_ids)
+
+
+def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (fp8 [E, N, K], float32 scales [E, N, 1]): one scale per row, an expert at a time (no float32
+    copy of the whole stack)."""
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    s = torch.empty(w.shape[0], w.shape[1], 1, dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        q[e], s[e, :, 0] = quantize_rows(w[e])
+    return q, s

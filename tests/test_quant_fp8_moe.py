@@ -1,0 +1,243 @@
+"""FP8 experts (`layers/quantization/fp8_moe.py`): the small-batch and grouped kernels (Triton's interpreter on the
+CPU) with per-channel and block-wise scales against the dequantising reference; fp8 MoE checkpoints (block-wise,
+per-tensor with static input scales) loading into the stacked experts, greedy-equal to transformers on the
+dequantised weights; online quantisation of the experts; block scales sharded with their experts under TP=2."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from moe_utils import DEVICE, expert_weights, skewed_ids
+
+from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe
+from radixserve.layers.moe.methods import ExpertScales
+from radixserve.layers.moe.moe_torch import dequantize_expert, moe_forward_torch
+from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
+from radixserve.layers.quantization.fp8 import FP8, quantize_blocks, quantize_rows
+
+
+def _quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> fp8 and scales in `ExpertScales`' layout."""
+    if block is None:
+        parts = [quantize_rows(w[e]) for e in range(w.shape[0])]
+        return torch.stack([q for q, _ in parts]), torch.stack([s[:, None] for _, s in parts])
+    parts = [quantize_blocks(w[e], *block) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def fp8_experts(e: int, h: int, i: int, block: tuple[int, int] | None, seed: int = 0,
+                ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales, torch.Tensor, torch.Tensor]:
+    """(fp8 w13, fp8 w2, their scales, and the dequantised float32 w13, w2) on DEVICE."""
+    w13, w2 = expert_weights(e, h, i, seed)
+    q13, s13 = _quantize(w13.cpu(), block)
+    q2, s2 = _quantize(w2.cpu(), block)
+    gn, gk13, gk2 = (1, h, i) if block is None else (block[0], block[1], block[1])
+    scales = ExpertScales(s13.to(DEVICE), s2.to(DEVICE), gn, gk13, gk2)
+    d13 = torch.stack([dequantize_expert(q13[x], s13[x], gn, gk13) for x in range(e)])
+    d2 = torch.stack([dequantize_expert(q2[x], s2[x], gn, gk2) for x in range(e)])
+    return q13.to(DEVICE), q2.to(DEVICE), scales, d13.to(DEVICE), d2.to(DEVICE)
+
+
+@pytest.mark.parametrize("block", [None, (16, 16)])
+def test_fp8_reference_is_the_dequantised_model(block: tuple[int, int] | None) -> None:
+    """The reference with scales is the plain reference on the dequantised weights (float32), and the fp8
+    weights stay close to the originals (the quantisation is real, the scales are applied)."""
+    e, h, i, t, k = 6, 32, 32, 7, 2
+    q13, q2, scales, d13, d2 = fp8_experts(e, h, i, block)
+    assert q13.dtype == FP8 and q2.dtype == FP8
+    w13, _ = expert_weights(e, h, i)
+    assert (d13 - w13).abs().max() < 0.05 * w13.abs().max() and not torch.equal(d13, w13)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ids = skewed_ids(t, k, e).to(DEVICE)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    torch.testing.assert_close(moe_forward_torch(x, q13, q2, weights, ids, scales=scales),
+                               moe_forward_torch(x, d13, d2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [None, (16, 16)])
+@pytest.mark.parametrize("path,tokens,top_k", [("small", 3, 2), ("small", 2, 8), ("grouped", 9, 2),
+                                               ("grouped", 5, 1)])
+def test_fp8_expert_kernels_match_reference(block: tuple[int, int] | None, path: str, tokens: int,
+                                            top_k: int) -> None:
+    """Both kernel paths widen the fp8 tiles and scale each K step by its group's scales: sizes with several K
+    steps per scale group and several groups per row (block-wise), an expert with no tokens, uneven loads."""
+    e, h, i = 10, 64, 32
+    q13, q2, scales, d13, d2 = fp8_experts(e, h, i, block, seed=top_k)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids = skewed_ids(tokens, top_k, e).to(DEVICE)
+    assert not (ids == e - 1).any()
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ref = moe_forward_torch(x, d13, d2, weights, ids)
+    if path == "small":
+        outs = [small_batch_moe(x, q13, q2, weights, ids, scales=scales),
+                small_batch_moe(x, q13, q2, weights, ids, scales=scales, config=SmallMoEConfig(16, 64, 32, 64, 1, 1))]
+    else:
+        outs = [fused_moe(x, q13, q2, weights, ids, scales=scales),
+                fused_moe(x, q13, q2, weights, ids, scales=scales, config=MoEConfig(16, 16, 32, 64, 1, 1))]
+    for out in outs:  # the second config's 64-wide K step is cut to the 16-wide scale group
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    if DEVICE == "cuda":  # bfloat16 activations on the tensor cores
+        xb = x.bfloat16()
+        got = (small_batch_moe if path == "small" else fused_moe)(xb, q13, q2, weights, ids, scales=scales)
+        ref_b = moe_forward_torch(xb, q13, q2, weights, ids, scales=scales)
+        torch.testing.assert_close(got.float(), ref_b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_experts_held_elsewhere() -> None:
+    """Expert parallelism with fp8 experts: rank 1 of 2 holds experts 4..7 and their scales."""
+    e, h, i, t, k = 8, 32, 16, 5, 2
+    q13, q2, scales, d13, d2 = fp8_experts(e, h, i, (16, 16), seed=5)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(s))[:k] for s in range(t)])
+    ids = ids.to(DEVICE, torch.int32)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    mine = ExpertScales(scales.w13[4:].contiguous(), scales.w2[4:].contiguous(), 16, 16, 16)
+    ref = moe_forward_torch(x, d13[4:], d2[4:], weights, ids, expert_offset=4)
+    for fn in (small_batch_moe, fused_moe):
+        kw = {"num_global_experts": e} if fn is fused_moe else {}
+        got = fn(x, q13[4:], q2[4:], weights, ids, 4, scales=mine, **kw)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _write_fp8_moe_checkpoint(path: str, layout: str) -> str:
+    """Rewrite the tiny model saved at `path` as an fp8 checkpoint ('block': 16x16 weight_scale_inv on every
+    projection, experts included; 'tensor': per-tensor weight_scale and a static input_scale), and save the
+    dequantised weights as a 16/32-bit copy in `path`/deq for transformers. Returns that copy's folder."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    out, deq = {}, {}
+    for name, t in sd.items():
+        t = t.float()
+        if name.endswith("proj.weight") and ".layers." in name:
+            base = name[: -len("weight")]
+            if layout == "block":
+                q, s = quantize_blocks(t, 16, 16)
+                out[base + "weight_scale_inv"] = s
+                deq[name] = dequantize_expert(q, s, 16, 16)
+            else:
+                s = (t.abs().max() / 448.0).float()
+                q = (t / s).clamp(-448, 448).to(FP8)
+                out[base + "weight_scale"] = s.reshape(())
+                out[base + "input_scale"] = torch.tensor(0.02)
+                deq[name] = q.float() * s
+            out[name] = q
+        else:
+            out[name] = deq[name] = t
+    save_file(out, os.path.join(path, "model.safetensors"))
+    deq_dir = os.path.join(path, "deq")
+    os.makedirs(deq_dir)
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"))
+    for f in os.listdir(path):
+        if f.endswith(".json"):
+            shutil.copy(os.path.join(path, f), deq_dir)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic" if layout == "block" else "static"}
+    if layout == "block":
+        qc["weight_block_size"] = [16, 16]
+    cfg["quantization_config"] = qc
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return deq_dir
+
+
+@pytest.mark.parametrize("layout", ["block", "tensor"])
+def test_fp8_moe_checkpoint_loads_and_matches_transformers(tmp_path, layout: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen3-MoE fp8 checkpoint (experts, attention and all) loads into fp8 stacked experts holding exactly
+    the written bytes and scales. Block-wise, with W8A16 forced for the dense layers too, the model is the
+    dequantised model: greedy token-identical to transformers on those weights. Per tensor, the dense layers
+    quantise their activations with the static scales, so only the experts are compared."""
+    import transformers as tf
+    from model_utils import hf_greedy, make_runner, make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.layers.quantization import fp8 as fp8mod
+    from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
+
+    path = str(tmp_path)
+    make_tiny_model("qwen3_moe", path, initializer_range=0.08)
+    deq_dir = _write_fp8_moe_checkpoint(path, layout)
+    monkeypatch.setattr(fp8mod, "SMALL_M", 1 << 30)
+    runner = make_runner(path)
+    experts = runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts.quant_method, Fp8MoEMethod)
+    assert experts.w13_weight.dtype == FP8 and experts.w2_weight.dtype == FP8
+    names = {n for n, _ in experts.named_parameters()}
+    assert names == {"w13_weight", "w2_weight", "w13_scale", "w2_scale"}, names
+    from safetensors.torch import load_file
+
+    want = load_file(os.path.join(deq_dir, "model.safetensors"))
+    sc = experts.quant_method.expert_scales(experts)
+    got_up = dequantize_expert(experts.w13_weight[3], sc.w13[3], sc.group_n, sc.group_k13)[32:]
+    torch.testing.assert_close(got_up, want["model.layers.0.mlp.experts.3.up_proj.weight"], rtol=0, atol=0)
+    got_down = dequantize_expert(experts.w2_weight[5], sc.w2[5], sc.group_n, sc.group_k2)
+    torch.testing.assert_close(got_down, want["model.layers.0.mlp.experts.5.down_proj.weight"], rtol=0, atol=0)
+    if layout == "tensor":
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+        ids = torch.tensor([[0, 3], [5, 1], [3, 7], [2, 6], [4, 0]], dtype=torch.int32)
+        wts = torch.rand(5, 2, generator=torch.Generator().manual_seed(1))
+        d13 = torch.stack([torch.cat([want[f"model.layers.0.mlp.experts.{x_}.{p}_proj.weight"] for p in ("gate", "up")])
+                           for x_ in range(8)])
+        d2 = torch.stack([want[f"model.layers.0.mlp.experts.{x_}.down_proj.weight"] for x_ in range(8)])
+        torch.testing.assert_close(experts.quant_method.apply(experts, x, wts, ids),
+                                   moe_forward_torch(x, d13, d2, wts, ids), atol=1e-5, rtol=1e-5)
+        return
+    hf = tf.AutoModelForCausalLM.from_pretrained(deq_dir, torch_dtype=torch.float32).eval()
+    prompts = [[5, 17, 99, 3, 42, 7, 100, 8], [1, 2, 3]]
+    for prompt, got in zip(prompts, StaticBatch(runner).generate(prompts, 8), strict=True):
+        assert got == hf_greedy(hf, prompt, 8)
+    assert runner.token_to_kv_pool.available_size() == runner.token_to_kv_pool.size
+
+
+def test_online_fp8_experts_and_tp_block_scales() -> None:
+    """`--quantization fp8` quantises each expert per output row; TP=2 ranks of a block-wise fp8 checkpoint hold
+    their halves of the intermediate dimension's weights and scale blocks."""
+    from radixserve.layers.moe.layer import FusedMoE
+    from radixserve.layers.moe.router import RouterConfig
+    from radixserve.layers.quantization import apply_quantization, finish_quantization
+    from radixserve.layers.quantization.fp8 import Fp8Config
+
+    e, h, i = 4, 32, 64
+    w13, w2 = (w.cpu() for w in expert_weights(e, h, i, seed=8))
+    online = FusedMoE(RouterConfig(num_experts=e, top_k=2), h, i, ep_size=1)
+    apply_quantization(online, Fp8Config(serialized=False))
+    online.weight_loader(online.w13_weight, w13)
+    online.weight_loader(online.w2_weight, w2)
+    finish_quantization(online)
+    sc = online.quant_method.expert_scales(online)
+    assert online.w13_weight.dtype == FP8 and sc.w13.shape == (e, 2 * i, 1) and sc.group_k13 == h
+    torch.testing.assert_close(dequantize_expert(online.w13_weight[2], sc.w13[2], 1, h), w13[2], atol=0.02,
+                               rtol=0.07)
+    full13 = {(x, s): quantize_blocks(w13[x, :i] if s == "w1" else w13[x, i:], 16, 16)
+              for x in range(e) for s in ("w1", "w3")}
+    full2 = {x: quantize_blocks(w2[x], 16, 16) for x in range(e)}
+    for rank in range(2):
+        layer = FusedMoE(RouterConfig(num_experts=e, top_k=2), h, i, tp_rank=rank, tp_size=2, ep_size=1)
+        apply_quantization(layer, Fp8Config(serialized=True, weight_block_size=[16, 16]))
+        params = dict(layer.named_parameters())
+        for (x, s), (q, scale) in full13.items():
+            params["w13_weight"].weight_loader(params["w13_weight"], q, s, x)
+            params["w13_weight_scale_inv"].weight_loader(params["w13_weight_scale_inv"], scale, s, x)
+        for x, (q, scale) in full2.items():
+            params["w2_weight"].weight_loader(params["w2_weight"], q, "w2", x)
+            params["w2_weight_scale_inv"].weight_loader(params["w2_weight_scale_inv"], scale, "w2", x)
+        finish_quantization(layer)
+        sc = layer.quant_method.expert_scales(layer)
+        half = slice(rank * i // 2, (rank + 1) * i // 2)
+        for x in range(e):
+            gate = dequantize_expert(layer.w13_weight[x], sc.w13[x], 16, 16)[: i // 2]
+            ref_gate = dequantize_expert(*full13[(x, "w1")], 16, 16)[half]
+            torch.testing.assert_close(gate, ref_gate, rtol=0, atol=0)
+            down = dequantize_expert(layer.w2_weight[x], sc.w2[x], 16, 16)
+            torch.testing.assert_close(down, dequantize_expert(*full2[x], 16, 16)[:, half], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of the block"):
+        layer = FusedMoE(RouterConfig(num_experts=e, top_k=2), h, 48, tp_rank=0, tp_size=2, ep_size=1)
+        apply_quantization(layer, Fp8Config(serialized=True, weight_block_size=[16, 16]))
