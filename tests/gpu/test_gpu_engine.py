@@ -185,17 +185,19 @@ def test_no_triton_compilation_after_warmup(tmp_path) -> None:
     assert compiled == [], compiled
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v2"])
-def test_no_triton_compilation_after_warmup_moe(kind: str, tmp_path) -> None:
+@pytest.mark.parametrize("kind,quantization", [("qwen3_moe", None), ("deepseek_v2", None), ("qwen3_moe", "fp8")])
+def test_no_triton_compilation_after_warmup_moe(kind: str, quantization: str | None, tmp_path) -> None:
     """The same for MoE models with prefill batches of up to 2,048 tokens: the experts' grouped GEMMs at every block
-    size, the parallel align (more than 1,024 token-expert assignments) and the router over any number of tokens
-    were compiled before serving (`fused_moe.precompile`, the warm-up, the graph capture)."""
+    size (fp8 experts: their own variants), the parallel align (more than 1,024 token-expert assignments) and the
+    router over any number of tokens were compiled before serving (`fused_moe.precompile`, the warm-up, the graph
+    capture)."""
     from radixserve.managers.scheduler import Scheduler
     from radixserve.server_args import ServerArgs
 
     make_tiny_model(kind, str(tmp_path), vocab_size=512)
     s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_total_tokens=32768,
-                             skip_tokenizer_init=True, cuda_graph_max_bs=4, chunked_prefill_size=2048),
+                             skip_tokenizer_init=True, cuda_graph_max_bs=4, chunked_prefill_size=2048,
+                             quantization=quantization),
                   port_args={})
     s.warmup()
     compiled = compiled_while_serving(s, [1, 3, 6, 2], 100, 380)  # up to ~2,000 prompt tokens a prefill batch
