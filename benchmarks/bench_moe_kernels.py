@@ -7,6 +7,10 @@ the tokens chose (+ the shared MLP) — for large batches also the TFLOP/s of th
 
     python benchmarks/bench_moe_kernels.py --shape qwen3-30b-a3b --tokens 1 8 16 --sweep-small
     python benchmarks/bench_moe_kernels.py --shape qwen3-30b-a3b --tokens 256 4096 --sweep-large
+    python benchmarks/bench_moe_kernels.py --shape qwen3-30b-a3b --tokens 1 8 --sweep-small --fp8 channel
+
+`--fp8 channel|block` quantises the experts (per output row, or 128 x 128 blocks) and runs the kernels' fp8 (W8A16)
+form; a shared MLP is then added by torch in both paths.
 
 Prints a table and writes JSON (`--result-file`)."""
 
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from layer_timing import seconds_per_layer  # noqa: E402
 
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe, moe_config  # noqa: E402
+from radixserve.layers.moe.methods import ExpertScales  # noqa: E402
 from radixserve.layers.moe.small_batch import DEFAULT, INTERPRETED, SmallMoEConfig, small_batch_moe  # noqa: E402
 
 # experts, hidden, intermediate per expert, top-k, shared intermediate (0: none)
@@ -40,6 +45,11 @@ SMALL_SWEEP = [SmallMoEConfig(32, 128, 64, 128, 4, 4), SmallMoEConfig(16, 256, 3
                SmallMoEConfig(32, 128, 32, 128, 4, 4), SmallMoEConfig(32, 128, 32, 256, 4, 3),
                SmallMoEConfig(32, 128, 128, 64, 4, 4), SmallMoEConfig(32, 128, 64, 256, 4, 3),
                SmallMoEConfig(32, 128, 64, 128, 2, 4)]
+# fp8 weights: half the bytes a tile, so wider or deeper tiles (block-wise scales cut K steps to 128)
+SMALL_SWEEP_FP8 = [SmallMoEConfig(bn, bk, dn, dk, w, st) for bn, bk, dn, dk in
+                   [(32, 256, 64, 256), (64, 128, 128, 128), (64, 256, 128, 256), (32, 512, 64, 512),
+                    (16, 512, 32, 512), (128, 128, 128, 256), (64, 256, 64, 256)]
+                   for w, st in [(2, 4), (4, 3), (4, 4)]]
 LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),
                MoEConfig(64, 64, 128, 64, 4, 3), MoEConfig(64, 32, 64, 128, 4, 4), MoEConfig(64, 128, 128, 64, 4, 4),
                MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3),
@@ -65,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep-small", action="store_true", help="time every small-path config of SMALL_SWEEP")
     parser.add_argument("--sweep-large", action="store_true", help="time every grouped-GEMM config of LARGE_SWEEP")
+    parser.add_argument("--fp8", choices=["none", "channel", "block"], default="none",
+                        help="the experts in fp8 with per-row or 128 x 128 block scales")
     parser.add_argument("--copy-bw", type=float, default=4.275e12, help="bytes/s the roofline is counted at")
     parser.add_argument("--result-file", default="bench_moe_kernels.json")
     args = parser.parse_args(argv)
@@ -80,7 +92,21 @@ def main(argv: list[str] | None = None) -> None:
         if shared else None
     sw2 = [torch.randn(hidden, shared, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(args.layers)] \
         if shared else None
-    expert_bytes = 3 * hidden * inter * 2
+    scales: list[ExpertScales | None] = [None] * args.layers
+    if args.fp8 != "none":
+        from radixserve.layers.quantization.fp8 import quantize_blocks, quantize_rows
+
+        def quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if args.fp8 == "channel":
+                parts = [quantize_rows(w[e]) for e in range(w.shape[0])]
+                return torch.stack([q for q, _ in parts]), torch.stack([sc[:, None] for _, sc in parts])
+            parts = [quantize_blocks(w[e], 128, 128) for e in range(w.shape[0])]
+            return torch.stack([q for q, _ in parts]), torch.stack([sc for _, sc in parts])
+
+        for layer in range(args.layers):
+            (w13[layer], s13), (w2[layer], s2) = quant(w13[layer]), quant(w2[layer])
+            scales[layer] = ExpertScales(s13, s2, *((1, hidden, inter) if args.fp8 == "channel" else (128, 128, 128)))
+    expert_bytes = 3 * hidden * inter * w13[0].element_size()
     counters = torch.zeros(64 * hidden, dtype=torch.int32, device=dev)  # the small path's, at any block size
     rows: list[dict[str, Any]] = []
     print(f"{args.shape}: {num_e} experts, hidden {hidden}, intermediate {inter}, top-{top_k}, shared {shared}; "
@@ -101,11 +127,15 @@ def main(argv: list[str] | None = None) -> None:
 
         def grouped(layer: int, cfg: MoEConfig | None = None, x: torch.Tensor = x, ids: torch.Tensor = ids,
                     weights: torch.Tensor = weights) -> torch.Tensor:
-            out = fused_moe(x, w13[layer], w2[layer], weights, ids, config=cfg)
+            out = fused_moe(x, w13[layer], w2[layer], weights, ids, config=cfg, scales=scales[layer])
             return out + shared_torch(layer) if shared else out
 
         def small(layer: int, cfg: SmallMoEConfig | None = None, x: torch.Tensor = x, ids: torch.Tensor = ids,
                   weights: torch.Tensor = weights) -> torch.Tensor:
+            if scales[layer] is not None:
+                out = small_batch_moe(x, w13[layer], w2[layer], weights, ids, 0, config=cfg, counters=counters,
+                                      scales=scales[layer])
+                return out + shared_torch(layer) if shared else out
             return small_batch_moe(x, w13[layer], w2[layer], weights, ids, 0, sw13[layer] if shared else None,
                                    sw2[layer] if shared else None, config=cfg, counters=counters)
 
@@ -119,8 +149,9 @@ def main(argv: list[str] | None = None) -> None:
         if t <= 64:
             variants.append(("small", cfg_name(DEFAULT if cuda else INTERPRETED), lambda layer: small(layer)))
             if args.sweep_small:
+                sweep = SMALL_SWEEP + (SMALL_SWEEP_FP8 if args.fp8 != "none" else [])
                 variants += [("small", cfg_name(c), lambda layer, c=c: small(layer, c))
-                             for c in SMALL_SWEEP if c != DEFAULT]
+                             for c in sweep if c != DEFAULT]
         for path, name, fn in variants:
             try:
                 err = float((fn(0).float() - ref).abs().max())
