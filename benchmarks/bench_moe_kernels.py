@@ -45,11 +45,12 @@ SMALL_SWEEP = [SmallMoEConfig(32, 128, 64, 128, 4, 4), SmallMoEConfig(16, 256, 3
                SmallMoEConfig(32, 128, 32, 128, 4, 4), SmallMoEConfig(32, 128, 32, 256, 4, 3),
                SmallMoEConfig(32, 128, 128, 64, 4, 4), SmallMoEConfig(32, 128, 64, 256, 4, 3),
                SmallMoEConfig(32, 128, 64, 128, 2, 4)]
-# fp8 weights: half the bytes a tile, so wider or deeper tiles (block-wise scales cut K steps to 128)
-SMALL_SWEEP_FP8 = [SmallMoEConfig(bn, bk, dn, dk, w, st) for bn, bk, dn, dk in
-                   [(32, 256, 64, 256), (64, 128, 128, 128), (64, 256, 128, 256), (32, 512, 64, 512),
-                    (16, 512, 32, 512), (128, 128, 128, 256), (64, 256, 64, 256)]
-                   for w, st in [(2, 4), (4, 3), (4, 4)]]
+# fp8 weights (the small path multiplies them on the CUDA cores, `small_batch._fp8_rows`): rows x K columns a step
+SMALL_SWEEP_FP8 = [SmallMoEConfig(bn, bk, dn, dk, w, 2) for bn, bk, dn, dk in
+                   [(8, 512, 16, 512), (16, 256, 32, 256), (16, 512, 32, 256), (32, 128, 64, 128),
+                    (8, 1024, 16, 512), (16, 256, 16, 512), (32, 256, 32, 256), (4, 1024, 8, 1024),
+                    (64, 128, 128, 128), (16, 128, 32, 128)]
+                   for w in (2, 4)]
 LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),
                MoEConfig(64, 64, 128, 64, 4, 3), MoEConfig(64, 32, 64, 128, 4, 4), MoEConfig(64, 128, 128, 64, 4, 4),
                MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 4, 3),
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         if t <= 64:
             variants.append(("small", cfg_name(DEFAULT if cuda else INTERPRETED), lambda layer: small(layer)))
             if args.sweep_small:
-                sweep = SMALL_SWEEP + (SMALL_SWEEP_FP8 if args.fp8 != "none" else [])
+                sweep = SMALL_SWEEP_FP8 if args.fp8 != "none" else SMALL_SWEEP
                 variants += [("small", cfg_name(c), lambda layer, c=c: small(layer, c))
                              for c in sweep if c != DEFAULT]
         for path, name, fn in variants:
