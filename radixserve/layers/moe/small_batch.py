@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.moe.fused_moe import _mma as _dot
-from radixserve.layers.moe.fused_moe import scale_args
+from radixserve.layers.moe.fused_moe import _wdot, scale_args
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
@@ -55,30 +54,28 @@ class SmallMoEConfig:
 
 
 DEFAULT = SmallMoEConfig()
+# fp8 experts (H200, benchmarks/bench_moe_kernels.py --sweep-small --fp8 channel|block, Qwen3-30B-A3B's shape, µs a
+# layer at 1 / 8 tokens): per-row scales on the CUDA cores 21.1 / 94.6 (bf16's DEFAULT: 25.0 / 129.8); block-wise
+# scales (K steps cut to the 128-column groups) on the tensor cores 26.4 / 113.5
+DEFAULT_FP8_ROWS = SmallMoEConfig(16, 256, 32, 256, 4, 2)
+DEFAULT_FP8_BLOCKS = SmallMoEConfig(32, 128, 32, 256, 4, 3)
 INTERPRETED = SmallMoEConfig(16, 16, 16, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick
 ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute is free here, bytes are not)
 
 
 @triton.jit
-def _fp8_rows(w_rows, x_row, Scale, s_rows, n_read, K, group_k, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr):
+def _fp8_rows(w_rows, x_row, Scale, s_rows, n_read, K, BLOCK_K: tl.constexpr):
     """The products of BLOCK_N fp8 weight rows (w_rows: each row's first byte, K contiguous) with one activation
-    row, on the CUDA cores: each step widens a [BLOCK_N, BLOCK_K] tile to float32 and multiplies it by the x chunk;
-    the row sums come once, after the loop. Scales: per K group on each step's products (BLOCKWISE), or once per
-    row at the end (s_rows: each row's scale offset)."""
+    row, on the CUDA cores, times each row's scale (s_rows: its offset in Scale): each step widens a [BLOCK_N,
+    BLOCK_K] tile to float32 and multiplies it by the x chunk; the row sums come once, after the loop."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([w_rows.shape[0], BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         w = tl.load(w_rows[:, None] + k0 + offs_k[None, :], mask=n_read[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        p = w.to(tl.float32) * x[None, :]
-        if BLOCKWISE:
-            p = p * tl.load(Scale + s_rows + k0 // group_k, mask=n_read, other=0.0)[:, None]
-        acc += p
-    out = tl.sum(acc, axis=1)
-    if not BLOCKWISE:
-        out = out * tl.load(Scale + s_rows, mask=n_read, other=0.0)
-    return out
+        acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, axis=1) * tl.load(Scale + s_rows, mask=n_read, other=0.0)
 
 
 @triton.jit
@@ -86,9 +83,8 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
                           hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i, Scale, stride_se, stride_sn,
                           group_n, group_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
                           PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
-    """QUANT: W13 is fp8 with float32 scales per row (1) or per block (2), multiplied on the CUDA cores
-    (`_fp8_rows`: an fp8 tile through the tensor cores' operand path cost more than its bytes saved); no shared
-    chunks then."""
+    """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`) or per block (2:
+    widened for the tensor cores, each K step scaled, `fused_moe._wdot`); no shared chunks then."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -115,12 +111,10 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     x_ptrs = X + tok.to(tl.int64) * stride_x + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
     sg_cols = e64 * stride_se + (offs_n // group_n) * stride_sn  # the gate and up columns' scale rows
     su_cols = e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
-    if QUANT:
+    if QUANT == 1:
         x_row = X + tok.to(tl.int64) * stride_x
-        g = _fp8_rows(base + gate_rows * stride_row, x_row, Scale, sg_cols, n_read, hidden, group_k, BLOCK_K,
-                      QUANT == 2)
-        u = _fp8_rows(base + (gate_rows + up_shift) * stride_row, x_row, Scale, su_cols, n_read, hidden, group_k,
-                      BLOCK_K, QUANT == 2)
+        g = _fp8_rows(base + gate_rows * stride_row, x_row, Scale, sg_cols, n_read, hidden, BLOCK_K)
+        u = _fp8_rows(base + (gate_rows + up_shift) * stride_row, x_row, Scale, su_cols, n_read, hidden, BLOCK_K)
     else:
         acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -130,8 +124,8 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
             m = k_ok[:, None] & n_read[None, :]
             wg = tl.load(g_ptrs, mask=m, other=0.0)
             wu = tl.load(u_ptrs, mask=m, other=0.0)
-            acc_g = acc_g + _dot(x, wg, FP32)
-            acc_u = acc_u + _dot(x, wu, FP32)
+            acc_g = acc_g + _wdot(x, wg, Scale, sg_cols, n_read, k0, group_k, QUANT == 2, FP32)
+            acc_u = acc_u + _wdot(x, wu, Scale, su_cols, n_read, k0, group_k, QUANT == 2, FP32)
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -172,17 +166,17 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
     rows = tl.arange(0, 16)
     w_ptrs = base + offs_n.to(tl.int64)[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     a_ptrs = Inter + a.to(tl.int64) * stride_i + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
-    if QUANT:
-        s_rows = e64 * stride_se + (offs_n // group_n) * stride_sn
-        part = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, Inter + a.to(tl.int64) * stride_i, Scale, s_rows,
-                         n_read, inter_size, group_k, BLOCK_K, QUANT == 2) * wt
+    s_cols = e64 * stride_se + (offs_n // group_n) * stride_sn
+    if QUANT == 1:
+        part = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, Inter + a.to(tl.int64) * stride_i, Scale, s_cols,
+                         n_read, inter_size, BLOCK_K) * wt
     else:
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter_size, BLOCK_K):
             k_ok = offs_k < inter_size - k0
             act = tl.load(a_ptrs, mask=(rows == 0)[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_read[None, :], other=0.0)
-            acc = acc + _dot(act, w, FP32)
+            acc = acc + _wdot(act, w, Scale, s_cols, n_read, k0, group_k, QUANT == 2, FP32)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         part = tl.sum(tl.where((rows == 0)[:, None], acc, 0.0), axis=0) * wt
@@ -232,13 +226,13 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
 
     interp = is_interpreted()
-    cfg = config or (INTERPRETED if interp else DEFAULT)
-    if scales is not None:  # a K step within one scale group
+    # fp8: 1 = a scale per row (applied after the loop), 2 = per block (on each K step's products)
+    quant = 0 if scales is None else 1 if scales.w13.shape[2] == 1 and scales.w2.shape[2] == 1 else 2
+    cfg = config or (INTERPRETED if interp else (DEFAULT, DEFAULT_FP8_ROWS, DEFAULT_FP8_BLOCKS)[quant])
+    if quant == 2:  # a K step within one scale group
         cfg = replace(cfg, block_k_gate_up=min(cfg.block_k_gate_up, scales.group_k13),
                       block_k_down=min(cfg.block_k_down, scales.group_k2))
     q13, q2 = scale_args(scales, w13, w2)
-    # fp8: 1 = a scale per row (applied after the loop), 2 = per block (on each K step's products)
-    quant = 0 if scales is None else 1 if scales.w13.shape[2] == 1 and scales.w2.shape[2] == 1 else 2
     blocks_down = triton.cdiv(hidden, cfg.block_n_down)
     if counters is None:
         counters = torch.zeros(num_tokens * blocks_down, dtype=torch.int32, device=x.device)
