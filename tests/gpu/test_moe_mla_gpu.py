@@ -163,8 +163,9 @@ def test_tiny_mla_decode_batch_over_16_in_a_graph_matches_transformers(tmp_path)
 @pytest.mark.parametrize("tokens", [1, 7, 64, 600])
 def test_fp8_experts_at_qwen3_30b_shape(tokens: int, block: tuple[int, int] | None) -> None:
     """fp8 experts (per output row, or 128 x 128 blocks as the Qwen3 FP8 release ships) through the layer's own
-    path (small-batch kernels up to 8 tokens, the grouped GEMMs above) against the float32 reference on the
-    dequantised weights; captured in a CUDA graph and replayed on new routing, the same as eager."""
+    path (small-batch kernels up to 8 tokens, W8A16; the grouped GEMMs above, W8A8 with 128-column activation
+    groups) against the float32 reference on the dequantised weights (quantising the activations as the grouped
+    path does); captured in a CUDA graph and replayed on new routing, the same as eager."""
     from test_quant_fp8_moe import _quantize
 
     from radixserve.layers.moe.fused_moe import fused_moe
@@ -190,7 +191,10 @@ def test_fp8_experts_at_qwen3_30b_shape(tokens: int, block: tuple[int, int] | No
             return small_batch_moe(x, q13, q2, w, i_, scales=scales)
         return fused_moe(x, q13, q2, w, i_, scales=scales)
 
-    ref = moe_forward_torch(x.float(), d13, d2, weights, ids)
+    if tokens <= SMALL_BATCH_TOKENS:
+        ref = moe_forward_torch(x.float(), d13, d2, weights, ids)
+    else:
+        ref = moe_forward_torch(x, q13, q2, weights, ids, scales=scales, act_group=128).float()
     err = (run(weights, ids).float() - ref).abs().max() / ref.abs().max()
     assert err < 2e-2, err
     if tokens <= 64:

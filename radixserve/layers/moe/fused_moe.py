@@ -208,14 +208,26 @@ def _block_ids(N_FIRST: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _a8dot(a, w, a_scales, a_ok, S, s_cols, s_ok, k0, group_k, act_group):
+    """a [M, BLOCK_K] fp8 (per row and act_group columns scaled: a_scales, each row's scale row) @ w [BLOCK_K,
+    BLOCK_N] fp8 on the fp8 tensor cores, the step's product times both operands' scales (W8A8)."""
+    part = tl.dot(a, w)
+    sa = tl.load(a_scales + k0 // act_group, mask=a_ok, other=0.0)
+    sw = tl.load(S + s_cols + k0 // group_k, mask=s_ok, other=0.0)
+    return part * sa[:, None] * sw[None, :]
+
+
 # Sizes that change with the batch are not specialised on (a value of 1 or a multiple of 16 would otherwise compile
 # a variant of its own mid-serving, the first time some batch produced it).
 @triton.jit(do_not_specialize=["num_valid"])
 def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, inter_size, hidden,
                     stride_x, stride_we, stride_wn, stride_i, Scale, stride_se, stride_sn, group_n, group_k,
+                    XScale, stride_xs, act_group,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                    N_FIRST: tl.constexpr, QUANT: tl.constexpr = False):
-    """QUANT: W13 is fp8 with float32 scales [E, rows / group_n, hidden / group_k] (`_wdot`)."""
+                    N_FIRST: tl.constexpr, QUANT: tl.constexpr = False, A8: tl.constexpr = False):
+    """QUANT: W13 is fp8 with float32 scales [E, rows / group_n, hidden / group_k] (`_wdot`). A8: X is fp8 too,
+    scaled per row and act_group columns (XScale), and the product runs on the fp8 tensor cores (`_a8dot`)."""
     pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
@@ -239,8 +251,12 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
         x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g += _wdot(x, wg, Scale, sg_cols, n_ok, k0, group_k, QUANT, FP32)
-        acc_u += _wdot(x, wu, Scale, su_cols, n_ok, k0, group_k, QUANT, FP32)
+        if A8:
+            acc_g += _a8dot(x, wg, XScale + tok * stride_xs, row_ok, Scale, sg_cols, n_ok, k0, group_k, act_group)
+            acc_u += _a8dot(x, wu, XScale + tok * stride_xs, row_ok, Scale, su_cols, n_ok, k0, group_k, act_group)
+        else:
+            acc_g += _wdot(x, wg, Scale, sg_cols, n_ok, k0, group_k, QUANT, FP32)
+            acc_u += _wdot(x, wu, Scale, su_cols, n_ok, k0, group_k, QUANT, FP32)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -252,8 +268,9 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
 @triton.jit(do_not_specialize=["num_valid"])
 def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, hidden, inter_size,
                  stride_i, stride_we, stride_wn, stride_o, Scale, stride_se, stride_sn, group_n, group_k,
+                 XScale, stride_xs, act_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                 N_FIRST: tl.constexpr, QUANT: tl.constexpr = False):
+                 N_FIRST: tl.constexpr, QUANT: tl.constexpr = False, A8: tl.constexpr = False):
     pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
@@ -273,7 +290,10 @@ def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, h
         k_ok = offs_k < inter_size - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += _wdot(a, w, Scale, s_cols, n_ok, k0, group_k, QUANT, FP32)
+        if A8:
+            acc += _a8dot(a, w, XScale + rows64 * stride_xs, row_ok, Scale, s_cols, n_ok, k0, group_k, act_group)
+        else:
+            acc += _wdot(a, w, Scale, s_cols, n_ok, k0, group_k, QUANT, FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(Weights + rows64, mask=row_ok, other=0.0)
@@ -319,6 +339,7 @@ class MoEConfig:
     n_first: bool = True  # the grid's order (`_block_ids`)
 
 
+ACT_GROUP = 128  # columns an fp8 activation scale covers in the W8A8 grouped GEMMs (as the block-wise checkpoints)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis: more row blocks than this launch row-block-first
 
 # Per-shape overrides: (experts held, intermediate per rank, hidden) -> {max tokens: config}; the first entry whose
@@ -367,10 +388,14 @@ def scale_args(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor)
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_offset: int = 0, num_global_experts: int | None = None,
-              config: MoEConfig | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+              config: MoEConfig | None = None, scales: ExpertScales | None = None, act_fp8: bool | None = None,
+              act_group: int = ACT_GROUP) -> torch.Tensor:
     """The same result as `moe_forward_torch` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] with global
     expert ids; this rank holds experts expert_offset .. expert_offset + E - 1 of `num_global_experts`). With
-    `scales` the weights are fp8 and widened in the kernels (W8A16)."""
+    `scales` the weights are fp8: with `act_fp8` the activations (x, then the intermediate) are quantised per row
+    and `act_group` columns and both products run on the fp8 tensor cores (W8A8, as the dense fp8 layers do above
+    16 rows); else the weights are widened in the kernels (W8A16). `act_fp8` None: W8A8 for 16-bit activations
+    whose widths are multiples of act_group."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -382,16 +407,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     interp = is_interpreted()
     cfg = config or moe_config(num_tokens, top_k, num_local, inter, hidden, interp)
-    if scales is not None:  # a K step within one scale group
-        cfg = replace(cfg, block_k=min(cfg.block_k, scales.group_k13, scales.group_k2))
+    if act_fp8 is None:
+        act_fp8 = scales is not None and x.dtype in (torch.bfloat16, torch.float16) and not hidden % act_group \
+            and not inter % act_group
+    if act_fp8 and (scales is None or hidden % act_group or inter % act_group):
+        raise ValueError(f"fused_moe: fp8 activations need fp8 weights and widths ({hidden}, {inter}) that are "
+                         f"multiples of the activation group {act_group}")
+    if scales is not None:  # a K step within one scale group (and one activation group)
+        cfg = replace(cfg, block_k=min(cfg.block_k, scales.group_k13, scales.group_k2,
+                                       act_group if act_fp8 else cfg.block_k))
     q13, q2 = scale_args(scales, w13, w2)
+    dtype = x.dtype
     x = x.contiguous()
+    xs = x  # placeholders when the activations stay 16-bit
+    if act_fp8:
+        from radixserve.layers.quantization.fp8_kernels import per_token_group_quant_fp8
+
+        x, xs = per_token_group_quant_fp8(x, act_group)
     n = num_tokens * top_k
     aligned = moe_align_block_size(topk_ids, cfg.block_m, num_local, expert_offset)
-    inter_cache = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    inter_cache = torch.empty((n, inter), dtype=dtype, device=x.device)
     partial_held = num_global_experts is not None and num_global_experts != num_local
-    out = (torch.zeros if partial_held else torch.empty)((n, hidden), dtype=x.dtype, device=x.device)
-    fp32 = x.dtype == torch.float32
+    out = (torch.zeros if partial_held else torch.empty)((n, hidden), dtype=dtype, device=x.device)
+    fp32 = dtype == torch.float32
     opts = {} if interp else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     n_first = cfg.n_first and aligned.max_blocks <= MAX_GRID_Y
 
@@ -400,14 +438,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     launch(_gate_up_kernel, grid(triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, inter_cache,
            aligned.sorted_ids, aligned.expert_ids, aligned.total, n, top_k, inter, hidden, x.stride(0),
-           w13.stride(0), w13.stride(1), inter_cache.stride(0), *q13, BLOCK_M=cfg.block_m,
-           BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, QUANT=scales is not None,
-           **opts)
+           w13.stride(0), w13.stride(1), inter_cache.stride(0), *q13, xs, xs.stride(0), act_group,
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first,
+           QUANT=scales is not None, A8=act_fp8, **opts)
     weights = topk_weights.reshape(-1).float().contiguous()
-    launch(_down_kernel, grid(triton.cdiv(hidden, cfg.block_n_down)), inter_cache, w2, out,
-           weights, aligned.sorted_ids, aligned.expert_ids, aligned.total, n, hidden, inter, inter_cache.stride(0),
-           w2.stride(0), w2.stride(1), out.stride(0), *q2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first, QUANT=scales is not None, **opts)
+    inter_in, inter_s = inter_cache, inter_cache
+    if act_fp8:
+        inter_in, inter_s = per_token_group_quant_fp8(inter_cache, act_group)
+    launch(_down_kernel, grid(triton.cdiv(hidden, cfg.block_n_down)), inter_in, w2, out,
+           weights, aligned.sorted_ids, aligned.expert_ids, aligned.total, n, hidden, inter, inter_in.stride(0),
+           w2.stride(0), w2.stride(1), out.stride(0), *q2, inter_s, inter_s.stride(0), act_group,
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first,
+           QUANT=scales is not None, A8=act_fp8, **opts)
     return moe_sum(out, num_tokens, top_k, interp)
 
 

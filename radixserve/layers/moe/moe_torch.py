@@ -20,13 +20,24 @@ def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, group_n: int, group_
     return w.float() * s
 
 
+def _act(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x in float32, or its fp8 quantisation per row and `group` columns, dequantised."""
+    if group is None:
+        return x.float()
+    from radixserve.layers.quantization.fp8 import quantize_groups_ref
+
+    q, s = quantize_groups_ref(x, group)
+    return (q.float().view(x.shape[0], -1, group) * s[..., None]).view(x.shape)
+
+
 def moe_forward_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, expert_offset: int = 0, scales: ExpertScales | None = None,
-                      ) -> torch.Tensor:
+                      act_group: int | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k] with global expert ids.
     Experts outside [expert_offset, expert_offset + E) are not held here and contribute nothing (expert
     parallelism: another rank adds them). With `scales` the weights are fp8: each expert used is dequantised and
-    its products taken in float32, the intermediate and the output rounded to x's dtype as the kernels round them."""
+    its products taken in float32, the intermediate and the output rounded to x's dtype as the kernels round them;
+    `act_group`: x and the intermediate quantised to fp8 per row and act_group columns first (the W8A8 kernels)."""
     num_local, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
@@ -50,9 +61,9 @@ def moe_forward_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
             y = F.linear(h, w2[e]) * topk_weights.flatten()[assign, None].to(x.dtype)
         else:
             g = scales.group_n
-            h = F.linear(x[tok].float(), dequantize_expert(w13[e], scales.w13[e], g, scales.group_k13))
+            h = F.linear(_act(x[tok], act_group), dequantize_expert(w13[e], scales.w13[e], g, scales.group_k13))
             h = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
-            y = F.linear(h.float(), dequantize_expert(w2[e], scales.w2[e], g, scales.group_k2))
+            y = F.linear(_act(h, act_group), dequantize_expert(w2[e], scales.w2[e], g, scales.group_k2))
             y = (y * topk_weights.flatten()[assign, None].float()).to(x.dtype)
         out.index_add_(0, tok, y)
     return out
