@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-large", action="store_true", help="time every grouped-GEMM config of LARGE_SWEEP")
     parser.add_argument("--fp8", choices=["none", "channel", "block"], default="none",
                         help="the experts in fp8 with per-row or 128 x 128 block scales")
+    parser.add_argument("--fp8-act", choices=["auto", "16"], default="auto",
+                        help="fp8 experts, grouped path: activations as fused_moe picks (fp8 for bf16), or 16-bit")
+    parser.add_argument("--one-order", action="store_true", help="--sweep-large in the default grid order only")
     parser.add_argument("--copy-bw", type=float, default=4.275e12, help="bytes/s the roofline is counted at")
     parser.add_argument("--result-file", default="bench_moe_kernels.json")
     args = parser.parse_args(argv)
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
 
         def grouped(layer: int, cfg: MoEConfig | None = None, x: torch.Tensor = x, ids: torch.Tensor = ids,
                     weights: torch.Tensor = weights) -> torch.Tensor:
-            out = fused_moe(x, w13[layer], w2[layer], weights, ids, config=cfg, scales=scales[layer])
+            out = fused_moe(x, w13[layer], w2[layer], weights, ids, config=cfg, scales=scales[layer],
+                            act_fp8=False if args.fp8_act == "16" else None)
             return out + shared_torch(layer) if shared else out
 
         def small(layer: int, cfg: SmallMoEConfig | None = None, x: torch.Tensor = x, ids: torch.Tensor = ids,
@@ -145,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                                      not cuda)),
                                                  lambda layer: grouped(layer))]
         if args.sweep_large:  # each tile with the grid in both orders (MoEConfig.n_first)
-            sweep = [dataclasses.replace(c, n_first=o) for c in LARGE_SWEEP for o in (True, False)]
+            sweep = [dataclasses.replace(c, n_first=o) for c in LARGE_SWEEP
+                     for o in ((True,) if args.one_order else (True, False))]
             variants += [("grouped", cfg_name(c), lambda layer, c=c: grouped(layer, c)) for c in sweep]
         if t <= 64:
             variants.append(("small", cfg_name(DEFAULT if cuda else INTERPRETED), lambda layer: small(layer)))

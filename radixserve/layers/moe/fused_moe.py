@@ -339,6 +339,7 @@ class MoEConfig:
     n_first: bool = True  # the grid's order (`_block_ids`)
 
 
+MIN_FP8_K = 32  # the fp8 tensor-core product's shortest K step
 ACT_GROUP = 128  # columns an fp8 activation scale covers in the W8A8 grouped GEMMs (as the block-wise checkpoints)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis: more row blocks than this launch row-block-first
 
@@ -407,12 +408,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     interp = is_interpreted()
     cfg = config or moe_config(num_tokens, top_k, num_local, inter, hidden, interp)
+    a8_ok = scales is not None and not hidden % act_group and not inter % act_group \
+        and min(act_group, scales.group_k13, scales.group_k2) >= MIN_FP8_K
     if act_fp8 is None:
-        act_fp8 = scales is not None and x.dtype in (torch.bfloat16, torch.float16) and not hidden % act_group \
-            and not inter % act_group
-    if act_fp8 and (scales is None or hidden % act_group or inter % act_group):
-        raise ValueError(f"fused_moe: fp8 activations need fp8 weights and widths ({hidden}, {inter}) that are "
-                         f"multiples of the activation group {act_group}")
+        act_fp8 = a8_ok and x.dtype in (torch.bfloat16, torch.float16)
+    if act_fp8 and not a8_ok:
+        raise ValueError(f"fused_moe: fp8 activations need fp8 weights, widths ({hidden}, {inter}) that are "
+                         f"multiples of the activation group {act_group}, and scale groups of at least "
+                         f"{MIN_FP8_K} columns (the fp8 product's shortest K step)")
     if scales is not None:  # a K step within one scale group (and one activation group)
         cfg = replace(cfg, block_k=min(cfg.block_k, scales.group_k13, scales.group_k2,
                                        act_group if act_fp8 else cfg.block_k))
