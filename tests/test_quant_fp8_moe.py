@@ -283,3 +283,35 @@ def test_online_fp8_experts_and_tp_block_scales() -> None:
     with pytest.raises(ValueError, match="multiple of the block"):
         layer = FusedMoE(RouterConfig(num_experts=e, top_k=2), h, 48, tp_rank=0, tp_size=2, ep_size=1)
         apply_quantization(layer, Fp8Config(serialized=True, weight_block_size=[16, 16]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="forces the kernels on CPU tensors: Triton's interpreter only")
+def test_fp8_tiles_and_precompile_of_fp8_experts() -> None:
+    """W8A8 batches take the fp8 table's tiles (Qwen3-30B-A3B's shape), and `precompile` builds the fp8 variants a
+    16-bit model's fp8 experts run: fp8 activations (A8) at the configs `moe_config(..., fp8=True)` picks."""
+    from radixserve.layers.moe import FusedMoE, RouterConfig
+    from radixserve.layers.moe.fused_moe import TUNED, TUNED_FP8, moe_config, precompile
+    from radixserve.layers.quantization import apply_quantization, finish_quantization
+    from radixserve.layers.quantization.fp8 import Fp8Config
+    from radixserve.layers.triton_ops.launch import recording
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    shape = (128, 768, 2048)
+    assert moe_config(256, 8, *shape, fp8=True) == TUNED_FP8[shape][256] != TUNED[shape][1024]
+    assert moe_config(256, 8, *shape) == TUNED[shape][1024]
+    holder = torch.nn.Module()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        holder.experts = FusedMoE(RouterConfig(8, 2, renormalize=True), 128, 128, reduce_results=False, ep_size=1)
+    finally:
+        torch.set_default_dtype(old)
+    apply_quantization(holder, Fp8Config(serialized=False))
+    initialize_dummy_weights(holder, seed=3)
+    finish_quantization(holder)
+    assert holder.experts.w13_weight.dtype == FP8 and holder.experts.act_dtype == torch.bfloat16
+    with recording() as records:
+        assert precompile(holder, 16, force=True) == 1
+    launches = [r for r in records if r.fn.fn.__name__ in ("_gate_up_kernel", "_down_kernel")]
+    assert launches and all(r.kwargs["A8"] and r.kwargs["QUANT"] for r in launches)
+    assert {r.kwargs["BLOCK_M"] for r in launches} == {moe_config(16, 2, 8, 128, 128, fp8=True).block_m}
