@@ -30,9 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layer_timing import seconds_per_layer  # noqa: E402
 
-from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe, moe_config  # noqa: E402
+from radixserve.layers.moe.fused_moe import MoEConfig, fp8_activations, fused_moe, moe_config  # noqa: E402
 from radixserve.layers.moe.methods import ExpertScales  # noqa: E402
-from radixserve.layers.moe.small_batch import DEFAULT, INTERPRETED, SmallMoEConfig, small_batch_moe  # noqa: E402
+from radixserve.layers.moe.small_batch import (  # noqa: E402
+    DEFAULT,
+    DEFAULT_FP8_BLOCKS,
+    DEFAULT_FP8_ROWS,
+    INTERPRETED,
+    SmallMoEConfig,
+    small_batch_moe,
+)
 
 # experts, hidden, intermediate per expert, top-k, shared intermediate (0: none)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 0), "deepseek-v2-lite": (64, 2048, 1408, 6, 2816),
@@ -145,15 +152,18 @@ def main(argv: list[str] | None = None) -> None:
                                    sw2[layer] if shared else None, config=cfg, counters=counters)
 
         ref = grouped(0).float()
+        a8 = args.fp8_act == "auto" and fp8_activations(scales[0], dt, hidden, inter)
         variants: list[tuple[str, str, Any]] = [("grouped", cfg_name(moe_config(t, top_k, num_e, inter, hidden,
-                                                                                     not cuda)),
+                                                                                     not cuda, fp8=a8)),
                                                  lambda layer: grouped(layer))]
         if args.sweep_large:  # each tile with the grid in both orders (MoEConfig.n_first)
             sweep = [dataclasses.replace(c, n_first=o) for c in LARGE_SWEEP
                      for o in ((True,) if args.one_order else (True, False))]
             variants += [("grouped", cfg_name(c), lambda layer, c=c: grouped(layer, c)) for c in sweep]
         if t <= 64:
-            variants.append(("small", cfg_name(DEFAULT if cuda else INTERPRETED), lambda layer: small(layer)))
+            quant = 0 if scales[0] is None else 1 if args.fp8 == "channel" else 2
+            small_default = (DEFAULT, DEFAULT_FP8_ROWS, DEFAULT_FP8_BLOCKS)[quant] if cuda else INTERPRETED
+            variants.append(("small", cfg_name(small_default), lambda layer: small(layer)))
             if args.sweep_small:
                 sweep = SMALL_SWEEP_FP8 if args.fp8 != "none" else SMALL_SWEEP
                 variants += [("small", cfg_name(c), lambda layer, c=c: small(layer, c))
