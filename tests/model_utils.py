@@ -70,9 +70,10 @@ def moe_config(kind: str, kw: dict[str, Any]) -> Any:
         return tf.MixtralConfig(**kw, intermediate_size=inter // 2, num_local_experts=8, num_experts_per_tok=2,
                                 tie_word_embeddings=False)
     if kind == "qwen2_moe":
+        only = kw.pop("mlp_only_layers", [1])
         return tf.Qwen2MoeConfig(**kw, intermediate_size=inter, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                                 mlp_only_layers=[1], tie_word_embeddings=False)
+                                 mlp_only_layers=only, tie_word_embeddings=False)
     if kind == "qwen3_moe":
         return tf.Qwen3MoeConfig(**kw, intermediate_size=inter, moe_intermediate_size=32, num_experts=8,
                                  num_experts_per_tok=2, norm_topk_prob=True, head_dim=32, tie_word_embeddings=False)

@@ -226,9 +226,13 @@ class ModelConfig:
         if self.is_gguf:
             folder, name = os.path.split(self.model_path)
             try:
-                return AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=self.trust_remote_code)
+                config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=self.trust_remote_code)
             except Exception as e:
                 raise ValueError(f"cannot read the model config from GGUF file {self.model_path}: {e}") from e
+            from radixserve.model_loader.gguf_loader import open_gguf, patch_moe_config
+
+            patch_moe_config(config, open_gguf(self.model_path))
+            return config
         config_file = os.path.join(self.model_path, "config.json")
         _read_json(config_file)  # a clear message for a broken file before transformers' own
         try:

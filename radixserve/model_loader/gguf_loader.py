@@ -29,7 +29,23 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture-of-experts blocks (qwen2moe, qwen3moe): the router, the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# The routed experts, stacked in one tensor each ([E, I, H] gate / up, [E, H, I] down): loaded one expert at a time
+# under Hugging Face's per-expert names (`EXPERT` stands for the expert's number).
+EXPERT = "{expert}"
+_EXPERT_NAMES: dict[str, str] = {
+    "ffn_gate_exps": f"mlp.experts.{EXPERT}.gate_proj",
+    "ffn_up_exps": f"mlp.experts.{EXPERT}.up_proj",
+    "ffn_down_exps": f"mlp.experts.{EXPERT}.down_proj",
+}
+# GGUF architectures with MoE blocks this loader maps (their per-layer metadata beyond transformers' config reader)
+MOE_ARCHS = ("qwen2moe", "qwen3moe")
 _TOP_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -45,7 +61,8 @@ _TOP_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
 
 def gguf_to_hf_name(name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor, None for tensors that have none (RoPE factors).
+    """The Hugging Face name of a llama.cpp tensor, None for tensors that have none (RoPE factors); for the stacked
+    experts a template with EXPERT where each expert's number goes.
 
     Raises ValueError for a name it does not know."""
     if name in _SKIPPED:
@@ -53,6 +70,8 @@ def gguf_to_hf_name(name: str) -> str | None:
     m = _BLOCK_RE.match(name)
     if m and m.group(2) in _BLOCK_NAMES:
         return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERT_NAMES:  # a template: EXPERT is replaced by each expert's number
+        return f"model.layers.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
     m = _TOP_RE.match(name)
     if m and m.group(1) in _TOP_NAMES:
         return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
@@ -114,8 +133,29 @@ def _head_count(reader: Any, key: str, path: str) -> int | None:
 
 
 def count_gguf_tensors(reader: Any) -> int:
-    """How many tensors `gguf_weights_iterator` yields for this reader."""
-    return sum(1 for t in reader.tensors if t.name not in _SKIPPED)
+    """How many tensors `gguf_weights_iterator` yields for this reader (a stacked expert tensor: one a expert)."""
+    return sum(int(t.shape.tolist()[-1]) if _is_stacked(t.name) else 1 for t in reader.tensors
+               if t.name not in _SKIPPED)
+
+
+def _is_stacked(name: str) -> bool:
+    m = _BLOCK_RE.match(name)
+    return bool(m) and m.group(2) in _EXPERT_NAMES
+
+
+def patch_moe_config(config: Any, reader: Any) -> None:
+    """Set what transformers' GGUF config reader leaves at its defaults for MoE architectures: each expert's
+    intermediate size (`{arch}.expert_feed_forward_length`) and the shared expert's."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in MOE_ARCHS:
+        return
+    inter = gguf_field(reader, f"{arch}.expert_feed_forward_length")
+    if inter is None:
+        raise ValueError(f"GGUF {arch} file has no {arch}.expert_feed_forward_length")
+    config.moe_intermediate_size = int(inter)
+    shared = gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        config.shared_expert_intermediate_size = int(shared)
 
 
 def gguf_weights_iterator(path: str, reader: Any = None,
@@ -148,6 +188,19 @@ def gguf_weights_iterator(path: str, reader: Any = None,
         if hf_name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+        if EXPERT in hf_name:  # stacked experts: dequantised (the experts' layers are not packed), one at a time
+            try:
+                array = dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ValueError(f"GGUF file {path}: tensor {t.name} has unsupported type {t.tensor_type.name}") \
+                    from e
+            array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+            if not array.flags.writeable:  # an unquantized tensor is a view of the read-only memory map
+                array = array.copy()
+            stacked = torch.from_numpy(array)
+            for e in range(shape[0]):
+                yield hf_name.replace(EXPERT, str(e)), stacked[e]
+            continue
         if packed and hf_name in packed:
             n, k = shape
             raw = torch.from_numpy(np.ascontiguousarray(t.data).reshape(n, -1).copy())
