@@ -16,6 +16,10 @@ intermediate size (per rank) is c times the routed one is c more "experts" for e
 gate_up / down weights (no copy into the routed stack). Experts not held on this rank (expert parallelism)
 contribute nothing. Tokens that choose the same expert read its weights again (from L2 when close in time): the
 path is for batches of up to `SMALL_BATCH_TOKENS` tokens, the sorted grouped GEMM of `fused_moe.py` for the rest.
+
+fp8 experts (`ExpertScales`): with a scale per row the products run on the CUDA cores (`_fp8_rows`: the fp8 tile
+through `tl.dot`'s operand path read the weights at ~1.4 TB/s on an H200, slower than bf16); with block-wise scales
+through `tl.dot`, each K step (at most one 128-column scale group) scaled. Each form has its own default tiles.
 """
 
 from __future__ import annotations
