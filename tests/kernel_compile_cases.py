@@ -121,10 +121,40 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
     cfg = fused_moe.moe_config(1 << 20, 1, 1, 1024, 1024)
     for fn, block_n in ((fused_moe._gate_up_kernel, cfg.block_n_gate_up), (fused_moe._down_kernel, cfg.block_n_down)):
         sig = {n: "*i32" if n in ("Sorted", "ExpertIds", "Total") else "i32" for n in fn.arg_names}
-        sig.update({n: "*fp32" for n in ("X", "W13", "Inter", "W2", "Out", "Weights") if n in fn.arg_names})
+        sig.update({n: "*fp32" for n in ("X", "W13", "Inter", "W2", "Out", "Weights", "Scale", "XScale")
+                    if n in fn.arg_names})
         out[f"{fn.__name__} fp32 {cfg.block_m}x{block_n}"] = (
-            fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True),
+            fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True,
+                          QUANT=False, A8=False),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    # fp8 experts of a bf16 model: the W8A8 grouped GEMMs at their tuned tiles, the small-batch kernels in both
+    # forms (per-row scales on the CUDA cores, block-wise through tl.dot) at their default tiles
+    for cfg in sorted(set(fused_moe.TUNED_FP8[(128, 768, 2048)].values()), key=str)[:2]:
+        for fn, block_n in ((fused_moe._gate_up_kernel, cfg.block_n_gate_up),
+                            (fused_moe._down_kernel, cfg.block_n_down)):
+            sig = {n: "*i32" if n in ("Sorted", "ExpertIds", "Total") else "i32" for n in fn.arg_names}
+            sig.update({n: "*fp8e4nv" for n in ("X", "W13", "W2") if n in fn.arg_names})
+            sig.update(Inter="*fp8e4nv" if fn is fused_moe._down_kernel else "*bf16", Out="*bf16", Weights="*fp32",
+                       Scale="*fp32", XScale="*fp32")
+            sig = {n: t for n, t in sig.items() if n in fn.arg_names}
+            out[f"{fn.__name__} fp8 w8a8 {cfg.block_m}x{block_n}"] = (
+                fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=False, N_FIRST=True,
+                              QUANT=True, A8=True), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    from radixserve.layers.moe import small_batch
+
+    for quant, cfg in ((1, small_batch.DEFAULT_FP8_ROWS), (2, small_batch.DEFAULT_FP8_BLOCKS)):
+        for fn, bn, bk in ((small_batch._small_gate_up_kernel, cfg.block_n_gate_up, cfg.block_k_gate_up),
+                           (small_batch._small_down_kernel, cfg.block_n_down, min(cfg.block_k_down, 128))):
+            sig = {n: "i32" for n in fn.arg_names}
+            sig.update({n: "*fp8e4nv" for n in ("W13", "W13S", "W2", "W2S") if n in fn.arg_names})
+            sig.update(X="*bf16", Inter="*bf16", Out="*bf16", Partial="*fp32", Count="*i32", Weights="*fp32",
+                       Ids="*i32", Scale="*fp32")
+            sig = {n: t for n, t in sig.items() if n in fn.arg_names}
+            consts = dict(BLOCK_N=bn, BLOCK_K=bk if quant == 1 else min(bk, 128), FP32=False, PDL=1, QUANT=quant)
+            if fn is small_batch._small_down_kernel:
+                consts["S_PAD"] = 8
+            out[f"{fn.__name__} fp8 quant={quant}"] = (fn, sig, consts, dict(num_warps=cfg.warps,
+                                                                             num_stages=cfg.stages))
     # the router on the tensor cores (DeepSeek-V2-Lite's 64 experts top-6, DeepSeek-V3's 256 with its bias) and
     # the top-k sum, at the GPU's launch options
     from radixserve.layers.moe import gate_gemm
