@@ -147,8 +147,8 @@ def test_fp8_experts_held_elsewhere() -> None:
 # ---------------------------------------------------------------- checkpoints
 def _write_fp8_moe_checkpoint(path: str, layout: str) -> str:
     """Rewrite the tiny model saved at `path` as an fp8 checkpoint ('block': 16x16 weight_scale_inv on every
-    projection, experts included; 'tensor': per-tensor weight_scale and a static input_scale), and save the
-    dequantised weights as a 16/32-bit copy in `path`/deq for transformers. Returns that copy's folder."""
+    projection, experts and MLA's included; 'tensor': per-tensor weight_scale and a static input_scale), and save
+    the dequantised weights as a 16/32-bit copy in `path`/deq for transformers. Returns that copy's folder."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -157,7 +157,7 @@ def _write_fp8_moe_checkpoint(path: str, layout: str) -> str:
     out, deq = {}, {}
     for name, t in sd.items():
         t = t.float()
-        if name.endswith("proj.weight") and ".layers." in name:
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and ".layers." in name:
             base = name[: -len("weight")]
             if layout == "block":
                 q, s = quantize_blocks(t, 16, 16)
@@ -237,6 +237,36 @@ def test_fp8_moe_checkpoint_loads_and_matches_transformers(tmp_path, layout: str
     for prompt, got in zip(prompts, StaticBatch(runner).generate(prompts, 8), strict=True):
         assert got == hf_greedy(hf, prompt, 8)
     assert runner.token_to_kv_pool.available_size() == runner.token_to_kv_pool.size
+
+
+def test_deepseek_v3_fp8_checkpoint_matches_transformers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny DeepSeek-V3 checkpoint in DeepSeek's fp8 layout (every projection block-wise, kv_b_proj included):
+    the experts and shared experts load fp8, kv_b_proj (read as a matrix by the absorbed attention) is dequantised
+    once to the model dtype, and greedy decoding is token-identical to transformers on the dequantised weights."""
+    import transformers as tf
+    from model_utils import hf_greedy, make_runner, make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.layers.quantization import fp8 as fp8mod
+    from radixserve.layers.quantization.base import UnquantizedLinearMethod
+
+    path = str(tmp_path)
+    make_tiny_model("deepseek_v3", path, initializer_range=0.08)
+    deq_dir = _write_fp8_moe_checkpoint(path, "block")
+    monkeypatch.setattr(fp8mod, "SMALL_M", 1 << 30)
+    runner = make_runner(path)
+    attn = runner.model.model.layers[1].self_attn
+    assert isinstance(attn.kv_b_proj.quant_method, UnquantizedLinearMethod)
+    assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.q_b_proj.weight.dtype == FP8
+    from safetensors.torch import load_file
+
+    want_w = load_file(os.path.join(deq_dir, "model.safetensors"))["model.layers.1.self_attn.kv_b_proj.weight"]
+    torch.testing.assert_close(attn.kv_b_proj.weight, want_w, rtol=0, atol=0)
+    assert runner.model.model.layers[1].mlp.experts.w13_weight.dtype == FP8
+    hf = tf.AutoModelForCausalLM.from_pretrained(deq_dir, torch_dtype=torch.float32).eval()
+    prompts = [[5, 17, 99, 3, 42, 7, 100, 8], [1, 2, 3]]
+    for prompt, got in zip(prompts, StaticBatch(runner).generate(prompts, 8), strict=True):
+        assert got == hf_greedy(hf, prompt, 8)
 
 
 def test_online_fp8_experts_and_tp_block_scales() -> None:

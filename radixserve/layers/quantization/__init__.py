@@ -80,7 +80,7 @@ def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | Non
 
 
 # Linear layers whose weight a model reads as a matrix (MLA's kv_b_proj, absorbed into the attention): they stay in
-# the model dtype.
+# the model dtype (a quantized checkpoint's are dequantised once loaded: the config's `matrix_method`).
 READ_AS_MATRIX = ("kv_b_proj",)
 
 
@@ -93,7 +93,11 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
     for prefix, module in model.named_modules():
         if not hasattr(module, "set_quant_method"):
             continue
-        if prefix.rsplit(".", 1)[-1] in READ_AS_MATRIX:
+        if prefix.rsplit(".", 1)[-1] in READ_AS_MATRIX:  # the model dtype; a quantized checkpoint's dequantised
+            matrix = getattr(config, "matrix_method", None)
+            method = matrix(module, prefix) if matrix is not None else None
+            if method is not None:
+                module.set_quant_method(method)
             continue
         method = config.get_quant_method(module, prefix)
         if method is not None:

@@ -140,6 +140,15 @@ class Fp8Config(QuantizationConfig):
                    activation_scheme=config.get("activation_scheme", "dynamic"),
                    weight_block_size=config.get("weight_block_size"), ignored_layers=ignored)
 
+    def matrix_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """For a layer the model reads as a matrix (MLA's kv_b_proj): in an fp8 checkpoint, load it as stored and
+        dequantise it once (`Fp8DequantizedMethod`); else None (it stays in the model dtype)."""
+        from radixserve.layers.linear import _LinearBase
+
+        if not self.serialized or not isinstance(layer, _LinearBase) or is_ignored(prefix, self.ignored_layers):
+            return None
+        return Fp8DequantizedMethod(self)
+
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from radixserve.layers.linear import _LinearBase
         from radixserve.layers.moe.layer import FusedMoE
@@ -288,6 +297,25 @@ class Fp8LinearMethod(LinearMethodBase):
             return out if bias is None else out + bias
         return fp8_gemm(xq, w, ws.view(-1, 1) if ws.dim() == 1 else ws, bn, bk, x.dtype, a_scale=xs,
                         a_group_k=bk if self.block is not None else w.shape[1], bias=bias)
+
+
+class Fp8DequantizedMethod(Fp8LinearMethod):
+    """A layer of an fp8 checkpoint that the model reads as a matrix (MLA's kv_b_proj, absorbed into the attention):
+    loaded as the checkpoint stores it, then dequantised once to the model dtype, after which it is an unquantized
+    layer."""
+
+    def process_weights_after_loading(self, layer: _LinearBase) -> None:
+        from radixserve.layers.quantization.base import UnquantizedLinearMethod
+
+        super().process_weights_after_loading(layer)
+        bn, bk = self._groups(layer)
+        w = dequantize_blocks(layer.weight.data, layer.weight_scale.data, bn, bk).to(layer.params_dtype)
+        for name in ("weight_scale", "input_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        layer._quant_param_names = ["weight"]
+        layer.set_quant_method(UnquantizedLinearMethod())
+        layer.weight.data.copy_(w)
 
 
 def _mid_product(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
