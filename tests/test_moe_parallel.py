@@ -26,6 +26,27 @@ def test_qwen3_moe_tp2_and_ep2_match_tp1(tmp_path) -> None:
 
 
 @pytest.mark.integration
+def test_qwen3_moe_fp8_checkpoint_tp2_and_ep2_match_tp1(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block-wise fp8 checkpoint (16 x 16 blocks, experts included): TP=2 ranks hold their halves of the
+    weights and of the scale blocks (the experts' intermediate dimension, attention heads, o_proj's columns), EP=2
+    ranks whole experts with their scales; both generate what one TP=1 scheduler does. The dense layers run W8A16
+    at every batch here (in this process and the ranks'): quantising activations to fp8 turns the ranks' float32
+    summation order into whole fp8 steps now and then, which greedy decoding of a random model then follows."""
+    from test_quant_fp8_moe import _write_fp8_moe_checkpoint
+
+    from radixserve.layers.quantization import fp8 as fp8mod
+
+    monkeypatch.setenv("RADIXSERVE_FP8_W8A16_MAX_M", str(1 << 30))
+    monkeypatch.setattr(fp8mod, "SMALL_M", 1 << 30)
+
+    path = make_model("qwen3_moe", str(tmp_path), seed=4)
+    _write_fp8_moe_checkpoint(path, "block")
+    want = reference_outputs(path, PROMPTS, GREEDY)
+    assert _generate(path) == want
+    assert _generate(path, ep_size=2) == want
+
+
+@pytest.mark.integration
 def test_deepseek_v2_mla_tp2_matches_tp1(tmp_path) -> None:
     """MLA with heads split over the ranks (the latent pool replicated), q_lora_rank set, shared experts."""
     path = make_model("deepseek_v2_lora", str(tmp_path), seed=5)
