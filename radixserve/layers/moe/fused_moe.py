@@ -13,6 +13,11 @@
 
 Experts not held on this rank (expert parallelism) are left out in the align step; their assignments' rows stay
 zero. Block sizes come from `moe_config(...)` per shape.
+
+fp8 experts (`ExpertScales`: a float32 scale per block of each expert's matrix, per row or 128 x 128): with 16-bit
+activations x and the intermediate are quantised per row and 128 columns and both GEMMs run on the fp8 tensor
+cores, each K step's product times its two scales (W8A8, `_a8dot`, tiles `TUNED_FP8`); float32 models, and scale
+groups too short for the fp8 product's 32-column K step, widen the weight tile instead (W8A16, `_wdot`).
 """
 
 from __future__ import annotations
