@@ -6,10 +6,11 @@ Three ways in, as for the linear layers (`fp8.py`):
 - a checkpoint with per-tensor scales (`.weight_scale`, one per expert matrix): the scale becomes its rows';
 - `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row.
 
-The product is W8A16: the fused kernels (`small_batch`, `fused_moe`) widen the fp8 tile to the activation dtype
-(exactly) and scale each K step's product by its columns' scales, so the experts' bytes read are halved and the
-activations need no scales. A static checkpoint's `input_scale`s load and go unused: nothing here quantises the
-activations. On the CPU the torch reference dequantises one expert at a time (`moe_torch`)."""
+The products (`MoEMethod.run`): up to `SMALL_BATCH_TOKENS` tokens W8A16, the activations as they are (per-row
+scales multiplied on the CUDA cores, block-wise ones widened for the tensor cores: `small_batch`); above, for
+16-bit models, W8A8 grouped GEMMs with the activations quantised per row and 128 columns on the fly (`fused_moe`).
+A static checkpoint's `input_scale`s load and go unused (the activation scales are always dynamic). On the CPU the
+torch reference dequantises one expert at a time (`moe_torch`)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ class Fp8MoEMethod(MoEMethod):
             s13 = per.repeat_interleave(i, dim=1).unsqueeze(-1)
             s2 = layer.w2_weight_scale.data[:, None, None].expand(-1, h, 1)
             del layer.w13_weight_scale, layer.w2_weight_scale
-            for name in ("w13_input_scale", "w2_input_scale"):  # W8A16: the activations are not quantised
+            for name in ("w13_input_scale", "w2_input_scale"):  # activation scales are dynamic here
                 if hasattr(layer, name):
                     delattr(layer, name)
             self.groups = (1, h, i)
