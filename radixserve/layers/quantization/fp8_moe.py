@@ -14,6 +14,7 @@ torch reference dequantises one expert at a time (`moe_torch`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,9 @@ from radixserve.layers.quantization.fp8 import FP8, quantize_rows
 if TYPE_CHECKING:
     from radixserve.layers.moe.layer import FusedMoE
     from radixserve.layers.quantization.fp8 import Fp8Config
+
+logger = logging.getLogger(__name__)
+_static_noted = False  # one log line a process for a static checkpoint's unused expert input scales
 
 
 def _param(data: torch.Tensor, loader: object) -> nn.Parameter:
@@ -122,9 +126,9 @@ class Fp8MoEMethod(MoEMethod):
             s13 = per.repeat_interleave(i, dim=1).unsqueeze(-1)
             s2 = layer.w2_weight_scale.data[:, None, None].expand(-1, h, 1)
             del layer.w13_weight_scale, layer.w2_weight_scale
-            for name in ("w13_input_scale", "w2_input_scale"):  # activation scales are dynamic here
-                if hasattr(layer, name):
-                    delattr(layer, name)
+            if hasattr(layer, "w13_input_scale"):  # activation scales are dynamic here
+                del layer.w13_input_scale, layer.w2_input_scale
+                _note_static_scales()
             self.groups = (1, h, i)
         layer.w13_scale = nn.Parameter(s13.float().contiguous(), requires_grad=False)
         layer.w2_scale = nn.Parameter(s2.float().contiguous(), requires_grad=False)
@@ -147,3 +151,11 @@ def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for e in range(w.shape[0]):
         q[e], s[e, :, 0] = quantize_rows(w[e])
     return q, s
+
+
+def _note_static_scales() -> None:
+    global _static_noted
+    if not _static_noted:
+        _static_noted = True
+        logger.info("fp8 experts: the checkpoint's static input scales are not used; the experts quantise their "
+                    "activations with dynamic scales (per row and 128 columns) or keep them 16-bit")
