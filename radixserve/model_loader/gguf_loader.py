@@ -133,7 +133,7 @@ def _head_count(reader: Any, key: str, path: str) -> int | None:
 
 
 def count_gguf_tensors(reader: Any) -> int:
-    """How many tensors `gguf_weights_iterator` yields for this reader (a stacked expert tensor: one a expert)."""
+    """How many tensors `gguf_weights_iterator` yields for this reader (a stacked expert tensor: one per expert)."""
     return sum(int(t.shape.tolist()[-1]) if _is_stacked(t.name) else 1 for t in reader.tensors
                if t.name not in _SKIPPED)
 
