@@ -186,15 +186,17 @@ def test_block_wise_stacking_rejects_unaligned_shards() -> None:
 
 
 # ---------------------------------------------------------------- checkpoints
-def _write_fp8_checkpoint(path: str, hf_model: torch.nn.Module, layout: str) -> dict[str, torch.Tensor]:
-    """Save `hf_model` as an fp8 checkpoint ('block': 16x16 weight_scale_inv; 'tensor': per-tensor weight_scale
-    and a static input_scale). Returns the dequantised state dict (what the fp8 model computes with)."""
-    from safetensors.torch import save_file
+def _write_fp8_checkpoint(path: str, layout: str) -> dict[str, torch.Tensor]:
+    """Rewrite the tiny model saved at `path` as an fp8 checkpoint ('block': 16x16 weight_scale_inv on every
+    projection of the layers, MoE experts and MLA's included; 'tensor': per-tensor weight_scale and a static
+    input_scale). Returns the dequantised state dict (what the fp8 model computes with), under the file's names."""
+    from safetensors.torch import load_file, save_file
 
-    sd = {k: v.detach().clone().float().contiguous() for k, v in hf_model.state_dict().items()}
-    out, deq = {}, dict(sd)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    out, deq = {}, {}
     for name, t in sd.items():
-        if name.endswith("proj.weight") and ".layers." in name:
+        t = t.float()
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and ".layers." in name:
             base = name[: -len("weight")]
             if layout == "block":
                 q, s = quantize_blocks(t, 16, 16)
@@ -208,7 +210,7 @@ def _write_fp8_checkpoint(path: str, hf_model: torch.nn.Module, layout: str) -> 
                 deq[name] = q.float() * s
             out[name] = q
         else:
-            out[name] = t
+            out[name] = deq[name] = t
     save_file(out, os.path.join(path, "model.safetensors"))
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
@@ -233,7 +235,7 @@ def test_fp8_checkpoint_loads_and_matches(tmp_path, layout: str, monkeypatch: py
 
     path = str(tmp_path)
     hf = make_tiny_model("llama", path)
-    deq = _write_fp8_checkpoint(path, hf, layout)
+    deq = _write_fp8_checkpoint(path, layout)
     model = get_model(ModelConfig(path), load_format="auto", dtype=torch.float32, device="cpu")
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == FP8

@@ -5,7 +5,6 @@ dequantised weights; online quantisation of the experts; block scales sharded wi
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -14,9 +13,9 @@ from moe_utils import DEVICE, expert_weights, skewed_ids
 
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe
 from radixserve.layers.moe.methods import ExpertScales
-from radixserve.layers.moe.moe_torch import dequantize_expert, moe_forward_torch
+from radixserve.layers.moe.moe_torch import moe_forward_torch
 from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
-from radixserve.layers.quantization.fp8 import FP8, quantize_blocks, quantize_rows
+from radixserve.layers.quantization.fp8 import FP8, dequantize_blocks, quantize_blocks, quantize_rows
 
 
 def _quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +35,8 @@ def fp8_experts(e: int, h: int, i: int, block: tuple[int, int] | None, seed: int
     q2, s2 = _quantize(w2.cpu(), block)
     gn, gk13, gk2 = (1, h, i) if block is None else (block[0], block[1], block[1])
     scales = ExpertScales(s13.to(DEVICE), s2.to(DEVICE), gn, gk13, gk2)
-    d13 = torch.stack([dequantize_expert(q13[x], s13[x], gn, gk13) for x in range(e)])
-    d2 = torch.stack([dequantize_expert(q2[x], s2[x], gn, gk2) for x in range(e)])
+    d13 = torch.stack([dequantize_blocks(q13[x], s13[x], gn, gk13) for x in range(e)])
+    d2 = torch.stack([dequantize_blocks(q2[x], s2[x], gn, gk2) for x in range(e)])
     return q13.to(DEVICE), q2.to(DEVICE), scales, d13.to(DEVICE), d2.to(DEVICE)
 
 
@@ -146,47 +145,20 @@ def test_fp8_experts_held_elsewhere() -> None:
 
 # ---------------------------------------------------------------- checkpoints
 def _write_fp8_moe_checkpoint(path: str, layout: str) -> str:
-    """Rewrite the tiny model saved at `path` as an fp8 checkpoint ('block': 16x16 weight_scale_inv on every
-    projection, experts and MLA's included; 'tensor': per-tensor weight_scale and a static input_scale), and save
-    the dequantised weights as a 16/32-bit copy in `path`/deq for transformers. Returns that copy's folder."""
+    """The tiny model saved at `path` rewritten as an fp8 checkpoint (`test_quant_fp8._write_fp8_checkpoint`), and
+    its dequantised weights saved with the model's other files in `path`/deq for transformers. Returns that
+    folder."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from test_quant_fp8 import _write_fp8_checkpoint
 
-    sd = load_file(os.path.join(path, "model.safetensors"))
-    out, deq = {}, {}
-    for name, t in sd.items():
-        t = t.float()
-        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and ".layers." in name:
-            base = name[: -len("weight")]
-            if layout == "block":
-                q, s = quantize_blocks(t, 16, 16)
-                out[base + "weight_scale_inv"] = s
-                deq[name] = dequantize_expert(q, s, 16, 16)
-            else:
-                s = (t.abs().max() / 448.0).float()
-                q = (t / s).clamp(-448, 448).to(FP8)
-                out[base + "weight_scale"] = s.reshape(())
-                out[base + "input_scale"] = torch.tensor(0.02)
-                deq[name] = q.float() * s
-            out[name] = q
-        else:
-            out[name] = deq[name] = t
-    save_file(out, os.path.join(path, "model.safetensors"))
     deq_dir = os.path.join(path, "deq")
     os.makedirs(deq_dir)
-    save_file(deq, os.path.join(deq_dir, "model.safetensors"))
-    for f in os.listdir(path):
+    for f in os.listdir(path):  # before the config gains its quantization_config
         if f.endswith(".json"):
             shutil.copy(os.path.join(path, f), deq_dir)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    qc = {"quant_method": "fp8", "activation_scheme": "dynamic" if layout == "block" else "static"}
-    if layout == "block":
-        qc["weight_block_size"] = [16, 16]
-    cfg["quantization_config"] = qc
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    save_file(_write_fp8_checkpoint(path, layout), os.path.join(deq_dir, "model.safetensors"))
     return deq_dir
 
 
@@ -218,9 +190,9 @@ def test_fp8_moe_checkpoint_loads_and_matches_transformers(tmp_path, layout: str
 
     want = load_file(os.path.join(deq_dir, "model.safetensors"))
     sc = experts.quant_method.expert_scales(experts)
-    got_up = dequantize_expert(experts.w13_weight[3], sc.w13[3], sc.group_n, sc.group_k13)[32:]
+    got_up = dequantize_blocks(experts.w13_weight[3], sc.w13[3], sc.group_n, sc.group_k13)[32:]
     torch.testing.assert_close(got_up, want["model.layers.0.mlp.experts.3.up_proj.weight"], rtol=0, atol=0)
-    got_down = dequantize_expert(experts.w2_weight[5], sc.w2[5], sc.group_n, sc.group_k2)
+    got_down = dequantize_blocks(experts.w2_weight[5], sc.w2[5], sc.group_n, sc.group_k2)
     torch.testing.assert_close(got_down, want["model.layers.0.mlp.experts.5.down_proj.weight"], rtol=0, atol=0)
     if layout == "tensor":
         x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
@@ -286,7 +258,7 @@ def test_online_fp8_experts_and_tp_block_scales() -> None:
     finish_quantization(online)
     sc = online.quant_method.expert_scales(online)
     assert online.w13_weight.dtype == FP8 and sc.w13.shape == (e, 2 * i, 1) and sc.group_k13 == h
-    torch.testing.assert_close(dequantize_expert(online.w13_weight[2], sc.w13[2], 1, h), w13[2], atol=0.02,
+    torch.testing.assert_close(dequantize_blocks(online.w13_weight[2], sc.w13[2], 1, h), w13[2], atol=0.02,
                                rtol=0.07)
     full13 = {(x, s): quantize_blocks(w13[x, :i] if s == "w1" else w13[x, i:], 16, 16)
               for x in range(e) for s in ("w1", "w3")}
@@ -305,11 +277,11 @@ def test_online_fp8_experts_and_tp_block_scales() -> None:
         sc = layer.quant_method.expert_scales(layer)
         half = slice(rank * i // 2, (rank + 1) * i // 2)
         for x in range(e):
-            gate = dequantize_expert(layer.w13_weight[x], sc.w13[x], 16, 16)[: i // 2]
-            ref_gate = dequantize_expert(*full13[(x, "w1")], 16, 16)[half]
+            gate = dequantize_blocks(layer.w13_weight[x], sc.w13[x], 16, 16)[: i // 2]
+            ref_gate = dequantize_blocks(*full13[(x, "w1")], 16, 16)[half]
             torch.testing.assert_close(gate, ref_gate, rtol=0, atol=0)
-            down = dequantize_expert(layer.w2_weight[x], sc.w2[x], 16, 16)
-            torch.testing.assert_close(down, dequantize_expert(*full2[x], 16, 16)[:, half], rtol=0, atol=0)
+            down = dequantize_blocks(layer.w2_weight[x], sc.w2[x], 16, 16)
+            torch.testing.assert_close(down, dequantize_blocks(*full2[x], 16, 16)[:, half], rtol=0, atol=0)
     with pytest.raises(ValueError, match="multiple of the block"):
         layer = FusedMoE(RouterConfig(num_experts=e, top_k=2), h, 48, tp_rank=0, tp_size=2, ep_size=1)
         apply_quantization(layer, Fp8Config(serialized=True, weight_block_size=[16, 16]))

@@ -170,9 +170,10 @@ def test_fp8_experts_at_qwen3_30b_shape(tokens: int, block: tuple[int, int] | No
 
     from radixserve.layers.moe.fused_moe import fused_moe
     from radixserve.layers.moe.methods import ExpertScales
-    from radixserve.layers.moe.moe_torch import dequantize_expert, moe_forward_torch
+    from radixserve.layers.moe.moe_torch import moe_forward_torch
     from radixserve.layers.moe.router import RouterConfig, select_experts
     from radixserve.layers.moe.small_batch import SMALL_BATCH_TOKENS, small_batch_moe
+    from radixserve.layers.quantization.fp8 import dequantize_blocks
 
     g = torch.Generator(device="cuda").manual_seed(tokens)
     e, h, i, k = 128, 2048, 768, 8
@@ -180,8 +181,8 @@ def test_fp8_experts_at_qwen3_30b_shape(tokens: int, block: tuple[int, int] | No
     q2, s2 = _quantize(torch.randn(e, h, i, device="cuda", generator=g) * 0.02, block)
     gn, gk13, gk2 = (1, h, i) if block is None else (128, 128, 128)
     scales = ExpertScales(s13, s2, gn, gk13, gk2)
-    d13 = torch.stack([dequantize_expert(q13[x], s13[x], gn, gk13) for x in range(e)])
-    d2 = torch.stack([dequantize_expert(q2[x], s2[x], gn, gk2) for x in range(e)])
+    d13 = torch.stack([dequantize_blocks(q13[x], s13[x], gn, gk13) for x in range(e)])
+    d2 = torch.stack([dequantize_blocks(q2[x], s2[x], gn, gk2) for x in range(e)])
     x = torch.randn(tokens, h, device="cuda", generator=g, dtype=torch.bfloat16)
     cfg = RouterConfig(e, k, renormalize=True)
     weights, ids = select_experts(torch.randn(tokens, e, device="cuda", generator=g), cfg)

@@ -1,8 +1,8 @@
 """How the experts' weights are held and multiplied: the seam a quantization method plugs into.
 
 `MoEMethod.create_weights` registers the layer's stacked parameters (and whatever scales a quantized format
-needs); `apply` computes the routed experts' weighted sum for the tokens. `FusedMoE` does the routing, sharding and
-reduction around it."""
+needs, which `expert_scales` hands to the kernels); `apply` computes the routed experts' weighted sum for the
+tokens. `FusedMoE` does the routing, sharding and reduction around it."""
 
 from __future__ import annotations
 
@@ -43,10 +43,6 @@ class MoEMethod(QuantizeMethodBase, ABC):
         """Register `w13_weight` [E, 2I, H] (gate rows then up rows) and `w2_weight` [E, H, I] (or their
         quantized forms) on `layer`, each with `weight_loader = layer.weight_loader`."""
 
-    @abstractmethod
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) over the experts this rank holds."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Called once after every weight is loaded (quantization.finish_quantization); quantized formats
@@ -58,11 +54,12 @@ class MoEMethod(QuantizeMethodBase, ABC):
         dtype."""
         return None
 
-    def run(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            ) -> torch.Tensor:
-        """`apply` through the layer's stacked `w13_weight` / `w2_weight` and `expert_scales`: the small-batch
-        kernels for a few tokens and the grouped GEMMs for more on the GPU (the small-batch path also computes an
-        attached shared MLP, `FusedMoE.folded_shared_weights`), the per-expert torch reference elsewhere."""
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              ) -> torch.Tensor:
+        """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) over the experts this rank holds, through the
+        layer's stacked `w13_weight` / `w2_weight` and `expert_scales`: the small-batch kernels for a few tokens
+        and the grouped GEMMs for more on the GPU (the small-batch path also computes an attached shared MLP,
+        `FusedMoE.folded_shared_weights`), the per-expert torch reference elsewhere."""
         scales = self.expert_scales(layer)
         if use_fused(x):
             from radixserve.layers.moe import small_batch
@@ -84,14 +81,10 @@ class MoEMethod(QuantizeMethodBase, ABC):
 
 
 class UnquantizedMoEMethod(MoEMethod):
-    """Weights in the model dtype (`run`)."""
+    """Weights in the model dtype."""
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
         layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter_size, hidden_size), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter_size), requires_grad=False)
         layer.w13_weight.weight_loader = layer.weight_loader
         layer.w2_weight.weight_loader = layer.weight_loader
-
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.run(layer, x, topk_weights, topk_ids)

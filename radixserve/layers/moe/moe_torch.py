@@ -9,15 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers.quantization.fp8 import dequantize_blocks
+
 if TYPE_CHECKING:
     from radixserve.layers.moe.methods import ExpertScales
-
-
-def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int) -> torch.Tensor:
-    """One fp8 expert matrix w [N, K] in float32 from its scales [ceil(N / group_n), ceil(K / group_k)]."""
-    n, k = w.shape
-    s = scale.repeat_interleave(group_n, dim=0)[:n].repeat_interleave(group_k, dim=1)[:, :k]
-    return w.float() * s
 
 
 def _act(x: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -61,9 +56,9 @@ def moe_forward_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
             y = F.linear(h, w2[e]) * topk_weights.flatten()[assign, None].to(x.dtype)
         else:
             g = scales.group_n
-            h = F.linear(_act(x[tok], act_group), dequantize_expert(w13[e], scales.w13[e], g, scales.group_k13))
+            h = F.linear(_act(x[tok], act_group), dequantize_blocks(w13[e], scales.w13[e], g, scales.group_k13))
             h = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
-            y = F.linear(_act(h, act_group), dequantize_expert(w2[e], scales.w2[e], g, scales.group_k2))
+            y = F.linear(_act(h, act_group), dequantize_blocks(w2[e], scales.w2[e], g, scales.group_k2))
             y = (y * topk_weights.flatten()[assign, None].float()).to(x.dtype)
         out.index_add_(0, tok, y)
     return out

@@ -77,9 +77,10 @@ def quantize_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, to
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    """float32 weight of an fp8 [N, K] tensor with scales per bn x bk block, or per row for 1-D scales [N]."""
+    """float32 weight of an fp8 [N, K] tensor with scales [ceil(N/bn), ceil(K/bk)] per bn x bk block (per row: bn
+    1, bk >= K), or per row for 1-D scales [N]."""
     n, k = q.shape
-    if scale.dim() == 1 or scale.shape[1] == 1:
+    if scale.dim() == 1:
         return q.float() * scale.reshape(n, 1).float()
     s = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
     return q.float() * s

@@ -6,7 +6,7 @@ Three ways in, as for the linear layers (`fp8.py`):
 - a checkpoint with per-tensor scales (`.weight_scale`, one per expert matrix): the scale becomes its rows';
 - `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row.
 
-The products (`MoEMethod.run`): up to `SMALL_BATCH_TOKENS` tokens W8A16, the activations as they are (per-row
+The products (`MoEMethod.apply`): up to `SMALL_BATCH_TOKENS` tokens W8A16, the activations as they are (per-row
 scales multiplied on the CUDA cores, block-wise ones widened for the tensor cores: `small_batch`); above, for
 16-bit models, W8A8 grouped GEMMs with the activations quantised per row and 128 columns on the fly (`fused_moe`).
 A static checkpoint's `input_scale`s load and go unused (the activation scales are always dynamic). On the CPU the
@@ -137,10 +137,6 @@ class Fp8MoEMethod(MoEMethod):
         if self.groups is None:
             raise RuntimeError("fp8 experts used before their weights were processed (finish_quantization)")
         return ExpertScales(layer.w13_scale, layer.w2_scale, *self.groups)
-
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.run(layer, x, topk_weights, topk_ids)
 
 
 def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
