@@ -317,3 +317,52 @@ def test_fp8_tiles_and_precompile_of_fp8_experts() -> None:
     launches = [r for r in records if r.fn.fn.__name__ in ("_gate_up_kernel", "_down_kernel")]
     assert launches and all(r.kwargs["A8"] and r.kwargs["QUANT"] for r in launches)
     assert {r.kwargs["BLOCK_M"] for r in launches} == {moe_config(16, 2, 8, 128, 128, fp8=True).block_m}
+
+
+def test_fp8_experts_leave_the_small_path_earlier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 experts whose grouped GEMMs run W8A8 take the small-batch kernels for fewer tokens than 16-bit ones (the
+    H200's crossover: 4 tokens with per-row scales, 1 with 128 x 128 blocks); W8A16 cases (float32 activations)
+    keep the 16-bit limit; `apply` dispatches by it."""
+    import radixserve.layers.moe.fused_moe as fused_mod
+    from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
+    from radixserve.layers.quantization import apply_quantization, finish_quantization
+    from radixserve.layers.quantization.fp8 import Fp8Config
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    def layer(dtype: torch.dtype, config: Fp8Config) -> FusedMoE:
+        holder = torch.nn.Module()
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            holder.experts = FusedMoE(RouterConfig(8, 2, renormalize=True), 128, 128, reduce_results=False,
+                                      ep_size=1)
+        finally:
+            torch.set_default_dtype(old)
+        apply_quantization(holder, config)
+        if not config.serialized:
+            initialize_dummy_weights(holder, seed=3)
+        else:
+            for name, p in holder.experts.named_parameters():
+                p.data.fill_(1.0 if "scale" in name else 0.0)
+        finish_quantization(holder)
+        return holder.experts
+
+    rows = layer(torch.bfloat16, Fp8Config(serialized=False))
+    blocks = layer(torch.bfloat16, Fp8Config(serialized=True, weight_block_size=[128, 128]))
+    wide = layer(torch.float32, Fp8Config(serialized=False))
+    assert rows.quant_method.small_batch_tokens(rows) == small_batch.SMALL_BATCH_TOKENS_FP8_ROWS == 4
+    assert blocks.quant_method.small_batch_tokens(blocks) == small_batch.SMALL_BATCH_TOKENS_FP8_BLOCKS == 1
+    assert wide.quant_method.small_batch_tokens(wide) == small_batch.SMALL_BATCH_TOKENS == 8
+    paths: list[tuple[str, int]] = []
+    monkeypatch.setattr(small_batch, "small_batch_moe", lambda x, *a, **k: paths.append(("small", len(x))) or x)
+    monkeypatch.setattr(fused_mod, "fused_moe", lambda x, *a, **k: paths.append(("grouped", len(x))) or x)
+    set_fused_kernels(True)
+    try:
+        for t in (4, 5):
+            x = torch.zeros(t, 128, dtype=torch.bfloat16)
+            ids = torch.zeros(t, 2, dtype=torch.int32)
+            rows.quant_method.apply(rows, x, torch.ones(t, 2), ids)
+    finally:
+        set_fused_kernels(None)
+    assert paths == [("small", 4), ("grouped", 5)]

@@ -490,7 +490,6 @@ def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> 
     take, at each config's block_m, so that no large prefill in service pays Triton's compilation (seconds each;
     the start-up warm-up's short request reaches only the small-batch path). CUDA only, unless `force` (tests,
     under the interpreter). Returns how many configs ran."""
-    from radixserve.layers.moe import small_batch
     from radixserve.layers.moe.layer import FusedMoE
 
     layer = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
@@ -500,11 +499,12 @@ def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> 
     scales = layer.quant_method.expert_scales(layer)
     num_local, inter, hidden = w13.shape[0], w2.shape[2], w2.shape[1]
     top_k = layer.router.top_k
-    sizes, t = [], small_batch.SMALL_BATCH_TOKENS + 1
+    first = layer.quant_method.small_batch_tokens(layer) + 1  # the fewest tokens the grouped path sees
+    sizes, t = [], first
     while t < max_tokens:
         sizes.append(t)
         t *= 2
-    sizes.append(max(max_tokens, small_batch.SMALL_BATCH_TOKENS + 1))
+    sizes.append(max(max_tokens, first))
     dtype = layer.act_dtype if scales is not None else w13.dtype
     fp8 = fp8_activations(scales, dtype, hidden, inter)
     configs = list(dict.fromkeys(moe_config(n, top_k, num_local, inter, hidden, fp8=fp8) for n in sizes))

@@ -130,10 +130,9 @@ class FusedMoE(nn.Module):
         if mlp is None or self.ep_size > 1 or type(self.quant_method) is not UnquantizedMoEMethod \
                 or self.__dict__.get("_fold_off"):
             return None
-        from radixserve.layers.moe import small_batch
         from radixserve.layers.triton_ops import use_fused
 
-        if x.shape[0] > small_batch.SMALL_BATCH_TOKENS or not use_fused(x):
+        if x.shape[0] > self.quant_method.small_batch_tokens(self) or not use_fused(x):
             return None
         w13 = getattr(mlp.gate_up_proj, "weight", None)
         w2 = getattr(mlp.down_proj, "weight", None)

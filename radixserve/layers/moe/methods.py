@@ -54,6 +54,12 @@ class MoEMethod(QuantizeMethodBase, ABC):
         dtype."""
         return None
 
+    def small_batch_tokens(self, layer: FusedMoE) -> int:
+        """The most tokens a call sends through the small-batch kernels (more: the grouped GEMMs)."""
+        from radixserve.layers.moe import small_batch
+
+        return small_batch.SMALL_BATCH_TOKENS
+
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               ) -> torch.Tensor:
         """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) over the experts this rank holds, through the
@@ -64,7 +70,7 @@ class MoEMethod(QuantizeMethodBase, ABC):
         if use_fused(x):
             from radixserve.layers.moe import small_batch
 
-            if x.shape[0] <= small_batch.SMALL_BATCH_TOKENS:
+            if x.shape[0] <= self.small_batch_tokens(layer):
                 shared = layer.folded_shared_weights(x)
                 counters = layer.small_counters if layer.small_counters.device == x.device else None
                 return small_batch.small_batch_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,

@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 # CUDA graphs, benchmarks/bench_moe_kernels.py): 25.8 us against the grouped path's 32.4 at 1 token, 130.6 against
 # 134.6 at 8, 210.0 against 185.4 at 16 (tokens choosing the same expert read it again).
 SMALL_BATCH_TOKENS = 8
+# fp8 experts whose larger batches take the W8A8 grouped GEMMs (`fused_moe.fp8_activations`): the same comparison
+# (2026-12-04, fp8 weights, bf16 activations), µs a layer at 1 / 2 / 3 / 4 / 6 / 8 tokens, small against grouped —
+# per-row scales 20.9 / 28.9 / 45.3 / 52.2 / 72.3 / 93.4 against 29.5 / 36.0 / 47.8 / 60.4 / 70.8 / 83.1; 128 x 128
+# blocks 26.4 / 37.7 / 52.7 / 62.5 / 87.7 / 113.2 against 28.9 / 35.8 / 48.5 / 55.0 / 75.1 / 84.3.
+SMALL_BATCH_TOKENS_FP8_ROWS = 4
+SMALL_BATCH_TOKENS_FP8_BLOCKS = 1
 
 
 @dataclass(frozen=True)
