@@ -24,6 +24,7 @@ through `tl.dot`, each K step (at most one 128-column scale group) scaled. Each 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -69,32 +70,74 @@ DEFAULT = SmallMoEConfig()
 # scales (K steps cut to the 128-column groups) on the tensor cores 26.4 / 113.5
 DEFAULT_FP8_ROWS = SmallMoEConfig(16, 256, 32, 256, 4, 2)
 DEFAULT_FP8_BLOCKS = SmallMoEConfig(32, 128, 32, 256, 4, 3)
+# The per-row fp8 products' form (`_fp8_rows`): "plain" ([BLOCK_N, BLOCK_K] float32 accumulators), "r8" (runs of 8
+# products summed in the thread, the weight read evict-first), "r8j" (r8 with the gate and up rows in one loop).
+FP8_ROWS_FORM = os.environ.get("RADIXSERVE_MOE_FP8_ROWS", "r8j")
+if FP8_ROWS_FORM not in ("plain", "r8", "r8j"):
+    raise ValueError(f"RADIXSERVE_MOE_FP8_ROWS must be plain, r8 or r8j; got {FP8_ROWS_FORM!r}")
 INTERPRETED = SmallMoEConfig(16, 16, 16, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick
 ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute is free here, bytes are not)
 
 
 @triton.jit
-def _fp8_rows(w_rows, x_row, Scale, s_rows, n_read, K, BLOCK_K: tl.constexpr):
+def _rows_acc(acc, w, x, R8: tl.constexpr):
+    """acc + the widened fp8 tile w [N, BLOCK_K] times x [N, BLOCK_K] (R8: each thread's runs of 8 products summed
+    first, acc [N, BLOCK_K / 8])."""
+    p = w.to(tl.float32) * x
+    if R8:
+        acc = acc + tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 8, 8)), axis=2)
+    else:
+        acc = acc + p
+    return acc
+
+
+@triton.jit
+def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, BLOCK_K: tl.constexpr, R8: tl.constexpr,
+              TWO: tl.constexpr):
     """The products of BLOCK_N fp8 weight rows (w_rows: each row's first byte, K contiguous) with one activation
     row, on the CUDA cores, times each row's scale (s_rows: its offset in Scale): each step widens a [BLOCK_N,
-    BLOCK_K] tile to float32 and multiplies it by the x chunk; the row sums come once, after the loop."""
+    BLOCK_K] tile to float32 and multiplies it by the x chunk; the row sums come once, after the loop. TWO: also
+    the rows `shift` bytes further (scales at s_rows2) in the same loop (gate and up); else the second result is
+    the first. R8 (`FP8_ROWS_FORM`): runs of 8 products summed in the thread and the weight read evict-first."""
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([w_rows.shape[0], BLOCK_K], dtype=tl.float32)
+    # x through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): the weight tile's
+    # layout, so nothing is exchanged through shared memory inside the loop
+    x_ptrs = x_row + offs_k[None, :] + tl.zeros([w_rows.shape[0], 1], dtype=tl.int32)
+    ACC_K: tl.constexpr = BLOCK_K // 8 if R8 else BLOCK_K
+    acc = tl.zeros([w_rows.shape[0], ACC_K], dtype=tl.float32)
+    acc2 = tl.zeros([w_rows.shape[0], ACC_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        w = tl.load(w_rows[:, None] + k0 + offs_k[None, :], mask=n_read[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
-    return tl.sum(acc, axis=1) * tl.load(Scale + s_rows, mask=n_read, other=0.0)
+        ptrs = w_rows[:, None] + k0 + offs_k[None, :]
+        mask = n_read[:, None] & k_ok[None, :]
+        if R8:
+            w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs, mask=mask, other=0.0)
+        x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        acc = _rows_acc(acc, w, x, R8)
+        if TWO:
+            if R8:
+                w2 = tl.load(ptrs + shift, mask=mask, other=0.0, eviction_policy="evict_first")
+            else:
+                w2 = tl.load(ptrs + shift, mask=mask, other=0.0)
+            acc2 = _rows_acc(acc2, w2, x, R8)
+    out = tl.sum(acc, axis=1) * tl.load(Scale + s_rows, mask=n_read, other=0.0)
+    out2 = out
+    if TWO:
+        out2 = tl.sum(acc2, axis=1) * tl.load(Scale + s_rows2, mask=n_read, other=0.0)
+    return out, out2
 
 
 @triton.jit
 def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_local, inter_size, shared_inter,
                           hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i, Scale, stride_se, stride_sn,
                           group_n, group_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                          PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
-    """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`) or per block (2:
-    widened for the tensor cores, each K step scaled, `fused_moe._wdot`); no shared chunks then."""
+                          PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0, R8: tl.constexpr = False,
+                          JOINT: tl.constexpr = False):
+    """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`, with R8 / JOINT
+    as `FP8_ROWS_FORM` says) or per block (2: widened for the tensor cores, each K step scaled, `fused_moe._wdot`);
+    no shared chunks then."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -123,8 +166,14 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     su_cols = e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
     if QUANT == 1:
         x_row = X + tok.to(tl.int64) * stride_x
-        g = _fp8_rows(base + gate_rows * stride_row, x_row, Scale, sg_cols, n_read, hidden, BLOCK_K)
-        u = _fp8_rows(base + (gate_rows + up_shift) * stride_row, x_row, Scale, su_cols, n_read, hidden, BLOCK_K)
+        g_rows = base + gate_rows * stride_row
+        if JOINT:  # gate and up rows in one loop: twice the bytes in flight a program
+            g, u = _fp8_rows(g_rows, up_shift * stride_row, x_row, Scale, sg_cols, su_cols, n_read, hidden, BLOCK_K,
+                             R8, True)
+        else:
+            g, _ = _fp8_rows(g_rows, 0, x_row, Scale, sg_cols, sg_cols, n_read, hidden, BLOCK_K, R8, False)
+            u, _ = _fp8_rows(g_rows + up_shift * stride_row, 0, x_row, Scale, su_cols, su_cols, n_read, hidden,
+                             BLOCK_K, R8, False)
     else:
         acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -149,7 +198,7 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
 def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k, slots, offset, num_local, hidden,
                        inter_size, stride_i, stride_we, stride_wn, stride_ws, stride_o, Scale, stride_se, stride_sn,
                        group_n, group_k, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
+                       FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0, R8: tl.constexpr = False):
     """Program (assignment, column block): its weighted down-projection into Partial (float32); the last of a
     token's `slots` programs for a column block (a counter per block in Count, put back to 0 by it) sums them in
     slot order and stores the token's output."""
@@ -178,8 +227,9 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
     a_ptrs = Inter + a.to(tl.int64) * stride_i + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
     s_cols = e64 * stride_se + (offs_n // group_n) * stride_sn
     if QUANT == 1:
-        part = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, Inter + a.to(tl.int64) * stride_i, Scale, s_cols,
-                         n_read, inter_size, BLOCK_K) * wt
+        part, _ = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, 0, Inter + a.to(tl.int64) * stride_i, Scale,
+                            s_cols, s_cols, n_read, inter_size, BLOCK_K, R8, False)
+        part = part * wt
     else:
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter_size, BLOCK_K):
@@ -258,15 +308,16 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     sw13 = w13 if shared_w13 is None else shared_w13
     sw2 = w2 if shared_w2 is None else shared_w2
     fp32 = x.dtype == torch.float32
+    r8, joint = quant == 1 and FP8_ROWS_FORM != "plain", quant == 1 and FP8_ROWS_FORM == "r8j"
     opts = {} if interp else {"num_warps": cfg.warps, "num_stages": cfg.stages, **pdl.launch_opts(x)}
     launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13, act,
            ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0), w13.stride(0),
            w13.stride(1), sw13.stride(-2), act.stride(0), *q13, BLOCK_N=cfg.block_n_gate_up,
-           BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=quant, **opts)
+           BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=quant, R8=r8, JOINT=joint, **opts)
     launch(_small_down_kernel, (num_tokens * slots, blocks_down), act, w2, sw2, out, partial, counters, weights, ids,
            top_k, slots, expert_offset, num_local, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
            sw2.stride(-2), out.stride(0), *q2, S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, **opts)
+           BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, R8=r8, **opts)
     return out
 
 
