@@ -153,10 +153,6 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
             consts = dict(BLOCK_N=bn, BLOCK_K=bk if quant == 1 else min(bk, 128), FP32=False, PDL=1, QUANT=quant)
             if fn is small_batch._small_down_kernel:
                 consts["S_PAD"] = 8
-            if quant == 1:  # the per-row products' default form (`small_batch.FP8_ROWS_FORM`)
-                consts["R8"] = True
-                if fn is small_batch._small_gate_up_kernel:
-                    consts["JOINT"] = True
             out[f"{fn.__name__} fp8 quant={quant}"] = (fn, sig, consts, dict(num_warps=cfg.warps,
                                                                              num_stages=cfg.stages))
     # the router on the tensor cores (DeepSeek-V2-Lite's 64 experts top-6, DeepSeek-V3's 256 with its bias) and

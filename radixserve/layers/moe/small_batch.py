@@ -17,14 +17,14 @@ gate_up / down weights (no copy into the routed stack). Experts not held on this
 contribute nothing. Tokens that choose the same expert read its weights again (from L2 when close in time): the
 path is for batches of up to `SMALL_BATCH_TOKENS` tokens, the sorted grouped GEMM of `fused_moe.py` for the rest.
 
-fp8 experts (`ExpertScales`): with a scale per row the products run on the CUDA cores (`_fp8_rows`: the fp8 tile
-through `tl.dot`'s operand path read the weights at ~1.4 TB/s on an H200, slower than bf16); with block-wise scales
+fp8 experts (`ExpertScales`): with a scale per row the products run on the CUDA cores (`_fp8_rows`, runs of 8
+products summed in the thread: the fp8 tile through `tl.dot`'s operand path read the weights at ~1.4 TB/s on an
+H200, slower than bf16); with block-wise scales
 through `tl.dot`, each K step (at most one 128-column scale group) scaled. Each form has its own default tiles.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -67,61 +67,46 @@ class SmallMoEConfig:
 DEFAULT = SmallMoEConfig()
 # fp8 experts (H200, benchmarks/bench_moe_kernels.py --sweep-small --fp8 channel|block, Qwen3-30B-A3B's shape, µs a
 # layer at 1 / 8 tokens): per-row scales on the CUDA cores 21.1 / 94.6 (bf16's DEFAULT: 25.0 / 129.8); block-wise
-# scales (K steps cut to the 128-column groups) on the tensor cores 26.4 / 113.5
+# scales (K steps cut to the 128-column groups) on the tensor cores 26.4 / 113.5. With runs-of-8 accumulators and
+# gate / up in one loop (`_fp8_rows`) the per-row tile stayed within 4% of the sweep's best at 1 / 2 / 4 tokens:
+# 19.0 / 24.9 / 47.2 (DeepSeek-V2-Lite's shape: 46.5 / 56.3 / 81.0, within 6%)
 DEFAULT_FP8_ROWS = SmallMoEConfig(16, 256, 32, 256, 4, 2)
 DEFAULT_FP8_BLOCKS = SmallMoEConfig(32, 128, 32, 256, 4, 3)
-# The per-row fp8 products' form (`_fp8_rows`): "plain" ([BLOCK_N, BLOCK_K] float32 accumulators), "r8" (runs of 8
-# products summed in the thread, the weight read evict-first), "r8j" (r8 with the gate and up rows in one loop).
-FP8_ROWS_FORM = os.environ.get("RADIXSERVE_MOE_FP8_ROWS", "r8j")
-if FP8_ROWS_FORM not in ("plain", "r8", "r8j"):
-    raise ValueError(f"RADIXSERVE_MOE_FP8_ROWS must be plain, r8 or r8j; got {FP8_ROWS_FORM!r}")
 INTERPRETED = SmallMoEConfig(16, 16, 16, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick
 ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute is free here, bytes are not)
 
 
 @triton.jit
-def _rows_acc(acc, w, x, R8: tl.constexpr):
-    """acc + the widened fp8 tile w [N, BLOCK_K] times x [N, BLOCK_K] (R8: each thread's runs of 8 products summed
-    first, acc [N, BLOCK_K / 8])."""
+def _runs8(w, x):
+    """The widened fp8 tile w [N, BLOCK_K] times x [N, BLOCK_K], each thread's runs of 8 products summed:
+    [N, BLOCK_K / 8]."""
     p = w.to(tl.float32) * x
-    if R8:
-        acc = acc + tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 8, 8)), axis=2)
-    else:
-        acc = acc + p
-    return acc
+    return tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 8, 8)), axis=2)
 
 
 @triton.jit
-def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, BLOCK_K: tl.constexpr, R8: tl.constexpr,
-              TWO: tl.constexpr):
+def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
     """The products of BLOCK_N fp8 weight rows (w_rows: each row's first byte, K contiguous) with one activation
-    row, on the CUDA cores, times each row's scale (s_rows: its offset in Scale): each step widens a [BLOCK_N,
-    BLOCK_K] tile to float32 and multiplies it by the x chunk; the row sums come once, after the loop. TWO: also
-    the rows `shift` bytes further (scales at s_rows2) in the same loop (gate and up); else the second result is
-    the first. R8 (`FP8_ROWS_FORM`): runs of 8 products summed in the thread and the weight read evict-first."""
+    row, on the CUDA cores, times each row's scale (s_rows: its offset in Scale). Each step widens a [BLOCK_N,
+    BLOCK_K] tile (read evict-first) to float32, multiplies it by the x chunk and sums each thread's runs of 8
+    products into a [BLOCK_N, BLOCK_K / 8] accumulator (its registers, not instructions, limit how many bytes an SM
+    keeps in flight); the row sums come once, after the loop. TWO: also the rows `shift` bytes further (scales at
+    s_rows2) in the same loop (gate and up: twice the bytes in flight a program); else the second result is the
+    first."""
     offs_k = tl.arange(0, BLOCK_K)
     # x through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): the weight tile's
     # layout, so nothing is exchanged through shared memory inside the loop
     x_ptrs = x_row + offs_k[None, :] + tl.zeros([w_rows.shape[0], 1], dtype=tl.int32)
-    ACC_K: tl.constexpr = BLOCK_K // 8 if R8 else BLOCK_K
-    acc = tl.zeros([w_rows.shape[0], ACC_K], dtype=tl.float32)
-    acc2 = tl.zeros([w_rows.shape[0], ACC_K], dtype=tl.float32)
+    acc = tl.zeros([w_rows.shape[0], BLOCK_K // 8], dtype=tl.float32)
+    acc2 = tl.zeros([w_rows.shape[0], BLOCK_K // 8], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         ptrs = w_rows[:, None] + k0 + offs_k[None, :]
         mask = n_read[:, None] & k_ok[None, :]
-        if R8:
-            w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(ptrs, mask=mask, other=0.0)
         x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        acc = _rows_acc(acc, w, x, R8)
+        acc += _runs8(tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first"), x)
         if TWO:
-            if R8:
-                w2 = tl.load(ptrs + shift, mask=mask, other=0.0, eviction_policy="evict_first")
-            else:
-                w2 = tl.load(ptrs + shift, mask=mask, other=0.0)
-            acc2 = _rows_acc(acc2, w2, x, R8)
+            acc2 += _runs8(tl.load(ptrs + shift, mask=mask, other=0.0, eviction_policy="evict_first"), x)
     out = tl.sum(acc, axis=1) * tl.load(Scale + s_rows, mask=n_read, other=0.0)
     out2 = out
     if TWO:
@@ -133,11 +118,9 @@ def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, BLOCK_K: 
 def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_local, inter_size, shared_inter,
                           hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i, Scale, stride_se, stride_sn,
                           group_n, group_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                          PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0, R8: tl.constexpr = False,
-                          JOINT: tl.constexpr = False):
-    """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`, with R8 / JOINT
-    as `FP8_ROWS_FORM` says) or per block (2: widened for the tensor cores, each K step scaled, `fused_moe._wdot`);
-    no shared chunks then."""
+                          PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
+    """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`) or per block (2:
+    widened for the tensor cores, each K step scaled, `fused_moe._wdot`); no shared chunks then."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -166,14 +149,8 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     su_cols = e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
     if QUANT == 1:
         x_row = X + tok.to(tl.int64) * stride_x
-        g_rows = base + gate_rows * stride_row
-        if JOINT:  # gate and up rows in one loop: twice the bytes in flight a program
-            g, u = _fp8_rows(g_rows, up_shift * stride_row, x_row, Scale, sg_cols, su_cols, n_read, hidden, BLOCK_K,
-                             R8, True)
-        else:
-            g, _ = _fp8_rows(g_rows, 0, x_row, Scale, sg_cols, sg_cols, n_read, hidden, BLOCK_K, R8, False)
-            u, _ = _fp8_rows(g_rows + up_shift * stride_row, 0, x_row, Scale, su_cols, su_cols, n_read, hidden,
-                             BLOCK_K, R8, False)
+        g, u = _fp8_rows(base + gate_rows * stride_row, up_shift * stride_row, x_row, Scale, sg_cols, su_cols, n_read,
+                         hidden, BLOCK_K, True)
     else:
         acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -198,7 +175,7 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
 def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k, slots, offset, num_local, hidden,
                        inter_size, stride_i, stride_we, stride_wn, stride_ws, stride_o, Scale, stride_se, stride_sn,
                        group_n, group_k, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0, R8: tl.constexpr = False):
+                       FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
     """Program (assignment, column block): its weighted down-projection into Partial (float32); the last of a
     token's `slots` programs for a column block (a counter per block in Count, put back to 0 by it) sums them in
     slot order and stores the token's output."""
@@ -228,7 +205,7 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
     s_cols = e64 * stride_se + (offs_n // group_n) * stride_sn
     if QUANT == 1:
         part, _ = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, 0, Inter + a.to(tl.int64) * stride_i, Scale,
-                            s_cols, s_cols, n_read, inter_size, BLOCK_K, R8, False)
+                            s_cols, s_cols, n_read, inter_size, BLOCK_K, False)
         part = part * wt
     else:
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -308,16 +285,15 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     sw13 = w13 if shared_w13 is None else shared_w13
     sw2 = w2 if shared_w2 is None else shared_w2
     fp32 = x.dtype == torch.float32
-    r8, joint = quant == 1 and FP8_ROWS_FORM != "plain", quant == 1 and FP8_ROWS_FORM == "r8j"
     opts = {} if interp else {"num_warps": cfg.warps, "num_stages": cfg.stages, **pdl.launch_opts(x)}
     launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13, act,
            ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0), w13.stride(0),
            w13.stride(1), sw13.stride(-2), act.stride(0), *q13, BLOCK_N=cfg.block_n_gate_up,
-           BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=quant, R8=r8, JOINT=joint, **opts)
+           BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=quant, **opts)
     launch(_small_down_kernel, (num_tokens * slots, blocks_down), act, w2, sw2, out, partial, counters, weights, ids,
            top_k, slots, expert_offset, num_local, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
            sw2.stride(-2), out.stride(0), *q2, S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, R8=r8, **opts)
+           BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, **opts)
     return out
 
 
