@@ -34,10 +34,9 @@ from radixserve.layers.moe.fused_moe import MoEConfig, fp8_activations, fused_mo
 from radixserve.layers.moe.methods import ExpertScales  # noqa: E402
 from radixserve.layers.moe.small_batch import (  # noqa: E402
     DEFAULT,
-    DEFAULT_FP8_BLOCKS,
-    DEFAULT_FP8_ROWS,
     INTERPRETED,
     SmallMoEConfig,
+    default_config,
     small_batch_moe,
 )
 
@@ -163,8 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                      for o in ((True,) if args.one_order else (True, False))]
             variants += [("grouped", cfg_name(c), lambda layer, c=c: grouped(layer, c)) for c in sweep]
         if t <= 64:
-            quant = 0 if scales[0] is None else 1 if args.fp8 == "channel" else 2
-            small_default = (DEFAULT, DEFAULT_FP8_ROWS, DEFAULT_FP8_BLOCKS)[quant] if cuda else INTERPRETED
+            small_default = default_config(scales[0]) if cuda else INTERPRETED
             variants.append(("small", cfg_name(small_default), lambda layer: small(layer)))
             if args.sweep_small:
                 sweep = SMALL_SWEEP_FP8 if args.fp8 != "none" else SMALL_SWEEP

@@ -142,7 +142,8 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
                               QUANT=True, A8=True), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     from radixserve.layers.moe import small_batch
 
-    for quant, cfg in ((1, small_batch.DEFAULT_FP8_ROWS), (2, small_batch.DEFAULT_FP8_BLOCKS)):
+    for quant, cfg in ((1, small_batch.DEFAULT_FP8_ROWS), (2, small_batch.DEFAULT_FP8_BLOCKS),
+                       (3, small_batch.DEFAULT_FP8_ROWS)):
         for fn, bn, bk in ((small_batch._small_gate_up_kernel, cfg.block_n_gate_up, cfg.block_k_gate_up),
                            (small_batch._small_down_kernel, cfg.block_n_down, min(cfg.block_k_down, 128))):
             sig = {n: "i32" for n in fn.arg_names}

@@ -85,6 +85,28 @@ def test_fp8_expert_kernels_match_reference(block: tuple[int, int] | None, path:
         torch.testing.assert_close(got.float(), ref_b.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("form", ["dot", "rows"])
+def test_block_wise_small_batch_forms_match_reference(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block-wise fp8 experts through the small-batch kernels in both forms (`FP8_BLOCKS_FORM`: tensor-core tiles or
+    the CUDA cores' runs of 8, each step's sums scaled by its block): several 16-column groups per row, 32-row
+    blocks of scales, tiles wider than a group (cut to it), an expert with no tokens; a group that runs of 8 cannot
+    tile keeps the dot form."""
+    from radixserve.layers.moe import small_batch
+
+    monkeypatch.setattr(small_batch, "FP8_BLOCKS_FORM", form)
+    e, h, i, t, k = 10, 64, 64, 3, 4
+    q13, q2, scales, d13, d2 = fp8_experts(e, h, i, (32, 16), seed=5)
+    assert small_batch.fp8_form(scales) == (3 if form == "rows" else 2)
+    assert small_batch.fp8_form(ExpertScales(scales.w13, scales.w2, 32, 12, 16)) == 2
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ids = skewed_ids(t, k, e).to(DEVICE)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    ref = moe_forward_torch(x, d13, d2, weights, ids)
+    for cfg in (None, SmallMoEConfig(16, 64, 32, 64, 1, 1), SmallMoEConfig(32, 8, 16, 16, 1, 1)):
+        got = small_batch_moe(x, q13, q2, weights, ids, scales=scales, config=cfg)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("block", [None, (32, 32)])
 def test_fp8_w8a8_grouped_kernels_match_reference(block: tuple[int, int] | None,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

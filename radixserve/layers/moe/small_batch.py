@@ -25,6 +25,7 @@ through `tl.dot`, each K step (at most one 128-column scale group) scaled. Each 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,11 @@ DEFAULT = SmallMoEConfig()
 # 19.0 / 24.9 / 47.2 (DeepSeek-V2-Lite's shape: 46.5 / 56.3 / 81.0, within 6%)
 DEFAULT_FP8_ROWS = SmallMoEConfig(16, 256, 32, 256, 4, 2)
 DEFAULT_FP8_BLOCKS = SmallMoEConfig(32, 128, 32, 256, 4, 3)
+# Block-wise fp8 experts: "dot" widens each tile for the tensor cores (`fused_moe._wdot`), "rows" multiplies on the
+# CUDA cores as per-row experts do, each step's sums scaled by their block (`_fp8_rows`, BLOCKS).
+FP8_BLOCKS_FORM = os.environ.get("RADIXSERVE_MOE_FP8_BLOCKS", "dot")
+if FP8_BLOCKS_FORM not in ("dot", "rows"):
+    raise ValueError(f"RADIXSERVE_MOE_FP8_BLOCKS must be dot or rows; got {FP8_BLOCKS_FORM!r}")
 INTERPRETED = SmallMoEConfig(16, 16, 16, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick
 ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute is free here, bytes are not)
 
@@ -85,14 +91,16 @@ def _runs8(w, x):
 
 
 @triton.jit
-def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
+def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, group_k, BLOCK_K: tl.constexpr,
+              TWO: tl.constexpr, BLOCKS: tl.constexpr = False):
     """The products of BLOCK_N fp8 weight rows (w_rows: each row's first byte, K contiguous) with one activation
     row, on the CUDA cores, times each row's scale (s_rows: its offset in Scale). Each step widens a [BLOCK_N,
     BLOCK_K] tile (read evict-first) to float32, multiplies it by the x chunk and sums each thread's runs of 8
     products into a [BLOCK_N, BLOCK_K / 8] accumulator (its registers, not instructions, limit how many bytes an SM
     keeps in flight); the row sums come once, after the loop. TWO: also the rows `shift` bytes further (scales at
     s_rows2) in the same loop (gate and up: twice the bytes in flight a program); else the second result is the
-    first."""
+    first. BLOCKS: a scale per row block and `group_k` columns (s_rows + k // group_k), applied to each step's sums
+    (a step never spans two groups: BLOCK_K divides group_k)."""
     offs_k = tl.arange(0, BLOCK_K)
     # x through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): the weight tile's
     # layout, so nothing is exchanged through shared memory inside the loop
@@ -104,13 +112,22 @@ def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, BLOCK_K: 
         ptrs = w_rows[:, None] + k0 + offs_k[None, :]
         mask = n_read[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        acc += _runs8(tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first"), x)
+        part = _runs8(tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first"), x)
+        if BLOCKS:
+            part = part * tl.load(Scale + s_rows + k0 // group_k, mask=n_read, other=0.0)[:, None]
+        acc += part
         if TWO:
-            acc2 += _runs8(tl.load(ptrs + shift, mask=mask, other=0.0, eviction_policy="evict_first"), x)
-    out = tl.sum(acc, axis=1) * tl.load(Scale + s_rows, mask=n_read, other=0.0)
-    out2 = out
-    if TWO:
-        out2 = tl.sum(acc2, axis=1) * tl.load(Scale + s_rows2, mask=n_read, other=0.0)
+            part2 = _runs8(tl.load(ptrs + shift, mask=mask, other=0.0, eviction_policy="evict_first"), x)
+            if BLOCKS:
+                part2 = part2 * tl.load(Scale + s_rows2 + k0 // group_k, mask=n_read, other=0.0)[:, None]
+            acc2 += part2
+    out = tl.sum(acc, axis=1)
+    out2 = tl.sum(acc2, axis=1)
+    if not BLOCKS:
+        out = out * tl.load(Scale + s_rows, mask=n_read, other=0.0)
+        out2 = out2 * tl.load(Scale + s_rows2, mask=n_read, other=0.0)
+    if not TWO:
+        out2 = out
     return out, out2
 
 
@@ -120,7 +137,8 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
                           group_n, group_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
                           PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
     """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`) or per block (2:
-    widened for the tensor cores, each K step scaled, `fused_moe._wdot`); no shared chunks then."""
+    widened for the tensor cores, each K step scaled, `fused_moe._wdot`; 3: on the CUDA cores, `_fp8_rows`); no
+    shared chunks then."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -147,10 +165,10 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     x_ptrs = X + tok.to(tl.int64) * stride_x + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
     sg_cols = e64 * stride_se + (offs_n // group_n) * stride_sn  # the gate and up columns' scale rows
     su_cols = e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
-    if QUANT == 1:
+    if QUANT == 1 or QUANT == 3:
         x_row = X + tok.to(tl.int64) * stride_x
         g, u = _fp8_rows(base + gate_rows * stride_row, up_shift * stride_row, x_row, Scale, sg_cols, su_cols, n_read,
-                         hidden, BLOCK_K, True)
+                         hidden, group_k, BLOCK_K, True, QUANT == 3)
     else:
         acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -203,9 +221,9 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
     w_ptrs = base + offs_n.to(tl.int64)[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     a_ptrs = Inter + a.to(tl.int64) * stride_i + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
     s_cols = e64 * stride_se + (offs_n // group_n) * stride_sn
-    if QUANT == 1:
+    if QUANT == 1 or QUANT == 3:
         part, _ = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, 0, Inter + a.to(tl.int64) * stride_i, Scale,
-                            s_cols, s_cols, n_read, inter_size, BLOCK_K, False)
+                            s_cols, s_cols, n_read, inter_size, group_k, BLOCK_K, False, QUANT == 3)
         part = part * wt
     else:
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -263,10 +281,9 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
 
     interp = is_interpreted()
-    # fp8: 1 = a scale per row (applied after the loop), 2 = per block (on each K step's products)
-    quant = 0 if scales is None else 1 if scales.w13.shape[2] == 1 and scales.w2.shape[2] == 1 else 2
-    cfg = config or (INTERPRETED if interp else (DEFAULT, DEFAULT_FP8_ROWS, DEFAULT_FP8_BLOCKS)[quant])
-    if quant == 2:  # a K step within one scale group
+    quant = fp8_form(scales)
+    cfg = config or (INTERPRETED if interp else default_config(scales))
+    if quant >= 2:  # a K step within one scale group
         cfg = replace(cfg, block_k_gate_up=min(cfg.block_k_gate_up, scales.group_k13),
                       block_k_down=min(cfg.block_k_down, scales.group_k2))
     q13, q2 = scale_args(scales, w13, w2)
@@ -295,6 +312,23 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
            sw2.stride(-2), out.stride(0), *q2, S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
            BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, **opts)
     return out
+
+
+def fp8_form(scales: ExpertScales | None) -> int:
+    """The kernels' QUANT for these scales: 0 = 16/32-bit weights, 1 = a scale per row (on the CUDA cores, applied
+    after the loop), 2 = per block through `tl.dot` (each K step's products scaled), 3 = per block on the CUDA cores
+    (`FP8_BLOCKS_FORM` "rows", where the groups allow runs of 8)."""
+    if scales is None:
+        return 0
+    if scales.w13.shape[2] == 1 and scales.w2.shape[2] == 1:
+        return 1
+    rows_fit = all(g % 8 == 0 and g & (g - 1) == 0 for g in (scales.group_k13, scales.group_k2))
+    return 3 if FP8_BLOCKS_FORM == "rows" and rows_fit else 2
+
+
+def default_config(scales: ExpertScales | None) -> SmallMoEConfig:
+    """The GPU tile for these experts (before a block-wise form's K step is cut to its scale group)."""
+    return (DEFAULT, DEFAULT_FP8_ROWS, DEFAULT_FP8_BLOCKS, DEFAULT_FP8_ROWS)[fp8_form(scales)]
 
 
 COUNTER_TOKENS = 64  # the largest SMALL_BATCH_TOKENS a layer's counter buffer serves
