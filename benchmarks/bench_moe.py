@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.layers.moe import small_batch
 
         small_batch.SMALL_BATCH_TOKENS = args.moe_small_batch_tokens
-        small_batch.SMALL_BATCH_TOKENS_FP8_ROWS = small_batch.SMALL_BATCH_TOKENS_FP8_BLOCKS = \
-            args.moe_small_batch_tokens
+        small_batch.SMALL_BATCH_TOKENS_FP8 = small_batch.SMALL_BATCH_TOKENS_FP8_DOT = args.moe_small_batch_tokens
     server_args = ServerArgs.from_cli_args(args)
     if server_args.max_running_requests is None:
         server_args.max_running_requests = max(args.batch_size + (args.profile_prefill or [0])[:1])

@@ -102,7 +102,7 @@ def test_block_wise_small_batch_forms_match_reference(form: str, monkeypatch: py
     ids = skewed_ids(t, k, e).to(DEVICE)
     weights = torch.rand(t, k, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     ref = moe_forward_torch(x, d13, d2, weights, ids)
-    for cfg in (None, SmallMoEConfig(16, 64, 32, 64, 1, 1), SmallMoEConfig(32, 8, 16, 16, 1, 1)):
+    for cfg in (None, SmallMoEConfig(16, 64, 32, 64, 1, 1), SmallMoEConfig(32, 16, 16, 16, 1, 1)):
         got = small_batch_moe(x, q13, q2, weights, ids, scales=scales, config=cfg)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
@@ -343,8 +343,8 @@ def test_fp8_tiles_and_precompile_of_fp8_experts() -> None:
 
 def test_fp8_experts_leave_the_small_path_earlier(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8 experts whose grouped GEMMs run W8A8 take the small-batch kernels for fewer tokens than 16-bit ones (the
-    H200's crossover: 4 tokens with per-row scales, 1 with 128 x 128 blocks); W8A16 cases (float32 activations)
-    keep the 16-bit limit; `apply` dispatches by it."""
+    H200's crossover: 4 tokens on the CUDA cores, per-row or block-wise scales; 1 for block-wise ones through
+    `tl.dot`); W8A16 cases (float32 activations) keep the 16-bit limit; `apply` dispatches by it."""
     import radixserve.layers.moe.fused_moe as fused_mod
     from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
     from radixserve.layers.quantization import apply_quantization, finish_quantization
@@ -352,12 +352,12 @@ def test_fp8_experts_leave_the_small_path_earlier(monkeypatch: pytest.MonkeyPatc
     from radixserve.layers.triton_ops import set_fused_kernels
     from radixserve.model_loader.dummy import initialize_dummy_weights
 
-    def layer(dtype: torch.dtype, config: Fp8Config) -> FusedMoE:
+    def layer(dtype: torch.dtype, config: Fp8Config, hidden: int = 128) -> FusedMoE:
         holder = torch.nn.Module()
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            holder.experts = FusedMoE(RouterConfig(8, 2, renormalize=True), 128, 128, reduce_results=False,
+            holder.experts = FusedMoE(RouterConfig(8, 2, renormalize=True), hidden, 128, reduce_results=False,
                                       ep_size=1)
         finally:
             torch.set_default_dtype(old)
@@ -371,10 +371,12 @@ def test_fp8_experts_leave_the_small_path_earlier(monkeypatch: pytest.MonkeyPatc
         return holder.experts
 
     rows = layer(torch.bfloat16, Fp8Config(serialized=False))
-    blocks = layer(torch.bfloat16, Fp8Config(serialized=True, weight_block_size=[128, 128]))
+    blocks = layer(torch.bfloat16, Fp8Config(serialized=True, weight_block_size=[128, 128]), hidden=256)
     wide = layer(torch.float32, Fp8Config(serialized=False))
-    assert rows.quant_method.small_batch_tokens(rows) == small_batch.SMALL_BATCH_TOKENS_FP8_ROWS == 4
-    assert blocks.quant_method.small_batch_tokens(blocks) == small_batch.SMALL_BATCH_TOKENS_FP8_BLOCKS == 1
+    assert rows.quant_method.small_batch_tokens(rows) == small_batch.SMALL_BATCH_TOKENS_FP8 == 4
+    assert small_batch.FP8_BLOCKS_FORM == "rows" and blocks.quant_method.small_batch_tokens(blocks) == 4
+    monkeypatch.setattr(small_batch, "FP8_BLOCKS_FORM", "dot")
+    assert blocks.quant_method.small_batch_tokens(blocks) == small_batch.SMALL_BATCH_TOKENS_FP8_DOT == 1
     assert wide.quant_method.small_batch_tokens(wide) == small_batch.SMALL_BATCH_TOKENS == 8
     paths: list[tuple[str, int]] = []
     monkeypatch.setattr(small_batch, "small_batch_moe", lambda x, *a, **k: paths.append(("small", len(x))) or x)

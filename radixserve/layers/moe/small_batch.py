@@ -48,9 +48,11 @@ SMALL_BATCH_TOKENS = 8
 # fp8 experts whose larger batches take the W8A8 grouped GEMMs (`fused_moe.fp8_activations`): the same comparison
 # (2026-12-04, fp8 weights, bf16 activations), µs a layer at 1 / 2 / 3 / 4 / 6 / 8 tokens, small against grouped —
 # per-row scales 20.9 / 28.9 / 45.3 / 52.2 / 72.3 / 93.4 against 29.5 / 36.0 / 47.8 / 60.4 / 70.8 / 83.1; 128 x 128
-# blocks 26.4 / 37.7 / 52.7 / 62.5 / 87.7 / 113.2 against 28.9 / 35.8 / 48.5 / 55.0 / 75.1 / 84.3.
-SMALL_BATCH_TOKENS_FP8_ROWS = 4
-SMALL_BATCH_TOKENS_FP8_BLOCKS = 1
+# blocks through `tl.dot` 26.4 / 37.7 / 52.7 / 62.5 / 87.7 / 113.2 against 28.9 / 35.8 / 48.5 / 55.0 / 75.1 / 84.3;
+# 128 x 128 blocks on the CUDA cores (FP8_BLOCKS_FORM "rows", another machine) 22.9 / 28.4 / - / 53.7 at 1 / 2 / 4
+# against 28.8 / 35.7 / - / 56.0 (DeepSeek-V2-Lite's shape: 50.1 / 59.0 / 88.2 against 53.1 / 63.6 / 87.7).
+SMALL_BATCH_TOKENS_FP8 = 4  # the CUDA-core forms (per-row scales; block-wise ones in the "rows" form)
+SMALL_BATCH_TOKENS_FP8_DOT = 1  # block-wise scales through `tl.dot`
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,11 @@ DEFAULT = SmallMoEConfig()
 DEFAULT_FP8_ROWS = SmallMoEConfig(16, 256, 32, 256, 4, 2)
 DEFAULT_FP8_BLOCKS = SmallMoEConfig(32, 128, 32, 256, 4, 3)
 # Block-wise fp8 experts: "dot" widens each tile for the tensor cores (`fused_moe._wdot`), "rows" multiplies on the
-# CUDA cores as per-row experts do, each step's sums scaled by their block (`_fp8_rows`, BLOCKS).
-FP8_BLOCKS_FORM = os.environ.get("RADIXSERVE_MOE_FP8_BLOCKS", "dot")
+# CUDA cores as per-row experts do, each step's sums scaled by its block (`_fp8_rows`, BLOCKS). On an H200 (one
+# layer, 128 x 128 blocks, `bench_moe_kernels.py --tokens 1 2 4 --sweep-small --fp8 block`, each form at its default
+# tile) "rows" took 22.9 / 28.4 / 53.7 µs at 1 / 2 / 4 tokens against 26.5 / 37.3 / 62.8 for Qwen3-30B-A3B's shape,
+# 50.1 / 59.0 / 88.2 against 51.0 / 70.1 / 104.0 for DeepSeek-V2-Lite's.
+FP8_BLOCKS_FORM = os.environ.get("RADIXSERVE_MOE_FP8_BLOCKS", "rows")
 if FP8_BLOCKS_FORM not in ("dot", "rows"):
     raise ValueError(f"RADIXSERVE_MOE_FP8_BLOCKS must be dot or rows; got {FP8_BLOCKS_FORM!r}")
 INTERPRETED = SmallMoEConfig(16, 16, 16, 16, 1, 1)  # Triton's CPU interpreter: small tiles keep the tests quick

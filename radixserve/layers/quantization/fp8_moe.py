@@ -6,10 +6,9 @@ Three ways in, as for the linear layers (`fp8.py`):
 - a checkpoint with per-tensor scales (`.weight_scale`, one per expert matrix): the scale becomes its rows';
 - `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row.
 
-The products (`MoEMethod.apply`): for the fewest tokens W8A16, the activations as they are (per-row scales
-multiplied on the CUDA cores, block-wise ones widened for the tensor cores: `small_batch`); above
-(`small_batch_tokens`: up to 4 tokens with per-row scales, 1 with block-wise ones), for 16-bit models, W8A8 grouped
-GEMMs with the activations quantised per row and 128 columns on the fly (`fused_moe`).
+The products (`MoEMethod.apply`): for the fewest tokens W8A16, the activations as they are (multiplied on the CUDA
+cores, block-wise scales applied to each K step's sums: `small_batch`); above (`small_batch_tokens`: 4 tokens), for
+16-bit models, W8A8 grouped GEMMs with the activations quantised per row and 128 columns on the fly (`fused_moe`).
 A static checkpoint's `input_scale`s load and go unused (the activation scales are always dynamic). On the CPU the
 torch reference dequantises one expert at a time (`moe_torch`)."""
 
@@ -141,15 +140,17 @@ class Fp8MoEMethod(MoEMethod):
 
     def small_batch_tokens(self, layer: FusedMoE) -> int:
         """Fewer than 16-bit experts where the grouped GEMMs would run W8A8 (measured: `small_batch`'s
-        SMALL_BATCH_TOKENS_FP8_*); the 16-bit limit where they would widen the weights (W8A16)."""
+        SMALL_BATCH_TOKENS_FP8 for its CUDA-core forms, SMALL_BATCH_TOKENS_FP8_DOT for block-wise `tl.dot`); the
+        16-bit limit where they would widen the weights (W8A16)."""
         from radixserve.layers.moe import small_batch
         from radixserve.layers.moe.fused_moe import fp8_activations
 
         scales = self.expert_scales(layer)
         if not fp8_activations(scales, layer.act_dtype, layer.hidden_size, layer.inter_per_rank):
             return small_batch.SMALL_BATCH_TOKENS
-        per_row = scales.group_n == 1
-        return small_batch.SMALL_BATCH_TOKENS_FP8_ROWS if per_row else small_batch.SMALL_BATCH_TOKENS_FP8_BLOCKS
+        if small_batch.fp8_form(scales) == 2:
+            return small_batch.SMALL_BATCH_TOKENS_FP8_DOT
+        return small_batch.SMALL_BATCH_TOKENS_FP8
 
 
 def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
