@@ -56,7 +56,7 @@ SMALL_SWEEP_FP8 = [SmallMoEConfig(bn, bk, dn, dk, w, 2) for bn, bk, dn, dk in
                    [(8, 512, 16, 512), (16, 256, 32, 256), (16, 512, 32, 256), (32, 128, 64, 128),
                     (8, 1024, 16, 512), (16, 256, 16, 512), (32, 256, 32, 256), (4, 1024, 8, 1024),
                     (64, 128, 128, 128), (16, 128, 32, 128),
-                    # whole rows a step, which the runs-of-8 accumulator (`small_batch.FP8_ROWS_FORM`) has room for
+                    # whole rows a step, which the runs-of-8 accumulator (`small_batch._fp8_rows`) has room for
                     (4, 2048, 8, 1024), (8, 2048, 16, 1024), (16, 1024, 32, 512), (8, 1024, 16, 1024)]
                    for w in (2, 4)]
 LARGE_SWEEP = [MoEConfig(16, 32, 64, 128, 4, 4), MoEConfig(32, 64, 64, 64, 4, 4), MoEConfig(32, 32, 64, 128, 4, 4),

@@ -17,10 +17,11 @@ gate_up / down weights (no copy into the routed stack). Experts not held on this
 contribute nothing. Tokens that choose the same expert read its weights again (from L2 when close in time): the
 path is for batches of up to `SMALL_BATCH_TOKENS` tokens, the sorted grouped GEMM of `fused_moe.py` for the rest.
 
-fp8 experts (`ExpertScales`): with a scale per row the products run on the CUDA cores (`_fp8_rows`, runs of 8
-products summed in the thread: the fp8 tile through `tl.dot`'s operand path read the weights at ~1.4 TB/s on an
-H200, slower than bf16); with block-wise scales
-through `tl.dot`, each K step (at most one 128-column scale group) scaled. Each form has its own default tiles.
+fp8 experts (`ExpertScales`, `fp8_form`): the products run on the CUDA cores (`_fp8_rows`, runs of 8 products
+summed in the thread: the fp8 tile through `tl.dot`'s operand path read the weights at ~1.4 TB/s on an H200, slower
+than bf16), a per-row scale applied once after the loop, block-wise scales to each K step's sums (a step within one
+128-column group); `RADIXSERVE_MOE_FP8_BLOCKS=dot` takes block-wise experts through `tl.dot` instead, each K step's
+products scaled. Each form has its own default tiles.
 """
 
 from __future__ import annotations
@@ -320,9 +321,9 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 
 def fp8_form(scales: ExpertScales | None) -> int:
-    """The kernels' QUANT for these scales: 0 = 16/32-bit weights, 1 = a scale per row (on the CUDA cores, applied
-    after the loop), 2 = per block through `tl.dot` (each K step's products scaled), 3 = per block on the CUDA cores
-    (`FP8_BLOCKS_FORM` "rows", where the groups allow runs of 8)."""
+    """The kernels' QUANT for these scales: 0 = 16/32-bit weights, 1 = a scale per row (or per row block, with one
+    group over the whole K: on the CUDA cores, applied after the loop), 2 = per block through `tl.dot` (each K step's
+    products scaled), 3 = per block on the CUDA cores (`FP8_BLOCKS_FORM` "rows", where the groups allow runs of 8)."""
     if scales is None:
         return 0
     if scales.w13.shape[2] == 1 and scales.w2.shape[2] == 1:
