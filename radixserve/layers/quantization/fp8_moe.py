@@ -45,6 +45,7 @@ class Fp8MoEMethod(MoEMethod):
         self.config = config
         self.block = config.weight_block_size
         self.groups: tuple[int, int, int] | None = None  # (group_n, group_k13, group_k2), set after loading
+        self._forms: dict[str, tuple[bool, int]] = {}  # FP8_BLOCKS_FORM -> (W8A8 grouped GEMMs, small-batch form)
 
     # ------------------------------------------------------------ weights
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
@@ -111,6 +112,7 @@ class Fp8MoEMethod(MoEMethod):
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         h, i = layer.hidden_size, layer.inter_per_rank
+        self._forms.clear()
         if not self.config.serialized:
             q13, s13 = _quantize_experts(layer.w13_weight.data)
             q2, s2 = _quantize_experts(layer.w2_weight.data)
@@ -145,12 +147,16 @@ class Fp8MoEMethod(MoEMethod):
         from radixserve.layers.moe import small_batch
         from radixserve.layers.moe.fused_moe import fp8_activations
 
-        scales = self.expert_scales(layer)
-        if not fp8_activations(scales, layer.act_dtype, layer.hidden_size, layer.inter_per_rank):
+        forms = self._forms.get(small_batch.FP8_BLOCKS_FORM)
+        if forms is None:  # fixed once the weights are processed (asked on every eager call of every layer)
+            scales = self.expert_scales(layer)
+            forms = (fp8_activations(scales, layer.act_dtype, layer.hidden_size, layer.inter_per_rank),
+                     small_batch.fp8_form(scales))
+            self._forms[small_batch.FP8_BLOCKS_FORM] = forms
+        a8, form = forms
+        if not a8:
             return small_batch.SMALL_BATCH_TOKENS
-        if small_batch.fp8_form(scales) == 2:
-            return small_batch.SMALL_BATCH_TOKENS_FP8_DOT
-        return small_batch.SMALL_BATCH_TOKENS_FP8
+        return small_batch.SMALL_BATCH_TOKENS_FP8_DOT if form == 2 else small_batch.SMALL_BATCH_TOKENS_FP8
 
 
 def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
