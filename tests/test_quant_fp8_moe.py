@@ -374,7 +374,8 @@ def test_fp8_experts_leave_the_small_path_earlier(monkeypatch: pytest.MonkeyPatc
     blocks = layer(torch.bfloat16, Fp8Config(serialized=True, weight_block_size=[128, 128]), hidden=256)
     wide = layer(torch.float32, Fp8Config(serialized=False))
     assert rows.quant_method.small_batch_tokens(rows) == small_batch.SMALL_BATCH_TOKENS_FP8 == 4
-    assert small_batch.FP8_BLOCKS_FORM == "rows" and blocks.quant_method.small_batch_tokens(blocks) == 4
+    monkeypatch.setattr(small_batch, "FP8_BLOCKS_FORM", "rows")  # the default, whatever the environment says
+    assert blocks.quant_method.small_batch_tokens(blocks) == 4
     monkeypatch.setattr(small_batch, "FP8_BLOCKS_FORM", "dot")
     assert blocks.quant_method.small_batch_tokens(blocks) == small_batch.SMALL_BATCH_TOKENS_FP8_DOT == 1
     assert wide.quant_method.small_batch_tokens(wide) == small_batch.SMALL_BATCH_TOKENS == 8

@@ -7,7 +7,7 @@ Three ways in, as for the linear layers (`fp8.py`):
 - `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row.
 
 The products (`MoEMethod.apply`): for the fewest tokens W8A16, the activations as they are (multiplied on the CUDA
-cores, block-wise scales applied to each K step's sums: `small_batch`); above (`small_batch_tokens`: 4 tokens), for
+cores, block-wise scales applied to each K step's sums: `small_batch`); above `small_batch_tokens` (4), for
 16-bit models, W8A8 grouped GEMMs with the activations quantised per row and 128 columns on the fly (`fused_moe`).
 A static checkpoint's `input_scale`s load and go unused (the activation scales are always dynamic). On the CPU the
 torch reference dequantises one expert at a time (`moe_torch`)."""
