@@ -229,9 +229,10 @@ class ModelConfig:
                 config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=self.trust_remote_code)
             except Exception as e:
                 raise ValueError(f"cannot read the model config from GGUF file {self.model_path}: {e}") from e
-            from radixserve.model_loader.gguf_loader import open_gguf, patch_moe_config
+            if getattr(config, "num_experts", None):  # an MoE file: the expert sizes transformers leaves out
+                from radixserve.model_loader.gguf_loader import open_gguf, patch_moe_config
 
-            patch_moe_config(config, open_gguf(self.model_path))
+                patch_moe_config(config, open_gguf(self.model_path))
             return config
         config_file = os.path.join(self.model_path, "config.json")
         _read_json(config_file)  # a clear message for a broken file before transformers' own

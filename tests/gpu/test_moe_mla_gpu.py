@@ -162,10 +162,10 @@ def test_tiny_mla_decode_batch_over_16_in_a_graph_matches_transformers(tmp_path)
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 600])
 def test_fp8_experts_at_qwen3_30b_shape(tokens: int, block: tuple[int, int] | None) -> None:
-    """fp8 experts (per output row, or 128 x 128 blocks as the Qwen3 FP8 release ships) through the layer's own
-    path (small-batch kernels up to 8 tokens, W8A16; the grouped GEMMs above, W8A8 with 128-column activation
-    groups) against the float32 reference on the dequantised weights (quantising the activations as the grouped
-    path does); captured in a CUDA graph and replayed on new routing, the same as eager."""
+    """fp8 experts (per output row, or 128 x 128 blocks as the Qwen3 FP8 release ships) through both paths
+    (the small-batch kernels at 1 and 7 tokens, W8A16; the grouped GEMMs at 64 and 600, W8A8 with 128-column
+    activation groups) against the float32 reference on the dequantised weights (quantising the activations as
+    the grouped path does); captured in a CUDA graph and replayed on new routing, the same as eager."""
     from test_quant_fp8_moe import _quantize
 
     from radixserve.layers.moe.fused_moe import fused_moe

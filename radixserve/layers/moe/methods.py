@@ -43,7 +43,6 @@ class MoEMethod(QuantizeMethodBase, ABC):
         """Register `w13_weight` [E, 2I, H] (gate rows then up rows) and `w2_weight` [E, H, I] (or their
         quantized forms) on `layer`, each with `weight_loader = layer.weight_loader`."""
 
-
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Called once after every weight is loaded (quantization.finish_quantization); quantized formats
         repack or quantize here. Weights in the model dtype need nothing."""

@@ -288,7 +288,7 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
     interp = is_interpreted()
     quant = fp8_form(scales)
-    cfg = config or (INTERPRETED if interp else default_config(scales))
+    cfg = config or (INTERPRETED if interp else _TILES[quant])
     if quant >= 2:  # a K step within one scale group
         cfg = replace(cfg, block_k_gate_up=min(cfg.block_k_gate_up, scales.group_k13),
                       block_k_down=min(cfg.block_k_down, scales.group_k2))
@@ -332,9 +332,12 @@ def fp8_form(scales: ExpertScales | None) -> int:
     return 3 if FP8_BLOCKS_FORM == "rows" and rows_fit else 2
 
 
+_TILES = (DEFAULT, DEFAULT_FP8_ROWS, DEFAULT_FP8_BLOCKS, DEFAULT_FP8_ROWS)  # by `fp8_form`
+
+
 def default_config(scales: ExpertScales | None) -> SmallMoEConfig:
     """The GPU tile for these experts (before a block-wise form's K step is cut to its scale group)."""
-    return (DEFAULT, DEFAULT_FP8_ROWS, DEFAULT_FP8_BLOCKS, DEFAULT_FP8_ROWS)[fp8_form(scales)]
+    return _TILES[fp8_form(scales)]
 
 
 COUNTER_TOKENS = 64  # the largest SMALL_BATCH_TOKENS a layer's counter buffer serves
