@@ -268,7 +268,13 @@ def test_resolve_quant_config() -> None:
     online = resolve_quant_config("fp8", None)
     assert isinstance(online, Fp8Config) and not online.serialized
     dummy = resolve_quant_config(None, {"quant_method": "fp8", "weight_block_size": [128, 128]}, load_format="dummy")
-    assert not dummy.serialized  # nothing on disk: quantised online
+    assert not dummy.serialized and dummy.weight_block_size == [128, 128]  # nothing on disk: online, its blocks
+    static = resolve_quant_config(None, {"quant_method": "fp8", "activation_scheme": "static",
+                                         "ignored_layers": ["lm_head"]}, load_format="dummy")
+    assert not static.serialized and static.weight_block_size is None and static.activation_scheme == "dynamic"
+    assert static.ignored_layers == ["lm_head"]  # no input scales to read: dynamic ones
+    with pytest.raises(ValueError, match="static"):
+        Fp8Config(serialized=False, activation_scheme="static")
     with pytest.raises(ValueError, match="not supported"):
         resolve_quant_config(None, {"quant_method": "awq"})
     with pytest.raises(ValueError, match="unknown quantization"):

@@ -391,3 +391,50 @@ def test_fp8_experts_leave_the_small_path_earlier(monkeypatch: pytest.MonkeyPatc
     finally:
         set_fused_kernels(None)
     assert paths == [("small", 4), ("grouped", 5)]
+
+
+def test_dummy_weights_take_a_block_wise_checkpoints_layout(tmp_path) -> None:
+    """--load-format dummy with a block-wise fp8 quantization_config (as the DeepSeek-V3 and Qwen3 FP8 releases ship):
+    every linear layer and expert stack holds the dummy 16/32-bit weights quantised to the checkpoint's blocks
+    (exactly what `quantize_blocks` makes of the unquantised dummy model's weights), and the model decodes."""
+    import json
+
+    from model_utils import make_runner, make_tiny_model
+
+    from radixserve.bench_one_batch import StaticBatch
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.layers.linear import _LinearBase
+    from radixserve.layers.moe.layer import FusedMoE
+    from radixserve.model_loader import get_model
+
+    plain, blocks = str(tmp_path / "plain"), str(tmp_path / "blocks")
+    make_tiny_model("qwen3_moe", plain)
+    make_tiny_model("qwen3_moe", blocks)
+    with open(os.path.join(blocks, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [16, 16], "ignored_layers": ["lm_head"]}
+    with open(os.path.join(blocks, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    ref = dict(get_model(ModelConfig(plain), load_format="dummy", dtype=torch.float32, device="cpu").named_modules())
+    model = get_model(ModelConfig(blocks), load_format="dummy", dtype=torch.float32, device="cpu")
+    linears = experts = 0
+    for name, module in model.named_modules():
+        if isinstance(module, _LinearBase) and module.weight.dtype == FP8:
+            q, s = quantize_blocks(ref[name].weight.data, 16, 16)
+            assert torch.equal(module.weight.view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(module.weight_scale, s), name
+            linears += 1
+        elif isinstance(module, FusedMoE):
+            sc = module.quant_method.expert_scales(module)
+            assert (sc.group_n, sc.group_k13, sc.group_k2) == (16, 16, 16)
+            for mine, scale, theirs in ((module.w13_weight, sc.w13, ref[name].w13_weight),
+                                        (module.w2_weight, sc.w2, ref[name].w2_weight)):
+                for x in range(theirs.shape[0]):
+                    q, s = quantize_blocks(theirs[x].data, 16, 16)
+                    assert torch.equal(mine[x].view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale[x], s)
+            experts += 1
+    assert linears == 2 * 2 and experts == 2  # qkv_proj and o_proj a layer (MoE MLPs); the LM head as configured
+    assert model.lm_head.weight.dtype == torch.float32
+    out = StaticBatch(make_runner(blocks, load_format="dummy")).generate([[5, 17, 99, 3], [1, 2]], 4)
+    assert [len(o) for o in out] == [4, 4]

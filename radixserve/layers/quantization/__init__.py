@@ -29,6 +29,8 @@ QUANTIZATION_METHODS: dict[str, tuple[str, str]] = {
 }
 # checkpoint quant_method values that mean one of ours
 _ALIASES = {"fp8": "fp8", "gguf": "gguf"}
+# what of a checkpoint's quantization_config dummy weights keep (its scales are not there: activations dynamic)
+_LAYOUT_KEYS = ("weight_block_size", "ignored_layers", "modules_to_not_convert")
 
 
 def get_quantization_config_class(name: str) -> type[QuantizationConfig]:
@@ -44,7 +46,8 @@ def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | Non
     """The quantization of a model: `name` (`--quantization`) or the checkpoint's `quantization_config`.
 
     A checkpoint's method wins when no name is given; a name that contradicts the checkpoint is a ValueError.
-    With dummy weights the checkpoint's fp8 layout is quantised online instead (there is nothing on disk). A GGUF
+    With dummy weights the checkpoint's layout (fp8 blocks, ignored layers) is quantised online instead (there is
+    nothing on disk; activation scales dynamic). A GGUF
     file keeps its Q8_0/Q4_K layers packed with `gguf` (by default only where `gguf_packed_default`: on GPUs)."""
     if is_gguf and (name == "gguf" or (name is None and gguf_packed_default)):
         if gguf_path is None:
@@ -76,6 +79,8 @@ def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | Non
         return get_quantization_config_class(method).from_config({"online_type": method.upper()}, serialized=False)
     serialized = ckpt_method is not None and load_format != "dummy"
     config = hf_quant_config if serialized else {}
+    if ckpt_method is not None and not serialized:  # dummy weights: quantised online to the checkpoint's layout
+        config = {key: hf_quant_config[key] for key in _LAYOUT_KEYS if key in hf_quant_config}
     return get_quantization_config_class(method).from_config(dict(config or {}), serialized=serialized)
 
 

@@ -5,7 +5,9 @@ Three ways in, one layer at the end:
   each stacked matrix's scale becomes the scale of its rows, i.e. per-channel scales;
 - a checkpoint with block-wise scales (`weight_scale_inv` [ceil(N/bn), ceil(K/bk)], `weight_block_size`
   [bn, bk], as DeepSeek-V3 and the Qwen3 FP8 releases ship): kept as they are;
-- `--quantization fp8` on a 16/32-bit checkpoint: quantised after loading, one scale per output channel.
+- `--quantization fp8` on a 16/32-bit checkpoint: quantised after loading, one scale per output channel;
+- dummy weights (`--load-format dummy`) with a block-wise checkpoint's `quantization_config`: quantised after
+  loading to its blocks, so the layers hold what that checkpoint would load (the layout, not the values).
 The MoE layers' experts take the same three forms (`fp8_moe.py`).
 
 The product: for a batch of at most `SMALL_M` rows the weight is widened inside a Triton kernel (W8A16; the
@@ -122,9 +124,9 @@ class Fp8Config(QuantizationConfig):
                  weight_block_size: list[int] | None = None, ignored_layers: list[str] | None = None) -> None:
         if activation_scheme not in ("dynamic", "static"):
             raise ValueError(f"fp8 activation_scheme must be 'dynamic' or 'static', got {activation_scheme!r}")
+        if not serialized and activation_scheme != "dynamic":
+            raise ValueError("a static fp8 activation scheme needs the checkpoint's input scales")
         if weight_block_size is not None:
-            if not serialized:
-                raise ValueError("fp8 weight_block_size needs a checkpoint quantized block-wise")
             if len(weight_block_size) != 2 or any(int(b) < 16 or int(b) & (int(b) - 1) for b in weight_block_size):
                 raise ValueError(f"fp8 weight_block_size must be two powers of two >= 16, got {weight_block_size}")
             if activation_scheme != "dynamic":
@@ -205,7 +207,8 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: _LinearBase) -> None:
         if not self.config.serialized:
-            q, scale = quantize_rows(layer.weight.data)
+            w = layer.weight.data
+            q, scale = quantize_rows(w) if self.block is None else quantize_blocks(w, *self.block)
             layer.weight = nn.Parameter(q, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
             return

@@ -4,7 +4,8 @@ Three ways in, as for the linear layers (`fp8.py`):
 - a checkpoint with block-wise scales (DeepSeek-V3, the Qwen3 FP8 releases): each expert's `gate_proj` / `up_proj`
   / `down_proj` `.weight` (float8_e4m3fn) and `.weight_scale_inv` [ceil(N / bn), ceil(K / bk)], stacked here;
 - a checkpoint with per-tensor scales (`.weight_scale`, one per expert matrix): the scale becomes its rows';
-- `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row.
+- `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row
+  (dummy weights with a block-wise checkpoint's `quantization_config`: to its blocks).
 
 The products (`MoEMethod.apply`): for the fewest tokens W8A16, the activations as they are (multiplied on the CUDA
 cores, block-wise scales applied to each K step's sums: `small_batch`); above `small_batch_tokens` (4), for
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.moe.methods import ExpertScales, MoEMethod
-from radixserve.layers.quantization.fp8 import FP8, quantize_rows
+from radixserve.layers.quantization.fp8 import FP8, quantize_blocks, quantize_rows
 
 if TYPE_CHECKING:
     from radixserve.layers.moe.layer import FusedMoE
@@ -114,11 +115,11 @@ class Fp8MoEMethod(MoEMethod):
         h, i = layer.hidden_size, layer.inter_per_rank
         self._forms.clear()
         if not self.config.serialized:
-            q13, s13 = _quantize_experts(layer.w13_weight.data)
-            q2, s2 = _quantize_experts(layer.w2_weight.data)
+            q13, s13 = _quantize_experts(layer.w13_weight.data, self.block)
+            q2, s2 = _quantize_experts(layer.w2_weight.data, self.block)
             layer.w13_weight = _param(q13, layer.weight_loader)
             layer.w2_weight = _param(q2, layer.weight_loader)
-            self.groups = (1, h, i)
+            self.groups = (1, h, i) if self.block is None else (self.block[0], self.block[1], self.block[1])
         elif self.block is not None:
             s13, s2 = layer.w13_weight_scale_inv.data, layer.w2_weight_scale_inv.data
             del layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
@@ -159,13 +160,19 @@ class Fp8MoEMethod(MoEMethod):
         return small_batch.SMALL_BATCH_TOKENS_FP8_DOT if form == 2 else small_batch.SMALL_BATCH_TOKENS_FP8
 
 
-def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] -> (fp8 [E, N, K], float32 scales [E, N, 1]): one scale per row, an expert at a time (no float32
-    copy of the whole stack)."""
+def _quantize_experts(w: torch.Tensor, block: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (fp8 [E, N, K], float32 scales): [E, N, 1], one scale per row, or with `block` [bn, bk]
+    [E, ceil(N / bn), ceil(K / bk)], one per block; an expert at a time (no float32 copy of the whole stack)."""
+    e, n, k = w.shape
     q = torch.empty(w.shape, dtype=FP8, device=w.device)
-    s = torch.empty(w.shape[0], w.shape[1], 1, dtype=torch.float32, device=w.device)
-    for e in range(w.shape[0]):
-        q[e], s[e, :, 0] = quantize_rows(w[e])
+    if block is None:
+        s = torch.empty(e, n, 1, dtype=torch.float32, device=w.device)
+        for x in range(e):
+            q[x], s[x, :, 0] = quantize_rows(w[x])
+        return q, s
+    s = torch.empty(e, -(-n // block[0]), -(-k // block[1]), dtype=torch.float32, device=w.device)
+    for x in range(e):
+        q[x], s[x] = quantize_blocks(w[x], *block)
     return q, s
 
 
