@@ -38,7 +38,8 @@ def _probe_kernel(X, BLOCK: tl.constexpr):
 
 
 FP8_EW = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "Bias": "*bf16", "Out": "*bf16", "M": "i32", "N": "i32",
-          "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "out_factor": "fp32"}
+          "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "out_factor": "fp32",
+          "stride_sn": "i32", "group_n": "i32", "group_k": "i32"}
 ROPE_ARGS = {"Positions": "*i64", "Cos": "*fp32", "Sin": "*fp32", "Loc": "*i64", "stride_cache": "i32",
              "stride_kb": "i32", "stride_vb": "i32", "num_q_heads": "i32", "num_kv_heads": "i32", "k_inv": "fp32",
              "v_inv": "fp32"}
@@ -56,7 +57,11 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         out[f"fp8_ew two={two} silu={silu} r8={red8} f16={widen}"] = (
             _fp8_gemv_ew_kernel, dict(FP8_EW, W="*u8" if widen else "*fp8e4nv"),
             dict(HAS_BIAS=True, WIDEN_F16=widen, TWO_ROWS=two, SILU_MUL=silu, BLOCK_N=4, BLOCK_K=1024, PDL=1,
-                 EVICT=True, RED8=red8))
+                 EVICT=True, RED8=red8, BLOCKS=False))
+        out[f"fp8_ew blocks two={two} silu={silu} r8={red8} f16={widen}"] = (
+            _fp8_gemv_ew_kernel, dict(FP8_EW, W="*u8" if widen else "*fp8e4nv"),
+            dict(HAS_BIAS=False, WIDEN_F16=widen, TWO_ROWS=two, SILU_MUL=silu, BLOCK_N=4, BLOCK_K=1024, PDL=1,
+                 EVICT=True, RED8=red8, BLOCKS=True))
     for red8, widen, kv in ((True, False, "*fp8e4nv"), (False, True, "*bf16")):
         out[f"fp8_rope r8={red8} f16={widen} kv={kv}"] = (
             _fp8_gemv_rope_kernel,

@@ -329,8 +329,39 @@ def test_fp8_skinny_gemv_matches_reference(m: int, kernel: str, block_n: int, bl
     out = fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.view(-1, 1).to(DEV), torch.float32, None, cfg)
     torch.testing.assert_close(out.cpu(), fp8_linear_ref(x, q, s, 1, k, None, None), rtol=1e-4, atol=1e-4)
     qb, sb = quantize_blocks(w, 16, 128)
-    assert fp8_skinny_gemv(x, qb, sb, torch.float32) is None  # block-wise scales: not these kernels
+    assert fp8_skinny_gemv(x, qb, sb, torch.float32) is None  # block-wise scales without their block: not these
     assert fp8_skinny_gemv(torch.randn(17, k), q, s, torch.float32) is None  # more rows than they take
+
+
+@pytest.mark.parametrize("m,block_n,block_k,variant,block", [
+    (1, 4, 128, "", (16, 32)), (1, 2, 64, "r8", (16, 128)), (2, 4, 64, "f16+r8+ef", (16, 16)),
+    (2, 32, 128, "r8", (16, 64)), (1, 4, 64, "dot", (32, 16))])
+def test_fp8_skinny_gemv_block_wise(m: int, block_n: int, block_k: int, variant: str, block: tuple[int, int]
+                                    ) -> None:
+    """Block-wise scales in the elementwise GEMV (one or two rows): each step's products, or runs of 8, scaled by
+    their column group's scale: K steps wider and narrower than a group, a tile taller than the row block (cut to
+    it), rows ending inside a row block, and a "dot" tile (per-channel only) replaced by the elementwise default;
+    gate_up with SiLU·mul; the shapes the kernel does not take return None (the caller's W8A16 fallback)."""
+    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator().manual_seed(m * block_n + block_k + block[1])
+    n, k = 40, 256
+    q, s = quantize_blocks(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3, *block)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    cfg = GemvConfig("dot", 16, block_k) if variant == "dot" else GemvConfig("ew", block_n, block_k, variant=variant)
+    out = fp8_skinny_gemv(x.to(DEV), q.to(DEV), s.to(DEV), torch.float32, bias.to(DEV), cfg, block=block)
+    torch.testing.assert_close(out.cpu(), fp8_linear_ref(x, q, s, *block, bias, None), rtol=1e-4, atol=1e-4)
+    n2 = 2 * 32  # [gate; up], each half whole row blocks
+    q2, s2 = quantize_blocks(torch.randn(n2, k, generator=g), *block)
+    ref = fp8_linear_ref(x[:1], q2, s2, *block, None, None)
+    out = fp8_skinny_gemv(x[:1].to(DEV), q2.to(DEV), s2.to(DEV), torch.float32, None,
+                          None if variant == "dot" else cfg, silu_mul=True, block=block)
+    torch.testing.assert_close(out.cpu(), torch.nn.functional.silu(ref[:, :32]) * ref[:, 32:], rtol=1e-4, atol=1e-4)
+    assert fp8_skinny_gemv(torch.randn(3, k), q, s, torch.float32, block=block) is None  # more than two rows
+    assert fp8_skinny_gemv(x[:1], q, s, torch.float32, silu_mul=True, block=block) is None  # 20 | 20: inside a block
+    assert fp8_skinny_gemv(x, q, s.t().contiguous(), torch.float32, block=block) is None  # scales of another shape
 
 
 @pytest.mark.parametrize("variant", ["", "ef", "r8", "r8+ef"])
@@ -388,6 +419,48 @@ def test_fp8_mlp_fuses_silu_mul_into_gate_up(m: int, monkeypatch: pytest.MonkeyP
         assert mlp.gate_up_proj.silu_and_mul(x) is None and len(asked) == 1
     finally:
         set_fused_kernels(None)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_block_wise_mlp_takes_the_skinny_gemv_at_one_or_two_rows(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block-wise fp8 MLP (quantised online to 16 x 16 blocks) on the fused-kernel path: at one or two rows its
+    products run the elementwise GEMV (gate_up with SiLU·mul at one), at three the W8A16 `fp8_gemm`; each layer's
+    output is the dequantising reference's."""
+    from radixserve.layers.quantization import fp8_gemv
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.models.llama import LlamaMLP
+
+    g = torch.Generator().manual_seed(m)
+    mlp = LlamaMLP(64, 96, False, 0, 1)
+    apply_quantization(mlp, Fp8Config(serialized=False, weight_block_size=[16, 16]))
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.data.copy_(torch.randn(lin.weight.shape, generator=g) * 0.1)
+    finish_quantization(mlp)
+    assert mlp.gate_up_proj.weight_scale.shape == (2 * 96 // 16, 64 // 16)
+    x = torch.randn(m, 64, generator=g).to(DEV)
+    mlp = mlp.to(DEV)
+    calls: list[bool] = []
+    real = fp8_gemv.fp8_skinny_gemv
+    monkeypatch.setattr(fp8_gemv, "fp8_skinny_gemv",
+                        lambda *a, **kw: (lambda out: calls.append(out is not None) or out)(real(*a, **kw)))
+    set_fused_kernels(True if DEV == "cpu" else None)
+    try:
+        gu = mlp.gate_up_proj
+        ref = fp8_linear_ref(x, gu.weight, gu.weight_scale, 16, 16, None, None)
+        torch.testing.assert_close(gu(x), ref, rtol=1e-4, atol=1e-4)
+        fused = gu.silu_and_mul(x)
+        if m == 1:
+            torch.testing.assert_close(fused, torch.nn.functional.silu(ref[:, :96]) * ref[:, 96:], rtol=1e-4,
+                                       atol=1e-4)
+        else:
+            assert fused is None
+        h = torch.randn(m, 96, generator=g).to(DEV)
+        down = mlp.down_proj
+        torch.testing.assert_close(down(h), fp8_linear_ref(h, down.weight, down.weight_scale, 16, 16, None, None),
+                                   rtol=1e-4, atol=1e-4)
+    finally:
+        set_fused_kernels(None)
+    assert calls == ([True, True, True] if m == 1 else [True, False, True] if m == 2 else [False, False, False])
 
 
 def test_gemv_config_table_and_override(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

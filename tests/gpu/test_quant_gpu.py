@@ -266,6 +266,30 @@ def test_fp8_skinny_gemv_on_gpu(m: int) -> None:
             assert act.shape == (m, n // 2) and _rel(act, torch.nn.functional.silu(gate) * up) < 2e-2, (n, k, cfg)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_fp8_skinny_gemv_block_wise_on_gpu(m: int) -> None:
+    """Block-wise (128 x 128) scales in the elementwise decode GEMV at the 8B shapes' tuned tiles and two variants
+    (runs of 8 with evict-first, the bit-moving widening), gate_up with SiLU·mul at one row, against the float32
+    reference and against the W8A16 `fp8_gemm` the layer ran before."""
+    from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in [(4096, 4096), (28672, 4096), (4096, 14336), (1000, 4096)]:
+        q, s = quantize_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.02, 128, 128)
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        ref = fp8_linear_ref(x.float(), q, s, 128, 128, None, None)
+        before = fp8_gemm(x, q, s, 128, 128, torch.bfloat16)
+        for cfg in (None, GemvConfig("ew", 4, 1024, 4, 2, "ef+r8"), GemvConfig("ew", 8, 512, 4, 3, "f16")):
+            out = fp8_skinny_gemv(x, q, s, torch.bfloat16, None, cfg, block=(128, 128))
+            assert out is not None and out.shape == (m, n)
+            assert _rel(out, ref) < 1e-2 and _rel(out, before) < 1e-2, (n, k, cfg)
+            if m == 1 and n % 256 == 0:
+                act = fp8_skinny_gemv(x, q, s, torch.bfloat16, None, cfg, silu_mul=True, block=(128, 128))
+                gate, up = ref.chunk(2, dim=-1)
+                assert _rel(act, torch.nn.functional.silu(gate) * up) < 2e-2, (n, k, cfg)
+
+
 @pytest.mark.parametrize("fmt", [G.Q8_0, G.Q4_K])
 @pytest.mark.parametrize("m", [1, 3, 6, 8, 9, 16])
 def test_gguf_gemv_on_gpu(fmt: str, m: int) -> None:

@@ -8,16 +8,16 @@ Three ways in, one layer at the end:
 - `--quantization fp8` on a 16/32-bit checkpoint: quantised after loading, one scale per output channel;
 - dummy weights (`--load-format dummy`) with a block-wise checkpoint's `quantization_config`: quantised after
   loading to its blocks, so the layers hold what that checkpoint would load (the layout, not the values).
-The MoE layers' experts take the same three forms (`fp8_moe.py`).
+The MoE layers' experts take the same forms (`fp8_moe.py`).
 
 The product: for a batch of at most `SMALL_M` rows the weight is widened inside a Triton kernel (W8A16; the
 product reads the fp8 bytes once and needs no activation scales; per-channel weights through the bandwidth-bound
-GEMV kernels of `fp8_gemv`, block-wise ones through `fp8_gemm`); above it the activations get dynamic scales
-(per token, or per token and 128-column group for block-wise weights; static per-tensor when the checkpoint
-says so) and the product runs on fp8 tensor cores: `torch._scaled_mm` for per-channel weights, the Triton
-block-scaled kernel for block-wise ones; per-channel weights at batch sizes the swept table covers (up to
-MID_MAX_M rows) take the kernel it names (`fp8_mid`). On the CPU the same arithmetic runs as a dequantising torch
-reference."""
+GEMV kernels of `fp8_gemv`, block-wise ones too at one or two rows, else through `fp8_gemm`); above it the
+activations get dynamic scales (per token, or per token and 128-column group for block-wise weights; static
+per-tensor when the checkpoint says so) and the product runs on fp8 tensor cores: `torch._scaled_mm` for
+per-channel weights, the Triton block-scaled kernel for block-wise ones; per-channel weights at batch sizes the
+swept table covers (up to MID_MAX_M rows) take the kernel it names (`fp8_mid`). On the CPU the same arithmetic runs
+as a dequantising torch reference."""
 
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ SMALL_M = int(os.environ.get("RADIXSERVE_FP8_W8A16_MAX_M", "16"))
 # Rows up to which the elementwise GEMV kernel runs instead of the tl.dot one; 0 (off) by default: on an H200 it
 # was slower at batch 1 (8B shape: 6.51 ms a step against 5.62 ms with the tl.dot kernel, bf16 4.92-5.52 ms).
 FP8_GEMV_MAX_M = int(os.environ.get("RADIXSERVE_FP8_GEMV_MAX_M", "0"))
-# Per-channel weights at up to SMALL_M rows go through the bandwidth-bound kernels of `fp8_gemv` (block sizes swept
-# per shape, `gemv_configs`); RADIXSERVE_FP8_SKINNY=0 sends them to the W8A16 `fp8_gemm` instead (comparisons).
+# Per-channel weights at up to SMALL_M rows, block-wise ones at one or two, go through the bandwidth-bound kernels of
+# `fp8_gemv` (block sizes swept per shape, `gemv_configs`); RADIXSERVE_FP8_SKINNY=0 sends them to the W8A16 `fp8_gemm`
+# instead (comparisons).
 SKINNY = os.environ.get("RADIXSERVE_FP8_SKINNY", "1") != "0"
 # Above SMALL_M and up to this many rows, per-channel products run the kernel the swept table names for the shape
 # and batch size (`fp8_mid`: a transposed W8A8 or W8A16 Triton product that keeps every SM streaming the weight),
@@ -243,16 +244,16 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply_silu_and_mul(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
                            ) -> torch.Tensor | None:
-        """silu(gate) * up of a [gate; up] layer from the decode GEMV's epilogue (`fp8_gemv`, per-channel weights,
-        at most SMALL_M rows, on the GPU); None where that does not apply."""
+        """silu(gate) * up of a [gate; up] layer from the decode GEMV's epilogue (`fp8_gemv`: per-channel weights
+        at most SMALL_M rows, block-wise ones one row, on the GPU); None where that does not apply."""
         x2 = x.reshape(-1, x.shape[-1])
-        if self.block is not None or not SKINNY or x2.shape[0] > SMALL_M or getattr(layer, "input_scale", None) \
-                is not None or not _on_gpu_kernels(x2):
+        if not SKINNY or x2.shape[0] > SMALL_M or getattr(layer, "input_scale", None) is not None \
+                or not _on_gpu_kernels(x2):
             return None
         from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
 
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        out = fp8_skinny_gemv(x2, layer.weight, layer.weight_scale, x2.dtype, bias, silu_mul=True)
+        out = fp8_skinny_gemv(x2, layer.weight, layer.weight_scale, x2.dtype, bias, silu_mul=True, block=self.block)
         return None if out is None else out.view(*x.shape[:-1], out.shape[-1])
 
     def apply_rope(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
@@ -281,9 +282,9 @@ class Fp8LinearMethod(LinearMethodBase):
         if small:
             ws2 = ws.view(-1, 1) if ws.dim() == 1 else ws
             out = None
-            if self.block is None and SKINNY:
-                out = fp8_skinny_gemv(x, w, ws, x.dtype, bias)
-            elif x.shape[0] <= FP8_GEMV_MAX_M:
+            if SKINNY:  # (block-wise: one or two rows, else None)
+                out = fp8_skinny_gemv(x, w, ws, x.dtype, bias, block=self.block)
+            if out is None and x.shape[0] <= FP8_GEMV_MAX_M:
                 out = fp8_gemv(x, w, ws2, bn, bk, x.dtype, bias)
             return out if out is not None else fp8_gemm(x, w, ws2, bn, bk, x.dtype, bias=bias)
         if self.block is None and input_scale is None and x.is_cuda and x.shape[0] <= MID_MAX_M:

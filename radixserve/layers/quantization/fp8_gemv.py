@@ -16,8 +16,11 @@ the per-output-channel scale is applied once at the end.
   to the activation dtype) times x.T [BLOCK_K, 16], so the weight's rows fill the MMA's 16+ rows and x's few rows
   its narrow side.
 
-Block sizes come from `gemv_configs` (a table swept on the GPU, `benchmarks/sweep_gemv.py`). Per-channel scales only
-([N] or [N, 1]); block-wise checkpoints keep the W8A16 `fp8_gemm`."""
+Block sizes come from `gemv_configs` (a table swept on the GPU, `benchmarks/sweep_gemv.py`). Per-channel scales
+([N] or [N, 1]) in both kernels; block-wise scales ([ceil(N / bn), ceil(K / bk)], DeepSeek-V3's and the Qwen3 FP8
+releases' 128 x 128) in the elementwise one for one or two rows (BLOCKS: each step's products, or runs of 8, times
+their column group's scale before they reach the accumulator; a program's rows lie in one row block), as the
+small-batch expert kernels do (`moe/small_batch._fp8_rows`); other block-wise products keep the W8A16 `fp8_gemm`."""
 
 from __future__ import annotations
 
@@ -72,15 +75,43 @@ def _acc(acc, wf, x, RED8: tl.constexpr):
 
 
 @triton.jit
+def _group_cols(offs_k, offs_n, group_k, RED8: tl.constexpr):
+    """The column group (of `group_k`) of each accumulator column within a K step, in the accumulator's layout
+    (built through the same reshape as `_runs8`, so the loop's scale loads need no exchange between threads);
+    valid at every step because K steps and groups are powers of two that start at multiples of each other."""
+    cols = offs_k[None, :] + 0 * offs_n[:, None]
+    if RED8:
+        cols = tl.min(tl.reshape(cols, (cols.shape[0], cols.shape[1] // 8, 8)), axis=1 + 1)
+    return cols // group_k
+
+
+@triton.jit
+def _acc_blocks(acc, wf, x, scales, RED8: tl.constexpr):
+    """`_acc` for block-wise scales: each accumulator column's products (one, or a run of 8) times the scale of
+    its column group (`scales`, in the accumulator's layout) before they are added."""
+    if RED8:
+        acc = acc + _runs8(wf * x) * scales
+    else:
+        acc = acc + wf * x * scales
+    return acc
+
+
+@triton.jit
 def _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-             dtype: tl.constexpr):
+             dtype: tl.constexpr, BLOCKS: tl.constexpr = False):
     """The float32 outputs of rows offs_n from their accumulator (scaled, + bias); with SILU_MUL acc1 holds the up
-    rows N + offs_n and the result is silu(gate) * up."""
-    scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
+    rows N + offs_n and the result is silu(gate) * up. BLOCKS: the accumulators hold scaled products already."""
+    if BLOCKS:
+        scale = out_factor
+    else:
+        scale = tl.load(S + offs_n, mask=mask_n, other=0.0) * out_factor
     bias = tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     out = tl.sum(acc0, axis=1) * scale + bias
     if SILU_MUL:
-        scale_u = tl.load(S + N + offs_n, mask=mask_n, other=0.0) * out_factor
+        if BLOCKS:
+            scale_u = out_factor
+        else:
+            scale_u = tl.load(S + N + offs_n, mask=mask_n, other=0.0) * out_factor
         bias_u = tl.load(Bias + N + offs_n, mask=mask_n, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
         out = _silu_mul(out, tl.sum(acc1, axis=1) * scale_u + bias_u, dtype)
     return out
@@ -90,9 +121,12 @@ def _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.co
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
                         HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
-                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False):
+                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False, stride_sn=0, group_n=1,
+                        group_k=1, BLOCKS: tl.constexpr = False):
     """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
     silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`.
+    BLOCKS: S holds a scale per group_n rows and group_k columns (rows stride_sn apart); BLOCK_N divides group_n
+    (and so does N with SILU_MUL), so each program's gate rows, and its up rows, share one row of scales.
     More fp8 bytes in flight per SM (the kernel is bound by them, not by instructions): RED8 sums each thread's
     runs of 8 products before they reach the accumulator ([BLOCK_N, BLOCK_K / 8] registers instead of [BLOCK_N,
     BLOCK_K], so larger tiles and more programs fit an SM); EVICT streams the weight past L1 (evict-first), leaving
@@ -111,22 +145,38 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     ACC_K: tl.constexpr = BLOCK_K // 8 if RED8 else BLOCK_K
     acc0 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)  # the second row of x, or the up rows
-    for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
+    if BLOCKS:  # pointers to the scales of the gate (or only) rows' and the up rows' groups in the first K step
+        s_ptrs = S + (tl.program_id(0) * BLOCK_N // group_n).to(tl.int64) * stride_sn \
+            + _group_cols(offs_k, offs_n, group_k, RED8)
+        up_scales = ((N + tl.program_id(0) * BLOCK_N) // group_n - tl.program_id(0) * BLOCK_N // group_n) \
+            .to(tl.int64) * stride_sn
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
         w = _load_w(w_ptrs, mask_n, EVICT)
         u = _load_w(w_ptrs + up_rows, mask_n, EVICT) if SILU_MUL else w
         wf = _widen(w, WIDEN_F16)
         x0 = tl.load(x_ptrs).to(tl.float32)
-        acc0 = _acc(acc0, wf, x0, RED8)
-        if TWO_ROWS:
-            acc1 = _acc(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32), RED8)
-        if SILU_MUL:
-            acc1 = _acc(acc1, _widen(u, WIDEN_F16), x0, RED8)
+        if BLOCKS:
+            sc = tl.load(s_ptrs + k0 // group_k)
+            acc0 = _acc_blocks(acc0, wf, x0, sc, RED8)
+            if TWO_ROWS:
+                acc1 = _acc_blocks(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32), sc, RED8)
+            if SILU_MUL:
+                acc1 = _acc_blocks(acc1, _widen(u, WIDEN_F16), x0, tl.load(s_ptrs + up_scales + k0 // group_k),
+                                   RED8)
+        else:
+            acc0 = _acc(acc0, wf, x0, RED8)
+            if TWO_ROWS:
+                acc1 = _acc(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32), RED8)
+            if SILU_MUL:
+                acc1 = _acc(acc1, _widen(u, WIDEN_F16), x0, RED8)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out0 = _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, SILU_MUL, Out.dtype.element_ty)
+    out0 = _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, SILU_MUL, Out.dtype.element_ty,
+                    BLOCKS)
     tl.store(Out + offs_n, out0.to(Out.dtype.element_ty), mask=mask_n)
     if TWO_ROWS:
-        out1 = _row_out(acc1, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, False, Out.dtype.element_ty)
+        out1 = _row_out(acc1, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, False, Out.dtype.element_ty,
+                        BLOCKS)
         tl.store(Out + stride_om + offs_n, out1.to(Out.dtype.element_ty), mask=mask_n)
 
 
@@ -181,29 +231,41 @@ EW_FLAGS = {"", "f16", "ef", "r8"}
 
 def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                     bias: torch.Tensor | None = None, config: gemv_configs.GemvConfig | None = None,
-                    silu_mul: bool = False, pdl_level: int | None = None) -> torch.Tensor | None:
+                    silu_mul: bool = False, pdl_level: int | None = None,
+                    block: tuple[int, int] | list[int] | None = None) -> torch.Tensor | None:
     """x [M, K] (M <= 16, rows contiguous) times the fp8 weight w [N, K] with per-channel float32 scales ([N] or
     [N, 1]) -> [M, N] `out_dtype`; with `silu_mul`, w is [gate; up] and the result silu(gate) * up [M, N / 2]
-    (the activation of a gated MLP in the GEMV's epilogue). None when the shape does not suit these kernels (M > 16,
-    K not a multiple of 16, block-wise scales): the caller falls back to `fp8_gemm`. `config` overrides the tuned
-    choice (sweeps; with `silu_mul` the "fp8_silu" entry of the stacked N, and an "ew" tile reads block_n / 2 rows
-    of each half). `pdl_level` overrides RADIXSERVE_PDL for the elementwise kernel (`triton_ops.pdl`)."""
+    (the activation of a gated MLP in the GEMV's epilogue). `block` (bn, bk): the scales are block-wise
+    [ceil(N / bn), ceil(K / bk)] instead (the elementwise kernel, one or two rows). None when the shape does not
+    suit these kernels (M > 16, K not a multiple of 16; block-wise: more than two rows, or a [gate; up] split
+    inside a row block): the caller falls back to `fp8_gemm`. `config` overrides the tuned choice (sweeps; with
+    `silu_mul` the "fp8_silu" entry of the stacked N, and an "ew" tile reads block_n / 2 rows of each half).
+    `pdl_level` overrides RADIXSERVE_PDL for the elementwise kernel (`triton_ops.pdl`)."""
     m, k = x.shape
     n = w.shape[0]
-    if m > MAX_M or k % 16 or scale.numel() != n or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k \
-            or (silu_mul and n % 2):
+    if m > MAX_M or k % 16 or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k or (silu_mul and n % 2):
         return None
     n_out = n // 2 if silu_mul else n
+    if block is None:
+        if scale.numel() != n:
+            return None
+    else:
+        bn, bk = int(block[0]), int(block[1])
+        if m > (1 if silu_mul else 2) or scale.shape != (-(-n // bn), -(-k // bk)) or scale.stride(-1) != 1 \
+                or bn & (bn - 1) or bk & (bk - 1) or bk < 8 or (silu_mul and n_out % bn):
+            return None
     out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     cfg = config or gemv_configs.get("fp8_silu" if silu_mul else "fp8", m, n, k, x.is_cuda)
+    if block is not None and cfg.kernel != "ew":  # the tensor-core kernel takes per-channel scales only
+        cfg = gemv_configs.default("fp8", 1, x.is_cuda)
     if cfg.kernel == "ew" and (m > 2 or (silu_mul and m > 1)):  # the elementwise kernel takes one or two rows
         cfg = gemv_configs.default("fp8", 16, x.is_cuda)
     block_k = cfg.block_k
     while k % block_k:
         block_k //= 2
-    s = scale.reshape(-1)
+    s = scale.reshape(-1) if block is None else scale
     b = bias if bias is not None else s
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     if cfg.kernel == "ew":
@@ -212,10 +274,15 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         if not flags <= EW_FLAGS:
             raise ValueError(f"fp8 GEMV: unknown variant {cfg.variant!r} (flags joined by '+': {sorted(EW_FLAGS)})")
         widen = "f16" in flags
+        blocks = {}
+        if block is not None:  # a program's rows in one row block (powers of two: the smaller divides the larger)
+            block_n = min(block_n, bn)
+            blocks = dict(stride_sn=scale.stride(0), group_n=bn, group_k=bk, BLOCKS=True)
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
                out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
-               BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, **opts, **pdl.launch_opts(x, pdl_level))
+               BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, **blocks, **opts,
+               **pdl.launch_opts(x, pdl_level))
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
                w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,
