@@ -43,13 +43,10 @@ CHAT_TOPICS = ["the ocean", "photosynthesis", "coffee", "black holes", "learning
                "the internet", "honey bees", "jazz", "recycling", "the moon", "saving money", "rainbows"]
 
 
-def chat_requests(n: int, output_len: int, range_ratio: float, tokenizer_path: str, seed: int
+def chat_requests(n: int, output_len: int, range_ratio: float, tok: Any, seed: int
                   ) -> list[tuple[list[int], int]]:
-    """Chat-style prompts: short user questions rendered through the model's chat template (with its system
-    prompt), output lengths uniform in [output_len * range_ratio, output_len]."""
-    from radixserve.managers.tokenizer_utils import get_tokenizer
-
-    tok = get_tokenizer(tokenizer_path)
+    """Chat-style prompts: short user questions rendered through the tokenizer `tok`'s chat template (with its
+    system prompt), output lengths uniform in [output_len * range_ratio, output_len]."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -228,14 +225,17 @@ def main(argv: list[str] | None = None) -> None:
     server_args = ServerArgs.from_cli_args(args)
     from radixserve.configs.model_config import ModelConfig
 
-    cfg = ModelConfig(server_args.model_path, load_format=server_args.load_format)
+    cfg = ModelConfig(server_args.model_path, context_length=server_args.context_length,
+                      load_format=server_args.load_format, trust_remote_code=server_args.trust_remote_code)
     server_args.model_path = cfg.model_path
     if args.dataset == "random":
         reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, cfg.vocab_size, args.seed)
     elif args.dataset == "chat":
+        from radixserve.managers.tokenizer_utils import get_tokenizer_for
+
         reqs = chat_requests(args.num_prompts, args.random_output_len, args.random_range_ratio,
-                             server_args.tokenizer_path or cfg.model_path, args.seed)
+                             get_tokenizer_for(server_args, cfg.tokenizer_path), args.seed)
     else:
         reqs = shared_prefix_requests(args.num_prompts, args.num_groups, args.prefix_len, args.suffix_len,
                                       args.random_output_len, cfg.vocab_size, args.seed)

@@ -400,10 +400,9 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
     runner = ModelRunner(model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size,
                          gpu_id=server_args.base_gpu_id + tp_rank)
     if args.correctness_test:
-        from radixserve.managers.tokenizer_utils import get_tokenizer
+        from radixserve.managers.tokenizer_utils import get_tokenizer_for
 
-        correctness_test(runner, get_tokenizer(model_config.tokenizer_path, server_args.trust_remote_code),
-                         args.output_len)
+        correctness_test(runner, get_tokenizer_for(server_args, model_config.tokenizer_path), args.output_len)
         return
     results = []
     copy_bw = measure_copy_bandwidth(runner.device) if runner.is_cuda else None

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             text = default_text()
         # a token is rarely under 2 characters: encode only as much text as the run can use
-        ids = get_tokenizer(server_args.tokenizer_path).encode(text[:32 * args.num_tokens])[:args.num_tokens]
+        tok = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        ids = tok.encode(text[:32 * args.num_tokens])[:args.num_tokens]
     sequences = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     sequences = [s for s in sequences if len(s) > 1]
     if not sequences:

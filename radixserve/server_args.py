@@ -83,8 +83,8 @@ class ServerArgs:
                            "cache shares whole pages only (a partial last page is recomputed)", default=1)
     max_running_requests: int | None = _flag("Most requests decoding at once (default: on CUDA with graphs the "
                                              "largest captured batch, else from the pool size)")
-    max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count); "
-                                            "more get HTTP 503")
+    max_queued_requests: int | None = _flag("Most requests waiting to be scheduled (running ones do not count; "
+                                            "with --dp-size, per replica); more get HTTP 503")
     max_prefill_tokens: int = _flag("Token budget of one prefill batch", default=16384)
     chunked_prefill_size: int | None = _flag("Prefill chunk size in tokens; -1 disables (default 8192 on GPU, "
                                              "4096 on CPU)")
@@ -271,6 +271,16 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535; got {self.port}")
+        if self.pooling_method is not None and not self.is_embedding:
+            raise ValueError("--pooling-method needs --is-embedding (it chooses how embeddings are pooled)")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds; got {self.watchdog_timeout}")
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError("give at most one of --enable-overlap-schedule and --disable-overlap-schedule")
+        if not isinstance(self.base_gpu_id, int) or isinstance(self.base_gpu_id, bool) or self.base_gpu_id < 0:
+            raise ValueError(f"--base-gpu-id must be a GPU index >= 0; got {self.base_gpu_id!r}")
+        if self.tokenizer_path is not None and not os.path.exists(self.tokenizer_path):
+            raise ValueError(f"--tokenizer-path {self.tokenizer_path!r} does not exist")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype fp8_e4m3 or fp8_e5m2); "
                              f"got --kv-cache-dtype {self.kv_cache_dtype}")
@@ -340,6 +350,11 @@ class ServerArgs:
 
         if self.lora_paths:
             self.enable_lora = True
+        if not self.enable_lora:
+            given = [f"--{n.replace('_', '-')}" for n in ("max_lora_rank", "lora_target_modules")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need LoRA serving (--lora-paths or --enable-lora)")
         for name in ("max_loras_per_batch", "max_lora_rank"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):

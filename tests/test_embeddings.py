@@ -170,3 +170,28 @@ def test_mean_pooling_over_chunks_and_dimensions(tiny_mean: tuple[str, str]) -> 
     np.testing.assert_allclose(short.data[0].embedding, full[:16] / np.linalg.norm(full[:16]), atol=ATOL)
     with pytest.raises(openai.BadRequestError, match="dimensions"):
         client.embeddings.create(model="default", input="x", dimensions=20)
+
+
+def test_engine_encode_matches_transformers(embedded_model_path: str) -> None:
+    """The offline Engine with is_embedding=True: encode() gives transformers' pooled, normalised hidden states
+    for a text, a batch of texts and token ids (as /encode does); generate() is refused with a ValueError."""
+    from transformers import AutoTokenizer
+
+    from radixserve.entrypoints.engine import Engine
+
+    ref = _reference(embedded_model_path, "last")
+    tok = AutoTokenizer.from_pretrained(embedded_model_path)
+    with Engine(model_path=embedded_model_path, is_embedding=True, max_total_tokens=2048, log_level="warning") as e:
+        one = e.encode(TEXTS[0])
+        assert one["meta_info"]["prompt_tokens"] == len(tok.encode(TEXTS[0]))
+        np.testing.assert_allclose(one["embedding"], ref(tok.encode(TEXTS[0])), atol=ATOL)
+        many = e.encode(TEXTS)
+        assert isinstance(many, list) and len(many) == len(TEXTS)
+        for text, out in zip(TEXTS, many, strict=True):
+            np.testing.assert_allclose(out["embedding"], ref(tok.encode(text)), atol=ATOL)
+        ids = tok.encode(TEXTS[1])
+        np.testing.assert_allclose(e.encode(input_ids=ids)["embedding"], ref(ids), atol=ATOL)
+        with pytest.raises(ValueError, match="encode"):
+            e.generate(TEXTS[0], {"max_new_tokens": 2})
+        with pytest.raises(ValueError, match="exactly one"):
+            e.encode(TEXTS[0], input_ids=ids)

@@ -26,6 +26,7 @@ def test_loc_to_param() -> None:
     ({"prompt": "x", "n": "2"}, "n: Input should be a valid integer", "n"),
     ({"prompt": "x", "temperature": 2.5}, "temperature: Input should be less than or equal to 2", "temperature"),
     ({"prompt": "x", "stream": 1}, "stream: Input should be a valid boolean", "stream"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of (1) must be >= n (2)", None),
 ])
 def test_completion_request_errors(body: dict, needle: str, param: str) -> None:
     with pytest.raises(APIError) as ei:
@@ -82,7 +83,10 @@ def _sdk_assistant_message() -> dict:
 NOOP_CHAT_FIELDS = {"tools": None, "tool_choice": "none", "parallel_tool_calls": False, "functions": None,
                     "function_call": None, "store": False, "metadata": {"team": "a"}, "service_tier": "auto",
                     "reasoning_effort": None, "user": "user-1", "modalities": ["text"], "audio": None,
-                    "prediction": None, "web_search_options": None, "lora_path": None}
+                    "prediction": None, "web_search_options": None, "lora_path": None, "n": None, "stream": None,
+                    "safety_identifier": "s-1", "prompt_cache_key": "k", "prompt_cache_retention": "in_memory",
+                    "prompt_cache_options": None, "verbosity": "medium", "moderation": None,
+                    "separate_reasoning": None}
 
 
 def test_null_and_default_fields_are_accepted() -> None:
@@ -94,6 +98,11 @@ def test_null_and_default_fields_are_accepted() -> None:
     check_openai_request(parse_model(ChatCompletionRequest, {**body, "tool_choice": None}))
     check_openai_request(parse_model(CompletionRequest, {"prompt": "x", "user": "u", "suffix": None,
                                                          "lora_path": None}))
+    # null is the default (as OpenAI reads it), for the fields that have one too
+    chat = parse_model(ChatCompletionRequest, body)
+    assert chat.n == 1 and chat.stream is False and chat.separate_reasoning is True
+    comp = parse_model(CompletionRequest, {"prompt": "x", "n": None, "stream": None, "echo": None, "best_of": 1})
+    assert comp.n == 1 and comp.stream is False and comp.echo is False
 
 
 @pytest.mark.parametrize("field,value,param", [
@@ -103,6 +112,10 @@ def test_null_and_default_fields_are_accepted() -> None:
     ("store", True, "store"),
     ("service_tier", "flex", "service_tier"),
     ("modalities", ["text", "audio"], "modalities"),
+    ("verbosity", "low", "verbosity"),
+    ("prompt_cache_retention", "24h", "prompt_cache_retention"),
+    ("prompt_cache_options", {"ttl": "1h"}, "prompt_cache_options"),
+    ("moderation", {"model": "omni-moderation-latest"}, "moderation"),
 ])
 def test_fields_we_cannot_honour_are_a_400(field: str, value: object, param: str) -> None:
     from radixserve.entrypoints.openai.feature_gates import check_openai_request
@@ -131,6 +144,10 @@ def test_sglang_generate_fields() -> None:
             "return_logprob": False, "logprob_start_len": -1}  # what SGLang's bench_serving posts
     check_native_fields(parse_model(GenerateRequest, body))
     check_native_fields(parse_model(GenerateRequest, {"input_ids": [[1], [2]], "lora_path": [None, None]}))
+    nulls = parse_model(GenerateRequest, {"text": "hi", "stream": None, "return_logprob": None,
+                                          "logprob_start_len": None, "top_logprobs_num": None})
+    assert (nulls.stream, nulls.return_logprob, nulls.logprob_start_len, nulls.top_logprobs_num) == (False, False,
+                                                                                                    -1, 0)
     for extra in ({"custom_logit_processor": "x"}, {"return_hidden_states": True}):
         with pytest.raises(APIError) as ei:
             check_native_fields(parse_model(GenerateRequest, {**body, **extra}))

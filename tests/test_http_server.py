@@ -412,6 +412,11 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
     ("native-negative-max", "POST", G, {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400,
      "max_new_tokens"),
     ("native-batch-one-rid", "POST", G, {"text": ["a", "b"], "rid": "r"}, 400, "rid"),
+    ("native-batch-same-rids", "POST", G, {"text": ["a", "b"], "rid": ["d", "d"],
+                                           "sampling_params": {"max_new_tokens": 1}}, 400, "more than one request"),
+    ("native-batch-n-rids", "POST", G, {"text": ["a", "b"], "rid": ["e", "e-0"],
+                                        "sampling_params": [{"n": 2, "max_new_tokens": 1}, {"max_new_tokens": 1}]},
+     400, "more than one request"),
     ("native-top-logprobs", "POST", G, {"text": "x", "return_logprob": True, "top_logprobs_num": 50}, 400,
      "top_logprobs_num"),
     ("native-empty-ids", "POST", G, {"input_ids": []}, 400, "empty"),
@@ -457,6 +462,8 @@ def test_bad_api_key(server: Server, headers: dict[str, str]) -> None:
 def test_bad_requests_leave_server_healthy(server: Server, http: httpx.Client, client: openai.OpenAI) -> None:
     assert len(BAD) + 3 >= 30
     assert httpx.get(server.base + "/health").status_code == 200
+    head = httpx.head(server.base + "/health")
+    assert head.status_code == 200 and head.content == b""
     r = client.completions.create(model=MODEL, prompt=COUNT_PROMPT, max_tokens=3, temperature=0)
     assert r.choices[0].text.startswith(" 6")
     with pytest.raises(openai.BadRequestError) as ei:

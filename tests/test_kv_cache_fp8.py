@@ -250,3 +250,14 @@ def test_calculated_kv_scales(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None
     assert len(StaticBatch(runner).generate(prompts, 4)[0]) == 4
     with pytest.raises(ValueError, match="calculate-kv-scales"):
         ServerArgs(calculate_kv_scales=True, device="cpu")
+    # a context or pool smaller than the text: its start, within both; too small for any: a clear ValueError
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    kw = dict(model_path=str(tmp_path), device="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3",
+              calculate_kv_scales=True)
+    small = ModelRunner(ModelConfig(str(tmp_path), context_length=64), ServerArgs(**kw, context_length=64))
+    assert small.token_to_kv_pool.available_size() == small.max_total_num_tokens
+    make_runner(str(tmp_path), kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True, max_total_tokens=100)
+    with pytest.raises(ValueError, match="calculate-kv-scales needs room"):
+        ModelRunner(ModelConfig(str(tmp_path), context_length=16), ServerArgs(**kw, context_length=16))

@@ -132,6 +132,23 @@ def test_online_q4_k_and_q8_0(tmp_path) -> None:
         resolve_quant_config("q4_k", {"quant_method": "fp8"})
 
 
+def test_online_q4_k_takes_q8_0_for_rows_of_partial_super_blocks(tmp_path) -> None:
+    """--quantization q4_k on a model whose rows are not whole 256-weight super-blocks (down_proj's 320 here, as
+    SmolLM2's 576 everywhere but down_proj): those layers take Q8_0 (llama.cpp falls back to Q5_0 there), the
+    others Q4_K; the model decodes as its dequantised weights do."""
+    from model_utils import make_tiny_model
+
+    make_tiny_model("llama", str(tmp_path), hidden_size=256, intermediate_size=320)
+    cfg = ModelConfig(str(tmp_path))
+    base = get_model(cfg, load_format="auto", dtype=torch.float32, device="cpu")
+    m = get_model(cfg, load_format="auto", dtype=torch.float32, device="cpu", quantization="q4_k")
+    mlp, ref = m.model.layers[0].mlp, base.model.layers[0].mlp
+    assert mlp.gate_up_proj.quant_method.fmt == "Q4_K" and mlp.down_proj.quant_method.fmt == "Q8_0"
+    h = torch.randn(2, 320, generator=torch.Generator().manual_seed(1))
+    want = torch.nn.functional.linear(h, G.dequantize("Q8_0", G.quantize("Q8_0", ref.down_proj.weight)))
+    torch.testing.assert_close(mlp.down_proj(h), want)
+
+
 def test_numpy_bytes_shape() -> None:
     arr = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
     assert G.quantize_to_ggml(arr, G.Q4_K).shape == (2, 144)

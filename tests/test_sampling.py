@@ -193,6 +193,8 @@ def test_from_dict_rejects_unknown_keys_and_round_trips() -> None:
     assert p.temperature == 0.5 and p.seed == 3
     assert SamplingParams.from_dict(p.to_dict()) == p
     assert SamplingParams.from_dict(None) == SamplingParams()
+    nulls = {name: None for name in SamplingParams.field_names()}  # null is each field's default
+    assert SamplingParams.from_dict(nulls) == SamplingParams()
     with pytest.raises(TypeError):
         SamplingParams(0.5)  # type: ignore[misc]  # keyword-only
 

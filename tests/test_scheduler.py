@@ -503,3 +503,29 @@ def test_a_chat_templates_short_shared_head_is_computed_once_on_the_cpu(tiny_pat
     assert res["r0"]["meta"]["cached_tokens"] == 0
     for i in range(1, 4):
         assert res[f"r{i}"]["meta"]["cached_tokens"] == len(head)
+
+
+def test_a_stop_on_the_last_allowed_token_is_a_stop() -> None:
+    """An end-of-sequence token, a stop token or a stop string that lands on the max_new_tokens-th token finishes
+    the request as a stop (the stop string then trimmed from the text), not as a length finish."""
+    from radixserve.managers.finish_reason import FinishLength, FinishMatchedStr, FinishMatchedToken
+    from radixserve.managers.schedule_batch import Req
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    class Chars:  # token id i decodes to chr(i)
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(i) for i in ids)
+
+    def run(outputs: list[int], **sp: object) -> object:
+        req = Req("r", [1, 2], SamplingParams.from_dict({"max_new_tokens": len(outputs), **sp}), eos_token_ids={2})
+        for t in outputs:
+            assert req.finished_reason is None
+            req.output_ids.append(t)
+            req.check_finished(Chars())
+        return req.finished_reason
+
+    assert isinstance(run([65, 2]), FinishMatchedToken)
+    assert isinstance(run([65, 66], stop_token_ids=[66]), FinishMatchedToken)
+    stop = run([52, 44, 32, 54], stop=[", 6"])
+    assert isinstance(stop, FinishMatchedStr) and stop.matched == ", 6"
+    assert isinstance(run([65, 66]), FinishLength) and isinstance(run([65, 2], ignore_eos=True), FinishLength)

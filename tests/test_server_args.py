@@ -30,6 +30,13 @@ def test_cli_round_trip() -> None:
     ({"schedule_policy": "sjf"}, "--schedule-policy"),
     ({"piecewise_cuda_graph_max_tokens": -1}, "--piecewise-cuda-graph-max-tokens"),
     ({"piecewise_cuda_graph_max_tokens": 1.5}, "--piecewise-cuda-graph-max-tokens"),
+    ({"pooling_method": "mean"}, "--pooling-method"),  # without --is-embedding
+    ({"watchdog_timeout": 0}, "--watchdog-timeout"),
+    ({"enable_overlap_schedule": True, "disable_overlap_schedule": True}, "--enable-overlap-schedule"),
+    ({"base_gpu_id": -1}, "--base-gpu-id"),
+    ({"tokenizer_path": "/definitely/not/here"}, "--tokenizer-path"),
+    ({"max_lora_rank": 16}, "--max-lora-rank"),  # without LoRA serving
+    ({"lora_target_modules": ["q_proj"]}, "--lora-target-modules"),
 ])
 def test_invalid_values_name_the_flag(kw, flag) -> None:
     with pytest.raises(ValueError, match=flag):
@@ -85,3 +92,15 @@ def test_dp_attention_needs_matching_tp_and_dp_sizes() -> None:
     for kw in ({"tp_size": 1, "dp_size": 1}, {"tp_size": 2, "dp_size": 1}, {"tp_size": 2, "dp_size": 4}):
         with pytest.raises(ValueError, match="--enable-dp-attention"):
             ServerArgs(enable_dp_attention=True, **kw)
+
+
+def test_a_tokenizer_path_without_a_tokenizer_is_refused(embedded_model_path, tmp_path) -> None:
+    """An explicit --tokenizer-path that holds no tokenizer fails at start (a model folder without one serves
+    token ids only, with a warning)."""
+    from radixserve.entrypoints.engine import resolve_model
+
+    with pytest.raises(ValueError, match="--tokenizer-path .* holds no tokenizer"):
+        resolve_model(ServerArgs(model_path=embedded_model_path, tokenizer_path=str(tmp_path), device="cpu"))
+    args = ServerArgs(model_path=embedded_model_path, tokenizer_path=embedded_model_path, device="cpu")
+    resolve_model(args)
+    assert not args.skip_tokenizer_init

@@ -169,12 +169,24 @@ def test_forced_scanner() -> None:
     text = ('[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}, '
             '{"name": "get_time", "parameters": {}}]')
     assert [n for n, _ in req.parse(text)[1]] == ["get_weather", "get_time"]
-    # cut off by max_tokens: the complete calls before the cut
-    assert req.parse(text[:-20]) == ("", [("get_weather", '{"city": "Oslo", "days": 1}')])
-    assert req.parse(text[:30]) == (text[:30], [])
+    # cut off by max_tokens: every call begun, the cut one's arguments as far as they got (as OpenAI returns it);
+    # the grammar's text never content
+    assert req.parse(text[:-20]) == ("", [("get_weather", '{"city": "Oslo", "days": 1}'), ("get_time", "")])
+    assert req.parse(text[:45]) == ("", [("get_weather", '{"city')])
+    assert req.parse(text[:8]) == ("", [])  # no name read yet
+    assert named.parse('{"city": "Par') == ("", [("get_weather", '{"city": "Par')])
     _, _, calls = _stream(ChoiceOutput(OutputConfig(tools=req)), text, 5)
     assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", {"city": "Oslo", "days": 1}),
                                                           ("get_time", {})]
+    # a complete answer and a streamed one agree, cut anywhere
+    for scanner in (req, named):
+        full = text if scanner is req else '{"city": "Paris", "days": 2}'
+        for cut in range(1, len(full) + 1):
+            msg = ChoiceOutput(OutputConfig(tools=scanner)).message(full[:cut])
+            content, _, streamed = _stream(ChoiceOutput(OutputConfig(tools=scanner)), full[:cut], 3)
+            assert msg["content"] is None and content == "", (cut, msg)
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == \
+                [(n, a) for _, n, a in streamed], cut
 
 
 def test_forced_call_schema_accepts_exactly_valid_calls() -> None:

@@ -70,8 +70,12 @@ def resolve_model(server_args: ServerArgs) -> ModelConfig:
     cfg = ModelConfig(server_args.model_path, context_length=server_args.context_length,
                       load_format=server_args.load_format, trust_remote_code=server_args.trust_remote_code)
     server_args.model_path = cfg.model_path
-    if server_args.tokenizer_path is None:
+    explicit = server_args.tokenizer_path is not None
+    if not explicit:
         server_args.tokenizer_path = cfg.tokenizer_path
+    if explicit and not server_args.skip_tokenizer_init and not _has_tokenizer(server_args.tokenizer_path):
+        raise ValueError(f"--tokenizer-path {server_args.tokenizer_path!r} holds no tokenizer (tokenizer.json, "
+                         "tokenizer_config.json, tokenizer.model or vocab.json, or a .gguf file)")
     if not server_args.skip_tokenizer_init and not _has_tokenizer(server_args.tokenizer_path):
         # e.g. a config-only folder served with --load-format dummy: token ids in, token ids out
         logger.warning("no tokenizer in %s: serving token ids only (as with --skip-tokenizer-init)",
@@ -171,6 +175,8 @@ class Engine:
         engine = Engine(model_path=None)           # the embedded SmolLM2-135M-Instruct
         out = engine.generate("Hi", {"max_new_tokens": 16, "temperature": 0})
         engine.shutdown()
+
+    With is_embedding=True, encode() gives embeddings instead (generate() is then refused).
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -200,6 +206,8 @@ class Engine:
         """`lora_path`: the LoRA adapter's name (one per prompt for a batch); None: the base model."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
+        if self.server_args.is_embedding:
+            raise ValueError("this engine serves embeddings (is_embedding=True): use encode()")
         obj = self._request(prompt, sampling_params, input_ids, stream, return_logprob, logprob_start_len,
                             top_logprobs_num, rid, lora_path)
         if stream:
@@ -213,6 +221,39 @@ class Engine:
             return outs[0]
         outs.sort(key=lambda o: o.pop("index"))
         return outs
+
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+               rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None
+               ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embeddings from an engine started with is_embedding=True, as POST /encode gives them: per input
+        {"embedding": [...] (pooled as --pooling-method or the model folder says, L2-normalised), "meta_info":
+        {...}}; a list for a batch (a list of texts or of token-id lists)."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        if not self.server_args.is_embedding:
+            raise ValueError("encode() needs an engine started with is_embedding=True")
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("encode(): give exactly one of prompt and input_ids")
+        if "_pooling" not in self.__dict__:
+            from radixserve.entrypoints.openai.serving_embedding import model_pooling
+
+            self._pooling = model_pooling(self.server_args.model_path, self.server_args.pooling_method)
+        obj = io.GenerateReqInput(text=prompt, input_ids=input_ids, rid=rid, lora_path=lora_path,
+                                  pooling=self._pooling)
+
+        async def collect() -> list[dict[str, Any]]:
+            return [o async for o in self.tokenizer_manager.generate_request(obj)]
+
+        outs = asyncio.run_coroutine_threadsafe(collect(), self.loop).result()
+        outs.sort(key=lambda o: o.get("index", 0))
+        result = []
+        for o in outs:
+            meta = dict(o["meta_info"])
+            if "embedding" not in meta:  # aborted (the engine is shutting down, or abort_request)
+                reason = meta.get("finish_reason") or {}
+                raise RuntimeError(f"the request did not finish: {reason.get('message', reason)}")
+            result.append({"embedding": meta.pop("embedding"), "meta_info": meta})
+        return result if obj.is_batch() else result[0]
 
     def _stream(self, obj: io.GenerateReqInput) -> Iterator[dict[str, Any]]:
         agen = self.tokenizer_manager.generate_request(obj)

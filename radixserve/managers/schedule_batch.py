@@ -131,22 +131,23 @@ class Req:
         sp = self.sampling_params
         out = self.output_ids
         n = len(out)
+        # an end-of-sequence or stop token, or a stop string, on the last allowed token is a stop (as OpenAI and
+        # vLLM report it, the stop string trimmed), not a length finish
+        if n and n >= sp.min_new_tokens:
+            last = out[-1]
+            if (not sp.ignore_eos and last in self.eos_token_ids) or \
+                    (sp.stop_token_ids and last in sp.stop_token_ids):
+                self.finished_reason = FinishMatchedToken(last)
+                return
+            if self.stop_strs and tokenizer is not None:
+                m = max(1, getattr(sp, "stop_str_max_len", 8)) + 2
+                tail = tokenizer.decode(out[-m:], skip_special_tokens=sp.skip_special_tokens)
+                for s in self.stop_strs:
+                    if s in tail:
+                        self.finished_reason = FinishMatchedStr(s)
+                        return
         if n >= sp.max_new_tokens:
             self.finished_reason = FinishLength(sp.max_new_tokens)
-            return
-        if not n or n < sp.min_new_tokens:
-            return
-        last = out[-1]
-        if (not sp.ignore_eos and last in self.eos_token_ids) or (sp.stop_token_ids and last in sp.stop_token_ids):
-            self.finished_reason = FinishMatchedToken(last)
-            return
-        if self.stop_strs and tokenizer is not None:
-            m = max(1, getattr(sp, "stop_str_max_len", 8)) + 2
-            tail = tokenizer.decode(out[-m:], skip_special_tokens=sp.skip_special_tokens)
-            for s in self.stop_strs:
-                if s in tail:
-                    self.finished_reason = FinishMatchedStr(s)
-                    return
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -158,7 +158,8 @@ class TokenizerManager:
 
     def tokenize(self, text: str, **kwargs: Any) -> list[int]:
         if self.tokenizer is None:
-            raise RequestError("this server was started with --skip-tokenizer-init: send input_ids", 400, "text")
+            raise RequestError("this server has no tokenizer (--skip-tokenizer-init, or none in the model folder): "
+                               "send input_ids", 400, "text")
         self.check_text_length(len(text))
         return self.tokenizer.encode(text, **kwargs)
 
@@ -286,6 +287,14 @@ class TokenizerManager:
                     sampling_params=sp_j, stream=obj.stream, return_logprob=bool(ret_lp),
                     logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
                     lora_id=lora_id, pooling=obj.pooling))
+        seen: set[str] = set()
+        for r in out:  # each request waits on its own rid: two of one batch under one rid would never return
+            if r.rid in seen:
+                raise RequestError(f"rid: {r.rid!r} names more than one request of the batch (rids must be unique; "
+                                   "n > 1 adds -0, -1, ... to a prompt's rid)", 400, "rid")
+            if r.rid in self.rid_to_state:
+                raise RequestError(f"rid: {r.rid!r} is already in use by a running request", 400, "rid")
+            seen.add(r.rid)
         return out
 
     async def run_on_tokenizer_thread(self, fn: Any, *args: Any) -> Any:

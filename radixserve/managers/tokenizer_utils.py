@@ -19,6 +19,16 @@ def get_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
 
 
+def get_tokenizer_for(server_args: Any, model_tokenizer_path: str) -> Any:
+    """The tokenizer a server started with `server_args` uses: --tokenizer-path (else `model_tokenizer_path`),
+    --trust-remote-code, and --chat-template's file as its chat template."""
+    tok = get_tokenizer(server_args.tokenizer_path or model_tokenizer_path, server_args.trust_remote_code)
+    if server_args.chat_template is not None:
+        with open(server_args.chat_template, encoding="utf-8") as f:
+            tok.chat_template = f.read()
+    return tok
+
+
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas. A delta is emitted only once its bytes form complete
     characters (a multi-byte character split over tokens shows up whole, never as U+FFFD)."""

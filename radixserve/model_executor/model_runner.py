@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+MIN_CALIBRATION_TOKENS = 32  # --calculate-kv-scales: the fewest tokens of its text one prefill may take
 
 
 def default_cuda_graph_max_bs(total_gib: float) -> int:
@@ -296,7 +297,14 @@ class ModelRunner:
                              "vector, not per-head k and v)")
         tokenizer = get_tokenizer(self.server_args.tokenizer_path or self.model_config.tokenizer_path,
                                   self.server_args.trust_remote_code)
-        calculate_kv_scales(self, tokenizer.encode(calibration_text()))
+        # one prefill: within the context and the pool (the text is ~200 tokens; a smaller pool takes its start)
+        room = min(self.context_len - 1, self.max_total_num_tokens - self.server_args.page_size)
+        ids = tokenizer.encode(calibration_text())[:room]
+        if len(ids) < MIN_CALIBRATION_TOKENS:
+            raise ValueError(f"--calculate-kv-scales needs room for {MIN_CALIBRATION_TOKENS} calibration tokens; the "
+                             f"context ({self.context_len}) or the KV pool ({self.max_total_num_tokens} tokens) "
+                             f"leaves {max(room, 0)}")
+        calculate_kv_scales(self, ids)
 
     # ---------------------------------------------------------------- run
     @inference_mode

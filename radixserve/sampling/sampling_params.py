@@ -126,7 +126,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Build from a request's JSON object; unknown keys are a ValueError naming them. Does not verify()."""
+        """Build from a request's JSON object; unknown keys are a ValueError naming them, a null value is the
+        field's default (as SGLang reads `max_new_tokens: null` and the `openai` SDK sends unset fields). Does not
+        verify()."""
         if d is None:
             return cls()
         if not isinstance(d, dict):
@@ -134,7 +136,7 @@ class SamplingParams:
         unknown = sorted(str(k) for k in d if k not in cls.field_names())
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:
         """The constructor arguments (after greedy normalisation), deep-copied."""

@@ -29,8 +29,9 @@ def new_call_id() -> str:
 
 class ForcedCallScanner(ToolParser):
     """Reads the output of a constrained request: with a named function the whole output is its arguments; with
-    `required` it is a JSON array `[{"name": ..., "parameters": {...}}, ...]` (the grammar's shape). An array cut
-    off by max_tokens yields the calls completed before the cut (finish_reason stays "length")."""
+    `required` it is a JSON array `[{"name": ..., "parameters": {...}}, ...]` (the grammar's shape). Output cut off
+    by max_tokens (finish_reason "length") gives every call begun, the last one's arguments as far as they got, as
+    OpenAI returns a cut call and as the stream has sent it; the grammar's own text is never content."""
 
     name = "forced"
 
@@ -39,15 +40,26 @@ class ForcedCallScanner(ToolParser):
 
     def scan(self, text: str, final: bool) -> ScanResult:
         if self.function is not None:
-            res = ScanResult("", [PartialCall(name=self.function, args=text, done=final)])
+            call = PartialCall(name=self.function, args=text, done=final)
+            if final and call.final_arguments() is None:  # cut off: the arguments so far
+                call.done = False
+                return ScanResult("", [call])
+            res = ScanResult("", [call])
         else:
             calls, end, ok = scan_call_list(text, skip_ws(text, 0), ("parameters",), array=True)
-            if final and ok and end is None:  # cut off (max_tokens): the calls completed before the cut count
-                calls = [c for c in calls if c.done]
-            if not ok or (final and not calls):
+            if not ok:  # not the grammar's shape (no grammar ran): plain content
                 return ScanResult(text, []) if final else ScanResult("", calls)
+            if final and end is None:  # cut off: the calls begun (a name read), the last one unfinished
+                return ScanResult("", [c for c in calls if c.name is not None])
             res = ScanResult("", calls)
         return finish_scan(text, res) if final else res
+
+    def parse(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        """(content, [(name, arguments)]): complete calls' arguments as JSON object text, a cut one's as far as
+        they got."""
+        res = self.scan(text, final=True)
+        calls = [(c.name, c.final_arguments() if c.done else c.args) for c in res.calls if c.name is not None]
+        return res.content, [(n, a) for n, a in calls if a is not None]
 
 
 @dataclass
@@ -82,7 +94,7 @@ class ChoiceOutput:
         if self.cfg.tools is not None:
             content, calls = self.cfg.tools.parse(rest)
             calls = calls[: self.cfg.max_calls]
-            if calls:
+            if calls or isinstance(self.cfg.tools, ForcedCallScanner):  # (a forced call's text is never content)
                 msg["content"] = content or None
                 msg["tool_calls"] = [{"id": new_call_id(), "type": "function",
                                       "function": {"name": n, "arguments": a}} for n, a in calls]

@@ -80,7 +80,7 @@ def from_validation_error(err: ValidationError) -> APIError:
     first = errors[0]
     param = loc_to_param(first["loc"]) or None
     msg = first["msg"]
-    if "input" in first and first["type"] not in ("model_type", "model_attributes_type"):
+    if "input" in first and first["loc"] and first["type"] not in ("model_type", "model_attributes_type"):
         msg = f"{msg}, got {_short(first['input'])}"
     return APIError(f"{param}: {msg}" if param else msg, 400, param, "invalid_value")
 

@@ -8,8 +8,9 @@ handling:
 - tool calling is served (chat_tools); the deprecated `functions` / `function_call` stay gated in
   `check_tool_fields`;
 - reasoning: `reasoning_effort` in `check_tool_fields` (the thinking itself is split by --reasoning-parser);
-- the rest (`store`, `service_tier`, `modalities`, `audio`, `prediction`, `web_search_options`, `suffix`,
-  SGLang's `custom_logit_processor` and `return_hidden_states`) have no planned feature.
+- the rest (`store`, `service_tier`, `modalities`, `audio`, `prediction`, `web_search_options`, `verbosity`,
+  `prompt_cache_retention`, `prompt_cache_options`, `moderation`, `suffix`, SGLang's `custom_logit_processor` and
+  `return_hidden_states`) have no planned feature.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def check_message(msg: Any, i: int) -> None:
 # ---------------------------------------------------------------------------------------------- no feature
 def check_noop_fields(req: Any) -> None:
     """Fields whose null/default value changes nothing: store, service_tier, modalities, audio, prediction,
-    web_search_options (chat); suffix (completions)."""
+    web_search_options, verbosity, prompt_cache_retention / _options, moderation (chat); suffix (completions)."""
     if getattr(req, "suffix", None) is not None:
         raise _unsupported("suffix", "insertion (a suffix) is not supported by this server; send null")
     if getattr(req, "store", None):
@@ -64,7 +65,14 @@ def check_noop_fields(req: Any) -> None:
     modalities = getattr(req, "modalities", None)
     if modalities is not None and modalities != ["text"]:
         raise _unsupported("modalities", f"only ['text'] is accepted, got {modalities!r}")
-    for name in ("audio", "prediction", "web_search_options"):
+    verbosity = getattr(req, "verbosity", None)
+    if verbosity is not None and verbosity != "medium":
+        raise _unsupported("verbosity", f"only 'medium' (the default) is accepted, got {verbosity!r}")
+    retention = getattr(req, "prompt_cache_retention", None)
+    if retention is not None and retention != "in_memory":
+        raise _unsupported("prompt_cache_retention", "the radix cache keeps prefixes in memory while it has room; "
+                                                     f"only 'in_memory' is accepted, got {retention!r}")
+    for name in ("audio", "prediction", "web_search_options", "prompt_cache_options", "moderation"):
         if getattr(req, name, None) is not None:
             raise _unsupported(name, "not supported by this server; send null")
 

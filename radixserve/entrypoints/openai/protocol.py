@@ -6,11 +6,14 @@ names the OpenAI field; the engine's `SamplingParams.verify` checks the rest. Re
 (see the serving modules) and serialised with orjson.
 
 Three kinds of fields beyond the ones we serve:
-- fields that change nothing, accepted as OpenAI accepts them: `user` (an end-user id for the caller's own abuse
-  tracking; OpenAI's output does not depend on it, nor does ours), `metadata` (tags of a stored completion; we store
-  none), `store: false`, `service_tier: "auto"/"default"`,
-  `modalities: ["text"]`; and on messages the fields the `openai` SDK's own response message carries
-  (`refusal`, `annotations`, `audio`, `function_call` as null);
+- fields that change nothing, accepted as OpenAI accepts them: `user` and `safety_identifier` (an end-user id for
+  the caller's own abuse tracking; OpenAI's output does not depend on it, nor does ours), `prompt_cache_key` (a hint
+  for routing to a warm cache: the radix cache shares every common prefix whatever the key), `metadata` (tags of a
+  stored completion; we store none), `store: false`, `service_tier: "auto"/"default"`, `modalities: ["text"]`,
+  `verbosity: "medium"` (the default), `prompt_cache_retention: "in_memory"` (the only retention we have); and on
+  messages the fields the `openai` SDK's own response message carries (`refusal`, `annotations`, `audio`,
+  `function_call` as null);
+- null means the default for every optional field, `n`, `stream` and `echo` included (as OpenAI reads them);
 - fields of features not implemented (the deprecated `functions`/`function_call`, reasoning effort): accepted when
   null or default, any other value is a 400 -- all such checks live in `feature_gates.py`, which the features replace;
 - `response_format.json_schema`: `schema` constrains the output; `strict` is honoured whatever its value (the
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -78,6 +81,11 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None  # OpenAI: chat; also accepted on completions
     lora_path: str | None = None  # SGLang extension: a LoRA adapter's name (or say it in `model`)
 
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
+
 
 class _NoOpFields(_Strict):
     """Request fields that change nothing when null or default; other values are checked in feature_gates."""
@@ -89,6 +97,12 @@ class _NoOpFields(_Strict):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class FunctionDefinition(_Strict):
@@ -133,6 +147,11 @@ class _ToolFields(_Strict):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (e.g. enable_thinking)
     separate_reasoning: bool = True  # with --reasoning-parser: thinking in reasoning_content (false: inline)
+
+    @field_validator("separate_reasoning", mode="before")
+    @classmethod
+    def _null_is_true(cls, v: Any) -> Any:
+        return True if v is None else v
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     reasoning_effort: str | None = None
@@ -145,6 +164,17 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None  # only null (feature_gates)
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_is_false(cls, v: Any) -> Any:
+        return False if v is None else v
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        return self
 
 
 class ContentPart(_Strict):
@@ -195,6 +225,12 @@ class GenerateRequest(_Strict):
     # SGLang's request fields for features we do not have: accepted when null/false (feature_gates)
     custom_logit_processor: str | list[str | None] | None = None
     return_hidden_states: bool = False
+
+    @field_validator("stream", "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                     "return_hidden_states", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
 
 
 class LoadLoRAAdapterRequest(_Strict):

@@ -21,7 +21,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
 async def health(request: Request) -> Response:
     state = server_state(request)
     if state.draining:

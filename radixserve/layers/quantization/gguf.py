@@ -53,6 +53,7 @@ class GGUFConfig(QuantizationConfig):
         self.online_type = online_type
         self.packed: set[str] = set()  # HF weight names the loader must hand over packed
         self._dequantized: Counter[str] = Counter()
+        self._q8_0_rows: Counter[int] = Counter()  # online Q4_K: layers whose rows take Q8_0, by row length
 
     @classmethod
     def from_config(cls, config: dict[str, Any], *, serialized: bool) -> GGUFConfig:
@@ -88,6 +89,11 @@ class GGUFConfig(QuantizationConfig):
                 self._dequantized["+".join(sorted(kinds | ({fmt} if fmt else set())))] += 1
                 return None
         if layer.input_size % fmts.BLOCK[fmt]:
+            if self.online_type == "Q4_K" and layer.input_size % fmts.BLOCK["Q8_0"] == 0:
+                # rows that are not whole 256-weight super-blocks: llama.cpp falls back to Q5_0 there; Q8_0 is
+                # the nearest format these kernels keep packed
+                self._q8_0_rows[layer.input_size] += 1
+                return GGUFLinearMethod("Q8_0", online=True)
             self._dequantized[f"{fmt} with rows of {layer.input_size}"] += 1
             return None
         if self.online_type is None:
@@ -95,8 +101,17 @@ class GGUFConfig(QuantizationConfig):
         return GGUFLinearMethod(fmt, online=self.online_type is not None)
 
     def log_summary(self) -> None:
-        if self._dequantized:
-            kinds = ", ".join(f"{k} ({n} layers)" for k, n in sorted(self._dequantized.items()))
+        if self._q8_0_rows:
+            rows = ", ".join(f"{n} layers with rows of {k}" for k, n in sorted(self._q8_0_rows.items()))
+            logger.warning("--quantization q4_k: Q8_0 for %s (Q4_K packs rows of whole 256-weight super-blocks)",
+                           rows)
+        if not self._dequantized:
+            return
+        kinds = ", ".join(f"{k} ({n} layers)" for k, n in sorted(self._dequantized.items()))
+        if self.online_type is not None:
+            logger.warning("--quantization %s: these linear layers stay in the model dtype: %s",
+                           self.online_type.lower(), kinds)
+        else:
             logger.info("GGUF: Q8_0/Q4_K linear layers stay packed; dequantised at load: %s", kinds)
 
 
