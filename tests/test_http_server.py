@@ -403,6 +403,11 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
     ("chat-schema-description", "POST", CH, {"messages": OK_MSGS, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "description": "a person", "schema": {"type": "object"}}}},
      400, "description"),
+    ("chat-schema-on-json-object", "POST", CH, {"messages": OK_MSGS, "response_format": {
+        "type": "json_object", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400,
+     "only with type 'json_schema'"),
+    ("chat-text-part-with-image", "POST", CH, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "image_url": {"url": "http://a/b.png"}}]}]}, 400, "carries only text"),
     ("chat-schema-name", "POST", CH, {"messages": OK_MSGS, "response_format": {
         "type": "json_schema", "json_schema": {"name": "no spaces allowed", "schema": {"type": "object"}}}}, 400,
      "json_schema.name"),

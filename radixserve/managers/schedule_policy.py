@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -11,6 +12,8 @@ if TYPE_CHECKING:
     from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
     from radixserve.mem_cache.memory_pool import TokenToKVPool
     from radixserve.mem_cache.radix_cache import TreeNode
+
+logger = logging.getLogger(__name__)
 
 # Above this many waiting requests, prefix matching for every one of them costs more than it saves.
 LPM_MAX_QUEUE = 128
@@ -22,6 +25,9 @@ class SchedulePolicy:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        if policy in PREFIX_POLICIES and (tree_cache is None or not tree_cache.shares_prefixes):
+            logger.warning("--schedule-policy %s orders requests by their cached prefixes; with no prefix cache "
+                           "(--disable-radix-cache) it runs as fcfs", policy)
 
     def calc_priority(self, waiting: list[Req]) -> bool:
         """Order `waiting` in place. Returns True when this call matched every waiting request's prefix against

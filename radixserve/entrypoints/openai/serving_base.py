@@ -148,6 +148,9 @@ class OpenAIServingBase:
         if req.min_tokens is not None:
             sp["min_new_tokens"] = req.min_tokens
         rf = getattr(req, "response_format", None)
+        if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+            raise APIError(f"response_format.json_schema: only with type 'json_schema' (got type {rf.type!r})", 400,
+                           "response_format.json_schema", "invalid_value")
         if rf is not None and rf.type != "text":
             if not self.grammar_ok:
                 raise APIError(f"response_format: type {rf.type!r} needs structured output, which is not available "

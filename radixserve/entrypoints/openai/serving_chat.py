@@ -48,6 +48,10 @@ def _flatten_content(msg: ChatMessage, i: int) -> str:
         if part.text is None:
             raise APIError(f"messages[{i}].content[{j}].text: required for a text part", 400,
                            f"messages[{i}].content[{j}].text", "invalid_value")
+        for other in ("image_url", "input_audio", "file"):  # another kind's payload on a text part: not ignored
+            if getattr(part, other) is not None:
+                raise APIError(f"messages[{i}].content[{j}].{other}: a text part carries only text", 400,
+                               f"messages[{i}].content[{j}].{other}", "invalid_value")
         parts.append(part.text)
     return "".join(parts)
 
