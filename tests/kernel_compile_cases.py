@@ -154,7 +154,7 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
             sig = {n: "i32" for n in fn.arg_names}
             sig.update({n: "*fp8e4nv" for n in ("W13", "W13S", "W2", "W2S") if n in fn.arg_names})
             sig.update(X="*bf16", Inter="*bf16", Out="*bf16", Partial="*fp32", Count="*i32", Weights="*fp32",
-                       Ids="*i32", Scale="*fp32")
+                       Ids="*i32", Scale="*fp32", SScale="*fp32")
             sig = {n: t for n, t in sig.items() if n in fn.arg_names}
             consts = dict(BLOCK_N=bn, BLOCK_K=bk if quant == 1 else min(bk, 128), FP32=False, PDL=1, QUANT=quant)
             if fn is small_batch._small_down_kernel:

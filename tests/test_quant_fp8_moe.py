@@ -438,3 +438,87 @@ def test_dummy_weights_take_a_block_wise_checkpoints_layout(tmp_path) -> None:
     assert model.lm_head.weight.dtype == torch.float32
     out = StaticBatch(make_runner(blocks, load_format="dummy")).generate([[5, 17, 99, 3], [1, 2]], 4)
     assert [len(o) for o in out] == [4, 4]
+
+
+@pytest.mark.parametrize("form,block", [("rows", None), ("rows", (16, 16)), ("dot", (16, 16))])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_fp8_shared_mlp_rides_along(form: str, block: tuple[int, int] | None, chunks: int,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 shared MLP (DeepSeek's shared experts) in the small-batch launches of fp8 experts, its scales in the
+    experts' form (per row; 16 x 16 blocks on the CUDA cores or through tl.dot): the routed experts plus the shared
+    MLP computed on its own, all dequantised; a scale form other than the experts' is a ValueError."""
+    import torch.nn.functional as F
+
+    from radixserve.layers.moe import small_batch
+
+    monkeypatch.setattr(small_batch, "FP8_BLOCKS_FORM", form)
+    e, h, i, t, k = 8, 64, 32, 3, 2
+    q13, q2, scales, d13, d2 = fp8_experts(e, h, i, block, seed=11)
+    s = chunks * i
+    g = torch.Generator().manual_seed(12)
+    sw13, sw2 = torch.randn(2 * s, h, generator=g) * 0.2, torch.randn(h, s, generator=g) * 0.2
+    if block is None:
+        (sq13, ss13), (sq2, ss2) = quantize_rows(sw13), quantize_rows(sw2)
+        ss13, ss2 = ss13.reshape(-1, 1), ss2.reshape(-1, 1)
+    else:
+        (sq13, ss13), (sq2, ss2) = quantize_blocks(sw13, *block), quantize_blocks(sw2, *block)
+    gn, gk = block if block is not None else (1, None)
+    dsw13 = dequantize_blocks(sq13, ss13, gn, gk or h)
+    dsw2 = dequantize_blocks(sq2, ss2, gn, gk or s)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(13))
+    ids = skewed_ids(t, k, e)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(14))
+    gu = F.linear(x, dsw13)
+    ref = moe_forward_torch(x.to(DEVICE), d13, d2, weights.to(DEVICE), ids.to(DEVICE)).cpu() + \
+        F.linear(F.silu(gu[:, :s]) * gu[:, s:], dsw2)
+    dev = [v.to(DEVICE) for v in (x, weights, ids, sq13, sq2, ss13, ss2)]
+    x_d, w_d, ids_d, sq13_d, sq2_d, ss13_d, ss2_d = dev
+    for cfg in (None, SmallMoEConfig(16, 32, 16, 32, 1, 1)):
+        got = small_batch_moe(x_d, q13, q2, w_d, ids_d, shared_w13=sq13_d, shared_w2=sq2_d, scales=scales,
+                              shared_scales=(ss13_d, ss2_d), config=cfg)
+        torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shared"):  # fp8 shared weights without their scales
+        small_batch_moe(x_d, q13, q2, w_d, ids_d, shared_w13=sq13_d, shared_w2=sq2_d, scales=scales)
+    with pytest.raises(ValueError, match="shared gate_up scales"):  # another form than the experts'
+        small_batch_moe(x_d, q13, q2, w_d, ids_d, shared_w13=sq13_d, shared_w2=sq2_d, scales=scales,
+                        shared_scales=(ss13_d[:1], ss2_d))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="forces the kernels on CPU tensors: Triton's interpreter only")
+@pytest.mark.parametrize("block", [None, [16, 16]])
+def test_deepseek_fp8_shared_experts_fold_into_the_experts_launch(tmp_path, block: list[int] | None) -> None:
+    """A DeepSeek MoE layer with fp8 experts and fp8 shared experts (online per row, or dummy weights in a
+    block-wise checkpoint's layout): on the kernels' path a one-token batch computes the shared MLP in the
+    experts' launches, equal to adding it on its own (the fold turned off)."""
+    import json
+
+    from model_utils import make_tiny_model
+
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.model_loader import get_model
+
+    make_tiny_model("deepseek_v2", str(tmp_path))
+    if block is not None:
+        with open(tmp_path / "config.json") as f:
+            cfg = json.load(f)
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump(cfg, f)
+    model = get_model(ModelConfig(str(tmp_path)), load_format="dummy" if block else "auto", dtype=torch.float32,
+                      device="cpu", quantization="fp8")
+    moe = model.model.layers[1].mlp
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    set_fused_kernels(True)
+    try:
+        shared = moe.experts.folded_shared_weights(x)
+        assert shared is not None and shared.s13 is not None and shared.w13.dtype == FP8
+        assert shared.s13.shape == ((64, 1) if block is None else (4, 4))
+        folded = moe(x)
+        with moe.experts.shared_fold_off():
+            assert moe.experts.folded_shared_weights(x) is None
+            alone = moe(x)
+        assert moe.experts.folded_shared_weights(torch.randn(9, 64)) is None  # past the small-batch limit
+    finally:
+        set_fused_kernels(None)
+    torch.testing.assert_close(folded, alone, atol=1e-4, rtol=1e-4)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -25,6 +26,15 @@ from radixserve.distributed.parallel_state import get_expert_parallel_size, tens
 from radixserve.layers.moe.methods import MoEMethod, UnquantizedMoEMethod
 from radixserve.layers.moe.router import MoEGate, RouterConfig, select_experts
 from radixserve.model_executor.torch_compile import compiled_experts, register_op_layer
+
+
+class SharedWeights(NamedTuple):
+    """A shared MLP computed in the experts' small-batch launch (`FusedMoE.folded_shared_weights`)."""
+
+    w13: torch.Tensor  # gate_up [2S, H]
+    w2: torch.Tensor  # down [H, S]
+    s13: torch.Tensor | None = None  # fp8: their scales in the experts' form (`small_batch.small_batch_moe`)
+    s2: torch.Tensor | None = None
 
 
 class FusedMoE(nn.Module):
@@ -123,15 +133,18 @@ class FusedMoE(nn.Module):
         their own names)."""
         self.__dict__["_shared_mlp"] = mlp
 
-    def folded_shared_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up weight [2S, H], down weight [H, S]) when this call's expert launch also computes the attached
-        shared MLP, else None."""
+    def folded_shared_weights(self, x: torch.Tensor) -> SharedWeights | None:
+        """The attached shared MLP's weights (gate_up [2S, H], down [H, S], and for fp8 experts their scales in the
+        experts' form) when this call's expert launch also computes it, else None."""
         mlp = self.__dict__.get("_shared_mlp")
-        if mlp is None or self.ep_size > 1 or type(self.quant_method) is not UnquantizedMoEMethod \
-                or self.__dict__.get("_fold_off"):
+        if mlp is None or self.ep_size > 1 or self.__dict__.get("_fold_off"):
             return None
+        from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
         from radixserve.layers.triton_ops import use_fused
 
+        fp8 = type(self.quant_method) is Fp8MoEMethod
+        if not fp8 and type(self.quant_method) is not UnquantizedMoEMethod:
+            return None
         if x.shape[0] > self.quant_method.small_batch_tokens(self) or not use_fused(x):
             return None
         w13 = getattr(mlp.gate_up_proj, "weight", None)
@@ -142,7 +155,10 @@ class FusedMoE(nn.Module):
                 w13.dtype != self.w13_weight.dtype or w2.dtype != self.w2_weight.dtype or \
                 w2.shape[1] % self.inter_per_rank:
             return None
-        return w13, w2
+        if not fp8:
+            return SharedWeights(w13, w2)
+        scales = self.quant_method.shared_scales(self, mlp.gate_up_proj, mlp.down_proj)
+        return None if scales is None else SharedWeights(w13, w2, *scales)
 
     def shared_folded(self, x: torch.Tensor) -> bool:
         return self.folded_shared_weights(x) is not None

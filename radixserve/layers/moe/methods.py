@@ -72,9 +72,10 @@ class MoEMethod(QuantizeMethodBase, ABC):
             if x.shape[0] <= self.small_batch_tokens(layer):
                 shared = layer.folded_shared_weights(x)
                 counters = layer.small_counters if layer.small_counters.device == x.device else None
-                return small_batch.small_batch_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                                   layer.expert_offset, *(shared or (None, None)),
-                                                   counters=counters, scales=scales)
+                return small_batch.small_batch_moe(
+                    x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,
+                    *(shared[:2] if shared else (None, None)), counters=counters, scales=scales,
+                    shared_scales=shared[2:] if shared and shared.s13 is not None else None)
             from radixserve.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,

@@ -13,7 +13,8 @@ rows are zeros: compute is free here, and `tl.dot` gets Triton's pipelined loads
 
 Shared experts (DeepSeek's `shared_experts`) may ride along as extra assignments of weight 1: a shared MLP whose
 intermediate size (per rank) is c times the routed one is c more "experts" for every token, read from its own
-gate_up / down weights (no copy into the routed stack). Experts not held on this rank (expert parallelism)
+gate_up / down weights (no copy into the routed stack; with fp8 experts, an fp8 MLP whose scales have the
+experts' form, read from its own scale tensors). Experts not held on this rank (expert parallelism)
 contribute nothing. Tokens that choose the same expert read its weights again (from L2 when close in time): the
 path is for batches of up to `SMALL_BATCH_TOKENS` tokens, the sorted grouped GEMM of `fused_moe.py` for the rest.
 
@@ -140,11 +141,11 @@ def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, group_k, 
 @triton.jit
 def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_local, inter_size, shared_inter,
                           hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i, Scale, stride_se, stride_sn,
-                          group_n, group_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                          PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
+                          group_n, group_k, SScale, stride_ss, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
     """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`) or per block (2:
-    widened for the tensor cores, each K step scaled, `fused_moe._wdot`; 3: on the CUDA cores, `_fp8_rows`); no
-    shared chunks then."""
+    widened for the tensor cores, each K step scaled, `fused_moe._wdot`; 3: on the CUDA cores, `_fp8_rows`); the
+    shared MLP's gate_up (W13S) then has scales of the same form in SScale (its rows of scales stride_ss apart)."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -169,8 +170,13 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     g_ptrs = base + gate_rows[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     u_ptrs = base + (gate_rows + up_shift)[None, :] * stride_row + offs_k[:, None]
     x_ptrs = X + tok.to(tl.int64) * stride_x + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
-    sg_cols = e64 * stride_se + (offs_n // group_n) * stride_sn  # the gate and up columns' scale rows
-    su_cols = e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
+    # the gate and up columns' scale rows: the expert's, or the shared MLP's (rows of chunk c at c·I.., up rows
+    # shared_inter further)
+    sg_cols = tl.where(is_routed, e64 * stride_se + (offs_n // group_n) * stride_sn,
+                       (gate_rows // group_n) * stride_ss)
+    su_cols = tl.where(is_routed, e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn,
+                       ((gate_rows + up_shift) // group_n) * stride_ss)
+    Scale = tl.where(is_routed, Scale, SScale)
     if QUANT == 1 or QUANT == 3:
         x_row = X + tok.to(tl.int64) * stride_x
         g, u = _fp8_rows(base + gate_rows * stride_row, up_shift * stride_row, x_row, Scale, sg_cols, su_cols, n_read,
@@ -198,11 +204,12 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
 @triton.jit
 def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k, slots, offset, num_local, hidden,
                        inter_size, stride_i, stride_we, stride_wn, stride_ws, stride_o, Scale, stride_se, stride_sn,
-                       group_n, group_k, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
+                       group_n, group_k, SScale, stride_ss, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
     """Program (assignment, column block): its weighted down-projection into Partial (float32); the last of a
     token's `slots` programs for a column block (a counter per block in Count, put back to 0 by it) sums them in
-    slot order and stores the token's output."""
+    slot order and stores the token's output. fp8 (QUANT): the shared MLP's down weight (W2S) has scales of the
+    experts' form in SScale (rows stride_ss apart; block-wise, chunk c's columns start at group c·I / group_k)."""
     pdl_prologue(PDL)
     a = tl.program_id(0)
     nb = tl.program_id(1)
@@ -226,7 +233,10 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
     rows = tl.arange(0, 16)
     w_ptrs = base + offs_n.to(tl.int64)[None, :] * stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     a_ptrs = Inter + a.to(tl.int64) * stride_i + rows[:, None] * 0 + offs_k[None, :]  # [16, BLOCK_K]
-    s_cols = e64 * stride_se + (offs_n // group_n) * stride_sn
+    s_chunk = 0 if QUANT == 1 else chunk * (inter_size // group_k)  # per row: one scale over all columns
+    s_cols = tl.where(is_routed, e64 * stride_se + (offs_n // group_n) * stride_sn,
+                      (offs_n // group_n) * stride_ss + s_chunk)
+    Scale = tl.where(is_routed, Scale, SScale)
     if QUANT == 1 or QUANT == 3:
         part, _ = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, 0, Inter + a.to(tl.int64) * stride_i, Scale,
                             s_cols, s_cols, n_read, inter_size, group_k, BLOCK_K, False, QUANT == 3)
@@ -256,11 +266,14 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
 def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, expert_offset: int = 0, shared_w13: torch.Tensor | None = None,
                     shared_w2: torch.Tensor | None = None, config: SmallMoEConfig | None = None,
-                    counters: torch.Tensor | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+                    counters: torch.Tensor | None = None, scales: ExpertScales | None = None,
+                    shared_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t]) (+ the shared MLP SiLU(x G^T)·(x U^T) D^T when
     `shared_w13` [2S, H] / `shared_w2` [H, S] are given, S a multiple of the routed intermediate size), for
     x [T, H], w13 [E, 2I, H], w2 [E, H, I]; experts outside [expert_offset, expert_offset + E) add nothing. With
-    `scales` the routed weights are fp8, widened in the kernels (no shared MLP then)."""
+    `scales` the routed weights are fp8, widened in the kernels; an fp8 shared MLP then comes with
+    `shared_scales` of the same form: per row (block) [ceil(2S / gn), 1] / [ceil(H / gn), 1], or per block of the
+    experts' groups [ceil(2S / gn), ceil(H / gk13)] / [ceil(H / gn), S / gk2] (I a multiple of gk2)."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -279,8 +292,7 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
             raise ValueError(f"small_batch_moe: shared weights {tuple(shared_w13.shape)} / "
                              f"{tuple(shared_w2.shape)} are not [2S, H] / [H, S] with S a multiple of {inter}")
         chunks = shared_inter // inter
-        if scales is not None:
-            raise ValueError("small_batch_moe: a shared MLP cannot ride along with fp8 experts")
+        _check_shared_scales(scales, shared_scales, shared_inter, hidden, inter)
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
@@ -307,17 +319,42 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     partial = torch.empty((num_tokens * slots, hidden), dtype=torch.float32, device=x.device)
     sw13 = w13 if shared_w13 is None else shared_w13
     sw2 = w2 if shared_w2 is None else shared_w2
+    ss13, ss2 = shared_scales if shared_scales is not None and chunks else (q13[0], q2[0])  # (placeholders)
     fp32 = x.dtype == torch.float32
     opts = {} if interp else {"num_warps": cfg.warps, "num_stages": cfg.stages, **pdl.launch_opts(x)}
     launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13, act,
            ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0), w13.stride(0),
-           w13.stride(1), sw13.stride(-2), act.stride(0), *q13, BLOCK_N=cfg.block_n_gate_up,
+           w13.stride(1), sw13.stride(-2), act.stride(0), *q13, ss13, ss13.stride(0), BLOCK_N=cfg.block_n_gate_up,
            BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=quant, **opts)
     launch(_small_down_kernel, (num_tokens * slots, blocks_down), act, w2, sw2, out, partial, counters, weights, ids,
            top_k, slots, expert_offset, num_local, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-           sw2.stride(-2), out.stride(0), *q2, S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
+           sw2.stride(-2), out.stride(0), *q2, ss2, ss2.stride(0), S_PAD=triton.next_power_of_2(slots),
+           BLOCK_N=cfg.block_n_down,
            BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, **opts)
     return out
+
+
+def _check_shared_scales(scales: ExpertScales | None, shared: tuple[torch.Tensor, torch.Tensor] | None,
+                         shared_inter: int, hidden: int, inter: int) -> None:
+    """A shared MLP riding along: 16-bit with 16-bit experts, fp8 with scales of the experts' form with fp8 ones."""
+    if (scales is None) != (shared is None):
+        raise ValueError("small_batch_moe: an fp8 shared MLP goes with fp8 experts (and shared_scales with both)")
+    if scales is None:
+        return
+    s13, s2 = shared
+    gn, gk13, gk2 = scales.group_n, scales.group_k13, scales.group_k2
+    if fp8_form(scales) == 1:  # one scale over each row (block) of K
+        want13, want2 = (-(-2 * shared_inter // gn), 1), (-(-hidden // gn), 1)
+    else:
+        if inter % gk2:
+            raise ValueError(f"small_batch_moe: a block-wise shared MLP needs the experts' intermediate size {inter} "
+                             f"to be a multiple of the block {gk2}")
+        want13 = (-(-2 * shared_inter // gn), -(-hidden // gk13))
+        want2 = (-(-hidden // gn), shared_inter // gk2)
+    for name, t, want in (("gate_up", s13, want13), ("down", s2, want2)):
+        if tuple(t.shape) != want or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"small_batch_moe: shared {name} scales {tuple(t.shape)} {t.dtype}; expected float32 "
+                             f"{want}, contiguous in the last dimension")
 
 
 def fp8_form(scales: ExpertScales | None) -> int:

@@ -141,6 +141,27 @@ class Fp8MoEMethod(MoEMethod):
             raise RuntimeError("fp8 experts used before their weights were processed (finish_quantization)")
         return ExpertScales(layer.w13_scale, layer.w2_scale, *self.groups)
 
+    def shared_scales(self, layer: FusedMoE, gate_up: nn.Module, down: nn.Module,
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The scales of a shared MLP's fp8 gate_up / down layers in the form the small-batch kernels read the
+        experts' (`small_batch.small_batch_moe`'s shared_scales), or None when they cannot ride along: not fp8, a
+        static activation scale, or another scale form than the experts'."""
+        from radixserve.layers.quantization.fp8 import Fp8LinearMethod
+
+        methods = [getattr(lin, "quant_method", None) for lin in (gate_up, down)]
+        if self.groups is None or not all(type(m) is Fp8LinearMethod for m in methods) or \
+                any(getattr(lin, "input_scale", None) is not None for lin in (gate_up, down)):
+            return None
+        gn, gk13, gk2 = self.groups
+        s13, s2 = gate_up.weight_scale, down.weight_scale
+        if gk13 >= layer.hidden_size and gk2 >= layer.inter_per_rank:  # the experts: a scale per row
+            if methods[0].block is not None or methods[1].block is not None or gn != 1:
+                return None
+            return s13.reshape(-1, 1), s2.reshape(-1, 1)
+        if any(m.block != [gn, gk13] for m in methods) or gk13 != gk2:
+            return None
+        return s13, s2
+
     def small_batch_tokens(self, layer: FusedMoE) -> int:
         """Fewer than 16-bit experts where the grouped GEMMs would run W8A8 (measured: `small_batch`'s
         SMALL_BATCH_TOKENS_FP8 for its CUDA-core forms, SMALL_BATCH_TOKENS_FP8_DOT for block-wise `tl.dot`); the
