@@ -139,11 +139,10 @@ class FusedMoE(nn.Module):
         mlp = self.__dict__.get("_shared_mlp")
         if mlp is None or self.ep_size > 1 or self.__dict__.get("_fold_off"):
             return None
-        from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
         from radixserve.layers.triton_ops import use_fused
 
-        fp8 = type(self.quant_method) is Fp8MoEMethod
-        if not fp8 and type(self.quant_method) is not UnquantizedMoEMethod:
+        shared_scales = getattr(self.quant_method, "shared_scales", None)  # quantized experts that carry its scales
+        if shared_scales is None and type(self.quant_method) is not UnquantizedMoEMethod:
             return None
         if x.shape[0] > self.quant_method.small_batch_tokens(self) or not use_fused(x):
             return None
@@ -155,9 +154,9 @@ class FusedMoE(nn.Module):
                 w13.dtype != self.w13_weight.dtype or w2.dtype != self.w2_weight.dtype or \
                 w2.shape[1] % self.inter_per_rank:
             return None
-        if not fp8:
+        if shared_scales is None:
             return SharedWeights(w13, w2)
-        scales = self.quant_method.shared_scales(self, mlp.gate_up_proj, mlp.down_proj)
+        scales = shared_scales(self, mlp.gate_up_proj, mlp.down_proj)
         return None if scales is None else SharedWeights(w13, w2, *scales)
 
     def shared_folded(self, x: torch.Tensor) -> bool:
