@@ -136,18 +136,28 @@ class PrefillAdder:
             self.rem_chunk -= ext
 
     def add_chunked_req(self, req: Req) -> Req | None:
-        """Continue a request being prefilled in chunks; returns it if it still has more chunks after this one."""
+        """Continue a request being prefilled in chunks; returns it if it still has more chunks after this one (it
+        is then this round's chunked request: nothing is admitted behind it). A chunk takes only the memory left
+        (decodes riding along in mixed steps may have used what admission left it); with not even a page of room
+        the request waits a round, its prompt's computed part kept."""
         ext = req.extend_input_len
         if self.rem_chunk is not None and ext > self.rem_chunk:
             ext = max(1, self.rem_chunk)
-        ext = min(ext, max(1, int(self.rem_input)))
+        ext = min(ext, max(1, int(self.rem_input)), max(1, int(self.rem_total) - self.page_slack))
         if ext < req.extend_input_len:
             ext = self._page_aligned_chunk(req, ext)
+        if ext + self.page_slack > self.rem_total:
+            req.extend_input_len = 0
+            req.fill_ids = req.fill_ids[: len(req.prefix_indices)]
+            self.new_chunked_req = req
+            return req
         truncated = ext < req.extend_input_len
         req.extend_input_len = ext
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + ext]
         self.can_run.append(req)
         self._take(ext, 0 if truncated else self._reserve(req))
+        if truncated:
+            self.new_chunked_req = req
         return req if truncated else None
 
     def _page_aligned_chunk(self, req: Req, ext: int) -> int:
@@ -195,6 +205,10 @@ class PrefillAdder:
         if lock:
             self.rem_total -= self.tree_cache.inc_lock_ref(req.last_node) or 0
         ext = self._page_aligned_chunk(req, self.rem_chunk)
+        if ext >= req.extend_input_len:  # the page boundary past the budget is the prompt's end: one extend
+            self.can_run.append(req)
+            self._take(ext, reserve)
+            return True
         req.extend_input_len = ext
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + ext]
         req.is_chunked += 1

@@ -192,8 +192,11 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
             # the prefill that just ran (with its decode riders, if MIXED) becomes or joins the running batch,
-            # minus finished and still-chunking requests
-            last.filter_batch(chunked_req=self.chunked_req)
+            # minus finished and still-chunking requests and those that end with it (prefill only: max_new_tokens
+            # 0, as embeddings and n > 1's shared prompt; under overlap its result is not processed yet)
+            last.filter_batch([i for i, r in enumerate(last.reqs)
+                               if r.finished_reason is None and r is not self.chunked_req
+                               and (r.sampling_params.max_new_tokens or r.output_ids)])
             if not last.is_empty():
                 last.forward_mode = ForwardMode.DECODE
                 if self.running_batch is None or self.running_batch.is_empty():
@@ -227,6 +230,8 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         if batch.is_empty():
             return
         if not batch.check_decode_mem():
+            self.retract_chunked_req()
+        if not batch.check_decode_mem():
             retracted, ratio = batch.retract_decode()
             self.new_token_ratio = max(self.new_token_ratio, ratio)
             self.num_retractions += len(retracted)
@@ -238,6 +243,24 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
                                        MIN_NEW_TOKEN_RATIO * self.server_args.schedule_conservativeness)
         if not batch.is_empty():
             batch.prepare_for_decode()
+
+    def retract_chunked_req(self) -> None:
+        """The decodes are short of memory and a prompt is being prefilled in chunks (it has decoded nothing, so it
+        goes first, as retraction takes the fewest decoded tokens first): its chunks so far go into the cache, its
+        memory back to the pool (the cached part stays evictable, for its next admission to match), and it waits
+        at the head of the queue. Nothing of it is in flight here (the caller settled the results)."""
+        req = self.chunked_req
+        if req is None or self.tree_cache is None:
+            return
+        self.chunked_req = None
+        if req.extend_input_len:  # its last chunk ran: cache it as the next round would have
+            self.tree_cache.cache_unfinished_req(req)
+        self.tree_cache.release_req(req)
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting_queue.insert(0, req)
+        logger.info("KV cache full: the prompt being prefilled in chunks waits (%d tokens cached)",
+                    len(req.origin_input_ids) - req.extend_input_len)
 
     # ================================================================= running
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:

@@ -109,7 +109,10 @@ class SchedulerInputMixin:
                             f"(--max-queued-requests {limit}); retry later", status=503)
             return
         sp = recv.sampling_params
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids))
+        # within the context and the KV pool (a page of slack): a request alone always fits, so retraction, which
+        # keeps the last running request, never has to make room the pool does not have
+        pool_room = self.token_to_kv_pool.size - self.token_to_kv_pool.page_size - len(ids)
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids), max(pool_room, 0))
         req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
                   top_logprobs_num=recv.top_logprobs_num, stream=recv.stream, lora_id=recv.lora_id)

@@ -39,8 +39,9 @@ class SchedulerPrefillMixin:
         batch.lora_table = self.lora_table
         batch.prepare_for_extend()
         for r in admitted:
-            self.prompt_tokens_total += len(r.origin_input_ids)
-            self.cache_hit_tokens += len(r.prefix_indices)
+            if not r.num_retractions:  # (a retracted request admitted again was counted the first time)
+                self.prompt_tokens_total += len(r.origin_input_ids)
+                self.cache_hit_tokens += len(r.prefix_indices)
         if mixed and self.running_batch is not None and not self.running_batch.is_empty():
             if self.running_batch.check_decode_mem():
                 batch.mix_with_running(self.running_batch)
