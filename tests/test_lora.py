@@ -201,8 +201,10 @@ def test_radix_cache_namespaces_are_separate() -> None:
 @pytest.mark.integration
 def test_engine_adapters_at_run_time(lora_setup) -> None:
     """Select adapters per prompt, load one at run time, unload it while a request runs on it (the request
-    finishes untouched, later ones are refused), load it again; nothing leaks."""
+    finishes untouched, later ones are refused), load it again; two unloads at once each get their own answer;
+    nothing leaks."""
     import threading
+    import time
 
     from radixserve import Engine
     from radixserve.managers.tokenizer_manager import RequestError
@@ -241,6 +243,19 @@ def test_engine_adapters_at_run_time(lora_setup) -> None:
         engine.load_lora_adapter("c16", paths["c16"])
         out = engine.generate(input_ids=PROMPTS[2], sampling_params=sp, lora_path="c16")
         assert out["output_ids"] == refs["c16"][2]
+        # two unloads at once: each caller gets its own answer (replies come as each unload is done: a4 waits for
+        # its running request, c16 goes at once)
+        longer = {**sp, "max_new_tokens": 460}  # (the tiny model's context is 512)
+        stream = engine.generate(input_ids=PROMPTS[2], sampling_params=longer, lora_path="a4", stream=True)
+        first = next(stream)
+        unloaded.clear()
+        t = threading.Thread(target=lambda: unloaded.append(engine.unload_lora_adapter("a4")))
+        t.start()
+        time.sleep(0.1)
+        assert "'c16'" in engine.unload_lora_adapter("c16") and not unloaded
+        chunks = [first, *stream]
+        t.join(timeout=120)
+        assert len(unloaded) == 1 and "'a4'" in unloaded[0]
         state = engine.get_internal_state()
         assert state["memory_ok"] and state["invariant_violations"] == 0
 
@@ -290,13 +305,25 @@ def test_unload_waits_for_running_requests(lora_setup, overlap) -> None:
             break
     replies = [m for m in s.outbox if isinstance(m, io.UnloadLoRAAdapterReqOutput)]
     res = drain(s)
-    assert len(replies) == 1 and replies[0].success, replies
+    assert len(replies) == 1 and replies[0].success and replies[0].name == "b8", replies
     assert res["running"]["ids"] == lora_setup["refs"]["b8"][2]
     assert res["other"]["ids"] == lora_setup["refs"]["a4"][0]
     assert res["late"]["finish"]["status_code"] == 404 and "unloaded" in res["late"]["finish"]["message"]
     assert "b8" not in s.lora_manager.adapters and "b8" not in s.lora_table.slot_of
     assert s.tree_cache.match_prefix(PROMPTS[2], "b8")[0].numel() == 0  # its cache entries are gone
     assert s.tree_cache.match_prefix(PROMPTS[0], "a4")[0].numel() > 0  # another adapter's stay
+    # two unloads asked while one adapter is in use: answered as each is done, each reply naming its request
+    submit_lora(s, "busy", PROMPTS[2], NEW, "a4")
+    s.step()
+    s.outbox.clear()
+    s.process_input_requests([io.UnloadLoRAAdapterReq(name="a4", seq=7), io.UnloadLoRAAdapterReq(name="c16", seq=8)])
+    for _ in range(200):
+        s.step()
+        s.process_input_requests([])
+        if s.is_idle() and not s.lora_unloads:
+            break
+    replies = [(m.seq, m.name, m.success) for m in s.outbox if isinstance(m, io.UnloadLoRAAdapterReqOutput)]
+    assert replies == [(8, "c16", True), (7, "a4", True)], replies
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1])
@@ -353,3 +380,25 @@ def test_lora_shards_recombine_to_the_full_delta(num_kv_heads: int) -> None:
         torch.testing.assert_close(outs["qkv_proj"], want)
         o_partials.append(outs["o_proj"])
     torch.testing.assert_close(sum(o_partials), ref["o_proj"])
+
+
+def test_an_adapter_without_a_slot_is_not_overtaken(lora_setup) -> None:
+    """One adapter slot, a steady stream of requests for a4 and one for b8: once b8 waits for the slot, no adapter
+    request behind it is admitted (a4's kept it for ever), so b8 runs as soon as the a4 requests admitted before it
+    end; a base-model request behind it still goes at once."""
+    s = make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"], max_loras_per_batch=1)
+    submit_lora(s, "a-0", PROMPTS[0], NEW, "a4")
+    s.step()
+    submit_lora(s, "b", PROMPTS[1], NEW, "b8")
+    first_token: dict[str, int] = {}
+    for step in range(200):
+        submit_lora(s, f"a-{step + 1}", PROMPTS[step % len(PROMPTS)], NEW, "a4")  # a new a4 request every step
+        if step == 0:
+            submit_lora(s, "base", PROMPTS[2], NEW, None)
+        s.step()
+        for r in s.running_batch.reqs if s.running_batch is not None else []:
+            first_token.setdefault(r.rid, step)
+        if "b" in first_token:
+            break
+    assert "b" in first_token and first_token["b"] <= NEW + 2, first_token.get("b")
+    assert first_token["base"] <= 1

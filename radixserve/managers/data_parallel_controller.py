@@ -70,7 +70,7 @@ class DataParallelController:
         self.recv_from_replicas = [get_zmq_socket(self.ctx, zmq.PULL, p["controller_input"], bind=True)
                                    for p in replica_port_args]
         # replies per type, per replica, in arrival order; merged once every replica has answered
-        self.replies: dict[type, list[deque[Any]]] = {}
+        self.replies: dict[tuple[type, int], list[deque[Any]]] = {}
 
     def event_loop(self) -> None:
         poller = zmq.Poller()
@@ -101,10 +101,13 @@ class DataParallelController:
         if isinstance(obj, io.SchedulerLoadReport):
             self.balancer.on_report(replica, obj)
             return
-        queues = self.replies.setdefault(type(obj), [deque() for _ in range(self.dp_size)])
+        key = (type(obj), getattr(obj, "seq", 0))  # replies to one request (they may come in another order)
+        queues = self.replies.setdefault(key, [deque() for _ in range(self.dp_size)])
         queues[replica].append(obj)
         if all(queues):
             parts = [q.popleft() for q in queues]
+            if not any(queues):
+                del self.replies[key]
             self.send_to_tokenizer.send_pyobj(self.merge_replies(parts))
 
     def merge_replies(self, parts: list[Any]) -> Any:
@@ -112,11 +115,11 @@ class DataParallelController:
         if isinstance(first, io.GetInternalStateReqOutput):
             state = merge_internal_states([p.state for p in parts])
             state.update(self.balancer.stats())
-            return io.GetInternalStateReqOutput(state=state)
+            return io.GetInternalStateReqOutput(state=state, seq=first.seq)
         if isinstance(first, io.FlushCacheReqOutput):
             ok = all(p.success for p in parts)
             msg = "" if ok else f"{sum(not p.success for p in parts)} of {len(parts)} replicas were busy"
-            return io.FlushCacheReqOutput(success=ok, message=msg)
+            return io.FlushCacheReqOutput(success=ok, message=msg, seq=first.seq)
         return first
 
 

@@ -57,23 +57,25 @@ class BatchStrOut:
 
 @dataclass
 class FlushCacheReq:
-    pass
+    seq: int = 0  # the tokenizer manager's number for the request; its reply carries it back
 
 
 @dataclass
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
+    seq: int = 0
 
 
 @dataclass
 class GetInternalStateReq:
-    pass
+    seq: int = 0  # the tokenizer manager's number for the request; its reply carries it back
 
 
 @dataclass
 class GetInternalStateReqOutput:
     state: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0
 
 
 @dataclass
@@ -82,12 +84,15 @@ class LoadLoRAAdapterReq:
 
     name: str
     path: str
+    seq: int = 0
 
 
 @dataclass
 class LoadLoRAAdapterReqOutput:
     success: bool
     message: str = ""
+    seq: int = 0
+    name: str = ""
 
 
 @dataclass
@@ -96,12 +101,15 @@ class UnloadLoRAAdapterReq:
     entries and host copy are dropped."""
 
     name: str
+    seq: int = 0
 
 
 @dataclass
 class UnloadLoRAAdapterReqOutput:
     success: bool
     message: str = ""
+    seq: int = 0  # replies come when each unload is done, not in the order asked: matched by seq
+    name: str = ""
 
 
 @dataclass

@@ -75,7 +75,7 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         # LoRA: which adapter sits in which device slot (the worker holds the weights)
         self.lora_manager = self.worker.model_runner.lora_manager
         self.lora_table = LoRASlotTable(server_args.max_loras_per_batch) if self.lora_manager is not None else None
-        self.lora_unloads: list[str] = []  # adapters to unload once no request uses them
+        self.lora_unloads: dict[str, int] = {}  # adapters to unload once no request uses them -> the ask's seq
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.chunk_size = server_args.chunk_size
         # in-batch prefix sharing compares prompt heads of this many tokens (shorter on the CPU)

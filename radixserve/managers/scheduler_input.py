@@ -68,13 +68,13 @@ class SchedulerInputMixin:
                 elif isinstance(obj, io.AbortReq):
                     self.abort_request(obj.rid, obj.message)
                 elif isinstance(obj, io.FlushCacheReq):
-                    self.send_out(io.FlushCacheReqOutput(success=self.flush_cache()))
+                    self.send_out(io.FlushCacheReqOutput(success=self.flush_cache(), seq=obj.seq))
                 elif isinstance(obj, io.GetInternalStateReq):
-                    self.send_out(io.GetInternalStateReqOutput(state=self.get_internal_state()))
+                    self.send_out(io.GetInternalStateReqOutput(state=self.get_internal_state(), seq=obj.seq))
                 elif isinstance(obj, io.LoadLoRAAdapterReq):
                     self.load_lora_adapter(obj)
                 elif isinstance(obj, io.UnloadLoRAAdapterReq):
-                    self.lora_unloads.append(obj.name)  # done when no request uses it (finish_lora_unloads)
+                    self.lora_unloads[obj.name] = obj.seq  # done when no request uses it (finish_lora_unloads)
                 else:
                     logger.error("scheduler got an unknown message %r", type(obj))
             except Exception as e:  # one bad message never takes the scheduler down

@@ -26,25 +26,24 @@ class SchedulerLoRAMixin:
 
     def load_lora_adapter(self, req: io.LoadLoRAAdapterReq) -> None:
         if self.lora_manager is None:
-            out = io.LoadLoRAAdapterReqOutput(False, "this server serves no LoRA adapters (start it with "
-                                                     "--enable-lora or --lora-paths)")
+            ok, msg = False, "this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)"
         elif req.name in self.lora_unloads:
-            out = io.LoadLoRAAdapterReqOutput(False, f"LoRA adapter {req.name!r} is being unloaded; retry")
+            ok, msg = False, f"LoRA adapter {req.name!r} is being unloaded; retry"
         else:
             try:
                 host = self.lora_manager.load_adapter(req.name, req.path)
-                out = io.LoadLoRAAdapterReqOutput(True, f"loaded LoRA adapter {req.name!r} (rank {host.rank})")
+                ok, msg = True, f"loaded LoRA adapter {req.name!r} (rank {host.rank})"
             except (ValueError, OSError) as e:
-                out = io.LoadLoRAAdapterReqOutput(False, str(e))
-        self.send_out(out)
+                ok, msg = False, str(e)
+        self.send_out(io.LoadLoRAAdapterReqOutput(ok, msg, seq=req.seq, name=req.name))
 
     def finish_lora_unloads(self) -> None:
         """Unload the adapters asked for that no request uses any more (new requests for them already fail)."""
         in_use = {r.lora_id for r in self._live_reqs() if not r.finished()}
         for name in [n for n in self.lora_unloads if n not in in_use]:
-            self.lora_unloads.remove(name)
+            seq = self.lora_unloads.pop(name)
             if self.lora_manager is None or name not in self.lora_manager.adapters:
-                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {name!r} is not loaded"))
+                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {name!r} is not loaded", seq, name))
                 continue
             try:
                 self.flush_results()  # a batch in flight may still hold its last requests' cache locks
@@ -53,6 +52,7 @@ class SchedulerLoRAMixin:
                 self.lora_manager.unload_adapter(name)
             except Exception as e:  # reported to the caller; the scheduler goes on
                 logger.exception("unloading LoRA adapter %r failed", name)
-                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"unloading LoRA adapter {name!r} failed: {e}"))
+                self.send_out(io.UnloadLoRAAdapterReqOutput(False, f"unloading LoRA adapter {name!r} failed: {e}",
+                                                            seq, name))
                 continue
-            self.send_out(io.UnloadLoRAAdapterReqOutput(True, f"unloaded LoRA adapter {name!r}"))
+            self.send_out(io.UnloadLoRAAdapterReqOutput(True, f"unloaded LoRA adapter {name!r}", seq, name))

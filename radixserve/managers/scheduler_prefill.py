@@ -79,11 +79,16 @@ class SchedulerPrefillMixin:
         loras = None  # LoRA: the distinct adapters of the batch must fit the device slots
         if self.lora_table is not None:
             loras = {r.lora_id for r in [*running, *adder.can_run] if r.lora_id is not None}
+        lora_blocked = False
         for req in self.waiting_queue:
             if slots_left <= 0 or not adder.budget_left() or adder.new_chunked_req is not None:
                 break
-            if loras is not None and req.lora_id is not None and req.lora_id not in loras \
-                    and len(loras) >= self.lora_table.num_slots:
+            if loras is not None and req.lora_id is not None and (lora_blocked or (
+                    req.lora_id not in loras and len(loras) >= self.lora_table.num_slots)):
+                # the first adapter request without a slot goes first: no adapter request behind it is admitted
+                # (a steady stream for the adapters in the slots would keep them there for ever); base-model
+                # requests need no slot and go on
+                lora_blocked = True
                 continue
             # A match from an earlier round may point at KV that an eviction freed since: match again unless this
             # round's ordering just did (and never lock a node no longer in the tree).

@@ -8,6 +8,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import time
@@ -61,7 +62,8 @@ class TokenizerManager:
         self.scheduler_info = scheduler_info
         self.rid_to_state: dict[str, ReqState] = {}
         # control replies come back in request order: one FIFO of waiting futures per reply type
-        self.pending_control: dict[type, collections.deque[asyncio.Future]] = {}
+        self.pending_control: dict[int, asyncio.Future] = {}  # control requests by seq, answered by their replies
+        self._control_seq = itertools.count(1)
         self.ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = get_zmq_socket(self.ctx, zmq.PUSH, port_args["scheduler_input"], bind=False)
         self.recv_from_detokenizer = get_zmq_socket(self.ctx, zmq.PULL, port_args["tokenizer_input"], bind=True)
@@ -92,12 +94,11 @@ class TokenizerManager:
                 if isinstance(obj, io.BatchStrOut):
                     self._handle_batch_out(obj)
                 else:
-                    waiters = self.pending_control.get(type(obj))
-                    while waiters:
-                        fut = waiters.popleft()
-                        if not fut.done():  # skip waiters that timed out
-                            fut.set_result(obj)
-                            break
+                    fut = self.pending_control.pop(getattr(obj, "seq", 0), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(obj)
+                    else:  # its caller gave up waiting: keep the adapter list as the scheduler has it
+                        self._late_control_reply(obj)
             except Exception:
                 logger.exception("tokenizer manager failed to handle %s", type(obj).__name__)
 
@@ -436,11 +437,27 @@ class TokenizerManager:
         self.send_to_scheduler.send_pyobj(io.AbortReq(rid=rid, message=message))
 
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
+        """Send a control request and wait for its reply (`reply_type`, matched by the request's seq)."""
         self._ensure_loop()
         fut = asyncio.get_running_loop().create_future()
-        self.pending_control.setdefault(reply_type, collections.deque()).append(fut)
+        req.seq = next(self._control_seq)
+        self.pending_control[req.seq] = fut
         self.send_to_scheduler.send_pyobj(req)
-        return await asyncio.wait_for(fut, timeout)
+        try:
+            out = await asyncio.wait_for(fut, timeout)
+        finally:
+            self.pending_control.pop(req.seq, None)
+        if not isinstance(out, reply_type):
+            raise RuntimeError(f"control request {type(req).__name__} got a {type(out).__name__} reply")
+        return out
+
+    def _late_control_reply(self, obj: Any) -> None:
+        """A LoRA load or unload that finished after its caller timed out: the adapter is (or is no longer) served
+        all the same."""
+        if isinstance(obj, io.LoadLoRAAdapterReqOutput) and obj.success and self.lora_names is not None:
+            self.lora_names.add(obj.name)
+        elif isinstance(obj, io.UnloadLoRAAdapterReqOutput) and obj.success and self.lora_names is not None:
+            self.lora_names.discard(obj.name)
 
     async def flush_cache(self) -> bool:
         out = await self._control(io.FlushCacheReq(), io.FlushCacheReqOutput)
