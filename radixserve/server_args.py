@@ -369,6 +369,10 @@ class ServerArgs:
         names = [n for n, _ in self.lora_path_pairs()]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-paths: adapter names must be unique; got {names}")
+        reserved = {"default", self.served_model_name} & set(names)  # `model` with these names is the base model
+        if reserved:
+            raise ValueError(f"--lora-paths: {', '.join(sorted(n for n in reserved if n))} names the served model; "
+                             "choose another adapter name")
         for name, path in self.lora_path_pairs():
             if not os.path.isdir(path):
                 raise ValueError(f"--lora-paths: adapter {name!r}: {path!r} is not a folder")

@@ -125,6 +125,15 @@ def test_bad_adapter_folders_are_clear_errors(lora_setup, tmp_path) -> None:
         make_scheduler(lora_setup["base"], lora_paths=lora_setup["lora_paths"], max_lora_rank=8)
     with pytest.raises(ValueError, match="NAME=PATH|not a folder"):
         make_scheduler(lora_setup["base"], lora_paths=["x=/nonexistent"])
+    # --lora-target-modules is per projection (the layers are patched per fused group: q/k/v, gate/up)
+    paths = lora_setup["paths"]
+    with pytest.raises(ValueError, match="targets down_proj, gate_proj, k_proj, o_proj, up_proj, which.*does not"):
+        make_scheduler(lora_setup["base"], lora_paths=[f"b8={paths['b8']}"], lora_target_modules=["q_proj", "v_proj"])
+    s = make_scheduler(lora_setup["base"], lora_paths=[f"a4={paths['a4']}"], lora_target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="does not serve"):
+        s.lora_manager.load_adapter("c16", paths["c16"])
+    with pytest.raises(ValueError, match="served model"):
+        make_scheduler(lora_setup["base"], lora_paths=[f"default={paths['a4']}"])
     from radixserve.server_args import ServerArgs
 
     with pytest.raises(ValueError, match="torch-compile"):

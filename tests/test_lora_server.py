@@ -78,6 +78,11 @@ def test_native_lora_path(setup) -> None:
     r = gen(http, PROMPTS[0], "nope")
     assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
     assert gen(http, PROMPTS[0], None).json()["output_ids"] == refs[None][0]  # nothing else was harmed
+    one = gen(http, PROMPTS[0], ["a4"])  # a single prompt's adapter in a list of one (as SGLang clients send it)
+    assert one.status_code == 200 and one.json()["output_ids"] == refs["a4"][0], one.text
+    for name in ("default", SERVED):  # names that select the base model as `model` cannot name an adapter
+        r = http.post("/load_lora_adapter", json={"lora_name": name, "lora_path": setup["paths"]["a4"]})
+        assert r.status_code == 400 and "served model" in r.json()["error"]["message"], r.text
 
 
 def test_openai_model_selects_the_adapter(setup) -> None:
@@ -89,6 +94,9 @@ def test_openai_model_selects_the_adapter(setup) -> None:
                                                "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == native[name], model
+        assert r.json()["model"] == model  # the adapter named as the request named it (as vLLM echoes it)
+    r = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 2, "lora_path": "b8"})
+    assert r.status_code == 200 and r.json()["model"] == "b8", r.text
     for body, status in [({"model": "nope"}, 404), ({"model": f"{SERVED}:nope"}, 404),
                          ({"model": "a4", "lora_path": "b8"}, 400)]:
         r = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 2, **body})

@@ -171,6 +171,28 @@ def test_validate_rejects_bad_grammars_with_clear_messages(kind: str, text: str,
     assert msg.startswith(kind + ":") and "/project/" not in msg and len(msg) < 400
 
 
+@pytest.mark.parametrize("schema,keyword,where", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#"),
+    ({"type": "array", "contains": {"const": 7}}, "contains", "#"),
+    ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 4}]}, "allOf", "#"),
+    ({"type": "object", "properties": {"t": {"type": "string"}}, "if": {"properties": {"t": {"const": "a"}}},
+      "then": {"required": ["v"]}}, "if", "#"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not", "#/properties/a"),
+    ({"$defs": {"d": {"type": "object", "dependentRequired": {"a": ["b"]}}}, "$ref": "#/$defs/d"},
+     "dependentRequired", "#/$defs/d"),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties", "#"),
+])
+def test_keywords_the_backend_would_not_enforce_are_refused(schema: dict, keyword: str, where: str) -> None:
+    """xgrammar compiles these keywords without enforcing them (an instance that breaks them matches): a 400 naming
+    the keyword and where it is, not an output that ignores it. A property *named* like a keyword is fine, and so
+    are allOf with one subschema (pydantic's field wrappers) and uniqueItems false."""
+    with pytest.raises(GrammarError, match=re.escape(f"{keyword!r} (at {where})")):
+        validate_grammar("xgrammar", "json_schema", json.dumps(schema))
+    fine = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"allOf": [{"type": "string"}]},
+                                             "xs": {"type": "array", "uniqueItems": False}}}
+    validate_grammar("xgrammar", "json_schema", json.dumps(fine))
+
+
 def test_validate_accepts_good_grammars() -> None:
     validate_grammar("xgrammar", "json_schema", json.dumps(PERSON))
     validate_grammar("xgrammar", "regex", REGEXES[0][0])

@@ -50,6 +50,50 @@ def _check_json_schema_text(text: str) -> None:
     if not isinstance(schema, dict | bool):
         raise GrammarError(f"json_schema: a JSON schema must be an object (or a boolean), got "
                            f"{type(schema).__name__}")
+    found = unenforced_keyword(schema)
+    if found is not None:
+        keyword, where = found
+        raise GrammarError(f"json_schema: {keyword!r} (at {where}) is not enforced by the grammar backend "
+                           "(xgrammar): the output could break it; leave it out of the schema")
+
+
+# Keywords xgrammar 0.2 compiles without enforcing (an instance that breaks them is accepted; checked by matching
+# violating instances): rejected rather than silently ignored. `allOf` is enforced with one subschema only.
+_UNENFORCED = ("contains", "minContains", "maxContains", "if", "then", "else", "not", "dependentRequired",
+               "dependentSchemas", "dependencies", "patternProperties")
+# keywords whose value is a schema, a list of schemas, or a {name: schema} map (names are not keywords)
+_SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "not", "if",
+              "then", "else")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def unenforced_keyword(schema: Any, where: str = "#") -> tuple[str, str] | None:
+    """The first keyword of `schema` (walked through its subschemas) that the backend would not enforce, with its
+    location, or None."""
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNENFORCED:
+        if key in schema and schema[key] not in ({}, [], None):
+            return key, where
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems", where
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf", where
+    subs: list[tuple[Any, str]] = [(schema[k], f"{where}/{k}") for k in _SUBSCHEMA if k in schema]
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(k), list):
+            subs += [(v, f"{where}/{k}/{i}") for i, v in enumerate(schema[k])]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(k), dict):
+            subs += [(v, f"{where}/{k}/{name}") for name, v in schema[k].items()]
+    if isinstance(schema.get("items"), list):  # (draft 4-7 tuple form)
+        subs += [(v, f"{where}/items/{i}") for i, v in enumerate(schema["items"])]
+    for sub, at in subs:
+        found = unenforced_keyword(sub, at)
+        if found is not None:
+            return found
+    return None
 
 
 class XGrammarGrammar(BaseGrammarObject):

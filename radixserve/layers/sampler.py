@@ -94,6 +94,10 @@ def _removed_mask(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor 
     return torch.zeros_like(remove).scatter_(1, order, remove)
 
 
+# the logprob reported for a token the sampling removed (its -inf is not JSON), as vLLM reports it
+LOGPROB_FLOOR = -9999.0
+
+
 class Sampler(nn.Module):
     def forward(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo,
                 return_logprob: bool = False, top_logprobs_nums: Sequence[int] | None = None) -> torch.Tensor:
@@ -154,7 +158,7 @@ class Sampler(nn.Module):
     def _fill_logprobs(logits_output: LogitsProcessorOutput, logprobs: torch.Tensor, next_ids: torch.Tensor,
                        top_logprobs_nums: Sequence[int] | None) -> None:
         bs, vocab_size = logprobs.shape
-        logits_output.next_token_logprobs = logprobs.gather(1, next_ids.view(-1, 1)).view(-1)
+        logits_output.next_token_logprobs = logprobs.gather(1, next_ids.view(-1, 1)).view(-1).clamp_min(LOGPROB_FLOOR)
         nums = [0] * bs if top_logprobs_nums is None else [int(n) for n in top_logprobs_nums]
         if len(nums) != bs:
             raise ValueError(f"top_logprobs_nums: expected {bs} entries, got {len(nums)}")
@@ -166,6 +170,8 @@ class Sampler(nn.Module):
             logits_output.next_token_top_logprobs_idx = [[] for _ in range(bs)]
             return
         values, indices = logprobs.topk(k, dim=-1)
+        # tokens a grammar, top-k or top-p removed have -inf (JSON has no infinity: it would print null), as vLLM
+        values = values.clamp_min(LOGPROB_FLOOR)
         values_l, indices_l = values.tolist(), indices.tolist()  # one host sync for the whole batch
         logits_output.next_token_top_logprobs_val = [values_l[i][: nums[i]] for i in range(bs)]
         logits_output.next_token_top_logprobs_idx = [indices_l[i][: nums[i]] for i in range(bs)]

@@ -14,7 +14,7 @@ import torch
 
 from radixserve.layers import cpu_ops
 from radixserve.layers.triton_ops import use_fused
-from radixserve.lora.adapter import read_lora_weights
+from radixserve.lora.adapter import LoRAWeights, read_lora_weights
 from radixserve.lora.batch_info import LoRABatchInfo, layout, pack_rows
 from radixserve.lora.config import TARGET_MODULES
 from radixserve.lora.layers import GROUP_OF, LoRATarget, find_lora_targets
@@ -105,6 +105,11 @@ class LoRAManager:
         self.max_rank = server_args.max_lora_rank or max((w.config.r for _, w in start),
                                                          default=DEFAULT_MAX_LORA_RANK)
         modules = server_args.lora_target_modules
+        # given: the only projections an adapter may carry (the layers are patched per fused group, q/k/v and
+        # gate/up, so a k_proj adapter would otherwise run where only q_proj and v_proj were asked for)
+        self.allowed = set(modules) if modules else None
+        for name, weights in start:
+            self._check_targets(name, weights)
         if not modules:
             modules = sorted({m for _, w in start for m in w.target_modules}) or list(TARGET_MODULES)
         groups = {GROUP_OF[m] for m in modules}
@@ -136,9 +141,17 @@ class LoRAManager:
             raise ValueError("a LoRA adapter needs a name")
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        host = self.pool.host_copy(name, read_lora_weights(path, self.num_layers))
+        weights = read_lora_weights(path, self.num_layers)
+        self._check_targets(name, weights)
+        host = self.pool.host_copy(name, weights)
         self.adapters[name] = host
         return host
+
+    def _check_targets(self, name: str, weights: LoRAWeights) -> None:
+        extra = sorted(set(weights.target_modules) - self.allowed) if self.allowed is not None else []
+        if extra:
+            raise ValueError(f"LoRA adapter {name!r} targets {', '.join(extra)}, which --lora-target-modules "
+                             f"({', '.join(sorted(self.allowed))}) does not serve")
 
     def unload_adapter(self, name: str) -> None:
         if self.adapters.pop(name, None) is None:

@@ -235,8 +235,8 @@ class TokenizerManager:
         n_prompts = len(prompts)
 
         def per(value: Any, name: str) -> list[Any]:
-            if isinstance(value, list):
-                if not batch or len(value) != n_prompts:
+            if isinstance(value, list):  # one per prompt (a single prompt may have its value in a list of one)
+                if len(value) != n_prompts:
                     raise RequestError(f"{name} is a list of {len(value)} but there are {n_prompts} prompts", 400,
                                        name)
                 return value

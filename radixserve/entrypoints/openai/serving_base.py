@@ -266,9 +266,18 @@ class OpenAIServingBase:
                                    lambda e: from_request_error(e, prompt_param=prompt_param, openai=True),
                                    generate=self._generate)
 
-    def base_response(self, rid: str, obj_type: str) -> dict[str, Any]:
+    def response_model(self, req: Any) -> str:
+        """The `model` a response names: the LoRA adapter the request asked for, as it named it (in `model`, or
+        SGLang's `lora_path`), else the served model."""
+        model = getattr(req, "model", None)
+        if model is not None and model not in self.accepted_models:  # an adapter (resolve_lora accepted it)
+            return model
+        lora = getattr(req, "lora_path", None)
+        return lora if lora is not None else self.model_name
+
+    def base_response(self, rid: str, obj_type: str, req: Any = None) -> dict[str, Any]:
         return {"id": f"{self.object_prefix}-{rid}", "object": obj_type, "created": int(time.time()),
-                "model": self.model_name}
+                "model": self.response_model(req)}
 
 
 def json_schema_text(schema: dict[str, Any] | None) -> str:

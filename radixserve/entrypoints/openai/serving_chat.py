@@ -150,7 +150,7 @@ class OpenAIServingChat(OpenAIServingBase):
                             "finish_reason": _finish(reason, reader.has_tool_calls),
                             "matched_stop": matched_stop(reason)})
             completion_tokens += meta.get("completion_tokens", 0)
-        resp = self.base_response(rid, "chat.completion")
+        resp = self.base_response(rid, "chat.completion", req)
         resp["choices"] = choices
         resp["usage"] = self.usage(len(ids), completion_tokens, outs[0]["meta_info"].get("cached_tokens", 0)
                                    if outs else 0)
@@ -159,7 +159,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def _render_stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict[str, Any]], prompt_len: int,
                              rid: str, cfg: OutputConfig) -> AsyncIterator[bytes]:
-        base = self.base_response(rid, "chat.completion.chunk")
+        base = self.base_response(rid, "chat.completion.chunk", req)
         base["system_fingerprint"] = None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)

@@ -100,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             completion_tokens += meta.get("completion_tokens", 0)
             if k % n == 0:
                 cached += meta.get("cached_tokens", 0)
-        resp = self.base_response(rid, "text_completion")
+        resp = self.base_response(rid, "text_completion", req)
         resp["choices"] = choices
         resp["usage"] = self.usage(sum(len(i) for i in ids_list), completion_tokens, cached)
         return json_response(resp)
@@ -108,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
     async def _render_stream(self, req: CompletionRequest, outs: AsyncIterator[dict[str, Any]],
                              ids_list: list[list[int]], prompt_texts: list[str | None], rid: str,
                              n: int) -> AsyncIterator[bytes]:
-        base = self.base_response(rid, "text_completion")
+        base = self.base_response(rid, "text_completion", req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         want_lp = req.logprobs is not None

@@ -173,7 +173,7 @@ class OpenAIServingEmbedding(OpenAIServingBase):
             data.append({"object": "embedding", "index": i,
                          "embedding": _b64(vec) if req.encoding_format == "base64" else vec})
         n = sum(len(x) for x in ids)
-        return json_response({"object": "list", "data": data, "model": self.model_name,
+        return json_response({"object": "list", "data": data, "model": self.response_model(req),
                               "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     async def encode(self, request: Request, body: dict[str, Any]) -> Response:

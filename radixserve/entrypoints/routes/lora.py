@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import json_response, parse_model, read_json
-from radixserve.entrypoints.openai.errors import from_request_error
+from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from radixserve.entrypoints.server_state import server_state
 from radixserve.managers.tokenizer_manager import RequestError
@@ -20,6 +20,9 @@ async def load_lora_adapter(request: Request) -> Response:
     state = server_state(request)
     req = parse_model(LoadLoRAAdapterRequest, await read_json(request))
     state.ensure_alive()
+    if req.lora_name in state.completions.accepted_models:  # `model` with that name selects the base model
+        raise APIError(f"lora_name {req.lora_name!r} names the served model (its name or an alias); choose another",
+                       400, "lora_name", "invalid_value")
     try:
         message = await state.tm.load_lora_adapter(req.lora_name, req.lora_path)
     except RequestError as e:
