@@ -118,7 +118,9 @@ def test_native_encode_and_radix_cache(smol: tuple[str, Any, Any]) -> None:
                                   ("/v1/embeddings", {"input": [[1, 2], [10 ** 9]]}, "input"),
                                   ("/v1/embeddings", {"input": "x" * 50000}, "input"),
                                   ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
-                                  ("/encode", {"text": "x", "input_ids": [1]}, "text")]:
+                                  ("/encode", {"text": "x", "input_ids": [1]}, "text"),
+                                  ("/v1/embeddings", {"input": "x", "lora_path": "a4"}, "lora_path"),  # no adapters
+                                  ("/encode", {"text": "x", "lora_path": "a4"}, "lora_path")]:
             r = http.post(path, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),

@@ -36,6 +36,7 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None  # changes nothing (as on the other routes)
+    lora_path: str | None = None  # SGLang extension: a LoRA adapter's name (or say it in `model`)
 
 
 class EncodeRequest(_Strict):
@@ -44,6 +45,7 @@ class EncodeRequest(_Strict):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     rid: str | list[str] | None = None
+    lora_path: str | None = None  # a LoRA adapter's name
 
 
 def model_pooling(model_path: str | None, override: str | None) -> str:
@@ -161,7 +163,7 @@ class OpenAIServingEmbedding(OpenAIServingBase):
 
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
         req = parse_model(EmbeddingRequest, body)
-        lora = self.resolve_lora(req.model, None)  # a LoRA adapter's name selects it, as on the other routes
+        lora = self.resolve_lora(req.model, req.lora_path)  # an adapter's name selects it, as on the other routes
         self._check_dimensions(req.dimensions)
         ids = await self._inputs(req.input, "input")
         outs = await self.embed(request, ids, None, "input", lora)
@@ -187,7 +189,7 @@ class OpenAIServingEmbedding(OpenAIServingBase):
         if batch and isinstance(req.rid, str):
             raise APIError("rid: a batched request needs a list of rids (one per input)", 400, "rid",
                            "invalid_value")
-        outs = await self.embed(request, ids, req.rid, param)
+        outs = await self.embed(request, ids, req.rid, param, self.resolve_lora(None, req.lora_path))
         result = [{"embedding": o["meta_info"]["embedding"], "meta_info": {
             k: v for k, v in o["meta_info"].items() if k != "embedding"}} for o in outs]
         return json_response(result if batch else result[0])
