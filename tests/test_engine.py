@@ -148,3 +148,16 @@ def test_requests_fail_instead_of_hanging_when_the_scheduler_dies(embedded_model
         assert info.value.status_code == 503
     finally:
         e.shutdown()
+
+
+def test_n_samples_under_overlap_scheduling(embedded_model_path) -> None:
+    """The overlap loop (CUDA's default) with a prefill-only request: n > 1 first prefills the shared prompt with
+    max_new_tokens 0 (the scheduler used to fail on it and exit), then every sample decodes; the engine stays
+    healthy."""
+    with Engine(model_path=embedded_model_path, max_total_tokens=2048, log_level="warning",
+                enable_overlap_schedule=True) as e:
+        outs = e.generate("The capital of France is", {**GREEDY, "n": 3})
+        assert len(outs) == 3 and len({o["text"] for o in outs}) == 1 and "Paris" in outs[0]["text"]
+        assert e.generate("1, 2, 3,", GREEDY)["meta_info"]["completion_tokens"] == 12
+        state = e.get_internal_state()
+        assert state["memory_ok"] and state["invariant_violations"] == 0
