@@ -588,10 +588,11 @@ def test_decodes_riding_with_chunks_do_not_run_the_pool_dry(tiny_path, extra: di
 
 
 def test_max_new_tokens_capped_by_the_pool(tiny_path) -> None:
-    """A prompt that fits the pool with a max_new_tokens that does not: capped to the pool's room (a page of
-    slack), a length finish (retraction keeps the last request, so nothing else could make room)."""
-    for page in (1, 16):
-        s = make_scheduler(tiny_path, max_total_tokens=128, page_size=page)
+    """A prompt that fits the pool with a max_new_tokens that does not: capped to the pool's room, a length finish
+    (retraction keeps the last request, so nothing else could make room); the last token fits, overlap's step in
+    flight included."""
+    for page, overlap in ((1, False), (16, False), (1, True), (16, True)):
+        s = make_scheduler(tiny_path, max_total_tokens=128, page_size=page, enable_overlap_schedule=overlap)
         submit(s, "p", list(range(10, 90)), 100)
         res = drain(s)
-        assert res["p"]["finish"]["type"] == "length" and len(res["p"]["ids"]) == 128 - page - 80
+        assert res["p"]["finish"]["type"] == "length" and len(res["p"]["ids"]) == 128 - 80

@@ -255,12 +255,13 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         self.chunked_req = None
         if req.extend_input_len:  # its last chunk ran: cache it as the next round would have
             self.tree_cache.cache_unfinished_req(req)
+        cached = len(req.prefix_indices)
         self.tree_cache.release_req(req)
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting_queue.insert(0, req)
-        logger.info("KV cache full: the prompt being prefilled in chunks waits (%d tokens cached)",
-                    len(req.origin_input_ids) - req.extend_input_len)
+        logger.info("KV cache full: the prompt being prefilled in chunks waits (%d of its %d tokens cached)", cached,
+                    len(req.origin_input_ids))
 
     # ================================================================= running
     def run_batch(self, batch: ScheduleBatch) -> LaunchedBatch:

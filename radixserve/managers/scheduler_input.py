@@ -109,9 +109,10 @@ class SchedulerInputMixin:
                             f"(--max-queued-requests {limit}); retry later", status=503)
             return
         sp = recv.sampling_params
-        # within the context and the KV pool (a page of slack): a request alone always fits, so retraction, which
+        # within the context and the KV pool: a request alone always fits (its KV, with the one more token a decode
+        # step in flight may write under overlap, in whole pages of a pool of whole pages), so retraction, which
         # keeps the last running request, never has to make room the pool does not have
-        pool_room = self.token_to_kv_pool.size - self.token_to_kv_pool.page_size - len(ids)
+        pool_room = self.token_to_kv_pool.size - len(ids)
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(ids), max(pool_room, 0))
         req = Req(recv.rid, ids, sp, eos_token_ids=self.model_config.eos_token_ids,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
