@@ -61,7 +61,6 @@ class TokenizerManager:
         self.vocab_size = vocab_size
         self.scheduler_info = scheduler_info
         self.rid_to_state: dict[str, ReqState] = {}
-        # control replies come back in request order: one FIFO of waiting futures per reply type
         self.pending_control: dict[int, asyncio.Future] = {}  # control requests by seq, answered by their replies
         self._control_seq = itertools.count(1)
         self.ctx = zmq.asyncio.Context(2)
