@@ -118,15 +118,15 @@ def _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor,
-                        HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
+def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor, stride_sn,
+                        group_n, group_k, HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
-                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False, stride_sn=0, group_n=1,
-                        group_k=1, BLOCKS: tl.constexpr = False):
+                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False, BLOCKS: tl.constexpr = False):
     """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
     silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`.
     BLOCKS: S holds a scale per group_n rows and group_k columns (rows stride_sn apart); BLOCK_N divides group_n
-    (and so does N with SILU_MUL), so each program's gate rows, and its up rows, share one row of scales.
+    (and so does N with SILU_MUL), so each program's gate rows, and its up rows, share one row of scales (per-channel
+    scales: stride_sn, group_n, group_k unused).
     More fp8 bytes in flight per SM (the kernel is bound by them, not by instructions): RED8 sums each thread's
     runs of 8 products before they reach the accumulator ([BLOCK_N, BLOCK_K / 8] registers instead of [BLOCK_N,
     BLOCK_K], so larger tiles and more programs fit an SM); EVICT streams the weight past L1 (evict-first), leaving
@@ -274,14 +274,14 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         if not flags <= EW_FLAGS:
             raise ValueError(f"fp8 GEMV: unknown variant {cfg.variant!r} (flags joined by '+': {sorted(EW_FLAGS)})")
         widen = "f16" in flags
-        blocks = {}
+        groups = (0, 1, 1)  # per-channel scales: unused
         if block is not None:  # a program's rows in one row block (powers of two: the smaller divides the larger)
             block_n = min(block_n, bn)
-            blocks = dict(stride_sn=scale.stride(0), group_n=bn, group_k=bk, BLOCKS=True)
+            groups = (scale.stride(0), bn, bk)
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
-               out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0,
+               out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0, *groups,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
-               BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, **blocks, **opts,
+               BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, BLOCKS=block is not None, **opts,
                **pdl.launch_opts(x, pdl_level))
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
