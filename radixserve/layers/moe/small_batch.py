@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.moe.fused_moe import _wdot, scale_args
+from radixserve.layers.quantization.fp8_gemv import _runs8
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
 from radixserve.layers.triton_ops.pdl import pdl_prologue
@@ -90,14 +91,6 @@ ROWS = 16  # the dot's M: row 0 is the assignment's, the rest are zeros (compute
 
 
 @triton.jit
-def _runs8(w, x):
-    """The widened fp8 tile w [N, BLOCK_K] times x [N, BLOCK_K], each thread's runs of 8 products summed:
-    [N, BLOCK_K / 8]."""
-    p = w.to(tl.float32) * x
-    return tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 8, 8)), axis=2)
-
-
-@triton.jit
 def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, group_k, BLOCK_K: tl.constexpr,
               TWO: tl.constexpr, BLOCKS: tl.constexpr = False):
     """The products of BLOCK_N fp8 weight rows (w_rows: each row's first byte, K contiguous) with one activation
@@ -119,12 +112,13 @@ def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, group_k, 
         ptrs = w_rows[:, None] + k0 + offs_k[None, :]
         mask = n_read[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        part = _runs8(tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first"), x)
+        part = _runs8(tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x)
         if BLOCKS:
             part = part * tl.load(Scale + s_rows + k0 // group_k, mask=n_read, other=0.0)[:, None]
         acc += part
         if TWO:
-            part2 = _runs8(tl.load(ptrs + shift, mask=mask, other=0.0, eviction_policy="evict_first"), x)
+            part2 = _runs8(tl.load(ptrs + shift, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                           * x)
             if BLOCKS:
                 part2 = part2 * tl.load(Scale + s_rows2 + k0 // group_k, mask=n_read, other=0.0)[:, None]
             acc2 += part2

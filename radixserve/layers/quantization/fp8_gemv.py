@@ -81,7 +81,7 @@ def _group_cols(offs_k, offs_n, group_k, RED8: tl.constexpr):
     valid at every step because K steps and groups are powers of two that start at multiples of each other."""
     cols = offs_k[None, :] + 0 * offs_n[:, None]
     if RED8:
-        cols = tl.min(tl.reshape(cols, (cols.shape[0], cols.shape[1] // 8, 8)), axis=1 + 1)
+        cols = tl.min(tl.reshape(cols, (cols.shape[0], cols.shape[1] // 8, 8)), axis=2)
     return cols // group_k
 
 
