@@ -119,6 +119,9 @@ class _LinearBase(nn.Module):
                 n = param.shape[dim]
             else:
                 n, dst_off, src_off = (_blocks(v, block, "output rows") for v in (n, dst_off, src_off))
+        if loaded.dim() != param.dim() or loaded.shape[dim] < src_off + n:
+            raise ValueError(f"weight shape mismatch: a tensor of shape {tuple(loaded.shape)} has no rows "
+                             f"{src_off}..{src_off + n} for a parameter of shape {tuple(param.shape)}")
         self._copy(param.data.narrow(dim, dst_off, n), loaded.narrow(dim, src_off, n))
 
     def _row_gemv(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor | None:

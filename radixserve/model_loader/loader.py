@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -61,7 +63,17 @@ def _weights(model_config: ModelConfig, load_format: str,
 
 
 def _hf_quant_config(model_config: ModelConfig) -> dict | None:
+    """The checkpoint's `quantization_config`; for an older NVIDIA ModelOpt export without one, its
+    `hf_quant_config.json`."""
     qc = getattr(model_config.hf_config, "quantization_config", None)
+    if qc is None and not model_config.is_gguf:
+        path = os.path.join(model_config.model_path, "hf_quant_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
+                raise ValueError(f"{path}: expected a ModelOpt quantization file with a 'quantization' section")
+            return {"quant_method": "modelopt", **data}
     if qc is None or isinstance(qc, dict):
         return qc
     return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))

@@ -348,3 +348,35 @@ def test_fp8_mid_kernels_on_gpu(m: int) -> None:
             out = fp8_mid_mm(x, q, s, torch.bfloat16, cfg, bias)
             ref = fp8_linear_ref(x.float(), q, s, 1, k, bias.float(), None if cfg.kernel == "w8a16" else k)
             assert out.shape == (m, n) and _rel(out, ref) < 1e-2, (n, k, cfg)
+
+
+@pytest.mark.parametrize("strategy,acts", [("channel", "dynamic"), ("channel", "none"), ("block", "none")])
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_fp8_checkpoint_schemes_on_gpu(strategy: str, acts: str, m: int) -> None:
+    """compressed-tensors' serialized schemes on the GPU kernels: per-channel [N, 1] scales with dynamic
+    activations (W8A8 above SMALL_M rows), and weight-only (16-bit activations at every batch size: the product is
+    the dequantised weight's, to bf16 rounding)."""
+    from radixserve.layers.linear import MergedColumnParallelLinear
+    from radixserve.layers.quantization import apply_quantization, finish_quantization
+    from radixserve.layers.quantization.fp8 import Fp8Config
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    with torch.device("cuda"):
+        layer = MergedColumnParallelLinear(1024, [512, 512]).to(torch.bfloat16)
+    block = [128, 128] if strategy == "block" else None
+    cfg = Fp8Config(serialized=True, activation_scheme=acts, weight_block_size=block, weight_strategy=strategy,
+                    block_scale_name="weight_scale")
+    apply_quantization(layer, cfg)
+    scales = []
+    for sid in range(2):
+        w = torch.randn(512, 1024, device="cuda", generator=g) * 0.05
+        q, s = quantize_blocks(w, 128, 128) if block else quantize_rows(w)
+        layer.weight.weight_loader(layer.weight, q, sid)
+        layer.weight_scale.weight_loader(layer.weight_scale, s if block else s[:, None], sid)
+        scales.append(s)
+    finish_quantization(layer)
+    x = torch.randn(m, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    bn, bk = (128, 128) if block else (1, 1024)
+    a8 = acts == "dynamic" and m > fp8mod.SMALL_M
+    ref = fp8_linear_ref(x, layer.weight, layer.weight_scale, bn, bk, None, bk if a8 else None)
+    assert _rel(layer(x), ref) < 0.01

@@ -506,7 +506,8 @@ def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> 
         t *= 2
     sizes.append(max(max_tokens, first))
     dtype = layer.act_dtype if scales is not None else w13.dtype
-    fp8 = fp8_activations(scales, dtype, hidden, inter)
+    act_fp8 = layer.quant_method.activations_fp8(layer)
+    fp8 = fp8_activations(scales, dtype, hidden, inter) if act_fp8 is None else act_fp8
     configs = list(dict.fromkeys(moe_config(n, top_k, num_local, inter, hidden, fp8=fp8) for n in sizes))
     rows = 16
     x = torch.zeros(rows, hidden, dtype=dtype, device=w13.device)
@@ -515,7 +516,8 @@ def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> 
     weights = torch.full((rows, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
     many = torch.arange(SMALL_ALIGN + 1, device=w13.device, dtype=torch.int32) % num_local + layer.expert_offset
     for cfg in configs:
-        fused_moe(x, w13, w2, weights, ids, layer.expert_offset, layer.num_experts, config=cfg, scales=scales)
+        fused_moe(x, w13, w2, weights, ids, layer.expert_offset, layer.num_experts, config=cfg, scales=scales,
+                  act_fp8=act_fp8)
         moe_align_block_size(many, cfg.block_m, num_local, layer.expert_offset)  # the parallel align's kernels
     if w13.is_cuda:
         torch.cuda.synchronize(w13.device)

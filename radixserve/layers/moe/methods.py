@@ -53,6 +53,10 @@ class MoEMethod(QuantizeMethodBase, ABC):
         dtype."""
         return None
 
+    def activations_fp8(self, layer: FusedMoE) -> bool | None:
+        """`fused_moe`'s act_fp8 for this layer (None: its default, W8A8 where the scales allow)."""
+        return None
+
     def small_batch_tokens(self, layer: FusedMoE) -> int:
         """The most tokens a call sends through the small-batch kernels (more: the grouped GEMMs)."""
         from radixserve.layers.moe import small_batch
@@ -79,7 +83,7 @@ class MoEMethod(QuantizeMethodBase, ABC):
             from radixserve.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,
-                             layer.num_experts, scales=scales)
+                             layer.num_experts, scales=scales, act_fp8=self.activations_fp8(layer))
         from radixserve.layers.moe.moe_torch import moe_forward_torch
 
         return moe_forward_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,

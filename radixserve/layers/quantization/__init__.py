@@ -22,14 +22,19 @@ logger = logging.getLogger(__name__)
 # name -> (module, config class)
 QUANTIZATION_METHODS: dict[str, tuple[str, str]] = {
     "fp8": ("radixserve.layers.quantization.fp8", "Fp8Config"),
+    # fp8 checkpoints in llm-compressor's and NVIDIA ModelOpt's formats
+    "compressed-tensors": ("radixserve.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
+    "modelopt": ("radixserve.layers.quantization.modelopt", "ModelOptConfig"),
     "gguf": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
     # a 16/32-bit checkpoint quantised online to a packed GGUF format
     "q8_0": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
     "q4_k": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
 }
 # checkpoint quant_method values that mean one of ours
-_ALIASES = {"fp8": "fp8", "gguf": "gguf"}
-# what of a checkpoint's quantization_config dummy weights keep (its scales are not there: activations dynamic)
+_ALIASES = {"fp8": "fp8", "gguf": "gguf", "compressed-tensors": "compressed-tensors",
+            "compressed_tensors": "compressed-tensors", "modelopt": "modelopt"}
+# what of an fp8 checkpoint's quantization_config dummy weights keep (its scales are not there: activations
+# dynamic); the other checkpoint formats read only their layout when not serialized
 _LAYOUT_KEYS = ("weight_block_size", "ignored_layers", "modules_to_not_convert")
 
 
@@ -79,8 +84,10 @@ def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | Non
         return get_quantization_config_class(method).from_config({"online_type": method.upper()}, serialized=False)
     serialized = ckpt_method is not None and load_format != "dummy"
     config = hf_quant_config if serialized else {}
-    if ckpt_method is not None and not serialized:  # dummy weights: quantised online to the checkpoint's layout
+    if ckpt_method == "fp8" and not serialized:  # dummy weights: quantised online to the checkpoint's layout
         config = {key: hf_quant_config[key] for key in _LAYOUT_KEYS if key in hf_quant_config}
+    elif ckpt_method is not None:
+        config = hf_quant_config
     return get_quantization_config_class(method).from_config(dict(config or {}), serialized=serialized)
 
 

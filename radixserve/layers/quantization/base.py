@@ -7,6 +7,8 @@ sharding attributes the linear loaders read (see `layers/linear.py`)."""
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -83,15 +85,34 @@ class QuantizationConfig:
         raise NotImplementedError
 
 
+STACKED_PARTS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def hf_parts(prefix: str) -> list[str]:
+    """The checkpoint's names of a layer: its own, or its members' for our stacked layers (qkv_proj, gate_up_proj)."""
+    for stacked, members in STACKED_PARTS:
+        if prefix.endswith(stacked):
+            return [prefix[: -len(stacked)] + m for m in members]
+    return [prefix]
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether a layer name matches one entry of a checkpoint's ignore or target list: `re:<regex>` (matched from
+    the name's start, as compressed-tensors does), a shell wildcard (`*`, `?`: ModelOpt's `exclude_modules`), or a
+    plain name equal to the layer's, to a dotted suffix of it, or to one of its components."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name == pattern or name.endswith("." + pattern) or pattern in name.split(".")
+
+
 def is_ignored(prefix: str, ignored: list[str] | tuple[str, ...]) -> bool:
     """Whether a layer is in a checkpoint's ignore list (HF names; our stacked layers match their parts)."""
     if not ignored:
         return False
-    parts = [prefix]
-    for stacked, members in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
-        if prefix.endswith(stacked):
-            parts = [prefix[: -len(stacked)] + m for m in members]
-    hits = [any(p == name or p.endswith("." + name) or name in p.split(".") for name in ignored) for p in parts]
+    parts = hf_parts(prefix)
+    hits = [any(name_matches(p, pattern) for pattern in ignored) for p in parts]
     if any(hits) and not all(hits):
         raise ValueError(f"layer {prefix}: some of its stacked matrices are quantized and some are not")
     return all(hits)

@@ -2,15 +2,18 @@
 
 Three ways in, one layer at the end:
 - a checkpoint with per-tensor scales (`weight_scale`, and `input_scale` when its activation scheme is static):
-  each stacked matrix's scale becomes the scale of its rows, i.e. per-channel scales;
+  each stacked matrix's scale becomes the scale of its rows, i.e. per-channel scales; with per-channel scales
+  (`weight_scale` [N, 1], as compressed-tensors' FP8-dynamic checkpoints ship them): kept as they are;
 - a checkpoint with block-wise scales (`weight_scale_inv` [ceil(N/bn), ceil(K/bk)], `weight_block_size`
-  [bn, bk], as DeepSeek-V3 and the Qwen3 FP8 releases ship): kept as they are;
+  [bn, bk], as DeepSeek-V3 and the Qwen3 FP8 releases ship; compressed-tensors names them `weight_scale`): kept
+  as they are;
 - `--quantization fp8` on a 16/32-bit checkpoint: quantised after loading, one scale per output channel;
 - dummy weights (`--load-format dummy`) with a block-wise checkpoint's `quantization_config`: quantised after
   loading to its blocks, so the layers hold what that checkpoint would load (the layout, not the values).
 The MoE layers' experts take the same forms (`fp8_moe.py`).
 
-The product: for a batch of at most `SMALL_M` rows the weight is widened inside a Triton kernel (W8A16; the
+The product: for a batch of at most `SMALL_M` rows (any batch for a weight-only checkpoint, activation scheme
+"none") the weight is widened inside a Triton kernel (W8A16; the
 product reads the fp8 bytes once and needs no activation scales; per-channel weights through the bandwidth-bound
 GEMV kernels of `fp8_gemv`, block-wise ones too at one or two rows, else through `fp8_gemm`); above it the
 activations get dynamic scales (per token, or per token and 128-column group for block-wise weights; static
@@ -119,23 +122,45 @@ def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bn: in
 
 # ---------------------------------------------------------------- config
 class Fp8Config(QuantizationConfig):
+    """fp8 weights. `activation_scheme`: "dynamic" (scales computed per token, W8A8 above SMALL_M rows), "static"
+    (the checkpoint's per-tensor `input_scale`) or "none" (weight-only: activations stay 16-bit, W8A16).
+    `weight_strategy` says how a serialized checkpoint stores the weight scales: "tensor" (one per matrix, the
+    default), "channel" ([N, 1]) or "block" (given by `weight_block_size`; the tensor named `block_scale_name`)."""
+
     name = "fp8"
+    ACTIVATION_SCHEMES = ("dynamic", "static", "none")
+    WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 
     def __init__(self, serialized: bool, activation_scheme: str = "dynamic",
-                 weight_block_size: list[int] | None = None, ignored_layers: list[str] | None = None) -> None:
-        if activation_scheme not in ("dynamic", "static"):
-            raise ValueError(f"fp8 activation_scheme must be 'dynamic' or 'static', got {activation_scheme!r}")
-        if not serialized and activation_scheme != "dynamic":
+                 weight_block_size: list[int] | None = None, ignored_layers: list[str] | None = None,
+                 weight_strategy: str | None = None, block_scale_name: str = "weight_scale_inv") -> None:
+        if activation_scheme not in self.ACTIVATION_SCHEMES:
+            raise ValueError(f"fp8 activation_scheme must be one of {', '.join(self.ACTIVATION_SCHEMES)}, got "
+                             f"{activation_scheme!r}")
+        if not serialized and activation_scheme == "static":
             raise ValueError("a static fp8 activation scheme needs the checkpoint's input scales")
+        strategy = weight_strategy or ("block" if weight_block_size is not None else "tensor")
+        if strategy not in self.WEIGHT_STRATEGIES:
+            raise ValueError(f"fp8 weight strategy must be one of {', '.join(self.WEIGHT_STRATEGIES)}, got "
+                             f"{strategy!r}")
+        if (strategy == "block") != (weight_block_size is not None):
+            raise ValueError(f"fp8 weight strategy {strategy!r} with weight_block_size {weight_block_size}: a block "
+                             f"size goes with the block strategy only")
         if weight_block_size is not None:
             if len(weight_block_size) != 2 or any(int(b) < 16 or int(b) & (int(b) - 1) for b in weight_block_size):
                 raise ValueError(f"fp8 weight_block_size must be two powers of two >= 16, got {weight_block_size}")
-            if activation_scheme != "dynamic":
-                raise ValueError("block-wise fp8 supports only the dynamic activation scheme")
+            if activation_scheme == "static":
+                raise ValueError("block-wise fp8 supports only dynamic or 16-bit activations")
         self.serialized = serialized
         self.activation_scheme = activation_scheme
         self.weight_block_size = [int(b) for b in weight_block_size] if weight_block_size else None
         self.ignored_layers = list(ignored_layers or [])
+        self.weight_strategy = strategy
+        self.block_scale_name = block_scale_name
+
+    @property
+    def weight_only(self) -> bool:
+        return self.activation_scheme == "none"
 
     @classmethod
     def from_config(cls, config: dict[str, Any], *, serialized: bool) -> Fp8Config:
@@ -190,19 +215,23 @@ class Fp8LinearMethod(LinearMethodBase):
             layer.weight = new_param((n, k), layer.params_dtype, {"output_dim": 0, "input_dim": 1})
             return
         layer.weight = new_param((n, k), FP8, {"output_dim": 0, "input_dim": 1})
-        if self.block is not None:
+        strategy = self.config.weight_strategy
+        if strategy == "block":
             bn, bk = self.block
             if len(layer.output_sizes) > 1 or layer.tp_size > 1:
                 for size in layer.output_sizes:
                     if size % bn:
                         raise ValueError(f"block-wise fp8: output rows {size} of a stacked or sharded layer are not "
                                          f"a multiple of the block {bn}")
-            layer.weight_scale_inv = new_param((-(-n // bn), -(-k // bk)), torch.float32,
-                                               {"output_dim": 0, "input_dim": 1, "output_block": bn,
-                                                "input_block": bk}, fill=1.0)
+            setattr(layer, self.config.block_scale_name,
+                    new_param((-(-n // bn), -(-k // bk)), torch.float32,
+                              {"output_dim": 0, "input_dim": 1, "output_block": bn, "input_block": bk}, fill=1.0))
             return
         shards = len(layer.output_sizes)
-        layer.weight_scale = new_param((shards,), torch.float32, {"shard_scalar": True}, fill=1.0)
+        if strategy == "channel":  # [N, 1], split with the rows
+            layer.weight_scale = new_param((n, 1), torch.float32, {"output_dim": 0, "input_dim": None}, fill=1.0)
+        else:
+            layer.weight_scale = new_param((shards,), torch.float32, {"shard_scalar": True}, fill=1.0)
         if self.config.activation_scheme == "static":
             layer.input_scale = new_param((shards,), torch.float32, {"shard_scalar": True}, fill=1.0)
 
@@ -213,14 +242,19 @@ class Fp8LinearMethod(LinearMethodBase):
             layer.weight = nn.Parameter(q, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
             return
-        if self.block is not None:
-            scale = layer.weight_scale_inv.data
-            del layer.weight_scale_inv
+        strategy = self.config.weight_strategy
+        if strategy == "block":
+            scale = getattr(layer, self.config.block_scale_name).data
+            delattr(layer, self.config.block_scale_name)
             layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
             return
-        per_shard = layer.weight_scale.data.float()
-        sizes = torch.tensor(layer.output_sizes, device=per_shard.device)
-        layer.weight_scale = nn.Parameter(per_shard.repeat_interleave(sizes), requires_grad=False)
+        if strategy == "channel":
+            layer.weight_scale = nn.Parameter(layer.weight_scale.data.float().reshape(-1).contiguous(),
+                                              requires_grad=False)
+        else:
+            per_shard = layer.weight_scale.data.float()
+            sizes = torch.tensor(layer.output_sizes, device=per_shard.device)
+            layer.weight_scale = nn.Parameter(per_shard.repeat_interleave(sizes), requires_grad=False)
         if hasattr(layer, "input_scale"):  # one activation scale for the stacked product: the largest
             layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1), requires_grad=False)
 
@@ -234,7 +268,7 @@ class Fp8LinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, shape[-1])
         bn, bk = self._groups(layer)
         input_scale = getattr(layer, "input_scale", None)
-        small = x2.shape[0] <= SMALL_M and input_scale is None
+        small = (x2.shape[0] <= SMALL_M or self.config.weight_only) and input_scale is None
         if _on_gpu_kernels(x2):
             out = self._apply_kernels(layer, x2, bias, bn, bk, small, input_scale)
         else:

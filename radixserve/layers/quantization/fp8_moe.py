@@ -4,12 +4,14 @@ Three ways in, as for the linear layers (`fp8.py`):
 - a checkpoint with block-wise scales (DeepSeek-V3, the Qwen3 FP8 releases): each expert's `gate_proj` / `up_proj`
   / `down_proj` `.weight` (float8_e4m3fn) and `.weight_scale_inv` [ceil(N / bn), ceil(K / bk)], stacked here;
 - a checkpoint with per-tensor scales (`.weight_scale`, one per expert matrix): the scale becomes its rows';
+  with per-channel scales (`.weight_scale` [N, 1], compressed-tensors): kept;
 - `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row
   (dummy weights with a block-wise checkpoint's `quantization_config`: to its blocks).
 
 The products (`MoEMethod.apply`): for the fewest tokens W8A16, the activations as they are (multiplied on the CUDA
 cores, block-wise scales applied to each K step's sums: `small_batch`); above `small_batch_tokens` (4), for
-16-bit models, W8A8 grouped GEMMs with the activations quantised per row and 128 columns on the fly (`fused_moe`).
+16-bit models, W8A8 grouped GEMMs with the activations quantised per row and 128 columns on the fly (`fused_moe`;
+W8A16 for a weight-only checkpoint).
 A static checkpoint's `input_scale`s load and go unused (the activation scales are always dynamic). On the CPU the
 torch reference dequantises one expert at a time (`moe_torch`)."""
 
@@ -62,17 +64,22 @@ class Fp8MoEMethod(MoEMethod):
                    expert_id: int | None = None) -> None:
             self._load_scale(layer, param, loaded, shard_id, expert_id)
 
-        if self.block is not None:
+        strategy = self.config.weight_strategy
+        if strategy == "block":
             bn, bk = self.block
             if i % bn or (layer.moe_tp_size > 1 and i % bk):
                 raise ValueError(f"block-wise fp8 experts: the intermediate size per rank {i} is not a multiple of "
                                  f"the block {self.block}")
-            f32 = torch.float32
-            layer.w13_weight_scale_inv = _param(torch.ones(e, 2 * (i // bn), -(-h // bk), dtype=f32), loader)
-            layer.w2_weight_scale_inv = _param(torch.ones(e, -(-h // bn), -(-i // bk), dtype=f32), loader)
+            f32, name = torch.float32, self.config.block_scale_name
+            setattr(layer, f"w13_{name}", _param(torch.ones(e, 2 * (i // bn), -(-h // bk), dtype=f32), loader))
+            setattr(layer, f"w2_{name}", _param(torch.ones(e, -(-h // bn), -(-i // bk), dtype=f32), loader))
             return
-        layer.w13_weight_scale = _param(torch.ones(e, 2, dtype=torch.float32), loader)  # (gate, up) of each expert
-        layer.w2_weight_scale = _param(torch.ones(e, dtype=torch.float32), loader)
+        if strategy == "channel":  # a scale per row: [E, 2I, 1] (gate rows, then up rows) and [E, H, 1]
+            layer.w13_weight_scale = _param(torch.ones(e, 2 * i, 1, dtype=torch.float32), loader)
+            layer.w2_weight_scale = _param(torch.ones(e, h, 1, dtype=torch.float32), loader)
+        else:
+            layer.w13_weight_scale = _param(torch.ones(e, 2, dtype=torch.float32), loader)  # (gate, up) of each
+            layer.w2_weight_scale = _param(torch.ones(e, dtype=torch.float32), loader)
         if self.config.activation_scheme == "static":
             layer.w13_input_scale = _param(torch.ones(e, 2, dtype=torch.float32), loader)
             layer.w2_input_scale = _param(torch.ones(e, dtype=torch.float32), loader)
@@ -88,13 +95,27 @@ class Fp8MoEMethod(MoEMethod):
             return  # another rank's expert
         is_w13 = shard_id != "w2"
         loaded = loaded.float()
-        if param.dim() == 3:  # block-wise: rows of blocks over N, columns over K
+        strategy = self.config.weight_strategy if param.dim() > 2 else "tensor"  # (input scales: per tensor)
+        if strategy == "channel":
+            h, i_full, i = layer.hidden_size, layer.intermediate_size, layer.inter_per_rank
+            rows = i_full if is_w13 else h
+            if loaded.numel() != rows or (loaded.dim() == 2 and loaded.shape[1] != 1) or loaded.dim() > 2:
+                raise ValueError(f"expert {expert_id} {shard_id}: a per-channel fp8 scale has shape ({rows}, 1), got "
+                                 f"{tuple(loaded.shape)}")
+            loaded = loaded.reshape(rows, 1)
+            if is_w13:
+                dst = param.data[local, :i] if shard_id == "w1" else param.data[local, i:]
+                dst.copy_(loaded[layer.moe_tp_rank * i:(layer.moe_tp_rank + 1) * i])
+            else:
+                param.data[local].copy_(loaded)
+            return
+        if strategy == "block":  # rows of blocks over N, columns over K
             bn, bk = self.block
             h, i_full, i = layer.hidden_size, layer.intermediate_size, layer.inter_per_rank
             full = (-(-i_full // bn), -(-h // bk)) if is_w13 else (-(-h // bn), -(-i_full // bk))
             if tuple(loaded.shape) != full:
-                raise ValueError(f"expert {expert_id} {shard_id} weight_scale_inv shape {tuple(loaded.shape)}, "
-                                 f"expected {full}")
+                raise ValueError(f"expert {expert_id} {shard_id} {self.config.block_scale_name} shape "
+                                 f"{tuple(loaded.shape)}, expected {full}")
             if is_w13:
                 nb = i // bn
                 dst = param.data[local, :nb] if shard_id == "w1" else param.data[local, nb:]
@@ -121,13 +142,17 @@ class Fp8MoEMethod(MoEMethod):
             layer.w2_weight = _param(q2, layer.weight_loader)
             self.groups = (1, h, i) if self.block is None else (self.block[0], self.block[1], self.block[1])
         elif self.block is not None:
-            s13, s2 = layer.w13_weight_scale_inv.data, layer.w2_weight_scale_inv.data
-            del layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+            name = self.config.block_scale_name
+            s13, s2 = getattr(layer, f"w13_{name}").data, getattr(layer, f"w2_{name}").data
+            delattr(layer, f"w13_{name}")
+            delattr(layer, f"w2_{name}")
             self.groups = (self.block[0], self.block[1], self.block[1])
-        else:  # per tensor: each matrix's scale on each of its rows
-            per = layer.w13_weight_scale.data
-            s13 = per.repeat_interleave(i, dim=1).unsqueeze(-1)
-            s2 = layer.w2_weight_scale.data[:, None, None].expand(-1, h, 1)
+        else:  # per channel as stored; per tensor: each matrix's scale on each of its rows
+            if self.config.weight_strategy == "channel":
+                s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
+            else:
+                s13 = layer.w13_weight_scale.data.repeat_interleave(i, dim=1).unsqueeze(-1)
+                s2 = layer.w2_weight_scale.data[:, None, None].expand(-1, h, 1)
             del layer.w13_weight_scale, layer.w2_weight_scale
             if hasattr(layer, "w13_input_scale"):  # activation scales are dynamic here
                 del layer.w13_input_scale, layer.w2_input_scale
@@ -162,6 +187,10 @@ class Fp8MoEMethod(MoEMethod):
             return None
         return s13, s2
 
+    def activations_fp8(self, layer: FusedMoE) -> bool | None:
+        """16-bit activations (W8A16 grouped GEMMs) for a weight-only checkpoint; else `fused_moe`'s default."""
+        return False if self.config.weight_only else None
+
     def small_batch_tokens(self, layer: FusedMoE) -> int:
         """Fewer than 16-bit experts where the grouped GEMMs would run W8A8 (measured: `small_batch`'s
         SMALL_BATCH_TOKENS_FP8 for its CUDA-core forms, SMALL_BATCH_TOKENS_FP8_DOT for block-wise `tl.dot`); the
@@ -172,7 +201,8 @@ class Fp8MoEMethod(MoEMethod):
         forms = self._forms.get(small_batch.FP8_BLOCKS_FORM)
         if forms is None:  # fixed once the weights are processed (asked on every eager call of every layer)
             scales = self.expert_scales(layer)
-            forms = (fp8_activations(scales, layer.act_dtype, layer.hidden_size, layer.inter_per_rank),
+            forms = (not self.config.weight_only
+                     and fp8_activations(scales, layer.act_dtype, layer.hidden_size, layer.inter_per_rank),
                      small_batch.fp8_form(scales))
             self._forms[small_batch.FP8_BLOCKS_FORM] = forms
         a8, form = forms
