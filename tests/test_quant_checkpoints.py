@@ -224,7 +224,9 @@ def test_compressed_tensors_targets_and_ignore(tmp_path) -> None:
 
 @pytest.mark.parametrize("change,match", [
     ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, "format": "pack-quantized"},
-     "format 'pack-quantized'"),
+     "4-bit weights with quantized activations"),
+    ({"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}, "format": "pack-quantized",
+      "input_activations": None}, "pack-quantized 8-bit int"),
     ({"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}, "format": "int-quantized"},
      "format 'int-quantized'"),
     ({"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}, "8-bit int"),
@@ -244,7 +246,8 @@ def test_compressed_tensors_refuses_what_is_not_fp8(change: dict, match: str) ->
 def test_compressed_tensors_config_checks() -> None:
     ok = {"quant_method": "compressed-tensors", "config_groups": {"g": _group("block", "group")}}
     cfg = resolve_quant_config(None, ok)
-    assert cfg.groups[0].fp8.weight_block_size == [16, 16] and cfg.groups[0].fp8.block_scale_name == "weight_scale"
+    scheme = cfg.groups[0].scheme
+    assert scheme.weight_block_size == [16, 16] and scheme.block_scale_name == "weight_scale"
     for extra, match in [({"quantization_status": "frozen"}, "quantization_status"),
                          ({"sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}},
                           "sparsity"),

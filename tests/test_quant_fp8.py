@@ -276,7 +276,7 @@ def test_resolve_quant_config() -> None:
     with pytest.raises(ValueError, match="static"):
         Fp8Config(serialized=False, activation_scheme="static")
     with pytest.raises(ValueError, match="not supported"):
-        resolve_quant_config(None, {"quant_method": "awq"})
+        resolve_quant_config(None, {"quant_method": "bitsandbytes"})
     with pytest.raises(ValueError, match="unknown quantization"):
         resolve_quant_config("int3", None)
     with pytest.raises(ValueError, match="weight_block_size"):

@@ -316,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
             target = self.load_weight(params, name, tensor)
             if target is not None:
                 loaded.add(target)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "optional", False))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {', '.join(missing[:5])}")
 

@@ -25,6 +25,9 @@ QUANTIZATION_METHODS: dict[str, tuple[str, str]] = {
     # fp8 checkpoints in llm-compressor's and NVIDIA ModelOpt's formats
     "compressed-tensors": ("radixserve.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
     "modelopt": ("radixserve.layers.quantization.modelopt", "ModelOptConfig"),
+    # 4-bit weight-only checkpoints
+    "gptq": ("radixserve.layers.quantization.int4", "Int4Config"),
+    "awq": ("radixserve.layers.quantization.int4", "Int4Config"),
     "gguf": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
     # a 16/32-bit checkpoint quantised online to a packed GGUF format
     "q8_0": ("radixserve.layers.quantization.gguf", "GGUFConfig"),
@@ -32,7 +35,7 @@ QUANTIZATION_METHODS: dict[str, tuple[str, str]] = {
 }
 # checkpoint quant_method values that mean one of ours
 _ALIASES = {"fp8": "fp8", "gguf": "gguf", "compressed-tensors": "compressed-tensors",
-            "compressed_tensors": "compressed-tensors", "modelopt": "modelopt"}
+            "compressed_tensors": "compressed-tensors", "modelopt": "modelopt", "gptq": "gptq", "awq": "awq"}
 # what of an fp8 checkpoint's quantization_config dummy weights keep (its scales are not there: activations
 # dynamic); the other checkpoint formats read only their layout when not serialized
 _LAYOUT_KEYS = ("weight_block_size", "ignored_layers", "modules_to_not_convert")

@@ -1,5 +1,6 @@
-"""compressed-tensors checkpoints (llm-compressor's format: the FP8-dynamic / FP8 / FP8-block releases of RedHatAI
-and neuralmagic) with 8-bit float weights, served through the fp8 layers (`fp8.py`, `fp8_moe.py`).
+"""compressed-tensors checkpoints (llm-compressor's format: the FP8-dynamic / FP8 / FP8-block and W4A16 releases of
+RedHatAI and neuralmagic): 8-bit float weights served through the fp8 layers (`fp8.py`, `fp8_moe.py`), 4-bit
+integer weight-only groups (`pack-quantized`, symmetric) through the 4-bit layers (`int4.py`).
 
 The checkpoint's `quantization_config` lists `config_groups`, each naming its `targets` (`Linear`: every linear
 layer; `re:<regex>` or a layer name) and a scheme: `weights` {num_bits 8, type float, strategy tensor | channel |
@@ -12,8 +13,10 @@ whatever granularity the group names: a per-tensor dynamic scale is never finer,
 exact. A KV-cache scheme's `k_scale` / `v_scale` load as any fp8 checkpoint's (`kv_cache.py`) and take effect
 with `--kv-cache-dtype fp8_e4m3`.
 
-Integer, 4-bit and NVFP4 schemes, sparsity and transforms are refused with the scheme named (their weights would
-load as something else). With `--load-format dummy` each group's layers are quantised online to its layout."""
+A W4A16 group (`weights` {num_bits 4, type int, symmetric, strategy group or channel}, no input activations)
+holds `weight_packed` / `weight_scale` / `weight_shape`. 8-bit integer, asymmetric or activation-ordered 4-bit,
+NVFP4 and other schemes, sparsity and transforms are refused with the scheme named (their weights would load as
+something else). With `--load-format dummy` each group's layers are quantised online to its layout."""
 
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ from radixserve.layers.quantization.base import (
     name_matches,
 )
 from radixserve.layers.quantization.fp8 import Fp8Config, Fp8DequantizedMethod, Fp8LinearMethod
+from radixserve.layers.quantization.int4 import Int4Config, Int4DequantizedMethod, Int4LinearMethod
 
-_FORMATS = (None, "float-quantized", "naive-quantized", "mixed-precision")
+_FORMATS = (None, "float-quantized", "naive-quantized", "mixed-precision", "pack-quantized")
 # the HF names of an expert's three matrices, in the two spellings MoE checkpoints use
 _EXPERT_PARTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -41,7 +45,19 @@ class SchemeGroup:
     """One `config_groups` entry: what it targets and the fp8 layers it gives them."""
     name: str
     targets: tuple[str, ...]
-    fp8: Fp8Config
+    scheme: Fp8Config | Int4Config
+
+    def linear_method(self) -> QuantizeMethodBase:
+        if isinstance(self.scheme, Int4Config):
+            return Int4LinearMethod(self.scheme)
+        return Fp8LinearMethod(self.scheme)
+
+    def matrix_method(self) -> QuantizeMethodBase | None:
+        if not self.scheme.serialized:
+            return None
+        if isinstance(self.scheme, Int4Config):
+            return Int4DequantizedMethod(self.scheme)
+        return Fp8DequantizedMethod(self.scheme)
 
     def specificity(self, layer_name: str) -> int:
         """How precisely this group targets the layer (0: not at all): its name 3, a regex 2, `Linear` 1."""
@@ -64,15 +80,50 @@ def _bits(args: dict[str, Any], what: str, group: str) -> None:
         raise ValueError(f"compressed-tensors group {group}: asymmetric {what} are not supported")
 
 
+def _w4a16(name: str, group: dict[str, Any], fmt: str | None, serialized: bool) -> Int4Config:
+    """A pack-quantized 4-bit integer group (W4A16) as the 4-bit layers' config."""
+    weights = group["weights"]
+    if fmt not in (None, "pack-quantized", "mixed-precision"):
+        raise ValueError(f"compressed-tensors group {name}: 4-bit weights in format {fmt!r} are not supported "
+                         f"(pack-quantized)")
+    if weights.get("symmetric") is False:
+        raise ValueError(f"compressed-tensors group {name}: asymmetric 4-bit weights are not supported")
+    if weights.get("actorder") not in (None, False, "static"):
+        raise ValueError(f"compressed-tensors group {name}: activation-ordered 4-bit weights (actorder "
+                         f"{weights.get('actorder')!r}) are not supported")
+    if group.get("input_activations") is not None:
+        raise ValueError(f"compressed-tensors group {name}: 4-bit weights with quantized activations are not "
+                         f"supported")
+    strategy = weights.get("strategy")
+    if strategy == "group":
+        size = int(weights.get("group_size") or 0)
+    elif strategy == "channel":
+        size = -1
+    else:
+        raise ValueError(f"compressed-tensors group {name}: 4-bit weight strategy {strategy!r} is not supported "
+                         f"(group or channel)")
+    return Int4Config("compressed-tensors", size, sym=True, serialized=serialized)
+
+
 def parse_group(name: str, group: dict[str, Any], top_format: str | None, serialized: bool) -> SchemeGroup:
-    """One config group as an fp8 scheme; ValueError naming what is not FP8."""
+    """One config group as an fp8 or a 4-bit weight-only scheme; ValueError naming what is neither."""
     fmt = group.get("format") or top_format
     if fmt not in _FORMATS:
         raise ValueError(f"compressed-tensors group {name}: format {fmt!r} is not supported (FP8 checkpoints are "
-                         f"float-quantized)")
+                         f"float-quantized, W4A16 ones pack-quantized)")
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise ValueError(f"compressed-tensors group {name}: no weight scheme")
+    targets = group.get("targets") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    if not targets:
+        raise ValueError(f"compressed-tensors group {name}: no targets")
+    if weights.get("num_bits") == 4 and weights.get("type") == "int":
+        return SchemeGroup(name, tuple(str(t) for t in targets), _w4a16(name, group, fmt, serialized))
+    if fmt == "pack-quantized":
+        raise ValueError(f"compressed-tensors group {name}: pack-quantized {weights.get('num_bits')}-bit "
+                         f"{weights.get('type')} weights are not supported (4-bit int)")
     _bits(weights, "weights", name)
     if weights.get("dynamic"):
         raise ValueError(f"compressed-tensors group {name}: dynamically quantized weights are not supported")
@@ -100,11 +151,6 @@ def parse_group(name: str, group: dict[str, Any], top_format: str | None, serial
         else:
             raise ValueError(f"compressed-tensors group {name}: static input activations with strategy "
                              f"{acts.get('strategy')!r} are not supported (only per tensor)")
-    targets = group.get("targets") or []
-    if isinstance(targets, str):
-        targets = [targets]
-    if not targets:
-        raise ValueError(f"compressed-tensors group {name}: no targets")
     fp8 = Fp8Config(serialized=serialized, activation_scheme=scheme, weight_block_size=block,
                     weight_strategy=strategy if serialized else None, block_scale_name="weight_scale")
     return SchemeGroup(name, tuple(str(t) for t in targets), fp8)
@@ -176,14 +222,16 @@ class CompressedTensorsConfig(QuantizationConfig):
 
         if isinstance(layer, _LinearBase):
             group = self._linear_group(prefix)
-            return None if group is None else Fp8LinearMethod(group.fp8)
+            return None if group is None else group.linear_method()
         if isinstance(layer, FusedMoE):
             group = self._expert_group(prefix)
             if group is None:
                 return None
+            if isinstance(group.scheme, Int4Config):
+                return group.scheme.get_quant_method(layer, prefix)  # (refuses 4-bit experts by name)
             from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
 
-            return Fp8MoEMethod(group.fp8)
+            return Fp8MoEMethod(group.scheme)
         return None
 
     def matrix_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
@@ -193,6 +241,4 @@ class CompressedTensorsConfig(QuantizationConfig):
         if not isinstance(layer, _LinearBase):
             return None
         group = self._linear_group(prefix)
-        if group is None or not group.fp8.serialized:
-            return None
-        return Fp8DequantizedMethod(group.fp8)
+        return None if group is None else group.matrix_method()

@@ -1,0 +1,325 @@
+"""4-bit weight-only linear layers (W4A16) from GPTQ and AWQ checkpoints (the `...-GPTQ-Int4` / `...-AWQ` releases),
+and from compressed-tensors' pack-quantized W4A16 groups (`compressed_tensors.py` hands those layers this method).
+
+Each layer's checkpoint tensors are converted as they load into one layout (`int4_formats`: `qweight` uint8
+[N, K/2], `scales` [N, K/G], `qzeros` uint8 [N, K/G]) and sharded like any weight (rows for column-parallel layers,
+whole groups of columns for row-parallel ones). A GPTQ model quantised in activation order (`desc_act`, a `g_idx`
+that is not k // G) has its input columns sorted by group once loaded and x gathered in that order before the
+product (one permutation per layer: q/k/v and gate/up share their input and so their order). The product: on the
+GPU a Triton GEMV for up to `GEMV_MAX_M` rows (`int4_kernels`), above that the weight dequantised into a 16-bit
+buffer and cuBLAS; on the CPU the dequantising torch reference. Activations stay 16-bit throughout.
+
+With dummy weights (`--load-format dummy` and such a config) the layers are quantised online to the config's
+bits, group and symmetry (round to nearest), so the layout can be measured at a real model's shape. MoE experts in
+these formats are refused (a clear error at load): only linear layers are served 4-bit."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.quantization import int4_formats as fmt
+from radixserve.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizeMethodBase,
+    UnquantizedLinearMethod,
+    is_ignored,
+    new_param,
+)
+
+if TYPE_CHECKING:
+    from radixserve.layers.linear import _LinearBase
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("gptq", "awq", "compressed-tensors")
+
+
+def quantize_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit quantisation of w [N, K] in groups of `group` columns: (our qweight, scales float16,
+    qzeros). Symmetric: zero 8 and scale amax / 7.5 (values 0..15 cover [-8, 7] steps); else min/max over 15 steps."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    if sym:
+        scale = (g.abs().amax(dim=-1) / 7.5).clamp(min=1e-8)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        zero = (-lo / scale).round().clamp(0, 15)
+    scale = scale.half().float()  # the checkpoints' float16 scales
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return fmt.pack_pairs(q), scale.half(), zero.to(torch.uint8)
+
+
+class Int4Config(QuantizationConfig):
+    """A 4-bit group-quantized checkpoint: `fmt` (gptq, awq, compressed-tensors), `group_size` (-1: a whole row),
+    `sym`, `desc_act` (GPTQ's activation order), GPTQ's `checkpoint_format` (gptq_v2 stores zeros as they are),
+    `ignored` (modules_to_not_convert / ignore). `serialized` False: dummy weights, quantised online."""
+
+    name = "int4"
+
+    def __init__(self, fmt_name: str, group_size: int, sym: bool = True, desc_act: bool = False,
+                 serialized: bool = True, ignored: list[str] | None = None, zeros_stored_minus_one: bool = True
+                 ) -> None:
+        if fmt_name not in FORMATS:
+            raise ValueError(f"int4 format must be one of {', '.join(FORMATS)}, got {fmt_name!r}")
+        if group_size != -1 and (group_size < 2 or group_size % 2):
+            raise ValueError(f"{fmt_name}: group_size must be -1 or an even number >= 2, got {group_size}")
+        if fmt_name == "compressed-tensors" and not sym:
+            raise ValueError("compressed-tensors 4-bit weights: only symmetric schemes are supported")
+        self.fmt = fmt_name
+        self.name = fmt_name
+        self.group_size = group_size
+        self.sym = sym
+        self.desc_act = desc_act
+        self.serialized = serialized
+        self.ignored = list(ignored or [])
+        self.zeros_stored_minus_one = zeros_stored_minus_one
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, serialized: bool) -> Int4Config:
+        method = str(config.get("quant_method", "")).lower()
+        if method not in ("gptq", "awq"):
+            raise ValueError(f"{method or 'gptq/awq'} quantization reads the checkpoint's quantization_config; this "
+                             f"checkpoint has none (for online 4-bit weights, use --quantization q4_k)")
+        bits = config.get("bits", config.get("w_bit"))
+        if bits != 4:
+            raise ValueError(f"{method}: only 4-bit weights are supported, the checkpoint has bits={bits}")
+        group = int(config.get("group_size", config.get("q_group_size", 128)))
+        ignored = list(config.get("modules_to_not_convert") or [])
+        if method == "awq":
+            version = str(config.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ValueError(f"awq version {version!r} is not supported (the GEMM layout is)")
+            if config.get("zero_point") is False:
+                raise ValueError("awq without zero points is not supported")
+            return cls("awq", group, sym=False, serialized=serialized, ignored=ignored)
+        if config.get("dynamic"):
+            raise ValueError("gptq per-module overrides (`dynamic`) are not supported")
+        if config.get("lm_head"):
+            raise ValueError("gptq with a quantized lm_head is not supported")
+        ckpt = str(config.get("checkpoint_format", "gptq")).lower()
+        if ckpt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"gptq checkpoint_format {ckpt!r} is not supported (gptq, gptq_v2)")
+        return cls("gptq", group, sym=bool(config.get("sym", True)), desc_act=bool(config.get("desc_act", False)),
+                   serialized=serialized, ignored=ignored, zeros_stored_minus_one=ckpt == "gptq")
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from radixserve.layers.linear import _LinearBase
+        from radixserve.layers.moe.layer import FusedMoE
+
+        if is_ignored(prefix, self.ignored):
+            return None
+        if isinstance(layer, _LinearBase):
+            return Int4LinearMethod(self)
+        if isinstance(layer, FusedMoE):
+            raise ValueError(f"{self.fmt} 4-bit MoE experts ({prefix}) are not supported; serve this model from a "
+                             f"16-bit or fp8 checkpoint")
+        return None
+
+    def matrix_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """A layer the model reads as a matrix (MLA's kv_b_proj): loaded as stored, dequantised once."""
+        from radixserve.layers.linear import _LinearBase
+
+        if not isinstance(layer, _LinearBase) or is_ignored(prefix, self.ignored):
+            return None
+        return Int4DequantizedMethod(self)
+
+
+def _names(cfg: Int4Config) -> tuple[str, str, str | None]:
+    """The checkpoint's names of the packed weight, the scales and the zeros (None: not stored)."""
+    if cfg.fmt == "compressed-tensors":
+        return "weight_packed", "weight_scale", None
+    return "qweight", "scales", "qzeros"
+
+
+class Int4LinearMethod(LinearMethodBase):
+    """Ends with `qweight`, `scales`, `qzeros` in `int4_formats`' layout and `perm` (int64 [K] or None)."""
+
+    def __init__(self, config: Int4Config) -> None:
+        self.config = config
+
+    def _group(self, layer: _LinearBase) -> int:
+        k = layer.input_size
+        group = self.config.group_size
+        if group == -1:
+            if _row_split(layer):
+                raise ValueError(f"{self.config.fmt}: a whole-row group (group_size -1) cannot be split across "
+                                 f"{layer.tp_size} ranks")
+            return k
+        if k % group or k % 2:
+            raise ValueError(f"{self.config.fmt}: this rank's {k} input columns are not whole groups of {group}")
+        return group
+
+    def create_weights(self, layer: _LinearBase) -> None:
+        n, k = layer.output_size, layer.input_size
+        group = self._group(layer)
+        cfg = self.config
+        if not cfg.serialized:
+            layer.weight = new_param((n, k), layer.params_dtype, {"output_dim": 0, "input_dim": 1})
+            return
+        if cfg.desc_act and _row_split(layer):
+            raise ValueError("gptq with desc_act (activation order) cannot split a layer's input columns across "
+                             "ranks; serve it without tensor parallelism")
+        wname, sname, zname = _names(cfg)
+        convert = {"gptq": fmt.gptq_qweight, "awq": fmt.awq_qweight, "compressed-tensors": fmt.ct_weight_packed}
+        dims = {"output_dim": 0, "input_dim": 1}
+        self._param(layer, wname, new_param((n, k // 2), torch.uint8, {**dims, "input_block": 2}),
+                    convert[cfg.fmt])
+        gdims = {"output_dim": 0, "input_dim": 1, "input_block": group}
+        dtype = torch.float16 if cfg.fmt != "compressed-tensors" else layer.params_dtype
+        self._param(layer, sname, new_param((n, k // group), dtype, gdims, fill=0.0),
+                    None if cfg.fmt == "compressed-tensors" else fmt.group_transpose)
+        if zname is not None:
+            zconv = fmt.awq_qzeros if cfg.fmt == "awq" else \
+                (fmt.gptq_qzeros if cfg.zeros_stored_minus_one else _gptq_v2_zeros)
+            self._param(layer, zname, new_param((n, k // group), torch.uint8, gdims), zconv)
+        if cfg.fmt == "gptq":
+            g_idx = new_param((k,), torch.int32, {"output_dim": None, "input_dim": 0}, fill=-1)
+            g_idx.optional = True  # absent from some checkpoints (those quantised in plain order)
+            g_idx.weight_loader = _same_for_every_member(layer)
+            layer.g_idx = g_idx
+        if cfg.fmt == "compressed-tensors":
+            shape = new_param((2,), torch.int64, {}, fill=0)
+            shape.weight_loader = _shape_check(layer)
+            layer.weight_shape = shape
+
+    @staticmethod
+    def _param(layer: _LinearBase, name: str, param: nn.Parameter, convert: Any) -> None:
+        def loader(p: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+            layer.weight_loader(p, convert(loaded) if convert is not None else loaded.to(p.dtype), shard_id)
+
+        param.weight_loader = loader
+        setattr(layer, name, param)
+
+    def process_weights_after_loading(self, layer: _LinearBase) -> None:
+        cfg = self.config
+        if not cfg.serialized:
+            qweight, scales, qzeros = quantize_groups(layer.weight.data, self._group(layer), cfg.sym)
+            del layer.weight
+            self._finish(layer, qweight, scales, qzeros, None)
+            return
+        wname, sname, zname = _names(cfg)
+        qweight, scales = getattr(layer, wname).data, getattr(layer, sname).data
+        if zname is None:
+            qzeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
+        else:
+            qzeros = getattr(layer, zname).data
+        perm = None
+        g_idx = getattr(layer, "g_idx", None)
+        if g_idx is not None and bool((g_idx.data >= 0).all()):
+            perm = _activation_order(g_idx.data, self._group(layer), cfg.desc_act)
+        for name in (wname, sname, zname, "g_idx", "weight_shape"):
+            if name is not None and hasattr(layer, name):
+                delattr(layer, name)
+        if perm is not None:  # sort the input columns by group: x is gathered the same way at every product
+            q = fmt.unpack_pairs(qweight)[:, perm]
+            qweight = fmt.pack_pairs(q)
+        self._finish(layer, qweight, scales, qzeros, perm)
+
+    @staticmethod
+    def _finish(layer: _LinearBase, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
+                perm: torch.Tensor | None) -> None:
+        layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
+        layer.scales = nn.Parameter(scales.contiguous(), requires_grad=False)
+        layer.qzeros = nn.Parameter(qzeros.contiguous(), requires_grad=False)
+        layer.register_buffer("perm", None if perm is None else perm.to(torch.int64), persistent=False)
+        layer._quant_param_names = ["qweight", "scales", "qzeros"]
+
+    def apply(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from radixserve.layers.triton_ops import use_fused
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if layer.perm is not None:
+            x2 = x2.index_select(1, layer.perm)
+        if use_fused(x2):
+            from radixserve.layers.quantization.int4_kernels import GEMV_MAX_M, int4_dequantize, int4_gemv
+
+            if x2.shape[0] <= GEMV_MAX_M:
+                out = int4_gemv(x2.contiguous(), layer.qweight, layer.scales, layer.qzeros, bias)
+            else:
+                w = int4_dequantize(layer.qweight, layer.scales, layer.qzeros, x2.shape[1], x2.dtype)
+                out = F.linear(x2, w, bias)
+        else:
+            w = fmt.dequantize(layer.qweight, layer.scales, layer.qzeros).to(x2.dtype)
+            out = F.linear(x2, w, bias)
+        return out.view(*shape[:-1], out.shape[-1])
+
+
+class Int4DequantizedMethod(Int4LinearMethod):
+    """A layer the model reads as a matrix (MLA's kv_b_proj): loaded as the checkpoint stores it, then dequantised
+    once to the model dtype, after which it is an unquantized layer."""
+
+    def process_weights_after_loading(self, layer: _LinearBase) -> None:
+        super().process_weights_after_loading(layer)
+        w = fmt.dequantize(layer.qweight.data, layer.scales.data, layer.qzeros.data)
+        if layer.perm is not None:  # back to the checkpoint's column order
+            w = w[:, torch.argsort(layer.perm)]
+        w = w.to(layer.params_dtype)
+        for name in ("qweight", "scales", "qzeros"):
+            delattr(layer, name)
+        layer.perm = None
+        layer._quant_param_names = []
+        layer.set_quant_method(UnquantizedLinearMethod())
+        layer.weight.data.copy_(w)
+
+
+def _row_split(layer: _LinearBase) -> bool:
+    """Whether this rank holds only some of the layer's input columns (a row-parallel layer under TP)."""
+    from radixserve.layers.linear import RowParallelLinear
+
+    return isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+
+
+def _gptq_v2_zeros(words: torch.Tensor) -> torch.Tensor:
+    return fmt.unpack_words(words).reshape(words.shape[0], -1).t().contiguous()
+
+
+def _activation_order(g_idx: torch.Tensor, group: int, desc_act: bool) -> torch.Tensor | None:
+    """None when every column k is in group k // G (plain order); else the permutation sorting the columns by
+    group, each group exactly G columns (GPTQ's activation order)."""
+    k = g_idx.shape[0]
+    plain = torch.arange(k, device=g_idx.device) // group
+    if torch.equal(g_idx.to(plain.dtype), plain):
+        return None
+    counts = torch.bincount(g_idx.long(), minlength=k // group)
+    if counts.shape[0] != k // group or not bool((counts == group).all()):
+        raise ValueError(f"gptq g_idx does not put {group} columns in each of the {k // group} groups")
+    if not desc_act:
+        logger.warning("gptq: desc_act is false but g_idx is in activation order; following g_idx")
+    return torch.argsort(g_idx.long(), stable=True)
+
+
+def _same_for_every_member(layer: _LinearBase) -> Any:
+    """g_idx's loader: a stacked layer's matrices share their input, so their g_idx must agree."""
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        k = param.shape[0]
+        if layer.tp_size > 1 and loaded.shape[0] != k:
+            loaded = loaded.narrow(0, layer.tp_rank * k, k)
+        if loaded.shape != param.shape:
+            raise ValueError(f"gptq g_idx of shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        loaded = loaded.to(param.dtype)
+        if bool((param.data >= 0).all()) and not torch.equal(param.data, loaded):
+            raise ValueError("gptq: the matrices of a stacked layer (q/k/v or gate/up) have different g_idx")
+        param.data.copy_(loaded)
+
+    return loader
+
+
+def _shape_check(layer: _LinearBase) -> Any:
+    """compressed-tensors' `weight_shape` ([rows, columns] of each matrix): its columns must be the layer's."""
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        k = layer.input_size * (layer.tp_size if _row_split(layer) else 1)
+        if loaded.numel() != 2 or int(loaded.reshape(-1)[1]) != k:
+            raise ValueError(f"compressed-tensors weight_shape {loaded.tolist()} does not have the layer's {k} "
+                             f"input columns")
+        param.data.copy_(loaded.reshape(-1).to(param.dtype))
+
+    return loader
