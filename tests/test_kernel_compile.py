@@ -130,7 +130,8 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
     assert {"_rmsnorm_kernel", "_fp8_gemv_ew_kernel", "_fp8_gemv_rope_kernel", "_mla_decode_stage1_kernel",
             "_extend_kernel", "_decode_stage1_kernel", "_gemv_row_kernel", "_gemv_rope_kernel", "_mid_kernel",
             "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel", "_mla_expanded_kernel",
-            "_mla_rows_kernel", "_align_count_kernel", "_align_scatter_kernel"} <= names, names
+            "_mla_rows_kernel", "_align_count_kernel", "_align_scatter_kernel", "_int4_gemv_kernel",
+            "_int4_dequant_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
@@ -139,7 +140,8 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
 def _gpu_only_products() -> None:
     """The products the layers take only on CUDA (the one-row 16-bit GEMVs, the 17..256-row kernels, Q4_K's dp4c
     at K = 2,048), called directly on small CPU tensors; and the MoE align's parallel path (batches of more than
-    `SMALL_ALIGN` assignments), which the tiny models' batches do not reach."""
+    `SMALL_ALIGN` assignments), which the tiny models' batches do not reach; the 4-bit GEMV and dequantising copy
+    in bf16 (GPTQ / AWQ)."""
     from radixserve.layers.moe import fused_moe
     from radixserve.layers.quantization import gguf_formats as G
     from radixserve.layers.quantization.fp8 import quantize_rows
@@ -180,4 +182,10 @@ def _gpu_only_products() -> None:
     dp4c_qkv_rope(xw, f, fields, 128, None, dp4c, rope, torch.empty(1, 128))
     ids = torch.randint(0, 128, (fused_moe.SMALL_ALIGN // 8 + 1, 8), generator=g, dtype=torch.int32)
     fused_moe.moe_align_block_size(ids, 64, 128)
+    from radixserve.layers.quantization.int4 import quantize_groups
+    from radixserve.layers.quantization.int4_kernels import int4_dequantize, int4_gemv
+
+    qw, s4, z4 = quantize_groups(w.float(), 128, False)  # 4-bit GPTQ / AWQ layers
+    int4_gemv(torch.randn(2, 256, generator=g).to(bf), qw, s4, z4, torch.zeros(128, dtype=bf))
+    int4_dequantize(qw, s4, z4, 256, bf)
 
