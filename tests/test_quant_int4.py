@@ -137,7 +137,7 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
     gen = torch.Generator().manual_seed(3)
     for name, t in load_file(os.path.join(path, "model.safetensors")).items():
         t = t.float()
-        if not (".layers." in name and name.endswith("proj.weight")):
+        if not (".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight"))):
             out[name] = deq[name] = t
             continue
         base = name[: -len("weight")]
@@ -219,6 +219,44 @@ def test_int4_checkpoint_matches_transformers(tmp_path, fmt: str, desc_act: bool
     for prompt, got in zip(PROMPTS, StaticBatch(runner).generate(PROMPTS, 8), strict=True):
         assert got == hf_greedy(hf, prompt, 8)
     assert runner.token_to_kv_pool.available_size() == runner.token_to_kv_pool.size
+
+
+@pytest.mark.parametrize("kind,fmt,desc_act", [("qwen3_moe", "gptq", True), ("qwen2_moe", "awq", False),
+                                               ("deepseek_v2", "ct", False)])
+def test_int4_moe_checkpoints_dequantise_their_experts(tmp_path, kind: str, fmt: str, desc_act: bool) -> None:
+    """MoE checkpoints in the 4-bit formats: the linear layers stay 4-bit, the experts are dequantised once loaded
+    (each by its own g_idx) into the model dtype, exactly; Qwen2-MoE's one-row shared_expert_gate stays 16-bit as
+    the quantisers leave it; MLA's kv_b_proj is dequantised once. Greedy token-identical to transformers on the
+    dequantised weights."""
+    import transformers as tf
+    from model_utils import hf_greedy, make_runner, make_tiny_model
+    from safetensors.torch import load_file
+
+    from radixserve.bench_one_batch import StaticBatch
+
+    path = str(tmp_path)
+    make_tiny_model(kind, path, initializer_range=0.08)
+    deq_dir = write_int4_checkpoint(path, fmt, group=16, desc_act=desc_act)
+    runner = make_runner(path)
+    want = load_file(os.path.join(deq_dir, "model.safetensors"))
+    li = next(i for i, layer in enumerate(runner.model.model.layers) if hasattr(layer.mlp, "experts"))
+    experts = runner.model.model.layers[li].mlp.experts
+    assert experts.w13_weight.dtype == torch.float32
+    assert {n for n, _ in experts.named_parameters()} == {"w13_weight", "w2_weight"}
+    inter = experts.inter_per_rank
+    torch.testing.assert_close(experts.w13_weight[3, inter:], want[f"model.layers.{li}.mlp.experts.3.up_proj.weight"],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(experts.w2_weight[1], want[f"model.layers.{li}.mlp.experts.1.down_proj.weight"],
+                               rtol=0, atol=0)
+    if kind == "deepseek_v2":
+        attn = runner.model.model.layers[li].self_attn
+        torch.testing.assert_close(attn.kv_b_proj.weight, want[f"model.layers.{li}.self_attn.kv_b_proj.weight"],
+                                   rtol=0, atol=0)
+    else:
+        assert runner.model.model.layers[li].self_attn.o_proj.qweight.dtype == torch.uint8
+    hf = tf.AutoModelForCausalLM.from_pretrained(deq_dir, torch_dtype=torch.float32).eval()
+    for prompt, got in zip(PROMPTS, StaticBatch(runner).generate(PROMPTS, 8), strict=True):
+        assert got == hf_greedy(hf, prompt, 8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="forces the kernels on CPU tensors: Triton's interpreter only")
@@ -312,15 +350,6 @@ def test_int4_configs_refused_and_dummy(tmp_path) -> None:
         resolve_quant_config(None, ct)
     from model_utils import make_tiny_model
 
-    moe = str(tmp_path / "moe")
-    make_tiny_model("qwen3_moe", moe)
-    with open(os.path.join(moe, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
-    with open(os.path.join(moe, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match="MoE experts"):
-        get_model(ModelConfig(moe), load_format="auto", dtype=torch.float32, device="cpu")
     # dummy weights with an AWQ config: quantised online to its groups, close to the unquantised model
     dense = str(tmp_path / "dense")
     make_tiny_model("llama", dense)

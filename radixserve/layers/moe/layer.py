@@ -197,14 +197,16 @@ class FusedMoE(nn.Module):
 
 
 _EXPERT_WEIGHT = re.compile(
-    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv|weight_scale|input_scale)$")
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv|weight_scale|input_scale"
+    r"|qweight|qzeros|scales|g_idx|weight_packed|weight_shape)$")
 _SHARD_OF = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 
 def load_expert_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
     """Load a per-expert checkpoint tensor (`...experts.<e>.{gate,up,down}_proj.weight`, or Mixtral's w1/w3/w2;
-    an fp8 checkpoint's `.weight_scale_inv` / `.weight_scale` / `.input_scale` beside them) into its layer's
-    stacked parameter; returns that parameter's name, or None if `name` is not an expert's."""
+    an fp8 checkpoint's `.weight_scale_inv` / `.weight_scale` / `.input_scale` beside them, a 4-bit one's packed
+    tensors) into its layer's stacked parameter; returns that parameter's name, or None if `name` is not an
+    expert's."""
     m = _EXPERT_WEIGHT.match(name)
     if m is None:
         return None

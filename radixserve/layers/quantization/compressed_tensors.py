@@ -228,7 +228,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             if group is None:
                 return None
             if isinstance(group.scheme, Int4Config):
-                return group.scheme.get_quant_method(layer, prefix)  # (refuses 4-bit experts by name)
+                return group.scheme.get_quant_method(layer, prefix)  # (dequantised once loaded)
             from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
 
             return Fp8MoEMethod(group.scheme)

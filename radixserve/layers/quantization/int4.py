@@ -11,7 +11,8 @@ buffer and cuBLAS; on the CPU the dequantising torch reference. Activations stay
 
 With dummy weights (`--load-format dummy` and such a config) the layers are quantised online to the config's
 bits, group and symmetry (round to nearest), so the layout can be measured at a real model's shape. MoE experts in
-these formats are refused (a clear error at load): only linear layers are served 4-bit."""
+these formats are dequantised once loaded into the model dtype (`Int4MoEMethod`, with a warning): they load and
+run as a 16-bit model's experts would, without the 4-bit memory saving."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers.moe.methods import UnquantizedMoEMethod
 from radixserve.layers.quantization import int4_formats as fmt
 from radixserve.layers.quantization.base import (
     LinearMethodBase,
@@ -34,8 +36,10 @@ from radixserve.layers.quantization.base import (
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import _LinearBase
+    from radixserve.layers.moe.layer import FusedMoE
 
 logger = logging.getLogger(__name__)
+_experts_noted = False
 
 FORMATS = ("gptq", "awq", "compressed-tensors")
 
@@ -117,10 +121,15 @@ class Int4Config(QuantizationConfig):
         if is_ignored(prefix, self.ignored):
             return None
         if isinstance(layer, _LinearBase):
-            return Int4LinearMethod(self)
+            # a layer of fewer than 8 output rows (Qwen2-MoE's shared_expert_gate) has no packing in these formats:
+            # the quantisers leave it 16-bit
+            return Int4LinearMethod(self) if layer.output_size >= 8 else None
         if isinstance(layer, FusedMoE):
-            raise ValueError(f"{self.fmt} 4-bit MoE experts ({prefix}) are not supported; serve this model from a "
-                             f"16-bit or fp8 checkpoint")
+            if not self.serialized:
+                return None  # dummy weights: the experts stay 16-bit, as a checkpoint's would once loaded
+            if not _experts_noted:
+                _note_experts(self.fmt)
+            return Int4MoEMethod(self)
         return None
 
     def matrix_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
@@ -323,3 +332,87 @@ def _shape_check(layer: _LinearBase) -> Any:
         param.data.copy_(loaded.reshape(-1).to(param.dtype))
 
     return loader
+
+
+def _note_experts(fmt_name: str) -> None:
+    global _experts_noted
+    _experts_noted = True
+    logger.warning("%s: the MoE experts' 4-bit weights are dequantised to the model dtype once loaded (the linear "
+                   "layers stay 4-bit)", fmt_name)
+
+
+class Int4MoEMethod(UnquantizedMoEMethod):
+    """4-bit experts dequantised once loaded: the checkpoint's per-expert packed tensors are kept (this rank's
+    experts only) until every weight is in, then each matrix is dequantised (by its g_idx where it has one) and
+    loaded into the 16-bit `w13_weight` / `w2_weight` through the layer's own loader (which takes this rank's
+    rows or columns)."""
+
+    def __init__(self, config: Int4Config) -> None:
+        self.config = config
+        self.pending: dict[tuple[int, str, str], torch.Tensor] = {}
+
+    def _kinds(self) -> tuple[str, ...]:
+        if self.config.fmt == "compressed-tensors":
+            return "weight_packed", "weight_scale", "weight_shape"
+        kinds = ("qweight", "qzeros", "scales")
+        return (*kinds, "g_idx") if self.config.fmt == "gptq" else kinds
+
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
+        super().create_weights(layer, num_experts, hidden_size, inter_size)
+        for p in (layer.w13_weight, layer.w2_weight):
+            p.optional = True  # filled from the packed tensors, not from checkpoint tensors of these names
+        for kind in self._kinds():
+            for stack in ("w13", "w2"):
+                param = nn.Parameter(torch.empty(0), requires_grad=False)
+                param.weight_loader = self._stash(layer, kind)
+                param.optional = kind == "g_idx"
+                setattr(layer, f"{stack}_{kind}", param)
+
+    def _stash(self, layer: FusedMoE, kind: str) -> Any:
+        def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
+                   expert_id: int | None = None) -> None:
+            if shard_id not in ("w1", "w2", "w3") or expert_id is None or not 0 <= expert_id < layer.num_experts:
+                raise ValueError(f"4-bit expert tensor {kind}: shard {shard_id!r} / expert {expert_id} is not one "
+                                 f"expert's gate, up or down matrix")
+            if 0 <= expert_id - layer.expert_offset < layer.num_local_experts:
+                self.pending[expert_id, shard_id, kind] = loaded.clone()
+
+        return loader
+
+    def _dequantized(self, expert: int, shard: str) -> torch.Tensor:
+        cfg = self.config
+        got = {kind: self.pending.pop((expert, shard, kind), None) for kind in self._kinds()}
+        if cfg.fmt == "compressed-tensors":
+            words, scales = got["weight_packed"], got["weight_scale"]
+            if words is None or scales is None:
+                raise ValueError(f"expert {expert} {shard}: the checkpoint lacks its weight_packed / weight_scale")
+            qweight = fmt.ct_weight_packed(words)
+            qzeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
+        else:
+            if got["qweight"] is None or got["scales"] is None or got["qzeros"] is None:
+                raise ValueError(f"expert {expert} {shard}: the checkpoint lacks its qweight / qzeros / scales")
+            qweight = (fmt.awq_qweight if cfg.fmt == "awq" else fmt.gptq_qweight)(got["qweight"])
+            zconv = fmt.awq_qzeros if cfg.fmt == "awq" else \
+                (fmt.gptq_qzeros if cfg.zeros_stored_minus_one else _gptq_v2_zeros)
+            qzeros, scales = zconv(got["qzeros"]), fmt.group_transpose(got["scales"])
+        k = qweight.shape[1] * 2
+        if k % scales.shape[1]:
+            raise ValueError(f"expert {expert} {shard}: {k} columns are not whole groups of {scales.shape}")
+        g_idx = got.get("g_idx")
+        if g_idx is None:
+            g_idx = torch.arange(k, device=qweight.device) // (k // scales.shape[1])
+        return fmt.dequantize_by_index(qweight, scales, qzeros, g_idx)
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        dtype = layer.w13_weight.dtype
+        for local in range(layer.num_local_experts):
+            expert = layer.expert_offset + local
+            for shard in ("w1", "w3", "w2"):
+                w = self._dequantized(expert, shard).to(dtype)
+                target = layer.w2_weight if shard == "w2" else layer.w13_weight
+                layer.weight_loader(target, w, shard, expert)
+        if self.pending:
+            raise ValueError(f"4-bit experts: unexpected checkpoint tensors {sorted(self.pending)[:4]}")
+        for kind in self._kinds():
+            for stack in ("w13", "w2"):
+                delattr(layer, f"{stack}_{kind}")

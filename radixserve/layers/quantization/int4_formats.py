@@ -59,6 +59,14 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor
     return (q - z) * s
 
 
+def dequantize_by_index(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
+                        g_idx: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of our layout with column k in group g_idx[k] (GPTQ's activation order), in column order."""
+    q = unpack_pairs(qweight).float()
+    g = g_idx.long()
+    return (q - qzeros.float()[:, g]) * scales.float()[:, g]
+
+
 # ---------------------------------------------------------------- checkpoint packings -> ours (whole tensors)
 def gptq_qweight(words: torch.Tensor) -> torch.Tensor:
     """GPTQ `qweight` int32 [K/8, N] -> ours [N, K/2]."""
