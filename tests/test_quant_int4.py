@@ -20,6 +20,7 @@ from radixserve.model_loader import get_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 100, 8], [1, 2, 3]]
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+METHOD = {"gptq": "gptq", "gptq_v2": "gptq", "awq": "awq", "ct": "compressed-tensors"}  # keeps them packed on CPU
 
 
 def _word(values: list[int]) -> int:
@@ -202,7 +203,7 @@ def test_int4_checkpoint_matches_transformers(tmp_path, fmt: str, desc_act: bool
     path = str(tmp_path)
     make_tiny_model("qwen2" if fmt == "awq" else "llama", path)  # qwen2: biased q/k/v
     deq_dir = write_int4_checkpoint(path, fmt, desc_act=desc_act)
-    runner = make_runner(path)
+    runner = make_runner(path, quantization=METHOD[fmt])
     want = load_file(os.path.join(deq_dir, "model.safetensors"))
     for layer, parts in ((runner.model.model.layers[0].self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
                          (runner.model.model.layers[1].mlp.gate_up_proj, ("gate_proj", "up_proj"))):
@@ -237,7 +238,7 @@ def test_int4_moe_checkpoints_dequantise_their_experts(tmp_path, kind: str, fmt:
     path = str(tmp_path)
     make_tiny_model(kind, path, initializer_range=0.08)
     deq_dir = write_int4_checkpoint(path, fmt, group=16, desc_act=desc_act)
-    runner = make_runner(path)
+    runner = make_runner(path, quantization=METHOD[fmt])
     want = load_file(os.path.join(deq_dir, "model.safetensors"))
     li = next(i for i, layer in enumerate(runner.model.model.layers) if hasattr(layer.mlp, "experts"))
     experts = runner.model.model.layers[li].mlp.experts
@@ -259,6 +260,29 @@ def test_int4_moe_checkpoints_dequantise_their_experts(tmp_path, kind: str, fmt:
         assert got == hf_greedy(hf, prompt, 8)
 
 
+def test_int4_layers_are_dequantised_once_on_the_cpu_by_default(tmp_path) -> None:
+    """Without --quantization the CPU dequantises each 4-bit layer once loaded (the same products, no per-step
+    dequantisation); the weights equal the checkpoint's dequantised ones, activation order undone."""
+    from model_utils import make_tiny_model
+    from safetensors.torch import load_file
+
+    from radixserve.layers.quantization.base import UnquantizedLinearMethod
+
+    path = str(tmp_path)
+    make_tiny_model("llama", path)
+    deq_dir = write_int4_checkpoint(path, "gptq", desc_act=True)
+    model = get_model(ModelConfig(path), load_format="auto", dtype=torch.float32, device="cpu")
+    want = load_file(os.path.join(deq_dir, "model.safetensors"))
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod) and not hasattr(layer, "qweight")
+    torch.testing.assert_close(layer.weight, torch.cat([want[f"model.layers.0.self_attn.{p}_proj.weight"]
+                                                        for p in "qkv"]), rtol=0, atol=0)
+    assert resolve_quant_config(None, {"quant_method": "gptq", "bits": 4, "group_size": 32},
+                                packed_default=False).packed is False
+    assert resolve_quant_config("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32},
+                                packed_default=False).packed is True
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="forces the kernels on CPU tensors: Triton's interpreter only")
 @pytest.mark.parametrize("rows", [1, 12])
 def test_int4_layers_through_the_kernels(tmp_path, rows: int) -> None:
@@ -271,7 +295,7 @@ def test_int4_layers_through_the_kernels(tmp_path, rows: int) -> None:
     path = str(tmp_path)
     make_tiny_model("llama", path)
     write_int4_checkpoint(path, "gptq", desc_act=True)
-    model = get_model(ModelConfig(path), load_format="auto", dtype=torch.float32, device="cpu")
+    model = get_model(ModelConfig(path), load_format="auto", dtype=torch.float32, device="cpu", quantization="gptq")
     layer = model.model.layers[0].self_attn.qkv_proj
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     ref = layer(x)

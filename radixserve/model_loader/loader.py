@@ -105,7 +105,7 @@ def get_model(
     torch_device = torch.device(device)
     quant_config = resolve_quant_config(quantization, _hf_quant_config(model_config), load_format=load_format,
                                         is_gguf=model_config.is_gguf, gguf_path=model_config.model_path,
-                                        gguf_packed_default=torch_device.type == "cuda")
+                                        packed_default=torch_device.type == "cuda")
 
     start = time.perf_counter()
     with _default_dtype(dtype), torch_device:

@@ -50,14 +50,16 @@ def get_quantization_config_class(name: str) -> type[QuantizationConfig]:
 
 def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | None, *,
                          load_format: str = "auto", is_gguf: bool = False, gguf_path: str | None = None,
-                         gguf_packed_default: bool = True) -> QuantizationConfig | None:
+                         packed_default: bool = True) -> QuantizationConfig | None:
     """The quantization of a model: `name` (`--quantization`) or the checkpoint's `quantization_config`.
 
     A checkpoint's method wins when no name is given; a name that contradicts the checkpoint is a ValueError.
     With dummy weights the checkpoint's layout (fp8 blocks, ignored layers) is quantised online instead (there is
     nothing on disk; activation scales dynamic). A GGUF
-    file keeps its Q8_0/Q4_K layers packed with `gguf` (by default only where `gguf_packed_default`: on GPUs)."""
-    if is_gguf and (name == "gguf" or (name is None and gguf_packed_default)):
+    file keeps its Q8_0/Q4_K layers packed with `gguf` (by default only where `packed_default`: on GPUs); so does a
+    4-bit GPTQ / AWQ / W4A16 checkpoint (elsewhere its layers are dequantised once loaded, unless the method is
+    named)."""
+    if is_gguf and (name == "gguf" or (name is None and packed_default)):
         if gguf_path is None:
             raise ValueError("gguf quantization needs the GGUF file's path")
         return get_quantization_config_class("gguf").from_file(gguf_path)
@@ -91,7 +93,10 @@ def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | Non
         config = {key: hf_quant_config[key] for key in _LAYOUT_KEYS if key in hf_quant_config}
     elif ckpt_method is not None:
         config = hf_quant_config
-    return get_quantization_config_class(method).from_config(dict(config or {}), serialized=serialized)
+    quant = get_quantization_config_class(method).from_config(dict(config or {}), serialized=serialized)
+    if hasattr(quant, "keep_packed"):  # 4-bit layers on the CPU: dequantised once unless the method was named
+        quant.keep_packed(packed_default or name is not None)
+    return quant
 
 
 # Linear layers whose weight a model reads as a matrix (MLA's kv_b_proj, absorbed into the attention): they stay in

@@ -185,6 +185,12 @@ class CompressedTensorsConfig(QuantizationConfig):
                   for name, group in (config.get("config_groups") or {}).items()]
         return cls(groups, config.get("ignore") or [])
 
+    def keep_packed(self, packed: bool) -> None:
+        """The 4-bit groups' `Int4Config.keep_packed` (fp8 layers keep their form everywhere)."""
+        for group in self.groups:
+            if isinstance(group.scheme, Int4Config):
+                group.scheme.keep_packed(packed)
+
     def _group(self, names: list[str], prefix: str) -> SchemeGroup | None:
         """The group that quantizes every one of `names` (a layer's checkpoint names), None if none does; a
         ValueError if they fall into different groups (our stacked layer cannot hold both)."""

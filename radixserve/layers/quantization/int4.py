@@ -7,7 +7,9 @@ whole groups of columns for row-parallel ones). A GPTQ model quantised in activa
 that is not k // G) has its input columns sorted by group once loaded and x gathered in that order before the
 product (one permutation per layer: q/k/v and gate/up share their input and so their order). The product: on the
 GPU a Triton GEMV for up to `GEMV_MAX_M` rows (`int4_kernels`), above that the weight dequantised into a 16-bit
-buffer and cuBLAS; on the CPU the dequantising torch reference. Activations stay 16-bit throughout.
+buffer and cuBLAS; on the CPU each layer is dequantised once loaded unless the method was named
+(`Int4Config.keep_packed`; packed, the dequantising torch reference runs at every product). Activations stay
+16-bit throughout.
 
 With dummy weights (`--load-format dummy` and such a config) the layers are quantised online to the config's
 bits, group and symmetry (round to nearest), so the layout can be measured at a real model's shape. MoE experts in
@@ -85,6 +87,19 @@ class Int4Config(QuantizationConfig):
         self.serialized = serialized
         self.ignored = list(ignored or [])
         self.zeros_stored_minus_one = zeros_stored_minus_one
+        self.packed = True  # False: each layer dequantised once loaded (the CPU default, `keep_packed`)
+        self._unpacked_noted = False
+
+    def keep_packed(self, packed: bool) -> None:
+        """Whether the linear layers keep their 4-bit form (the GPU, or the method named) or are dequantised once
+        loaded (the CPU by default: the same products, without dequantising at every step)."""
+        self.packed = packed
+
+    def note_unpacked(self) -> None:
+        if not self._unpacked_noted:
+            self._unpacked_noted = True
+            logger.info("%s: 4-bit linear layers dequantised to the model dtype once loaded (the CPU default; "
+                        "--quantization %s keeps them packed)", self.fmt, self.fmt)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], *, serialized: bool) -> Int4Config:
@@ -231,6 +246,9 @@ class Int4LinearMethod(LinearMethodBase):
             q = fmt.unpack_pairs(qweight)[:, perm]
             qweight = fmt.pack_pairs(q)
         self._finish(layer, qweight, scales, qzeros, perm)
+        if not cfg.packed and type(self) is Int4LinearMethod:
+            cfg.note_unpacked()
+            _dequantize_layer(layer)
 
     @staticmethod
     def _finish(layer: _LinearBase, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -268,16 +286,22 @@ class Int4DequantizedMethod(Int4LinearMethod):
 
     def process_weights_after_loading(self, layer: _LinearBase) -> None:
         super().process_weights_after_loading(layer)
-        w = fmt.dequantize(layer.qweight.data, layer.scales.data, layer.qzeros.data)
-        if layer.perm is not None:  # back to the checkpoint's column order
-            w = w[:, torch.argsort(layer.perm)]
-        w = w.to(layer.params_dtype)
-        for name in ("qweight", "scales", "qzeros"):
-            delattr(layer, name)
-        layer.perm = None
-        layer._quant_param_names = []
-        layer.set_quant_method(UnquantizedLinearMethod())
-        layer.weight.data.copy_(w)
+        _dequantize_layer(layer)
+
+
+def _dequantize_layer(layer: _LinearBase) -> None:
+    """Turn a loaded 4-bit layer into an unquantized one holding the dequantised weight (in the checkpoint's
+    column order)."""
+    w = fmt.dequantize(layer.qweight.data, layer.scales.data, layer.qzeros.data)
+    if layer.perm is not None:
+        w = w[:, torch.argsort(layer.perm)]
+    w = w.to(layer.params_dtype)
+    for name in ("qweight", "scales", "qzeros"):
+        delattr(layer, name)
+    layer.perm = None
+    layer._quant_param_names = []
+    layer.set_quant_method(UnquantizedLinearMethod())
+    layer.weight.data.copy_(w)
 
 
 def _row_split(layer: _LinearBase) -> bool:
