@@ -65,3 +65,22 @@ def test_gguf_moe_loads_and_matches_transformers(tmp_path, kind: str, quantize_e
         assert StaticBatch(runner).generate(PROMPTS, 8) == want, quantization
         kinds = {type(getattr(m, "quant_method", None)).__name__ for m in runner.model.modules()}
         assert ("GGUFLinearMethod" in kinds) == (quantization == "gguf")
+
+
+def test_gguf_mixtral_written_as_llama_loads_and_matches_transformers(tmp_path) -> None:
+    """llama.cpp writes Mixtral as architecture "llama" with experts (`llama.expert_count`, the stacked `ffn_*_exps`
+    and the router `ffn_gate_inp`), which transformers' GGUF reader turns into a dense Llama config (the expert
+    tensors were then refused as unexpected weights): served as Mixtral, token-identical to the source model."""
+    from safetensors.torch import load_file
+
+    src = os.path.join(str(tmp_path), "hf")
+    hf = make_tiny_model("mixtral", src, initializer_range=0.08)
+    tensors = {k: v.float() for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    path = os.path.join(str(tmp_path), "m.gguf")
+    written = write_llama_gguf(path, tensors, hf.config, lambda name, shape: None)
+    assert "model.layers.0.mlp.experts.gate_proj.weight" in written
+    cfg = ModelConfig(path)
+    assert cfg.architectures == ["MixtralForCausalLM"]
+    assert (cfg.hf_config.num_local_experts, cfg.hf_config.num_experts_per_tok) == (8, 2)
+    runner = make_runner(path)
+    assert StaticBatch(runner).generate(PROMPTS, 8) == [hf_greedy(hf, p, 8) for p in PROMPTS]

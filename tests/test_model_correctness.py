@@ -120,3 +120,29 @@ def test_greedy_matches_transformers_at_a_dozen_rows(tmp_path) -> None:
         weight = runner.model.model.layers[0].mlp.gate_up_proj.weight
         assert getattr(weight, cpu_ops._PACKED_ATTR)[1] is not None
     assert runner.token_to_kv_pool.available_size() == runner.token_to_kv_pool.size
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v2"])
+def test_context_length_past_max_position_embeddings_matches_transformers(kind: str, tmp_path) -> None:
+    """A context length above the config's max_position_embeddings (allowed, with a warning): the rotary tables cover
+    the served context, and a prompt reaching past max_position_embeddings (512) decodes as transformers does, which
+    computes RoPE at any position (the tables held 512 positions: the CPU kernel raised, CUDA read past their end)."""
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.server_args import ServerArgs
+
+    hf = make_tiny_model(kind, str(tmp_path), initializer_range=0.08)
+    args = ServerArgs(model_path=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
+                      max_running_requests=4, context_length=1024)
+    runner = ModelRunner(ModelConfig(str(tmp_path), context_length=1024), args)
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(600)]
+    assert StaticBatch(runner).generate([prompt], 8)[0] == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v2"])
+def test_unsupported_hidden_act_is_refused(kind: str, tmp_path) -> None:
+    """The MLPs compute SiLU-gated products: a config naming another activation is refused by name, not served with
+    SiLU in its place (a Llama with hidden_act gelu loaded and answered differently from transformers)."""
+    make_tiny_model(kind, str(tmp_path), hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        make_runner(str(tmp_path))

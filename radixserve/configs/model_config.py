@@ -229,10 +229,21 @@ class ModelConfig:
                 config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=self.trust_remote_code)
             except Exception as e:
                 raise ValueError(f"cannot read the model config from GGUF file {self.model_path}: {e}") from e
-            if getattr(config, "num_experts", None):  # an MoE file: the expert sizes transformers leaves out
-                from radixserve.model_loader.gguf_loader import open_gguf, patch_moe_config
+            from radixserve.model_loader.gguf_loader import (
+                open_gguf,
+                patch_llama_experts_config,
+                patch_moe_config,
+                patch_rope_config,
+            )
 
-                patch_moe_config(config, open_gguf(self.model_path))
+            reader = open_gguf(self.model_path)
+            if getattr(config, "num_experts", None):  # an MoE file: the expert sizes transformers leaves out
+                patch_moe_config(config, reader)
+            try:  # what transformers' reader drops: Mixtral's experts ("llama" files), RoPE scaling (Llama 3.x's
+                patch_llama_experts_config(config, reader)  # rope_freqs tensor, rope.scaling.*)
+                patch_rope_config(config, reader)
+            except ValueError as e:
+                raise ValueError(f"{self.model_path}: {e}") from e
             return config
         config_file = os.path.join(self.model_path, "config.json")
         _read_json(config_file)  # a clear message for a broken file before transformers' own

@@ -1,6 +1,6 @@
 """Rotary position embedding: the neox layout (halves rotated together, as HF Llama/Qwen use) or the interleaved one
 (pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay out their rotary dims); Llama-3, linear and YaRN
-frequency scaling."""
+frequency scaling, and per-frequency divisors read from a GGUF file (llama.cpp's `rope_freqs` tensor)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+# llama.cpp's per-frequency divisors (a GGUF file's `rope_freqs` tensor: Llama 3.x's RoPE scaling, precomputed by its
+# converter): rope_scaling {"rope_type": FREQ_FACTORS, "freq_factors": [head_dim / 2 floats]}; inv_freq[i] / factor[i]
+FREQ_FACTORS = "gguf_freq_factors"
+
+
+def _freq_factors(scaling: dict[str, Any], head_dim: int) -> torch.Tensor:
+    factors = torch.as_tensor(scaling.get("freq_factors", ()), dtype=torch.float32).flatten()
+    if factors.numel() != head_dim // 2:
+        raise ValueError(f"rope freq_factors: expected {head_dim // 2} values (head_dim / 2), got {factors.numel()}")
+    if not bool(torch.isfinite(factors).all()) or bool((factors <= 0).any()):
+        raise ValueError("rope freq_factors must be finite and positive")
+    return factors
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -78,13 +92,30 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / rope_scaling["factor"]
         elif kind == "yarn":
             inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, rope_scaling, max_position)
+        elif kind == FREQ_FACTORS:
+            inv_freq = inv_freq / _freq_factors(rope_scaling, head_dim)
         elif kind not in ("default", None):
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
+                             f"{FREQ_FACTORS})")
+        self._inv_freq, self._attention_factor = inv_freq, attention_factor
+        cos, sin = self._tables(max_position)
         # Kept in fp32; computed on the CPU at construction, moved with the module.
-        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def _tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq
+        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=inv_freq.device), inv_freq)
+        return freqs.cos() * self._attention_factor, freqs.sin() * self._attention_factor
+
+    def cover(self, num_positions: int) -> None:
+        """Extend the cos/sin tables to positions 0..num_positions - 1 (a served context longer than the model's
+        max_position_embeddings, `--context-length`); the frequencies stay those of the config."""
+        if num_positions <= self.cos_cache.shape[0]:
+            return
+        cos, sin = self._tables(num_positions)
+        self.cos_cache = cos.to(self.cos_cache.device)
+        self.sin_cache = sin.to(self.sin_cache.device)
 
     def can_fuse(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether forward runs the fused kernel for these tensors (which can also store K/V: `kv_write`)."""

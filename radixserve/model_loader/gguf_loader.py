@@ -158,6 +158,95 @@ def patch_moe_config(config: Any, reader: Any) -> None:
         config.shared_expert_intermediate_size = int(shared)
 
 
+def patch_llama_experts_config(config: Any, reader: Any) -> None:
+    """llama.cpp writes Mixtral as architecture "llama" (or "mistral") with experts (`{arch}.expert_count`, stacked
+    `ffn_*_exps` tensors and the router `ffn_gate_inp`); transformers' GGUF reader gives a dense LlamaConfig and
+    drops the expert counts. Name the Mixtral class and set them."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in _PERMUTED_ARCHS:
+        return
+    experts = gguf_field(reader, f"{arch}.expert_count")
+    if not experts:
+        return
+    used = gguf_field(reader, f"{arch}.expert_used_count")
+    if not used or not 1 <= int(used) <= int(experts):
+        raise ValueError(f"GGUF {arch} file with {experts} experts needs {arch}.expert_used_count in 1..{experts}, "
+                         f"got {used}")
+    config.num_local_experts = int(experts)
+    config.num_experts_per_tok = int(used)
+    inter = gguf_field(reader, f"{arch}.expert_feed_forward_length")
+    if inter:
+        config.intermediate_size = int(inter)
+    config.architectures = ["MixtralForCausalLM"]
+
+
+def _gguf_number(reader: Any, key: str) -> float | None:
+    value = gguf_field(reader, key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"GGUF field {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def gguf_rope_scaling(reader: Any) -> dict[str, Any] | None:
+    """The RoPE scaling llama.cpp's converter keeps in a GGUF file, as a Hugging Face `rope_scaling` dict, or None
+    for plain RoPE. transformers' GGUF config reader drops it, so a Llama 3.x file would otherwise be served with
+    unscaled frequencies. Sources: the `rope_freqs.weight` tensor (Llama 3.x: one divisor per frequency, llama.cpp's
+    form of the `llama3` scaling) and the `{arch}.rope.scaling.*` metadata (linear, yarn). Raises ValueError for a
+    scaling this loader cannot reproduce."""
+    from gguf.quants import dequantize
+
+    from radixserve.layers.rotary_embedding import FREQ_FACTORS
+
+    arch = gguf_field(reader, "general.architecture")
+    scaling: dict[str, Any] | None = None
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        factors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float32).reshape(-1)
+        scaling = {"rope_type": FREQ_FACTORS, "freq_factors": [float(f) for f in factors]}
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "", "none"):
+        return scaling
+    if scaling is not None:
+        raise ValueError(f"GGUF file has both a rope_freqs tensor and {arch}.rope.scaling.type {kind!r}")
+    factor = _gguf_number(reader, f"{arch}.rope.scaling.factor")
+    if factor is None or factor <= 0:
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} needs a positive {arch}.rope.scaling.factor, "
+                         f"got {factor}")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (supported: linear, yarn)")
+    orig = _gguf_number(reader, f"{arch}.rope.scaling.original_context_length")
+    if orig is None or orig <= 0:
+        raise ValueError(f"GGUF yarn RoPE scaling needs {arch}.rope.scaling.original_context_length")
+    for key, neutral in (("attn_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_ext_factor", 1.0),
+                         ("yarn_log_multiplier", 0.0)):  # llama.cpp's knobs beyond Hugging Face's yarn
+        value = _gguf_number(reader, f"{arch}.rope.scaling.{key}")
+        if value is not None and value != neutral:
+            raise ValueError(f"GGUF {arch}.rope.scaling.{key} = {value} is not supported")
+    scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(orig)}
+    for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = _gguf_number(reader, f"{arch}.rope.scaling.{key}")
+        if value is not None:
+            scaling[hf_key] = value
+    return scaling
+
+
+def patch_rope_config(config: Any, reader: Any) -> None:
+    """Set the GGUF file's RoPE scaling (`gguf_rope_scaling`) on the config transformers read from it."""
+    scaling = gguf_rope_scaling(reader)
+    if scaling is None:
+        return
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):  # transformers 5: one dict with rope_theta (setting rope_scaling would drop it)
+        config.rope_parameters = {**{k: v for k, v in params.items() if k in ("rope_theta", "partial_rotary_factor")},
+                                  **scaling}
+    else:
+        config.rope_scaling = scaling
+
+
 def gguf_weights_iterator(path: str, reader: Any = None,
                           packed: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 cpu tensor) for every weight of a GGUF file, q/k rows restored to HF order.

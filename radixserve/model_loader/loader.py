@@ -79,6 +79,16 @@ def _hf_quant_config(model_config: ModelConfig) -> dict | None:
     return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
 
 
+def cover_context(model: nn.Module, context_len: int) -> None:
+    """Extend every rotary table of `model` to `context_len` positions: a `--context-length` past the config's
+    max_position_embeddings (allowed, with a warning) would otherwise index past the tables' end."""
+    from radixserve.layers.rotary_embedding import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cover(context_len)
+
+
 def get_model(
     model_config: ModelConfig,
     *,
@@ -110,6 +120,7 @@ def get_model(
     start = time.perf_counter()
     with _default_dtype(dtype), torch_device:
         model = model_class(model_config.hf_config, tp_rank=tp_rank, tp_size=tp_size)
+        cover_context(model, model_config.context_len)
         if quant_config is not None:
             apply_quantization(model, quant_config)
 

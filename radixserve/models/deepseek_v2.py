@@ -47,7 +47,7 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
 from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from radixserve.models.llama import LlamaForCausalLM, LlamaMLP, load_plain, rope_params
+from radixserve.models.llama import LlamaForCausalLM, LlamaMLP, check_hidden_act, load_plain, rope_params
 from radixserve.models.qwen2_moe import norm_then_moe
 
 if TYPE_CHECKING:
@@ -349,6 +349,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         if not getattr(config, "kv_lora_rank", None):
             raise ValueError(f"{type(self).__name__} needs an MLA config (kv_lora_rank)")
+        check_hidden_act(config)
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.dp_attention = is_dp_attention_enabled() and tp_size > 1

@@ -39,6 +39,14 @@ def rope_params(config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]
     return float(theta), scaling
 
 
+def check_hidden_act(config: PretrainedConfig) -> None:
+    """Every MLP and expert here computes down(silu(gate(x)) * up(x)): refuse a config naming another activation
+    (transformers would apply it; serving SiLU in its place would load and answer differently)."""
+    act = getattr(config, "hidden_act", None) or "silu"
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (supported: silu)")
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp_rank: int, tp_size: int,
                  reduce_results: bool = True) -> None:
@@ -283,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        check_hidden_act(config)
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
