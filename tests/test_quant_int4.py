@@ -308,8 +308,9 @@ def test_int4_layers_through_the_kernels(tmp_path, rows: int) -> None:
 
 
 def test_int4_tensor_parallel_shards() -> None:
-    """TP=2 ranks of GPTQ layers (column- and row-parallel) hold their rows / whole groups of columns: the
-    outputs concatenate, the partial sums add up to the single rank's."""
+    """TP=2 ranks of GPTQ layers (column- and row-parallel) hold their rows / whole groups of columns (and their
+    columns' g_idx, renumbered from their first group): the outputs concatenate, the partial sums add up to the
+    single rank's."""
     from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
     from radixserve.layers.quantization import apply_quantization, finish_quantization
     from radixserve.layers.quantization.int4 import Int4Config
@@ -322,7 +323,8 @@ def test_int4_tensor_parallel_shards() -> None:
     for sid, w in mats.items():
         q, z, s, _ = _rtn(w, 16, False)
         qw, qz = pack_gptq(q, z)
-        packed[sid] = {"qweight": qw, "qzeros": qz, "scales": s.t().contiguous()}
+        packed[sid] = {"qweight": qw, "qzeros": qz, "scales": s.t().contiguous(),
+                       "g_idx": (torch.arange(w.shape[1]) // 16).to(torch.int32)}  # plain order, as saved
 
     def build(rank: int, size: int) -> tuple[QKVParallelLinear, RowParallelLinear]:
         qkv, down = QKVParallelLinear(64, 16, 4, 2, True, rank, size), RowParallelLinear(96, 64, False, rank, size)

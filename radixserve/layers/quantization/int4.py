@@ -207,7 +207,7 @@ class Int4LinearMethod(LinearMethodBase):
         if cfg.fmt == "gptq":
             g_idx = new_param((k,), torch.int32, {"output_dim": None, "input_dim": 0}, fill=-1)
             g_idx.optional = True  # absent from some checkpoints (those quantised in plain order)
-            g_idx.weight_loader = _same_for_every_member(layer)
+            g_idx.weight_loader = _same_for_every_member(layer, group)
             layer.g_idx = g_idx
         if cfg.fmt == "compressed-tensors":
             shape = new_param((2,), torch.int64, {}, fill=0)
@@ -330,12 +330,14 @@ def _activation_order(g_idx: torch.Tensor, group: int, desc_act: bool) -> torch.
     return torch.argsort(g_idx.long(), stable=True)
 
 
-def _same_for_every_member(layer: _LinearBase) -> Any:
-    """g_idx's loader: a stacked layer's matrices share their input, so their g_idx must agree."""
+def _same_for_every_member(layer: _LinearBase, group: int) -> Any:
+    """g_idx's loader: a stacked layer's matrices share their input, so their g_idx must agree. A row-parallel
+    rank takes its columns' entries, renumbered from its first group (its columns are whole groups; activation
+    order is refused there)."""
     def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         k = param.shape[0]
-        if layer.tp_size > 1 and loaded.shape[0] != k:
-            loaded = loaded.narrow(0, layer.tp_rank * k, k)
+        if _row_split(layer) and loaded.shape[0] == k * layer.tp_size:
+            loaded = loaded.narrow(0, layer.tp_rank * k, k) - (layer.tp_rank * k) // group
         if loaded.shape != param.shape:
             raise ValueError(f"gptq g_idx of shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
         loaded = loaded.to(param.dtype)
