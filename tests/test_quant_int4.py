@@ -403,3 +403,22 @@ def test_the_awq_shape_config_resolves() -> None:
     assert qc.fmt == "awq" and qc.group_size == 128 and not qc.serialized and not qc.sym
     for k in (cfg["hidden_size"], cfg["intermediate_size"], cfg["intermediate_size"] // 2):
         assert k % qc.group_size == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_int4_tp2_matches_tp1(tmp_path, fmt: str) -> None:
+    """A 4-bit checkpoint served by two tensor-parallel ranks (gloo; one KV head replicated on both, row-parallel
+    layers split into whole groups with their g_idx renumbered) generates what one rank does."""
+    from parallel_utils import SERVER_KW, make_model, reference_outputs
+
+    from radixserve.entrypoints.engine import Engine
+
+    path = make_model("llama", str(tmp_path), seed=5, num_key_value_heads=1)
+    write_int4_checkpoint(path, fmt, group=16)
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
+    prompts = [[5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    want = reference_outputs(path, prompts, greedy)
+    with Engine(model_path=path, tp_size=2, quantization=fmt, **SERVER_KW) as engine:
+        got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+    assert got == want
