@@ -161,6 +161,8 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
             qw, qz = pack_gptq(q, z, v2=fmt == "gptq_v2")
             out.update({base + "qweight": qw, base + "qzeros": qz, base + "scales": s.t().contiguous(),
                         base + "g_idx": g_idx})
+            if base + "bias" not in out:  # older GPTQ exports: a zero bias on every quantized layer
+                out[base + "bias"] = torch.zeros(n)
         elif fmt == "awq":
             qw, qz = pack_awq(q, z)
             out.update({base + "qweight": qw, base + "qzeros": qz, base + "scales": s.t().contiguous()})

@@ -335,14 +335,24 @@ class LlamaForCausalLM(nn.Module):
         for hf_part, our_part, shard in self.stacked_params:
             if f".{hf_part}." in name:
                 target = name.replace(f".{hf_part}.", f".{our_part}.")
+                if target not in params and _zero_bias(name, tensor):
+                    return None
                 if target not in params:
                     raise ValueError(f"weight {name!r} has no parameter {target!r} in {type(self).__name__}")
                 params[target].weight_loader(params[target], tensor, shard)
                 return target
+        if name not in params and _zero_bias(name, tensor):
+            return None
         if name not in params:
             raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
         load_plain(params[name], name, tensor)
         return name
+
+
+def _zero_bias(name: str, tensor: torch.Tensor) -> bool:
+    """An all-zero bias of a layer the model holds without one (older GPTQ exports give every quantized layer a
+    bias tensor, zeros where the model has none): adding it changes nothing, so it is skipped."""
+    return name.endswith(".bias") and not bool(tensor.any())
 
 
 def load_plain(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
