@@ -140,8 +140,8 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
 def _gpu_only_products() -> None:
     """The products the layers take only on CUDA (the one-row 16-bit GEMVs, the 17..256-row kernels, Q4_K's dp4c
     at K = 2,048), called directly on small CPU tensors; and the MoE align's parallel path (batches of more than
-    `SMALL_ALIGN` assignments), which the tiny models' batches do not reach; the 4-bit GEMV and dequantising copy
-    in bf16 (GPTQ / AWQ)."""
+    `SMALL_ALIGN` assignments), which the tiny models' batches do not reach; the 4- and 8-bit GEMV and dequantising
+    copy in bf16 (GPTQ / AWQ / compressed-tensors)."""
     from radixserve.layers.moe import fused_moe
     from radixserve.layers.quantization import gguf_formats as G
     from radixserve.layers.quantization.fp8 import quantize_rows
@@ -185,7 +185,8 @@ def _gpu_only_products() -> None:
     from radixserve.layers.quantization.int4 import quantize_groups
     from radixserve.layers.quantization.int4_kernels import int4_dequantize, int4_gemv
 
-    qw, s4, z4 = quantize_groups(w.float(), 128, False)  # 4-bit GPTQ / AWQ layers
-    int4_gemv(torch.randn(2, 256, generator=g).to(bf), qw, s4, z4, torch.zeros(128, dtype=bf))
-    int4_dequantize(qw, s4, z4, 256, bf)
+    for bits in (4, 8):  # 4- and 8-bit GPTQ / AWQ / W4A16 / W8A16 layers
+        qw, s4, z4 = quantize_groups(w.float(), 128, False, bits)
+        int4_gemv(torch.randn(2, 256, generator=g).to(bf), qw, s4, z4, torch.zeros(128, dtype=bf), bits)
+        int4_dequantize(qw, s4, z4, 256, bf, bits)
 

@@ -224,9 +224,11 @@ def test_compressed_tensors_targets_and_ignore(tmp_path) -> None:
 
 @pytest.mark.parametrize("change,match", [
     ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, "format": "pack-quantized"},
-     "4-bit weights with quantized activations"),
-    ({"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}, "format": "pack-quantized",
-      "input_activations": None}, "pack-quantized 8-bit int"),
+     "4-bit int weights with quantized activations"),
+    ({"weights": {"num_bits": 2, "type": "int", "strategy": "channel"}, "format": "pack-quantized",
+      "input_activations": None}, "2-bit int weights"),
+    ({"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16},
+      "format": "nvfp4-pack-quantized"}, "nvfp4"),
     ({"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}, "format": "int-quantized"},
      "format 'int-quantized'"),
     ({"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}, "8-bit int"),

@@ -23,19 +23,22 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 METHOD = {"gptq": "gptq", "gptq_v2": "gptq", "awq": "awq", "ct": "compressed-tensors"}  # keeps them packed on CPU
 
 
-def _word(values: list[int]) -> int:
-    """Eight 4-bit values as one int32, the first in the lowest bits."""
-    w = sum((v & 15) << (4 * i) for i, v in enumerate(values))
+def _word(values: list[int], bits: int = 4) -> int:
+    """32 / bits values as one int32, the first in the lowest bits."""
+    w = sum((v & ((1 << bits) - 1)) << (bits * i) for i, v in enumerate(values))
     return w - (1 << 32) if w >= 1 << 31 else w
 
 
-def pack_gptq(q: torch.Tensor, zeros: torch.Tensor, v2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K], zeros [N, K/G] -> GPTQ qweight [K/8, N] (along K), qzeros [K/G, N/8] (along N, zero - 1)."""
+def pack_gptq(q: torch.Tensor, zeros: torch.Tensor, v2: bool = False, bits: int = 4,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K], zeros [N, K/G] -> GPTQ qweight [K*bits/32, N] (along K), qzeros [K/G, N*bits/32] (along N,
+    zero - 1)."""
     n, k = q.shape
-    qweight = torch.tensor([[_word(q[c, 8 * i:8 * i + 8].tolist()) for c in range(n)] for i in range(k // 8)],
-                           dtype=torch.int32)
+    per = 32 // bits
+    qweight = torch.tensor([[_word(q[c, per * i:per * i + per].tolist(), bits) for c in range(n)]
+                            for i in range(k // per)], dtype=torch.int32)
     z = zeros if v2 else zeros - 1
-    qzeros = torch.tensor([[_word(z[8 * c:8 * c + 8, g].tolist()) for c in range(n // 8)]
+    qzeros = torch.tensor([[_word(z[per * c:per * c + per, g].tolist(), bits) for c in range(n // per)]
                            for g in range(zeros.shape[1])], dtype=torch.int32)
     return qweight, qzeros
 
@@ -49,25 +52,28 @@ def pack_awq(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.
     return along_n(q.t()), along_n(zeros.t())
 
 
-def pack_ct(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] (stored value = signed value + 8) -> compressed-tensors weight_packed [N, K/8]."""
+def pack_ct(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """q [N, K] (stored value = signed value + 2^(bits-1)) -> compressed-tensors weight_packed [N, K*bits/32]."""
     n, k = q.shape
-    return torch.tensor([[_word(q[r, 8 * c:8 * c + 8].tolist()) for c in range(k // 8)] for r in range(n)],
-                        dtype=torch.int32)
+    per = 32 // bits
+    return torch.tensor([[_word(q[r, per * c:per * c + per].tolist(), bits) for c in range(k // per)]
+                         for r in range(n)], dtype=torch.int32)
 
 
-def _rtn(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rtn(w: torch.Tensor, group: int, sym: bool, bits: int = 4,
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [N, K] int64, zeros [N, K/G] int64, scales fp16 [N, K/G], the dequantised float32 weight)."""
     n, k = w.shape
+    top = (1 << bits) - 1
     g = w.reshape(n, k // group, group)
     if sym:
-        s = (g.abs().amax(-1) / 7.5).half().float()
-        z = torch.full_like(s, 8)
+        s = (g.abs().amax(-1) / (top / 2)).half().float()
+        z = torch.full_like(s, 1 << (bits - 1))
     else:
         lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        s = ((hi - lo) / 15).half().float()
-        z = (-lo / s).round().clamp(0, 15)
-    q = (g / s[..., None] + z[..., None]).round().clamp(0, 15)
+        s = ((hi - lo) / top).half().float()
+        z = (-lo / s).round().clamp(0, top)
+    q = (g / s[..., None] + z[..., None]).round().clamp(0, top)
     deq = ((q - z[..., None]) * s[..., None]).reshape(n, k)
     return q.reshape(n, k).long(), z.long(), s.half(), deq
 
@@ -92,38 +98,53 @@ def test_checkpoint_packings_convert_to_our_layout() -> None:
     assert torch.equal(F4.unpack_pairs(F4.pack_pairs(q.to(torch.uint8))), q.to(torch.uint8))
     words = torch.randint(-(1 << 31), 1 << 31, (3, 5), generator=g, dtype=torch.int64).to(torch.int32)
     assert torch.equal(F4.pack_words(F4.unpack_words(words)), words)
+    assert torch.equal(F4.pack_words(F4.unpack_words(words, 8), 8), words)
+    # 8 bits: GPTQ (four values a word, zero - 1) and compressed-tensors (plus 128)
+    q8 = torch.randint(0, 256, (n, k), generator=g)
+    z8 = torch.randint(1, 256, (n, k // group), generator=g)
+    ref8 = (q8 - z8.repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    qw, qz = pack_gptq(q8, z8, bits=8)
+    got = F4.dequantize(F4.gptq_qweight(qw, 8), F4.group_transpose(scales.t()), F4.gptq_qzeros(qz, 8), 8)
+    torch.testing.assert_close(got, ref8, rtol=0, atol=0)
+    got = F4.dequantize(F4.ct_weight_packed(pack_ct(q8, 8), 8), scales, torch.full_like(zeros, 128).to(torch.uint8),
+                        8)
+    torch.testing.assert_close(got, (q8 - 128) * scales.float().repeat_interleave(group, 1), rtol=0, atol=0)
     with pytest.raises(ValueError, match="int32"):
         F4.unpack_words(words.to(torch.int64))
 
 
 # ---------------------------------------------------------------- kernels (the interpreter)
-@pytest.mark.parametrize("m,n,k,group,dtype", [(1, 40, 96, 32, torch.float32), (3, 17, 256, 128, torch.float32),
-                                               (2, 24, 200, 200, torch.float16), (8, 33, 64, 16, torch.float16)])
-def test_int4_kernels_match_reference(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("m,n,k,group,dtype,bits", [(1, 40, 96, 32, torch.float32, 4),
+                                                    (3, 17, 256, 128, torch.float32, 4),
+                                                    (2, 24, 200, 200, torch.float16, 4),
+                                                    (8, 33, 64, 16, torch.float16, 4),
+                                                    (2, 24, 192, 64, torch.float32, 8),
+                                                    (5, 9, 100, 100, torch.float16, 8)])
+def test_int4_kernels_match_reference(m: int, n: int, k: int, group: int, dtype: torch.dtype, bits: int) -> None:
     """(bf16 runs on the GPU only: the interpreter rounds float32 to bf16 otherwise than the hardware does.)"""
     from radixserve.layers.quantization.int4_kernels import int4_dequantize, int4_gemv
 
     g = torch.Generator().manual_seed(m * 7 + n)
-    q = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
-    qweight = F4.pack_pairs(q)
-    zeros = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
-    scales = (torch.rand(n, k // group, generator=g) * 0.1).half()
+    top = 1 << bits
+    q = torch.randint(0, top, (n, k), generator=g).to(torch.uint8)
+    qweight = F4.to_layout(q, bits)
+    zeros = torch.randint(0, top, (n, k // group), generator=g).to(torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.1 / (top // 16)).half()
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
-    w = F4.dequantize(qweight, scales, zeros).to(dtype)
-    torch.testing.assert_close(int4_dequantize(qweight, scales, zeros, k, dtype), w, rtol=0, atol=0)
+    w = F4.dequantize(qweight, scales, zeros, bits).to(dtype)
+    torch.testing.assert_close(int4_dequantize(qweight, scales, zeros, k, dtype, bits), w, rtol=0, atol=0)
     ref = (x.float() @ w.float().t() + bias.float()).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(int4_gemv(x, qweight, scales, zeros, bias), ref, **tol)
+    torch.testing.assert_close(int4_gemv(x, qweight, scales, zeros, bias, bits), ref, **tol)
     with pytest.raises(ValueError, match="at most"):
-        int4_gemv(torch.zeros(9, k, dtype=dtype), qweight, scales, zeros)
+        int4_gemv(torch.zeros(9, k, dtype=dtype), qweight, scales, zeros, bits=bits)
     with pytest.raises(ValueError, match="do not describe"):
-        int4_gemv(x, qweight, scales[:, :1].contiguous(), zeros, None) if k // group > 1 else \
-            int4_gemv(x[:, :k - 2].contiguous(), qweight, scales, zeros)
+        int4_gemv(x, qweight, scales, zeros, bits=12 - bits)  # the other width
 
 
 # ---------------------------------------------------------------- checkpoints
-def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool = False) -> str:
+def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool = False, bits: int = 4) -> str:
     """Rewrite the tiny model saved at `path` in `fmt` (gptq, gptq_v2, awq, ct): every layer projection 4-bit; the
     dequantised weights go with the other files to `path`/deq. Activation order (gptq): one random permutation
     of the input columns per input (q/k/v share theirs, as do gate/up)."""
@@ -152,13 +173,13 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
             if key not in orders:
                 orders[key] = torch.randperm(k, generator=gen)
             cols = orders[key]
-        q, z, s, d = _rtn(t[:, cols], group, sym)  # quantised in that order
+        q, z, s, d = _rtn(t[:, cols], group, sym, bits)  # quantised in that order
         inv = torch.argsort(cols)
         deq[name] = d[:, inv]
         q = q[:, inv]
         g_idx = (inv // group).to(torch.int32)  # column c sits at position inv[c] of the order
         if fmt in ("gptq", "gptq_v2"):
-            qw, qz = pack_gptq(q, z, v2=fmt == "gptq_v2")
+            qw, qz = pack_gptq(q, z, v2=fmt == "gptq_v2", bits=bits)
             out.update({base + "qweight": qw, base + "qzeros": qz, base + "scales": s.t().contiguous(),
                         base + "g_idx": g_idx})
             if base + "bias" not in out:  # older GPTQ exports: a zero bias on every quantized layer
@@ -167,7 +188,7 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
             qw, qz = pack_awq(q, z)
             out.update({base + "qweight": qw, base + "qzeros": qz, base + "scales": s.t().contiguous()})
         else:
-            out.update({base + "weight_packed": pack_ct(q), base + "weight_scale": s.float(),
+            out.update({base + "weight_packed": pack_ct(q, bits), base + "weight_scale": s.float(),
                         base + "weight_shape": torch.tensor([n, k])})
     save_file(out, os.path.join(path, "model.safetensors"))
     save_file(deq, os.path.join(deq_dir, "model.safetensors"))
@@ -175,12 +196,12 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
               "ignore": ["lm_head"], "config_groups": {"group_0": {
                   "targets": ["Linear"], "input_activations": None, "weights": {
-                      "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+                      "num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
                       "actorder": None, "dynamic": False}}}}
     elif fmt == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True, "desc_act": desc_act,
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True, "desc_act": desc_act,
               "checkpoint_format": fmt}
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
@@ -191,9 +212,10 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
     return deq_dir
 
 
-@pytest.mark.parametrize("fmt,desc_act", [("gptq", False), ("gptq", True), ("gptq_v2", False), ("awq", False),
-                                          ("ct", False)])
-def test_int4_checkpoint_matches_transformers(tmp_path, fmt: str, desc_act: bool) -> None:
+@pytest.mark.parametrize("fmt,desc_act,bits", [("gptq", False, 4), ("gptq", True, 4), ("gptq_v2", False, 4),
+                                               ("awq", False, 4), ("ct", False, 4), ("gptq", True, 8),
+                                               ("ct", False, 8)])
+def test_int4_checkpoint_matches_transformers(tmp_path, fmt: str, desc_act: bool, bits: int) -> None:
     """Each format loads to exactly the dequantised weights (read back through the layer's own layout, the
     activation order undone) and the model is greedy token-identical to transformers on them."""
     import transformers as tf
@@ -204,15 +226,15 @@ def test_int4_checkpoint_matches_transformers(tmp_path, fmt: str, desc_act: bool
 
     path = str(tmp_path)
     make_tiny_model("qwen2" if fmt == "awq" else "llama", path)  # qwen2: biased q/k/v
-    deq_dir = write_int4_checkpoint(path, fmt, desc_act=desc_act)
+    deq_dir = write_int4_checkpoint(path, fmt, desc_act=desc_act, bits=bits)
     runner = make_runner(path, quantization=METHOD[fmt])
     want = load_file(os.path.join(deq_dir, "model.safetensors"))
     for layer, parts in ((runner.model.model.layers[0].self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
                          (runner.model.model.layers[1].mlp.gate_up_proj, ("gate_proj", "up_proj"))):
         sub = "self_attn" if "q_proj" in parts else "mlp"
         idx = 0 if sub == "self_attn" else 1
-        assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape[1] == 32
-        w = F4.dequantize(layer.qweight, layer.scales, layer.qzeros)
+        assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape[1] == 64 * bits // 8
+        w = F4.dequantize(layer.qweight, layer.scales, layer.qzeros, bits)
         assert (layer.perm is not None) == desc_act
         if desc_act:
             w = w[:, torch.argsort(layer.perm)]
@@ -355,7 +377,8 @@ def test_int4_tensor_parallel_shards() -> None:
 
 
 def test_int4_configs_refused_and_dummy(tmp_path) -> None:
-    cases = [({"quant_method": "gptq", "bits": 8, "group_size": 128}, "only 4-bit"),
+    cases = [({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3-bit"),
+             ({"quant_method": "awq", "bits": 8, "group_size": 128}, "8-bit"),
              ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
              ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero points"),
              ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*": {}}}, "dynamic"),

@@ -382,23 +382,24 @@ def test_fp8_checkpoint_schemes_on_gpu(strategy: str, acts: str, m: int) -> None
     assert _rel(layer(x), ref) < 0.01
 
 
-@pytest.mark.parametrize("m", [1, 4, 8, 64])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8])
 @pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (6144, 4096, 128), (4096, 14336, 128), (1024, 4096, -1)])
-def test_int4_kernels_on_gpu(m: int, n: int, k: int, group: int) -> None:
-    """The 4-bit GEMV (up to 8 rows) and the dequantising copy (bf16, as the hardware rounds) against the torch
-    reference at the 8B's shapes, and a GPTQ-style layer's product at those batch sizes."""
+def test_int4_kernels_on_gpu(m: int, n: int, k: int, group: int, bits: int) -> None:
+    """The 4/8-bit GEMV (up to 8 rows) and the dequantising copy (bf16, as the hardware rounds) against the torch
+    reference at the 8B's shapes."""
     from radixserve.layers.quantization import int4_formats as F4
-    from radixserve.layers.quantization.int4_kernels import GEMV_MAX_M, int4_dequantize, int4_gemv
+    from radixserve.layers.quantization.int4_kernels import int4_dequantize, int4_gemv
 
     g = torch.Generator(device="cuda").manual_seed(m + n)
     groups = 1 if group == -1 else k // group
-    q = torch.randint(0, 16, (n, k), device="cuda", generator=g, dtype=torch.uint8)
-    qweight = F4.pack_pairs(q)
-    zeros = torch.randint(0, 16, (n, groups), device="cuda", generator=g, dtype=torch.uint8)
-    scales = (torch.rand(n, groups, device="cuda", generator=g) * 0.01).half()
-    w = F4.dequantize(qweight, scales, zeros).to(torch.bfloat16)
-    assert torch.equal(int4_dequantize(qweight, scales, zeros, k, torch.bfloat16), w)
+    top = 1 << bits
+    q = torch.randint(0, top, (n, k), device="cuda", generator=g, dtype=torch.uint8)
+    qweight = F4.to_layout(q, bits)
+    zeros = torch.randint(0, top, (n, groups), device="cuda", generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, device="cuda", generator=g) * 0.16 / top).half()
+    w = F4.dequantize(qweight, scales, zeros, bits).to(torch.bfloat16)
+    assert torch.equal(int4_dequantize(qweight, scales, zeros, k, torch.bfloat16, bits), w)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     ref = (x.float() @ w.float().t()).to(torch.bfloat16)
-    if m <= GEMV_MAX_M:
-        assert _rel(int4_gemv(x, qweight, scales, zeros), ref) < 1e-2
+    assert _rel(int4_gemv(x, qweight, scales, zeros, None, bits), ref) < 1e-2

@@ -1,6 +1,6 @@
 """compressed-tensors checkpoints (llm-compressor's format: the FP8-dynamic / FP8 / FP8-block and W4A16 releases of
-RedHatAI and neuralmagic): 8-bit float weights served through the fp8 layers (`fp8.py`, `fp8_moe.py`), 4-bit
-integer weight-only groups (`pack-quantized`, symmetric) through the 4-bit layers (`int4.py`).
+RedHatAI and neuralmagic): 8-bit float weights served through the fp8 layers (`fp8.py`, `fp8_moe.py`), 4- and
+8-bit integer weight-only groups (`pack-quantized`, symmetric) through the integer layers (`int4.py`).
 
 The checkpoint's `quantization_config` lists `config_groups`, each naming its `targets` (`Linear`: every linear
 layer; `re:<regex>` or a layer name) and a scheme: `weights` {num_bits 8, type float, strategy tensor | channel |
@@ -13,10 +13,11 @@ whatever granularity the group names: a per-tensor dynamic scale is never finer,
 exact. A KV-cache scheme's `k_scale` / `v_scale` load as any fp8 checkpoint's (`kv_cache.py`) and take effect
 with `--kv-cache-dtype fp8_e4m3`.
 
-A W4A16 group (`weights` {num_bits 4, type int, symmetric, strategy group or channel}, no input activations)
-holds `weight_packed` / `weight_scale` / `weight_shape`. 8-bit integer, asymmetric or activation-ordered 4-bit,
-NVFP4 and other schemes, sparsity and transforms are refused with the scheme named (their weights would load as
-something else). With `--load-format dummy` each group's layers are quantised online to its layout."""
+A W4A16 / W8A16 group (`weights` {num_bits 4 or 8, type int, symmetric, strategy group or channel}, no input
+activations) holds `weight_packed` / `weight_scale` / `weight_shape`. Integer W8A8, asymmetric or
+activation-ordered integer weights, NVFP4 and other schemes, sparsity and transforms are refused with the scheme
+named (their weights would load as something else). With `--load-format dummy` each group's layers are quantised
+online to its layout."""
 
 from __future__ import annotations
 
@@ -80,29 +81,33 @@ def _bits(args: dict[str, Any], what: str, group: str) -> None:
         raise ValueError(f"compressed-tensors group {group}: asymmetric {what} are not supported")
 
 
-def _w4a16(name: str, group: dict[str, Any], fmt: str | None, serialized: bool) -> Int4Config:
-    """A pack-quantized 4-bit integer group (W4A16) as the 4-bit layers' config."""
+def _wna16(name: str, group: dict[str, Any], fmt: str | None, serialized: bool) -> Int4Config:
+    """A pack-quantized 4- or 8-bit integer group (W4A16 / W8A16) as the integer layers' config."""
     weights = group["weights"]
+    bits = weights.get("num_bits")
+    if bits not in (4, 8):
+        raise ValueError(f"compressed-tensors group {name}: {bits}-bit int weights are not supported (4 or 8, "
+                         f"weight-only)")
     if fmt not in (None, "pack-quantized", "mixed-precision"):
-        raise ValueError(f"compressed-tensors group {name}: 4-bit weights in format {fmt!r} are not supported "
-                         f"(pack-quantized)")
+        raise ValueError(f"compressed-tensors group {name}: {bits}-bit int weights in format {fmt!r} are not "
+                         f"supported (pack-quantized)")
     if weights.get("symmetric") is False:
-        raise ValueError(f"compressed-tensors group {name}: asymmetric 4-bit weights are not supported")
+        raise ValueError(f"compressed-tensors group {name}: asymmetric {bits}-bit weights are not supported")
     if weights.get("actorder") not in (None, False, "static"):
-        raise ValueError(f"compressed-tensors group {name}: activation-ordered 4-bit weights (actorder "
+        raise ValueError(f"compressed-tensors group {name}: activation-ordered {bits}-bit weights (actorder "
                          f"{weights.get('actorder')!r}) are not supported")
     if group.get("input_activations") is not None:
-        raise ValueError(f"compressed-tensors group {name}: 4-bit weights with quantized activations are not "
-                         f"supported")
+        raise ValueError(f"compressed-tensors group {name}: {bits}-bit int weights with quantized activations are "
+                         f"not supported")
     strategy = weights.get("strategy")
     if strategy == "group":
         size = int(weights.get("group_size") or 0)
     elif strategy == "channel":
         size = -1
     else:
-        raise ValueError(f"compressed-tensors group {name}: 4-bit weight strategy {strategy!r} is not supported "
-                         f"(group or channel)")
-    return Int4Config("compressed-tensors", size, sym=True, serialized=serialized)
+        raise ValueError(f"compressed-tensors group {name}: {bits}-bit weight strategy {strategy!r} is not "
+                         f"supported (group or channel)")
+    return Int4Config("compressed-tensors", size, sym=True, serialized=serialized, bits=bits)
 
 
 def parse_group(name: str, group: dict[str, Any], top_format: str | None, serialized: bool) -> SchemeGroup:
@@ -119,11 +124,11 @@ def parse_group(name: str, group: dict[str, Any], top_format: str | None, serial
         targets = [targets]
     if not targets:
         raise ValueError(f"compressed-tensors group {name}: no targets")
-    if weights.get("num_bits") == 4 and weights.get("type") == "int":
-        return SchemeGroup(name, tuple(str(t) for t in targets), _w4a16(name, group, fmt, serialized))
+    if weights.get("type") == "int":
+        return SchemeGroup(name, tuple(str(t) for t in targets), _wna16(name, group, fmt, serialized))
     if fmt == "pack-quantized":
         raise ValueError(f"compressed-tensors group {name}: pack-quantized {weights.get('num_bits')}-bit "
-                         f"{weights.get('type')} weights are not supported (4-bit int)")
+                         f"{weights.get('type')} weights are not supported (4- or 8-bit int)")
     _bits(weights, "weights", name)
     if weights.get("dynamic"):
         raise ValueError(f"compressed-tensors group {name}: dynamically quantized weights are not supported")

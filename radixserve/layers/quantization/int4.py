@@ -1,15 +1,16 @@
-"""4-bit weight-only linear layers (W4A16) from GPTQ and AWQ checkpoints (the `...-GPTQ-Int4` / `...-AWQ` releases),
-and from compressed-tensors' pack-quantized W4A16 groups (`compressed_tensors.py` hands those layers this method).
+"""Integer weight-only linear layers (W4A16, W8A16) from GPTQ (4 or 8 bits) and AWQ (4 bits) checkpoints (the
+`...-GPTQ-Int4` / `-Int8` / `...-AWQ` releases), and from compressed-tensors' pack-quantized W4A16 / W8A16 groups
+(`compressed_tensors.py` hands those layers this method).
 
-Each layer's checkpoint tensors are converted as they load into one layout (`int4_formats`: `qweight` uint8
-[N, K/2], `scales` [N, K/G], `qzeros` uint8 [N, K/G]) and sharded like any weight (rows for column-parallel layers,
-whole groups of columns for row-parallel ones). A GPTQ model quantised in activation order (`desc_act`, a `g_idx`
-that is not k // G) has its input columns sorted by group once loaded and x gathered in that order before the
-product (one permutation per layer: q/k/v and gate/up share their input and so their order). The product: on the
-GPU a Triton GEMV for up to `GEMV_MAX_M` rows (`int4_kernels`), above that the weight dequantised into a 16-bit
-buffer and cuBLAS; on the CPU each layer is dequantised once loaded unless the method was named
-(`Int4Config.keep_packed`; packed, the dequantising torch reference runs at every product). Activations stay
-16-bit throughout.
+Each layer's checkpoint tensors are converted as they load into one layout (`int4_formats`: `qweight` uint8 [N, K/2]
+(4 bits) or [N, K] (8 bits), `scales` [N, K/G], `qzeros` uint8 [N, K/G]) and sharded like any weight (rows for
+column-parallel layers, whole groups of columns for row-parallel ones). A GPTQ model quantised in activation order
+(`desc_act`, a `g_idx` that is not k // G) has its input columns sorted by group once loaded and x gathered in that
+order before the product (one permutation per layer: q/k/v and gate/up share their input and so their order). The
+product: on the GPU a Triton GEMV for up to `GEMV_MAX_M` rows (`int4_kernels`), above that the weight dequantised
+into a 16-bit buffer and cuBLAS; on the CPU each layer is dequantised once loaded unless the method was named
+(`Int4Config.keep_packed`; packed, the dequantising torch reference runs at every product). Activations stay 16-bit
+throughout.
 
 With dummy weights (`--load-format dummy` and such a config) the layers are quantised online to the config's
 bits, group and symmetry (round to nearest), so the layout can be measured at a real model's shape. MoE experts in
@@ -46,21 +47,24 @@ _experts_noted = False
 FORMATS = ("gptq", "awq", "compressed-tensors")
 
 
-def quantize_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest 4-bit quantisation of w [N, K] in groups of `group` columns: (our qweight, scales float16,
-    qzeros). Symmetric: zero 8 and scale amax / 7.5 (values 0..15 cover [-8, 7] steps); else min/max over 15 steps."""
+def quantize_groups(w: torch.Tensor, group: int, sym: bool, bits: int = 4,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest quantisation of w [N, K] to `bits` in groups of `group` columns: (our qweight, scales
+    float16, qzeros). Symmetric: zero 2^(bits-1) and scale amax / (2^(bits-1) - 0.5); else min/max over the
+    2^bits - 1 steps."""
     n, k = w.shape
+    top = (1 << bits) - 1
     g = w.float().reshape(n, k // group, group)
     if sym:
-        scale = (g.abs().amax(dim=-1) / 7.5).clamp(min=1e-8)
-        zero = torch.full_like(scale, 8.0)
+        scale = (g.abs().amax(dim=-1) / (top / 2)).clamp(min=1e-8)
+        zero = torch.full_like(scale, float(1 << (bits - 1)))
     else:
         lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)
-        scale = ((hi - lo) / 15).clamp(min=1e-8)
-        zero = (-lo / scale).round().clamp(0, 15)
+        scale = ((hi - lo) / top).clamp(min=1e-8)
+        zero = (-lo / scale).round().clamp(0, top)
     scale = scale.half().float()  # the checkpoints' float16 scales
-    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return fmt.pack_pairs(q), scale.half(), zero.to(torch.uint8)
+    q = (g / scale[..., None] + zero[..., None]).round().clamp(0, top).to(torch.uint8).reshape(n, k)
+    return fmt.to_layout(q, bits), scale.half(), zero.to(torch.uint8)
 
 
 class Int4Config(QuantizationConfig):
@@ -71,10 +75,13 @@ class Int4Config(QuantizationConfig):
     name = "int4"
 
     def __init__(self, fmt_name: str, group_size: int, sym: bool = True, desc_act: bool = False,
-                 serialized: bool = True, ignored: list[str] | None = None, zeros_stored_minus_one: bool = True
-                 ) -> None:
+                 serialized: bool = True, ignored: list[str] | None = None, zeros_stored_minus_one: bool = True,
+                 bits: int = 4) -> None:
         if fmt_name not in FORMATS:
             raise ValueError(f"int4 format must be one of {', '.join(FORMATS)}, got {fmt_name!r}")
+        if bits not in fmt.BITS or (fmt_name == "awq" and bits != 4):
+            raise ValueError(f"{fmt_name}: {bits}-bit weights are not supported (4, or 8 for gptq and "
+                             f"compressed-tensors)")
         if group_size != -1 and (group_size < 2 or group_size % 2):
             raise ValueError(f"{fmt_name}: group_size must be -1 or an even number >= 2, got {group_size}")
         if fmt_name == "compressed-tensors" and not sym:
@@ -87,8 +94,25 @@ class Int4Config(QuantizationConfig):
         self.serialized = serialized
         self.ignored = list(ignored or [])
         self.zeros_stored_minus_one = zeros_stored_minus_one
+        self.bits = bits
         self.packed = True  # False: each layer dequantised once loaded (the CPU default, `keep_packed`)
         self._unpacked_noted = False
+
+    def qweight_of(self, words: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's packed weight (whole) in our layout."""
+        if self.fmt == "awq":
+            return fmt.awq_qweight(words)
+        return (fmt.gptq_qweight if self.fmt == "gptq" else fmt.ct_weight_packed)(words, self.bits)
+
+    def qzeros_of(self, words: torch.Tensor | None, scales: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's packed zeros (whole) in our layout; compressed-tensors stores none (2^(bits-1))."""
+        if self.fmt == "compressed-tensors":
+            return torch.full(scales.shape, 1 << (self.bits - 1), dtype=torch.uint8, device=scales.device)
+        if words is None:
+            raise ValueError(f"{self.fmt}: the checkpoint lacks qzeros")
+        if self.fmt == "awq":
+            return fmt.awq_qzeros(words)
+        return (fmt.gptq_qzeros if self.zeros_stored_minus_one else fmt.gptq_v2_qzeros)(words, self.bits)
 
     def keep_packed(self, packed: bool) -> None:
         """Whether the linear layers keep their 4-bit form (the GPU, or the method named) or are dequantised once
@@ -108,8 +132,8 @@ class Int4Config(QuantizationConfig):
             raise ValueError(f"{method or 'gptq/awq'} quantization reads the checkpoint's quantization_config; this "
                              f"checkpoint has none (for online 4-bit weights, use --quantization q4_k)")
         bits = config.get("bits", config.get("w_bit"))
-        if bits != 4:
-            raise ValueError(f"{method}: only 4-bit weights are supported, the checkpoint has bits={bits}")
+        if bits not in ((4,) if method == "awq" else fmt.BITS):
+            raise ValueError(f"{method}: {bits}-bit weights are not supported (awq: 4; gptq: 4 or 8)")
         group = int(config.get("group_size", config.get("q_group_size", 128)))
         ignored = list(config.get("modules_to_not_convert") or [])
         if method == "awq":
@@ -127,7 +151,7 @@ class Int4Config(QuantizationConfig):
         if ckpt not in ("gptq", "gptq_v2"):
             raise ValueError(f"gptq checkpoint_format {ckpt!r} is not supported (gptq, gptq_v2)")
         return cls("gptq", group, sym=bool(config.get("sym", True)), desc_act=bool(config.get("desc_act", False)),
-                   serialized=serialized, ignored=ignored, zeros_stored_minus_one=ckpt == "gptq")
+                   serialized=serialized, ignored=ignored, zeros_stored_minus_one=ckpt == "gptq", bits=int(bits))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from radixserve.layers.linear import _LinearBase
@@ -192,18 +216,17 @@ class Int4LinearMethod(LinearMethodBase):
             raise ValueError("gptq with desc_act (activation order) cannot split a layer's input columns across "
                              "ranks; serve it without tensor parallelism")
         wname, sname, zname = _names(cfg)
-        convert = {"gptq": fmt.gptq_qweight, "awq": fmt.awq_qweight, "compressed-tensors": fmt.ct_weight_packed}
+        per_byte = 8 // cfg.bits
         dims = {"output_dim": 0, "input_dim": 1}
-        self._param(layer, wname, new_param((n, k // 2), torch.uint8, {**dims, "input_block": 2}),
-                    convert[cfg.fmt])
+        self._param(layer, wname, new_param((n, k // per_byte), torch.uint8, {**dims, "input_block": per_byte}),
+                    cfg.qweight_of)
         gdims = {"output_dim": 0, "input_dim": 1, "input_block": group}
         dtype = torch.float16 if cfg.fmt != "compressed-tensors" else layer.params_dtype
         self._param(layer, sname, new_param((n, k // group), dtype, gdims, fill=0.0),
                     None if cfg.fmt == "compressed-tensors" else fmt.group_transpose)
         if zname is not None:
-            zconv = fmt.awq_qzeros if cfg.fmt == "awq" else \
-                (fmt.gptq_qzeros if cfg.zeros_stored_minus_one else _gptq_v2_zeros)
-            self._param(layer, zname, new_param((n, k // group), torch.uint8, gdims), zconv)
+            self._param(layer, zname, new_param((n, k // group), torch.uint8, gdims),
+                        lambda words: cfg.qzeros_of(words, None))
         if cfg.fmt == "gptq":
             g_idx = new_param((k,), torch.int32, {"output_dim": None, "input_dim": 0}, fill=-1)
             g_idx.optional = True  # absent from some checkpoints (those quantised in plain order)
@@ -225,16 +248,13 @@ class Int4LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: _LinearBase) -> None:
         cfg = self.config
         if not cfg.serialized:
-            qweight, scales, qzeros = quantize_groups(layer.weight.data, self._group(layer), cfg.sym)
+            qweight, scales, qzeros = quantize_groups(layer.weight.data, self._group(layer), cfg.sym, cfg.bits)
             del layer.weight
             self._finish(layer, qweight, scales, qzeros, None)
             return
         wname, sname, zname = _names(cfg)
         qweight, scales = getattr(layer, wname).data, getattr(layer, sname).data
-        if zname is None:
-            qzeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
-        else:
-            qzeros = getattr(layer, zname).data
+        qzeros = cfg.qzeros_of(None, scales) if zname is None else getattr(layer, zname).data
         perm = None
         g_idx = getattr(layer, "g_idx", None)
         if g_idx is not None and bool((g_idx.data >= 0).all()):
@@ -243,12 +263,11 @@ class Int4LinearMethod(LinearMethodBase):
             if name is not None and hasattr(layer, name):
                 delattr(layer, name)
         if perm is not None:  # sort the input columns by group: x is gathered the same way at every product
-            q = fmt.unpack_pairs(qweight)[:, perm]
-            qweight = fmt.pack_pairs(q)
+            qweight = fmt.to_layout(fmt.values_of(qweight, cfg.bits)[:, perm], cfg.bits)
         self._finish(layer, qweight, scales, qzeros, perm)
         if not cfg.packed and type(self) is Int4LinearMethod:
             cfg.note_unpacked()
-            _dequantize_layer(layer)
+            _dequantize_layer(layer, cfg.bits)
 
     @staticmethod
     def _finish(layer: _LinearBase, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -269,13 +288,14 @@ class Int4LinearMethod(LinearMethodBase):
         if use_fused(x2):
             from radixserve.layers.quantization.int4_kernels import GEMV_MAX_M, int4_dequantize, int4_gemv
 
+            bits = self.config.bits
             if x2.shape[0] <= GEMV_MAX_M:
-                out = int4_gemv(x2.contiguous(), layer.qweight, layer.scales, layer.qzeros, bias)
+                out = int4_gemv(x2.contiguous(), layer.qweight, layer.scales, layer.qzeros, bias, bits)
             else:
-                w = int4_dequantize(layer.qweight, layer.scales, layer.qzeros, x2.shape[1], x2.dtype)
+                w = int4_dequantize(layer.qweight, layer.scales, layer.qzeros, x2.shape[1], x2.dtype, bits)
                 out = F.linear(x2, w, bias)
         else:
-            w = fmt.dequantize(layer.qweight, layer.scales, layer.qzeros).to(x2.dtype)
+            w = fmt.dequantize(layer.qweight, layer.scales, layer.qzeros, self.config.bits).to(x2.dtype)
             out = F.linear(x2, w, bias)
         return out.view(*shape[:-1], out.shape[-1])
 
@@ -286,13 +306,13 @@ class Int4DequantizedMethod(Int4LinearMethod):
 
     def process_weights_after_loading(self, layer: _LinearBase) -> None:
         super().process_weights_after_loading(layer)
-        _dequantize_layer(layer)
+        _dequantize_layer(layer, self.config.bits)
 
 
-def _dequantize_layer(layer: _LinearBase) -> None:
-    """Turn a loaded 4-bit layer into an unquantized one holding the dequantised weight (in the checkpoint's
+def _dequantize_layer(layer: _LinearBase, bits: int) -> None:
+    """Turn a loaded 4/8-bit layer into an unquantized one holding the dequantised weight (in the checkpoint's
     column order)."""
-    w = fmt.dequantize(layer.qweight.data, layer.scales.data, layer.qzeros.data)
+    w = fmt.dequantize(layer.qweight.data, layer.scales.data, layer.qzeros.data, bits)
     if layer.perm is not None:
         w = w[:, torch.argsort(layer.perm)]
     w = w.to(layer.params_dtype)
@@ -309,10 +329,6 @@ def _row_split(layer: _LinearBase) -> bool:
     from radixserve.layers.linear import RowParallelLinear
 
     return isinstance(layer, RowParallelLinear) and layer.tp_size > 1
-
-
-def _gptq_v2_zeros(words: torch.Tensor) -> torch.Tensor:
-    return fmt.unpack_words(words).reshape(words.shape[0], -1).t().contiguous()
 
 
 def _activation_order(g_idx: torch.Tensor, group: int, desc_act: bool) -> torch.Tensor | None:
@@ -408,26 +424,19 @@ class Int4MoEMethod(UnquantizedMoEMethod):
     def _dequantized(self, expert: int, shard: str) -> torch.Tensor:
         cfg = self.config
         got = {kind: self.pending.pop((expert, shard, kind), None) for kind in self._kinds()}
-        if cfg.fmt == "compressed-tensors":
-            words, scales = got["weight_packed"], got["weight_scale"]
-            if words is None or scales is None:
-                raise ValueError(f"expert {expert} {shard}: the checkpoint lacks its weight_packed / weight_scale")
-            qweight = fmt.ct_weight_packed(words)
-            qzeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
-        else:
-            if got["qweight"] is None or got["scales"] is None or got["qzeros"] is None:
-                raise ValueError(f"expert {expert} {shard}: the checkpoint lacks its qweight / qzeros / scales")
-            qweight = (fmt.awq_qweight if cfg.fmt == "awq" else fmt.gptq_qweight)(got["qweight"])
-            zconv = fmt.awq_qzeros if cfg.fmt == "awq" else \
-                (fmt.gptq_qzeros if cfg.zeros_stored_minus_one else _gptq_v2_zeros)
-            qzeros, scales = zconv(got["qzeros"]), fmt.group_transpose(got["scales"])
-        k = qweight.shape[1] * 2
+        wname, sname, zname = _names(cfg)
+        if got[wname] is None or got[sname] is None or (zname is not None and got[zname] is None):
+            raise ValueError(f"expert {expert} {shard}: the checkpoint lacks its {wname} / {sname} / {zname}")
+        qweight = cfg.qweight_of(got[wname])
+        scales = got[sname] if cfg.fmt == "compressed-tensors" else fmt.group_transpose(got[sname])
+        qzeros = cfg.qzeros_of(None if zname is None else got[zname], scales)
+        k = qweight.shape[1] * (8 // cfg.bits)
         if k % scales.shape[1]:
             raise ValueError(f"expert {expert} {shard}: {k} columns are not whole groups of {scales.shape}")
         g_idx = got.get("g_idx")
         if g_idx is None:
             g_idx = torch.arange(k, device=qweight.device) // (k // scales.shape[1])
-        return fmt.dequantize_by_index(qweight, scales, qzeros, g_idx)
+        return fmt.dequantize_by_index(qweight, scales, qzeros, g_idx, cfg.bits)
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         dtype = layer.w13_weight.dtype
