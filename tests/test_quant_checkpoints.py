@@ -222,6 +222,29 @@ def test_compressed_tensors_targets_and_ignore(tmp_path) -> None:
         resolve_quant_config(None, split).get_quant_method(qkv, "model.layers.1.self_attn.qkv_proj")
 
 
+def test_compressed_tensors_plain_names_are_whole_layer_names(tmp_path) -> None:
+    """compressed-tensors (and llm-compressor, vLLM) match a plain `ignore` / `targets` entry against a layer's
+    whole name (`re:` entries from its start): "down_proj" names no layer, so the checkpoint's down_proj layers
+    are quantized and load so; a group targeting "o_proj" targets nothing, the full name targets that layer."""
+    from model_utils import make_tiny_model
+
+    path = str(tmp_path)
+    make_tiny_model("llama", path)
+    write_checkpoint(path, "ct", "channel", qc_extra={"ignore": ["lm_head", "down_proj", "mlp"]})
+    model = get_model(ModelConfig(path), load_format="auto", dtype=torch.float32, device="cpu")
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8
+    assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == FP8
+    cfg = resolve_quant_config(None, {"quant_method": "compressed-tensors", "config_groups": {
+        "short": _group("channel", "token", ["o_proj"]),
+        "full": _group("tensor", "static", ["model.layers.1.self_attn.o_proj"])}})
+    assert [g.specificity("model.layers.0.self_attn.o_proj") for g in cfg.groups] == [0, 0]
+    assert [g.specificity("model.layers.1.self_attn.o_proj") for g in cfg.groups] == [0, 3]
+    from radixserve.layers.quantization.compressed_tensors import ct_name_matches
+
+    assert ct_name_matches("model.layers.0.mlp.down_proj", r"re:.*down_proj$")
+    assert not ct_name_matches("model.layers.0.mlp.down_proj", r"re:down_proj")
+
+
 @pytest.mark.parametrize("change,match", [
     ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, "format": "pack-quantized"},
      "4-bit int weights with quantized activations"),

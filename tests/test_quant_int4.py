@@ -144,7 +144,8 @@ def test_int4_kernels_match_reference(m: int, n: int, k: int, group: int, dtype:
 
 
 # ---------------------------------------------------------------- checkpoints
-def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool = False, bits: int = 4) -> str:
+def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool = False, bits: int = 4,
+                          actorder: str | None = None) -> str:
     """Rewrite the tiny model saved at `path` in `fmt` (gptq, gptq_v2, awq, ct): every layer projection 4-bit; the
     dequantised weights go with the other files to `path`/deq. Activation order (gptq): one random permutation
     of the input columns per input (q/k/v share theirs, as do gate/up)."""
@@ -197,7 +198,7 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
               "ignore": ["lm_head"], "config_groups": {"group_0": {
                   "targets": ["Linear"], "input_activations": None, "weights": {
                       "num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
-                      "actorder": None, "dynamic": False}}}}
+                      "actorder": actorder, "dynamic": False}}}}
     elif fmt == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
@@ -244,6 +245,23 @@ def test_int4_checkpoint_matches_transformers(tmp_path, fmt: str, desc_act: bool
     for prompt, got in zip(PROMPTS, StaticBatch(runner).generate(PROMPTS, 8), strict=True):
         assert got == hf_greedy(hf, prompt, 8)
     assert runner.token_to_kv_pool.available_size() == runner.token_to_kv_pool.size
+
+
+@pytest.mark.parametrize("actorder", ["weight", "static"])
+def test_ct_w4a16_weight_actorder_is_the_plain_layout(tmp_path, actorder: str) -> None:
+    """llm-compressor's GPTQ with actorder "weight" (the value compressed-tensors writes; "static" is its alias)
+    orders the columns during calibration only: the checkpoint has no weight_g_idx and loads as a plain W4A16
+    one."""
+    from model_utils import make_tiny_model
+    from safetensors.torch import load_file
+
+    path = str(tmp_path)
+    make_tiny_model("llama", path)
+    deq_dir = write_int4_checkpoint(path, "ct", actorder=actorder)
+    model = get_model(ModelConfig(path), load_format="auto", dtype=torch.float32, device="cpu")
+    want = load_file(os.path.join(deq_dir, "model.safetensors"))
+    down = model.model.layers[1].mlp.down_proj
+    torch.testing.assert_close(down.weight, want["model.layers.1.mlp.down_proj.weight"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind,fmt,desc_act", [("qwen3_moe", "gptq", True), ("qwen2_moe", "awq", False),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -107,12 +108,14 @@ def name_matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern) or pattern in name.split(".")
 
 
-def is_ignored(prefix: str, ignored: list[str] | tuple[str, ...]) -> bool:
-    """Whether a layer is in a checkpoint's ignore list (HF names; our stacked layers match their parts)."""
+def is_ignored(prefix: str, ignored: list[str] | tuple[str, ...],
+               matches: Callable[[str, str], bool] = name_matches) -> bool:
+    """Whether a layer is in a checkpoint's ignore list (HF names; our stacked layers match their parts), each
+    entry tested with `matches` (the format's rule)."""
     if not ignored:
         return False
     parts = hf_parts(prefix)
-    hits = [any(name_matches(p, pattern) for pattern in ignored) for p in parts]
+    hits = [any(matches(p, pattern) for pattern in ignored) for p in parts]
     if any(hits) and not all(hits):
         raise ValueError(f"layer {prefix}: some of its stacked matrices are quantized and some are not")
     return all(hits)

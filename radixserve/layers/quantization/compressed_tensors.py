@@ -14,13 +14,14 @@ exact. A KV-cache scheme's `k_scale` / `v_scale` load as any fp8 checkpoint's (`
 with `--kv-cache-dtype fp8_e4m3`.
 
 A W4A16 / W8A16 group (`weights` {num_bits 4 or 8, type int, symmetric, strategy group or channel}, no input
-activations) holds `weight_packed` / `weight_scale` / `weight_shape`. Integer W8A8, asymmetric or
-activation-ordered integer weights, NVFP4 and other schemes, sparsity and transforms are refused with the scheme
-named (their weights would load as something else). With `--load-format dummy` each group's layers are quantised
-online to its layout."""
+activations) holds `weight_packed` / `weight_scale` / `weight_shape` (actorder "weight" / "static" stores that
+plain layout). Integer W8A8, asymmetric or group-activation-ordered (`weight_g_idx`) integer weights, NVFP4 and
+other schemes, sparsity and transforms are refused with the scheme named (their weights would load as something
+else). With `--load-format dummy` each group's layers are quantised online to its layout."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,6 @@ from radixserve.layers.quantization.base import (
     QuantizeMethodBase,
     hf_parts,
     is_ignored,
-    name_matches,
 )
 from radixserve.layers.quantization.fp8 import Fp8Config, Fp8DequantizedMethod, Fp8LinearMethod
 from radixserve.layers.quantization.int4 import Int4Config, Int4DequantizedMethod, Int4LinearMethod
@@ -39,6 +39,15 @@ from radixserve.layers.quantization.int4 import Int4Config, Int4DequantizedMetho
 _FORMATS = (None, "float-quantized", "naive-quantized", "mixed-precision", "pack-quantized")
 # the HF names of an expert's three matrices, in the two spellings MoE checkpoints use
 _EXPERT_PARTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def ct_name_matches(name: str, pattern: str) -> bool:
+    """compressed-tensors' rule for a `targets` / `ignore` entry naming a layer: `re:<regex>` matched from the
+    name's start (re.match), anything else the layer's whole name (llm-compressor writes the full names of the
+    layers it left alone; a short name such as `down_proj` names no layer)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
 
 
 @dataclass(frozen=True)
@@ -67,8 +76,8 @@ class SchemeGroup:
             if target == "Linear":
                 best = max(best, 1)
             elif target.startswith("re:"):
-                best = max(best, 2 if name_matches(layer_name, target) else 0)
-            elif layer_name == target or layer_name.endswith("." + target):
+                best = max(best, 2 if ct_name_matches(layer_name, target) else 0)
+            elif layer_name == target:
                 best = 3
         return best
 
@@ -93,9 +102,11 @@ def _wna16(name: str, group: dict[str, Any], fmt: str | None, serialized: bool) 
                          f"supported (pack-quantized)")
     if weights.get("symmetric") is False:
         raise ValueError(f"compressed-tensors group {name}: asymmetric {bits}-bit weights are not supported")
-    if weights.get("actorder") not in (None, False, "static"):
+    # actorder "weight" (and its alias "static") orders the columns during calibration only: the stored layout is
+    # the plain one, without g_idx; "group" (alias "dynamic", True in older releases) stores weight_g_idx
+    if weights.get("actorder") not in (None, False, "weight", "static"):
         raise ValueError(f"compressed-tensors group {name}: activation-ordered {bits}-bit weights (actorder "
-                         f"{weights.get('actorder')!r}) are not supported")
+                         f"{weights.get('actorder')!r}, with weight_g_idx) are not supported")
     if group.get("input_activations") is not None:
         raise ValueError(f"compressed-tensors group {name}: {bits}-bit int weights with quantized activations are "
                          f"not supported")
@@ -210,14 +221,14 @@ class CompressedTensorsConfig(QuantizationConfig):
         return chosen[0]
 
     def _linear_group(self, prefix: str) -> SchemeGroup | None:
-        if is_ignored(prefix, self.ignore):
+        if is_ignored(prefix, self.ignore, ct_name_matches):
             return None
         return self._group(hf_parts(prefix), prefix)
 
     def _expert_group(self, prefix: str) -> SchemeGroup | None:
         for parts in _EXPERT_PARTS:  # the spelling whose names the targets know (both alike for `Linear`)
             names = [f"{prefix}.0.{p}" for p in parts]
-            hits = [any(name_matches(n, i) for i in self.ignore) for n in names]
+            hits = [any(ct_name_matches(n, i) for i in self.ignore) for n in names]
             if any(hits) and not all(hits):
                 raise ValueError(f"MoE layer {prefix}: some of its experts' matrices are ignored and some are not")
             if all(hits):
