@@ -281,6 +281,32 @@ def test_prompt_logprobs_with_chunked_prefill(tiny_path) -> None:
         assert ta == tb and (a is None) == (b is None) and (a is None or abs(a - b) < 1e-5)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_logprobs_of_a_request_decoding_in_mixed_steps(tiny_path, overlap: bool) -> None:
+    """A request with prompt logprobs decodes riding along another prompt's chunks (MIXED): its prompt logprobs are
+    those of its own prefill (under overlap its first MIXED step was launched before that prefill's result was
+    processed, so its decode row was given a logprob start and its one entry replaced the prompt's)."""
+    prompt = list(range(10, 30))
+
+    def run_one(other: bool) -> dict:
+        s = make_scheduler(tiny_path, enable_mixed_chunk=True, chunked_prefill_size=8,
+                           enable_overlap_schedule=overlap)
+        s.process_input_requests([io.TokenizedGenerateReqInput(
+            rid="p", input_text=None, input_ids=prompt,
+            sampling_params=SamplingParams.from_dict({"max_new_tokens": 6, "temperature": 0}),
+            return_logprob=True, logprob_start_len=0, top_logprobs_num=1)])
+        s.step()
+        if other:
+            submit(s, "other", list(range(40, 80)), 2)
+        return drain(s)["p"]["meta"]
+
+    alone, riding = run_one(False), run_one(True)
+    assert len(riding["input_token_logprobs"]) == len(alone["input_token_logprobs"]) == len(prompt)
+    for (a, ta), (b, tb) in zip(alone["input_token_logprobs"], riding["input_token_logprobs"], strict=True):
+        assert ta == tb and (a is None) == (b is None) and (a is None or abs(a - b) < 1e-5)
+    assert len(riding["input_top_logprobs"]) == len(prompt)
+
+
 def test_scheduler_uses_the_tokenizer_path_flag(tiny_path, embedded_model_path) -> None:
     """--tokenizer-path names where the scheduler's tokenizer (stop strings, grammars) comes from, not the model
     folder (which here has no tokenizer at all)."""
@@ -567,6 +593,29 @@ def test_prefill_only_requests_under_overlap(tiny_path, extra: dict) -> None:
     res = drain(s)
     assert res["z"]["ids"] == [] and res["z"]["finish"] == {"type": "length", "length": 0}
     assert res["y"]["ids"] == _alone(tiny_path, list(range(10, 40)), 3)
+
+
+def test_prefill_only_requests_keep_their_slots_until_processed_under_overlap(tiny_path) -> None:
+    """Under overlap two prefill-only requests leave the batch before their result is processed and hold their
+    request slots until then; the next prefill admits no more requests than there are free slots (it counted only
+    the running batch against --max-running-requests, and failed with "out of request slots")."""
+    s = make_scheduler(tiny_path, enable_overlap_schedule=True, max_running_requests=2)
+    submit(s, "a-prefill", [5, 6, 7, 8], 0)
+    submit(s, "b-prefill", [9, 10, 11, 12], 0)
+    s.step()
+    submit(s, "c", [13, 14, 15], 4)
+    submit(s, "d", [16, 17, 18], 4)
+    res = drain(s)
+    assert res["a-prefill"]["finish"] == res["b-prefill"]["finish"] == {"type": "length", "length": 0}
+    assert res["c"]["ids"] == _alone(tiny_path, [13, 14, 15], 4)
+    assert res["d"]["ids"] == _alone(tiny_path, [16, 17, 18], 4)
+    # embeddings are all prefill-only: a burst of them under overlap (CUDA's default) took the scheduler down
+    e = make_scheduler(tiny_path, is_embedding=True, enable_overlap_schedule=True, max_running_requests=4)
+    for i in range(12):
+        e.process_input_requests([io.TokenizedGenerateReqInput(
+            rid=f"e{i}", input_text=None, input_ids=list(range(5 + i, 15 + i)),
+            sampling_params=SamplingParams.from_dict({"max_new_tokens": 0}), pooling="last")])
+    assert len(drain(e)) == 12
 
 
 @pytest.mark.parametrize("extra", [{}, {"enable_overlap_schedule": True}, {"page_size": 4}])

@@ -494,7 +494,10 @@ class ScheduleBatch:
         logprob_starts = None
         if extend and return_logprob:
             logprob_starts = []
-            for r, pre in zip(self.reqs, self.prefix_lens, strict=False):
+            # a MIXED batch's decodes riding along (after its first n_prefill requests) have no prompt logprobs to
+            # give, though under overlap their prefill's result (which records them) may not be processed yet
+            prefill = self.reqs[:self.n_prefill] if self.forward_mode.is_mixed() else self.reqs
+            for r, pre in zip(prefill, self.prefix_lens, strict=False):
                 if r.return_logprob and r.logprob_start_len >= 0 and r.input_token_logprobs is None \
                         and r.is_chunked == 0 and not r.output_ids:
                     logprob_starts.append(max(0, r.logprob_start_len - pre))

@@ -52,7 +52,7 @@ class SchedulerOutputProcessorMixin:
                 continue  # a middle chunk: no token is sampled (it is cached when its next chunk is scheduled)
             if req.finished_reason is not None:  # req.finished()
                 continue
-            if extend:
+            if extend and (not mixed or i < n_prefill):  # (a decode riding along has no prompt logprobs)
                 self._record_input_logprobs(req, logits_output, i)
                 if req.time_first_token is None:  # the first token comes out of an extend (the last chunk)
                     req.time_first_token = now

@@ -72,6 +72,10 @@ class SchedulerPrefillMixin:
         # ordered after the chunk above went into the cache; a prefix-aware order matches every waiting request
         prefix_matched = self.policy.calc_priority(self.waiting_queue)
         slots_left = self.max_running_requests - len(running) - len(adder.can_run)
+        # Under overlap a prefill-only request (max_new_tokens 0: n > 1's shared prompt, an embedding) leaves the
+        # batch before its result is processed, and its request slot comes back only then: count the free slots too.
+        free_slots = self.req_to_token_pool.available_size() - sum(r.req_pool_idx is None for r in adder.can_run)
+        slots_left = min(slots_left, free_slots)
         admitted = []
         uncached_heads: set[tuple] = set()  # (adapter, *prompt head)s this batch will put into the cache
         sharing = self.tree_cache.shares_prefixes
