@@ -363,3 +363,51 @@ def test_verify_batch_becomes_one_decode_row_per_token() -> None:
     assert rows.out_cache_loc is mwb.out_cache_loc and rows.extend_seq_lens is None
     with pytest.raises(ValueError, match="extend batch"):
         as_decode_rows(rows)
+
+
+def test_draft_model_decodes_each_request_only_for_its_own_drafts(tiny_path, tiny_draft_path) -> None:
+    """A request near the context length may draft one token while another drafts k: the draft model's k - 1 decode
+    steps run only for the requests still drafting (they wrote past the first one's request-table row and crashed)."""
+    from types import SimpleNamespace
+
+    s = make_scheduler(tiny_path, context_length=64, speculative_algorithm="draft_model",
+                       speculative_draft_model_path=tiny_draft_path, speculative_num_draft_tokens=12)
+    d = s.spec_drafter
+    near = SimpleNamespace(origin_input_ids=list(range(10, 70)), output_ids=[3, 4], finished=lambda: False)
+    far = SimpleNamespace(origin_input_ids=[5, 6, 7], output_ids=[8], finished=lambda: False)
+    drafts = d.propose_batch([near, far], [1, 12])
+    assert [len(x) for x in drafts] == [1, 12]
+    for r in (near, far):
+        d.release(r)
+    assert d.token_to_kv_pool.available_size() == d.token_to_kv_pool.size
+    assert d.req_to_token_pool.available_size() == d.req_to_token_pool.size
+    # and through the scheduler: the same tokens as plain decoding
+    reqs = [("near", list(range(10, 70)), 4), ("far", [5, 6, 7], 40)]
+    plain, _ = run(tiny_path, reqs, context_length=64)
+    spec, _ = run(tiny_path, reqs, context_length=64, speculative_algorithm="draft_model",
+                  speculative_draft_model_path=tiny_draft_path, speculative_num_draft_tokens=12)
+    assert {r: v["ids"] for r, v in spec.items()} == {r: v["ids"] for r, v in plain.items()}
+
+
+def test_draft_model_pool_is_free_when_idle(tiny_path, tiny_draft_path) -> None:
+    """Requests that finish outside a verify step (an abort; a last token decoded plainly, with nothing left to
+    draft) gave their draft KV back only at the next round of drafting: an idle server held it. The idle memory
+    check releases it and counts the draft model's pools."""
+    from radixserve.managers import io_struct as io
+
+    s = make_scheduler(tiny_path, speculative_algorithm="draft_model", speculative_draft_model_path=tiny_draft_path)
+    submit(s, "a", [5, 6, 7, 8] * 5, 12)
+    submit(s, "b", [9, 10, 11] * 5, 30)
+    for _ in range(3):
+        s.step()
+    s.process_input_requests([io.AbortReq("b")])
+    res = drain(s)  # checks s.check_memory()
+    assert res["b"]["finish"]["type"] == "abort" and res["a"]["finish"]["type"] == "length"
+    d = s.spec_drafter
+    assert not d.states
+    assert d.token_to_kv_pool.available_size() == d.token_to_kv_pool.size
+    assert d.req_to_token_pool.available_size() == d.req_to_token_pool.size
+    assert s.invariant_violations == 0 and s.get_internal_state()["memory_ok"]
+    # a leak in the draft model's pool is one the check reports
+    d.token_to_kv_pool.alloc(3)
+    assert not s.check_memory() and s.invariant_violations == 1

@@ -85,7 +85,8 @@ class SchedulerStatsMixin:
         }
 
     def check_memory(self) -> bool:
-        """free + evictable + protected == pool size, and every request slot free. Logged and counted if not."""
+        """free + evictable + protected == pool size, and every request slot free (the draft model's pools too, once
+        the finished requests' draft state is released). Logged and counted if not. Called when idle."""
         cache = self.tree_cache
         free = self.token_to_kv_pool.available_size()
         total = free + cache.evictable_size() + cache.protected_size()
@@ -96,7 +97,7 @@ class SchedulerStatsMixin:
             logger.error("memory leak: free=%d evictable=%d protected=%d pool=%d free_req_slots=%d/%d", free,
                          cache.evictable_size(), cache.protected_size(), self.token_to_kv_pool.size,
                          self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
-        return ok
+        return self.spec_check_draft_memory() and ok
 
     def scheduler_info(self) -> io.SchedulerInfo:
         mr = self.worker.model_runner

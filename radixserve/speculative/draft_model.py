@@ -143,18 +143,22 @@ class DraftModelDrafter:
         lens = [len(s) for s in seqs]
         tok = self._forward(ForwardMode.EXTEND, ids, rows, lens, new, ext, pre)
         drafts = [[int(t)] for t in tok]
-        # k - 1 greedy decodes on speculative slots, freed at the end
+        # k - 1 greedy decodes on speculative slots, freed at the end; a request decodes only while it still wants
+        # drafts (its k is capped by its context length: a step past it would write past its request table's row)
         spec_slots = []
         for step in range(1, max(ks[i] for i in todo)):
-            loc = self._alloc(len(todo))
+            live = [j for j, i in enumerate(todo) if ks[i] > step]
+            loc = self._alloc(len(live))
             if loc is None:
                 break
             spec_slots.append(loc)
-            pos = torch.tensor([n + step - 1 for n in lens], dtype=torch.int64)
-            self.req_to_token_pool.write_batch(torch.tensor(rows, dtype=torch.int64), pos, loc)
-            tok = self._forward(ForwardMode.DECODE, [d[-1] for d in drafts], rows, [n + step for n in lens], loc)
-            for d, t in zip(drafts, tok.tolist(), strict=True):
-                d.append(t)
+            live_rows = [rows[j] for j in live]
+            pos = torch.tensor([lens[j] + step - 1 for j in live], dtype=torch.int64)
+            self.req_to_token_pool.write_batch(torch.tensor(live_rows, dtype=torch.int64), pos, loc)
+            tok = self._forward(ForwardMode.DECODE, [drafts[j][-1] for j in live], live_rows,
+                                [lens[j] + step for j in live], loc)
+            for j, t in zip(live, tok.tolist(), strict=True):
+                drafts[j].append(t)
         if spec_slots:
             self.token_to_kv_pool.free(torch.cat(spec_slots))
         for j, i in enumerate(todo):

@@ -228,6 +228,22 @@ class SchedulerSpeculativeMixin:
         self._log_decode_tokens += sum(len(t) for t in result.tokens) - len(batch.reqs)
         self.stream_output(batch.reqs)
 
+    def spec_check_draft_memory(self) -> bool:
+        """When idle: release the draft state of the requests that finished outside a verify step (a plain decode, an
+        abort; otherwise held until the next round of drafting), then check that the draft model's KV pool and request
+        table are all free. Logged and counted if not; True without a draft model."""
+        d = self.spec_drafter
+        if d is None or not hasattr(d, "token_to_kv_pool"):
+            return True
+        d.gc()
+        kv, rows = d.token_to_kv_pool, d.req_to_token_pool
+        if not d.states and kv.available_size() == kv.size and rows.available_size() == rows.size:
+            return True
+        self.invariant_violations += 1
+        logger.error("draft model memory leak: %d request states, free=%d of %d tokens, free_req_slots=%d/%d",
+                     len(d.states), kv.available_size(), kv.size, rows.available_size(), rows.size)
+        return False
+
     def spec_log_accept_length(self) -> float:
         """Mean tokens per request per verify step since the previous call (1.0 when no verify ran: every token
         came from a plain step)."""
