@@ -52,7 +52,7 @@ def ct_name_matches(name: str, pattern: str) -> bool:
 
 @dataclass(frozen=True)
 class SchemeGroup:
-    """One `config_groups` entry: what it targets and the fp8 layers it gives them."""
+    """One `config_groups` entry: what it targets and the fp8 or integer layers it gives them."""
     name: str
     targets: tuple[str, ...]
     scheme: Fp8Config | Int4Config
