@@ -137,6 +137,9 @@ def test_context_length_past_max_position_embeddings_matches_transformers(kind: 
     runner = ModelRunner(ModelConfig(str(tmp_path), context_length=1024), args)
     prompt = [(7 * i + 3) % 250 + 2 for i in range(600)]
     assert StaticBatch(runner).generate([prompt], 8)[0] == hf_greedy(hf, prompt, 8)
+    if kind == "llama":  # one set of tables for every layer (identical), covering the served context
+        rotaries = {id(layer.self_attn.rotary_emb) for layer in runner.model.model.layers}
+        assert len(rotaries) == 1 and runner.model.model.layers[1].self_attn.rotary_emb.cos_cache.shape[0] >= 1024
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v2"])

@@ -264,6 +264,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, qkv_bias, qk_norm, mlp_factory)
                                     for i in range(config.num_hidden_layers))
+        # every layer's rotary tables are the same (one config): one copy held, not one a layer (Llama 3.1's 131,072
+        # positions are 64 MB of float32 cos/sin each, 2 GB over 32 layers)
+        for layer in self.layers[1:]:
+            layer.self_attn.rotary_emb = self.layers[0].self_attn.rotary_emb
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for prev, layer in zip(self.layers[:-1], self.layers[1:], strict=True):  # fused all-reduce + norm
             layer.input_partial = prev.mlp_partial
