@@ -163,3 +163,18 @@ def teacher_forced_agreement(hf: Any, runner: Any, prompts: list[list[int]], ste
         runner.token_to_kv_pool.free(runner.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_committed_len))
         runner.req_to_token_pool.free(req.req_pool_idx)
     return exact, near, total
+
+
+def set_quantization_config(path: str, qc: dict[str, Any] | None) -> None:
+    """Write `qc` as the `quantization_config` of the model saved at `path` (None removes it)."""
+    import json
+
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if qc is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = qc
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)

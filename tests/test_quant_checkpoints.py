@@ -94,12 +94,9 @@ def write_checkpoint(path: str, fmt: str, scheme: str = "channel", qc_extra: dic
         qc = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
               "exclude_modules": ["lm_head"]}
     qc.update(qc_extra or {})
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qc
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
+    from model_utils import set_quantization_config
+
+    set_quantization_config(path, qc)
     return deq_dir
 
 

@@ -204,12 +204,9 @@ def write_int4_checkpoint(path: str, fmt: str, group: int = 32, desc_act: bool =
     else:
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True, "desc_act": desc_act,
               "checkpoint_format": fmt}
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qc
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
+    from model_utils import set_quantization_config
+
+    set_quantization_config(path, qc)
     return deq_dir
 
 
