@@ -215,6 +215,8 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
@@ -293,3 +295,22 @@ def test_reasoning_split(think_server: str) -> None:
                                                             "chat_template_kwargs": {"enable_thinking": False}}})
     assert off.choices[0].message.content and off.choices[0].message.model_dump().get("reasoning_content") is None
     assert off.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_forced_call_with_the_prompt_opening_thinking(think_server: str) -> None:
+    """The prompt opens `<think>`, but a forced call's grammar shapes the answer from its first token: the answer
+    is the call (not reasoning_content and an empty call), streamed or not."""
+    c = openai.OpenAI(base_url=think_server + "/v1", api_key="none", max_retries=0, timeout=120)
+    flag = {"type": "function", "function": {"name": "set_flag", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+        "additionalProperties": False}}}
+    for choice in ("required", {"type": "function", "function": {"name": "set_flag"}}):
+        kw: dict[str, Any] = dict(model="default", messages=OK_MSG, tools=[flag], tool_choice=choice, max_tokens=40,
+                                  parallel_tool_calls=False, temperature=0)
+        msg = c.chat.completions.create(**kw).choices[0].message
+        assert msg.model_dump().get("reasoning_content") is None, msg
+        assert [(t.function.name, set(json.loads(t.function.arguments))) for t in msg.tool_calls] == \
+            [("set_flag", {"on"})], msg
+        calls, content, finish = _collect_stream(c.chat.completions.create(stream=True, **kw))
+        assert content == "" and finish == "tool_calls"
+        assert [(v["name"], set(json.loads(v["arguments"]))) for v in calls.values()] == [("set_flag", {"on"})]

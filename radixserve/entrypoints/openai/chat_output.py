@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,7 @@ class OutputConfig:
     prompt_opens_reasoning: bool = False
     tools: ToolParser | None = None  # None: no tool parsing (no tools, or tool_choice "none")
     max_calls: int | None = None  # parallel_tool_calls false: only the first call counts
+    call_id: Callable[[], str] = new_call_id  # the model family's id form (ToolParser.call_id)
 
 
 @dataclass
@@ -96,7 +98,7 @@ class ChoiceOutput:
             calls = calls[: self.cfg.max_calls]
             if calls or isinstance(self.cfg.tools, ForcedCallScanner):  # (a forced call's text is never content)
                 msg["content"] = content or None
-                msg["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                msg["tool_calls"] = [{"id": self.cfg.call_id(), "type": "function",
                                       "function": {"name": n, "arguments": a}} for n, a in calls]
                 self.calls = [[c["id"], len(c["function"]["arguments"])] for c in msg["tool_calls"]]
         return msg
@@ -125,16 +127,29 @@ class ChoiceOutput:
             if call.name is None:
                 break
             if k >= len(self.calls):
-                self.calls.append([new_call_id(), 0])
+                self.calls.append([self.cfg.call_id(), 0])
                 out.append({"tool_calls": [{"index": k, "id": self.calls[k][0], "type": "function",
                                             "function": {"name": call.name, "arguments": ""}}]})
             args = call.args
             if call.args_is_string:
                 args = (call.final_arguments() or "") if call.done else ""
+            elif call.done and not args.strip():
+                args += "{}"  # a call without arguments: `{}`, as the final message has it
             if len(args) > self.calls[k][1]:
                 out.append({"tool_calls": [{"index": k, "function": {"arguments": args[self.calls[k][1]:]}}]})
                 self.calls[k][1] = len(args)
         return out
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with its document-local `$ref`s ("#", "#/$defs/...") pointing into it where it is placed, at the
+    JSON pointer `base` of a larger schema (a function's parameters inside the `required` array)."""
+    if isinstance(schema, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebase_refs(v, base)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [rebase_refs(v, base) for v in schema]
+    return schema
 
 
 def forced_call_schema(tools: list[dict[str, Any]], function: str | None, parallel: bool) -> str:
@@ -144,9 +159,12 @@ def forced_call_schema(tools: list[dict[str, Any]], function: str | None, parall
               for t in tools}
     if function is not None:
         return json.dumps(params[function])
-    branches = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+    where = ["#/items/properties/parameters"] if len(params) == 1 else \
+        [f"#/items/anyOf/{k}/properties/parameters" for k in range(len(params))]
+    branches = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                  "parameters": rebase_refs(schema, base)},
                  "required": ["name", "parameters"], "additionalProperties": False}
-                for name, schema in params.items()]
+                for (name, schema), base in zip(params.items(), where, strict=True)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": branches[0] if len(branches) == 1 else {"anyOf": branches}}
     if not parallel:

@@ -27,6 +27,8 @@ from radixserve.entrypoints.openai.tool_parsers.base import ToolParser
 # keys of chat_template_kwargs that would override what the server passes itself
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
                                        "tokenize", "return_dict", "continue_final_message", "chat_template"})
+# JSON-schema types a function's arguments (a JSON object) cannot have
+_NOT_OBJECT_TYPES = frozenset({"string", "number", "integer", "boolean", "array", "null"})
 
 
 @dataclass
@@ -43,12 +45,24 @@ def model_tool_parser(name: str | None, chat_template: str | None) -> ToolParser
     return get_tool_parser(name or detect_tool_parser(chat_template) or DEFAULT_TOOL_PARSER)
 
 
+def check_parameters(tools: list[dict[str, Any]]) -> None:
+    """A function's parameters describe its arguments, which are a JSON object: a schema of another type is a 400
+    (as OpenAI answers), not calls whose arguments could never be one."""
+    for i, t in enumerate(tools):
+        kind = (t["function"].get("parameters") or {}).get("type", "object")
+        if any(isinstance(k, str) and k in _NOT_OBJECT_TYPES for k in (kind if isinstance(kind, list) else [kind])):
+            raise APIError(f"tools[{i}].function.parameters: the schema's type must be 'object' (the arguments are a "
+                           f"JSON object), got {json.dumps(kind)}", 400, f"tools[{i}].function.parameters",
+                           "invalid_value")
+
+
 def plan_tools(req: Any, parser_name: str | None, chat_template: str | None, grammar_ok: bool) -> ToolPlan:
     tools = [t.model_dump(exclude_none=True, by_alias=True) for t in (req.tools or [])]
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
     names = [t["function"]["name"] for t in tools]
+    check_parameters(tools)
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise APIError(f"tools: function names must be unique, got {', '.join(dup)} more than once", 400, "tools",
@@ -67,6 +81,7 @@ def plan_tools(req: Any, parser_name: str | None, chat_template: str | None, gra
             raise APIError(f"tools: strict schemas ({', '.join(strict)}) are enforced only with tool_choice "
                            "'required' or a named function; with 'auto' send strict false or null", 400,
                            "tools", "unsupported_parameter")
+        fmt.tool_names = frozenset(names)
         return ToolPlan("auto", tools, fmt, fmt, max_calls=max_calls)
     if not grammar_ok:
         raise APIError("tool_choice: 'required' and named functions need structured output, which is not available "
@@ -148,10 +163,13 @@ def template_kwargs(req: Any, plan: ToolPlan, chat_template: str) -> dict[str, A
     return kwargs
 
 
-def output_config(req: Any, plan: ToolPlan, reasoning_parser: str | None, prompt_text: str) -> OutputConfig:
+def output_config(req: Any, plan: ToolPlan, reasoning_parser: str | None, prompt_text: str,
+                  json_output: bool = False) -> OutputConfig:
+    """`json_output`: a JSON-schema grammar shapes the answer from its first token (a forced call, a JSON
+    response_format), so none of it is thinking, even where the prompt opened the thinking block."""
     reasoning = None
-    if reasoning_parser is not None and req.separate_reasoning:
+    if reasoning_parser is not None and req.separate_reasoning and not json_output:
         reasoning = get_reasoning_parser(reasoning_parser)
     return OutputConfig(reasoning=reasoning,
                         prompt_opens_reasoning=bool(reasoning and reasoning.prompt_opens_reasoning(prompt_text)),
-                        tools=plan.parser, max_calls=plan.max_calls)
+                        tools=plan.parser, max_calls=plan.max_calls, call_id=plan.format_parser.call_id)

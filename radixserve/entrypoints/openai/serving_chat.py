@@ -114,7 +114,6 @@ class OpenAIServingChat(OpenAIServingBase):
             raise APIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs", "invalid_value")
         plan = self.plan_tools(req)
         ids, prompt_text = await self.apply_chat_template(req, plan)
-        cfg = output_config(req, plan, getattr(self.tm.server_args, "reasoning_parser", None), prompt_text)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if requested is None:
             if len(ids) >= self.tm.context_len:
@@ -124,6 +123,8 @@ class OpenAIServingChat(OpenAIServingBase):
             max_new = requested
             self.check_length(len(ids), max_new, "messages")
         sp = self._sampling(req, max_new, plan)
+        cfg = output_config(req, plan, getattr(self.tm.server_args, "reasoning_parser", None), prompt_text,
+                            json_output="json_schema" in sp)
         want_lp = bool(req.logprobs)
         top_n = req.top_logprobs or 0
         rid, _ = self.make_rid(req, 1)

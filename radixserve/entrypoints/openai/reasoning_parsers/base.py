@@ -27,8 +27,8 @@ class ReasoningParser:
         body = text.lstrip()
         if body.startswith(self.start):
             in_reasoning, text = True, body[len(self.start):]
-        elif not final and body and self.start.startswith(body):
-            return "", ""  # maybe the start marker, still arriving
+        elif not final and self.start.startswith(body):
+            return "", ""  # maybe the start marker, still arriving (or only whitespace so far)
         if not in_reasoning:
             return "", text
         i = text.find(self.end)

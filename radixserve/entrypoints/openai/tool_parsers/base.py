@@ -11,6 +11,7 @@ arguments are a JSON object count; anything else stays content.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +89,11 @@ def value_end(text: str, i: int) -> int | None:
     return j if j < len(text) else None  # a number or literal is complete only once something follows it
 
 
-def scan_call_object(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[PartialCall | None, int | None]:
+def scan_call_object(text: str, i: int, args_keys: tuple[str, ...], names: frozenset[str] | None = None
+                     ) -> tuple[PartialCall | None, int | None]:
     """Scan `{"name": ..., "<args key>": {...}}` starting at text[i] == '{'. Returns (the call so far, the index
-    just past the object when complete); (None, None) when the text is not such an object."""
+    just past the object when complete); (None, None) when the text is not such an object, or (with `names`) calls
+    another function."""
     if i >= len(text) or text[i] != "{":
         return None, None
     call = PartialCall()
@@ -128,6 +131,8 @@ def scan_call_object(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[Par
                 call.name = json.loads(text[j:end])
             except ValueError:
                 return None, None
+            if names is not None and call.name not in names:
+                return None, None
         elif key in args_keys:
             call.args_is_string = text[j] == '"'
             if not call.args_is_string:
@@ -162,8 +167,8 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
-def scan_call_list(text: str, i: int, args_keys: tuple[str, ...], *, array: bool,
-                   separators: str = ",") -> tuple[list[PartialCall], int | None, bool]:
+def scan_call_list(text: str, i: int, args_keys: tuple[str, ...], *, array: bool, separators: str = ",",
+                   names: frozenset[str] | None = None) -> tuple[list[PartialCall], int | None, bool]:
     """Scan call objects from text[i]: a JSON array `[{...}, ...]` (array=True) or objects separated by one of
     `separators`. Returns (calls, index past the last complete part, ok): ok is False when the text is not calls."""
     calls: list[PartialCall] = []
@@ -175,7 +180,7 @@ def scan_call_list(text: str, i: int, args_keys: tuple[str, ...], *, array: bool
     while True:
         if j >= len(text):
             return calls, None, True
-        call, end = scan_call_object(text, j, args_keys)
+        call, end = scan_call_object(text, j, args_keys, names)
         if call is None:
             return calls, None, False
         calls.append(call)
@@ -198,15 +203,23 @@ class ToolParser:
     name = "base"
     # a marker that, when the chat template contains it, identifies this family
     template_markers: tuple[str, ...] = ()
+    # the functions a request offers (set per request): a call to another one is not a call, as if malformed
+    tool_names: frozenset[str] | None = None
 
     def scan(self, text: str, final: bool) -> ScanResult:
         raise NotImplementedError
 
+    def call_id(self) -> str:
+        """A new tool call id, in the form this family's chat templates accept when the call comes back."""
+        return "call_" + uuid.uuid4().hex[:24]
+
     def parse(self, text: str) -> tuple[str, list[tuple[str, str]]]:
-        """The complete output -> (content, [(name, arguments JSON text)]). Malformed calls stay in the content."""
+        """The complete output -> (content, [(name, arguments JSON text)]). Malformed calls stay in the content;
+        next to calls the content is stripped (here, not in `scan`: the stream cannot take back what it sent)."""
         res = self.scan(text, final=True)
         calls = [(c.name, c.final_arguments()) for c in res.calls]
-        return res.content, [(n, a) for n, a in calls if n is not None and a is not None]
+        calls = [(n, a) for n, a in calls if n is not None and a is not None]
+        return (res.content.strip() if calls else res.content), calls
 
     def format_instructions(self, tools: list[dict[str, Any]]) -> str:
         """A system-prompt paragraph describing the tools and this format, for chat templates that do not render

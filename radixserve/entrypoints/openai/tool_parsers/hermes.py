@@ -32,7 +32,7 @@ class HermesToolParser(ToolParser):
                 break
             content.append(text[pos:i])
             j = skip_ws(text, i + len(START))
-            call, end = scan_call_object(text, j, ("arguments", "parameters"))
+            call, end = scan_call_object(text, j, ("arguments", "parameters"), self.tool_names)
             if call is None:
                 if j >= len(text) and not final:
                     break  # the block has only begun
@@ -47,14 +47,12 @@ class HermesToolParser(ToolParser):
                     continue
                 break
             pos = close + len(END)
-            # blocks are usually separated by a newline; keep it out of the content
-            while pos < len(text) and text[pos] == "\n" and text.find(START, pos) == skip_ws(text, pos):
+            # blocks are usually separated by a newline; keep it out of the content (whatever follows it, so that
+            # the streamed content never has to take it back)
+            while pos < len(text) and text[pos] == "\n":
                 pos += 1
         res.content = "".join(content)
-        if final:
-            res.content = res.content.strip() if res.calls else res.content
-            return finish_scan(text, res)
-        return res
+        return finish_scan(text, res) if final else res
 
     def call_format_hint(self) -> str:
         return ('To call a function, answer with one block per call:\n<tool_call>\n{"name": "<function name>", '

@@ -30,7 +30,8 @@ class Llama3JsonToolParser(ToolParser):
             return ScanResult("" if not final else text, [])
         if text[i] != "{":
             return ScanResult(text, [])
-        calls, end, ok = scan_call_list(text, i, ("parameters", "arguments"), array=False, separators=";")
+        calls, end, ok = scan_call_list(text, i, ("parameters", "arguments"), array=False, separators=";",
+                                       names=self.tool_names)
         if not ok or not calls:
             return ScanResult(text if (final or not ok) else "", [])
         if final:

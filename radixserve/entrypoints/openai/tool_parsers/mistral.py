@@ -4,6 +4,9 @@ skipped; an answer that then begins with `[{` is read as the array form."""
 
 from __future__ import annotations
 
+import secrets
+import string
+
 from radixserve.entrypoints.openai.tool_parsers.base import (
     PartialCall,
     ScanResult,
@@ -17,6 +20,7 @@ from radixserve.entrypoints.openai.tool_parsers.base import (
 )
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_ID_CHARS = string.ascii_letters + string.digits
 
 
 class MistralToolParser(ToolParser):
@@ -43,7 +47,7 @@ class MistralToolParser(ToolParser):
         return self._v11(text, i, content, final)
 
     def _array(self, text: str, j: int, content: str, final: bool) -> ScanResult:
-        calls, end, ok = scan_call_list(text, j, ("arguments", "parameters"), array=True)
+        calls, end, ok = scan_call_list(text, j, ("arguments", "parameters"), array=True, names=self.tool_names)
         if not ok:
             return ScanResult(text, [])
         if final:
@@ -60,6 +64,8 @@ class MistralToolParser(ToolParser):
             if a < 0:
                 break
             call = PartialCall(name=text[pos + len(MARKER):a].strip())
+            if self.tool_names is not None and call.name not in self.tool_names:
+                return ScanResult(text if final else content, calls)  # not a call of this request's
             calls.append(call)
             j = skip_ws(text, a + len(ARGS))
             end = value_end(text, j) if j < len(text) and text[j] == "{" else None
@@ -73,6 +79,10 @@ class MistralToolParser(ToolParser):
                 return ScanResult(text, [])
             return finish_scan(text, ScanResult(content.strip(), calls))
         return ScanResult(content, calls)
+
+    def call_id(self) -> str:
+        """Mistral's templates (and mistral-common) refuse a history whose call ids are not 9 letters or digits."""
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
     def call_format_hint(self) -> str:
         return ('To call functions, answer with [TOOL_CALLS] followed by a JSON array: [{"name": "<function name>", '
