@@ -314,3 +314,29 @@ def test_embedded_model_agrees_with_dense_at_2k_context(embedded_model_path: str
     (row,) = bench.bench_accuracy(args)
     assert row["teacher_forced_agreement"] >= 0.95, row
     assert row["kl_dense_to_ds"] < 0.05, row
+
+
+def test_decodes_riding_with_a_prefill_chunk_decode_sparsely(tmp_path) -> None:  # noqa: ANN001
+    """A request past the threshold decodes over its heavy tokens also in the steps where it rides along with
+    another prompt's chunk (MIXED): it was attended densely there, so its tokens depended on what else arrived."""
+    from model_utils import make_tiny_model
+    from test_scheduler import drain, make_scheduler, submit
+
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path, seed=1, vocab_size=512)
+    ch = write_channel_file(str(tmp_path / "ch.json"), 2, 2, 16)
+    kw = dict(attention_backend="double_sparsity", ds_channel_config_path=ch, ds_heavy_channel_num=4,
+              ds_heavy_token_num=4, ds_sparse_decode_threshold=8, chunked_prefill_size=16)
+    a, b = [11, 22, 33, 44, 55, 66], [(7 * i) % 400 + 20 for i in range(60)]
+
+    def run(**extra: object) -> dict[str, list[int]]:
+        s = make_scheduler(path, **kw, **extra)
+        submit(s, "a", a, 16)
+        for _ in range(5):
+            s.step()
+        submit(s, "b", b, 4)  # its four chunks run with a's decodes riding along under --enable-mixed-chunk
+        return {rid: r["ids"] for rid, r in drain(s).items()}
+
+    plain = run()
+    assert run(enable_mixed_chunk=True) == plain
+    assert run(enable_mixed_chunk=True, enable_overlap_schedule=True, page_size=4) == plain

@@ -172,6 +172,21 @@ def test_bad_requests_fail_alone(tiny_path, prompt, msg) -> None:
     assert len(res["good"]["ids"]) == 6
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_prompt_too_long_for_the_pool_is_told_the_longest_it_takes(tiny_path, page_size) -> None:
+    """With pages admission keeps a page of slack beside a prompt: a 114-token prompt does not fit a 128-token pool
+    of 16-token pages, and the error says how long a prompt may be (it said 114 tokens did not fit 128); one of
+    that length runs."""
+    s = make_scheduler(tiny_path, max_total_tokens=128, page_size=page_size)
+    longest = 128 - page_size
+    submit(s, "long", list(range(10, 10 + longest + 1)), 4)
+    submit(s, "fits", list(range(10, 10 + longest)), 4)
+    res = drain(s)
+    assert res["long"]["finish"]["type"] == "abort"
+    assert f"at most {longest} prompt tokens" in res["long"]["finish"]["message"]
+    assert res["fits"]["finish"]["type"] == "length" and len(res["fits"]["ids"]) == min(4, 128 - longest)
+
+
 def sampled_workload() -> list[tuple[str, list[int], dict]]:
     """Requests mixing greedy, seeded sampling, every penalty, logit bias, stop ids and logprobs."""
     rng = random.Random(5)

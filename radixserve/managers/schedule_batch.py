@@ -203,6 +203,8 @@ class ModelWorkerBatch:
     # DP attention: every rank's token count in this forward (set by the scheduler after the ranks synced)
     dp_num_tokens: list[int] | None = None
     dp_all_decode: bool = False  # ... and every rank decodes (or idles): a CUDA graph may run
+    # MIXED: how many requests at the end ride along as one-token decodes (after the n_prefill prefill requests)
+    num_mixed_decodes: int = 0
 
 
 class ScheduleBatch:
@@ -532,4 +534,5 @@ class ScheduleBatch:
             lora_slots=lora_slots,
             lora_loads=lora_loads,
             pooling=[r.pooling for r in self.reqs] if extend and any(r.pooling for r in self.reqs) else None,
+            num_mixed_decodes=len(self.reqs) - self.n_prefill if self.forward_mode.is_mixed() else 0,
         )

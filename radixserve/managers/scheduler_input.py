@@ -95,7 +95,7 @@ class SchedulerInputMixin:
         elif min(ids) < 0 or max(ids) >= self.vocab_size:
             error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
         elif len(ids) + self.token_to_kv_pool.page_size > self.token_to_kv_pool.size:  # + a page's slack
-            error = f"the prompt ({len(ids)} tokens) does not fit the KV pool ({self.token_to_kv_pool.size} tokens)"
+            error = self._prompt_too_long_for_pool(len(ids))
         status = 400
         lora_error = self.check_lora_id(recv.lora_id)
         if error is None and lora_error is not None:
@@ -129,6 +129,14 @@ class SchedulerInputMixin:
             self.grammar_queue.append(req)
             return
         self.waiting_queue.append(req)
+
+    def _prompt_too_long_for_pool(self, prompt_len: int) -> str:
+        """The error of a prompt the KV pool cannot take: admission counts a page of slack beside it (its last page
+        may be partly filled), so the pool takes prompts of at most its size less one page."""
+        size, page = self.token_to_kv_pool.size, self.token_to_kv_pool.page_size
+        pages = f" in pages of {page}" if page > 1 else ""
+        return (f"the prompt ({prompt_len} tokens) does not fit the KV pool ({size} tokens{pages}: at most "
+                f"{size - page} prompt tokens)")
 
     def _live_reqs(self) -> list[Req]:
         reqs = [*self.waiting_queue, *self.grammar_queue]

@@ -23,6 +23,7 @@ sparsely without them (how many positions are scored depends on its longest requ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ def label_bytes_per_token(model_config: Any, server_args: Any, dtype: torch.dtyp
 class DoubleSparseMetadata:
     sparse: bool = False  # decode with at least one request past the threshold
     max_len: int = 0  # the batch's longest request (columns scored)
+    # MIXED: its decodes riding along, as a decode batch of their own (None where there are none)
+    decodes: ForwardBatch | None = None
 
 
 class DoubleSparseAttnBackend(AttentionBackend):
@@ -196,11 +199,13 @@ class DoubleSparseAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self.dense.init_forward_metadata(forward_batch)
         meta = DoubleSparseMetadata()
-        if forward_batch.forward_mode.is_decode() and forward_batch.batch_size:
-            if forward_batch.seq_lens_cpu is None:
-                forward_batch.seq_lens_cpu = forward_batch.seq_lens.tolist()
-            meta.max_len = max(forward_batch.seq_lens_cpu)
+        decodes = forward_batch if forward_batch.forward_mode.is_decode() else mixed_decodes(forward_batch)
+        if decodes is not None and decodes.batch_size:
+            if decodes.seq_lens_cpu is None:
+                decodes.seq_lens_cpu = decodes.seq_lens.tolist()
+            meta.max_len = max(decodes.seq_lens_cpu)
             meta.sparse = meta.max_len > self.threshold
+            meta.decodes = None if decodes is forward_batch else decodes
         self.forward_metadata = meta
 
     # ---------------------------------------------------------------- CUDA graphs (dense decode)
@@ -240,7 +245,16 @@ class DoubleSparseAttnBackend(AttentionBackend):
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         # labels are written even when the KV store happened elsewhere (the fused rotary kernel): k is the same
         self.store_labels(k, layer.layer_id, forward_batch.out_cache_loc)
-        return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        o = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        meta = self.forward_metadata
+        if meta.decodes is None or not meta.sparse or sliding_window(layer) > 0:
+            return o
+        # a MIXED batch's decodes (its last rows, their K/V now stored) decode as they would in a decode batch
+        n = meta.decodes.batch_size
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)[-n:]
+        sparse = self._sparse_decode_triton if self.kernels == "triton" else self._sparse_decode_torch
+        o[-n:] = sparse(q3, layer, meta.decodes).reshape(n, -1)
+        return o
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -326,6 +340,26 @@ class DoubleSparseAttnBackend(AttentionBackend):
             o[i] = sparse_attention_ref(q3[i], load_kv_values(k_buf[slots], q3.dtype, ks),
                                         load_kv_values(v_buf[slots], q3.dtype, vs), selected, layer.scaling)
         return o
+
+
+def mixed_decodes(forward_batch: ForwardBatch) -> ForwardBatch | None:
+    """The decodes riding along in a MIXED batch (its last num_mixed_decodes requests, one token each) as a decode
+    batch of their own; None for any other batch."""
+    n = forward_batch.num_mixed_decodes
+    if not forward_batch.forward_mode.is_mixed() or n == 0:
+        return None
+    from radixserve.model_executor.forward_batch_info import ForwardMode
+
+    lens = forward_batch.seq_lens_cpu
+    # copies, not views: the Triton kernels specialise on pointer alignment (see TritonAttnBackend)
+    return dataclasses.replace(
+        forward_batch, forward_mode=ForwardMode.DECODE, batch_size=n,
+        input_ids=forward_batch.input_ids[-n:], req_pool_indices=forward_batch.req_pool_indices[-n:].clone(),
+        seq_lens=forward_batch.seq_lens[-n:].clone(), out_cache_loc=forward_batch.out_cache_loc[-n:],
+        seq_lens_cpu=None if lens is None else list(lens[-n:]), seq_lens_sum=0 if lens is None else sum(lens[-n:]),
+        positions=forward_batch.positions[-n:], extend_seq_lens=None, extend_prefix_lens=None,
+        extend_start_loc=None, extend_seq_lens_cpu=None, extend_prefix_lens_cpu=None,
+        extend_logprob_start_lens_cpu=None, num_mixed_decodes=0)
 
 
 def select_heavy_tokens(q_label: torch.Tensor, k_labels: torch.Tensor, top_k: int, keep_first: int = 0,
