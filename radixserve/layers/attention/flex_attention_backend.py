@@ -65,11 +65,12 @@ class FlexAttnBackend(AttentionBackend):
     def __init__(self, model_runner: ModelRunner) -> None:
         cfg = model_runner.model_config
         if getattr(cfg, "is_mla", False):
-            raise ValueError("attention backend 'flex' does not serve MLA models; use triton or torch_native")
+            raise ValueError("attention backend 'flex' does not serve MLA models; use triton, torch_native "
+                             "or (on the CPU) cpu")
         pool = model_runner.token_to_kv_pool
         if is_fp8(pool.dtype):
             raise ValueError("attention backend 'flex' reads the KV pool in the model dtype; --kv-cache-dtype fp8 "
-                             "needs triton or torch_native")
+                             "needs triton, torch_native or (on the CPU) cpu")
         self.device = torch.device(model_runner.device)
         self.is_cuda = self.device.type == "cuda"
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
