@@ -291,6 +291,26 @@ def test_abort_request_endpoint(http: httpx.Client) -> None:
     assert_no_leak(http)
 
 
+def test_abort_request_spares_a_rid_that_only_starts_with_it(server: Server, http: httpx.Client) -> None:
+    """Aborting rid `job` aborts that request, not another client's `job-2` (a prefix match for n > 1's samples
+    aborted both)."""
+    def run(rid: str) -> dict[str, Any]:
+        body = {"text": "Tell me a long story.", "rid": rid,
+                "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}}
+        return httpx.post(server.base + "/generate", json=body, headers=AUTH, timeout=120).json()
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(run, rid) for rid in ("job", "job-2")]
+        deadline = time.monotonic() + 30
+        while internal_state(http)["num_inflight_requests"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http.post("/abort_request", json={"rid": "job"}).json() == {"success": True, "aborted": 1}
+        job, other = (f.result() for f in futures)
+    assert job["meta_info"]["finish_reason"]["type"] == "abort"
+    assert other["meta_info"]["finish_reason"]["type"] == "length", other
+    assert_no_leak(http)
+
+
 def test_nonstream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
     """A client that goes away before a (long) non-streamed answer aborts its request."""
     body = {"model": MODEL, "prompt": "Write an essay.", "max_tokens": 3000, "ignore_eos": True}
@@ -298,6 +318,26 @@ def test_nonstream_disconnect_aborts(server: Server, http: httpx.Client) -> None
         httpx.post(server.base + "/v1/completions", json=body, headers=AUTH, timeout=1.5)
     st = wait_idle(http, timeout=20)  # 3000 tokens would take minutes on the CPU
     assert st["memory_ok"] is True
+
+
+@pytest.mark.parametrize("rids", [["dup", "dup", "dup"], ["par", "par-0"]], ids=["same-rid", "child-rid"])
+def test_concurrent_requests_under_one_rid_never_hang(server: Server, http: httpx.Client, rids: list[str]) -> None:
+    """Concurrent n > 1 requests under one rid (or a rid one of them gives a sample, `rid-0`): one is served, the
+    others get a 400 naming the rid. (They registered their rids only after the shared prefill: the later one took
+    the first one's state, which then waited forever.)"""
+    def run(rid: str) -> tuple[int, str]:
+        body = {"text": "Hello there", "rid": rid, "sampling_params": {"max_new_tokens": 16, "n": 2}}
+        r = httpx.post(server.base + "/generate", json=body, headers=AUTH, timeout=60)
+        return r.status_code, r.text
+
+    with ThreadPoolExecutor(len(rids)) as pool:
+        results = list(pool.map(run, rids))
+    assert sorted(status for status, _ in results)[0] == 200, results
+    for status, text in results:
+        assert status in (200, 400), text
+        if status == 400:
+            assert "already in use" in json.loads(text)["error"]["message"], text
+    assert_no_leak(http)
 
 
 # ====================================================================== what real clients send

@@ -327,10 +327,19 @@ class TokenizerManager:
         async for _ in self._run_one(warm):
             pass
 
+    def _register(self, rid: str) -> ReqState:
+        """A new request's state under `rid`. normalize() checks rids, but an n > 1 request or a batch registers its
+        rids only after awaiting (the shared prefill, its tasks' start): a concurrent request under the same rid would
+        take over the first one's state, which then never returned."""
+        if rid in self.rid_to_state:
+            raise RequestError(f"rid: {rid!r} is already in use by a running request", 400, "rid")
+        state = ReqState()
+        self.rid_to_state[rid] = state
+        return state
+
     async def _run_one(self, req: io.TokenizedGenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         self._ensure_loop()
-        state = ReqState()
-        self.rid_to_state[req.rid] = state
+        state = self._register(req.rid)
         if self.server_args.log_requests:
             logger.info("request %s: %d prompt tokens, max_new_tokens=%d", req.rid, len(req.input_ids),
                         req.sampling_params.max_new_tokens)
