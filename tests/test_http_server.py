@@ -291,22 +291,24 @@ def test_abort_request_endpoint(http: httpx.Client) -> None:
     assert_no_leak(http)
 
 
-def test_abort_request_spares_a_rid_that_only_starts_with_it(server: Server, http: httpx.Client) -> None:
-    """Aborting rid `job` aborts that request, not another client's `job-2` (a prefix match for n > 1's samples
-    aborted both)."""
-    def run(rid: str) -> dict[str, Any]:
+@pytest.mark.parametrize("n", [1, 2])
+def test_abort_request_spares_a_rid_that_only_starts_with_it(server: Server, http: httpx.Client, n: int) -> None:
+    """Aborting rid `job` aborts that request (with n = 2: both its samples, `job-0` and `job-1`), not another
+    client's `job-2` (a prefix match for n > 1's samples aborted it too)."""
+    def run(rid: str, n: int) -> Any:
         body = {"text": "Tell me a long story.", "rid": rid,
-                "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}}
+                "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0, "n": n}}
         return httpx.post(server.base + "/generate", json=body, headers=AUTH, timeout=120).json()
 
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(run, rid) for rid in ("job", "job-2")]
+        futures = [pool.submit(run, "job", n), pool.submit(run, "job-2", 1)]
         deadline = time.monotonic() + 30
-        while internal_state(http)["num_inflight_requests"] < 2 and time.monotonic() < deadline:
+        while internal_state(http)["num_inflight_requests"] < n + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert http.post("/abort_request", json={"rid": "job"}).json() == {"success": True, "aborted": 1}
+        assert http.post("/abort_request", json={"rid": "job"}).json() == {"success": True, "aborted": n}
         job, other = (f.result() for f in futures)
-    assert job["meta_info"]["finish_reason"]["type"] == "abort"
+    for out in job if n > 1 else [job]:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert other["meta_info"]["finish_reason"]["type"] == "length", other
     assert_no_leak(http)
 

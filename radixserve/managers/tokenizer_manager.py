@@ -61,6 +61,8 @@ class TokenizerManager:
         self.vocab_size = vocab_size
         self.scheduler_info = scheduler_info
         self.rid_to_state: dict[str, ReqState] = {}
+        # an n > 1 request's samples (`rid-0`, ...) and shared prefill (`rid-0-prefill`) -> the request's rid
+        self.rid_parent: dict[str, str] = {}
         self.pending_control: dict[int, asyncio.Future] = {}  # control requests by seq, answered by their replies
         self._control_seq = itertools.count(1)
         self.ctx = zmq.asyncio.Context(2)
@@ -405,6 +407,34 @@ class TokenizerManager:
                 yield out
             return
         # n > 1 or a batch: prefill each distinct prompt once, then run all concurrently
+        children = self._adopt_samples(reqs)
+        try:
+            async for out in self._run_many(reqs):
+                yield out
+        finally:
+            for rid in children:
+                self.rid_parent.pop(rid, None)
+
+    def _adopt_samples(self, reqs: list[io.TokenizedGenerateReqInput]) -> list[str]:
+        """Records which request each n > 1 sample (and its shared prefill) belongs to, for `rids_of`."""
+        children = []
+        for r in reqs:
+            if r.sampling_params.n > 1:
+                parent = r.rid.rsplit("-", 1)[0]  # normalize named the samples f"{rid}-{j}"
+                for rid in (r.rid, f"{r.rid}-prefill"):
+                    if rid not in self.rid_parent:  # (a concurrent request under the same rid gets a 400 later)
+                        self.rid_parent[rid] = parent
+                        children.append(rid)
+        return children
+
+    def rids_of(self, rid: str) -> list[str]:
+        """The running requests a client's rid names: that request itself, else the samples of its n > 1
+        request (another client's request under `rid-2` is not one of them)."""
+        if rid in self.rid_to_state:
+            return [rid]
+        return [r for r in self.rid_to_state if self.rid_parent.get(r) == rid]
+
+    async def _run_many(self, reqs: list[io.TokenizedGenerateReqInput]) -> AsyncIterator[dict[str, Any]]:
         seen: set[tuple[int, ...]] = set()
         warmups = []
         for r in reqs:

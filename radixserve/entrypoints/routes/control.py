@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -25,15 +23,6 @@ async def flush_cache(request: Request) -> Response:
                    400, None, "server_busy")
 
 
-def _rids_to_abort(running: Iterable[str], rid: str) -> list[str]:
-    """The running request under `rid` itself, else an n > 1 request's samples (`rid-0`, `rid-1`, ...; its shared
-    prefill's `rid-0-prefill`). The exact rid first: another client's `rid-2` is not one of `rid`'s samples."""
-    running = list(running)
-    if rid in running:
-        return [rid]
-    return [r for r in running if r.startswith(rid + "-")] or [rid]
-
-
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
     state = server_state(request)
@@ -44,7 +33,7 @@ async def abort_request(request: Request) -> Response:
     if not req.rid:
         raise APIError("rid: required (or set abort_all to true)", 400, "rid", "missing_required_parameter")
     tm = state.tm
-    rids = _rids_to_abort(tm.rid_to_state, req.rid)
+    rids = tm.rids_of(req.rid) or [req.rid]
     for rid in rids:
         tm.abort_request(rid, "aborted by /abort_request")
     return json_response({"success": True, "aborted": len(rids)})
