@@ -464,6 +464,8 @@ BAD: list[tuple[str, str, str, Any, int, str]] = [
     ("native-batch-n-rids", "POST", G, {"text": ["a", "b"], "rid": ["e", "e-0"],
                                         "sampling_params": [{"n": 2, "max_new_tokens": 1}, {"max_new_tokens": 1}]},
      400, "more than one request"),
+    ("native-logprob-start", "POST", G, {"text": "x", "return_logprob": True, "logprob_start_len": -100}, 400,
+     "logprob_start_len"),
     ("native-top-logprobs", "POST", G, {"text": "x", "return_logprob": True, "top_logprobs_num": 50}, 400,
      "top_logprobs_num"),
     ("native-empty-ids", "POST", G, {"input_ids": []}, 400, "empty"),

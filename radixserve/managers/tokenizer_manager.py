@@ -275,9 +275,9 @@ class TokenizerManager:
             ret_lp = per(obj.return_logprob, "return_logprob")[i]
             if not isinstance(top_n, int) or not 0 <= top_n <= 20:
                 raise RequestError("top_logprobs_num must be an integer in [0, 20]", 400, "top_logprobs_num")
-            if not isinstance(logprob_start, int) or logprob_start >= len(ids):
-                raise RequestError(f"logprob_start_len must be an integer < the prompt length {len(ids)}", 400,
-                                   "logprob_start_len")
+            if not isinstance(logprob_start, int) or not -1 <= logprob_start < len(ids):
+                raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or an integer in [0, the "
+                                   f"prompt length {len(ids)})", 400, "logprob_start_len")
             lora_id = self.check_lora(per(obj.lora_path, "lora_path")[i])
             base_rid = rids[i] or uuid.uuid4().hex
             for j in range(sp.n):
