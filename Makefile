@@ -19,8 +19,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make serve PORT=30001` where 30000 is taken
+HOST ?= 127.0.0.1
+PORT ?= 30000
+
 serve: $(STAMP)
-	$(BIN)/python -m radixserve.launch_server --host 127.0.0.1 --port 30000
+	$(BIN)/python -m radixserve.launch_server --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check radixserve tests benchmarks

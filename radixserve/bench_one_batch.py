@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         args.result_file = os.devnull
     if server_args.max_running_requests is None:
-        server_args.max_running_requests = max(args.batch_size + (args.profile_prefill or [0])[:1])
+        server_args.max_running_requests = max(args.batch_size + (args.profile_prefill or [0])[:1]
+                                               + ([len(CORRECTNESS_PROMPTS)] if args.correctness_test else []))
     runner = ModelRunner(model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size,
                          gpu_id=server_args.base_gpu_id + tp_rank)
     if args.correctness_test:

@@ -32,6 +32,13 @@ logger = logging.getLogger(__name__)
 METRICS = ("qk", "k")
 
 
+def sample_ids(tok: Any, text: str, num_tokens: int) -> list[int]:
+    """The first num_tokens token ids of text. A token is rarely under 2 characters: only as much text as the run
+    can use is encoded. The ids are cut into sequences of --seq-len later, so the tokenizer's warning about ids
+    longer than the model's context ("will result in indexing errors") does not apply: it is silenced."""
+    return tok.encode(text[:32 * num_tokens], verbose=False)[:num_tokens]
+
+
 def default_text() -> str:
     """This package's Python sources, concatenated (always at hand, a few hundred thousand tokens)."""
     root = os.path.dirname(os.path.abspath(__file__))
@@ -144,9 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
                 text = f.read()
         else:
             text = default_text()
-        # a token is rarely under 2 characters: encode only as much text as the run can use
         tok = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
-        ids = tok.encode(text[:32 * args.num_tokens])[:args.num_tokens]
+        ids = sample_ids(tok, text, args.num_tokens)
     sequences = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     sequences = [s for s in sequences if len(s) > 1]
     if not sequences:

@@ -143,8 +143,9 @@ class ServerArgs:
     # server
     host: str = _flag("Address to bind", default="127.0.0.1")
     port: int = _flag("Port to bind", default=30000)
-    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health (visible in `ps`: "
-                                "prefer --api-key-file or the RADIXSERVE_API_KEY environment variable)")
+    api_key: str | None = _flag("Require 'Authorization: Bearer KEY' on all routes but /health and the web page's "
+                                "static files (visible in `ps`: prefer --api-key-file or the RADIXSERVE_API_KEY "
+                                "environment variable)")
     api_key_file: str | None = _flag("File whose first line is the API key (see --api-key)")
     max_request_bytes: int = _flag("Largest request body in bytes; a larger one gets HTTP 413", default=8 << 20)
     request_read_timeout: float = _flag("Seconds a client may take to send its request body; then HTTP 408",
@@ -450,6 +451,8 @@ class ServerArgs:
             if tp is bool:
                 parser.add_argument(flag, action="store_true", help=help_text)
             else:
+                if f.default is not None and f.default is not dataclasses.MISSING and "default" not in help_text:
+                    help_text += " (default: %(default)s)"  # argparse fills in the value, set_defaults included
                 parser.add_argument(flag, type=tp, default=f.default, help=help_text, **meta)
 
     @classmethod

@@ -23,6 +23,8 @@ if not torch.cuda.is_available():
 # run): `slow`, so that `make test-fast` (not integration, not slow) stays an inner loop of about a minute.
 # `make test` runs them all. Parametrised tests are listed once, by function.
 SLOW_TESTS = frozenset({
+    "tests/test_bench_profile_prefill.py::test_correctness_test_runs_at_batch_size_1",
+    "tests/test_double_sparsity.py::test_calibration_text_is_encoded_without_the_context_length_warning",
     "tests/test_double_sparsity.py::test_embedded_model_agrees_with_dense_at_2k_context",
     "tests/test_fused_ops.py::test_models_with_fused_kernels_match_transformers",
     "tests/test_kernel_compile.py::test_decode_gemv_kernels_compile_for_sm90",

@@ -1,10 +1,11 @@
-"""bench_one_batch.profile_prefill on the CPU: a prefill's figures, and every KV slot and request row given back."""
+"""bench_one_batch on the CPU: profile_prefill's figures, and every KV slot and request row given back; the
+--correctness-test run."""
 
 from __future__ import annotations
 
 from model_utils import make_runner, make_tiny_model
 
-from radixserve.bench_one_batch import print_profile, profile_prefill
+from radixserve.bench_one_batch import CORRECTNESS_PROMPTS, main, print_profile, profile_prefill
 
 
 def test_profile_prefill_reports_and_frees(tmp_path, capsys) -> None:
@@ -20,3 +21,12 @@ def test_profile_prefill_reports_and_frees(tmp_path, capsys) -> None:
     assert runner.req_to_token_pool.available_size() == rows_free
     print_profile(p)
     assert "prefill of 3 x 7 tokens" in capsys.readouterr().out
+
+
+def test_correctness_test_runs_at_batch_size_1(embedded_model_path, tmp_path, capsys) -> None:
+    """`--batch-size 1 --correctness-test` sized the pool for one request and failed on its several prompts
+    ("out of request slots")."""
+    main(["--model-path", embedded_model_path, "--dtype", "float32", "--batch-size", "1", "--output-len", "8",
+          "--correctness-test", "--result-file", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert out.count("=== ") == len(CORRECTNESS_PROMPTS) and "Paris" in out

@@ -292,6 +292,19 @@ def test_calibrated_model_decodes_like_dense_when_every_token_is_kept(tmp_path) 
     assert runner.attn_backend.labels[0].shape == (runner.token_to_kv_pool.get_kv_buffer(0)[0].shape[0], 2, 4)
 
 
+def test_calibration_text_is_encoded_without_the_context_length_warning(embedded_model_path: str,
+                                                                       capfd) -> None:  # noqa: ANN001
+    """The command encodes more text than the model's context (it cuts the ids into --seq-len sequences after):
+    the tokenizer's "... will result in indexing errors" warning must not reach the user."""
+    from radixserve.calibrate_double_sparsity import sample_ids
+    from radixserve.managers.tokenizer_utils import get_tokenizer
+
+    tok = get_tokenizer(embedded_model_path, False)
+    ids = sample_ids(tok, "hello world, " * 3000, 9000)  # SmolLM2's context: 8,192 tokens
+    assert len(ids) == 9000
+    assert "indexing errors" not in capfd.readouterr().err
+
+
 def test_embedded_model_agrees_with_dense_at_2k_context(embedded_model_path: str, tmp_path) -> None:  # noqa: ANN001
     """SmolLM2-135M, 2,048 tokens of text, 128 decode steps teacher-forced on the dense greedy output: keeping 512
     tokens per KV head (a quarter) on 16 of 64 channels agrees with dense on >= 95% of the steps. The text is the

@@ -107,6 +107,23 @@ def test_shutdown_leaves_no_child(embedded_model_path) -> None:
     assert not alive
 
 
+def test_a_clean_exit_reports_no_leaked_semaphore(embedded_model_path, tmp_path) -> None:
+    """Every server and Engine shutdown printed Python's "resource_tracker: There appear to be 1 leaked semaphore
+    objects" warning (the scheduler's tqdm lock, its process stopped by a signal)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "clean.py"
+    script.write_text(
+        "from radixserve import Engine\n"
+        "if __name__ == '__main__':\n"
+        f"    with Engine(model_path={embedded_model_path!r}, max_total_tokens=512, log_level='warning') as e:\n"
+        "        print(e.generate('Hi', {'max_new_tokens': 1})['meta_info']['completion_tokens'], flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]
+    assert "leaked semaphore" not in done.stderr, done.stderr[-2000:]
+
+
 def test_children_die_when_the_parent_is_killed(embedded_model_path, tmp_path) -> None:
     """A parent killed with SIGKILL (no chance to clean up) takes its scheduler and detokenizer with it."""
     import signal

@@ -104,3 +104,33 @@ def test_a_tokenizer_path_without_a_tokenizer_is_refused(embedded_model_path, tm
     args = ServerArgs(model_path=embedded_model_path, tokenizer_path=embedded_model_path, device="cpu")
     resolve_model(args)
     assert not args.skip_tokenizer_init
+
+
+def test_help_shows_the_defaults() -> None:
+    """`--help` is where the README sends users for every flag: the flags with a fixed default show it."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    raw = parser.format_help()
+    text = " ".join(raw.split())
+    sections = {part.split()[0]: " ".join(part.split()) for part in raw.split("\n  --")[1:]}  # one an option
+    for flag, default in [("port", "30000"), ("host", "127.0.0.1"), ("page-size", "1"), ("schedule-policy", "fcfs"),
+                          ("request-read-timeout", "30.0"), ("torch-compile-max-bs", "32"),
+                          ("speculative-num-draft-tokens", "4"), ("decode-log-interval", "40")]:
+        assert f"(default: {default})" in sections[flag], sections[flag]
+    # no "(default: None)" for flags whose default depends on the model or the device, no second default
+    assert "(default: None)" not in text
+    assert "(default: on CUDA with graphs" in text and text.count("default:") > 20
+
+
+def test_a_busy_port_names_the_flag() -> None:
+    import socket
+
+    from radixserve.entrypoints.http_server import _check_port_free
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(RuntimeError, match="choose a free port with --port"):
+            _check_port_free("127.0.0.1", s.getsockname()[1])

@@ -268,7 +268,8 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server? choose a free "
+                               "port with --port)") from None
 
 
 def _load_chat_template(path: str | None) -> str | None:

@@ -25,7 +25,8 @@ class BodyReadTimeout(Exception):
 
 
 class AuthAndLogMiddleware:
-    """Checks `Authorization: Bearer KEY` (all routes but /health) and, with --log-requests, logs each request."""
+    """Checks `Authorization: Bearer KEY` (all routes but /health and the public web-page files) and, with
+    --log-requests, logs each request."""
 
     def __init__(self, app: Any, api_key: str | None, log_requests: bool,
                  public: Callable[[str], bool] | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 import zmq
+from tqdm import tqdm
 
 from radixserve.configs.model_config import ModelConfig
 from radixserve.lora.slots import LoRASlotTable
@@ -326,6 +328,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: dict[str, str], tp
     """Entry point of the scheduler process."""
     kill_itself_when_parent_died()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    # tqdm's default lock holds a multiprocessing RLock, a named semaphore; this process ends by a signal, so the
+    # resource tracker would report it leaked at every shutdown. Its bars (loading, graph capture) need a thread lock.
+    tqdm.set_lock(threading.RLock())
     logging.basicConfig(level=server_args.log_level.upper(),
                         format=f"[%(asctime)s scheduler TP{tp_rank}] %(levelname)s %(message)s")
     try:
