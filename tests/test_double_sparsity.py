@@ -329,9 +329,9 @@ def test_embedded_model_agrees_with_dense_at_2k_context(embedded_model_path: str
     assert row["kl_dense_to_ds"] < 0.05, row
 
 
-def test_decodes_riding_with_a_prefill_chunk_decode_sparsely(tmp_path) -> None:  # noqa: ANN001
-    """A request past the threshold decodes over its heavy tokens also in the steps where it rides along with
-    another prompt's chunk (MIXED): it was attended densely there, so its tokens depended on what else arrived."""
+def decodes_beside_a_chunk(tmp_path, runs: list[dict]) -> list[dict[str, list[int]]]:  # noqa: ANN001
+    """Greedy tokens of a request past the sparse threshold (`a`) while another prompt (`b`) prefills in chunks of
+    16, once per entry of `runs` (extra server args); also the GPU test's."""
     from model_utils import make_tiny_model
     from test_scheduler import drain, make_scheduler, submit
 
@@ -342,14 +342,21 @@ def test_decodes_riding_with_a_prefill_chunk_decode_sparsely(tmp_path) -> None: 
               ds_heavy_token_num=4, ds_sparse_decode_threshold=8, chunked_prefill_size=16)
     a, b = [11, 22, 33, 44, 55, 66], [(7 * i) % 400 + 20 for i in range(60)]
 
-    def run(**extra: object) -> dict[str, list[int]]:
-        s = make_scheduler(path, **kw, **extra)
+    def run(extra: dict) -> dict[str, list[int]]:
+        s = make_scheduler(path, **{**kw, **extra})
         submit(s, "a", a, 16)
         for _ in range(5):
             s.step()
-        submit(s, "b", b, 4)  # its four chunks run with a's decodes riding along under --enable-mixed-chunk
+        submit(s, "b", b, 4)  # its four chunks run with a's decodes riding along (mixed chunks, a step budget)
         return {rid: r["ids"] for rid, r in drain(s).items()}
 
-    plain = run()
-    assert run(enable_mixed_chunk=True) == plain
-    assert run(enable_mixed_chunk=True, enable_overlap_schedule=True, page_size=4) == plain
+    return [run(extra) for extra in runs]
+
+
+def test_decodes_riding_with_a_prefill_chunk_decode_sparsely(tmp_path) -> None:  # noqa: ANN001
+    """A request past the threshold decodes over its heavy tokens also in the steps where it rides along with
+    another prompt's chunk (MIXED): it was attended densely there, so its tokens depended on what else arrived."""
+    plain, *others = decodes_beside_a_chunk(tmp_path, [{}, {"enable_mixed_chunk": True}, {"step_token_budget": 8},
+                                                       {"enable_mixed_chunk": True, "enable_overlap_schedule": True,
+                                                        "page_size": 4}])
+    assert all(o == plain for o in others)

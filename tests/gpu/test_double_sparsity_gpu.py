@@ -49,24 +49,10 @@ def test_keep_all_equals_triton_with_graphs_for_short_batches(tmp_path) -> None:
 def test_decodes_riding_with_a_chunk_decode_sparsely_on_cuda(tmp_path) -> None:  # noqa: ANN001
     """The CPU test of the same name, on CUDA, where the step token budget (256 by default) is what makes decodes
     ride along with a prompt's chunks: the sparse rows of a MIXED batch give a decode step's tokens (float32)."""
-    from test_double_sparsity import write_channel_file
-    from test_scheduler import drain, make_scheduler, submit
+    from test_double_sparsity import decodes_beside_a_chunk
 
-    path = str(tmp_path / "m")
-    make_tiny_model("llama", path, seed=1, vocab_size=512)
-    ch = write_channel_file(str(tmp_path / "ch.json"), 2, 2, 16)
-    kw = dict(device="cuda", attention_backend="double_sparsity", ds_channel_config_path=ch, ds_heavy_channel_num=4,
-              ds_heavy_token_num=4, ds_sparse_decode_threshold=8, chunked_prefill_size=16, cuda_graph_max_bs=4)
-    a, b = [11, 22, 33, 44, 55, 66], [(7 * i) % 400 + 20 for i in range(60)]
-
-    def run(**extra: object) -> dict[str, list[int]]:
-        s = make_scheduler(path, **kw, **extra)
-        submit(s, "a", a, 16)
-        for _ in range(5):
-            s.step()
-        submit(s, "b", b, 4)
-        return {rid: r["ids"] for rid, r in drain(s).items()}
-
-    plain = run(step_token_budget=0)
-    assert run(step_token_budget=8) == plain
-    assert run(enable_mixed_chunk=True, step_token_budget=0) == plain
+    cuda = {"device": "cuda", "cuda_graph_max_bs": 4}
+    plain, *others = decodes_beside_a_chunk(tmp_path, [{**cuda, "step_token_budget": 0},
+                                                       {**cuda, "step_token_budget": 8},
+                                                       {**cuda, "step_token_budget": 0, "enable_mixed_chunk": True}])
+    assert all(o == plain for o in others)
