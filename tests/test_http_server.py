@@ -313,6 +313,25 @@ def test_abort_request_spares_a_rid_that_only_starts_with_it(server: Server, htt
     assert_no_leak(http)
 
 
+def test_abort_request_of_an_openai_batch_aborts_its_prompts(server: Server, http: httpx.Client) -> None:
+    """A completions request with several prompts runs them under `rid-p0`, `rid-p1`: aborting its rid aborts both
+    (and the samples of each with n = 2)."""
+    def run() -> Any:
+        body = {"model": MODEL, "prompt": ["Tell me a story.", "Write a poem."], "rid": "batch", "n": 2,
+                "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+        return httpx.post(server.base + "/v1/completions", json=body, headers=AUTH, timeout=120).json()
+
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run)
+        deadline = time.monotonic() + 30
+        while internal_state(http)["num_inflight_requests"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http.post("/abort_request", json={"rid": "batch"}).json() == {"success": True, "aborted": 4}
+        out = future.result()
+    assert out["error"]["code"] == "request_aborted", out  # a non-streamed OpenAI answer that was aborted
+    assert_no_leak(http)
+
+
 def test_nonstream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
     """A client that goes away before a (long) non-streamed answer aborts its request."""
     body = {"model": MODEL, "prompt": "Write an essay.", "max_tokens": 3000, "ignore_eos": True}

@@ -11,6 +11,7 @@ import functools
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -429,10 +430,13 @@ class TokenizerManager:
 
     def rids_of(self, rid: str) -> list[str]:
         """The running requests a client's rid names: that request itself, else the samples of its n > 1
-        request (another client's request under `rid-2` is not one of them)."""
+        request, or the prompts of its OpenAI batch (`rid-p0`, ...: serving_base.make_rid) and their samples.
+        Another client's request under `rid-2` is none of them."""
         if rid in self.rid_to_state:
             return [rid]
-        return [r for r in self.rid_to_state if self.rid_parent.get(r) == rid]
+        prompt = re.compile(re.escape(rid) + r"-p\d+")
+        return [r for r in self.rid_to_state if self.rid_parent.get(r) == rid or prompt.fullmatch(r)
+                or prompt.fullmatch(self.rid_parent.get(r, ""))]
 
     async def _run_many(self, reqs: list[io.TokenizedGenerateReqInput]) -> AsyncIterator[dict[str, Any]]:
         seen: set[tuple[int, ...]] = set()
