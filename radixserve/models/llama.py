@@ -73,22 +73,32 @@ class LlamaMLP(nn.Module):
         return out if out is not None else self.down_proj(self.act_fn(gate_up))
 
 
+def attention_head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
+    """The model's rotary tables, one instance for all its layers (Llama 3.1's 131,072 positions are 64 MB of
+    float32 cos/sin: a copy a layer would be 2 GB over 32 layers)."""
+    theta, scaling = rope_params(config)
+    return RotaryEmbedding(attention_head_dim(config), config.max_position_embeddings, theta, scaling)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
+                 qkv_bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.head_dim = attention_head_dim(config)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp_rank, tp_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Llama's attention_bias puts a bias on o_proj too; Qwen2's q/k/v bias does not.
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, o_bias, tp_rank, tp_size)
-        theta, scaling = rope_params(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary  # shared by every layer (model_rotary)
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id,
                                    sliding_window_size=sliding_window_size(config, layer_id))
         self.qk_norm = qk_norm
@@ -202,10 +212,10 @@ MLPFactory = Callable[["PretrainedConfig", int, int, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, qkv_bias: bool = False,
-                 qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp) -> None:
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
+                 qkv_bias: bool = False, qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary, qkv_bias, qk_norm)
         self.mlp = mlp_factory(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -262,12 +272,9 @@ class LlamaModel(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", False))
         emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, qkv_bias, qk_norm, mlp_factory)
-                                    for i in range(config.num_hidden_layers))
-        # every layer's rotary tables are the same (one config): one copy held, not one a layer (Llama 3.1's 131,072
-        # positions are 64 MB of float32 cos/sin each, 2 GB over 32 layers)
-        for layer in self.layers[1:]:
-            layer.self_attn.rotary_emb = self.layers[0].self_attn.rotary_emb
+        rotary = model_rotary(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
+                                                      mlp_factory) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for prev, layer in zip(self.layers[:-1], self.layers[1:], strict=True):  # fused all-reduce + norm
             layer.input_partial = prev.mlp_partial
