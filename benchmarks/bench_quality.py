@@ -15,6 +15,10 @@ dequantised at load); and Q4_K/Q8_0, the same Q4_K layers with Q8_0 for the rest
 Embeddings (tied) stay float32. Margins (either way): fp8 <= 2%, Q8_0 <= 1%, Q4_K <= 8% perplexity.
 
     python benchmarks/bench_quality.py [--tokens 1024] [--json out.json]
+
+--kv-scale-sweep S1,S2,... adds one fp8_e4m3 KV row per value, every layer's k_scale and v_scale set to it in a copy
+of the checkpoint: how much of the fp8 KV loss is where the scale puts e4m3's rounding grid (the rows have no
+margin; a summary line gives their least, mean and largest change).
 """
 
 from __future__ import annotations
@@ -113,15 +117,21 @@ def q4_k_m_type(name: str, shape: tuple[int, ...], n_layers: int, tied: bool) ->
     return want
 
 
-def write_kv_scales_checkpoint(folder: str, out: str, calibration_ids: list[int], headroom: float = 1.25) -> str:
+def write_kv_scales_checkpoint(folder: str, out: str, calibration_ids: list[int], headroom: float = 1.25,
+                               uniform: float | None = None) -> str:
     """A copy of the checkpoint with per-layer `self_attn.k_scale` / `v_scale` (amax of the layer's k / v
     projections on `calibration_ids` times `headroom`, over 448), as fp8 checkpoints ship them. The calibration
-    tokens are the text's next --tokens tokens, disjoint from the scored ones."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
+    tokens are the text's next --tokens tokens, disjoint from the scored ones. With `uniform`, every scale is that
+    value instead."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     amax: dict[str, float] = {}
+    if uniform is not None:
+        for i in range(AutoConfig.from_pretrained(folder).num_hidden_layers):
+            for kv in "kv":
+                amax[f"model.layers.{i}.self_attn.{kv}_scale"] = uniform * 448.0 / headroom
+        return _save_with_scales(folder, out, amax, headroom)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     def hook(name: str):  # noqa: ANN202
         def record(mod, inputs, output) -> None:  # noqa: ANN001
@@ -133,6 +143,12 @@ def write_kv_scales_checkpoint(folder: str, out: str, calibration_ids: list[int]
         layer.self_attn.v_proj.register_forward_hook(hook(f"model.layers.{i}.self_attn.v_scale"))
     with torch.no_grad():
         model(torch.tensor([calibration_ids]))
+    return _save_with_scales(folder, out, amax, headroom)
+
+
+def _save_with_scales(folder: str, out: str, amax: dict[str, float], headroom: float) -> str:
+    from safetensors.torch import load_file, save_file
+
     os.makedirs(out, exist_ok=True)
     for f in os.listdir(folder):
         if f != "model.safetensors" and os.path.isfile(os.path.join(folder, f)):
@@ -149,7 +165,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--json", default=None)
     p.add_argument("--configs", default=",".join(["fp32", *MARGINS]))
+    p.add_argument("--kv-scale-sweep", default="", help="comma-separated k/v scales: one fp8_e4m3 KV row each")
     args = p.parse_args(argv)
+    try:
+        sweep = [float(v) for v in args.kv_scale_sweep.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--kv-scale-sweep takes comma-separated numbers, not {args.kv_scale_sweep!r}")
+    if any(not v > 0 for v in sweep):
+        p.error("--kv-scale-sweep values must be positive")
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in MARGINS and n != "fp32"]
+    if unknown:
+        p.error(f"unknown --configs {unknown}; known: fp32, {', '.join(MARGINS)}")
+    if sweep and "fp32" not in names:
+        names.insert(0, "fp32")  # the sweep's rows are read against the unquantised model
     from transformers import AutoTokenizer
 
     from radixserve.bench_one_batch import StaticBatch
@@ -173,13 +202,18 @@ def main(argv: list[str] | None = None) -> None:
         "fp8 + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
         "GGUF Q8_0": {"gguf": "Q8_0"}, "GGUF Q4_K": {"gguf": "Q4_K"}, "GGUF Q4_K/Q8_0": {"gguf": "Q4_K/Q8_0"},
         "GGUF Q4_K_M": {"gguf": "Q4_K_M"}}
+    for v in sweep:
+        setups[f"fp8 KV e4m3 scale {v:g}"] = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": v}
+        names.append(f"fp8 KV e4m3 scale {v:g}")
     rows, base_ppl = [], None
-    for name in args.configs.split(","):
+    for name in names:
         kw = dict(setups[name])
         path, note = folder, ""
-        if kw.pop("kv_scales", False):
-            path = os.path.join(tmp, "smollm2-kv-scales")
-            note = write_kv_scales_checkpoint(folder, path, tok(text)["input_ids"][args.tokens:2 * args.tokens])
+        scales = kw.pop("kv_scales", False)
+        if scales is not False:
+            path = os.path.join(tmp, f"smollm2-kv-scales-{len(rows)}")
+            note = write_kv_scales_checkpoint(folder, path, tok(text)["input_ids"][args.tokens:2 * args.tokens],
+                                              uniform=None if scales is True else scales)
         if "gguf" in kw:
             kind = kw.pop("gguf")
             path = os.path.join(tmp, f"smollm2-{kind.replace('/', '-')}.gguf")
@@ -210,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         m = "" if r["margin_pct"] is None else f"{r['margin_pct']:.0f}%"
         print(f"{r['config']:<14} {r['perplexity']:>10.4f} {d:>8} {m:>7} {str('Paris' in r['answer']):>6} "
               f"{str(r['pass']):>5}  {r['weights']}")
+    swept = [r["delta_pct"] for r in rows if r["config"].startswith("fp8 KV e4m3 scale ")]
+    if swept:
+        print(f"fp8 KV e4m3 over {len(swept)} uniform scales: least {min(swept):+.2f}%, "
+              f"mean {sum(swept) / len(swept):+.2f}%, largest {max(swept):+.2f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": text_path, "tokens": len(ids), "rows": rows}, f, indent=1)
