@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--out", required=True, help="channel file to write (JSON)")
     parser.add_argument("--text-file", help="sample text (default: this package's Python sources)")
-    parser.add_argument("--num-tokens", type=int, default=8192, help="tokens of sample text to run")
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per prefilled sequence")
-    parser.add_argument("--metric", choices=METRICS, default="qk")
+    parser.add_argument("--num-tokens", type=int, default=8192, help="tokens of sample text to run (default: 8192)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per prefilled sequence (default: 1024)")
+    parser.add_argument("--metric", choices=METRICS, default="qk", help="channel ranking (default: qk)")
     args = parser.parse_args(argv)
     if args.num_tokens < 1 or args.seq_len < 1:
         raise ValueError("--num-tokens and --seq-len must be positive")

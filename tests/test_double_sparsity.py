@@ -305,6 +305,16 @@ def test_calibration_text_is_encoded_without_the_context_length_warning(embedded
     assert "indexing errors" not in capfd.readouterr().err
 
 
+def test_calibrate_help_shows_its_defaults(capsys) -> None:  # noqa: ANN001
+    from radixserve.calibrate_double_sparsity import main as calibrate
+
+    with pytest.raises(SystemExit):
+        calibrate(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 8192)", "(default: 1024)", "(default: qk)"):
+        assert default in text
+
+
 def test_embedded_model_agrees_with_dense_at_2k_context(embedded_model_path: str, tmp_path) -> None:  # noqa: ANN001
     """SmolLM2-135M, 2,048 tokens of text, 128 decode steps teacher-forced on the dense greedy output: keeping 512
     tokens per KV head (a quarter) on 16 of 64 channels agrees with dense on >= 95% of the steps. The text is the
