@@ -330,10 +330,12 @@ def correctness_test(runner: ModelRunner, tokenizer: Any, output_len: int) -> li
         else:
             ids = tokenizer.encode(p)
         prompts.append(list(ids))
-    outs = StaticBatch(runner).generate(prompts, output_len)
+    outs = StaticBatch(runner).generate(prompts, output_len)  # a static batch: every row decodes output_len
+    stops = {t for t in (*runner.model_config.eos_token_ids, getattr(tokenizer, "eos_token_id", None)) if t is not None}
     texts = []
     for p, o in zip(CORRECTNESS_PROMPTS, outs, strict=True):
-        text = tokenizer.decode(o, skip_special_tokens=True)
+        end = next((i for i, t in enumerate(o) if t in stops), len(o))  # the text a server would return
+        text = tokenizer.decode(o[:end], skip_special_tokens=True)
         texts.append(text)
         print(f"=== {p}\n{text}\n")
     return texts

@@ -30,3 +30,12 @@ def test_correctness_test_runs_at_batch_size_1(embedded_model_path, tmp_path, ca
           "--correctness-test", "--result-file", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert out.count("=== ") == len(CORRECTNESS_PROMPTS) and "Paris" in out
+
+
+def test_correctness_test_text_ends_at_the_end_of_sequence(embedded_model_path, tmp_path, capsys) -> None:
+    """The static batch decodes past each answer's <|im_end|>; the printed text is what a server returns."""
+    main(["--model-path", embedded_model_path, "--dtype", "float32", "--batch-size", "1", "--output-len", "40",
+          "--correctness-test", "--result-file", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert "=== What is the capital of France?\nThe capital of France is Paris.\n\n===" in out
+    assert "user" not in out
