@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -84,10 +85,47 @@ def test_abort_running_request_frees_memory(engine) -> None:
     stream = engine.generate("Count to one thousand:", {"max_new_tokens": 400, "temperature": 0}, stream=True)
     first = next(stream)
     engine.abort_request(first["meta_info"]["id"])
-    last = list(stream)[-1] if True else None
+    last = list(stream)[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     state = engine.get_internal_state()
     assert state["idle"] and state["memory_ok"]
+
+
+def test_async_generate_from_another_event_loop(engine) -> None:
+    """SGLang's Engine.async_generate: awaited from the caller's own loop, the same answers as generate(); a stream
+    the caller leaves early aborts its request (nothing is left running or held)."""
+    import asyncio
+
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+
+    async def main() -> tuple:
+        one = await engine.async_generate(prompts[0], GREEDY)
+        both = await asyncio.gather(*(engine.async_generate(p, GREEDY) for p in prompts))
+        batch = await engine.async_generate(prompts, GREEDY)
+        chunks = [c async for c in await engine.async_generate(prompts[1], GREEDY, stream=True)]
+        left = await engine.async_generate("Count to one thousand:", {"max_new_tokens": 400, "temperature": 0},
+                                           stream=True)
+        async for _ in left:
+            break
+        await left.aclose()
+        return one, both, batch, chunks
+
+    one, both, batch, chunks = asyncio.run(main())
+    assert one["text"] == engine.generate(prompts[0], GREEDY)["text"]
+    assert [b["text"] for b in both] == [b["text"] for b in batch] == [one["text"], chunks[-1]["text"]]
+    assert len(chunks) > 1 and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    for _ in range(100):  # the abort reaches the scheduler within a step or two
+        state = engine.get_internal_state()
+        if state["idle"]:
+            break
+        time.sleep(0.05)
+    assert state["idle"] and state["memory_ok"]
+
+
+def test_get_server_info(engine) -> None:
+    info = engine.get_server_info()
+    assert info["max_total_tokens"] == 3000 and info["scheduler_info"]["max_total_num_tokens"] == 3000
+    assert info["internal_states"][0]["memory_ok"] and info["version"]
 
 
 def test_flush_cache(engine) -> None:

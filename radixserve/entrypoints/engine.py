@@ -2,19 +2,21 @@
 
 launch_subprocesses() starts the detokenizer and the scheduler (one per TP rank) together, loads this process's
 tokenizer meanwhile, waits until they are ready, and returns a TokenizerManager living in this process. The Engine
-wraps that manager with a private asyncio loop so that plain Python code can call generate()."""
+wraps that manager with a private asyncio loop so that plain Python code can call generate(), and code running in
+its own event loop can await async_generate()."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -222,6 +224,44 @@ class Engine:
         outs.sort(key=lambda o: o.pop("index"))
         return outs
 
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                             return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] = -1,
+                             top_logprobs_num: int | list[int] = 0, rid: str | list[str] | None = None,
+                             lora_path: str | list[str | None] | None = None
+                             ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """generate() for callers in their own event loop (SGLang's Engine.async_generate): awaits the result, or
+        with stream=True returns an async iterator of the chunks. The requests run on the engine's loop."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        if self.server_args.is_embedding:
+            raise ValueError("this engine serves embeddings (is_embedding=True): use encode()")
+        obj = self._request(prompt, sampling_params, input_ids, stream, return_logprob, logprob_start_len,
+                            top_logprobs_num, rid, lora_path)
+        if stream:
+            return self._async_stream(obj)
+
+        async def collect() -> list[dict[str, Any]]:
+            return [o async for o in self.tokenizer_manager.generate_request(obj)]
+
+        outs = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(collect(), self.loop))
+        if outs and "index" not in outs[0]:
+            return outs[0]
+        outs.sort(key=lambda o: o.pop("index"))
+        return outs
+
+    async def _async_stream(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        agen = self.tokenizer_manager.generate_request(obj)
+        try:
+            while True:
+                try:
+                    yield await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.__anext__(), self.loop))
+                except StopAsyncIteration:
+                    return
+        finally:  # the caller stopped early (or finished): closing the generator aborts an unfinished request
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self.loop))
+
     def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
                rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None
                ) -> dict[str, Any] | list[dict[str, Any]]:
@@ -279,6 +319,18 @@ class Engine:
 
     def get_internal_state(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_internal_state())
+
+    def get_server_info(self) -> dict[str, Any]:
+        """What GET /get_server_info gives for a server: the arguments in force (the API key masked), the
+        scheduler's facts (e.g. max_total_num_tokens), the version and the scheduler's internal state."""
+        import radixserve
+
+        args = dataclasses.asdict(self.server_args)
+        if args.get("api_key"):
+            args["api_key"] = "***"
+        info = self.tokenizer_manager.scheduler_info
+        return {**args, "scheduler_info": dataclasses.asdict(info) if dataclasses.is_dataclass(info) else {},
+                "version": radixserve.__version__, "internal_states": [self.get_internal_state()]}
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
         """Serve the PEFT adapter folder `lora_path` as `lora_name` (RequestError when it cannot be)."""
