@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -195,6 +196,10 @@ class Engine:
     # ---------------------------------------------------------------- generate
     def _request(self, prompt: Any, sampling_params: Any, input_ids: Any, stream: bool, return_logprob: Any,
                  logprob_start_len: Any, top_logprobs_num: Any, rid: Any, lora_path: Any = None) -> io.GenerateReqInput:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        if self.server_args.is_embedding:
+            raise ValueError("this engine serves embeddings (is_embedding=True): use encode()")
         return io.GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
                                    stream=stream, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                                    top_logprobs_num=top_logprobs_num, lora_path=lora_path)
@@ -206,23 +211,20 @@ class Engine:
                  lora_path: str | list[str | None] | None = None
                  ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """`lora_path`: the LoRA adapter's name (one per prompt for a batch); None: the base model."""
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        if self.server_args.is_embedding:
-            raise ValueError("this engine serves embeddings (is_embedding=True): use encode()")
         obj = self._request(prompt, sampling_params, input_ids, stream, return_logprob, logprob_start_len,
                             top_logprobs_num, rid, lora_path)
-        if stream:
-            return self._stream(obj)
+        return self._stream(obj) if stream else self._submit(obj).result()
 
-        async def collect() -> list[dict[str, Any]]:
-            return [o async for o in self.tokenizer_manager.generate_request(obj)]
+    def _submit(self, obj: io.GenerateReqInput) -> concurrent.futures.Future:
+        """Run the request on the engine's loop; the future's result is its output, or the batch's in order."""
+        async def collect() -> dict[str, Any] | list[dict[str, Any]]:
+            outs = [o async for o in self.tokenizer_manager.generate_request(obj)]
+            if outs and "index" not in outs[0]:
+                return outs[0]
+            outs.sort(key=lambda o: o.pop("index"))
+            return outs
 
-        outs = asyncio.run_coroutine_threadsafe(collect(), self.loop).result()
-        if outs and "index" not in outs[0]:
-            return outs[0]
-        outs.sort(key=lambda o: o.pop("index"))
-        return outs
+        return asyncio.run_coroutine_threadsafe(collect(), self.loop)
 
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: dict | list[dict] | None = None,
@@ -233,23 +235,9 @@ class Engine:
                              ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """generate() for callers in their own event loop (SGLang's Engine.async_generate): awaits the result, or
         with stream=True returns an async iterator of the chunks. The requests run on the engine's loop."""
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        if self.server_args.is_embedding:
-            raise ValueError("this engine serves embeddings (is_embedding=True): use encode()")
         obj = self._request(prompt, sampling_params, input_ids, stream, return_logprob, logprob_start_len,
                             top_logprobs_num, rid, lora_path)
-        if stream:
-            return self._async_stream(obj)
-
-        async def collect() -> list[dict[str, Any]]:
-            return [o async for o in self.tokenizer_manager.generate_request(obj)]
-
-        outs = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(collect(), self.loop))
-        if outs and "index" not in outs[0]:
-            return outs[0]
-        outs.sort(key=lambda o: o.pop("index"))
-        return outs
+        return self._async_stream(obj) if stream else await asyncio.wrap_future(self._submit(obj))
 
     async def _async_stream(self, obj: io.GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         agen = self.tokenizer_manager.generate_request(obj)
