@@ -1,6 +1,12 @@
 """Rotary position embedding: the neox layout (halves rotated together, as HF Llama/Qwen use) or the interleaved one
-(pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay out their rotary dims); Llama-3, linear and YaRN
-frequency scaling, and per-frequency divisors read from a GGUF file (llama.cpp's `rope_freqs` tensor)."""
+(pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay out their rotary dims); Llama-3, linear, YaRN and
+LongRoPE frequency scaling, per-frequency divisors read from a GGUF file (llama.cpp's `rope_freqs` tensor), and
+partial rotation (`rotary_dim` < head_dim, as Phi-4-mini's `partial_rotary_factor`).
+
+Partial rotation keeps every kernel as it is: the frequencies past rotary_dim / 2 are 0 (cos 1, sin 0: those dims
+pass unchanged), which rotates the pairs (i, i + head_dim / 2), i < rotary_dim / 2. Transformers rotates the pairs
+(i, i + rotary_dim / 2) of the first rotary_dim dims instead, so a model using it lays its q and k head dims out with
+`partial_rotary_order` at load (q.k is the same sum in any order of the dims; v is not reordered)."""
 
 from __future__ import annotations
 
@@ -44,6 +50,39 @@ def _freq_factors(scaling: dict[str, Any], head_dim: int) -> torch.Tensor:
     return factors
 
 
+def _longrope(inv_freq: torch.Tensor, scaling: dict[str, Any], max_position: int
+              ) -> tuple[torch.Tensor, float, tuple[int, torch.Tensor]]:
+    """LongRoPE (Phi-3 / Phi-3.5 / Phi-4-mini): the frequencies divided by `short_factor` for positions below
+    `original_max_position_embeddings` and by `long_factor` from there on, cos/sin times sqrt(1 + ln(factor) /
+    ln(original)), factor defaulting to max_position / original. Transformers and vLLM instead switch a whole
+    forward to the long factors once any position in it passes the original context (so a long prompt's first
+    positions turn differently there); by position, a cached key never depends on what it was computed with, which
+    the prefix cache needs. Up to the original context the two agree exactly."""
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("longrope rope scaling needs original_max_position_embeddings")
+    factors = []
+    for key in ("short_factor", "long_factor"):
+        f = torch.as_tensor(scaling.get(key, ()), dtype=torch.float32).flatten()
+        if f.numel() != inv_freq.numel() or not bool(torch.isfinite(f).all()) or bool((f <= 0).any()):
+            raise ValueError(f"longrope {key}: expected {inv_freq.numel()} positive values (rotary_dim / 2), got "
+                             f"{f.numel()}")
+        factors.append(f)
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / factors[0], float(attention_factor), (int(original), inv_freq / factors[1])
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under partial rotation (see the module's note): new dim j holds old dim order[j].
+    The first half gets transformers' rotated first half (0 .. r/2 - 1) then half of the unrotated dims, the second
+    half its rotated second half (r/2 .. r - 1) then the other unrotated dims."""
+    r, half, rest = rotary_dim // 2, head_dim // 2, torch.arange(rotary_dim, head_dim)
+    return torch.cat([torch.arange(r), rest[:half - r], torch.arange(r, rotary_dim), rest[half - r:]])
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -79,24 +118,38 @@ def _yarn_inv_freq(base: float, dim: int, scaling: dict[str, Any], max_position:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
-                 rope_scaling: dict[str, Any] | None = None, is_neox_style: bool = True) -> None:
+                 rope_scaling: dict[str, Any] | None = None, is_neox_style: bool = True,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.is_neox_style = is_neox_style
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim != head_dim and (not is_neox_style or rotary_dim % 2 or not 0 < rotary_dim < head_dim):
+            raise ValueError(f"partial rotation needs the neox layout and an even rotary_dim below head_dim "
+                             f"{head_dim}; got {rotary_dim}")
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         attention_factor = 1.0
+        self._long: tuple[int, torch.Tensor] | None = None  # LongRoPE: (first position, its frequencies)
         kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-        if kind == "llama3":
+        if kind in ("longrope", "su"):
+            inv_freq, attention_factor, self._long = _longrope(inv_freq, rope_scaling, max_position)
+        elif kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         elif kind == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
         elif kind == "yarn":
-            inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, rope_scaling, max_position)
+            inv_freq, attention_factor = _yarn_inv_freq(base, rotary_dim, rope_scaling, max_position)
         elif kind == FREQ_FACTORS:
-            inv_freq = inv_freq / _freq_factors(rope_scaling, head_dim)
+            inv_freq = inv_freq / _freq_factors(rope_scaling, rotary_dim)
         elif kind not in ("default", None):
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
-                             f"{FREQ_FACTORS})")
+                             f"longrope, {FREQ_FACTORS})")
+        if rotary_dim < head_dim:  # the dims past rotary_dim / 2 of each half keep frequency 0
+            pad = inv_freq.new_zeros((head_dim - rotary_dim) // 2)
+            inv_freq = torch.cat([inv_freq, pad])
+            if self._long is not None:
+                self._long = (self._long[0], torch.cat([self._long[1], pad]))
         self._inv_freq, self._attention_factor = inv_freq, attention_factor
         cos, sin = self._tables(max_position)
         # Kept in fp32; computed on the CPU at construction, moved with the module.
@@ -106,7 +159,13 @@ class RotaryEmbedding(nn.Module):
     def _tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self._inv_freq
         freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32, device=inv_freq.device), inv_freq)
-        return freqs.cos() * self._attention_factor, freqs.sin() * self._attention_factor
+        if self._long is not None and num_positions > self._long[0]:  # LongRoPE: the positions past the original
+            first, long_freq = self._long                               # context turn with the long factors
+            freqs[first:] = torch.outer(torch.arange(first, num_positions, dtype=torch.float32,
+                                                      device=inv_freq.device), long_freq)
+        cos, sin = freqs.cos() * self._attention_factor, freqs.sin() * self._attention_factor
+        cos[:, self.rotary_dim // 2:] = 1.0  # unrotated dims pass unscaled (LongRoPE / YaRN scale the rotated ones)
+        return cos, sin
 
     def cover(self, num_positions: int) -> None:
         """Extend the cos/sin tables to positions 0..num_positions - 1 (a served context longer than the model's

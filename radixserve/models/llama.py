@@ -79,9 +79,17 @@ def attention_head_dim(config: PretrainedConfig) -> int:
 
 def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
     """The model's rotary tables, one instance for all its layers (Llama 3.1's 131,072 positions are 64 MB of
-    float32 cos/sin: a copy a layer would be 2 GB over 32 layers)."""
+    float32 cos/sin: a copy a layer would be 2 GB over 32 layers). `partial_rotary_factor` (top level or in
+    rope_parameters) rotates that share of each head; `original_max_position_embeddings` may sit beside a
+    transformers-4 config's rope_scaling instead of in it."""
     theta, scaling = rope_params(config)
-    return RotaryEmbedding(attention_head_dim(config), config.max_position_embeddings, theta, scaling)
+    head_dim = attention_head_dim(config)
+    params = getattr(config, "rope_parameters", None) or {}
+    share = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    original = getattr(config, "original_max_position_embeddings", None)
+    if scaling is not None and original and "original_max_position_embeddings" not in scaling:
+        scaling = {**scaling, "original_max_position_embeddings": original}
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=int(head_dim * share))
 
 
 class LlamaAttention(nn.Module):
@@ -295,6 +303,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    partial_rotary = False  # a family whose load_weight lays q/k out for it (rotary_embedding.partial_rotary_order)
     mlp_factory: MLPFactory = staticmethod(dense_mlp)
     # HF name fragment -> (our stacked parameter fragment, shard id)
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
@@ -307,6 +316,10 @@ class LlamaForCausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         self.model = LlamaModel(config, tp_rank, tp_size, qkv_bias, self.qk_norm, self.mlp_factory)
+        rotary = self.model.layers[0].self_attn.rotary_emb if len(self.model.layers) else None
+        if rotary is not None and rotary.rotary_dim != rotary.head_dim and not self.partial_rotary:
+            raise ValueError(f"{type(self).__name__} does not support partial_rotary_factor (rotary_dim "
+                             f"{rotary.rotary_dim} of head_dim {rotary.head_dim})")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens

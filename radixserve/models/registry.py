@@ -7,6 +7,7 @@ import importlib
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "radixserve.models.llama",
     "MistralForCausalLM": "radixserve.models.llama",
+    "Phi3ForCausalLM": "radixserve.models.phi3",
     "Qwen2ForCausalLM": "radixserve.models.qwen2",
     "Qwen3ForCausalLM": "radixserve.models.qwen3",
     "MixtralForCausalLM": "radixserve.models.mixtral",
