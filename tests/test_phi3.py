@@ -154,5 +154,5 @@ def test_gguf_phi3_files_are_refused(tmp_path) -> None:  # noqa: ANN001
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="GGUF files of Phi-3 / Phi-4 are not supported"):
+    with pytest.raises(ValueError, match="GGUF files of Phi-3 / Phi-4"):
         ModelConfig(path)

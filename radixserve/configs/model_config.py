@@ -229,10 +229,13 @@ class ModelConfig:
                 config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=self.trust_remote_code)
             except Exception as e:
                 raise ValueError(f"cannot read the model config from GGUF file {self.model_path}: {e}") from e
-            if getattr(config, "model_type", None) == "phi3":
-                raise ValueError(f"{self.model_path}: GGUF files of Phi-3 / Phi-4 are not supported (their fused "
-                                 f"q/k/v and gate/up tensors and LongRoPE factors are not mapped); serve the "
-                                 f"Hugging Face checkpoint")
+            unmapped = {"phi3": "Phi-3 / Phi-4 (fused q/k/v and gate/up tensors, LongRoPE factors)",
+                        "gemma3": "Gemma 3 (norms stored with the 1 added, four norms a layer)",
+                        "gemma3_text": "Gemma 3 (norms stored with the 1 added, four norms a layer)"}
+            what = unmapped.get(getattr(config, "model_type", None))
+            if what is not None:
+                raise ValueError(f"{self.model_path}: GGUF files of {what} are not supported by this loader; serve "
+                                 f"the Hugging Face checkpoint")
             from radixserve.model_loader.gguf_loader import (
                 open_gguf,
                 patch_llama_experts_config,

@@ -94,7 +94,7 @@ def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
-                 qkv_bias: bool = False, qk_norm: bool = False) -> None:
+                 qkv_bias: bool = False, qk_norm: bool = False, scaling: float | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -107,7 +107,8 @@ class LlamaAttention(nn.Module):
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, o_bias, tp_rank, tp_size)
         self.rotary_emb = rotary  # shared by every layer (model_rotary)
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_id,
+        scaling = self.head_dim ** -0.5 if scaling is None else scaling  # Gemma: query_pre_attn_scalar ** -0.5
+        self.attn = RadixAttention(self.num_heads, self.head_dim, scaling, self.num_kv_heads, layer_id,
                                    sliding_window_size=sliding_window_size(config, layer_id))
         self.qk_norm = qk_norm
         if qk_norm:
@@ -311,11 +312,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        check_hidden_act(config)
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, tp_rank, tp_size, qkv_bias, self.qk_norm, self.mlp_factory)
+        self.model = self.build_model(config, tp_rank, tp_size)
         rotary = self.model.layers[0].self_attn.rotary_emb if len(self.model.layers) else None
         if rotary is not None and rotary.rotary_dim != rotary.head_dim and not self.partial_rotary:
             raise ValueError(f"{type(self).__name__} does not support partial_rotary_factor (rotary_dim "
@@ -327,6 +326,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.model.norm.prefetch_next(self.lm_head)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
+        """The decoder stack (`self.model`): embed_tokens, layers (each with self_attn.attn), norm."""
+        check_hidden_act(config)
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        return LlamaModel(config, tp_rank, tp_size, qkv_bias, self.qk_norm, self.mlp_factory)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

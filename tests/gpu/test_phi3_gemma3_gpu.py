@@ -1,6 +1,6 @@
-"""Phi3ForCausalLM on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32 greedy tokens equal
-transformers' for partial rotation + LongRoPE + a sliding window, and bf16 agrees position by position. Skipped
-without a GPU."""
+"""Phi3ForCausalLM and Gemma 3 on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32 greedy
+tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 3: sliding and full layers,
+head_dim 256), and bf16 agrees position by position. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
+from test_gemma3 import gemma3  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
@@ -29,17 +30,24 @@ def gpu_runner(path: str, dtype: str, **kw):
     return ModelRunner(ModelConfig(path), args)
 
 
+def build(family: str, path: str) -> torch.nn.Module:
+    return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_float32_greedy_equals_transformers(graphs: bool, tmp_path) -> None:
-    hf = phi3(str(tmp_path), "longrope", sliding_window=6).to("cuda")
+def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
+    hf = build(family, str(tmp_path)).to("cuda")
     runner = gpu_runner(str(tmp_path), "float32", disable_cuda_graph=not graphs)
     assert (runner.cuda_graph_runner is not None) == graphs
     assert StaticBatch(runner).generate(PROMPTS, 16) == [hf_greedy(hf, p, 16) for p in PROMPTS]
 
 
-def test_bf16_agrees_with_transformers(tmp_path) -> None:
-    hf = make_tiny_model("phi3", str(tmp_path), hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                         num_key_value_heads=2, num_hidden_layers=4, vocab_size=2048, **KINDS["partial"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+def test_bf16_agrees_with_transformers(family: str, tmp_path) -> None:
+    extra = KINDS["partial"] if family == "phi3" else {}
+    hf = make_tiny_model(family, str(tmp_path), hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                         num_key_value_heads=2, num_hidden_layers=4, vocab_size=2048, **extra)
     with torch.no_grad():
         hf.get_output_embeddings().weight.mul_(30.0)  # peaky logits, as in a trained model
     hf.save_pretrained(str(tmp_path))

@@ -1,0 +1,152 @@
+"""Gemma 3 served as text (`Gemma3ForCausalLM`: the 1B and the text configs; `Gemma3ForConditionalGeneration`: the
+4B/12B/27B checkpoints, whose vision tower is skipped at load and whose requests are text only).
+
+Llama's attention (with q/k norms, as Qwen3) and stacked layers, with Gemma's differences:
+- the embedding is multiplied by sqrt(hidden_size) (rounded to the model's dtype, as transformers does);
+- four norms a layer: the attention's and the MLP's outputs are normed before the residual add (post-attention and
+  post-feedforward), their inputs by the input and pre-feedforward norms;
+- every norm scales by (1 + weight): the checkpoint's weights get 1 added at load, so the usual RMSNorm serves;
+- the MLP's activation is GELU (tanh approximation), attention scores scale by query_pre_attn_scalar ** -0.5;
+- sliding-window layers (`layer_types`) turn with the local rotary base, full-attention layers with the global one
+  (and its scaling).
+Logit and attention soft-capping (Gemma 2) and bidirectional attention (EmbeddingGemma) are refused."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+# the multimodal checkpoints' text weights, under either transformers' old or new layout
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+VISION_PARTS = ("vision_tower", "multi_modal_projector")
+
+
+def check_gemma_config(config: PretrainedConfig) -> None:
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or GELU_TANH[0]
+    if act not in GELU_TANH:
+        raise ValueError(f"Gemma 3 hidden_activation {act!r} is not supported (supported: gelu_pytorch_tanh)")
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, cap, None) is not None:
+            raise ValueError(f"{cap} is not supported (Gemma 2's soft-capping)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention is not supported (EmbeddingGemma)")
+
+
+def layer_rotary(config: PretrainedConfig, layer_type: str) -> RotaryEmbedding:
+    """The rotary tables of one layer type ("full_attention" / "sliding_attention"), from transformers 5's
+    per-type rope_parameters."""
+    params = (getattr(config, "rope_parameters", None) or {}).get(layer_type)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ValueError(f"Gemma 3 config has no rope_parameters[{layer_type!r}] with a rope_theta")
+    kind = params.get("rope_type", "default")
+    scaling = None if kind in ("default", None) else dict(params)
+    return RotaryEmbedding(attention_head_dim(config), config.max_position_embeddings, float(params["rope_theta"]),
+                           scaling)
+
+
+class GeluTanhMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        d = gate_up.shape[-1] // 2
+        return self.down_proj(F.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:])
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary,
+                                        qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True,
+                                        scaling=float(config.query_pre_attn_scalar) ** -0.5)
+        self.mlp = GeluTanhMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's normed MLP output, not yet added to `residual` (None at the first layer)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, forward_batch))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        tied = bool(getattr(config, "tie_word_embeddings", True))
+        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+        self.embed_scale = float(config.hidden_size) ** 0.5
+        types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        rotary = {t: layer_rotary(config, t) for t in sorted(set(types))}  # one table per type, shared
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp_rank, tp_size, rotary[types[i]])
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # sqrt(hidden_size) in the embedding's dtype (33.94 is 34.0 in bfloat16), as transformers multiplies
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if not hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = True
+        super().__init__(config, tp_rank, tp_size)
+
+    def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
+        check_gemma_config(config)
+        return Gemma3Model(config, tp_rank, tp_size)
+
+    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+        if any(part in name for part in VISION_PARTS):
+            return None  # served as text: the image encoder is not loaded
+        for prefix in TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+        if name.startswith("language_model.lm_head."):
+            name = name[len("language_model."):]
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        if name.endswith("norm.weight"):  # Gemma's norms scale by (1 + weight)
+            tensor = tensor.float() + 1.0
+        return super().load_weight(params, name, tensor)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    pass

@@ -1,0 +1,133 @@
+"""Gemma 3 served as text against transformers in float32 on tiny random models: scaled embeddings, four norms a
+layer scaling by (1 + weight), q/k norms, GELU-tanh, query_pre_attn_scalar, sliding and full layers with their own
+rotary bases (and the global one's linear scaling), head_dim 256 as the real models have; the multimodal
+checkpoints' text weights; through the scheduler with chunked prefill and the prefix cache, and TP=2 over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import hf_greedy, make_runner, make_tiny_model
+from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
+
+from radixserve.bench_one_batch import StaticBatch
+
+PROMPTS = [[5, 17, 42, 99, 3, 200, 7, 8, 9, 10, 11, 12, 13, 14], [1, 2, 3], list(range(30, 70))]
+KINDS = {"plain": {}, "scaled": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+         "head256": {"head_dim": 256, "query_pre_attn_scalar": 256}}
+
+
+def gemma3(path: str, kind: str = "plain", seed: int = 0, **over: object) -> torch.nn.Module:
+    hf = make_tiny_model("gemma3", path, seed=seed, **{**KINDS[kind], **over})
+    with torch.no_grad():  # norms away from 1 + 0 and sharper attention, so that each term shows in the tokens
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(3.0)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("kind,backend", [("plain", "cpu"), ("scaled", "cpu"), ("head256", "cpu"),
+                                          ("plain", "torch_native")])
+def test_greedy_matches_transformers(kind: str, backend: str, tmp_path) -> None:  # noqa: ANN001
+    hf = gemma3(str(tmp_path), kind)
+    runner = make_runner(str(tmp_path), attention_backend=backend)
+    assert StaticBatch(runner).generate(PROMPTS, 12) == [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+def test_window_and_norm_offset_change_the_tokens(tmp_path) -> None:  # noqa: ANN001
+    """The cases above could not pass with the window or the norms' + 1 left out."""
+    import radixserve.models.gemma3 as gemma3_module
+
+    hf = gemma3(str(tmp_path))
+    want = [hf_greedy(hf, p, 12) for p in PROMPTS]
+    hf.config.sliding_window = 10**6
+    assert [hf_greedy(hf, p, 12) for p in PROMPTS] != want
+    original = gemma3_module.Gemma3ForCausalLM.load_weight
+
+    def without_offset(self, params, name, tensor):  # noqa: ANN001, ANN202
+        return original(self, params, name, tensor - 1.0 if name.endswith("norm.weight") else tensor)
+
+    gemma3_module.Gemma3ForCausalLM.load_weight = without_offset
+    try:
+        assert StaticBatch(make_runner(str(tmp_path))).generate(PROMPTS, 12) != want
+    finally:
+        gemma3_module.Gemma3ForCausalLM.load_weight = original
+
+
+def test_scheduler_chunked_prefill_and_prefix_cache(tmp_path) -> None:  # noqa: ANN001
+    """Chunks of 5 tokens and prompts sharing cached prefixes longer than the window."""
+    from radixserve.managers import io_struct as io
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.sampling.sampling_params import SamplingParams
+    from radixserve.server_args import ServerArgs
+
+    hf = gemma3(str(tmp_path), "scaled")
+    head = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]
+    prompts = [head + [40, 41], head + [50], PROMPTS[2], head + [60, 61, 62, 63, 64, 65]]
+    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
+                             skip_tokenizer_init=True, chunked_prefill_size=5, enable_mixed_chunk=True), port_args={})
+    got: dict[str, list[int]] = {}
+    for wave in (prompts[:2], prompts[2:]):  # the second wave finds the first one's prefixes cached
+        for i, p in enumerate(wave):
+            s.process_input_requests([io.TokenizedGenerateReqInput(
+                rid=f"{len(got)}-{i}", input_text=None, input_ids=p,
+                sampling_params=SamplingParams.from_dict({"max_new_tokens": 12, "temperature": 0,
+                                                          "ignore_eos": True}))])
+        while s.step() or not s.is_idle():
+            pass
+        for msg in s.outbox:
+            for rid, ids in zip(msg.rids, msg.new_token_ids, strict=True):
+                got.setdefault(rid, []).extend(ids)
+        s.outbox.clear()
+    assert s.cache_hit_tokens > 0 and s.check_memory()
+    assert [got["0-0"], got["0-1"], got["2-0"], got["2-1"]] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_multimodal_checkpoint_served_as_text(tmp_path) -> None:  # noqa: ANN001
+    """Gemma3ForConditionalGeneration (the 4B-27B checkpoints): the text weights under language_model.*, the vision
+    tower skipped; text prompts give transformers' tokens."""
+    import transformers as tf
+
+    from radixserve.configs.model_config import ModelConfig
+
+    torch.manual_seed(0)
+    text = make_tiny_model("gemma3", str(tmp_path / "text")).config.to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=250,
+                          boi_token_index=251, eoi_token_index=252)
+    hf = tf.Gemma3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(str(tmp_path / "mm"))
+    assert ModelConfig(str(tmp_path / "mm")).architectures == ["Gemma3ForConditionalGeneration"]
+    runner = make_runner(str(tmp_path / "mm"))
+    assert StaticBatch(runner).generate(PROMPTS, 12) == [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("over,message", [({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+                                          ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                                          ({"hidden_activation": "silu"}, "hidden_activation"),
+                                          ({"use_bidirectional_attention": True}, "bidirectional")])
+def test_unsupported_configs_are_refused(over: dict, message: str, tmp_path) -> None:  # noqa: ANN001
+    make_tiny_model("gemma3", str(tmp_path), **over)
+    with pytest.raises(ValueError, match=message):
+        make_runner(str(tmp_path))
+
+
+@pytest.mark.integration
+def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
+    from radixserve import Engine
+
+    path = str(tmp_path)
+    make_tiny_model("gemma3", path, seed=4, initializer_range=INIT_RANGE, **KINDS["scaled"])
+    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = reference_outputs(path, PROMPTS, sampling)
+    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
+        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
+    assert [o["output_ids"] for o in got] == want
