@@ -124,9 +124,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.is_neox_style = is_neox_style
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if rotary_dim != head_dim and (not is_neox_style or rotary_dim % 2 or not 0 < rotary_dim < head_dim):
+        if rotary_dim != head_dim and (not is_neox_style or rotary_dim % 2 or not 0 <= rotary_dim < head_dim):
             raise ValueError(f"partial rotation needs the neox layout and an even rotary_dim below head_dim "
-                             f"{head_dim}; got {rotary_dim}")
+                             f"{head_dim}; got {rotary_dim}")  # 0: no rotation (SmolLM3's NoPE layers)
         self.rotary_dim = rotary_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         attention_factor = 1.0

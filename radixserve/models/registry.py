@@ -8,6 +8,7 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "radixserve.models.llama",
     "MistralForCausalLM": "radixserve.models.llama",
     "Phi3ForCausalLM": "radixserve.models.phi3",
+    "SmolLM3ForCausalLM": "radixserve.models.smollm3",
     "Gemma3ForCausalLM": "radixserve.models.gemma3",
     "Gemma3ForConditionalGeneration": "radixserve.models.gemma3",
     "Qwen2ForCausalLM": "radixserve.models.qwen2",

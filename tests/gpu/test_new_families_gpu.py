@@ -1,6 +1,6 @@
-"""Phi3ForCausalLM and Gemma 3 on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32 greedy
-tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 3: sliding and full layers,
-head_dim 256), and bf16 agrees position by position. Skipped without a GPU."""
+"""Phi-3, Gemma 3 and SmolLM3 on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32 greedy tokens
+equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 3: sliding and full layers,
+head_dim 256; SmolLM3: layers without rotary), and bf16 agrees position by position. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
 from test_gemma3 import gemma3  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
+from test_smollm3 import smollm3  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
 
@@ -31,10 +32,12 @@ def gpu_runner(path: str, dtype: str, **kw):
 
 
 def build(family: str, path: str) -> torch.nn.Module:
+    if family == "smollm3":
+        return smollm3(path, use_sliding_window=True, sliding_window=5)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3", "smollm3"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
