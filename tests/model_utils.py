@@ -25,7 +25,8 @@ def load_benchmark(name: str) -> ModuleType:
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
-    """Build a random HF model of `kind` (llama, qwen2, qwen3, llama3-rope, phi3, smollm3, gemma3), save it to
+    """Build a random HF model of `kind` (llama, qwen2, qwen3, llama3-rope, phi3, smollm3, gemma2,
+    gemma3), save it to
     `path`, return it."""
     import transformers as tf
 
@@ -44,6 +45,9 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
         cfg = tf.Phi3Config(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif kind == "smollm3":  # every fourth layer without rotary
         cfg = tf.SmolLM3Config(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif kind == "gemma2":  # every second layer slides, as the real ones; caps low enough to matter here
+        cfg = tf.Gemma2Config(**{"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 5,
+                                 "attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5, **kw})
     elif kind == "gemma3":  # every second layer slides (the real pattern is 5 of 6)
         kw.pop("rope_theta")
         cfg = tf.Gemma3TextConfig(**{"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 5,

@@ -23,9 +23,12 @@ FLOAT_LOGITS_MIN_ROWS = 64
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, final_logit_softcapping: float | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        if final_logit_softcapping is not None and not final_logit_softcapping > 0:
+            raise ValueError(f"final_logit_softcapping must be positive; got {final_logit_softcapping}")
+        self.cap = final_logit_softcapping  # Gemma 2: logits = cap * tanh(logits / cap)
 
     def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         if hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
@@ -49,7 +52,10 @@ class LogitsProcessor(nn.Module):
         if lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         logits = logits[:, : self.vocab_size]
-        return logits.float() if logits.dtype != torch.float32 else logits.contiguous()
+        logits = logits.float() if logits.dtype != torch.float32 else logits.contiguous()
+        if self.cap is not None:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:

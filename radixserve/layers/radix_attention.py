@@ -16,10 +16,15 @@ if TYPE_CHECKING:
 
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
-                 v_head_dim: int | None = None, sliding_window_size: int = -1) -> None:
+                 v_head_dim: int | None = None, sliding_window_size: int = -1, logit_cap: float = 0.0) -> None:
         super().__init__()
         if sliding_window_size == 0 or sliding_window_size < -1:
             raise ValueError(f"sliding_window_size must be -1 (full attention) or positive; got {sliding_window_size}")
+        if not logit_cap >= 0:
+            raise ValueError(f"logit_cap must be >= 0 (0: none); got {logit_cap}")
+        # Gemma 2's soft-capping of the scaled scores, cap * tanh(s / cap); 0: none (backends that support it set
+        # `supports_logit_cap`; the model runner refuses the others)
+        self.logit_cap = float(logit_cap)
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads

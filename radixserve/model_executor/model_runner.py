@@ -145,6 +145,11 @@ class ModelRunner:
             direct_calls(self.model)  # module calls go straight to forward: less Python per decode step
         backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
+        if not self.attn_backend.supports_logit_cap and any(
+                getattr(m, "logit_cap", 0.0) > 0 for m in self.model.modules()):
+            raise ValueError(f"this model soft-caps its attention scores (Gemma 2's attn_logit_softcapping), which "
+                             f"the {backend} attention backend does not: use triton, torch_native, flex or (on the "
+                             f"CPU) cpu")
         self.sampler = Sampler()
         self.cuda_graph_runner = None
         self.prefill_graph_runner = None

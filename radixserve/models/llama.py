@@ -94,7 +94,8 @@ def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
-                 qkv_bias: bool = False, qk_norm: bool = False, scaling: float | None = None) -> None:
+                 qkv_bias: bool = False, qk_norm: bool = False, scaling: float | None = None,
+                 logit_cap: float = 0.0) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -109,7 +110,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary  # shared by every layer (model_rotary)
         scaling = self.head_dim ** -0.5 if scaling is None else scaling  # Gemma: query_pre_attn_scalar ** -0.5
         self.attn = RadixAttention(self.num_heads, self.head_dim, scaling, self.num_kv_heads, layer_id,
-                                   sliding_window_size=sliding_window_size(config, layer_id))
+                                   sliding_window_size=sliding_window_size(config, layer_id), logit_cap=logit_cap)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
-from test_gemma3 import gemma3  # noqa: E402
+from test_gemma import gemma3  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
 

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -21,6 +22,7 @@ class AttentionBackend(ABC):
     # whether decode can be captured in a CUDA graph (the init_*_cuda_graph hooks below are implemented, and the
     # decode forward never reads device values on the host)
     supports_cuda_graph: bool = False
+    supports_logit_cap: bool = False  # attention scores soft-capped per layer (RadixAttention.logit_cap)
     # whether a one-request extend can be captured (model_executor/prefill_graph_runner.py): the extend forward
     # reads the request's lengths from the device only, after an init_forward_metadata made at capture time
     supports_prefill_cuda_graph: bool = False
@@ -90,6 +92,26 @@ class AttentionBackend(ABC):
 def kv_scales(layer: object) -> tuple[float, float]:
     """(k_scale, v_scale) of an fp8 KV cache for this attention layer (1.0 for a layer that sets none)."""
     return getattr(layer, "k_scale", 1.0), getattr(layer, "v_scale", 1.0)
+
+
+def logit_cap(layer: object) -> float:
+    """The layer's soft-cap of its scaled attention scores (cap * tanh(s / cap)), or 0.0 for none."""
+    return getattr(layer, "logit_cap", 0.0)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     cap: float, is_causal: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention (q [..., Lq, D], k / v [..., Lk, D], a boolean mask: True attends), with the
+    scores soft-capped when cap > 0 (written out: SDPA has no such option)."""
+    if cap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / cap) * cap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
 def sliding_window(layer: object) -> int:

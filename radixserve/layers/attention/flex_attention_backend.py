@@ -34,7 +34,13 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window, value_head_dim
+from radixserve.layers.attention.base_attn_backend import (
+    AttentionBackend,
+    kv_scales,
+    logit_cap,
+    sliding_window,
+    value_head_dim,
+)
 from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
 from radixserve.mem_cache.memory_pool import is_fp8
 
@@ -58,6 +64,7 @@ def _block_mask(num: torch.Tensor, idx: torch.Tensor, block: tuple[int, int], ma
 
 class FlexAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_logit_cap = True  # as a score_mod
     q_block = 128  # extend: queries per block
     kv_block_extend = 128  # extend: physical slots per KV block
     kv_block_decode = 16  # decode: physical slots per KV block
@@ -101,6 +108,7 @@ class FlexAttnBackend(AttentionBackend):
 
             flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
         self._meta: dict[str, Any] | None = None
+        self._cap_mods: dict[float, Any] = {}  # soft-capping score_mods, one per cap (compiled once each)
         # static decode metadata of the captured graphs, one set per row bucket; None: no graphs
         self._graphs: dict[int, dict[str, Any]] | None = None
         self._graph_max_bs = 0
@@ -285,6 +293,18 @@ class FlexAttnBackend(AttentionBackend):
                                                              (padded, self.num_slots)))
         return meta
 
+    def _score_mod(self, layer: RadixAttention) -> Any:
+        """None, or the soft-capping of a layer with logit_cap (cap * tanh(score / cap), score already scaled)."""
+        cap = logit_cap(layer)
+        if cap <= 0:
+            return None
+        if cap not in self._cap_mods:
+            def soft_cap(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex_attention's signature
+                return torch.tanh(score / cap) * cap
+
+            self._cap_mods[cap] = soft_cap
+        return self._cap_mods[cap]
+
     # ---------------------------------------------------------------- CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self._graphs, self._graph_max_bs = {}, max_bs
@@ -350,7 +370,8 @@ class FlexAttnBackend(AttentionBackend):
             qq = torch.cat([qq, qq.new_zeros(padded - total, h, d)])
         kk, vv = self._kv(layer, forward_batch)
         out = self._flex_extend(qq.transpose(0, 1).unsqueeze(0), kk, vv, block_mask=meta["masks"][window][2],
-                                scale=layer.scaling, enable_gqa=h != layer.tp_k_head_num)
+                                scale=layer.scaling, enable_gqa=h != layer.tp_k_head_num,
+                                score_mod=self._score_mod(layer))
         return out[0, :, :total].transpose(0, 1).reshape(total, h * dv)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
@@ -379,7 +400,7 @@ class FlexAttnBackend(AttentionBackend):
             qq[:bs] = q.view(bs, h, 1, d)
         kk, vv = self._kv(layer, forward_batch)
         out = self._flex_decode(qq, kk, vv, block_mask=meta["masks"][window][2], scale=layer.scaling,
-                                enable_gqa=h != layer.tp_k_head_num)
+                                enable_gqa=h != layer.tp_k_head_num, score_mod=self._score_mod(layer))
         return out[:bs, :, 0].reshape(bs, h * dv)
 
 

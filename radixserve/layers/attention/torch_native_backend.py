@@ -10,9 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window, value_head_dim
+from radixserve.layers.attention.base_attn_backend import (
+    AttentionBackend,
+    capped_attention,
+    kv_scales,
+    logit_cap,
+    sliding_window,
+    value_head_dim,
+)
 from radixserve.mem_cache.memory_pool import gather_kv, load_kv_values
 
 if TYPE_CHECKING:
@@ -27,6 +33,7 @@ GRAPH_MAX_SEQ_LEN = 4096  # key positions a captured decode reads per row
 
 class TorchNativeAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_logit_cap = True
 
     def __init__(self, model_runner: ModelRunner) -> None:
         self.device = model_runner.device
@@ -85,8 +92,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                     diagonal=pre - first)
                 if window > 0:  # ... and only the last `window` of them
                     mask &= ~torch.ones_like(mask).tril(diagonal=pre - first - window)
-            o = F.scaled_dot_product_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-                                               scale=layer.scaling)
+            o = capped_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scaling,
+                                 logit_cap(layer))
             out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
             start += q_len
         return out.view(-1, layer.tp_q_head_num * value_head_dim(layer))
@@ -141,8 +148,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             if h != hkv:
                 kk = kk.repeat_interleave(h // hkv, dim=1)
                 vv = vv.repeat_interleave(h // hkv, dim=1)
-            o = F.scaled_dot_product_attention(q[start:end].unsqueeze(2), kk, vv, attn_mask=mask[:, None, None, :],
-                                               scale=layer.scaling)  # [n, H, 1, D]
+            o = capped_attention(q[start:end].unsqueeze(2), kk, vv, mask[:, None, None, :], layer.scaling,
+                                 logit_cap(layer))  # [n, H, 1, D]
             out[start:end] = o.squeeze(2)
             start = end
         return out.view(-1, h * dv)
@@ -173,7 +180,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             if h != hkv:
                 kk = kk.repeat_interleave(h // hkv, dim=1)
                 vv = vv.repeat_interleave(h // hkv, dim=1)
-            o = F.scaled_dot_product_attention(q[start:end].unsqueeze(2), kk, vv, attn_mask=mask[:, None, None, :],
-                                               scale=layer.scaling)
+            o = capped_attention(q[start:end].unsqueeze(2), kk, vv, mask[:, None, None, :], layer.scaling,
+                                 logit_cap(layer))
             out[start:end] = o.squeeze(2)
         return out.view(-1, h * dv)

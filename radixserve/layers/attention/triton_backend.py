@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, logit_cap, sliding_window
 from radixserve.layers.attention.triton_ops.decode_attention import (
     ONE_LAUNCH,
     PROGRAMS_PER_SM,
@@ -74,6 +74,7 @@ class TritonForwardMetadata:
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_logit_cap = True
     supports_prefill_cuda_graph = True
     replay_reads_graph_inputs = False  # its replay hook copies only buffers that are not its own
     replay_hook_only_loads_inputs = True  # and does nothing else (the kernels read the lengths on the device)
@@ -311,7 +312,7 @@ class TritonAttnBackend(AttentionBackend):
         # batch replays its launches (the host work of a layer's attention is several times its GPU time for a
         # small batch, and eager attention runs between the pieces of a piecewise graph)
         key = (q3.shape, q3.stride(), k3.shape, k3.stride(), v3.stride(), q.dtype, k_buf.dtype, k_buf.stride(),
-               v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer))
+               v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer), logit_cap(layer))
         plan = meta.plans.get(key)
         if plan is not None:
             plan.replay(tensors)
@@ -322,7 +323,7 @@ class TritonAttnBackend(AttentionBackend):
                     tensors[0], tensors[1], tensors[2], tensors[3], k_buf, v_buf, self.req_to_token,
                     meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens, meta.extend_start_loc,
                     meta.max_extend_len, layer.scaling, k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1],
-                    sliding_window=sliding_window(layer))
+                    sliding_window=sliding_window(layer), logit_cap=logit_cap(layer))
             if meta.tail_decodes:  # their K/V went into the pool above (or before, when save_kv_cache is off)
                 self._decode_rows(tensors[4], tensors[5], layer, forward_batch, meta, meta.tail_req_pool_indices,
                                   meta.tail_seq_lens)
@@ -356,7 +357,8 @@ class TritonAttnBackend(AttentionBackend):
             q3, k_buf, v_buf, o, self.req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
             use_dot=self.decode_use_dot, num_kv_splits=meta.num_kv_splits, k_scale=kv_scales(layer)[0],
-            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer), counters=meta.counters)
+            v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer), counters=meta.counters,
+            logit_cap=logit_cap(layer))
 
     # ---------------------------------------------------------------- MLA (latent pool)
     def _mla_store(self, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:

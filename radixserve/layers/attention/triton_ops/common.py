@@ -18,6 +18,13 @@ def mma(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def soft_cap(x, CAP: tl.constexpr):
+    """CAP * tanh(x / CAP) (Gemma 2's score capping; x and CAP both in the kernels' log2 e units), as
+    CAP * (1 - 2 / (exp(2x / CAP) + 1)): +-CAP, never NaN, for any finite or infinite x."""
+    return CAP * (1.0 - 2.0 / (tl.exp(2.0 * x / CAP) + 1.0))
+
+
+@triton.jit
 def online_softmax_step(qk, v, visible, m_i, l_i, acc, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
                         ROWS_MAY_BE_EMPTY: tl.constexpr = False):
     """One KV block of the online softmax over scores qk [BLOCK_M, BLOCK_N] (already times the scale and log2 e):

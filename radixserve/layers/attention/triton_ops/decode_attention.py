@@ -47,6 +47,7 @@ from radixserve.layers.attention.triton_ops.common import (
     merge_if_last,
     merge_split_block,
     mma,
+    soft_cap,
     store_decode_partial,
 )
 from radixserve.layers.triton_ops import pdl
@@ -133,6 +134,7 @@ def _decode_stage1_kernel(
     MERGE: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
     MERGE_SPLITS: tl.constexpr = 1,
+    CAP: tl.constexpr = 0.0,
 ):
     pdl_prologue(PDL)
     if HEADS_FIRST:  # the grid's fastest axis is the head: one token's heads are read by programs running together
@@ -194,7 +196,10 @@ def _decode_stage1_kernel(
                 qk = mma(q, tl.trans(k), DOT_FP32)
             else:  # BLOCK_H == 1: q [1, D] against k [N, D], all in 2-D
                 qk = tl.sum(q * k.to(tl.float32), axis=1)[None, :]
-            qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
+            qk = qk * sm_scale_log2
+            if CAP > 0:  # Gemma 2's soft-capped scores (in log2 e units, as CAP)
+                qk = soft_cap(qk, CAP)
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -465,6 +470,7 @@ def decode_attention_fwd(
     heads_first: bool | None = None,
     fp8_v_pairs: bool | None = None,
     counters: torch.Tensor | None = None,
+    logit_cap: float = 0.0,
 ) -> None:
     """Attention of one query token per request over its first seq_len KV slots (the last `sliding_window` of them
     when it is positive); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless it is fp8).
@@ -478,6 +484,7 @@ def decode_attention_fwd(
     it (a head dim of at least 64 and a multiple of 4, tiles of at least 32 tokens, 4-byte aligned rows).
     counters (int32 [>= bs, >= H], all zero: `new_decode_counters`; left zero again) merge the splits in stage 1's
     launch when there are several (ONE_LAUNCH); without them stage 2 merges them in a second launch.
+    logit_cap > 0: the scaled scores are soft-capped, logit_cap * tanh(s / logit_cap) (Gemma 2).
     """
     if mid_lse.dim() != 3:
         raise ValueError(f"mid_lse must be [bs, H, S]; got {tuple(mid_lse.shape)}")
@@ -547,6 +554,7 @@ def decode_attention_fwd(
         KV_F16=use_dot and not dot_fp32 and fp8_pool, V_PAIRS=v_pairs,
         SLIDING=window > 0, HEADS_FIRST=heads_first, DIRECT=direct, MERGE=merge,
         MERGE_HEADS=merge_heads, MERGE_SPLITS=merge_split_block(merge_heads, block_d),
+        CAP=max(logit_cap, 0.0) * LOG2E,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_opts(q),
     )
     if direct or merge:

@@ -17,16 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.common import LOG2E, mma, online_softmax_step
+from radixserve.layers.attention.triton_ops.common import LOG2E, mma, online_softmax_step, soft_cap
 from radixserve.layers.triton_ops.launch import launch
 
 
 @triton.jit
 def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.constexpr, MASKED: tl.constexpr,
-                  ROWS_MAY_BE_EMPTY: tl.constexpr = False):
-    """One KV block of the online softmax (`online_softmax_step`) with the scores q·k; `visible` [BLOCK_M, BLOCK_N]
-    is only read when MASKED."""
+                  ROWS_MAY_BE_EMPTY: tl.constexpr = False, CAP: tl.constexpr = 0.0):
+    """One KV block of the online softmax (`online_softmax_step`) with the scores q·k (soft-capped when CAP > 0);
+    `visible` [BLOCK_M, BLOCK_N] is only read when MASKED."""
     qk = mma(q, tl.trans(k), DOT_FP32) * sm_scale_log2
+    if CAP > 0:
+        qk = soft_cap(qk, CAP)
     return online_softmax_step(qk, v, visible, m_i, l_i, acc, DOT_FP32, MASKED, ROWS_MAY_BE_EMPTY)
 
 
@@ -50,6 +52,7 @@ def _extend_kernel(
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
     SLIDING: tl.constexpr,
+    CAP: tl.constexpr = 0.0,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -95,7 +98,7 @@ def _extend_kernel(
                     v = (v.to(tl.float32) * v_scale).to(q.dtype)
                 visible = mask_n[None, :] & (offs_n[None, :] > (prefix_len + offs_m)[:, None] - window)
                 m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, prefix_scale_log2, DOT_FP32, True,
-                                              True)
+                                              True, CAP)
             full_end = 0  # nothing left for the unmasked loops below
         for n0 in range(0, full_end, BLOCK_N):
             loc = tl.load(r2t_row + n0 + offs_nb).to(tl.int64)
@@ -103,7 +106,8 @@ def _extend_kernel(
             v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_d[None, :], other=0.0)
             if KV_FP8:
                 v = (v.to(tl.float32) * v_scale).to(q.dtype)
-            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, prefix_scale_log2, DOT_FP32, False)
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, prefix_scale_log2, DOT_FP32, False,
+                                          CAP=CAP)
         if not SLIDING and full_end < prefix_len:
             offs_n = full_end + offs_nb
             mask_n = offs_n < prefix_len
@@ -114,7 +118,7 @@ def _extend_kernel(
             if KV_FP8:
                 v = (v.to(tl.float32) * v_scale).to(q.dtype)
             m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, prefix_scale_log2, DOT_FP32,
-                                          True)
+                                          True, CAP=CAP)
 
         # 2. the new tokens (from the k/v inputs), causally: key j is visible to query i when j <= i.
         # Blocks wholly before this query block (BLOCK_M is a multiple of BLOCK_N) need no mask.
@@ -127,7 +131,7 @@ def _extend_kernel(
             offs_n = n0 + offs_nb
             k = tl.load(ke_head + offs_n[:, None] * stride_kt, mask=mask_d[None, :], other=0.0)
             v = tl.load(ve_head + offs_n[:, None] * stride_vt, mask=mask_d[None, :], other=0.0)
-            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, sm_scale_log2, DOT_FP32, False)
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, sm_scale_log2, DOT_FP32, False, CAP=CAP)
         end_new = tl.minimum(m0 + BLOCK_M, q_len)
         masked_start = m0
         if SLIDING:
@@ -141,7 +145,8 @@ def _extend_kernel(
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             if SLIDING:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
-            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32, True, SLIDING)
+            m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32, True, SLIDING,
+                                          CAP)
 
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -184,12 +189,13 @@ def extend_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int = -1,
+    logit_cap: float = 0.0,
 ) -> None:
     """Writes `o` in place. q, o: [T, H, D]; k, v: [T, Hkv, D] (the new tokens, in q's order); k_buffer, v_buffer:
     [slots, Hkv, D] (an fp8 pool holds k / k_scale, v / v_scale); req_to_token [rows, max_ctx] int32; the
     per-request tensors [bs] on the device; max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so
     no device sync). sliding_window > 0: a query sees only the keys up to that many positions back, itself
-    included."""
+    included. logit_cap > 0: the scaled scores are soft-capped, logit_cap * tanh(s / logit_cap)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError("q/o [T, H, D], k/v [T, Hkv, D] and k/v buffers [slots, Hkv, D] expected")
     num_tokens, num_heads, head_dim = q.shape
@@ -239,6 +245,6 @@ def extend_attention_fwd(
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32, KV_FP8=kv_fp8, SLIDING=sliding_window > 0,
+        DOT_FP32=dot_fp32, KV_FP8=kv_fp8, SLIDING=sliding_window > 0, CAP=max(logit_cap, 0.0) * LOG2E,
         num_warps=num_warps, num_stages=num_stages,
     )

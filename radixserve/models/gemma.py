@@ -1,15 +1,18 @@
-"""Gemma 3 served as text (`Gemma3ForCausalLM`: the 1B and the text configs; `Gemma3ForConditionalGeneration`: the
-4B/12B/27B checkpoints, whose vision tower is skipped at load and whose requests are text only).
+"""Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3 served as text (`Gemma3ForCausalLM`: the 1B and the text configs;
+`Gemma3ForConditionalGeneration`: the 4B/12B/27B checkpoints, whose vision tower is skipped at load and whose
+requests are text only).
 
-Llama's attention (with q/k norms, as Qwen3) and stacked layers, with Gemma's differences:
+Llama's attention and stacked layers, with Gemma's differences:
 - the embedding is multiplied by sqrt(hidden_size) (rounded to the model's dtype, as transformers does);
 - four norms a layer: the attention's and the MLP's outputs are normed before the residual add (post-attention and
   post-feedforward), their inputs by the input and pre-feedforward norms;
 - every norm scales by (1 + weight): the checkpoint's weights get 1 added at load, so the usual RMSNorm serves;
 - the MLP's activation is GELU (tanh approximation), attention scores scale by query_pre_attn_scalar ** -0.5;
-- sliding-window layers (`layer_types`) turn with the local rotary base, full-attention layers with the global one
-  (and its scaling).
-Logit and attention soft-capping (Gemma 2) and bidirectional attention (EmbeddingGemma) are refused."""
+- `layer_types` alternates sliding-window and full-attention layers;
+- Gemma 2 soft-caps the attention scores (attn_logit_softcapping, in the attention backends) and the logits
+  (final_logit_softcapping, in the logits processor); Gemma 3 instead norms q and k per head (as Qwen3) and turns
+  its sliding layers with a local rotary base, its full layers with the global one (and its scaling).
+EmbeddingGemma's bidirectional attention is refused."""
 
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ from torch import nn
 
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim
+from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim, model_rotary
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -36,19 +40,20 @@ TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 VISION_PARTS = ("vision_tower", "multi_modal_projector")
 
 
-def check_gemma_config(config: PretrainedConfig) -> None:
+def check_gemma_config(config: PretrainedConfig, soft_capping: bool) -> None:
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or GELU_TANH[0]
     if act not in GELU_TANH:
-        raise ValueError(f"Gemma 3 hidden_activation {act!r} is not supported (supported: gelu_pytorch_tanh)")
-    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, cap, None) is not None:
-            raise ValueError(f"{cap} is not supported (Gemma 2's soft-capping)")
+        raise ValueError(f"Gemma hidden_activation {act!r} is not supported (supported: gelu_pytorch_tanh)")
+    if not soft_capping:
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, cap, None) is not None:
+                raise ValueError(f"{cap} is not supported for Gemma 3")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported (EmbeddingGemma)")
 
 
-def layer_rotary(config: PretrainedConfig, layer_type: str) -> RotaryEmbedding:
-    """The rotary tables of one layer type ("full_attention" / "sliding_attention"), from transformers 5's
+def layer_type_rotary(config: PretrainedConfig, layer_type: str) -> RotaryEmbedding:
+    """Gemma 3's rotary tables of one layer type ("full_attention" / "sliding_attention"), from transformers 5's
     per-type rope_parameters."""
     params = (getattr(config, "rope_parameters", None) or {}).get(layer_type)
     if not isinstance(params, dict) or "rope_theta" not in params:
@@ -71,13 +76,14 @@ class GeluTanhMLP(nn.Module):
         return self.down_proj(F.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:])
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int,
-                 rotary: RotaryEmbedding) -> None:
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
+                 qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary,
-                                        qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True,
-                                        scaling=float(config.query_pre_attn_scalar) ** -0.5)
+                                        qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=qk_norm,
+                                        scaling=float(config.query_pre_attn_scalar) ** -0.5,
+                                        logit_cap=float(getattr(config, "attn_logit_softcapping", None) or 0.0))
         self.mlp = GeluTanhMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
@@ -98,16 +104,20 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
+class GemmaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, gemma3: bool) -> None:
         super().__init__()
         tied = bool(getattr(config, "tie_word_embeddings", True))
         emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
         self.embed_scale = float(config.hidden_size) ** 0.5
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-        rotary = {t: layer_rotary(config, t) for t in sorted(set(types))}  # one table per type, shared
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp_rank, tp_size, rotary[types[i]])
+        if gemma3:  # one table per layer type, shared by its layers
+            rotary = {t: layer_type_rotary(config, t) for t in sorted(set(types))}
+        else:
+            shared = model_rotary(config)
+            rotary = {t: shared for t in set(types)}
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, tp_rank, tp_size, rotary[types[i]], qk_norm=gemma3)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -123,15 +133,20 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    gemma3 = True
+
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         if not hasattr(config, "tie_word_embeddings"):
             config.tie_word_embeddings = True
         super().__init__(config, tp_rank, tp_size)
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap is not None:
+            self.logits_processor = LogitsProcessor(config.vocab_size, float(cap))
 
     def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
-        check_gemma_config(config)
-        return Gemma3Model(config, tp_rank, tp_size)
+        check_gemma_config(config, soft_capping=not self.gemma3)
+        return GemmaModel(config, tp_rank, tp_size, self.gemma3)
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
         if any(part in name for part in VISION_PARTS):
@@ -150,3 +165,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     pass
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    gemma3 = False

