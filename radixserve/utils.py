@@ -76,3 +76,11 @@ def kill_process_tree(pid: int, include_parent: bool = True, timeout: float = 5.
             p.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def log_safe(text: str) -> str:
+    """`text` from a client (a path, a rid) for a log line: control characters escaped as Python writes them
+    (`\\n`, `\\x1b`), so that it can neither end the line nor forge another."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)

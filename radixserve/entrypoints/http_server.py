@@ -50,6 +50,7 @@ from radixserve.entrypoints.routes import ROUTERS
 from radixserve.entrypoints.server_state import ServerState
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 from radixserve.server_args import ServerArgs
+from radixserve.utils import log_safe
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def _gone_during_upload(request: Request, exc: ClientDisconnect) -> Response:
-        logger.info("client %s went away while sending %s %s", _client(request), request.method, request.url.path)
+        logger.info("client %s went away while sending %s %s", _client(request), request.method,
+                    log_safe(request.url.path))
         return Response(status_code=499)
 
     @app.exception_handler(BodyTooLarge)
@@ -132,7 +134,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _read_timeout(request: Request, exc: BodyReadTimeout) -> Response:
         timeout = request.app.state.server.server_args.request_read_timeout
         logger.info("client %s did not send the body of %s %s within %g s", _client(request), request.method,
-                    request.url.path, timeout)
+                    log_safe(request.url.path), timeout)
         return _closing(error_response(APIError(f"the request body did not arrive within {timeout:g} s "
                                                 "(--request-read-timeout)", 408, None, "request_timeout")))
 

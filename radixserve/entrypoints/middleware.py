@@ -12,6 +12,7 @@ from typing import Any
 
 from radixserve.entrypoints.http_utils import error_response
 from radixserve.entrypoints.openai.errors import APIError
+from radixserve.utils import log_safe
 
 logger = logging.getLogger("radixserve.entrypoints.http_server")
 
@@ -67,7 +68,7 @@ class AuthAndLogMiddleware:
         try:
             await self.app(scope, receive, send_logged)
         finally:
-            logger.info("%s %s -> %s (%.1f ms)", scope["method"], scope["path"], status[0] if status else "-",
+            logger.info("%s %s -> %s (%.1f ms)", scope["method"], log_safe(scope["path"]), status[0] if status else "-",
                         1000 * (time.perf_counter() - start))
 
 

@@ -22,6 +22,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     lora_id: str | None = None  # the LoRA adapter's name (None: the base model)
     pooling: str | None = None  # an embedding request ("last" / "mean"): prefill only, the pooled hidden state out
+    log_metrics: bool = True  # False: left out of /metrics and /stats (health probes, n > 1's shared prefill)
 
 
 @dataclass
@@ -148,6 +149,7 @@ class GenerateReqInput:
     top_logprobs_num: int | list[int] = 0
     lora_path: str | list[str | None] | None = None  # LoRA adapter name(s); None: the base model
     pooling: str | None = None  # embeddings: "last" / "mean" (sampling_params are then ignored: prefill only)
+    log_metrics: bool = True  # False: a request of the server's own (a health probe), not counted in /metrics
 
     def is_batch(self) -> bool:
         if self.text is not None:

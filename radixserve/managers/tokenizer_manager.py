@@ -25,7 +25,7 @@ from radixserve.managers import io_struct as io
 from radixserve.sampling.model_defaults import apply_defaults
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
-from radixserve.utils import get_zmq_socket
+from radixserve.utils import get_zmq_socket, log_safe
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class ReqState:
     event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     created: float = dataclasses.field(default_factory=time.time)
     first_token_time: float | None = None
+    log_metrics: bool = True  # reported to the metrics hooks (the server's own requests are not)
 
 
 class TokenizerManager:
@@ -120,14 +121,15 @@ class TokenizerManager:
             for key, val in meta.items():
                 if key not in ("output_token_logprobs", "output_top_logprobs"):
                     state.meta[key] = val
+            metrics = self.metrics if state.log_metrics else None
             if state.first_token_time is None and out.new_token_ids[i]:
                 state.first_token_time = now
-                if self.metrics is not None:
-                    self.metrics.observe_ttft(now - state.created)
+                if metrics is not None:  # (a non-streamed answer's first output holds all its tokens)
+                    metrics.observe_ttft(now - state.created, len(out.new_token_ids[i]))
                     if timing is not None:
-                        self.metrics.observe_ttft_stages(state.created, timing, now)
-            elif self.metrics is not None and out.new_token_ids[i]:
-                self.metrics.observe_decode(state, now, len(out.new_token_ids[i]))
+                        metrics.observe_ttft_stages(state.created, timing, now)
+            elif metrics is not None and out.new_token_ids[i]:
+                metrics.observe_decode(state, now, len(out.new_token_ids[i]))
             self._gen_tokens += len(out.new_token_ids[i])
             if out.finished_reasons[i] is not None:
                 state.finished = True
@@ -289,7 +291,7 @@ class TokenizerManager:
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{j}", input_text=text, input_ids=list(ids),
                     sampling_params=sp_j, stream=obj.stream, return_logprob=bool(ret_lp),
                     logprob_start_len=logprob_start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
-                    lora_id=lora_id, pooling=obj.pooling))
+                    lora_id=lora_id, pooling=obj.pooling, log_metrics=obj.log_metrics))
         seen: set[str] = set()
         for r in out:  # each request waits on its own rid: two of one batch under one rid would never return
             if r.rid in seen:
@@ -326,25 +328,25 @@ class TokenizerManager:
         sp = copy.copy(req.sampling_params)
         sp.max_new_tokens, sp.n = 0, 1
         warm = dataclasses.replace(req, rid=f"{req.rid}-prefill", stream=False, return_logprob=False,
-                                   logprob_start_len=-1, top_logprobs_num=0, sampling_params=sp)
+                                   logprob_start_len=-1, top_logprobs_num=0, sampling_params=sp, log_metrics=False)
         async for _ in self._run_one(warm):
             pass
 
-    def _register(self, rid: str) -> ReqState:
+    def _register(self, rid: str, log_metrics: bool = True) -> ReqState:
         """A new request's state under `rid`. normalize() checks rids, but an n > 1 request or a batch registers its
         rids only after awaiting (the shared prefill, its tasks' start): a concurrent request under the same rid would
         take over the first one's state, which then never returned."""
         if rid in self.rid_to_state:
             raise RequestError(f"rid: {rid!r} is already in use by a running request", 400, "rid")
-        state = ReqState()
+        state = ReqState(log_metrics=log_metrics)
         self.rid_to_state[rid] = state
         return state
 
     async def _run_one(self, req: io.TokenizedGenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         self._ensure_loop()
-        state = self._register(req.rid)
+        state = self._register(req.rid, req.log_metrics)
         if self.server_args.log_requests:
-            logger.info("request %s: %d prompt tokens, max_new_tokens=%d", req.rid, len(req.input_ids),
+            logger.info("request %s: %d prompt tokens, max_new_tokens=%d", log_safe(req.rid), len(req.input_ids),
                         req.sampling_params.max_new_tokens)
         try:
             self.send_to_scheduler.send_pyobj(req)
@@ -355,10 +357,11 @@ class TokenizerManager:
                 if state.finished:
                     reason = state.meta.get("finish_reason") or {}
                     if self.server_args.log_requests:
-                        logger.info("request %s finished: %d tokens, %s", req.rid, len(state.output_ids), reason)
+                        logger.info("request %s finished: %d tokens, %s", log_safe(req.rid), len(state.output_ids),
+                                    reason)
                     if reason.get("type") == "abort" and reason.get("status_code"):
                         raise RequestError(reason.get("message", "aborted"), reason["status_code"])
-                    if self.metrics is not None:
+                    if self.metrics is not None and state.log_metrics:
                         self.metrics.observe_finished(state, req)
                     yield out
                     return

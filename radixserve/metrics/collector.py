@@ -70,7 +70,8 @@ class MetricsCollector:
                              E2E_BUCKETS)
 
     # ------------------------------------------------------------------ hooks called by the TokenizerManager
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, num_tokens: int = 1) -> None:
+        """A request's first output arrived, `num_tokens` tokens long (counted by `observe_finished`)."""
         self.ttft.observe(max(0.0, seconds))
 
     def observe_ttft_stages(self, created: float, timing: tuple[float, float | None, float], now: float) -> None:

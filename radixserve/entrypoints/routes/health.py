@@ -49,7 +49,7 @@ async def health_generate(request: Request) -> Response:
     tm = state.tm
     ids = (await tm.tokenize_async("Hi")) if tm.tokenizer is not None else [0]
     obj = io.GenerateReqInput(input_ids=ids or [0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                              rid=f"health-{uuid.uuid4().hex}")
+                              rid=f"health-{uuid.uuid4().hex}", log_metrics=False)
 
     async def run() -> list[dict[str, Any]]:
         return [o async for o in tm.generate_request(obj)]

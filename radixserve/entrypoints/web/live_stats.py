@@ -34,9 +34,10 @@ class LiveStats:
             self.token_events.popleft()
 
     # ------------------------------------------------------------------ hooks
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, num_tokens: int = 1) -> None:
+        """A request's first output arrived: `num_tokens` tokens (all of them when it was not streamed)."""
         self.ttft_s.append(max(0.0, seconds))
-        self._tokens(1)
+        self._tokens(num_tokens)
 
     def observe_decode(self, state: Any, now: float, num_new_tokens: int) -> None:
         last = getattr(state, _LAST_ATTR, None) or getattr(state, "first_token_time", None)
