@@ -35,9 +35,10 @@ def make_runner(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
                            req_to_token_pool=ReqToTokenPool(rows, context, DEVICE), token_to_kv_pool=kv_pool)
 
 
-def make_layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
+def make_layer(num_heads: int, num_kv_heads: int, head_dim: int, logit_cap: float = 0.0) -> SimpleNamespace:
     return SimpleNamespace(tp_q_head_num=num_heads, tp_k_head_num=num_kv_heads, tp_v_head_num=num_kv_heads,
-                           head_dim=head_dim, scaling=head_dim ** -0.5, layer_id=LAYER_ID, sliding_window_size=-1)
+                           head_dim=head_dim, scaling=head_dim ** -0.5, layer_id=LAYER_ID, sliding_window_size=-1,
+                           logit_cap=logit_cap)
 
 
 def scattered_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int], extend_lens: list[int],
@@ -101,7 +102,7 @@ def make_batch(runner: SimpleNamespace, backend: object, prefix_lens: list[int],
 
 def run_both(num_heads: int, num_kv_heads: int, head_dim: int, prefix_lens: list[int], extend_lens: list[int],
              mode: ForwardMode, dtype: torch.dtype = torch.float32, tune: dict | None = None,
-             seed: int = 0, backends: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             seed: int = 0, backends: list | None = None, logit_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     runner = make_runner(num_heads, num_kv_heads, head_dim, dtype)
     backend = TritonAttnBackend(runner)
@@ -109,7 +110,7 @@ def run_both(num_heads: int, num_kv_heads: int, head_dim: int, prefix_lens: list
         backends.append(backend)
     for name, value in (tune or {}).items():
         setattr(backend, name, value)
-    layer = make_layer(num_heads, num_kv_heads, head_dim)
+    layer = make_layer(num_heads, num_kv_heads, head_dim, logit_cap)
     fb, q, k, v = make_batch(runner, backend, prefix_lens, extend_lens, mode, gen)
     backend.init_forward_metadata(fb)
     out = backend.forward(q, k, v, layer, fb)
@@ -244,6 +245,24 @@ def test_decode_matches_torch_native(case: tuple) -> None:
     out, ref = run_both(h, hkv, d, [s - 1 for s in seq_lens], [1] * len(seq_lens), ForwardMode.DECODE, dtype,
                         tune)
     torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,tune", [
+    (ForwardMode.EXTEND, [0, 5, 33, 64], [7, 1, 30, 17], {}),
+    (ForwardMode.DECODE, [0, 32, 47, 128, 6], [1] * 5, SMALL_SPLITS),
+    (ForwardMode.DECODE, [0, 29, 130], [1] * 3, {**SMALL_SPLITS, "decode_use_dot": False}),
+    (ForwardMode.DECODE, [0, 32, 128, 6], [1] * 4, {**SMALL_SPLITS, "decode_one_launch": False}),
+], ids=["extend", "decode-dot", "decode-elementwise", "decode-two-launches"])
+def test_soft_capped_scores_match_torch_native(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int],
+                                               tune: dict) -> None:
+    """Gemma 2's attn_logit_softcapping: the kernels' cap (in log2 e units) equals the reference's cap * tanh(s /
+    cap), which differs from the uncapped attention here."""
+    hkv = 1 if tune.get("decode_use_dot") is False else 2
+    h = hkv * (1 if tune.get("decode_use_dot") is False else 4)
+    out, ref = run_both(h, hkv, 32, prefix_lens, extend_lens, mode, torch.float32, tune, logit_cap=1.0)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+    _, uncapped = run_both(h, hkv, 32, prefix_lens, extend_lens, mode, torch.float32, tune)
+    assert not torch.allclose(ref, uncapped, atol=1e-2)
 
 
 def test_decode_split_cap_of_one() -> None:

@@ -1,6 +1,7 @@
-"""Phi-3, Gemma 3 and SmolLM3 on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32 greedy tokens
-equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 3: sliding and full layers,
-head_dim 256; SmolLM3: layers without rotary), and bf16 agrees position by position. Skipped without a GPU."""
+"""Phi-3, Gemma 2, Gemma 3 and SmolLM3 on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32
+greedy tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 2: soft-capped
+scores and logits; Gemma 3: sliding and full layers, head_dim 256; SmolLM3: layers without rotary), and bf16 agrees
+position by position. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def gpu_runner(path: str, dtype: str, **kw):
 def build(family: str, path: str) -> torch.nn.Module:
     if family == "smollm3":
         return smollm3(path, use_sliding_window=True, sliding_window=5)
+    if family == "gemma2":  # soft-capped scores in the Triton kernels, under CUDA graphs too
+        return gemma3(path, family="gemma2")
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3", "smollm3"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
@@ -46,7 +49,7 @@ def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path)
     assert StaticBatch(runner).generate(PROMPTS, 16) == [hf_greedy(hf, p, 16) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3"])
 def test_bf16_agrees_with_transformers(family: str, tmp_path) -> None:
     extra = KINDS["partial"] if family == "phi3" else {}
     hf = make_tiny_model(family, str(tmp_path), hidden_size=256, intermediate_size=512, num_attention_heads=8,
