@@ -47,7 +47,8 @@ def compile_stage1(kv_dtype: str, block_n: int, num_stages: int, num_warps: int 
     const = dict(GROUP=group, HEAD_BLOCKS=1, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                  BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, USE_DOT=True, DOT_FP32=False,
                  KV_F16=fp8, V_PAIRS=(1 if kv_dtype == "fp8e4nv" else 2) if v_pairs and fp8 else 0,
-                 SLIDING=False, PDL=0, HEADS_FIRST=True, DIRECT=True, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1)
+                 SLIDING=False, PDL=0, HEADS_FIRST=True, DIRECT=True, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1,
+                 CAP=0.0)
     signature = {**pointers, **scalars, **{s: "i32" for s in strides}, **{k: "constexpr" for k in const}}
     names = list(signature)
     aligned = [names.index(n) for n in (*pointers, *strides)]

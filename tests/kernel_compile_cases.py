@@ -189,7 +189,7 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
     for hd in (64, 128, 256):
         bm, bn, warps, stages = extend_attention._default_blocks(hd, False)
         out[f"extend fp32 d={hd}"] = (fn, sig, dict(GROUP=4, HEAD_DIM=hd, BLOCK_D=hd, BLOCK_M=bm, BLOCK_N=bn,
-                                                    DOT_FP32=True, KV_FP8=False, SLIDING=False),
+                                                    DOT_FP32=True, KV_FP8=False, SLIDING=False, CAP=0.0),
                                       dict(num_warps=warps, num_stages=stages))
     fn = decode_attention._decode_stage1_kernel
     sig = {n: "i32" for n in fn.arg_names}
@@ -200,7 +200,7 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
     out["decode fp32 d=256 group 8"] = (
         fn, sig, dict(GROUP=8, HEAD_BLOCKS=triton.cdiv(8, block_h), HEAD_DIM=256, BLOCK_D=256, BLOCK_H=block_h,
                       BLOCK_N=64, USE_DOT=True, DOT_FP32=True, KV_F16=False, V_PAIRS=0, SLIDING=False, PDL=1,
-                      HEADS_FIRST=False, DIRECT=False, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1),
+                      HEADS_FIRST=False, DIRECT=False, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1, CAP=0.0),
         dict(num_warps=8, num_stages=2))
     out["moe_sum k=6"] = (fused_moe._moe_sum_kernel, {"Rows": "*bf16", "Out": "*bf16", "hidden": "i32"},
                           dict(K=6, BLOCK_H=1024), dict(num_warps=4))
