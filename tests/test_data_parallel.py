@@ -84,6 +84,19 @@ def test_merge_internal_states() -> None:
     assert both_idle["idle"] and both_idle["memory_ok"] and both_idle["last_step_time"] == 9.0
 
 
+def test_merge_internal_states_sums_grammar_queues_and_counters() -> None:
+    """Requests waiting for their grammar count on every replica (the dashboard's queued requests add them to the
+    waiting ones), and so do the grammar backends' counters: they were replica 0's alone."""
+    grammar = {"num_grammar_queue_reqs": 2, "grammar_compiles": 3, "grammar_cache_hits": 1, "grammar_errors": 0,
+               "grammar_cache_entries": 3, "grammar_compile_time_s": 0.5}
+    other = {"num_grammar_queue_reqs": 1, "grammar_compiles": 2, "grammar_cache_hits": 4, "grammar_errors": 1,
+             "grammar_cache_entries": 2, "grammar_compile_time_s": 0.25}
+    m = merge_internal_states([grammar, other])
+    assert {k: m[k] for k in grammar} == {"num_grammar_queue_reqs": 3, "grammar_compiles": 5, "grammar_cache_hits": 5,
+                                          "grammar_errors": 1, "grammar_cache_entries": 5,
+                                          "grammar_compile_time_s": 0.75}
+
+
 def test_balance_threshold_flags_validated() -> None:
     with pytest.raises(ValueError, match="balance"):
         ServerArgs(balance_rel_threshold=0.5)
@@ -130,12 +143,26 @@ def _serve_workload(model_path: str, method: str, reference: list[list[int]]) ->
         first = next(stream)
         engine.abort_request(first["meta_info"]["id"])  # sent to both replicas; one holds it
         assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        _abort_n2_by_its_rid(engine, prompts[1])
         after = wait_idle(engine)
         assert after["idle"] and after["memory_ok"]
         assert engine.flush_cache()
         flushed = wait_idle(engine)
         assert flushed["evictable_tokens"] == 0 and flushed["free_tokens"] == flushed["max_total_num_tokens"]
     return state
+
+
+def _abort_n2_by_its_rid(engine: Engine, prompt: list[int]) -> None:
+    """Engine.abort_request(rid) of an n = 2 request aborts both samples (`rid-0`, `rid-1`: on both replicas under
+    round_robin), as POST /abort_request does (it sent `rid` alone, which names no running request)."""
+    stream = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 400, "n": 2},
+                             stream=True, rid="dp-n2")
+    started: set[int] = set()
+    while started != {0, 1}:
+        started.add(next(stream)["index"])
+    engine.abort_request("dp-n2")
+    last = {c["index"]: c for c in stream}
+    assert [last[i]["meta_info"]["finish_reason"]["type"] for i in (0, 1)] == ["abort", "abort"]
 
 
 @pytest.mark.integration

@@ -201,6 +201,12 @@ def test_requests_fail_instead_of_hanging_when_the_scheduler_dies(embedded_model
         with pytest.raises(RequestError, match="not running") as info:
             list(stream)
         assert info.value.status_code == 503
+        # control requests too, at once (they waited out their timeout: 30 s, a LoRA unload 600 s)
+        for control in (e.get_internal_state, e.flush_cache):
+            start = time.monotonic()
+            with pytest.raises(RequestError, match="not running"):
+                control()
+            assert time.monotonic() - start < 10
     finally:
         e.shutdown()
 

@@ -299,8 +299,9 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def abort_request(self, rid: str) -> None:
+        """Abort the request `rid` (with n > 1: its samples), as POST /abort_request does."""
         # the manager's sockets belong to the engine's event loop thread
-        self.loop.call_soon_threadsafe(self.tokenizer_manager.abort_request, rid)
+        self.loop.call_soon_threadsafe(self.tokenizer_manager.abort_named, rid)
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache())

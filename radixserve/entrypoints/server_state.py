@@ -35,10 +35,7 @@ class ServerState:
     dead_child: str | None = None  # "the scheduler process (pid N) was killed by SIGKILL", once one died
 
     def abort_all(self, message: str) -> int:
-        rids = list(self.tm.rid_to_state)
-        for rid in rids:
-            self.tm.abort_request(rid, message)
-        return len(rids)
+        return self.tm.abort_named(None, message)
 
     def engine_dead_message(self) -> str | None:
         if self.dead_child is not None:

@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 # ===================================================================== merging control replies
 _SUMMED = ("invariant_violations", "free_tokens", "evictable_tokens", "protected_tokens", "max_total_num_tokens",
-           "num_running_reqs", "num_waiting_reqs", "num_retractions", "cache_hit_tokens", "prompt_tokens_total",
-           "forward_ct")
+           "num_running_reqs", "num_waiting_reqs", "num_grammar_queue_reqs", "num_retractions", "cache_hit_tokens",
+           "prompt_tokens_total", "forward_ct", "grammar_compiles", "grammar_cache_hits", "grammar_errors",
+           "grammar_compile_time_s", "grammar_cache_entries", "lora_slot_loads")
 
 
 def merge_internal_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -65,6 +65,8 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         # an n > 1 request's samples (`rid-0`, ...) and shared prefill (`rid-0-prefill`) -> the request's rid
         self.rid_parent: dict[str, str] = {}
+        # samples aborted before they were sent (while their prompt was prefilled once for them) -> the message
+        self.unsent_aborts: dict[str, str] = {}
         self.pending_control: dict[int, asyncio.Future] = {}  # control requests by seq, answered by their replies
         self._control_seq = itertools.count(1)
         self.ctx = zmq.asyncio.Context(2)
@@ -349,7 +351,12 @@ class TokenizerManager:
             logger.info("request %s: %d prompt tokens, max_new_tokens=%d", log_safe(req.rid), len(req.input_ids),
                         req.sampling_params.max_new_tokens)
         try:
-            self.send_to_scheduler.send_pyobj(req)
+            message = self.unsent_aborts.pop(req.rid, None)
+            if message is None:
+                self.send_to_scheduler.send_pyobj(req)
+            else:  # its request was aborted during the shared prefill: it ends here, never sent
+                state.finished, state.meta["finish_reason"] = True, {"type": "abort", "message": message}
+                state.event.set()
             while True:
                 await self._wait_for_output(state)
                 state.event.clear()
@@ -380,9 +387,12 @@ class TokenizerManager:
                     await state.event.wait()
                 return
             except TimeoutError:
-                if self.processes is not None and not self.processes.alive():
-                    raise RequestError("the engine is not running: a scheduler or detokenizer process died",
-                                       503, code="engine_dead") from None
+                self._check_engine_alive()
+
+    def _check_engine_alive(self) -> None:
+        if self.processes is not None and not self.processes.alive():
+            raise RequestError("the engine is not running: a scheduler or detokenizer process died", 503,
+                               code="engine_dead")
 
     def _make_output(self, req: io.TokenizedGenerateReqInput, state: ReqState) -> dict[str, Any]:
         meta = {"id": req.rid, "prompt_tokens": state.meta.get("prompt_tokens", len(req.input_ids)),
@@ -418,6 +428,7 @@ class TokenizerManager:
         finally:
             for rid in children:
                 self.rid_parent.pop(rid, None)
+                self.unsent_aborts.pop(rid, None)
 
     def _adopt_samples(self, reqs: list[io.TokenizedGenerateReqInput]) -> list[str]:
         """Records which request each n > 1 sample (and its shared prefill) belongs to, for `rids_of`."""
@@ -437,9 +448,12 @@ class TokenizerManager:
         Another client's request under `rid-2` is none of them."""
         if rid in self.rid_to_state:
             return [rid]
+        return [r for r in self.rid_to_state if self._names(rid, r)]
+
+    def _names(self, rid: str, other: str) -> bool:  # (see rids_of)
         prompt = re.compile(re.escape(rid) + r"-p\d+")
-        return [r for r in self.rid_to_state if self.rid_parent.get(r) == rid or prompt.fullmatch(r)
-                or prompt.fullmatch(self.rid_parent.get(r, ""))]
+        parent = self.rid_parent.get(other, "")
+        return parent == rid or bool(prompt.fullmatch(other)) or bool(prompt.fullmatch(parent))
 
     async def _run_many(self, reqs: list[io.TokenizedGenerateReqInput]) -> AsyncIterator[dict[str, Any]]:
         seen: set[tuple[int, ...]] = set()
@@ -481,6 +495,16 @@ class TokenizerManager:
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         self.send_to_scheduler.send_pyobj(io.AbortReq(rid=rid, message=message))
 
+    def abort_named(self, rid: str | None, message: str = "aborted") -> int:
+        """Abort what a client's `rid` names (`rids_of`; None: every request), samples not sent yet (their prompt
+        being prefilled once for them) included; returns how many run (at least 1 for a rid: it is sent anyway)."""
+        rids = list(self.rid_to_state) if rid is None else self.rids_of(rid) or [rid]
+        for r in rids:
+            self.abort_request(r, message)
+        self.unsent_aborts.update((s, message) for s in self.rid_parent
+                                  if s not in self.rid_to_state and (rid is None or self._names(rid, s)))
+        return len(rids)
+
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
         """Send a control request and wait for its reply (`reply_type`, matched by the request's seq)."""
         self._ensure_loop()
@@ -488,8 +512,17 @@ class TokenizerManager:
         req.seq = next(self._control_seq)
         self.pending_control[req.seq] = fut
         self.send_to_scheduler.send_pyobj(req)
+        deadline = time.monotonic() + timeout
         try:
-            out = await asyncio.wait_for(fut, timeout)
+            while not fut.done():  # a dead process never answers: a 503 at once, not after `timeout` (up to 600 s)
+                try:
+                    async with asyncio.timeout(min(1.0, max(0.0, deadline - time.monotonic()))):
+                        await asyncio.shield(fut)
+                except TimeoutError:
+                    self._check_engine_alive()
+                    if time.monotonic() >= deadline:
+                        raise
+            out = fut.result()
         finally:
             self.pending_control.pop(req.seq, None)
         if not isinstance(out, reply_type):

@@ -32,8 +32,5 @@ async def abort_request(request: Request) -> Response:
         return json_response({"success": True, "aborted": n})
     if not req.rid:
         raise APIError("rid: required (or set abort_all to true)", 400, "rid", "missing_required_parameter")
-    tm = state.tm
-    rids = tm.rids_of(req.rid) or [req.rid]
-    for rid in rids:
-        tm.abort_request(rid, "aborted by /abort_request")
-    return json_response({"success": True, "aborted": len(rids)})
+    n = state.tm.abort_named(req.rid, "aborted by /abort_request")
+    return json_response({"success": True, "aborted": n})
