@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")

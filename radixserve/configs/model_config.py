@@ -11,7 +11,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -119,11 +119,13 @@ class ModelConfig:
         self.tokenizer_path = self.model_path
 
         if load_format == "auto":
-            load_format = "gguf" if self.is_gguf else "safetensors"
+            from radixserve.model_loader.weight_utils import checkpoint_format
+
+            load_format = "gguf" if self.is_gguf else checkpoint_format(self.model_path)
         elif load_format == "gguf" and not self.is_gguf:
             raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {self.model_path}")
-        elif load_format == "safetensors" and self.is_gguf:
-            raise ValueError(f"load_format 'safetensors' needs a folder, got the GGUF file {self.model_path}")
+        elif load_format in ("safetensors", "pt") and self.is_gguf:
+            raise ValueError(f"load_format {load_format!r} needs a folder, got the GGUF file {self.model_path}")
         self.load_format = load_format
 
         self.hf_config = self._load_hf_config()

@@ -17,8 +17,12 @@ from tqdm import tqdm
 from radixserve.model_loader.dummy import initialize_dummy_weights
 from radixserve.model_loader.gguf_loader import count_gguf_tensors, gguf_weights_iterator, open_gguf
 from radixserve.model_loader.weight_utils import (
+    checkpoint_format,
+    count_pt_tensors,
     count_safetensors_tensors,
+    list_pt_files,
     list_safetensors_files,
+    pt_weights_iterator,
     safetensors_weights_iterator,
 )
 
@@ -27,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 @contextlib.contextmanager
@@ -41,15 +45,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
-    """"auto" becomes "gguf" for a GGUF file and "safetensors" for a folder; mismatches raise ValueError."""
+    """"auto" becomes "gguf" for a GGUF file and, for a folder, "safetensors" (or "pt" for a folder of PyTorch .bin
+    files only); mismatches raise ValueError."""
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {load_format!r}")
     if load_format == "auto":
-        return "gguf" if model_config.is_gguf else "safetensors"
+        return "gguf" if model_config.is_gguf else checkpoint_format(model_config.model_path)
     if load_format == "gguf" and not model_config.is_gguf:
         raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {model_config.model_path}")
-    if load_format == "safetensors" and model_config.is_gguf:
-        raise ValueError(f"load_format 'safetensors' needs a folder, got the GGUF file {model_config.model_path}")
+    if load_format in ("safetensors", "pt") and model_config.is_gguf:
+        raise ValueError(f"load_format {load_format!r} needs a folder, got the GGUF file {model_config.model_path}")
     return load_format
 
 
@@ -58,6 +63,9 @@ def _weights(model_config: ModelConfig, load_format: str,
     if load_format == "gguf":
         reader = open_gguf(model_config.model_path)
         return gguf_weights_iterator(model_config.model_path, reader, packed), count_gguf_tensors(reader)
+    if load_format == "pt":
+        files = list_pt_files(model_config.model_path)
+        return pt_weights_iterator(files), count_pt_tensors(files)
     files = list_safetensors_files(model_config.model_path)
     return safetensors_weights_iterator(files), count_safetensors_tensors(files)
 
