@@ -110,7 +110,9 @@ class GemmaModel(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", True))
         emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
-        self.embed_scale = float(config.hidden_size) ** 0.5
+        # sqrt(hidden_size) rounded to the model's dtype (built under it as torch's default), as transformers
+        # multiplies (33.94 is 34.0 in bfloat16)
+        self.embed_scale = torch.tensor(float(config.hidden_size) ** 0.5, dtype=torch.get_default_dtype()).item()
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         if gemma3:  # one table per layer type, shared by its layers
             rotary = {t: layer_type_rotary(config, t) for t in sorted(set(types))}
@@ -122,9 +124,7 @@ class GemmaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # sqrt(hidden_size) in the embedding's dtype (33.94 is 34.0 in bfloat16), as transformers multiplies
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
+        hidden = self.embed_tokens(input_ids) * self.embed_scale
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)

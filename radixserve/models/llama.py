@@ -317,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = self.build_model(config, tp_rank, tp_size)
         rotary = self.model.layers[0].self_attn.rotary_emb if len(self.model.layers) else None
-        if rotary is not None and rotary.rotary_dim != rotary.head_dim and not self.partial_rotary:
+        if rotary is not None and 0 < rotary.rotary_dim < rotary.head_dim and not self.partial_rotary:
             raise ValueError(f"{type(self).__name__} does not support partial_rotary_factor (rotary_dim "
                              f"{rotary.rotary_dim} of head_dim {rotary.head_dim})")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
