@@ -190,3 +190,16 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
     assert mc.rope_theta == 100000.0 and mc.rope_scaling is None
     assert mc.eos_token_ids == {2}
     assert mc.torch_dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape,billions", [("gemma-2-9b", 9.24), ("gemma-3-12b", 11.77), ("phi-4", 14.66)])
+def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
+    """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
+    (Gemma 3 12B without its vision tower)."""
+    from radixserve.models.registry import get_model_class
+
+    cfg = ModelConfig(os.path.join(os.path.dirname(__file__), "..", "radixserve", "configs", "shapes", shape),
+                      load_format="dummy")
+    with torch.device("meta"):
+        model = get_model_class(cfg.architectures)(cfg.hf_config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions

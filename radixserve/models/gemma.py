@@ -112,7 +112,8 @@ class GemmaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
         # sqrt(hidden_size) rounded to the model's dtype (built under it as torch's default), as transformers
         # multiplies (33.94 is 34.0 in bfloat16)
-        self.embed_scale = torch.tensor(float(config.hidden_size) ** 0.5, dtype=torch.get_default_dtype()).item()
+        self.embed_scale = torch.tensor(float(config.hidden_size) ** 0.5, dtype=torch.get_default_dtype(),
+                                        device="cpu").item()
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         if gemma3:  # one table per layer type, shared by its layers
             rotary = {t: layer_type_rotary(config, t) for t in sorted(set(types))}
