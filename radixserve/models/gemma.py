@@ -28,6 +28,7 @@ from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim, model_rotary
+from radixserve.models.multimodal_text import text_config, text_weight_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
-# the multimodal checkpoints' text weights, under either transformers' old or new layout
-TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
-VISION_PARTS = ("vision_tower", "multi_modal_projector")
 
 
 def check_gemma_config(config: PretrainedConfig, soft_capping: bool) -> None:
@@ -137,9 +135,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     gemma3 = True
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if not hasattr(config, "tie_word_embeddings"):
-            config.tie_word_embeddings = True
+        config = text_config(config)
+        if getattr(config, "tie_word_embeddings", None) is None:
+            config.tie_word_embeddings = True  # Gemma's default
         super().__init__(config, tp_rank, tp_size)
         cap = getattr(config, "final_logit_softcapping", None)
         if cap is not None:
@@ -150,14 +148,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return GemmaModel(config, tp_rank, tp_size, self.gemma3)
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
-        if any(part in name for part in VISION_PARTS):
-            return None  # served as text: the image encoder is not loaded
-        for prefix in TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = "model." + name[len(prefix):]
-        if name.startswith("language_model.lm_head."):
-            name = name[len("language_model."):]
-        if name == "lm_head.weight" and self.tie_word_embeddings:
+        name = text_weight_name(name)  # a multimodal checkpoint's text weights; its image encoder is not loaded
+        if name is None or name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         if name.endswith("norm.weight"):  # Gemma's norms scale by (1 + weight)
             tensor = tensor.float() + 1.0

@@ -399,3 +399,20 @@ def load_plain(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class Mistral3ForConditionalGeneration(MistralForCausalLM):
+    """Mistral Small 3.1 / 3.2 served as text (`models/multimodal_text.py`): its Mistral language model."""
+
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        from radixserve.models.multimodal_text import text_config
+
+        super().__init__(text_config(config), tp_rank, tp_size)
+
+    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+        from radixserve.models.multimodal_text import text_weight_name
+
+        name = text_weight_name(name)
+        if name is None or name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        return super().load_weight(params, name, tensor)

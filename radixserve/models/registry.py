@@ -7,6 +7,7 @@ import importlib
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "radixserve.models.llama",
     "MistralForCausalLM": "radixserve.models.llama",
+    "Mistral3ForConditionalGeneration": "radixserve.models.llama",
     "Phi3ForCausalLM": "radixserve.models.phi3",
     "SmolLM3ForCausalLM": "radixserve.models.smollm3",
     "Gemma2ForCausalLM": "radixserve.models.gemma",

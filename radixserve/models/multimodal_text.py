@@ -1,0 +1,36 @@
+"""The text model of a multimodal checkpoint, served as text (Gemma 3 4B-27B, Mistral Small 3.x): the language
+model's weights under its old or new prefix mapped to the causal LM's names, the image encoder's skipped. Image
+content parts are refused at the API (a 400), so nothing would read an image embedding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# transformers 4 saved `language_model.model.*` and `language_model.lm_head.*`; transformers 5 saves
+# `model.language_model.*` and a top-level `lm_head.*`
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+VISION_PARTS = ("vision_tower", "multi_modal_projector", "vision_model")
+
+
+def text_weight_name(name: str) -> str | None:
+    """The causal LM's name for a multimodal checkpoint's tensor, or None for the image encoder's."""
+    if any(part in name for part in VISION_PARTS):
+        return None
+    for prefix in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    return name
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config of a (possibly) multimodal one. Whether its embeddings are tied is the top-level
+    config's `tie_word_embeddings` where that sets one, as transformers ties them (Mistral 3's text config says
+    False while the checkpoint holds no separate lm_head)."""
+    if not hasattr(config, "get_text_config"):
+        return config
+    text = config.get_text_config()
+    if text is not config and getattr(config, "tie_word_embeddings", None) is not None:
+        text.tie_word_embeddings = bool(config.tie_word_embeddings)
+    return text
