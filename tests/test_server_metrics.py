@@ -158,3 +158,17 @@ def test_request_log_keeps_client_text_on_its_own_line(server: Server, http: htt
     assert any("/static/x\\n[2000-01-01" in ln for ln in lines)
     assert any("request rid\\n[2000-01-01" in ln for ln in lines)
     assert API_KEY not in server.log()
+
+
+def test_a_non_streamed_answer_s_ttft_ends_at_its_first_token(http: httpx.Client) -> None:
+    """The scheduler holds a non-streamed answer's tokens until it ends: its TTFT is taken at the scheduler's stamp
+    of the first token (as vLLM times it), not when the whole answer arrives, which is the end-to-end latency."""
+    def sums(m: dict[str, float]) -> tuple[float, float]:
+        return (m["radixserve:time_to_first_token_seconds_sum"], m["radixserve:e2e_request_latency_seconds_sum"])
+
+    before = sums(scrape(http))
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "A long answer", "max_tokens": 48,
+                                           "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    ttft, e2e = (a - b for a, b in zip(sums(scrape(http)), before, strict=True))
+    assert 0 < ttft < e2e / 4, (ttft, e2e)  # 47 decode steps after the first token

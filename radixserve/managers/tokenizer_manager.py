@@ -51,6 +51,7 @@ class ReqState:
     created: float = dataclasses.field(default_factory=time.time)
     first_token_time: float | None = None
     log_metrics: bool = True  # reported to the metrics hooks (the server's own requests are not)
+    stream: bool = True  # False: the scheduler holds the tokens until the end (its stamp times the first one)
 
 
 class TokenizerManager:
@@ -126,10 +127,12 @@ class TokenizerManager:
             metrics = self.metrics if state.log_metrics else None
             if state.first_token_time is None and out.new_token_ids[i]:
                 state.first_token_time = now
-                if metrics is not None:  # (a non-streamed answer's first output holds all its tokens)
-                    metrics.observe_ttft(now - state.created, len(out.new_token_ids[i]))
+                if metrics is not None:  # a non-streamed answer's first output holds all its tokens, and
+                    # its first token was made when the scheduler stamped it, not when the answer arrived
+                    first = timing[2] if timing is not None and not state.stream else now
+                    metrics.observe_ttft(first - state.created, len(out.new_token_ids[i]))
                     if timing is not None:
-                        metrics.observe_ttft_stages(state.created, timing, now)
+                        metrics.observe_ttft_stages(state.created, timing, first)
             elif metrics is not None and out.new_token_ids[i]:
                 metrics.observe_decode(state, now, len(out.new_token_ids[i]))
             self._gen_tokens += len(out.new_token_ids[i])
@@ -334,19 +337,19 @@ class TokenizerManager:
         async for _ in self._run_one(warm):
             pass
 
-    def _register(self, rid: str, log_metrics: bool = True) -> ReqState:
+    def _register(self, rid: str, log_metrics: bool = True, stream: bool = True) -> ReqState:
         """A new request's state under `rid`. normalize() checks rids, but an n > 1 request or a batch registers its
         rids only after awaiting (the shared prefill, its tasks' start): a concurrent request under the same rid would
         take over the first one's state, which then never returned."""
         if rid in self.rid_to_state:
             raise RequestError(f"rid: {rid!r} is already in use by a running request", 400, "rid")
-        state = ReqState(log_metrics=log_metrics)
+        state = ReqState(log_metrics=log_metrics, stream=stream)
         self.rid_to_state[rid] = state
         return state
 
     async def _run_one(self, req: io.TokenizedGenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         self._ensure_loop()
-        state = self._register(req.rid, req.log_metrics)
+        state = self._register(req.rid, req.log_metrics, req.stream)
         if self.server_args.log_requests:
             logger.info("request %s: %d prompt tokens, max_new_tokens=%d", log_safe(req.rid), len(req.input_ids),
                         req.sampling_params.max_new_tokens)
