@@ -25,9 +25,8 @@ def load_benchmark(name: str) -> ModuleType:
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
-    """Build a random HF model of `kind` (llama, qwen2, qwen3, llama3-rope, phi3, smollm3, gemma2,
-    gemma3), save it to
-    `path`, return it."""
+    """Build a random HF model of `kind` (llama, qwen2, qwen3, llama3-rope, phi3, smollm3, granite, gemma2, gemma3),
+    save it to `path`, return it."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -43,6 +42,9 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
         cfg = tf.Qwen3Config(**kw, head_dim=32, tie_word_embeddings=False)
     elif kind == "phi3":
         cfg = tf.Phi3Config(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif kind == "granite":  # multipliers far from 1, so that each shows
+        cfg = tf.GraniteConfig(**{"embedding_multiplier": 6.0, "attention_multiplier": 0.05, "residual_multiplier": 0.4,
+                                  "logits_scaling": 4.0, "tie_word_embeddings": True, **kw})
     elif kind == "smollm3":  # every fourth layer without rotary
         cfg = tf.SmolLM3Config(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif kind == "gemma2":  # every second layer slides, as the real ones; caps low enough to matter here

@@ -55,10 +55,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size,
                                            reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
+        self.output_scale = 1.0  # Granite's residual_multiplier: the block's output times it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = self.gate_up_proj.silu_and_mul(x)  # fused into the product where the layer can (see silu_and_mul)
-        return self.down_proj(act) if act is not None else self._down(self.gate_up_proj(x))
+        return self._scaled(self.down_proj(act)) if act is not None else self._down(self.gate_up_proj(x))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.output_scale == 1.0 else out * self.output_scale
 
     def normed_forward(self, x: torch.Tensor, residual: torch.Tensor,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -70,7 +74,7 @@ class LlamaMLP(nn.Module):
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = self.down_proj.gated_product(gate_up)  # the activation in down's launch where it can
-        return out if out is not None else self.down_proj(self.act_fn(gate_up))
+        return self._scaled(out if out is not None else self.down_proj(self.act_fn(gate_up)))
 
 
 def attention_head_dim(config: PretrainedConfig) -> int:
@@ -111,6 +115,7 @@ class LlamaAttention(nn.Module):
         scaling = self.head_dim ** -0.5 if scaling is None else scaling  # Gemma: query_pre_attn_scalar ** -0.5
         self.attn = RadixAttention(self.num_heads, self.head_dim, scaling, self.num_kv_heads, layer_id,
                                    sliding_window_size=sliding_window_size(config, layer_id), logit_cap=logit_cap)
+        self.output_scale = 1.0  # Granite's residual_multiplier
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -123,7 +128,7 @@ class LlamaAttention(nn.Module):
             rotated = self._qkv_rope(positions, hidden, forward_batch)
             if rotated is not None:  # q/k/v, the rotation and the KV store in one launch
                 q, k, v = rotated.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-                return self.o_proj(self.attn(q, k, v, forward_batch, save_kv_cache=False))
+                return self._out(self.attn(q, k, v, forward_batch, save_kv_cache=False))
             qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         norm = None
@@ -138,7 +143,12 @@ class LlamaAttention(nn.Module):
         kv_write = self._kv_write(q, k, v, forward_batch)
         q, k = self.rotary_emb(positions, q, k, kv_write, norm)
         out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
-        return self.o_proj(out)
+        return self._out(out)
+
+    def _out(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj's product, times Granite's residual_multiplier where the model sets one (output_scale)."""
+        out = self.o_proj(attn_out)
+        return out if self.output_scale == 1.0 else out * self.output_scale
 
     def normed_forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                        norm: RMSNorm, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -153,7 +163,7 @@ class LlamaAttention(nn.Module):
         if not fused.rotated:
             return self.forward(positions, None, forward_batch, qkv=fused.out), fused.residual
         q, k, v = fused.out.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v, forward_batch, save_kv_cache=False)), fused.residual
+        return self._out(self.attn(q, k, v, forward_batch, save_kv_cache=False)), fused.residual
 
     def _rope_args(self, positions: torch.Tensor, hidden: torch.Tensor,
                    forward_batch: ForwardBatch) -> RopeArgs | None:
@@ -292,9 +302,12 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.post_attention_layernorm.prefetch_next(getattr(layer.mlp, "gate_up_proj", None))
         self.final_partial = bool(len(self.layers)) and self.layers[-1].mlp_partial
+        self.embed_scale = 1.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:  # Granite's embedding_multiplier
+            hidden = hidden * self.embed_scale
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)

@@ -9,6 +9,7 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "radixserve.models.llama",
     "Mistral3ForConditionalGeneration": "radixserve.models.llama",
     "Phi3ForCausalLM": "radixserve.models.phi3",
+    "GraniteForCausalLM": "radixserve.models.granite",
     "SmolLM3ForCausalLM": "radixserve.models.smollm3",
     "Gemma2ForCausalLM": "radixserve.models.gemma",
     "Gemma3ForCausalLM": "radixserve.models.gemma",

@@ -1,4 +1,4 @@
-"""Phi-3, Gemma 2, Gemma 3 and SmolLM3 on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32
+"""Phi-3, Gemma 2, Gemma 3, SmolLM3 and Granite on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32
 greedy tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 2: soft-capped
 scores and logits; Gemma 3: sliding and full layers, head_dim 256; SmolLM3: layers without rotary), and bf16 agrees
 position by position. Skipped without a GPU."""
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
 from test_gemma import gemma3  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
+from test_granite import granite  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
@@ -35,12 +36,14 @@ def gpu_runner(path: str, dtype: str, **kw):
 def build(family: str, path: str) -> torch.nn.Module:
     if family == "smollm3":
         return smollm3(path, use_sliding_window=True, sliding_window=5)
+    if family == "granite":  # the multipliers through the fused CUDA paths (one-row GEMV + norm, graphs)
+        return granite(path)
     if family == "gemma2":  # soft-capped scores in the Triton kernels, under CUDA graphs too
         return gemma3(path, family="gemma2")
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
