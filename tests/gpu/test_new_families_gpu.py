@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
 from test_gemma import gemma3  # noqa: E402
-from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_granite import granite  # noqa: E402
+from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
