@@ -1,7 +1,7 @@
-"""Phi-3, Gemma 2, Gemma 3, SmolLM3 and Granite on CUDA (Triton attention and rotary kernels, CUDA-graph decode): float32
-greedy tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 2: soft-capped
-scores and logits; Gemma 3: sliding and full layers, head_dim 256; SmolLM3: layers without rotary), and bf16 agrees
-position by position. Skipped without a GPU."""
+"""Phi-3, Gemma 2, Gemma 3, SmolLM3 and Granite on CUDA (Triton attention and rotary kernels, CUDA-graph decode):
+float32 greedy tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 2:
+soft-capped scores and logits; Gemma 3: sliding and full layers, head_dim 256; SmolLM3: layers without rotary;
+Granite: its multipliers through the fused paths), and bf16 agrees position by position. Skipped without a GPU."""
 
 from __future__ import annotations
 
