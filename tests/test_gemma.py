@@ -187,3 +187,72 @@ def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
     with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
         got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
     assert [o["output_ids"] for o in got] == want
+
+
+def gemma3_multimodal(path: str) -> None:
+    """A tiny Gemma3ForConditionalGeneration (a SigLIP tower of 2 layers beside the 2 text layers) saved to `path`."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, head_dim=32, query_pre_attn_scalar=24, sliding_window=5,
+                sliding_window_pattern=2)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+                          boi_token_index=253, eoi_token_index=254)
+    model = tf.Gemma3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+
+
+def test_multimodal_lora_serves_its_text_layers(tmp_path) -> None:  # noqa: ANN001
+    """PEFT's q_proj / v_proj targets on Gemma3ForConditionalGeneration match the vision tower's layers too, under
+    the same layer numbers: served as text, only the language model's LoRA applies (as for text-only input in
+    transformers), never the tower's in its place."""
+    from lora_utils import make_adapter, peft_greedy
+    from safetensors.torch import load_file
+    from test_lora import submit_lora
+    from test_scheduler import drain, make_scheduler
+
+    path, adapter = str(tmp_path / "base"), str(tmp_path / "adapter")
+    gemma3_multimodal(path)
+    make_adapter(path, adapter, 4, 8, False, ["q_proj", "v_proj", "o_proj"], seed=3)
+    assert any(".vision_tower." in name for name in load_file(f"{adapter}/adapter_model.safetensors"))
+    want = peft_greedy(path, adapter, PROMPTS, 8)
+    assert want != peft_greedy(path, None, PROMPTS, 8)
+    s = make_scheduler(path, lora_paths=[f"mm={adapter}"])
+    for i, prompt in enumerate(PROMPTS):
+        submit_lora(s, str(i), prompt, 8, "mm")
+    res = drain(s)
+    assert [res[str(i)]["ids"] for i in range(len(PROMPTS))] == want
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gguf_gemma_files_are_refused(arch: str, tmp_path) -> None:  # noqa: ANN001
+    """llama.cpp's Gemma files keep the norms with the 1 added and name the post-norms the loader does not map:
+    refused when the config is read, not after half the tensors loaded (transformers reads Gemma 2's config)."""
+    import gguf
+    import numpy as np
+
+    from radixserve.configs.model_config import ModelConfig
+
+    path = str(tmp_path / f"{arch}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tensor("token_embd.weight", np.zeros((8, 16), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=f"GGUF files of Gemma {arch[-1]}"):
+        ModelConfig(path)

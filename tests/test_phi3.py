@@ -156,3 +156,48 @@ def test_gguf_phi3_files_are_refused(tmp_path) -> None:  # noqa: ANN001
     w.close()
     with pytest.raises(ValueError, match="GGUF files of Phi-3 / Phi-4"):
         ModelConfig(path)
+
+
+def split_qkv_adapter(fused: str, out: str, q_rows: int, kv_rows: int) -> None:
+    """A PEFT adapter of Phi-3's fused `qkv_proj` written as q/k/v adapters (A shared, B split by rows): the same
+    delta, in the layout Llama-family adapters (and write_random_adapter) have."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for name, t in load_file(f"{fused}/adapter_model.safetensors").items():
+        if ".qkv_proj." not in name:
+            tensors[name] = t
+            continue
+        parts = [t] * 3 if ".lora_A." in name else t.split([q_rows, kv_rows, kv_rows])
+        for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+            tensors[name.replace("qkv_proj", proj)] = part.clone()
+    Path(out).mkdir(parents=True)
+    save_file(tensors, f"{out}/adapter_model.safetensors")
+    cfg = json.loads(Path(fused, "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    Path(out, "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def test_q_k_lora_follows_the_partial_rotation_layout(tmp_path) -> None:  # noqa: ANN001
+    """A q/k adapter's B rows are laid out as the base q/k rows (partial_rotary_order): an adapter equal to PEFT's
+    fused qkv_proj one gives PEFT's tokens (the fused one itself is refused: PEFT's qkv_proj is not a target here)."""
+    from lora_utils import make_adapter, peft_greedy
+    from test_lora import submit_lora
+    from test_scheduler import drain, make_scheduler
+
+    path = str(tmp_path / "base")
+    hf = phi3(path, "partial")
+    make_adapter(path, str(tmp_path / "fused"), 4, 8, False, ["qkv_proj", "o_proj"], seed=3)
+    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+    split_qkv_adapter(str(tmp_path / "fused"), str(tmp_path / "split"), hf.config.num_attention_heads * head_dim,
+                      hf.config.num_key_value_heads * head_dim)
+    want = peft_greedy(path, str(tmp_path / "fused"), PROMPTS, 8)
+    assert want != peft_greedy(path, None, PROMPTS, 8)
+    s = make_scheduler(path, lora_paths=[f"split={tmp_path / 'split'}"])
+    for i, prompt in enumerate(PROMPTS):
+        submit_lora(s, str(i), prompt, 8, "split")
+    res = drain(s)
+    assert [res[str(i)]["ids"] for i in range(len(PROMPTS))] == want

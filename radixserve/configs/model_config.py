@@ -232,6 +232,7 @@ class ModelConfig:
             except Exception as e:
                 raise ValueError(f"cannot read the model config from GGUF file {self.model_path}: {e}") from e
             unmapped = {"phi3": "Phi-3 / Phi-4 (fused q/k/v and gate/up tensors, LongRoPE factors)",
+                        "gemma2": "Gemma 2 (norms stored with the 1 added, four norms a layer)",
                         "gemma3": "Gemma 3 (norms stored with the 1 added, four norms a layer)",
                         "gemma3_text": "Gemma 3 (norms stored with the 1 added, four norms a layer)"}
             what = unmapped.get(getattr(config, "model_type", None))

@@ -15,6 +15,9 @@ from radixserve.lora.config import TARGET_MODULES, LoRAConfig
 # ".weight" in memory; saved files drop it)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES) + r")\.lora_([AB])(?:\.[\w-]+)?"
                   r"\.weight$")
+# the image encoder of a multimodal checkpoint served as text (Gemma 3): its layers are not loaded, so neither is
+# their LoRA (PEFT's q_proj / v_proj targets match its layers too, under the same layer numbers as the text's)
+_UNSERVED_PARTS = (".vision_tower.", ".multi_modal_projector.")
 
 
 @dataclass
@@ -45,6 +48,8 @@ def read_lora_weights(path: str, num_layers: int) -> LoRAWeights:
         raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or .bin)")
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
+        if any(part in f".{name}" for part in _UNSERVED_PARTS):
+            continue
         m = _KEY.search(name)
         if m is None:
             raise ValueError(f"LoRA adapter {path!r}: unexpected tensor {name!r} (only LoRA A/B of "
@@ -53,7 +58,10 @@ def read_lora_weights(path: str, num_layers: int) -> LoRAWeights:
         if layer >= num_layers:
             raise ValueError(f"LoRA adapter {path!r}: tensor {name!r} is for layer {layer}, the model has "
                              f"{num_layers}")
-        halves.setdefault((layer, module), {})[which] = t
+        if which in halves.setdefault((layer, module), {}):
+            raise ValueError(f"LoRA adapter {path!r}: more than one lora_{which} for layer {layer} {module} "
+                             f"(e.g. {name!r})")
+        halves[(layer, module)][which] = t
     out = LoRAWeights(config)
     for key, ab in halves.items():
         if set(ab) != {"A", "B"}:

@@ -8,6 +8,7 @@ has read it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,7 +102,9 @@ class LoRAManager:
                  device: str) -> None:
         self.num_layers = num_layers
         self.device = device
-        start = [(name, read_lora_weights(path, num_layers)) for name, path in server_args.lora_path_pairs()]
+        # a model whose loader reorders some base weights' rows (Phi-3's q/k under partial rotation) lays B out too
+        self.lora_b_layout: Callable[[str, torch.Tensor], torch.Tensor] | None = getattr(model, "lora_b_layout", None)
+        start = [(name, self._read(path)) for name, path in server_args.lora_path_pairs()]
         self.max_rank = server_args.max_lora_rank or max((w.config.r for _, w in start),
                                                          default=DEFAULT_MAX_LORA_RANK)
         modules = server_args.lora_target_modules
@@ -141,11 +144,18 @@ class LoRAManager:
             raise ValueError("a LoRA adapter needs a name")
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        weights = read_lora_weights(path, self.num_layers)
+        weights = self._read(path)
         self._check_targets(name, weights)
         host = self.pool.host_copy(name, weights)
         self.adapters[name] = host
         return host
+
+    def _read(self, path: str) -> LoRAWeights:
+        """An adapter folder's weights, each B's rows in the model's layout of its base weight."""
+        weights = read_lora_weights(path, self.num_layers)
+        if self.lora_b_layout is not None:
+            weights.weights = {key: (a, self.lora_b_layout(key[1], b)) for key, (a, b) in weights.weights.items()}
+        return weights
 
     def _check_targets(self, name: str, weights: LoRAWeights) -> None:
         extra = sorted(set(weights.target_modules) - self.allowed) if self.allowed is not None else []

@@ -62,6 +62,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{name}: quantized q/k tensors are not supported with partial_rotary_factor")
         return name
 
+    def lora_b_layout(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B [out, r] for `module` with its rows laid out as the base weight's (q and k under
+        partial rotation: the delta must land on the dims the rotation expects). A B whose rows are not whole heads
+        is left as it is, for the adapter's shape check to refuse."""
+        if b.dim() != 2 or b.shape[0] % max(self.head_dim, 1):
+            return b
+        return self._laid_out(f".{module}.", b)
+
     def _laid_out(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """q/k rows in partial_rotary_order within each head (weights [rows, in] and biases [rows])."""
         if self.dim_order is None or not (".q_proj." in name or ".k_proj." in name) or tensor.numel() == 1:
