@@ -51,23 +51,9 @@ def license_text() -> tuple[str, str]:
 
 
 def perplexity(runner: Any, ids: list[int]) -> float:
-    from radixserve.managers.schedule_batch import Req, ScheduleBatch
-    from radixserve.managers.tp_worker import run_model_worker_batch
-    from radixserve.sampling.sampling_params import SamplingParams
+    from radixserve.bench_one_batch import StaticBatch
 
-    req = Req("ppl", ids, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1}), return_logprob=True,
-              logprob_start_len=0, top_logprobs_num=0)
-    req.init_next_round_input(None)
-    batch = ScheduleBatch([req], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
-                          runner.model_config.vocab_size)
-    batch.prepare_for_extend()
-    out = run_model_worker_batch(runner, batch.get_model_worker_batch()).logits_output
-    lp = out.input_token_logprobs[0].float()  # the logprobs of tokens 1 .. N-1 given their prefixes
-    if lp.numel() != len(ids) - 1:
-        raise RuntimeError(f"expected {len(ids) - 1} prompt logprobs, got {lp.numel()}")
-    runner.token_to_kv_pool.free(runner.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_committed_len))
-    runner.req_to_token_pool.free(req.req_pool_idx)
-    return math.exp(-float(lp.mean()))
+    return math.exp(-float(StaticBatch(runner).prompt_logprobs(ids).mean()))
 
 
 def write_gguf(folder: str, out: str, kind: str) -> dict[str, str]:

@@ -67,6 +67,22 @@ class StaticBatch:
         batch.prepare_for_decode()
         return self._run(batch)
 
+    def prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """The log-probabilities of tokens 1 .. N-1 of `ids` given their prefixes (float32 [N - 1]), from one
+        prefill with prompt logprobs; the request's memory is released after."""
+        req = Req("prompt-logprobs", ids, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1}),
+                  return_logprob=True, logprob_start_len=0, top_logprobs_num=0)
+        req.init_next_round_input(None)
+        batch = ScheduleBatch([req], self.runner.req_to_token_pool, self.runner.token_to_kv_pool, None,
+                              self.runner.device, self.vocab)
+        batch.prepare_for_extend()
+        self._run(batch)
+        self.release(batch)
+        out = self.last_logits.input_token_logprobs[0].float()
+        if out.numel() != len(ids) - 1:
+            raise RuntimeError(f"expected {len(ids) - 1} prompt logprobs, got {out.numel()}")
+        return out
+
     def release(self, batch: ScheduleBatch) -> None:
         for r in batch.reqs:
             self.runner.token_to_kv_pool.free(self.runner.req_to_token_pool.read(r.req_pool_idx, 0,

@@ -193,3 +193,41 @@ def set_quantization_config(path: str, qc: dict[str, Any] | None) -> None:
         cfg["quantization_config"] = qc
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
+
+
+# prompts for `scheduler_waves`: two share an 11-token head (so the second wave's hits it in the radix cache), one
+# long prompt crosses several 5-token chunks
+SHARED_HEAD = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]
+WAVE_PROMPTS = [SHARED_HEAD + [40, 41], SHARED_HEAD + [50], [200, 100, 50, 25, 12, 6, 3, 1, 9, 10, 11, 12, 13, 30, 31,
+                                                              32, 33, 34, 35, 36, 37], SHARED_HEAD + [60, 61, 62, 63]]
+
+
+def scheduler_waves(path: str, prompts: list[list[int]] | None = None, max_new_tokens: int = 12,
+                    **server_kw: Any) -> list[list[int]]:
+    """Greedy tokens of `prompts` (default WAVE_PROMPTS) through one CPU float32 Scheduler with 5-token chunked
+    prefill and mixed chunks: the first half runs to its end before the second half is sent, so the second finds
+    the first's prefixes cached. Checks that the cache was hit and the memory accounting holds."""
+    from radixserve.managers import io_struct as io
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.sampling.sampling_params import SamplingParams
+    from radixserve.server_args import ServerArgs
+
+    prompts = WAVE_PROMPTS if prompts is None else prompts
+    kw: dict[str, Any] = dict(device="cpu", dtype="float32", max_total_tokens=2048, skip_tokenizer_init=True,
+                              chunked_prefill_size=5, enable_mixed_chunk=True)
+    s = Scheduler(ServerArgs(model_path=path, **{**kw, **server_kw}), port_args={})
+    got: dict[str, list[int]] = {}
+    half = len(prompts) // 2
+    for first, wave in ((0, prompts[:half]), (half, prompts[half:])):
+        for i, p in enumerate(wave):
+            s.process_input_requests([io.TokenizedGenerateReqInput(
+                rid=str(first + i), input_text=None, input_ids=p, sampling_params=SamplingParams.from_dict(
+                    {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}))])
+        while s.step() or not s.is_idle():
+            pass
+        for msg in s.outbox:
+            for rid, ids in zip(msg.rids, msg.new_token_ids, strict=True):
+                got.setdefault(rid, []).extend(ids)
+        s.outbox.clear()
+    assert s.cache_hit_tokens > 0 and s.check_memory()
+    return [got[str(i)] for i in range(len(prompts))]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import hf_greedy, make_runner, make_tiny_model
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
 from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
 
 from radixserve.bench_one_batch import StaticBatch
@@ -75,10 +75,6 @@ def test_gemma2_soft_caps_change_the_tokens(tmp_path) -> None:  # noqa: ANN001
 def test_gemma2_prompt_logprobs_come_from_capped_logits(tmp_path) -> None:  # noqa: ANN001
     """The final cap leaves the argmax alone (tanh is increasing) but not the distribution: prompt logprobs equal
     transformers' log-softmax of its capped logits, which differ from the uncapped ones."""
-    from radixserve.managers.schedule_batch import Req, ScheduleBatch
-    from radixserve.managers.tp_worker import run_model_worker_batch
-    from radixserve.sampling.sampling_params import SamplingParams
-
     hf = gemma3(str(tmp_path), family="gemma2")
     with torch.no_grad():  # logits well past the cap (1.5), so that capping changes the distribution
         hf.model.norm.weight.add_(20.0)
@@ -88,15 +84,8 @@ def test_gemma2_prompt_logprobs_come_from_capped_logits(tmp_path) -> None:  # no
         logits = hf(torch.tensor([ids])).logits[0, :-1].float()
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert float(logits.abs().max()) <= 1.5
-    runner = make_runner(str(tmp_path))
-    req = Req("lp", ids, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1}), return_logprob=True,
-              logprob_start_len=0, top_logprobs_num=0)
-    req.init_next_round_input(None)
-    batch = ScheduleBatch([req], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device,
-                          runner.model_config.vocab_size)
-    batch.prepare_for_extend()
-    got = run_model_worker_batch(runner, batch.get_model_worker_batch()).logits_output.input_token_logprobs[0]
-    torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
+    got = StaticBatch(make_runner(str(tmp_path))).prompt_logprobs(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     hf.config.final_logit_softcapping = None
     with torch.no_grad():
         uncapped = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
@@ -115,54 +104,21 @@ def test_gemma2_refused_by_backends_without_soft_capping(tmp_path, monkeypatch) 
 
 def test_scheduler_chunked_prefill_and_prefix_cache(tmp_path) -> None:  # noqa: ANN001
     """Chunks of 5 tokens and prompts sharing cached prefixes longer than the window."""
-    from radixserve.managers import io_struct as io
-    from radixserve.managers.scheduler import Scheduler
-    from radixserve.sampling.sampling_params import SamplingParams
-    from radixserve.server_args import ServerArgs
-
     hf = gemma3(str(tmp_path), "scaled")
-    head = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]
-    prompts = [head + [40, 41], head + [50], PROMPTS[2], head + [60, 61, 62, 63, 64, 65]]
-    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
-                             skip_tokenizer_init=True, chunked_prefill_size=5, enable_mixed_chunk=True), port_args={})
-    got: dict[str, list[int]] = {}
-    for wave in (prompts[:2], prompts[2:]):  # the second wave finds the first one's prefixes cached
-        for i, p in enumerate(wave):
-            s.process_input_requests([io.TokenizedGenerateReqInput(
-                rid=f"{len(got)}-{i}", input_text=None, input_ids=p,
-                sampling_params=SamplingParams.from_dict({"max_new_tokens": 12, "temperature": 0,
-                                                          "ignore_eos": True}))])
-        while s.step() or not s.is_idle():
-            pass
-        for msg in s.outbox:
-            for rid, ids in zip(msg.rids, msg.new_token_ids, strict=True):
-                got.setdefault(rid, []).extend(ids)
-        s.outbox.clear()
-    assert s.cache_hit_tokens > 0 and s.check_memory()
-    assert [got["0-0"], got["0-1"], got["2-0"], got["2-1"]] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert scheduler_waves(str(tmp_path)) == [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
 
 
 def test_multimodal_checkpoint_served_as_text(tmp_path) -> None:  # noqa: ANN001
     """Gemma3ForConditionalGeneration (the 4B-27B checkpoints): the text weights under language_model.*, the vision
     tower skipped; text prompts give transformers' tokens."""
-    import transformers as tf
+    from transformers import AutoModelForImageTextToText
 
     from radixserve.configs.model_config import ModelConfig
 
-    torch.manual_seed(0)
-    text = make_tiny_model("gemma3", str(tmp_path / "text")).config.to_dict()
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=8)
-    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=250,
-                          boi_token_index=251, eoi_token_index=252)
-    hf = tf.Gemma3ForConditionalGeneration(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    hf.save_pretrained(str(tmp_path / "mm"))
-    assert ModelConfig(str(tmp_path / "mm")).architectures == ["Gemma3ForConditionalGeneration"]
-    runner = make_runner(str(tmp_path / "mm"))
+    gemma3_multimodal(str(tmp_path))
+    hf = AutoModelForImageTextToText.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert ModelConfig(str(tmp_path)).architectures == ["Gemma3ForConditionalGeneration"]
+    runner = make_runner(str(tmp_path))
     assert StaticBatch(runner).generate(PROMPTS, 12) == [hf_greedy(hf, p, 12) for p in PROMPTS]
 
 

@@ -11,16 +11,14 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import psutil
 import pytest
+import server_utils
 from hostile_harness import (
     C,
     run_disconnects,
@@ -30,9 +28,9 @@ from hostile_harness import (
     slots_free,
     wait_idle,
 )
-from server_utils import wait_healthy
+from server_utils import Server
 
-from radixserve.utils import free_port, kill_process_tree
+from radixserve.utils import kill_process_tree
 
 pytestmark = pytest.mark.integration
 
@@ -42,35 +40,9 @@ READ_TIMEOUT_S = 2.0
 MAX_REQUEST_BYTES = 8 << 20  # the default
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str
-    log_path: str
-
-    def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
-
-
 def start_server(log_path: str, extra: list[str], env: dict[str, str] | None = None) -> Server:
-    port = free_port()
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "8192", "--enable-metrics", "--watchdog-timeout", "30", *extra]
-    log = open(log_path, "w")  # noqa: SIM115 - the child keeps the descriptor
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    log.close()
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_healthy(srv.base, [proc], srv.log_tail)
-    except BaseException:
-        kill_process_tree(proc.pid)
-        raise
-    return srv
+    return server_utils.start_server(log_path, ["--max-total-tokens", "8192", "--enable-metrics",
+                                                "--watchdog-timeout", "30", *extra], env)
 
 
 @pytest.fixture(scope="module")

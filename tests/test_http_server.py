@@ -10,12 +10,9 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -23,10 +20,9 @@ import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import wait_healthy
+from server_utils import Server, serving
 
 from radixserve.bench_serving import scrape_ttft_stages, stage_means_ms
-from radixserve.utils import free_port, kill_process_tree
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
@@ -38,36 +34,12 @@ COUNT_PROMPT = "1, 2, 3, 4, 5,"
 GRACE_S = 20.0  # ample for a 3-token request on a loaded CI machine
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str
-    log_path: str
-
-    def log_tail(self, n: int = 40) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            lines = [ln for ln in f.read().splitlines() if "Loading" not in ln]
-        return "\n".join(lines[-n:])
-
-
 @pytest.fixture(scope="module")
 def server(embedded_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "4096", "--enable-metrics", "--api-key", API_KEY,
-           "--max-queued-requests", str(MAX_QUEUED), "--watchdog-timeout", "5",
-           "--graceful-shutdown-timeout", str(GRACE_S)]
-    log = open(log_path, "w")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_healthy(srv.base, [proc], srv.log_tail)
+    args = ["--max-total-tokens", "4096", "--enable-metrics", "--api-key", API_KEY, "--max-queued-requests",
+            str(MAX_QUEUED), "--watchdog-timeout", "5", "--graceful-shutdown-timeout", str(GRACE_S)]
+    with serving(str(tmp_path_factory.mktemp("server") / "server.log"), args) as srv:
         yield srv
-    finally:
-        if proc.poll() is None:
-            kill_process_tree(proc.pid)
-        log.close()
 
 
 @pytest.fixture(scope="module")

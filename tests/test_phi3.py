@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import hf_greedy, make_runner, make_tiny_model
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
 from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
 
 from radixserve.bench_one_batch import StaticBatch
@@ -74,31 +74,8 @@ def test_longrope_turns_past_the_original_context_with_the_long_factors(tmp_path
 
 def test_scheduler_chunked_prefill_and_prefix_cache(tmp_path) -> None:  # noqa: ANN001
     """Chunks of 5 tokens and prompts sharing cached prefixes, on the window + LongRoPE + partial model."""
-    from radixserve.managers import io_struct as io
-    from radixserve.managers.scheduler import Scheduler
-    from radixserve.sampling.sampling_params import SamplingParams
-    from radixserve.server_args import ServerArgs
-
     hf = phi3(str(tmp_path), "longrope", sliding_window=6)
-    head = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]
-    prompts = [head + [40, 41], head + [50], PROMPTS[2], head + [60, 61, 62, 63, 64, 65]]
-    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
-                             skip_tokenizer_init=True, chunked_prefill_size=5, enable_mixed_chunk=True), port_args={})
-    got: dict[str, list[int]] = {}
-    for wave in (prompts[:2], prompts[2:]):  # the second wave finds the first one's prefixes cached
-        for i, p in enumerate(wave):
-            s.process_input_requests([io.TokenizedGenerateReqInput(
-                rid=f"{len(got)}-{i}", input_text=None, input_ids=p,
-                sampling_params=SamplingParams.from_dict({"max_new_tokens": 12, "temperature": 0,
-                                                          "ignore_eos": True}))])
-        while s.step() or not s.is_idle():
-            pass
-        for msg in s.outbox:
-            for rid, ids in zip(msg.rids, msg.new_token_ids, strict=True):
-                got.setdefault(rid, []).extend(ids)
-        s.outbox.clear()
-    assert s.cache_hit_tokens > 0 and s.check_memory()
-    assert [got["0-0"], got["0-1"], got["2-0"], got["2-1"]] == [hf_greedy(hf, p, 12) for p in prompts]
+    assert scheduler_waves(str(tmp_path)) == [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
 
 
 def test_quantized_fused_tensors_and_unsupported_partial_rotation_are_refused(tmp_path) -> None:  # noqa: ANN001

@@ -4,19 +4,14 @@ the embedded SmolLM2 (--enable-metrics, --api-key, --log-requests)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import wait_healthy
-
-from radixserve.utils import free_port, kill_process_tree
+from server_utils import Server, serving
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
@@ -25,33 +20,11 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str
-    log_path: str
-
-    def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-
 @pytest.fixture(scope="module")
 def server(embedded_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "4096", "--enable-metrics", "--api-key", API_KEY, "--log-requests"]
-    log = open(log_path, "w")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_healthy(srv.base, [proc], lambda: srv.log()[-4000:])
+    args = ["--max-total-tokens", "4096", "--enable-metrics", "--api-key", API_KEY, "--log-requests"]
+    with serving(str(tmp_path_factory.mktemp("server") / "server.log"), args) as srv:
         yield srv
-    finally:
-        if proc.poll() is None:
-            kill_process_tree(proc.pid)
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from model_utils import hf_greedy, make_runner
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, scheduler_waves
 
 from radixserve.bench_one_batch import StaticBatch
 from radixserve.configs.model_config import ModelConfig, sliding_window_size
@@ -192,30 +192,5 @@ def test_greedy_matches_transformers_with_a_short_window(kind: str, backend: str
 
 def test_scheduler_chunked_prefill_and_prefix_cache_keep_the_window(tmp_path) -> None:
     """Chunks of 5 tokens, prompts sharing cached prefixes longer than the window, mixed batches."""
-    from radixserve.managers import io_struct as io
-    from radixserve.managers.scheduler import Scheduler
-    from radixserve.sampling.sampling_params import SamplingParams
-    from radixserve.server_args import ServerArgs
-
     hf = tiny_windowed("mistral", str(tmp_path), window=4)
-    head = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]
-    prompts = [head + [40, 41], head + [50], PROMPTS[2], head + [60, 61, 62, 63, 64, 65]]
-    s = Scheduler(ServerArgs(model_path=str(tmp_path), device="cpu", dtype="float32", max_total_tokens=2048,
-                             skip_tokenizer_init=True, chunked_prefill_size=5,
-                             enable_mixed_chunk=True), port_args={})
-    got: dict[str, list[int]] = {}
-    for wave in (prompts[:2], prompts[2:]):  # the second wave finds the first one's prefixes cached
-        for i, p in enumerate(wave):
-            s.process_input_requests([io.TokenizedGenerateReqInput(
-                rid=f"{len(got)}-{i}", input_text=None, input_ids=p,
-                sampling_params=SamplingParams.from_dict({"max_new_tokens": 12, "temperature": 0,
-                                                          "ignore_eos": True}))])
-        while s.step() or not s.is_idle():
-            pass
-        for msg in s.outbox:
-            for rid, ids in zip(msg.rids, msg.new_token_ids, strict=True):
-                got.setdefault(rid, []).extend(ids)
-        s.outbox.clear()
-    assert s.cache_hit_tokens > 0 and s.check_memory()
-    ordered = [got["0-0"], got["0-1"], got["2-0"], got["2-1"]]
-    assert ordered == [hf_greedy(hf, p, 12) for p in prompts]
+    assert scheduler_waves(str(tmp_path)) == [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -17,9 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_utils import wait_healthy
-
-from radixserve.utils import free_port, kill_process_tree
+from server_utils import serving
 
 API_KEY = "sk-web-ui"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -75,20 +71,9 @@ def test_page_routes_follow_flags() -> None:
 @pytest.fixture(scope="module")
 def server(embedded_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     _need_browser()
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("web") / "server.log"
-    log = open(log_path, "w")  # noqa: SIM115 - closed at teardown
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "4096", "--api-key", API_KEY]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, [proc], lambda: log_path.read_text()[-4000:])
-        yield base
-    finally:
-        if proc.poll() is None:
-            kill_process_tree(proc.pid)
-        log.close()
+    args = ["--max-total-tokens", "4096", "--api-key", API_KEY]
+    with serving(str(tmp_path_factory.mktemp("web") / "server.log"), args) as srv:
+        yield srv.base
 
 
 @pytest.fixture(scope="module")
