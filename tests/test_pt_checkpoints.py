@@ -76,3 +76,11 @@ def test_format_errors(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "pytorch_model.bin.index.json").write_text('{"weight_map": {"a": "pytorch_model-00001.bin"}}')
     with pytest.raises(ValueError, match="pytorch_model-00001.bin named in"):
         list_pt_files(str(tmp_path))
+
+
+def test_a_legacy_format_file_loads_without_mmap(tmp_path) -> None:  # noqa: ANN001
+    """torch.save's pre-1.6 format (some older checkpoints) cannot be memory-mapped: it is read whole instead."""
+    state = {"a": torch.arange(4.0), "b": torch.ones(2, 3)}
+    torch.save(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    got = dict(pt_weights_iterator(list_pt_files(str(tmp_path))))
+    assert set(got) == {"a", "b"} and all(torch.equal(got[k], v) for k, v in state.items())

@@ -64,12 +64,21 @@ def list_pt_files(folder: str) -> list[str]:
 
 def _load_pt(path: str) -> dict[str, Any]:
     try:  # mmap: a shard's tensors are read as they are copied into the model, not all at once
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # UnpicklingError (not weights only), RuntimeError (not a zip or legacy file), OSError
+        state = _torch_load(path)
+    except Exception as e:  # UnpicklingError (not weights only), RuntimeError (not a torch file), OSError
         raise ValueError(f"cannot read PyTorch weights {path}: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"PyTorch weights {path} are not a state dict of tensors")
     return state
+
+
+def _torch_load(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:  # a file in torch's legacy (pre-1.6) format cannot be memory-mapped: read it whole
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def count_pt_tensors(files: list[str]) -> int:
