@@ -131,7 +131,8 @@ class GemmaModel(nn.Module):
         return hidden
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Both generations: `gemma3` picks Gemma 3's q/k norms and per-type rotary over Gemma 2's soft-capping."""
     gemma3 = True
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -156,9 +157,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return super().load_weight(params, name, tensor)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForCausalLM(GemmaForCausalLM):
     pass
 
 
-class Gemma2ForCausalLM(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(GemmaForCausalLM):
+    pass
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
     gemma3 = False
