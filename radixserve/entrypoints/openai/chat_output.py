@@ -72,6 +72,7 @@ class OutputConfig:
     tools: ToolParser | None = None  # None: no tool parsing (no tools, or tool_choice "none")
     max_calls: int | None = None  # parallel_tool_calls false: only the first call counts
     call_id: Callable[[], str] = new_call_id  # the model family's id form (ToolParser.call_id)
+    keep_special_tokens: bool = False  # the parsers read special-token markers (harmony): not skipped in the output
 
 
 @dataclass
@@ -101,6 +102,8 @@ class ChoiceOutput:
                 msg["tool_calls"] = [{"id": self.cfg.call_id(), "type": "function",
                                       "function": {"name": n, "arguments": a}} for n, a in calls]
                 self.calls = [[c["id"], len(c["function"]["arguments"])] for c in msg["tool_calls"]]
+            else:  # the text itself when it holds no call, except where the format's markers are taken out
+                msg["content"] = content
         return msg
 
     @property

@@ -27,6 +27,8 @@ from radixserve.entrypoints.openai.tool_parsers.base import ToolParser
 # keys of chat_template_kwargs that would override what the server passes itself
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "add_generation_prompt",
                                        "tokenize", "return_dict", "continue_final_message", "chat_template"})
+# the parsers of GPT-OSS's harmony format (reasoning and tool calls)
+HARMONY = "gpt-oss"
 # JSON-schema types a function's arguments (a JSON object) cannot have
 _NOT_OBJECT_TYPES = frozenset({"string", "number", "integer", "boolean", "array", "null"})
 
@@ -166,10 +168,24 @@ def template_kwargs(req: Any, plan: ToolPlan, chat_template: str) -> dict[str, A
 def output_config(req: Any, plan: ToolPlan, reasoning_parser: str | None, prompt_text: str,
                   json_output: bool = False) -> OutputConfig:
     """`json_output`: a JSON-schema grammar shapes the answer from its first token (a forced call, a JSON
-    response_format), so none of it is thinking, even where the prompt opened the thinking block."""
-    reasoning = None
-    if reasoning_parser is not None and req.separate_reasoning and not json_output:
-        reasoning = get_reasoning_parser(reasoning_parser)
+    response_format), so none of it is thinking, even where the prompt opened the thinking block.
+
+    Harmony (GPT-OSS: the `gpt-oss` tool parser, named or detected from the chat template, or the `gpt-oss`
+    reasoning parser): the output keeps its special tokens and is always read by the harmony parsers, so that no
+    marker reaches the content: the tool parser even without tools (it then finds no call), and the reasoning
+    parser even when `--reasoning-parser` is not given (as vLLM and SGLang separate GPT-OSS's reasoning);
+    `separate_reasoning: false` leaves the analysis channel out (it cannot be shown inline without its markers)."""
+    chosen = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
+    harmony = not json_output and (plan.format_parser.needs_special_tokens
+                                   or (chosen is not None and chosen.needs_special_tokens))
+    if harmony and chosen is None:
+        chosen = get_reasoning_parser(HARMONY)
+    reasoning = chosen if req.separate_reasoning and not json_output else None
+    tools = plan.parser
+    if harmony and tools is None:
+        tools = get_tool_parser(HARMONY)
+        tools.tool_names = frozenset()  # no tools offered: a call is not one, its body is content
     return OutputConfig(reasoning=reasoning,
                         prompt_opens_reasoning=bool(reasoning and reasoning.prompt_opens_reasoning(prompt_text)),
-                        tools=plan.parser, max_calls=plan.max_calls, call_id=plan.format_parser.call_id)
+                        tools=tools, max_calls=plan.max_calls, call_id=plan.format_parser.call_id,
+                        keep_special_tokens=harmony)

@@ -125,6 +125,9 @@ class OpenAIServingChat(OpenAIServingBase):
         sp = self._sampling(req, max_new, plan)
         cfg = output_config(req, plan, getattr(self.tm.server_args, "reasoning_parser", None), prompt_text,
                             json_output="json_schema" in sp)
+        if cfg.keep_special_tokens:  # the harmony markers are special tokens: the parsers read them, content never
+            sp["skip_special_tokens"] = False
+            sp["spaces_between_special_tokens"] = False
         want_lp = bool(req.logprobs)
         top_n = req.top_logprobs or 0
         rid, _ = self.make_rid(req, 1)

@@ -1,5 +1,5 @@
-"""Reasoning parsers (`<think>` styles), one file per family, behind a registry with lazy imports that feeds
-`--reasoning-parser`'s choices."""
+"""Reasoning parsers (`<think>` styles, GPT-OSS's harmony channels), one file per family, behind a registry with
+lazy imports that feeds `--reasoning-parser`'s choices."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ _PKG = "radixserve.entrypoints.openai.reasoning_parsers"
 REASONING_PARSERS: dict[str, str] = {
     "qwen3": f"{_PKG}.qwen3:Qwen3ReasoningParser",
     "deepseek-r1": f"{_PKG}.deepseek_r1:DeepSeekR1ReasoningParser",
+    "gpt-oss": f"{_PKG}.gpt_oss:GptOssReasoningParser",
 }
 
 

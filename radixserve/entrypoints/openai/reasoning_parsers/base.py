@@ -16,6 +16,7 @@ class ReasoningParser:
     start = "<think>"
     end = "</think>"
     starts_in_reasoning = False  # the model's output begins inside the thinking block
+    needs_special_tokens = False  # reads markers that are special tokens: the output keeps them (serving_chat)
 
     def prompt_opens_reasoning(self, prompt_text: str) -> bool:
         """True when the rendered prompt ends inside an open thinking block."""

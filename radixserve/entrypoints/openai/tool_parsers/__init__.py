@@ -18,10 +18,12 @@ TOOL_PARSERS: dict[str, str] = {
     "qwen3": f"{_PKG}.hermes:HermesToolParser",
     "llama3": f"{_PKG}.llama3:Llama3JsonToolParser",
     "mistral": f"{_PKG}.mistral:MistralToolParser",
+    "gpt-oss": f"{_PKG}.gpt_oss:GptOssToolParser",
 }
 DEFAULT_TOOL_PARSER = "hermes"  # when the chat template shows no family's markers
-# markers checked in this order (a Llama template mentions neither <tool_call> nor [TOOL_CALLS])
-_DETECT_ORDER = ("mistral", "hermes", "llama3")
+# markers checked in this order (a Llama template mentions neither <tool_call> nor [TOOL_CALLS]; GPT-OSS's harmony
+# `<|channel|>` first: the most specific)
+_DETECT_ORDER = ("gpt-oss", "mistral", "hermes", "llama3")
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -205,6 +205,8 @@ class ToolParser:
     template_markers: tuple[str, ...] = ()
     # the functions a request offers (set per request): a call to another one is not a call, as if malformed
     tool_names: frozenset[str] | None = None
+    # reads markers that are special tokens: the output keeps them (serving_chat), and the content never shows them
+    needs_special_tokens = False
 
     def scan(self, text: str, final: bool) -> ScanResult:
         raise NotImplementedError
