@@ -183,25 +183,44 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
 
     fn = extend_attention._extend_kernel
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update({n: "*fp32" for n in ("Q", "K_Ext", "V_Ext", "Out", "K_Buf", "V_Buf")}, sm_scale_log2="fp32",
+    sig.update({n: "*fp32" for n in ("Q", "K_Ext", "V_Ext", "Out", "K_Buf", "V_Buf", "Sinks")}, sm_scale_log2="fp32",
                prefix_scale_log2="fp32", v_scale="fp32")
     sig.update({n: "*i32" for n in ("Req_to_token", "Req_pool_indices", "Prefix_lens", "Extend_lens", "Extend_start")})
     for hd in (64, 128, 256):
         bm, bn, warps, stages = extend_attention._default_blocks(hd, False)
-        out[f"extend fp32 d={hd}"] = (fn, sig, dict(GROUP=4, HEAD_DIM=hd, BLOCK_D=hd, BLOCK_M=bm, BLOCK_N=bn,
-                                                    DOT_FP32=True, KV_FP8=False, SLIDING=False, CAP=0.0),
-                                      dict(num_warps=warps, num_stages=stages))
+        for has_sinks in (False, True) if hd == 64 else (False,):  # GPT-OSS's head dim, with its sinks
+            out[f"extend fp32 d={hd}" + " sinks" * has_sinks] = (
+                fn, sig, dict(GROUP=4, HEAD_DIM=hd, BLOCK_D=hd, BLOCK_M=bm, BLOCK_N=bn, DOT_FP32=True, KV_FP8=False,
+                              SLIDING=has_sinks, CAP=0.0, HAS_SINKS=has_sinks),
+                dict(num_warps=warps, num_stages=stages))
     fn = decode_attention._decode_stage1_kernel
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update({n: "*fp32" for n in ("Q", "K_Buf", "V_Buf", "Out", "Mid_O", "Mid_LSE")}, sm_scale_log2="fp32",
+    sig.update({n: "*fp32" for n in ("Q", "K_Buf", "V_Buf", "Out", "Mid_O", "Mid_LSE", "Sinks")}, sm_scale_log2="fp32",
                v_scale="fp32")
     sig.update({n: "*i32" for n in ("Req_to_token", "Req_pool_indices", "Seq_lens", "Counters")})
     block_h = decode_attention._block_h(8, True)
     out["decode fp32 d=256 group 8"] = (
         fn, sig, dict(GROUP=8, HEAD_BLOCKS=triton.cdiv(8, block_h), HEAD_DIM=256, BLOCK_D=256, BLOCK_H=block_h,
                       BLOCK_N=64, USE_DOT=True, DOT_FP32=True, KV_F16=False, V_PAIRS=0, SLIDING=False, PDL=1,
-                      HEADS_FIRST=False, DIRECT=False, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1, CAP=0.0),
+                      HEADS_FIRST=False, DIRECT=False, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1, CAP=0.0,
+                      HAS_SINKS=False),
         dict(num_warps=8, num_stages=2))
+    # GPT-OSS's shape with its sinks (head dim 64, 64 query heads on 8 KV heads): merged in stage 1's launch, and
+    # stage 2's merge
+    block_h = decode_attention._block_h(8, True)
+    out["decode bf16 d=64 group 8 sinks"] = (
+        fn, dict(sig, **{n: "*bf16" for n in ("Q", "K_Buf", "V_Buf", "Out")}),
+        dict(GROUP=8, HEAD_BLOCKS=triton.cdiv(8, block_h), HEAD_DIM=64, BLOCK_D=64, BLOCK_H=block_h, BLOCK_N=64,
+             USE_DOT=True, DOT_FP32=False, KV_F16=False, V_PAIRS=0, SLIDING=True, PDL=1, HEADS_FIRST=True,
+             DIRECT=False, MERGE=True, MERGE_HEADS=8, MERGE_SPLITS=decode_attention.merge_split_block(8, 64),
+             CAP=0.0, HAS_SINKS=True),
+        dict(num_warps=4, num_stages=2))
+    fn = decode_attention._decode_stage2_kernel
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update({n: "*fp32" for n in ("Mid_O", "Mid_LSE", "Sinks")}, Out="*bf16", Seq_lens="*i64")
+    out["decode stage 2 bf16 d=64 sinks"] = (
+        fn, sig, dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64, SPLIT_BLOCK=1, PDL=1, SPARSE=0, HAS_SINKS=True),
+        dict(num_warps=4, num_stages=1))
     out["moe_sum k=6"] = (fused_moe._moe_sum_kernel, {"Rows": "*bf16", "Out": "*bf16", "hidden": "i32"},
                           dict(K=6, BLOCK_H=1024), dict(num_warps=4))
     return out

@@ -25,7 +25,8 @@ def load_benchmark(name: str) -> ModuleType:
 
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
-    """Build a random HF model of `kind` (llama, qwen2, qwen3, llama3-rope, phi3, smollm3, granite, gemma2, gemma3),
+    """Build a random HF model of `kind` (llama, qwen2, qwen3, llama3-rope, phi3, smollm3, granite, gemma2, gemma3,
+    gpt_oss, or one of MOE_KINDS),
     save it to `path`, return it."""
     import transformers as tf
 
@@ -54,6 +55,15 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
         kw.pop("rope_theta")
         cfg = tf.Gemma3TextConfig(**{"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 5,
                                      "sliding_window_pattern": 2, **kw})
+    elif kind == "gpt_oss":  # sliding and full layers alternating, YaRN as the released models (scaled down)
+        kw.pop("rope_theta")
+        cfg = tf.GptOssConfig(**{**kw, "intermediate_size": 64}, head_dim=16, num_local_experts=8,
+                              num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.5, tie_word_embeddings=False,
+                              layer_types=["sliding_attention", "full_attention"] * (kw["num_hidden_layers"] // 2),
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 128})
+        cfg._attn_implementation = "eager"  # the reference that spells the sinks out
     elif kind in MOE_KINDS:
         cfg = moe_config(kind, kw)
     else:
@@ -61,11 +71,11 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
     model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():  # make biases and norms non-trivial so a dropped term is visible
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+            if "norm" in name or name.endswith((".bias", "_proj_bias")):
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
                 p.mul_(40.0)  # routers with clear winners: no near-tie between two experts decides a token
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "self_attn.sinks")):
                 p.copy_(torch.randn_like(p) * 0.5)
     model.save_pretrained(path)
     return model

@@ -192,7 +192,8 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
     assert mc.torch_dtype == torch.float32
 
 
-@pytest.mark.parametrize("shape,billions", [("gemma-2-9b", 9.24), ("gemma-3-12b", 11.77), ("phi-4", 14.66)])
+@pytest.mark.parametrize("shape,billions", [("gemma-2-9b", 9.24), ("gemma-3-12b", 11.77), ("phi-4", 14.66),
+                                            ("gpt-oss-20b", 20.91)])
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
     (Gemma 3 12B without its vision tower)."""

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
-                 v_head_dim: int | None = None, sliding_window_size: int = -1, logit_cap: float = 0.0) -> None:
+                 v_head_dim: int | None = None, sliding_window_size: int = -1, logit_cap: float = 0.0,
+                 sinks: bool = False) -> None:
         super().__init__()
         if sliding_window_size == 0 or sliding_window_size < -1:
             raise ValueError(f"sliding_window_size must be -1 (full attention) or positive; got {sliding_window_size}")
@@ -25,6 +26,13 @@ class RadixAttention(nn.Module):
         # Gemma 2's soft-capping of the scaled scores, cap * tanh(s / cap); 0: none (backends that support it set
         # `supports_logit_cap`; the model runner refuses the others)
         self.logit_cap = float(logit_cap)
+        # GPT-OSS's attention sinks: one learned logit a query head (this rank's heads), in the softmax of every
+        # query with its scaled scores and dropped after it, so that part of the probability goes to no value. Kept
+        # float32 whatever the model's dtype (explicit dtype: the loader's default dtype does not apply; backends
+        # that support them set `supports_sinks` and read them through `base_attn_backend.sinks`); None: none
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads

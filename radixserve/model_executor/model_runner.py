@@ -96,6 +96,21 @@ def cpu_forward_threads(args: ServerArgs) -> int | None:
     return max(1, cores // local_procs)
 
 
+def check_attention_features(model: torch.nn.Module, attn_backend: object, backend: str) -> None:
+    """ValueError when a layer of `model` needs what the attention backend (named `backend`) cannot do: soft-capped
+    scores (RadixAttention.logit_cap, `supports_logit_cap`) or attention sinks (RadixAttention.sinks,
+    `supports_sinks`)."""
+    if not getattr(attn_backend, "supports_logit_cap", False) and any(
+            getattr(m, "logit_cap", 0.0) > 0 for m in model.modules()):
+        raise ValueError(f"this model soft-caps its attention scores (Gemma 2's attn_logit_softcapping), which "
+                         f"the {backend} attention backend does not: use triton, torch_native, flex or (on the "
+                         f"CPU) cpu")
+    if not getattr(attn_backend, "supports_sinks", False) and any(
+            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise ValueError(f"this model has attention sinks (GPT-OSS's per-head sink logits), which the {backend} "
+                         f"attention backend does not support: use triton, torch_native, flex or (on the CPU) cpu")
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1,
                  gpu_id: int = 0, decode_rows_per_request: int | None = None) -> None:
@@ -145,11 +160,7 @@ class ModelRunner:
             direct_calls(self.model)  # module calls go straight to forward: less Python per decode step
         backend = server_args.attention_backend or ("triton" if self.is_cuda else "cpu")
         self.attn_backend = create_attention_backend(backend, self)
-        if not self.attn_backend.supports_logit_cap and any(
-                getattr(m, "logit_cap", 0.0) > 0 for m in self.model.modules()):
-            raise ValueError(f"this model soft-caps its attention scores (Gemma 2's attn_logit_softcapping), which "
-                             f"the {backend} attention backend does not: use triton, torch_native, flex or (on the "
-                             f"CPU) cpu")
+        check_attention_features(self.model, self.attn_backend, backend)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
         self.prefill_graph_runner = None

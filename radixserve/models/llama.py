@@ -99,7 +99,7 @@ def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
                  qkv_bias: bool = False, qk_norm: bool = False, scaling: float | None = None,
-                 logit_cap: float = 0.0) -> None:
+                 logit_cap: float = 0.0, sinks: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -114,7 +114,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary  # shared by every layer (model_rotary)
         scaling = self.head_dim ** -0.5 if scaling is None else scaling  # Gemma: query_pre_attn_scalar ** -0.5
         self.attn = RadixAttention(self.num_heads, self.head_dim, scaling, self.num_kv_heads, layer_id,
-                                   sliding_window_size=sliding_window_size(config, layer_id), logit_cap=logit_cap)
+                                   sliding_window_size=sliding_window_size(config, layer_id), logit_cap=logit_cap,
+                                   sinks=sinks)  # GPT-OSS's learned per-head sink logits
         self.output_scale = 1.0  # Granite's residual_multiplier
         self.qk_norm = qk_norm
         if qk_norm:
@@ -233,9 +234,11 @@ MLPFactory = Callable[["PretrainedConfig", int, int, int], nn.Module]
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
-                 qkv_bias: bool = False, qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp) -> None:
+                 qkv_bias: bool = False, qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp,
+                 attn_sinks: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
+                                        sinks=attn_sinks)
         self.mlp = mlp_factory(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -284,7 +287,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qkv_bias: bool = False,
-                 qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp) -> None:
+                 qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp, attn_sinks: bool = False) -> None:
         super().__init__()
         # untied: every TP rank holds the whole embedding (one row read a token, no masked lookup and no
         # all-reduce; vocab x hidden x 2 bytes more memory a rank); tied, it is also the LM head, whose product
@@ -294,7 +297,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
         rotary = model_rotary(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
-                                                      mlp_factory) for i in range(config.num_hidden_layers))
+                                                      mlp_factory, attn_sinks)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for prev, layer in zip(self.layers[:-1], self.layers[1:], strict=True):  # fused all-reduce + norm
             layer.input_partial = prev.mlp_partial

@@ -12,6 +12,7 @@ from torch import nn
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig, load_expert_weight
+from radixserve.layers.moe.activation import SILU, ExpertActivation
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP
 
 if TYPE_CHECKING:
@@ -22,14 +23,17 @@ class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ an optional shared expert, optionally sigmoid-gated), one all-reduce at the end."""
 
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, renormalize: bool,
-                 shared_size: int = 0, shared_gate: bool = False) -> None:
+                 shared_size: int = 0, shared_gate: bool = False, biased: bool = False,
+                 activation: ExpertActivation = SILU) -> None:
+        """`biased`: the router and the experts carry biases; `activation`: the experts' (both GPT-OSS)."""
         super().__init__()
         hidden, num_experts = config.hidden_size, _num_experts(config)
         self.tp_size = tp_size
-        self.gate = MoEGate(hidden, num_experts)
+        self.gate = MoEGate(hidden, num_experts, bias=biased)
         router = RouterConfig(num_experts, config.num_experts_per_tok, "softmax", renormalize)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Mixtral: the latter
-        self.experts = FusedMoE(router, hidden, inter, tp_rank, tp_size, reduce_results=False)
+        self.experts = FusedMoE(router, hidden, inter, tp_rank, tp_size, reduce_results=False,
+                                activation=activation, bias=biased)
         self.shared_expert = LlamaMLP(hidden, shared_size, False, tp_rank, tp_size, reduce_results=False) \
             if shared_size else None
         self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_size and shared_gate else None

@@ -19,6 +19,7 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "radixserve.models.mixtral",
     "Qwen2MoeForCausalLM": "radixserve.models.qwen2_moe",
     "Qwen3MoeForCausalLM": "radixserve.models.qwen3_moe",
+    "GptOssForCausalLM": "radixserve.models.gpt_oss",
     "DeepseekV2ForCausalLM": "radixserve.models.deepseek_v2",
     "DeepseekV3ForCausalLM": "radixserve.models.deepseek_v2",
 }

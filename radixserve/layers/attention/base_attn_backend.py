@@ -23,6 +23,7 @@ class AttentionBackend(ABC):
     # decode forward never reads device values on the host)
     supports_cuda_graph: bool = False
     supports_logit_cap: bool = False  # attention scores soft-capped per layer (RadixAttention.logit_cap)
+    supports_sinks: bool = False  # GPT-OSS's per-head sink logits (RadixAttention.sinks)
     # whether a one-request extend can be captured (model_executor/prefill_graph_runner.py): the extend forward
     # reads the request's lengths from the device only, after an init_forward_metadata made at capture time
     supports_prefill_cuda_graph: bool = False
@@ -99,19 +100,42 @@ def logit_cap(layer: object) -> float:
     return getattr(layer, "logit_cap", 0.0)
 
 
+def sinks(layer: object) -> torch.Tensor | None:
+    """The layer's per-head attention sink logits (GPT-OSS), float32 [this rank's query heads], or None for none.
+    Each query's softmax over its visible scaled scores takes the sink as one more logit, whose probability goes to
+    no value: out = out_without_sink * sigmoid(lse - sink[h]), lse the natural-log log-sum-exp of those scores."""
+    t = getattr(layer, "sinks", None)
+    return None if t is None else t.float()  # (the parameter itself when it is float32, as RadixAttention keeps it)
+
+
+def scale_by_sinks(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """out [..., H, L, Dv] of a softmax without sinks, lse [..., H, L] its natural-log log-sum-exps (-inf for a
+    query that saw nothing): the output with sink [H] in each softmax, sigmoid(lse - sink) times out, in out's
+    dtype (a query that saw nothing gives zeros, not NaN)."""
+    gate = torch.sigmoid(lse.float() - sink.view(-1, 1))
+    gate = torch.where(torch.isneginf(lse), 0.0, gate)
+    return (out.float() * gate.unsqueeze(-1)).to(out.dtype)
+
+
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                     cap: float, is_causal: bool = False) -> torch.Tensor:
-    """scaled_dot_product_attention (q [..., Lq, D], k / v [..., Lk, D], a boolean mask: True attends), with the
-    scores soft-capped when cap > 0 (written out: SDPA has no such option)."""
-    if cap <= 0:
+                     cap: float, is_causal: bool = False, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """scaled_dot_product_attention (q [..., H, Lq, D], k / v [..., H, Lk, D], a boolean mask: True attends), with the
+    scores soft-capped when cap > 0 and the per-head sink logits sink [H] (float32) taken into each softmax when
+    given (written out: SDPA has neither option)."""
+    if cap <= 0 and sink is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    s = torch.tanh(s / cap) * cap
+    if cap > 0:
+        s = torch.tanh(s / cap) * cap
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+    if sink is None:
+        return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+    lse = torch.logsumexp(s, dim=-1)  # [..., H, Lq]; -inf where a query sees nothing
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    return scale_by_sinks(torch.matmul(p, v.float()), lse, sink).to(q.dtype)
 
 
 def sliding_window(layer: object) -> int:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import cpu_ops
-from radixserve.layers.attention.base_attn_backend import kv_scales, logit_cap, sliding_window
+from radixserve.layers.attention.base_attn_backend import kv_scales, logit_cap, sinks, sliding_window
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ def _is_mla(layer: RadixAttention) -> bool:
 
 class CpuAttnBackend(TorchNativeAttnBackend):
     supports_cuda_graph = False  # CPU only
+    supports_sinks = True  # layers with sinks take the reference path (the C decode kernel has none)
 
     def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
@@ -55,7 +56,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             self._zeros = torch.zeros_like(self._ends)
 
     def _kernel_fits(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
-        return self.kernel and not _is_mla(layer) and not logit_cap(layer) \
+        return self.kernel and not _is_mla(layer) and not logit_cap(layer) and sinks(layer) is None \
             and forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)[0].dtype in KERNEL_POOL_DTYPES
 
     def _decode_kernel(self, q: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
@@ -80,9 +81,10 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         k_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if sliding_window(layer) > 0 or k_buf.dtype != q.dtype or _is_mla(layer) or logit_cap(layer):
-            # windows' masks and MLA's latent (value dim != key dim) live in the reference; a pool of another
-            # dtype must be read back (rounded) from it
+        if sliding_window(layer) > 0 or k_buf.dtype != q.dtype or _is_mla(layer) or logit_cap(layer) \
+                or sinks(layer) is not None:
+            # windows' masks, MLA's latent (value dim != key dim), soft-capping and sinks live in the reference; a
+            # pool of another dtype must be read back (rounded) from it
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)

@@ -34,10 +34,17 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+try:
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # older torch: return_lse=True
+    _AuxRequest = None
+
 from radixserve.layers.attention.base_attn_backend import (
     AttentionBackend,
     kv_scales,
     logit_cap,
+    scale_by_sinks,
+    sinks,
     sliding_window,
     value_head_dim,
 )
@@ -65,6 +72,7 @@ def _block_mask(num: torch.Tensor, idx: torch.Tensor, block: tuple[int, int], ma
 class FlexAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_logit_cap = True  # as a score_mod
+    supports_sinks = True  # flex's log-sum-exp (natural log) scales the output: out * sigmoid(lse - sink)
     q_block = 128  # extend: queries per block
     kv_block_extend = 128  # extend: physical slots per KV block
     kv_block_decode = 16  # decode: physical slots per KV block
@@ -369,9 +377,9 @@ class FlexAttnBackend(AttentionBackend):
         if padded != total:
             qq = torch.cat([qq, qq.new_zeros(padded - total, h, d)])
         kk, vv = self._kv(layer, forward_batch)
-        out = self._flex_extend(qq.transpose(0, 1).unsqueeze(0), kk, vv, block_mask=meta["masks"][window][2],
-                                scale=layer.scaling, enable_gqa=h != layer.tp_k_head_num,
-                                score_mod=self._score_mod(layer))
+        out = _flex_call(self._flex_extend, layer, qq.transpose(0, 1).unsqueeze(0), kk, vv,
+                         block_mask=meta["masks"][window][2], scale=layer.scaling,
+                         enable_gqa=h != layer.tp_k_head_num, score_mod=self._score_mod(layer))
         return out[0, :, :total].transpose(0, 1).reshape(total, h * dv)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
@@ -399,8 +407,8 @@ class FlexAttnBackend(AttentionBackend):
             qq = q.new_zeros(rows, h, 1, d)
             qq[:bs] = q.view(bs, h, 1, d)
         kk, vv = self._kv(layer, forward_batch)
-        out = self._flex_decode(qq, kk, vv, block_mask=meta["masks"][window][2], scale=layer.scaling,
-                                enable_gqa=h != layer.tp_k_head_num, score_mod=self._score_mod(layer))
+        out = _flex_call(self._flex_decode, layer, qq, kk, vv, block_mask=meta["masks"][window][2],
+                         scale=layer.scaling, enable_gqa=h != layer.tp_k_head_num, score_mod=self._score_mod(layer))
         return out[:bs, :, 0].reshape(bs, h * dv)
 
 
@@ -410,3 +418,18 @@ def _as_query_mask(mask_mod: Any) -> Any:
         return mask_mod(q_idx, h, q_idx, kv_idx)
 
     return by_query
+
+
+def _flex_call(flex: Any, layer: RadixAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               **kwargs: Any) -> torch.Tensor:
+    """flex(q, k, v, **kwargs) [B, H, L, Dv]; for a layer with attention sinks also its log-sum-exps (natural log:
+    flex_attention converts its kernels' base-2 statistics), with which each sink joins the softmax afterwards."""
+    sink = sinks(layer)
+    if sink is None:
+        return flex(q, k, v, **kwargs)
+    if _AuxRequest is not None:
+        out, aux = flex(q, k, v, return_aux=_AuxRequest(lse=True), **kwargs)
+        lse = aux.lse
+    else:  # older torch
+        out, lse = flex(q, k, v, return_lse=True, **kwargs)
+    return scale_by_sinks(out, lse, sink)

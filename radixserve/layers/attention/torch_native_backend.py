@@ -16,6 +16,7 @@ from radixserve.layers.attention.base_attn_backend import (
     capped_attention,
     kv_scales,
     logit_cap,
+    sinks,
     sliding_window,
     value_head_dim,
 )
@@ -34,6 +35,7 @@ GRAPH_MAX_SEQ_LEN = 4096  # key positions a captured decode reads per row
 class TorchNativeAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_logit_cap = True
+    supports_sinks = True
 
     def __init__(self, model_runner: ModelRunner) -> None:
         self.device = model_runner.device
@@ -93,7 +95,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 if window > 0:  # ... and only the last `window` of them
                     mask &= ~torch.ones_like(mask).tril(diagonal=pre - first - window)
             o = capped_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scaling,
-                                 logit_cap(layer))
+                                 logit_cap(layer), sink=sinks(layer))
             out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
             start += q_len
         return out.view(-1, layer.tp_q_head_num * value_head_dim(layer))
@@ -149,7 +151,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 kk = kk.repeat_interleave(h // hkv, dim=1)
                 vv = vv.repeat_interleave(h // hkv, dim=1)
             o = capped_attention(q[start:end].unsqueeze(2), kk, vv, mask[:, None, None, :], layer.scaling,
-                                 logit_cap(layer))  # [n, H, 1, D]
+                                 logit_cap(layer), sink=sinks(layer))  # [n, H, 1, D]
             out[start:end] = o.squeeze(2)
             start = end
         return out.view(-1, h * dv)
@@ -181,6 +183,6 @@ class TorchNativeAttnBackend(AttentionBackend):
                 kk = kk.repeat_interleave(h // hkv, dim=1)
                 vv = vv.repeat_interleave(h // hkv, dim=1)
             o = capped_attention(q[start:end].unsqueeze(2), kk, vv, mask[:, None, None, :], layer.scaling,
-                                 logit_cap(layer))
+                                 logit_cap(layer), sink=sinks(layer))
             out[start:end] = o.squeeze(2)
         return out.view(-1, h * dv)

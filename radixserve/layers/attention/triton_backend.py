@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, logit_cap, sliding_window
+from radixserve.layers.attention.base_attn_backend import (
+    AttentionBackend,
+    kv_scales,
+    logit_cap,
+    sinks,
+    sliding_window,
+)
 from radixserve.layers.attention.triton_ops.decode_attention import (
     ONE_LAUNCH,
     PROGRAMS_PER_SM,
@@ -75,6 +81,7 @@ class TritonForwardMetadata:
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_logit_cap = True
+    supports_sinks = True  # the kernels add exp(sink - max) to the softmax sum where each output is normalised
     supports_prefill_cuda_graph = True
     replay_reads_graph_inputs = False  # its replay hook copies only buffers that are not its own
     replay_hook_only_loads_inputs = True  # and does nothing else (the kernels read the lengths on the device)
@@ -307,12 +314,14 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         rows = q3.shape[0] - meta.tail_decodes  # the extend requests' rows come first
-        tensors = (q3[:rows], k3[:rows], v3[:rows], o[:rows], q3[rows:], o[rows:], k_buf, v_buf)
+        sk = sinks(layer)  # (a parameter: each layer's own, swapped in by a replayed plan as the other tensors)
+        tensors = (q3[:rows], k3[:rows], v3[:rows], o[:rows], q3[rows:], o[rows:], k_buf, v_buf) + (
+            () if sk is None else (sk,))
         # what decides the launches besides those tensors' addresses: a layer that matches an earlier layer of this
         # batch replays its launches (the host work of a layer's attention is several times its GPU time for a
         # small batch, and eager attention runs between the pieces of a piecewise graph)
         key = (q3.shape, q3.stride(), k3.shape, k3.stride(), v3.stride(), q.dtype, k_buf.dtype, k_buf.stride(),
-               v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer), logit_cap(layer))
+               v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer), logit_cap(layer), sk is None)
         plan = meta.plans.get(key)
         if plan is not None:
             plan.replay(tensors)
@@ -323,10 +332,10 @@ class TritonAttnBackend(AttentionBackend):
                     tensors[0], tensors[1], tensors[2], tensors[3], k_buf, v_buf, self.req_to_token,
                     meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens, meta.extend_start_loc,
                     meta.max_extend_len, layer.scaling, k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1],
-                    sliding_window=sliding_window(layer), logit_cap=logit_cap(layer))
+                    sliding_window=sliding_window(layer), logit_cap=logit_cap(layer), sinks=sk)
             if meta.tail_decodes:  # their K/V went into the pool above (or before, when save_kv_cache is off)
                 self._decode_rows(tensors[4], tensors[5], layer, forward_batch, meta, meta.tail_req_pool_indices,
-                                  meta.tail_seq_lens)
+                                  meta.tail_seq_lens, sk)
         meta.plans[key] = LaunchPlan(launches, tensors)
         return o.view(-1, num_heads * head_dim)
 
@@ -345,12 +354,14 @@ class TritonAttnBackend(AttentionBackend):
         if bs != meta.seq_lens.shape[0]:
             raise ValueError(f"decode got {bs} query rows for a batch of {meta.seq_lens.shape[0]}")
         o = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
-        self._decode_rows(q3, o, layer, forward_batch, meta, meta.req_pool_indices, meta.seq_lens)
+        self._decode_rows(q3, o, layer, forward_batch, meta, meta.req_pool_indices, meta.seq_lens, sinks(layer))
         return o.view(-1, num_heads * head_dim)
 
     def _decode_rows(self, q3: torch.Tensor, o: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
-                     meta: TritonForwardMetadata, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Split-KV decode of one query row per request over the pool, into `o` [bs, H, D]."""
+                     meta: TritonForwardMetadata, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     sk: torch.Tensor | None) -> None:
+        """Split-KV decode of one query row per request over the pool, into `o` [bs, H, D] (with the layer's
+        attention sinks `sk`, if any)."""
         mid_o, mid_lse = self._decode_scratch(meta, q3.shape[0], layer.tp_q_head_num, layer.head_dim)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         decode_attention_fwd(
@@ -358,7 +369,7 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
             use_dot=self.decode_use_dot, num_kv_splits=meta.num_kv_splits, k_scale=kv_scales(layer)[0],
             v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer), counters=meta.counters,
-            logit_cap=logit_cap(layer))
+            logit_cap=logit_cap(layer), sinks=sk)
 
     # ---------------------------------------------------------------- MLA (latent pool)
     def _mla_store(self, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
@@ -368,6 +379,8 @@ class TritonAttnBackend(AttentionBackend):
     def _mla_extend(self, q: torch.Tensor, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch,
                     meta: TritonForwardMetadata, save_kv_cache: bool) -> torch.Tensor:
         from radixserve.layers.attention.triton_ops.mla_attention import mla_extend_fwd
+
+        _no_mla_sinks(layer)
 
         if save_kv_cache:  # the kernel reads the new tokens' latents from the pool, with the prefix's
             self._mla_store(k, layer, forward_batch)
@@ -384,6 +397,8 @@ class TritonAttnBackend(AttentionBackend):
                     meta: TritonForwardMetadata, save_kv_cache: bool) -> torch.Tensor:
         from radixserve.layers.attention.triton_ops.mla_attention import mla_decode_fwd
 
+        _no_mla_sinks(layer)
+
         if save_kv_cache:
             self._mla_store(k, layer, forward_batch)
         num_heads, dv = layer.tp_q_head_num, layer.v_head_dim
@@ -396,3 +411,8 @@ class TritonAttnBackend(AttentionBackend):
         mla_decode_fwd(q3, kv_buf, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, mid_o, mid_lse,
                        layer.scaling, dv, splits, min_split_len=self.min_split_len, counters=meta.counters)
         return o.view(-1, num_heads * dv)
+
+
+def _no_mla_sinks(layer: RadixAttention) -> None:
+    if sinks(layer) is not None:
+        raise ValueError("the triton backend's MLA kernels take no attention sinks (no MLA model has them)")

@@ -6,7 +6,8 @@
    assignment numbers (padding = T·k), `expert_ids` the expert of each block, `total` the padded length. The grid
    is sized from shapes alone (an upper bound on the blocks; programs past `total` return at once), so it can be
    captured in a CUDA graph.
-2. Gate/up: per block, rows x[assignment // k] times the expert's gate and up columns, SiLU(gate)·up in registers,
+2. Gate/up: per block, rows x[assignment // k] times the expert's gate and up columns, the activation (SiLU(gate)·up,
+   or GPT-OSS's, with its biases: `activation.py`) in registers,
    one store of the activated [T·k, I] intermediate: the [T·k, 2I] gate/up product never reaches memory.
 3. Down: per block, intermediate rows times the expert's W_down, times the routing weight, stored per assignment;
    then one sum over each token's k rows (`moe_sum`).
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.moe.activation import SILU, ExpertActivation, ExpertBias
 from radixserve.layers.triton_ops.device_buffers import kept_buffer
 from radixserve.layers.triton_ops.launch import launch
 
@@ -228,11 +230,14 @@ def _a8dot(a, w, a_scales, a_ok, S, s_cols, s_ok, k0, group_k, act_group):
 @triton.jit(do_not_specialize=["num_valid"])
 def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, inter_size, hidden,
                     stride_x, stride_we, stride_wn, stride_i, Scale, stride_se, stride_sn, group_n, group_k,
-                    XScale, stride_xs, act_group,
+                    XScale, stride_xs, act_group, Bias, stride_be, alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                    N_FIRST: tl.constexpr, QUANT: tl.constexpr = False, A8: tl.constexpr = False):
+                    N_FIRST: tl.constexpr, QUANT: tl.constexpr = False, A8: tl.constexpr = False,
+                    HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0):
     """QUANT: W13 is fp8 with float32 scales [E, rows / group_n, hidden / group_k] (`_wdot`). A8: X is fp8 too,
-    scaled per row and act_group columns (XScale), and the product runs on the fp8 tensor cores (`_a8dot`)."""
+    scaled per row and act_group columns (XScale), and the product runs on the fp8 tensor cores (`_a8dot`).
+    HAS_BIAS: Bias [E, 2I] (gate then up) is added to the products; ACT (`ExpertActivation.code`): 0 SiLU(gate)·up,
+    1 GPT-OSS's clamped gate·sigmoid(alpha·gate)·(up + 1)."""
     pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
@@ -265,7 +270,16 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:
+        b_ptrs = Bias + expert * stride_be + offs_n
+        acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + inter_size, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        act = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
     out_ptrs = Inter + rows[:, None].to(tl.int64) * stride_i + offs_n[None, :]
     tl.store(out_ptrs, act.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -273,9 +287,11 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
 @triton.jit(do_not_specialize=["num_valid"])
 def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, hidden, inter_size,
                  stride_i, stride_we, stride_wn, stride_o, Scale, stride_se, stride_sn, group_n, group_k,
-                 XScale, stride_xs, act_group,
+                 XScale, stride_xs, act_group, Bias, stride_be,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                 N_FIRST: tl.constexpr, QUANT: tl.constexpr = False, A8: tl.constexpr = False):
+                 N_FIRST: tl.constexpr, QUANT: tl.constexpr = False, A8: tl.constexpr = False,
+                 HAS_BIAS: tl.constexpr = False):
+    """HAS_BIAS: Bias [E, H] is added to the product before the routing weight."""
     pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
@@ -301,6 +317,8 @@ def _down_kernel(Inter, W2, Out, Weights, Sorted, ExpertIds, Total, num_valid, h
             acc += _wdot(a, w, Scale, s_cols, n_ok, k0, group_k, QUANT, FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(Bias + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     weight = tl.load(Weights + rows64, mask=row_ok, other=0.0)
     acc = acc * weight[:, None]
     tl.store(Out + rows64[:, None] * stride_o + offs_n[None, :], acc.to(Out.dtype.element_ty),
@@ -418,13 +436,14 @@ def scale_args(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor)
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_offset: int = 0, num_global_experts: int | None = None,
               config: MoEConfig | None = None, scales: ExpertScales | None = None, act_fp8: bool | None = None,
-              act_group: int = ACT_GROUP) -> torch.Tensor:
+              act_group: int = ACT_GROUP, act: ExpertActivation = SILU, bias: ExpertBias | None = None
+              ) -> torch.Tensor:
     """The same result as `moe_forward_torch` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] with global
     expert ids; this rank holds experts expert_offset .. expert_offset + E - 1 of `num_global_experts`). With
     `scales` the weights are fp8: with `act_fp8` the activations (x, then the intermediate) are quantised per row
     and `act_group` columns and both products run on the fp8 tensor cores (W8A8, as the dense fp8 layers do above
     16 rows); else the weights are widened in the kernels (W8A16). `act_fp8` None: W8A8 for 16-bit activations
-    whose widths are multiples of act_group."""
+    whose widths are multiples of act_group. `act` / `bias`: GPT-OSS's expert activation and biases."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -446,6 +465,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         cfg = replace(cfg, block_k=min(cfg.block_k, scales.group_k13, scales.group_k2,
                                        act_group if act_fp8 else cfg.block_k))
     q13, q2 = scale_args(scales, w13, w2)
+    b13 = bias.w13 if bias is not None else None
+    b2 = bias.w2 if bias is not None else None
+    if b13 is not None and b13.shape != (num_local, 2 * inter) or b2 is not None and b2.shape != (num_local, hidden):
+        raise ValueError(f"fused_moe: expert biases {tuple(b13.shape) if b13 is not None else None} / "
+                         f"{tuple(b2.shape) if b2 is not None else None} do not match the weights")
     dtype = x.dtype
     x = x.contiguous()
     xs = x  # placeholders when the activations stay 16-bit
@@ -468,8 +492,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     launch(_gate_up_kernel, grid(triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, inter_cache,
            aligned.sorted_ids, aligned.expert_ids, aligned.total, n, top_k, inter, hidden, x.stride(0),
            w13.stride(0), w13.stride(1), inter_cache.stride(0), *q13, xs, xs.stride(0), act_group,
+           w13 if b13 is None else b13, 0 if b13 is None else b13.stride(0), act.alpha, act.limit,
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first,
-           QUANT=scales is not None, A8=act_fp8, **opts)
+           QUANT=scales is not None, A8=act_fp8, HAS_BIAS=b13 is not None, ACT=act.code, **opts)
     weights = topk_weights.reshape(-1).float().contiguous()
     inter_in, inter_s = inter_cache, inter_cache
     if act_fp8:
@@ -477,8 +502,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     launch(_down_kernel, grid(triton.cdiv(hidden, cfg.block_n_down)), inter_in, w2, out,
            weights, aligned.sorted_ids, aligned.expert_ids, aligned.total, n, hidden, inter, inter_in.stride(0),
            w2.stride(0), w2.stride(1), out.stride(0), *q2, inter_s, inter_s.stride(0), act_group,
+           w2 if b2 is None else b2, 0 if b2 is None else b2.stride(0),
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, FP32=fp32, N_FIRST=n_first,
-           QUANT=scales is not None, A8=act_fp8, **opts)
+           QUANT=scales is not None, A8=act_fp8, HAS_BIAS=b2 is not None, **opts)
     return moe_sum(out, num_tokens, top_k, interp)
 
 
@@ -517,7 +543,7 @@ def precompile(model: torch.nn.Module, max_tokens: int, force: bool = False) -> 
     many = torch.arange(SMALL_ALIGN + 1, device=w13.device, dtype=torch.int32) % num_local + layer.expert_offset
     for cfg in configs:
         fused_moe(x, w13, w2, weights, ids, layer.expert_offset, layer.num_experts, config=cfg, scales=scales,
-                  act_fp8=act_fp8)
+                  act_fp8=act_fp8, act=layer.activation, bias=layer.expert_bias())
         moe_align_block_size(many, cfg.block_m, num_local, layer.expert_offset)  # the parallel align's kernels
     if w13.is_cuda:
         torch.cuda.synchronize(w13.device)

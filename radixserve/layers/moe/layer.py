@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_expert_parallel_size, tensor_model_parallel_all_reduce
+from radixserve.layers.moe.activation import SILU, ExpertActivation, ExpertBias
 from radixserve.layers.moe.methods import MoEMethod, UnquantizedMoEMethod
 from radixserve.layers.moe.router import MoEGate, RouterConfig, select_experts
 from radixserve.model_executor.torch_compile import compiled_experts, register_op_layer
@@ -40,7 +41,8 @@ class SharedWeights(NamedTuple):
 class FusedMoE(nn.Module):
     def __init__(self, router: RouterConfig, hidden_size: int, intermediate_size: int, tp_rank: int = 0,
                  tp_size: int = 1, ep_size: int | None = None, reduce_results: bool = True,
-                 quant_method: MoEMethod | None = None) -> None:
+                 quant_method: MoEMethod | None = None, activation: ExpertActivation = SILU,
+                 bias: bool = False) -> None:
         super().__init__()
         ep_size = get_expert_parallel_size() if ep_size is None else ep_size
         if ep_size not in (1, tp_size):
@@ -69,6 +71,17 @@ class FusedMoE(nn.Module):
         self.act_dtype = torch.get_default_dtype()  # the model dtype it is built under: its activations'
         self.quant_method = quant_method or UnquantizedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.inter_per_rank)
+        self.activation = activation
+        if bias:  # GPT-OSS: gate/up [E, 2I] (gate then up, sharded as the rows) and down [E, H] (rank 0's whole)
+            self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter_per_rank),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(self.num_local_experts, hidden_size), requires_grad=False)
+            self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
+        else:
+            self.w13_bias = self.w2_bias = None
+        if not self.plain_experts and type(self.quant_method) is not UnquantizedMoEMethod:
+            raise ValueError(f"{type(self.quant_method).__name__}: experts with biases or the {activation.kind} "
+                             f"activation (GPT-OSS) are served in the model dtype only")
         from radixserve.layers.moe.small_batch import counters_needed
 
         # the small-batch path's per-block counters (each put back to 0 by the launch that uses it)
@@ -78,21 +91,37 @@ class FusedMoE(nn.Module):
     def set_quant_method(self, method: MoEMethod) -> None:
         """Hold the experts as `method` does (`quantization.apply_quantization`, before the weights load): the
         current method's parameters go, the new one's are created."""
+        if not self.plain_experts:
+            raise ValueError(f"{type(method).__name__}: experts with biases or the {self.activation.kind} "
+                             f"activation (GPT-OSS) are served in the model dtype only")
         for name, _ in list(self.named_parameters(recurse=False)):
             delattr(self, name)
         self.quant_method = method
         method.create_weights(self, self.num_local_experts, self.hidden_size, self.inter_per_rank)
 
+    @property
+    def plain_experts(self) -> bool:
+        """SiLU experts without biases: what every kernel path and quantized form serves (GPT-OSS's are not)."""
+        return self.w13_bias is None and self.activation == SILU
+
+    def expert_bias(self) -> ExpertBias | None:
+        return None if self.w13_bias is None else ExpertBias(self.w13_bias, self.w2_bias)
+
     # ---------------------------------------------------------------- loading
     def full_shape(self, param_name: str) -> tuple[int, ...]:
-        """The unsharded stacked shape of `w13_weight` / `w2_weight` (all experts, the whole intermediate dim)."""
+        """The unsharded stacked shape of `w13_weight` / `w2_weight` (all experts, the whole intermediate dim), or
+        of the biases `w13_bias` [E, 2I] / `w2_bias` [E, H]."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        return (e, 2 * i, h) if param_name == "w13_weight" else (e, h, i)
+        return {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i), "w13_bias": (e, 2 * i),
+                "w2_bias": (e, h)}[param_name]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
         n = self.inter_per_rank
         lo = self.moe_tp_rank * n
+        if param is not None and (param is self.w13_bias or param is self.w2_bias):
+            self._load_bias(param, loaded, shard_id)
+            return
         is_w13 = param is self.w13_weight
         if shard_id is None:  # a full stacked tensor in this layer's layout
             full = self.full_shape("w13_weight" if is_w13 else "w2_weight")
@@ -124,6 +153,24 @@ class FusedMoE(nn.Module):
             param.data[local].copy_(loaded[:, lo:lo + n])
         else:
             raise ValueError(f"expert shard id must be 'w1', 'w2' or 'w3'; got {shard_id!r}")
+
+    def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
+        """A full stacked bias ([E, 2I] gate then up, or [E, H]): this rank's experts and intermediate slice; the
+        down bias is added once, by tensor-parallel rank 0 (zeros on the others, whose partial sums it joins)."""
+        is_w13 = param is self.w13_bias
+        full = self.full_shape("w13_bias" if is_w13 else "w2_bias")
+        if shard_id is not None or tuple(loaded.shape) != full:
+            raise ValueError(f"stacked expert bias shape {tuple(loaded.shape)}, expected {full}")
+        mine = loaded.narrow(0, self.expert_offset, self.num_local_experts)
+        n, i = self.inter_per_rank, self.intermediate_size
+        lo = self.moe_tp_rank * n
+        if is_w13:
+            param.data[:, :n].copy_(mine[:, lo:lo + n])
+            param.data[:, n:].copy_(mine[:, i + lo:i + lo + n])
+        elif self.moe_tp_rank == 0:
+            param.data.copy_(mine)
+        else:
+            param.data.zero_()
 
     # ---------------------------------------------------------------- shared experts
     def attach_shared_experts(self, mlp: nn.Module) -> None:

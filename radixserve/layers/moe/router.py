@@ -90,10 +90,16 @@ class MoEGate(nn.Module):
     """The router's linear layer (HF name `...mlp.gate.weight`, held whole on every rank) and, for DeepSeek-V3, the
     `e_score_correction_bias`. Logits are computed in float32, as the DeepSeek references keep the gate in fp32."""
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False, bias: bool = False
+                 ) -> None:
         super().__init__()
         # held in float32 (a few hundred KB): the logits need no cast of the weight at every step
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        if bias:  # GPT-OSS's router adds a bias to the logits (the one-launch routers do not take it)
+            self.bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            self.bias.dummy_dtype = torch.get_default_dtype()
+        else:
+            self.register_parameter("bias", None)
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                         requires_grad=False)
@@ -129,8 +135,9 @@ class MoEGate(nn.Module):
             from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
             from radixserve.layers.moe.gate_gemm import gate_logits
 
-            return gate_logits(x, self.weight_half, is_interpreted())
-        return F.linear(x.float(), self.weight.float())
+            logits = gate_logits(x, self.weight_half, is_interpreted())
+            return logits if self.bias is None else logits + self.bias
+        return F.linear(x.float(), self.weight.float(), self.bias)
 
     def route(self, x: torch.Tensor, cfg: RouterConfig, norm: tuple[torch.Tensor, nn.Module] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -143,6 +150,8 @@ class MoEGate(nn.Module):
         residual add and the norm (`fused_add_rmsnorm`'s arithmetic) and returns its two outputs."""
         from radixserve.layers.moe import topk_kernel
 
+        if self.bias is not None:
+            return None
         if norm is None and (cfg.num_groups or 1) == 1 and self._half_fits(x):
             from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
             from radixserve.layers.moe.gate_gemm import gate_topk_blocks

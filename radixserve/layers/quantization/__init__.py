@@ -36,6 +36,9 @@ QUANTIZATION_METHODS: dict[str, tuple[str, str]] = {
 # checkpoint quant_method values that mean one of ours
 _ALIASES = {"fp8": "fp8", "gguf": "gguf", "compressed-tensors": "compressed-tensors",
             "compressed_tensors": "compressed-tensors", "modelopt": "modelopt", "gptq": "gptq", "awq": "awq"}
+# checkpoint formats that the model's loader widens to the model dtype itself (GPT-OSS's MXFP4 experts,
+# `models/gpt_oss.py`): served as an unquantized model
+WIDENED_AT_LOAD = ("mxfp4",)
 # what of an fp8 checkpoint's quantization_config dummy weights keep (its scales are not there: activations
 # dynamic); the other checkpoint formats read only their layout when not serialized
 _LAYOUT_KEYS = ("weight_block_size", "ignored_layers", "modules_to_not_convert")
@@ -71,6 +74,11 @@ def resolve_quant_config(name: str | None, hf_quant_config: dict[str, Any] | Non
     ckpt_method = None
     if hf_quant_config:
         raw = str(hf_quant_config.get("quant_method", "")).lower()
+        if raw in WIDENED_AT_LOAD:
+            if name is not None:
+                raise ValueError(f"--quantization {name}: this checkpoint's {raw} experts are widened to the model "
+                                 f"dtype at load (leave --quantization unset)")
+            return None
         ckpt_method = _ALIASES.get(raw)
         if ckpt_method is None:
             raise ValueError(f"checkpoint quantization_config.quant_method {raw!r} is not supported; supported: "
@@ -119,6 +127,9 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
             if method is not None:
                 module.set_quant_method(method)
             continue
+        if isinstance(module, FusedMoE) and not module.plain_experts:  # GPT-OSS's: served in the model dtype
+            experts_kept += 1
+            continue
         method = config.get_quant_method(module, prefix)
         if method is not None:
             module.set_quant_method(method)
@@ -126,8 +137,8 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
         elif isinstance(module, FusedMoE):
             experts_kept += 1
     if experts_kept:
-        logger.warning("%s quantization: %d MoE expert layers stay in the model dtype (%s has no MoE form)",
-                       config.name, experts_kept, config.name)
+        logger.warning("%s quantization: %d MoE expert layers stay in the model dtype (%s has no MoE form, or "
+                       "the experts carry biases)", config.name, experts_kept, config.name)
     logger.info("%s quantization on %d layers", config.name, count)
     if hasattr(config, "log_summary"):
         config.log_summary()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,6 +23,14 @@ def soft_cap(x, CAP: tl.constexpr):
     """CAP * tanh(x / CAP) (Gemma 2's score capping; x and CAP both in the kernels' log2 e units), as
     CAP * (1 - 2 / (exp(2x / CAP) + 1)): +-CAP, never NaN, for any finite or infinite x."""
     return CAP * (1.0 - 2.0 / (tl.exp(2.0 * x / CAP) + 1.0))
+
+
+@triton.jit
+def sink_weight(sink, m_i):
+    """What an attention sink (GPT-OSS: one logit a query head, in natural-log units, as loaded) adds to a softmax
+    sum kept against the running maximum m_i (base-2 units, as the kernels' scores): exp2(sink * log2 e - m_i), 0
+    for a row that saw no key (m_i = -inf: its output stays zeros)."""
+    return tl.where(m_i == float("-inf"), 0.0, tl.exp2(sink.to(tl.float32) * 1.4426950408889634 - m_i))
 
 
 @triton.jit
@@ -119,7 +128,7 @@ def last_partial_done(Counter, n_valid):
 def merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
                           stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                           HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, Sinks, HAS_SINKS: tl.constexpr):
     """Stage 2's merge of request b's first n_valid splits for heads head0 .. head0 + n_heads - 1 (n_heads <=
     HEADS), stored into Out: each partial weighted by exp2(lse - the head's largest lse), the sum divided by the sum
     of the weights; zeros for n_valid 0.
@@ -128,7 +137,8 @@ def merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
     program's work: SPLIT_BLOCK splits a step, loaded together ([HEADS, SPLIT_BLOCK, BLOCK_D]), with the largest
     lse found first so that the steps depend on each other only through their sums (one split a step, stage 2's
     running maximum, waited a round trip to L2 per split). The other programs wrote the partials while this
-    kernel runs: the loads go to L2 (`.cg`), past this SM's L1, which is not kept coherent with other SMs' stores."""
+    kernel runs: the loads go to L2 (`.cg`), past this SM's L1, which is not kept coherent with other SMs' stores.
+    HAS_SINKS: the heads' sink logits (Sinks [heads]) join the sum of the weights (`sink_weight`)."""
     offs_h = tl.arange(0, HEADS)
     mask_h = offs_h < n_heads
     heads = head0 + offs_h
@@ -163,6 +173,8 @@ def merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
                             cache_modifier=".cg")
             acc += tl.sum(w[:, :, None] * parts, axis=1)
             denom += tl.sum(w, axis=1)
+    if HAS_SINKS:
+        denom += sink_weight(tl.load(Sinks + heads, mask=mask_h, other=0.0), m)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
@@ -171,13 +183,15 @@ def merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
 @triton.jit
 def merge_if_last(Counter, Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                  HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                  HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  Sinks, HAS_SINKS: tl.constexpr):
     """Stage 1's end in one-launch mode, after the program stored its partial: the last of the request's n_valid
     programs for these heads (`last_partial_done`) merges them into Out (`merge_decode_partials`) and puts the
     counter back to 0, ready for the next launch (CUDA graphs replay the same counters, with no memset)."""
     if last_partial_done(Counter, n_valid):
         merge_decode_partials(Mid_O, Mid_LSE, Out, b, head0, n_heads, n_valid, stride_mob, stride_moh, stride_mos,
-                              stride_mlb, stride_mlh, stride_ob, stride_oh, HEADS, SPLIT_BLOCK, HEAD_DIM, BLOCK_D)
+                              stride_mlb, stride_mlh, stride_ob, stride_oh, HEADS, SPLIT_BLOCK, HEAD_DIM, BLOCK_D,
+                              Sinks, HAS_SINKS)
         tl.atomic_xchg(Counter, 0, sem="relaxed")
 
 
@@ -185,3 +199,13 @@ def merge_split_block(heads: int, block_d: int) -> int:
     """Splits a step of `merge_decode_partials` for `heads` heads of block_d: a [heads, splits, block_d] float32
     tile of at most 4,096 values (32 registers a thread at 4 warps), 1 to 16 splits."""
     return max(1, min(16, 4096 // (heads * block_d)))
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """ValueError unless `sinks` is None or a contiguous float32 [num_heads] tensor on `device`."""
+    if sinks is None:
+        return
+    if sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous() \
+            or sinks.device != device:
+        raise ValueError(f"sinks must be a contiguous float32 [{num_heads}] tensor on {device}; got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")

@@ -23,7 +23,9 @@ size alone), so both launches can be captured in a CUDA graph (and the counters 
 them zero). How many splits a request really uses is decided inside the kernels from its seq_len:
 `min(num_kv_splits, cdiv(seq_len, min_split_len))`, each split a multiple of BLOCK_N tokens; programs whose split is
 empty do nothing (nor count), and stage 2 or the merging program recomputes the same split boundaries, so no split
-count is ever stored. Under a sliding window of W tokens the splits cover only the last W positions.
+count is ever stored. Under a sliding window of W tokens the splits cover only the last W positions. Attention sinks
+(HAS_SINKS, GPT-OSS: a logit per query head) join the softmax sum once, wherever the output is normalised: stage 1
+with one split, the merging program, or stage 2 (the partials stay sink-free).
 
 Query heads of one KV head (GQA) are processed together: the K/V tile is loaded once for the group, and the scores
 come from `tl.dot` with the group padded to at least 16 rows (tensor cores want M >= 16). That holds even for plain
@@ -41,12 +43,14 @@ import triton.language as tl
 
 from radixserve.layers.attention.triton_ops.common import (
     LOG2E,
+    check_sinks,
     decode_head_block,
     decode_splits,
     head_dims,
     merge_if_last,
     merge_split_block,
     mma,
+    sink_weight,
     soft_cap,
     store_decode_partial,
 )
@@ -107,7 +111,7 @@ def _fp8_pairs(we, wo, FMT: tl.constexpr, PORTABLE: tl.constexpr):
 # otherwise compile its own variant the first time some batch size produced it, in the middle of serving).
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window"])
 def _decode_stage1_kernel(
-    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out, Counters,
+    Q, K_Buf, V_Buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_O, Mid_LSE, Out, Counters, Sinks,
     sm_scale_log2, v_scale, num_kv_splits, min_split_len, window,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
@@ -135,6 +139,7 @@ def _decode_stage1_kernel(
     MERGE_HEADS: tl.constexpr = 1,
     MERGE_SPLITS: tl.constexpr = 1,
     CAP: tl.constexpr = 0.0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     if HEADS_FIRST:  # the grid's fastest axis is the head: one token's heads are read by programs running together
@@ -232,12 +237,16 @@ def _decode_stage1_kernel(
         if V_PAIRS:  # dim 4w + i from acc_i[:, w]
             acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_H, BLOCK_D])
 
+        if DIRECT or MERGE:  # the sum of an output written here: the softmax's, and the heads' sinks
+            l_out = l_i
+            if HAS_SINKS:
+                l_out = l_i + sink_weight(tl.load(Sinks + heads, mask=mask_h, other=0.0), m_i)
         if DIRECT:  # one split: the program's result is the output, with no partials to merge
-            out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None])
+            out = acc * (v_scale / tl.where(l_out > 0, l_out, 1.0)[:, None])
             tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_o)
         elif MERGE:
             if n_valid == 1:  # the request's one non-empty split: its result is the output, as with DIRECT
-                out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None])
+                out = acc * (v_scale / tl.where(l_out > 0, l_out, 1.0)[:, None])
                 tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_o)
             else:  # the last of the request's programs for these heads merges the partials (stage 2's work)
                 store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i,
@@ -246,7 +255,7 @@ def _decode_stage1_kernel(
                 merge_if_last(Counters + b.to(tl.int64) * stride_cb + pid_h, Mid_O, Mid_LSE, Out, b,
                               kv_head * GROUP + first, tl.minimum(GROUP - first, BLOCK_H), n_valid,
                               stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                              MERGE_HEADS, MERGE_SPLITS, HEAD_DIM, BLOCK_D)
+                              MERGE_HEADS, MERGE_SPLITS, HEAD_DIM, BLOCK_D, Sinks, HAS_SINKS)
         else:
             store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_d, mask_h, mask_d, acc, m_i, l_i, v_scale,
                                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
@@ -257,7 +266,7 @@ def _decode_stage1_kernel(
 
 @triton.jit(do_not_specialize=["num_kv_splits", "min_split_len", "window", "dense_len", "top_k"])
 def _decode_stage2_kernel(
-    Mid_O, Mid_LSE, Out, Seq_lens,
+    Mid_O, Mid_LSE, Out, Seq_lens, Sinks,
     num_kv_splits, min_split_len, window, dense_len, top_k,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
@@ -268,6 +277,7 @@ def _decode_stage2_kernel(
     SPLIT_BLOCK: tl.constexpr,
     PDL: tl.constexpr = 0,
     SPARSE: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -299,6 +309,8 @@ def _decode_stage2_kernel(
         acc = acc * scale + tl.sum(w[:, None] * parts, axis=0)
         denom = denom * scale + tl.sum(w, axis=0)
         m = m_new
+    if HAS_SINKS:  # the head's sink logit joins the softmax sum (no weight for an empty request: m = -inf)
+        denom += sink_weight(tl.load(Sinks + h), m)
     out = acc / tl.where(denom > 0, denom, 1.0)  # an empty request (seq_len 0) writes zeros
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
@@ -471,6 +483,7 @@ def decode_attention_fwd(
     fp8_v_pairs: bool | None = None,
     counters: torch.Tensor | None = None,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request over its first seq_len KV slots (the last `sliding_window` of them
     when it is positive); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless it is fp8).
@@ -485,6 +498,8 @@ def decode_attention_fwd(
     counters (int32 [>= bs, >= H], all zero: `new_decode_counters`; left zero again) merge the splits in stage 1's
     launch when there are several (ONE_LAUNCH); without them stage 2 merges them in a second launch.
     logit_cap > 0: the scaled scores are soft-capped, logit_cap * tanh(s / logit_cap) (Gemma 2).
+    sinks: float32 [H] per-head sink logits (GPT-OSS), taken into the softmax sum wherever the output is written
+    (one split, the one-launch merge or stage 2), or None.
     """
     if mid_lse.dim() != 3:
         raise ValueError(f"mid_lse must be [bs, H, S]; got {tuple(mid_lse.shape)}")
@@ -495,6 +510,7 @@ def decode_attention_fwd(
     bs, num_heads, head_dim = q.shape
     if counters is not None:
         check_decode_counters(counters, bs, num_heads)
+    check_sinks(sinks, num_heads, q.device)
     if bs == 0:
         return
     num_kv_heads = k_buffer.shape[1]
@@ -540,6 +556,7 @@ def decode_attention_fwd(
     launch(_decode_stage1_kernel, grid1,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
         counters if merge else mid_lse,  # (a stand-in pointer that the kernel does not touch)
+        mid_lse if sinks is None else sinks,  # (likewise)
         sm_scale * k_scale * LOG2E, v_scale, num_kv_splits, min_split_len, window,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -554,18 +571,18 @@ def decode_attention_fwd(
         KV_F16=use_dot and not dot_fp32 and fp8_pool, V_PAIRS=v_pairs,
         SLIDING=window > 0, HEADS_FIRST=heads_first, DIRECT=direct, MERGE=merge,
         MERGE_HEADS=merge_heads, MERGE_SPLITS=merge_split_block(merge_heads, block_d),
-        CAP=max(logit_cap, 0.0) * LOG2E,
+        CAP=max(logit_cap, 0.0) * LOG2E, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_opts(q),
     )
     if direct or merge:
         return
     grid2 = (bs, num_heads)
     launch(_decode_stage2_kernel, grid2,
-        mid_o, mid_lse, o, seq_lens,
+        mid_o, mid_lse, o, seq_lens, mid_lse if sinks is None else sinks,
         num_kv_splits, min_split_len, window, 0, 0,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_BLOCK=1, num_warps=4, num_stages=1,
-        **pdl.launch_opts(q),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_BLOCK=1, HAS_SINKS=sinks is not None,
+        num_warps=4, num_stages=1, **pdl.launch_opts(q),
     )

@@ -310,7 +310,7 @@ def ds_sparse_decode_fwd(
     )
     # the merge recomputes the same split boundaries from each request's attended count (SPARSE: from seq_lens)
     launch(_decode_stage2_kernel, (bs, num_heads),
-        mid_o, mid_lse, o, seq_lens,
+        mid_o, mid_lse, o, seq_lens, mid_lse,  # (no sinks: a stand-in pointer)
         num_kv_splits, min_split_len, 0, dense_len, top_k,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),

@@ -9,6 +9,7 @@ start at the first block any query of the program can see, and every block is ma
 One program handles BLOCK_M new tokens of one query head; both phases share one online softmax. Query heads map to
 KV heads by integer division (GQA). An fp8 pool's prefix is read times its k/v scales (k's folded into the prefix's
 score scale, v's applied as the tile is widened). Lengths vary per request; programs past a request's end exit at once.
+With attention sinks (HAS_SINKS, GPT-OSS) each head's sink logit joins the final softmax sum, once per query.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.common import LOG2E, mma, online_softmax_step, soft_cap
+from radixserve.layers.attention.triton_ops.common import (
+    LOG2E,
+    check_sinks,
+    mma,
+    online_softmax_step,
+    sink_weight,
+    soft_cap,
+)
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -35,7 +43,7 @@ def _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32: tl.c
 @triton.jit
 def _extend_kernel(
     Q, K_Ext, V_Ext, Out, K_Buf, V_Buf,
-    Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
+    Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start, Sinks,
     sm_scale_log2, prefix_scale_log2, v_scale, window,
     stride_qt, stride_qh,
     stride_kt, stride_kh,
@@ -53,6 +61,7 @@ def _extend_kernel(
     KV_FP8: tl.constexpr,
     SLIDING: tl.constexpr,
     CAP: tl.constexpr = 0.0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -148,6 +157,8 @@ def _extend_kernel(
             m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32, True, SLIDING,
                                           CAP)
 
+        if HAS_SINKS:  # the head's sink logit joins each query's softmax sum (its column is dropped)
+            l_i += sink_weight(tl.load(Sinks + h), m_i)
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -190,12 +201,14 @@ def extend_attention_fwd(
     v_scale: float = 1.0,
     sliding_window: int = -1,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Writes `o` in place. q, o: [T, H, D]; k, v: [T, Hkv, D] (the new tokens, in q's order); k_buffer, v_buffer:
     [slots, Hkv, D] (an fp8 pool holds k / k_scale, v / v_scale); req_to_token [rows, max_ctx] int32; the
     per-request tensors [bs] on the device; max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so
     no device sync). sliding_window > 0: a query sees only the keys up to that many positions back, itself
-    included. logit_cap > 0: the scaled scores are soft-capped, logit_cap * tanh(s / logit_cap)."""
+    included. logit_cap > 0: the scaled scores are soft-capped, logit_cap * tanh(s / logit_cap). sinks: float32
+    [H] per-head sink logits (GPT-OSS) that join every query's softmax (`check_sinks`), or None."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError("q/o [T, H, D], k/v [T, Hkv, D] and k/v buffers [slots, Hkv, D] expected")
     num_tokens, num_heads, head_dim = q.shape
@@ -216,6 +229,7 @@ def extend_attention_fwd(
         raise ValueError(f"max_extend_len must be >= 0; got {max_extend_len}")
     if sliding_window == 0 or sliding_window < -1:
         raise ValueError(f"sliding_window must be -1 (none) or positive; got {sliding_window}")
+    check_sinks(sinks, num_heads, q.device)
     bs = extend_seq_lens.shape[0]
     if num_tokens == 0 or bs == 0 or max_extend_len == 0:
         return
@@ -236,6 +250,7 @@ def extend_attention_fwd(
     launch(_extend_kernel, grid,
         q, k, v, o, k_buffer, v_buffer,
         req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
+        o if sinks is None else sinks,  # (a stand-in pointer that the kernel does not touch)
         sm_scale * LOG2E, sm_scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale, max(sliding_window, 0),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -246,5 +261,5 @@ def extend_attention_fwd(
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_FP32=dot_fp32, KV_FP8=kv_fp8, SLIDING=sliding_window > 0, CAP=max(logit_cap, 0.0) * LOG2E,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
     )

@@ -139,7 +139,7 @@ def _mla_decode_stage1_kernel(
                 merge_if_last(Counters + b.to(tl.int64) * stride_cb + pid_h, Mid_O, Mid_LSE, Out, b,
                               pid_h * BLOCK_H, num_heads - pid_h * BLOCK_H, n_valid, stride_mob, stride_moh,
                               stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, BLOCK_H, MERGE_SPLITS, C,
-                              BLOCK_C)
+                              BLOCK_C, Mid_LSE, False)  # (no sinks: Mid_LSE a stand-in pointer)
         else:
             store_decode_partial(Mid_O, Mid_LSE, b, heads, split, offs_c, mask_h, mask_c, acc, m_i, l_i, 1.0,
                                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh)
@@ -194,7 +194,7 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, re
         return
     block_c = triton.next_power_of_2(c)
     launch(_decode_stage2_kernel, (bs, num_heads),
-           mid_o, mid_lse, o, seq_lens, num_kv_splits, min_split_len, 0, 0, 0,  # no sliding window
+           mid_o, mid_lse, o, seq_lens, mid_lse, num_kv_splits, min_split_len, 0, 0, 0,  # no sinks, no window
            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
            o.stride(0), o.stride(1),
            HEAD_DIM=c, BLOCK_D=block_c, BLOCK_N=block_n, SPLIT_BLOCK=1,
