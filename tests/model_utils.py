@@ -64,6 +64,13 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                "original_max_position_embeddings": 128})
         cfg._attn_implementation = "eager"  # the reference that spells the sinks out
+    elif kind == "glm4":  # GLM-4-0414: interleaved partial rotation, four norms a layer, q/k/v bias
+        cfg = tf.Glm4Config(**kw, head_dim=32, attention_bias=True, pad_token_id=0, tie_word_embeddings=False)
+    elif kind == "glm4_moe":  # GLM-4.5: neox partial rotation, q/k norm, sigmoid + correction-bias grouped top-k
+        cfg = tf.Glm4MoeConfig(**kw, head_dim=32, attention_bias=True, use_qk_norm=True, moe_intermediate_size=32,
+                               n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                               n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                               norm_topk_prob=True, tie_word_embeddings=False)
     elif kind in MOE_KINDS:
         cfg = moe_config(kind, kw)
     else:

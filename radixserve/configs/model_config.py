@@ -301,7 +301,7 @@ class ModelConfig:
             scaling = params
         scaling = dict(scaling)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type == "default" or not rope_type:
+        if rope_type in ("default", "mrope") or not rope_type:  # mrope: Qwen-VL's, 1-D on text (models/qwen_vl.py)
             return theta, None
         scaling.setdefault("rope_type", rope_type)
         return theta, scaling

@@ -39,6 +39,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 # llama.cpp's per-frequency divisors (a GGUF file's `rope_freqs` tensor: Llama 3.x's RoPE scaling, precomputed by its
 # converter): rope_scaling {"rope_type": FREQ_FACTORS, "freq_factors": [head_dim / 2 floats]}; inv_freq[i] / factor[i]
 FREQ_FACTORS = "gguf_freq_factors"
+# Qwen2-VL's rope_scaling type (transformers renames it "default" as it reads the config): its sections take the
+# temporal / height / width position per frequency, the token's own position for each on text
+MROPE = "mrope"
 
 
 def _freq_factors(scaling: dict[str, Any], head_dim: int) -> torch.Tensor:
@@ -132,6 +135,8 @@ class RotaryEmbedding(nn.Module):
         attention_factor = 1.0
         self._long: tuple[int, torch.Tensor] | None = None  # LongRoPE: (first position, its frequencies)
         kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if kind == MROPE:  # Qwen-VL's multimodal RoPE: on text positions, the 1-D one (models/qwen_vl.py)
+            kind = "default"
         if kind in ("longrope", "su"):
             inv_freq, attention_factor, self._long = _longrope(inv_freq, rope_scaling, max_position)
         elif kind == "llama3":

@@ -15,9 +15,10 @@ from radixserve.lora.config import TARGET_MODULES, LoRAConfig
 # ".weight" in memory; saved files drop it)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES) + r")\.lora_([AB])(?:\.[\w-]+)?"
                   r"\.weight$")
-# the image encoder of a multimodal checkpoint served as text (Gemma 3): its layers are not loaded, so neither is
-# their LoRA (PEFT's q_proj / v_proj targets match its layers too, under the same layer numbers as the text's)
-_UNSERVED_PARTS = (".vision_tower.", ".multi_modal_projector.")
+# the image encoder of a multimodal checkpoint served as text (Gemma 3, Qwen-VL's `visual`): its layers are not
+# loaded, so neither is their LoRA (PEFT's q_proj / v_proj targets match Gemma 3's tower too, under the same layer
+# numbers as the text's; its gate/up/down_proj targets match Qwen2.5-VL's vision blocks)
+_UNSERVED_PARTS = (".vision_tower.", ".multi_modal_projector.", ".visual.")
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""The text model of a multimodal checkpoint, served as text (Gemma 3 4B-27B, Mistral Small 3.x): the language
-model's weights under its old or new prefix mapped to the causal LM's names, the image encoder's skipped. Image
-content parts are refused at the API (a 400), so nothing would read an image embedding."""
+"""The text model of a multimodal checkpoint, served as text (Gemma 3 4B-27B, Mistral Small 3.x, Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL): the language model's weights under its old or new prefix mapped to the causal LM's names, the
+image encoder's skipped. Image content parts are refused at the API (a 400), so nothing would read an image
+embedding."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 # transformers 4 saved `language_model.model.*` and `language_model.lm_head.*`; transformers 5 saves
 # `model.language_model.*` and a top-level `lm_head.*`
 TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
-VISION_PARTS = ("vision_tower", "multi_modal_projector", "vision_model")
+# Qwen-VL: `visual.*` beside `model.layers.*` (the released Qwen2-VL / Qwen2.5-VL files), or `model.visual.*`
+VISION_PARTS = ("vision_tower", "multi_modal_projector", "vision_model", "visual.")
 
 
 def text_weight_name(name: str) -> str | None:

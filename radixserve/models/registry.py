@@ -16,12 +16,17 @@ _MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "radixserve.models.gemma",
     "Qwen2ForCausalLM": "radixserve.models.qwen2",
     "Qwen3ForCausalLM": "radixserve.models.qwen3",
+    "Qwen2VLForConditionalGeneration": "radixserve.models.qwen_vl",
+    "Qwen2_5_VLForConditionalGeneration": "radixserve.models.qwen_vl",
+    "Qwen3VLForConditionalGeneration": "radixserve.models.qwen_vl",
     "MixtralForCausalLM": "radixserve.models.mixtral",
     "Qwen2MoeForCausalLM": "radixserve.models.qwen2_moe",
     "Qwen3MoeForCausalLM": "radixserve.models.qwen3_moe",
     "GptOssForCausalLM": "radixserve.models.gpt_oss",
     "DeepseekV2ForCausalLM": "radixserve.models.deepseek_v2",
     "DeepseekV3ForCausalLM": "radixserve.models.deepseek_v2",
+    "Glm4ForCausalLM": "radixserve.models.glm4",
+    "Glm4MoeForCausalLM": "radixserve.models.glm4",
 }
 
 
