@@ -64,6 +64,11 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                "original_max_position_embeddings": 128})
         cfg._attn_implementation = "eager"  # the reference that spells the sinks out
+    elif kind in ("cohere", "cohere2"):  # Command-R / R7B: LayerNorm, parallel blocks; Cohere2: layers 0, 2, .. slide
+        kw["layer_norm_eps"] = kw.pop("rms_norm_eps")
+        ids = {"logit_scale": 4.0, "bos_token_id": 1, "eos_token_id": 2}
+        cfg = (tf.CohereConfig(**{**ids, **kw}) if kind == "cohere" else
+               tf.Cohere2Config(**{**ids, "sliding_window": 5, "sliding_window_pattern": 2, **kw}))
     elif kind == "glm4":  # GLM-4-0414: interleaved partial rotation, four norms a layer, q/k/v bias
         cfg = tf.Glm4Config(**kw, head_dim=32, attention_bias=True, pad_token_id=0, tie_word_embeddings=False)
     elif kind == "glm4_moe":  # GLM-4.5: neox partial rotation, q/k norm, sigmoid + correction-bias grouped top-k
@@ -71,6 +76,13 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
                                n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
                                n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
                                norm_topk_prob=True, tie_word_embeddings=False)
+    elif kind == "olmo2":  # post-norms only, q/k normed over all their heads
+        cfg = tf.Olmo2Config(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    elif kind == "olmo3":  # OLMo 2 + sliding and full layers alternating, YaRN on the full ones (scaled down)
+        cfg = tf.Olmo3Config(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=5,
+                             layer_types=["sliding_attention", "full_attention"] * (kw["num_hidden_layers"] // 2),
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                           "beta_fast": 32.0, "beta_slow": 1.0})
     elif kind in MOE_KINDS:
         cfg = moe_config(kind, kw)
     else:

@@ -50,6 +50,25 @@ def sliding_window_size(cfg: Any, layer_id: int) -> int:
     return window
 
 
+# GGUF architectures (llama.cpp's names) whose files this loader would misread: refused before transformers' reader
+_REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Command-R7B / Command-A"}
+
+
+def _refuse_gguf_arch(path: str) -> None:
+    """Refuse Cohere's GGUF files by name: neither transformers' GGUF config reader nor this loader maps their
+    metadata (logit_scale, use_qk_norm, Cohere2's sliding pattern), so a reader that accepted them would serve
+    another model. An unreadable file is left to the reader's own message."""
+    from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
+
+    try:
+        arch = gguf_field(open_gguf(path), "general.architecture")
+    except (ValueError, KeyError, IndexError):
+        return
+    if arch in _REFUSED_GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF files of {_REFUSED_GGUF_ARCHS[arch]} are not supported by this loader; "
+                         f"serve the Hugging Face checkpoint")
+
+
 def to_torch_dtype(value: Any) -> torch.dtype | None:
     """A torch.dtype from a torch.dtype, a name ("bfloat16", "torch.float16", "fp32") or None."""
     if value is None:
@@ -227,6 +246,7 @@ class ModelConfig:
 
         if self.is_gguf:
             folder, name = os.path.split(self.model_path)
+            _refuse_gguf_arch(self.model_path)
             try:
                 config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=self.trust_remote_code)
             except Exception as e:

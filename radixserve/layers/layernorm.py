@@ -1,5 +1,5 @@
 """RMSNorm, optionally fused with the residual add (one Triton kernel on CUDA, one C call for float32 / bfloat16 rows
-on the CPU, torch ops elsewhere)."""
+on the CPU, torch ops elsewhere); LayerNorm without a bias (Cohere's), in torch ops."""
 
 from __future__ import annotations
 
@@ -56,3 +56,24 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm without a bias (Cohere): (x - mean) * rsqrt(var + eps) * weight over the last dim, in float32 and
+    back to x's dtype, as transformers computes it. `shape` is the weight's: (hidden,), or (heads, head_dim) for a
+    weight per head (x then [..., heads, head_dim])."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape), requires_grad=False)
+        self.eps = eps
+
+    def prefetch_next(self, module: nn.Module | None) -> None:
+        """RMSNorm's hook for its fused all-reduce; no such kernel fuses this norm, so nothing is prefetched."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        centred = x - x.mean(-1, keepdim=True)
+        x = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)

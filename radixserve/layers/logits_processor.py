@@ -24,15 +24,16 @@ FLOAT_LOGITS_MIN_ROWS = 64
 
 class LogitsProcessor(nn.Module):
     def __init__(self, vocab_size: int, final_logit_softcapping: float | None = None,
-                 logits_scaling: float = 1.0) -> None:
+                 logits_scaling: float = 1.0, logit_scale: float = 1.0) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         if final_logit_softcapping is not None and not final_logit_softcapping > 0:
             raise ValueError(f"final_logit_softcapping must be positive; got {final_logit_softcapping}")
-        if not logits_scaling > 0:
-            raise ValueError(f"logits_scaling must be positive; got {logits_scaling}")
+        if not logits_scaling > 0 or not logit_scale > 0:
+            raise ValueError(f"logits_scaling and logit_scale must be positive; got {logits_scaling}, {logit_scale}")
         self.cap = final_logit_softcapping  # Gemma 2: logits = cap * tanh(logits / cap)
         self.divisor = float(logits_scaling)  # Granite: logits / logits_scaling
+        self.scale = float(logit_scale)  # Cohere: logits * logit_scale
 
     def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         if hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
@@ -59,6 +60,8 @@ class LogitsProcessor(nn.Module):
         logits = logits.float() if logits.dtype != torch.float32 else logits.contiguous()
         if self.divisor != 1.0:
             logits = logits / self.divisor
+        if self.scale != 1.0:
+            logits = logits * self.scale
         if self.cap is not None:
             logits = torch.tanh(logits / self.cap) * self.cap
         return logits

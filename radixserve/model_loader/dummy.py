@@ -45,6 +45,9 @@ def full_shards(module: nn.Module, leaf: str, param: torch.Tensor) -> list[tuple
     rest = tuple(param.shape[1:])
     if isinstance(module, FusedMoE):  # all experts, the whole intermediate dim, in the layer's stacked layout
         return [(None, module.full_shape(leaf))]
+    own = getattr(module, "checkpoint_shape", None)  # a module sharded its own way (models/olmo2.py's q/k norms)
+    if callable(own):
+        return [(None, own(leaf))]
     if isinstance(module, QKVParallelLinear):
         tp, hd = module.tp_size, module.head_dim
         kv_heads = module.num_kv_heads * tp if module.kv_replicas == 1 else tp // module.kv_replicas

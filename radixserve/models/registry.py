@@ -11,6 +11,8 @@ _MODELS: dict[str, str] = {
     "Phi3ForCausalLM": "radixserve.models.phi3",
     "GraniteForCausalLM": "radixserve.models.granite",
     "SmolLM3ForCausalLM": "radixserve.models.smollm3",
+    "CohereForCausalLM": "radixserve.models.cohere",
+    "Cohere2ForCausalLM": "radixserve.models.cohere",
     "Gemma2ForCausalLM": "radixserve.models.gemma",
     "Gemma3ForCausalLM": "radixserve.models.gemma",
     "Gemma3ForConditionalGeneration": "radixserve.models.gemma",
@@ -27,6 +29,8 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "radixserve.models.deepseek_v2",
     "Glm4ForCausalLM": "radixserve.models.glm4",
     "Glm4MoeForCausalLM": "radixserve.models.glm4",
+    "Olmo2ForCausalLM": "radixserve.models.olmo2",
+    "Olmo3ForCausalLM": "radixserve.models.olmo2",
 }
 
 
