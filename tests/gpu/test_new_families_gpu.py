@@ -2,7 +2,8 @@
 decode): float32 greedy tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 2:
 soft-capped scores and logits; Gemma 3: sliding and full layers, head_dim 256; SmolLM3: layers without rotary;
 Granite: its multipliers through the fused paths; GPT-OSS: attention sinks, biased experts; GLM-4 / GLM-4.5: partial
-rotation laid out at load), and bf16 agrees position by position. Skipped without a GPU."""
+rotation laid out at load; OLMo 2/3: whole-width q/k norms; Cohere: interleaved rotary, q/k LayerNorms, NoPE layers),
+and bf16 agrees position by position. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
+from test_cohere import cohere  # noqa: E402
 from test_gemma import gemma3  # noqa: E402
 from test_glm4 import glm  # noqa: E402
 from test_gpt_oss import gpt_oss  # noqa: E402
 from test_granite import granite  # noqa: E402
+from test_olmo2 import olmo  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
 
@@ -47,10 +50,15 @@ def build(family: str, path: str) -> torch.nn.Module:
         return gpt_oss(path)
     if family in ("glm4", "glm4_moe"):  # partial rotation (interleaved / neox) laid out at load, fused rotary paths
         return glm(family, path)
+    if family in ("olmo2", "olmo3"):  # whole-width q/k norm: the fused rotary / q/k/v paths must stay off
+        return olmo(path, family)
+    if family in ("cohere_qk", "cohere2"):  # interleaved rotary laid out at load, q/k LayerNorm, NoPE layers
+        return cohere(family, path)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite", "gpt_oss", "glm4", "glm4_moe"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite", "gpt_oss", "glm4", "glm4_moe",
+                                    "olmo2", "olmo3", "cohere_qk", "cohere2"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
