@@ -208,6 +208,22 @@ def test_unsupported_configs_and_gguf_are_refused(tmp_path) -> None:  # noqa: AN
             ModelConfig(file)
 
 
+def test_dummy_weights_do_not_depend_on_the_tp_split() -> None:
+    """--load-format dummy generates each per-head q/k norm weight whole ([heads, head_dim]) and gives each rank
+    its heads' rows (not a draw of its own at its own shape); the loader takes the whole weight only."""
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+    from radixserve.models.cohere import HeadNorm
+
+    whole = torch.nn.ModuleDict({"q_norm": HeadNorm(4, 16, 1e-5, 0, 4)})
+    rank1 = torch.nn.ModuleDict({"q_norm": HeadNorm(2, 16, 1e-5, 2, 4)})
+    initialize_dummy_weights(whole)
+    initialize_dummy_weights(rank1)
+    assert torch.equal(rank1.q_norm.weight, whole.q_norm.weight[2:])
+    assert not torch.equal(whole.q_norm.weight[:2], whole.q_norm.weight[2:])
+    with pytest.raises(ValueError, match="expected \\[heads, 16\\] with 4 heads"):
+        rank1.q_norm.weight.weight_loader(rank1.q_norm.weight, torch.ones(3, 16))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("case", ["cohere_qk", "cohere2"])
 def test_tp2_matches_tp1(case: str, tmp_path) -> None:  # noqa: ANN001

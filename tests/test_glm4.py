@@ -6,6 +6,7 @@ prefix cache, the multi-token-prediction layer's weights skipped at load, and TP
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -164,6 +165,70 @@ def test_unsupported_tensors_are_refused(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="block-wise or packed quantized q/k"):
         model.load_weight(dict(model.named_parameters()), "model.layers.0.self_attn.q_proj.weight_scale_inv",
                           torch.ones(1, 1).expand(1, 2).contiguous())
+
+
+def test_bad_rotary_factors_and_gguf_are_refused(tmp_path) -> None:  # noqa: ANN001
+    """partial_rotary_factor 0 (which would rotate nothing: not the whole head in its place), an odd rotary_dim and
+    llama.cpp's GLM files (post-norms, the rotary layout: no GGUF name here maps them) are refused."""
+    import gguf
+
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.models.glm4 import Glm4ForCausalLM
+
+    path = str(tmp_path / "d")
+    glm("glm4", path)
+    for share, match in ((0.0, "partial_rotary_factor must be in \\(0, 1\\]; got 0.0"),
+                         (0.15625, "even rotary_dim below head_dim 32; got 5")):
+        cfg = ModelConfig(path).hf_config
+        cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": share}
+        with pytest.raises(ValueError, match=match):
+            Glm4ForCausalLM(cfg)
+    for arch, name in (("glm4", "GLM-4"), ("glm4moe", "GLM-4.5")):
+        file = str(tmp_path / f"{arch}.gguf")
+        w = gguf.GGUFWriter(file, arch)
+        w.add_block_count(1)
+        w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(ValueError, match=f"GGUF files of {name} are not supported"):
+            ModelConfig(file)
+
+
+def test_lora_matches_transformers_peft(tmp_path) -> None:  # noqa: ANN001
+    """A PEFT adapter on q/k/v/o and down_proj: its q/k B rows are laid out as their base rows (the interleaved
+    partial rotation), so the tokens are transformers + PEFT's; its fused gate_up_proj target is refused."""
+    import transformers as tf
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from test_lora import submit_lora
+    from test_scheduler import drain, make_scheduler
+
+    path, adapter = str(tmp_path / "base"), str(tmp_path / "adapter")
+    base = glm("glm4", path)
+    want_base = [hf_greedy(base, p, 8) for p in PROMPTS]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    peft.save_pretrained(adapter)
+    ref = PeftModel.from_pretrained(tf.Glm4ForCausalLM.from_pretrained(path), adapter).eval()
+    want = [hf_greedy(ref, p, 8) for p in PROMPTS]
+    assert want != want_base
+    s = make_scheduler(path, lora_paths=[f"glm={adapter}"])
+    for i, prompt in enumerate(PROMPTS):
+        submit_lora(s, str(i), prompt, 8, "glm")
+    res = drain(s)
+    assert [res[str(i)]["ids"] for i in range(len(PROMPTS))] == want
+    with open(f"{adapter}/adapter_config.json") as f:
+        cfg = json.load(f)
+    with open(f"{adapter}/adapter_config.json", "w") as f:
+        json.dump({**cfg, "target_modules": ["q_proj", "gate_up_proj"]}, f)
+    with pytest.raises(ValueError, match="gate_up_proj not supported"):
+        make_scheduler(path, lora_paths=[f"glm={adapter}"])
 
 
 def test_per_row_scaled_qk_tensors_are_laid_out_with_their_rows(tmp_path) -> None:  # noqa: ANN001

@@ -186,6 +186,110 @@ def test_fp8_keeps_the_biased_experts_in_the_model_dtype(tmp_path) -> None:  # n
         layer.mlp.experts.set_quant_method(fp8_moe)
 
 
+def _ranks(path: str, monkeypatch: pytest.MonkeyPatch, ep: int) -> list[dict[str, torch.Tensor]]:
+    """Dummy-weighted parameters of TP=1, then of each rank of TP=2 (--ep-size `ep`), built in this process."""
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.layers.moe import layer as moe_layer
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+    from radixserve.models.gpt_oss import GptOssForCausalLM
+
+    cfg = ModelConfig(path).hf_config
+    out = []
+    for rank, size in ((0, 1), (0, 2), (1, 2)):
+        monkeypatch.setattr(moe_layer, "get_expert_parallel_size", lambda size=size: ep if size > 1 else 1)
+        model = GptOssForCausalLM(cfg, rank, size)
+        initialize_dummy_weights(model)
+        out.append(dict(model.named_parameters()))
+    return out
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_dummy_weights_do_not_depend_on_the_tp_split(ep: int, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """--load-format dummy draws each layer's sinks whole and gives each rank its heads' slice (not a draw of its
+    own); the experts' biases are their ranks' slices (TP: gate/up rows, the down bias on rank 0 alone; EP: whole
+    experts)."""
+    gpt_oss(str(tmp_path))
+    whole, rank0, rank1 = _ranks(str(tmp_path), monkeypatch, ep)
+    sinks = "model.layers.1.self_attn.attn.sinks"
+    assert torch.equal(torch.cat([rank0[sinks], rank1[sinks]]), whole[sinks])
+    w13, w2 = "model.layers.0.mlp.experts.w13_bias", "model.layers.0.mlp.experts.w2_bias"
+    if ep == 1:
+        halves = [r[w13].chunk(2, dim=1) for r in (rank0, rank1)]
+        assert torch.equal(torch.cat([halves[0][0], halves[1][0], halves[0][1], halves[1][1]], 1), whole[w13])
+        assert torch.equal(rank0[w2], whole[w2]) and not rank1[w2].any()
+    else:
+        for name in (w13, w2):
+            assert torch.equal(torch.cat([rank0[name], rank1[name]]), whole[name])
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_biased_experts_split_over_ranks_sum_to_the_whole(ep: int) -> None:
+    """The experts loaded from one checkpoint tensor on each of two TP ranks (their intermediate slices, the down
+    bias on rank 0) or EP ranks (half the experts each, with their biases): the ranks' partial outputs, which the
+    all-reduce adds, sum to the one-rank output."""
+    from radixserve.layers.moe import FusedMoE, RouterConfig
+    from radixserve.layers.moe.activation import ExpertActivation
+
+    torch.manual_seed(0)
+    act = ExpertActivation("swiglu_oai", 1.702, 0.8)
+    full = {"w13_weight": torch.randn(4, 48, 16), "w2_weight": torch.randn(4, 16, 24), "w13_bias": torch.randn(4, 48),
+            "w2_bias": torch.randn(4, 16)}
+    x = torch.randn(7, 16)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(7)]).to(torch.int32)
+    weights = torch.rand(7, 2)
+
+    def out(rank: int, size: int) -> torch.Tensor:
+        layer = FusedMoE(RouterConfig(4, 2), 16, 24, rank, size, ep_size=ep if size > 1 else 1,
+                         reduce_results=False, activation=act, bias=True)
+        for name, t in full.items():
+            getattr(layer, name).weight_loader(getattr(layer, name), t, None)
+        return layer.run_experts(x, weights, ids)
+
+    torch.testing.assert_close(out(0, 2) + out(1, 2), out(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_configs_gguf_and_expert_lora_are_refused(tmp_path) -> None:  # noqa: ANN001
+    """swiglu_limit 0 (not the default in its place), a layer type served as another, sinks of another head count,
+    a GGUF file of the architecture (its config transformers reads; its tensors no loader here maps), and a PEFT
+    adapter on the stacked experts (`target_parameters`) are refused with their reason."""
+    import gguf
+
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.lora.config import LoRAConfig
+    from radixserve.models.gpt_oss import GptOssForCausalLM
+
+    path = str(tmp_path / "m")
+    gpt_oss(path)
+    cfg = ModelConfig(path).hf_config
+    model = GptOssForCausalLM(cfg)
+    with pytest.raises(ValueError, match="self_attn.sinks: attention sinks of shape \\(3,\\); expected \\(4,\\)"):
+        model.load_weight(dict(model.named_parameters()), "model.layers.0.self_attn.sinks", torch.zeros(3))
+    for key, value, match in (("swiglu_limit", 0.0, "swiglu_limit must be > 0; got 0.0"),
+                              ("layer_types", ["sliding_attention", "chunked_attention"], "chunked_attention")):
+        bad = ModelConfig(path).hf_config
+        setattr(bad, key, value)
+        with pytest.raises(ValueError, match=match):
+            GptOssForCausalLM(bad)
+    cfg.swiglu_alpha = 0.0  # a value of the config's own, served as such
+    assert GptOssForCausalLM(cfg).model.layers[0].mlp.experts.activation.alpha == 0.0
+    file = str(tmp_path / "gpt-oss.gguf")
+    w = gguf.GGUFWriter(file, "gpt-oss")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF files of GPT-OSS are not supported"):
+        ModelConfig(file)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"], "target_parameters": ["mlp.experts.down_proj"]}))
+    with pytest.raises(ValueError, match="target_parameters .* not supported"):
+        LoRAConfig.from_folder(str(adapter))
+
+
 @pytest.mark.integration
 def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
     """Heads (and their sinks), the experts' intermediate slices and the down bias (added by rank 0 alone)."""

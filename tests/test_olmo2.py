@@ -140,6 +140,24 @@ def test_dummy_weights_do_not_depend_on_the_tp_split() -> None:
     assert not torch.equal(whole.q_norm.weight[:32], whole.q_norm.weight[32:])
 
 
+def test_gguf_files_are_refused(tmp_path) -> None:  # noqa: ANN001
+    """llama.cpp writes both generations as "olmo2" (post-norms no GGUF name here maps): refused by name."""
+    import gguf
+
+    from radixserve.configs.model_config import ModelConfig
+
+    file = str(tmp_path / "olmo2.gguf")
+    w = gguf.GGUFWriter(file, "olmo2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF files of OLMo 2 / OLMo 3 are not supported"):
+        ModelConfig(file)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("kind,over", [("olmo2", {}), ("olmo3", {"num_key_value_heads": 1})])  # KV heads replicated
 def test_tp2_matches_tp1(kind: str, over: dict, tmp_path) -> None:  # noqa: ANN001

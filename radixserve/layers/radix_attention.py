@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
                  v_head_dim: int | None = None, sliding_window_size: int = -1, logit_cap: float = 0.0,
-                 sinks: bool = False) -> None:
+                 sinks: bool = False, first_head: int = 0, total_heads: int | None = None) -> None:
+        """`first_head` / `total_heads`: where this rank's query heads sit among the model's (tensor parallelism),
+        for the checkpoint's per-head sinks, which each rank loads its slice of."""
         super().__init__()
         if sliding_window_size == 0 or sliding_window_size < -1:
             raise ValueError(f"sliding_window_size must be -1 (full attention) or positive; got {sliding_window_size}")
@@ -31,8 +33,13 @@ class RadixAttention(nn.Module):
         # float32 whatever the model's dtype (explicit dtype: the loader's default dtype does not apply; backends
         # that support them set `supports_sinks` and read them through `base_attn_backend.sinks`); None: none
         self.sinks: nn.Parameter | None = None
+        self.sink_heads = (first_head, num_heads if total_heads is None else total_heads)
+        if not 0 <= first_head <= self.sink_heads[1] - num_heads:
+            raise ValueError(f"query heads [{first_head}, {first_head + num_heads}) are outside the model's "
+                             f"{self.sink_heads[1]}")
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self.load_sinks
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads
@@ -47,6 +54,18 @@ class RadixAttention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.compile_key = register_attention_layer(self)  # how a compiled graph's attention op finds this layer
+
+    def load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """The checkpoint's sinks of all query heads: this rank's slice."""
+        first, total = self.sink_heads
+        if tuple(loaded.shape) != (total,):
+            raise ValueError(f"attention sinks of shape {tuple(loaded.shape)}; expected ({total},) (one a query head)")
+        param.data.copy_(loaded.narrow(0, first, param.shape[0]))
+
+    def checkpoint_shape(self, leaf: str) -> tuple[int, ...]:
+        """The checkpoint tensor's shape of the sinks (dummy weights generate it whole, then take this rank's
+        slice)."""
+        return (self.sink_heads[1],)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
                 save_kv_cache: bool = True) -> torch.Tensor:

@@ -43,6 +43,8 @@ class LoRAConfig:
             unsupported.append("modules_to_save")
         if raw.get("fan_in_fan_out"):
             unsupported.append("fan_in_fan_out")
+        if raw.get("target_parameters"):  # LoRA on stacked expert parameters (PEFT's MoE form: GPT-OSS, GLM-4.5)
+            unsupported.append(f"target_parameters {raw.get('target_parameters')!r} (LoRA on MoE experts)")
         if raw.get("rank_pattern") or raw.get("alpha_pattern"):
             unsupported.append("rank_pattern/alpha_pattern")
         if unsupported:

@@ -66,6 +66,13 @@ def full_shards(module: nn.Module, leaf: str, param: torch.Tensor) -> list[tuple
     return [(None, tuple(param.shape))]
 
 
+def _rank0_bias(module: nn.Module, leaf: str) -> bool:
+    """Whether `module.<leaf>` may be a bias that every rank holds at its full shape but only tensor-parallel rank 0
+    fills (the others hold zeros, their partial sums join it): its loader must decide, even where the shapes match.
+    Row-parallel layers' (all their parameters go through the loader) and the experts' down bias."""
+    return isinstance(module, RowParallelLinear) or isinstance(module, FusedMoE) and leaf == "w2_bias"
+
+
 def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
     """(full name, owning module, leaf name, parameter), each parameter once (tied ones under their first name)."""
     seen: set[int] = set()
@@ -103,7 +110,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 42) -> None:
             gen = torch.Generator(device=device)
             gen.manual_seed(tensor_seed(seed, name, shard_id))
             if loader is None or (len(shards) == 1 and shape == tuple(data.shape) and shard_id is None
-                                  and not isinstance(module, RowParallelLinear)):
+                                  and not _rank0_bias(module, leaf)):
                 data.normal_(mean, std, generator=gen)  # held whole: generate in place
                 if rounded != data.dtype:
                     data.copy_(data.to(rounded))

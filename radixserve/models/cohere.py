@@ -54,19 +54,27 @@ _HEAD_NORMS = (".q_norm.weight", ".k_norm.weight")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def head_norm(heads: int, head_dim: int, eps: float, first_head: int) -> LayerNorm:
-    """A per-head LayerNorm over this rank's `heads` heads, from `first_head` on; its weight loads the rank's rows
-    of the checkpoint's [all heads, head_dim]."""
-    norm = LayerNorm((heads, head_dim), eps)
+class HeadNorm(LayerNorm):
+    """A per-head LayerNorm over this rank's `heads` heads, from `first_head` on of the model's `total_heads`: its
+    weight loads the rank's rows of the checkpoint's [total_heads, head_dim]."""
 
-    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.dim() != 2 or loaded.shape[1] != head_dim or loaded.shape[0] < first_head + heads:
-            raise ValueError(f"q/k norm weight of shape {tuple(loaded.shape)}: expected [heads, {head_dim}] with at "
-                             f"least {first_head + heads} heads")
-        param.data.copy_(loaded[first_head:first_head + heads])
+    def __init__(self, heads: int, head_dim: int, eps: float, first_head: int, total_heads: int) -> None:
+        super().__init__((heads, head_dim), eps)
+        if not 0 <= first_head <= total_heads - heads:
+            raise ValueError(f"q/k norm heads [{first_head}, {first_head + heads}) are outside the {total_heads}")
+        self.first_head, self.total_heads = first_head, total_heads
+        self.weight.weight_loader = self.weight_loader
 
-    norm.weight.weight_loader = load
-    return norm
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        full = self.checkpoint_shape("weight")
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"q/k norm weight of shape {tuple(loaded.shape)}: expected [heads, {full[1]}] with "
+                             f"{full[0]} heads")
+        param.data.copy_(loaded.narrow(0, self.first_head, param.shape[0]))
+
+    def checkpoint_shape(self, leaf: str) -> tuple[int, ...]:
+        """The checkpoint tensor's shape (dummy weights generate it whole, then take this rank's heads)."""
+        return (self.total_heads, self.weight.shape[1])
 
 
 class CohereAttention(LlamaAttention):
@@ -79,8 +87,10 @@ class CohereAttention(LlamaAttention):
         if qk_norm:
             eps = float(config.layer_norm_eps)
             kv_rank = tp_rank // self.qkv_proj.kv_replicas
-            self.q_norm = head_norm(self.num_heads, self.head_dim, eps, tp_rank * self.num_heads)
-            self.k_norm = head_norm(self.num_kv_heads, self.head_dim, eps, kv_rank * self.num_kv_heads)
+            heads = config.num_attention_heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            self.q_norm = HeadNorm(self.num_heads, self.head_dim, eps, tp_rank * self.num_heads, heads)
+            self.k_norm = HeadNorm(self.num_kv_heads, self.head_dim, eps, kv_rank * self.num_kv_heads, kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor | None, forward_batch: ForwardBatch,
                 qkv: torch.Tensor | None = None) -> torch.Tensor:

@@ -56,11 +56,14 @@ def deinterleave_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def gpt_oss_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module:
-    act = ExpertActivation("swiglu_oai", float(getattr(config, "swiglu_alpha", None) or 1.702),
-                           float(getattr(config, "swiglu_limit", None) or 7.0))
+    # the released defaults where the config names none (a 0 is the config's own value: refused or served as is)
+    alpha, limit = getattr(config, "swiglu_alpha", None), getattr(config, "swiglu_limit", None)
+    act = ExpertActivation("swiglu_oai", 1.702 if alpha is None else float(alpha),
+                           7.0 if limit is None else float(limit))
     return SparseMoeBlock(config, tp_rank, tp_size, renormalize=True, biased=True, activation=act)
 
 
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 _EXPERTS = ".mlp.experts."
 # checkpoint expert tensor -> (our stacked parameter, how it becomes [E, ...] in that parameter's full layout)
 _EXPERT_TENSORS = {
@@ -82,6 +85,9 @@ class GptOssForCausalLM(MoECausalLM):
         # (hidden_act is not read: the experts' activation is the architecture's, swiglu_alpha / swiglu_limit)
         if getattr(config, "num_key_value_heads", None) is None:
             raise ValueError("GPT-OSS config names no num_key_value_heads")
+        unknown = sorted(set(getattr(config, "layer_types", None) or []) - set(_LAYER_TYPES))
+        if unknown:  # (any other type would be served as full attention)
+            raise ValueError(f"GPT-OSS layer_types {unknown} are not supported (supported: {', '.join(_LAYER_TYPES)})")
         return LlamaModel(config, tp_rank, tp_size, qkv_bias=bool(getattr(config, "attention_bias", True)),
                           mlp_factory=self.mlp_factory, attn_sinks=True)
 
@@ -96,11 +102,10 @@ class GptOssForCausalLM(MoECausalLM):
         name = name.replace(".mlp.router.", ".mlp.gate.")
         if name.endswith(".self_attn.sinks"):
             target = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
-            param = params[target]
-            per_rank = param.shape[0]
-            if tensor.shape != (per_rank * self.tp_size,):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected ({per_rank * self.tp_size},)")
-            param.data.copy_(tensor[self.tp_rank * per_rank:(self.tp_rank + 1) * per_rank])
+            try:  # this rank's heads' slice
+                params[target].weight_loader(params[target], tensor)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
             return target
         if _EXPERTS not in name:
             return super().load_weight(params, name, tensor)

@@ -89,7 +89,11 @@ def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
     theta, scaling = rope_params(config)
     head_dim = attention_head_dim(config)
     params = getattr(config, "rope_parameters", None) or {}
-    share = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    share = params.get("partial_rotary_factor")
+    share = getattr(config, "partial_rotary_factor", None) if share is None else share
+    share = 1.0 if share is None else float(share)
+    if not 0 < share <= 1:  # (a 0 would rotate nothing, not the whole head)
+        raise ValueError(f"partial_rotary_factor must be in (0, 1]; got {share}")
     original = getattr(config, "original_max_position_embeddings", None)
     if scaling is not None and original and "original_max_position_embeddings" not in scaling:
         scaling = {**scaling, "original_max_position_embeddings": original}
@@ -115,7 +119,8 @@ class LlamaAttention(nn.Module):
         scaling = self.head_dim ** -0.5 if scaling is None else scaling  # Gemma: query_pre_attn_scalar ** -0.5
         self.attn = RadixAttention(self.num_heads, self.head_dim, scaling, self.num_kv_heads, layer_id,
                                    sliding_window_size=sliding_window_size(config, layer_id), logit_cap=logit_cap,
-                                   sinks=sinks)  # GPT-OSS's learned per-head sink logits
+                                   sinks=sinks,  # GPT-OSS's learned per-head sink logits
+                                   first_head=tp_rank * self.num_heads, total_heads=num_heads)
         self.output_scale = 1.0  # Granite's residual_multiplier
         self.qk_norm = qk_norm
         if qk_norm:
