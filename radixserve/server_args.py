@@ -70,7 +70,8 @@ class ServerArgs:
     is_embedding: bool = _flag("Serve embeddings (/v1/embeddings, /encode) from the model's pooled final hidden "
                                "states instead of generation", default=False)
     pooling_method: str | None = _flag("Embedding pooling (default: the model folder's sentence-transformers "
-                                       "1_Pooling config, else last)", choices=("last", "mean"))
+                                       "1_Pooling config, else last; cls: encoders only)",
+                                       choices=("last", "mean", "cls"))
     tool_call_parser: str | None = _flag("Tool-call format of the model (default: from its chat template, else "
                                          "hermes)", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _flag("Split <think> reasoning into reasoning_content (default: off)",
@@ -234,7 +235,7 @@ class ServerArgs:
                               ("load_balance_method", LOAD_BALANCE_METHODS),
                               ("speculative_algorithm", SPECULATIVE_ALGORITHMS),
                               ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS),
-                              ("pooling_method", ("last", "mean"))]:
+                              ("pooling_method", ("last", "mean", "cls"))]:
             choice(name, allowed)
 
         def positive(name: str, allow_none: bool = True) -> None:

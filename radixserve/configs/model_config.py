@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from radixserve.configs.encoder import encoder_max_tokens, is_encoder
+
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
@@ -51,13 +53,16 @@ def sliding_window_size(cfg: Any, layer_id: int) -> int:
 
 
 # GGUF architectures (llama.cpp's names) whose files this loader would misread: refused before transformers' reader
-_REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Command-R7B / Command-A"}
+_REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Command-R7B / Command-A",
+                       "gpt-oss": "GPT-OSS", "glm4": "GLM-4", "glm4moe": "GLM-4.5", "olmo2": "OLMo 2 / OLMo 3"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
-    """Refuse Cohere's GGUF files by name: neither transformers' GGUF config reader nor this loader maps their
-    metadata (logit_scale, use_qk_norm, Cohere2's sliding pattern), so a reader that accepted them would serve
-    another model. An unreadable file is left to the reader's own message."""
+    """Refuse by name the GGUF files of families whose metadata or tensors this loader does not map: Cohere's
+    (logit_scale, use_qk_norm, Cohere2's sliding pattern), GPT-OSS's (attention sinks, biased MXFP4 experts: its
+    config transformers reads, the model would fail on its tensors only after building), GLM's and OLMo's
+    (post-norms, GLM's rotary layout), so that a reader that accepted them would not serve another model. An
+    unreadable file is left to the reader's own message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:
@@ -184,6 +189,9 @@ class ModelConfig:
         self.v_head_dim: int = int(getattr(text_cfg, "v_head_dim", 0) or 0) or self.head_dim
 
         self.context_len: int = self._context_len(text_cfg, context_length)
+        self.is_encoder: bool = is_encoder(archs)  # BERT / XLM-R embedding models (configs/encoder.py)
+        if self.is_encoder:  # no position past the table: the context is what it covers
+            self.context_len = min(self.context_len, encoder_max_tokens(text_cfg))
         # per layer: -1 (full attention) or the window in tokens
         self.sliding_windows: list[int] = [sliding_window_size(text_cfg, i) for i in range(self.num_hidden_layers)]
 

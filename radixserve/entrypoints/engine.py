@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from radixserve.configs.encoder import apply_encoder_args
 from radixserve.configs.model_config import ModelConfig
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
@@ -73,6 +74,7 @@ def resolve_model(server_args: ServerArgs) -> ModelConfig:
     cfg = ModelConfig(server_args.model_path, context_length=server_args.context_length,
                       load_format=server_args.load_format, trust_remote_code=server_args.trust_remote_code)
     server_args.model_path = cfg.model_path
+    apply_encoder_args(server_args, cfg)  # an encoder (BERT, XLM-R): embeddings, no radix cache or chunking
     explicit = server_args.tokenizer_path is not None
     if not explicit:
         server_args.tokenizer_path = cfg.tokenizer_path
@@ -254,7 +256,8 @@ class Engine:
                rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None
                ) -> dict[str, Any] | list[dict[str, Any]]:
         """Embeddings from an engine started with is_embedding=True, as POST /encode gives them: per input
-        {"embedding": [...] (pooled as --pooling-method or the model folder says, L2-normalised), "meta_info":
+        {"embedding": [...] (pooled as --pooling-method or the model folder says, L2-normalised unless its
+        modules.json lists no Normalize), "meta_info":
         {...}}; a list for a batch (a list of texts or of token-id lists)."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
@@ -265,7 +268,8 @@ class Engine:
         if "_pooling" not in self.__dict__:
             from radixserve.entrypoints.openai.serving_embedding import model_pooling
 
-            self._pooling = model_pooling(self.server_args.model_path, self.server_args.pooling_method)
+            self._pooling = model_pooling(self.server_args.model_path, self.server_args.pooling_method,
+                                          getattr(self.tokenizer_manager.model_config, "is_encoder", False))
         obj = io.GenerateReqInput(text=prompt, input_ids=input_ids, rid=rid, lora_path=lora_path,
                                   pooling=self._pooling)
 

@@ -21,6 +21,7 @@ import torch
 import zmq
 from tqdm import tqdm
 
+from radixserve.configs.encoder import apply_encoder_args, embedding_normalize
 from radixserve.configs.model_config import ModelConfig
 from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
@@ -61,6 +62,9 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         self.model_config = ModelConfig(server_args.model_path, context_length=server_args.context_length,
                                         load_format=server_args.load_format,
                                         trust_remote_code=server_args.trust_remote_code)
+        apply_encoder_args(server_args, self.model_config)  # an encoder: embeddings, no radix cache or chunking
+        # embeddings are L2-normalised unless the model's sentence-transformers modules.json has no Normalize
+        self.embed_normalize = embedding_normalize(self.model_config.model_path) if server_args.is_embedding else True
         self.worker = TpModelWorker(server_args, self.model_config, tp_rank=tp_rank, gpu_id=gpu_id)
         self.enable_overlap = server_args.use_overlap
         self.worker_client = TpModelWorkerClient(self.worker) if self.enable_overlap else None

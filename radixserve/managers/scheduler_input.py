@@ -90,8 +90,8 @@ class SchedulerInputMixin:
         error = None
         if not ids:
             error = "the prompt is empty"
-        elif len(ids) >= self.context_len:
-            error = f"the prompt has {len(ids)} tokens, at least the context length {self.context_len}"
+        elif len(ids) >= self.context_len + (recv.pooling is not None):  # an embedding may fill the context
+            error = f"the prompt has {len(ids)} tokens; the context length is {self.context_len}"
         elif min(ids) < 0 or max(ids) >= self.vocab_size:
             error = f"token ids must be in [0, {self.vocab_size}); got one out of range"
         elif len(ids) + self.token_to_kv_pool.page_size > self.token_to_kv_pool.size:  # + a page's slack

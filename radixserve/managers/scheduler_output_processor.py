@@ -60,7 +60,8 @@ class SchedulerOutputProcessorMixin:
                 req.finished_reason = FinishLength(0)
                 if req.pooling is not None and extend and req.to_abort is None:
                     self._add_pooled(req, logits_output, i)
-                    req.embedding = _normalized(req.pool_sum / max(1, req.pool_count))
+                    pooled = req.pool_sum / max(1, req.pool_count)
+                    req.embedding = _normalized(pooled) if self.embed_normalize else pooled.tolist()
                     req.finished_reason = FinishMatchedToken(None)
             else:
                 tok = next_ids[i]
@@ -85,7 +86,7 @@ class SchedulerOutputProcessorMixin:
     @staticmethod
     def _add_pooled(req: Req, logits_output: Any, i: int) -> None:
         """An embedding request's share of this forward: a mean adds up its chunks' sums (over all prompt tokens:
-        a mean-pooled request never takes a cached prefix); "last" keeps the last token's hidden state."""
+        a mean-pooled request never takes a cached prefix); "last" / "cls" keep the one token's hidden state."""
         row = logits_output.pooled_hidden[i].float()
         if req.pooling == "mean":
             req.pool_sum = row if req.pool_sum is None else req.pool_sum + row

@@ -27,22 +27,28 @@ class SchedulerWarmupMixin:
         socket, outbox_len = self.send_to_detokenizer, len(self.outbox)
         self.send_to_detokenizer = None  # outputs land in the outbox, dropped below
 
-        def submit(rid: str, prompt: list[int], params: SamplingParams) -> None:
+        def submit(rid: str, prompt: list[int], params: SamplingParams, pooling: str | None = None) -> None:
             self.handle_generate_request(io.TokenizedGenerateReqInput(
-                rid=rid, input_text=None, input_ids=prompt, sampling_params=params))
+                rid=rid, input_text=None, input_ids=prompt, sampling_params=params, pooling=pooling))
 
         def drain() -> None:
             while self.step() or not self.is_idle():
                 pass
 
         try:
-            submit("__warmup__", ids, first)
-            self.step()  # its prefill
-            self.step()  # its first decode step
-            submit("__warmup_mixed__", longer, sp)
-            drain()
-            submit("__warmup_hit__", ids + ids[:2], sp)
-            drain()
+            if getattr(self.model_config, "is_encoder", False):  # prefill only: one batch of two pooled requests
+                prefill_only = SamplingParams.from_dict({"max_new_tokens": 0})
+                submit("__warmup__", ids, prefill_only, "mean")
+                submit("__warmup_mixed__", longer, prefill_only, "mean")
+                drain()
+            else:
+                submit("__warmup__", ids, first)
+                self.step()  # its prefill
+                self.step()  # its first decode step
+                submit("__warmup_mixed__", longer, sp)
+                drain()
+                submit("__warmup_hit__", ids + ids[:2], sp)
+                drain()
         finally:
             self.send_to_detokenizer = socket
             del self.outbox[outbox_len:]

@@ -182,7 +182,7 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, functools.partial(self.tokenizer.encode, text, **kwargs))
 
-    def _validate_ids(self, ids: list[int], param: str = "input_ids") -> None:
+    def _validate_ids(self, ids: list[int], param: str = "input_ids", prefill_only: bool = False) -> None:
         if not ids:
             raise RequestError("the prompt is empty", 400, param)
         if any((not isinstance(t, int)) or isinstance(t, bool) for t in ids):
@@ -190,8 +190,8 @@ class TokenizerManager:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise RequestError(f"input_ids must be in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}", 400,
                                param)
-        if len(ids) >= self.context_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens, at least the model's context length "
+        if len(ids) > self.context_len or (len(ids) == self.context_len and not prefill_only):
+            raise RequestError(f"the prompt has {len(ids)} tokens; the model's context length is "
                                f"{self.context_len}", 400, param)
 
     def make_sampling_params(self, d: dict[str, Any] | None) -> SamplingParams:
@@ -268,7 +268,7 @@ class TokenizerManager:
                     raise RequestError("input_ids must be a list of integers or a list of such lists", 400,
                                        "input_ids")
                 ids, text = p, None
-            self._validate_ids(ids)
+            self._validate_ids(ids, prefill_only=obj.pooling is not None)  # (an embedding may fill the context)
             sp = self.make_sampling_params(sps[i] if obj.pooling is None else {"max_new_tokens": 0})
             if len(ids) + sp.max_new_tokens > self.context_len:
                 # one rule for every API: a requested length that cannot fit is a 400; a default one is clamped

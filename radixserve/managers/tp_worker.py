@@ -49,7 +49,10 @@ def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
         # forward above is already queued on the device while we wait. None: no row constrained any more.
         mask = bitmask.result()
         info.vocab_mask = _vocab_mask(mask, info, runner) if mask is not None else None
-    next_token_ids = runner.sample(logits_output, forward_batch)
+    if logits_output.next_token_logits is None:  # an encoder (models/bert.py): pooled rows only, nothing to sample
+        next_token_ids = torch.zeros(forward_batch.batch_size, dtype=torch.int64, device=runner.device)
+    else:
+        next_token_ids = runner.sample(logits_output, forward_batch)
     if info is not None:
         info.vocab_mask = None  # never carried into later steps (filter/merge would drag it along)
         info.update_penalties(next_token_ids)

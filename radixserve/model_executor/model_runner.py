@@ -260,7 +260,13 @@ class ModelRunner:
     def _init_memory_pool(self) -> None:
         cfg, args = self.model_config, self.server_args
         num_kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
-        cell = 2 * cfg.num_hidden_layers * num_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        head_dim, num_layers, max_total = cfg.head_dim, cfg.num_hidden_layers, args.max_total_tokens
+        if getattr(cfg, "is_encoder", False):
+            # an encoder attends within its forward and stores no KV: the pool only counts the tokens in flight
+            # (one element a slot) and is sized by tokens, not memory: two prefill batches' worth unless given
+            num_kv_heads = head_dim = num_layers = 1
+            max_total = max_total or 2 * max(args.max_prefill_tokens, cfg.context_len)
+        cell = 2 * num_layers * num_kv_heads * head_dim * torch.finfo(self.kv_dtype).bits // 8
         if cfg.is_mla:  # one latent vector per token and layer, shared by all heads (and all TP ranks)
             cell = MLATokenToKVPool.cell_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers,
                                                self.kv_dtype)
@@ -282,10 +288,10 @@ class ModelRunner:
                                  f"loading {self.weight_bytes / 2**30:.1f} GiB of weights; raise "
                                  f"--mem-fraction-static (now {frac}) or use a smaller model / --tp-size")
             size = int(rest // cell)
-            if args.max_total_tokens is not None:
-                size = min(size, args.max_total_tokens)
+            if max_total is not None:
+                size = min(size, max_total)
         else:
-            size = args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+            size = max_total or CPU_DEFAULT_MAX_TOTAL_TOKENS
         self.max_total_num_tokens = size
         self.context_len = cfg.context_len
         max_reqs = args.max_running_requests or max(1, min(1024 if self.is_cuda else 256, size // 2))
@@ -299,8 +305,8 @@ class ModelRunner:
             self.token_to_kv_pool = MLATokenToKVPool(size, self.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                                      cfg.num_hidden_layers, self.device, page_size=args.page_size)
         else:
-            self.token_to_kv_pool = TokenToKVPool(size, self.kv_dtype, num_kv_heads, cfg.head_dim,
-                                                  cfg.num_hidden_layers, self.device, page_size=args.page_size)
+            self.token_to_kv_pool = TokenToKVPool(size, self.kv_dtype, num_kv_heads, head_dim, num_layers,
+                                                  self.device, page_size=args.page_size)
         size = self.max_total_num_tokens = self.token_to_kv_pool.size  # whole pages
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
 

@@ -31,6 +31,12 @@ _MODELS: dict[str, str] = {
     "Glm4MoeForCausalLM": "radixserve.models.glm4",
     "Olmo2ForCausalLM": "radixserve.models.olmo2",
     "Olmo3ForCausalLM": "radixserve.models.olmo2",
+    "BertModel": "radixserve.models.bert",  # encoders: embeddings only (configs/encoder.py)
+    "BertForMaskedLM": "radixserve.models.bert",
+    "RobertaModel": "radixserve.models.bert",
+    "RobertaForMaskedLM": "radixserve.models.bert",
+    "XLMRobertaModel": "radixserve.models.bert",
+    "XLMRobertaForMaskedLM": "radixserve.models.bert",
 }
 
 

@@ -2,10 +2,12 @@
 
 A causal model used as an encoder: each input runs as a prefill-only request through the same scheduler (and radix
 cache) as generation; its final hidden states are pooled (the last token's, or the mean over all tokens) and
-L2-normalised. The pooling comes from --pooling-method, else the model folder's sentence-transformers
-`1_Pooling/config.json`, else "last". `dimensions` is honoured when the model says it was trained for shortened
-embeddings (`matryoshka_dimensions` or `is_matryoshka` in its config.json): the vector is cut and normalised again;
-otherwise only the full size is accepted."""
+L2-normalised. An encoder-only model (BERT, XLM-R: models/bert.py) runs the same way, each input whole, without the
+radix cache (configs/encoder.py), and may also pool its first token ("cls"). The pooling comes from
+--pooling-method, else the model folder's sentence-transformers `1_Pooling/config.json`, else "last"; the vectors
+are normalised unless the folder's `modules.json` lists no Normalize module. `dimensions` is honoured when the
+model says it was trained for shortened embeddings (`matryoshka_dimensions` or `is_matryoshka` in its config.json):
+the vector is cut and normalised again; otherwise only the full size is accepted."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from radixserve.entrypoints.openai.serving_base import OpenAIServingBase
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import RequestError
 
-POOLING_METHODS = ("last", "mean")
+POOLING_METHODS = ("last", "mean", "cls")
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
 
@@ -48,8 +50,17 @@ class EncodeRequest(_Strict):
     lora_path: str | None = None  # a LoRA adapter's name
 
 
-def model_pooling(model_path: str | None, override: str | None) -> str:
-    """The pooling of an embedding model: the flag, else the sentence-transformers Pooling config, else "last"."""
+def model_pooling(model_path: str | None, override: str | None, encoder: bool = False) -> str:
+    """The pooling of an embedding model: the flag, else the sentence-transformers Pooling config, else "last".
+    "cls" (the first token) only for an encoder: a causal model's first token sees nothing after it."""
+    pooling = _model_pooling(model_path, override)
+    if pooling == "cls" and not encoder:
+        raise ValueError("CLS pooling needs an encoder-only model (BERT, XLM-R); this causal model can pool the last "
+                         "token or the mean: choose one with --pooling-method")
+    return pooling
+
+
+def _model_pooling(model_path: str | None, override: str | None) -> str:
     if override is not None:
         return override
     if model_path and os.path.isdir(model_path):
@@ -68,9 +79,11 @@ def model_pooling(model_path: str | None, override: str | None) -> str:
                 return "last"
             if cfg.get("pooling_mode_mean_tokens"):
                 return "mean"
+            if cfg.get("pooling_mode_cls_token"):
+                return "cls"
             modes = sorted(k for k, v in cfg.items() if k.startswith("pooling_mode_") and v)
-            raise ValueError(f"{cfg_path}: pooling {', '.join(modes) or 'none'} is not supported (last token or mean "
-                             "only); choose one with --pooling-method")
+            raise ValueError(f"{cfg_path}: pooling {', '.join(modes) or 'none'} is not supported (last token, mean "
+                             "or CLS only); choose one with --pooling-method")
     return "last"
 
 
@@ -100,7 +113,7 @@ class OpenAIServingEmbedding(OpenAIServingBase):
         super().__init__(*args, **kwargs)
         mc = getattr(self.tm, "model_config", None)
         self.pooling = model_pooling(getattr(mc, "model_path", None), getattr(self.tm.server_args, "pooling_method",
-                                                                             None))
+                                                                             None), getattr(mc, "is_encoder", False))
         self.hidden_size = int(getattr(mc, "hidden_size", 0) or 0)
         self.matryoshka = _matryoshka(getattr(mc, "hf_config", None))
 
@@ -134,7 +147,7 @@ class OpenAIServingEmbedding(OpenAIServingBase):
             if not item:
                 raise APIError(f"{where}: must not be empty", 400, param, "invalid_value")
             ids = await self.tokenize(item, param) if isinstance(item, str) else list(item)
-            if len(ids) >= self.tm.context_len:
+            if len(ids) > self.tm.context_len:  # (no token is generated: a prompt may fill the context)
                 raise APIError(f"{where}: {len(ids)} tokens; this model's maximum context length is "
                                f"{self.tm.context_len} tokens", 400, param, "context_length_exceeded")
             out.append(ids)
