@@ -37,7 +37,7 @@ def compile_stage1(kv_dtype: str, block_n: int, num_stages: int, num_warps: int 
 
     pointers = {"Q": "*bf16", "K_Buf": f"*{kv_dtype}", "V_Buf": f"*{kv_dtype}", "Req_to_token": "*i32",
                 "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mid_O": "*fp32", "Mid_LSE": "*fp32", "Out": "*bf16",
-                "Counters": "*i32"}
+                "Counters": "*i32", "Sinks": "*fp32"}
     scalars = {"sm_scale_log2": "fp32", "v_scale": "fp32", "num_kv_splits": "i32", "min_split_len": "i32",
                "window": "i32"}
     strides = ["stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t",
@@ -48,7 +48,7 @@ def compile_stage1(kv_dtype: str, block_n: int, num_stages: int, num_warps: int 
                  BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, USE_DOT=True, DOT_FP32=False,
                  KV_F16=fp8, V_PAIRS=(1 if kv_dtype == "fp8e4nv" else 2) if v_pairs and fp8 else 0,
                  SLIDING=False, PDL=0, HEADS_FIRST=True, DIRECT=True, MERGE=False, MERGE_HEADS=1, MERGE_SPLITS=1,
-                 CAP=0.0)
+                 CAP=0.0, HAS_SINKS=False)
     signature = {**pointers, **scalars, **{s: "i32" for s in strides}, **{k: "constexpr" for k in const}}
     names = list(signature)
     aligned = [names.index(n) for n in (*pointers, *strides)]

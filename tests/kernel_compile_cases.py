@@ -120,17 +120,19 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
             fn, sig, dict(C=512, R=64, BLOCK_C=512, BLOCK_R=64, BLOCK_H=16, BLOCK_N=mla_attention.DECODE_BLOCK_N,
                           DOT_FP32=dt == torch.float32, DIRECT=True, MERGE=False, MERGE_SPLITS=1, PDL=1),
             dict(num_warps=mla_attention.DECODE_WARPS, num_stages=mla_attention.DECODE_STAGES))
-    # the grouped GEMMs' largest heuristic tile (a large prefill), float32
+    # the grouped GEMMs' largest heuristic tile (a large prefill), float32, with GPT-OSS's biases and activation
     from radixserve.layers.moe import fused_moe
 
     cfg = fused_moe.moe_config(1 << 20, 1, 1, 1024, 1024)
     for fn, block_n in ((fused_moe._gate_up_kernel, cfg.block_n_gate_up), (fused_moe._down_kernel, cfg.block_n_down)):
         sig = {n: "*i32" if n in ("Sorted", "ExpertIds", "Total") else "i32" for n in fn.arg_names}
-        sig.update({n: "*fp32" for n in ("X", "W13", "Inter", "W2", "Out", "Weights", "Scale", "XScale")
+        sig.update({n: "*fp32" for n in ("X", "W13", "Inter", "W2", "Out", "Weights", "Scale", "XScale", "Bias")
                     if n in fn.arg_names})
+        sig.update({n: "fp32" for n in ("alpha", "limit") if n in fn.arg_names})
+        act = {"ACT": 1} if fn is fused_moe._gate_up_kernel else {}
         out[f"{fn.__name__} fp32 {cfg.block_m}x{block_n}"] = (
             fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True,
-                          QUANT=False, A8=False),
+                          QUANT=False, A8=False, HAS_BIAS=True, **act),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     # fp8 experts of a bf16 model: the W8A8 grouped GEMMs at their tuned tiles, the small-batch kernels in both
     # forms (per-row scales on the CUDA cores, block-wise through tl.dot) at their default tiles
@@ -140,11 +142,12 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
             sig = {n: "*i32" if n in ("Sorted", "ExpertIds", "Total") else "i32" for n in fn.arg_names}
             sig.update({n: "*fp8e4nv" for n in ("X", "W13", "W2") if n in fn.arg_names})
             sig.update(Inter="*fp8e4nv" if fn is fused_moe._down_kernel else "*bf16", Out="*bf16", Weights="*fp32",
-                       Scale="*fp32", XScale="*fp32")
+                       Scale="*fp32", XScale="*fp32", Bias="*bf16", alpha="fp32", limit="fp32")
             sig = {n: t for n, t in sig.items() if n in fn.arg_names}
+            plain = {"HAS_BIAS": False, **({"ACT": 0} if fn is fused_moe._gate_up_kernel else {})}
             out[f"{fn.__name__} fp8 w8a8 {cfg.block_m}x{block_n}"] = (
                 fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=False, N_FIRST=True,
-                              QUANT=True, A8=True), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                              QUANT=True, A8=True, **plain), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     from radixserve.layers.moe import small_batch
 
     for quant, cfg in ((1, small_batch.DEFAULT_FP8_ROWS), (2, small_batch.DEFAULT_FP8_BLOCKS),
