@@ -83,6 +83,12 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
                              layer_types=["sliding_attention", "full_attention"] * (kw["num_hidden_layers"] // 2),
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                                            "beta_fast": 32.0, "beta_slow": 1.0})
+    elif kind in ("ernie4_5", "ernie4_5_moe"):  # interleaved rotation; MoE: softmax + correction-bias top-k
+        theta = kw.pop("rope_theta")
+        common = dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": theta}, pad_token_id=0)
+        cfg = (tf.Ernie4_5Config(**kw, **common, use_bias=True, tie_word_embeddings=True) if kind == "ernie4_5" else
+               tf.Ernie4_5_MoeConfig(**kw, **common, moe_intermediate_size=32, moe_num_experts=8, moe_k=3,
+                                     moe_num_shared_experts=2, moe_layer_start_index=1, tie_word_embeddings=False))
     elif kind in MOE_KINDS:
         cfg = moe_config(kind, kw)
     else:

@@ -196,7 +196,8 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
                                             ("qwen2.5-vl-7b", 7.62),  # its language model: 7,615,616,512
                                             ("gpt-oss-20b", 20.91), ("glm-4.5-air", 106.85),  # no MTP layer
                                             ("olmo-2-7b", 7.30),  # 7,298,617,344
-                                            ("command-r7b", 8.03)])  # 8,028,033,024, the tied embedding once
+                                            ("command-r7b", 8.03),  # 8,028,033,024, the tied embedding once
+                                            ("ernie-4.5-21b-a3b", 21.83)])  # 21,825,437,888: no MTP layer
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
     (Gemma 3 12B without its vision tower)."""

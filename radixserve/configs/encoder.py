@@ -18,13 +18,21 @@ logger = logging.getLogger(__name__)
 
 # the architectures models/bert.py serves (sentence-transformers folders name the bare models; MLM checkpoints keep
 # their weights under a `bert.` / `roberta.` prefix, which the loader strips)
+# cross-encoders (rerankers: models/bert_rerank.py): the encoder and a classification head, scoring text pairs
+CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                            "XLMRobertaForSequenceClassification")
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel",
-                         "XLMRobertaForMaskedLM")
+                         "XLMRobertaForMaskedLM", *CLASSIFIER_ARCHITECTURES)
 
 
 def is_encoder(architectures: list[str] | None) -> bool:
     """Whether the first architecture the registry would pick is an encoder."""
     return bool(architectures) and architectures[0] in ENCODER_ARCHITECTURES
+
+
+def is_classifier(architectures: list[str] | None) -> bool:
+    """Whether the model is a cross-encoder: its pooled output is the classification head's scores of a pair."""
+    return bool(architectures) and architectures[0] in CLASSIFIER_ARCHITECTURES
 
 
 def position_offset(hf_config: Any) -> int:
@@ -67,11 +75,34 @@ def apply_encoder_args(server_args: Any, model_config: Any) -> None:
         changes.append("CUDA graphs off (they capture decode steps; an encoder never decodes)")
     if changes:
         logger.info("%s is an encoder-only model: %s", arch, "; ".join(changes))
+    hf = model_config.hf_config
+    if is_classifier(model_config.architectures) and not position_offset(hf) and \
+            getattr(hf, "type_vocab_size", 2) > 1 and getattr(hf, "sep_token_id", None) is None:
+        # a BERT cross-encoder derives a pair's token types from its first [SEP] (models/bert_rerank.py)
+        hf.sep_token_id = _tokenizer_sep_id(server_args.tokenizer_path or model_config.tokenizer_path,
+                                            server_args.trust_remote_code)
 
 
-def embedding_normalize(model_path: str | None) -> bool:
-    """Whether embeddings are L2-normalised: as the sentence-transformers `modules.json` says (a Normalize module)
-    when the folder has one, else yes (OpenAI's embeddings are unit vectors)."""
+def _tokenizer_sep_id(path: str, trust_remote_code: bool) -> int:
+    from transformers import AutoTokenizer
+
+    try:
+        sep = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).sep_token_id
+    except (OSError, ValueError) as e:
+        raise ValueError(f"a BERT cross-encoder needs its tokenizer's [SEP] id (token types of a pair): cannot "
+                         f"load the tokenizer at {path}: {e}") from e
+    if sep is None:
+        raise ValueError(f"the tokenizer at {path} has no sep_token: a BERT cross-encoder needs it to find the "
+                         "second segment of a pair")
+    return int(sep)
+
+
+def embedding_normalize(model_path: str | None, architectures: list[str] | None = None) -> bool:
+    """Whether embeddings are L2-normalised: never for a cross-encoder (its output is the classifier's scores);
+    else as the sentence-transformers `modules.json` says (a Normalize module) when the folder has one, else yes
+    (OpenAI's embeddings are unit vectors)."""
+    if is_classifier(architectures):
+        return False
     path = os.path.join(model_path, "modules.json") if model_path and os.path.isdir(model_path) else None
     if path is None or not os.path.isfile(path):
         return True

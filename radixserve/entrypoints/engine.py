@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixserve.configs.encoder import apply_encoder_args
+from radixserve.configs.encoder import apply_encoder_args, is_classifier
 from radixserve.configs.model_config import ModelConfig
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
@@ -268,8 +268,9 @@ class Engine:
         if "_pooling" not in self.__dict__:
             from radixserve.entrypoints.openai.serving_embedding import model_pooling
 
-            self._pooling = model_pooling(self.server_args.model_path, self.server_args.pooling_method,
-                                          getattr(self.tokenizer_manager.model_config, "is_encoder", False))
+            mc = self.tokenizer_manager.model_config  # a cross-encoder: its head's raw scores on the first token
+            self._pooling = "cls" if is_classifier(mc.architectures) else model_pooling(
+                self.server_args.model_path, self.server_args.pooling_method, getattr(mc, "is_encoder", False))
         obj = io.GenerateReqInput(text=prompt, input_ids=input_ids, rid=rid, lora_path=lora_path,
                                   pooling=self._pooling)
 
@@ -286,6 +287,40 @@ class Engine:
                 raise RuntimeError(f"the request did not finish: {reason.get('message', reason)}")
             result.append({"embedding": meta.pop("embedding"), "meta_info": meta})
         return result if obj.is_batch() else result[0]
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None,
+               return_documents: bool = True) -> list[dict[str, Any]]:
+        """What POST /v1/rerank's `results` gives, from an engine on a cross-encoder (bge-reranker): per document
+        {"index", "relevance_score" (sigmoid of the head's logit), "document"?: {"text"}}, best first, the first
+        `top_n`. ValueError for an empty query or list, a pair over the context, a model that is not one."""
+        from radixserve.entrypoints.openai.serving_score import ranked, rerank_pairs
+
+        return ranked(self._pair_scores(rerank_pairs(query, list(documents))), list(documents), top_n,
+                      return_documents)
+
+    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[float]:
+        """POST /v1/score's scores: one text against a list (either side) or two lists paired item by item."""
+        from radixserve.entrypoints.openai.serving_score import score_pairs
+
+        return self._pair_scores(score_pairs(text_1, text_2))
+
+    def _pair_scores(self, pairs: list[tuple[str, str]]) -> list[float]:
+        from radixserve.entrypoints.openai.serving_score import check_num_labels, check_pair_count, relevance_scores
+
+        tm = self.tokenizer_manager
+        if not is_classifier(tm.model_config.architectures):
+            raise ValueError(f"rerank() / score() need a cross-encoder model (*ForSequenceClassification); this "
+                             f"engine serves a {tm.model_config.architectures[0]}")
+        check_num_labels(int(getattr(tm.model_config.hf_config, "num_labels", 1)))
+        check_pair_count(len(pairs), "documents")
+        try:
+            ids = [tm.tokenize(a, text_pair=b) for a, b in pairs]
+        except RequestError as e:
+            raise ValueError(str(e)) from None
+        for i, x in enumerate(ids):
+            if len(x) > tm.context_len:
+                raise ValueError(f"pair {i} has {len(x)} tokens; the model's context length is {tm.context_len}")
+        return relevance_scores([o["embedding"] for o in self.encode(input_ids=ids)])
 
     def _stream(self, obj: io.GenerateReqInput) -> Iterator[dict[str, Any]]:
         agen = self.tokenizer_manager.generate_request(obj)

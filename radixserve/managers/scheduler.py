@@ -63,8 +63,10 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
                                         load_format=server_args.load_format,
                                         trust_remote_code=server_args.trust_remote_code)
         apply_encoder_args(server_args, self.model_config)  # an encoder: embeddings, no radix cache or chunking
-        # embeddings are L2-normalised unless the model's sentence-transformers modules.json has no Normalize
-        self.embed_normalize = embedding_normalize(self.model_config.model_path) if server_args.is_embedding else True
+        # embeddings are L2-normalised unless the model's sentence-transformers modules.json has no Normalize (and
+        # never a cross-encoder's scores)
+        self.embed_normalize = not server_args.is_embedding or embedding_normalize(
+            self.model_config.model_path, self.model_config.architectures)
         self.worker = TpModelWorker(server_args, self.model_config, tp_rank=tp_rank, gpu_id=gpu_id)
         self.enable_overlap = server_args.use_overlap
         self.worker_client = TpModelWorkerClient(self.worker) if self.enable_overlap else None

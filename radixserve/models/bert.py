@@ -2,7 +2,8 @@
 XLM-RoBERTa (`RobertaModel`, `XLMRobertaModel`: bge-m3, multilingual-e5), also from their masked-LM checkpoints
 (`*ForMaskedLM`, whose encoder weights sit under `bert.` / `roberta.`; the MLM head is not loaded).
 
-word + absolute position + token-type (always type 0) embeddings and a LayerNorm, then post-LN layers: h =
+word + absolute position + token-type embeddings (type 0, unless a subclass passes per-token types: the
+cross-encoders of models/bert_rerank.py) and a LayerNorm, then post-LN layers: h =
 LN(h + dense(attention(h))), h = LN(h + dense(act(dense(h)))). The attention is bidirectional over each request's
 own tokens: this model computes it itself (scaled_dot_product_attention over each sequence; a batch of sequences of
 different lengths is padded, the padding masked out as keys and its query rows dropped), without RadixAttention and
@@ -71,9 +72,11 @@ class BertEmbeddings(nn.Module):
                                                                      hidden), requires_grad=False)
         self.LayerNorm = BiasLayerNorm(hidden, config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.word_embeddings(input_ids) + F.embedding(position_ids, self.position_embeddings.weight)
-        return self.LayerNorm(h + self.token_type_embeddings.weight[0])  # token_type_ids are all 0
+        types = self.token_type_embeddings.weight
+        return self.LayerNorm(h + (types[0] if token_type_ids is None else F.embedding(token_type_ids, types)))
 
 
 class DenseNorm(nn.Module):
@@ -201,6 +204,8 @@ def pool_rows(hidden: torch.Tensor, lens: torch.Tensor, pooling: list[str | None
 class BertModel(nn.Module):
     """The encoder with its embeddings; `forward` takes the engine's flat batch (see the module docstring)."""
 
+    skipped_weights: tuple[str, ...] = _SKIPPED  # checkpoint names (after the bert. / roberta. prefix) not loaded
+
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
@@ -209,15 +214,17 @@ class BertModel(nn.Module):
         self.offset = position_offset(config)  # 0, or RoBERTa's padding_idx + 1
         self.padding_idx = int(getattr(config, "pad_token_id", 1) or 0) if self.offset else -1
 
-    def encode(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """Final hidden states [T, hidden] of requests of `lens` tokens laid end to end in `input_ids`."""
+    def encode(self, input_ids: torch.Tensor, lens: list[int],
+               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of requests of `lens` tokens laid end to end in `input_ids` (token types
+        [T], or None: all 0)."""
         n = torch.tensor(lens, dtype=torch.int64, device=input_ids.device)
         if self.offset:
             position_ids = roberta_positions(input_ids, n, self.padding_idx)
         else:
             starts = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
             position_ids = torch.arange(len(input_ids), device=input_ids.device) - starts
-        hidden = self.embeddings(input_ids, position_ids)
+        hidden = self.embeddings(input_ids, position_ids, token_type_ids)
         layout = SequenceLayout(lens, input_ids.device)
         for layer in self.encoder.layer:
             hidden = layer(hidden, layout)
@@ -232,11 +239,20 @@ class BertModel(nn.Module):
         if any(forward_batch.extend_prefix_lens_cpu or []):
             raise RuntimeError(f"{type(self).__name__} is an encoder: a request cannot extend a cached prefix or an "
                                "earlier prefill chunk (radix cache and chunked prefill must be off)")
-        hidden = self.encode(input_ids, lens)
+        types = self.token_types(input_ids, forward_batch.extend_seq_lens)
+        hidden = self.encode(input_ids, lens) if types is None else self.encode(input_ids, lens, types)
         out = LogitsProcessorOutput(next_token_logits=None)  # no logits: the worker samples nothing
         if forward_batch.pooling is not None:
-            out.pooled_hidden = pool_rows(hidden, forward_batch.extend_seq_lens, forward_batch.pooling)
+            out.pooled_hidden = self.pool(hidden, forward_batch.extend_seq_lens, forward_batch.pooling)
         return out
+
+    def token_types(self, input_ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
+        """Per-token type ids of the flat batch, or None (all 0: an embedding model encodes one text)."""
+        return None
+
+    def pool(self, hidden: torch.Tensor, lens: torch.Tensor, pooling: list[str | None]) -> torch.Tensor:
+        """The pooled rows [bs, n] float32 the scheduler turns into each request's output vector."""
+        return pool_rows(hidden, lens, pooling)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -244,7 +260,7 @@ class BertModel(nn.Module):
         for name, tensor in weights:
             for prefix in _PREFIXES:
                 name = name.removeprefix(prefix)
-            if name.startswith(_SKIPPED) or name.endswith(("position_ids", "token_type_ids")):
+            if name.startswith(self.skipped_weights) or name.endswith(("position_ids", "token_type_ids")):
                 continue
             if ".LayerNorm." in name:  # older checkpoints: TensorFlow's names
                 name = name.replace(".gamma", ".weight").replace(".beta", ".bias")

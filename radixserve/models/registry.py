@@ -31,12 +31,17 @@ _MODELS: dict[str, str] = {
     "Glm4MoeForCausalLM": "radixserve.models.glm4",
     "Olmo2ForCausalLM": "radixserve.models.olmo2",
     "Olmo3ForCausalLM": "radixserve.models.olmo2",
+    "Ernie4_5ForCausalLM": "radixserve.models.ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "radixserve.models.ernie4_5",
     "BertModel": "radixserve.models.bert",  # encoders: embeddings only (configs/encoder.py)
     "BertForMaskedLM": "radixserve.models.bert",
     "RobertaModel": "radixserve.models.bert",
     "RobertaForMaskedLM": "radixserve.models.bert",
     "XLMRobertaModel": "radixserve.models.bert",
     "XLMRobertaForMaskedLM": "radixserve.models.bert",
+    "BertForSequenceClassification": "radixserve.models.bert_rerank",  # cross-encoders: /v1/rerank, /v1/score
+    "RobertaForSequenceClassification": "radixserve.models.bert_rerank",
+    "XLMRobertaForSequenceClassification": "radixserve.models.bert_rerank",
 }
 
 

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
+from radixserve.configs.encoder import is_classifier
 from radixserve.entrypoints.http_utils import json_response, parse_model, until_disconnected
 from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.protocol import _Strict
@@ -112,8 +113,13 @@ class OpenAIServingEmbedding(OpenAIServingBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         mc = getattr(self.tm, "model_config", None)
-        self.pooling = model_pooling(getattr(mc, "model_path", None), getattr(self.tm.server_args, "pooling_method",
-                                                                             None), getattr(mc, "is_encoder", False))
+        # a cross-encoder (reranker) serves /v1/rerank and /v1/score (serving_score.py): its head's scores on the
+        # first token come back as each pair's "embedding" (/encode gives them raw; /v1/embeddings refuses it)
+        self.cross_encoder = is_classifier(getattr(mc, "architectures", None))
+        self.num_labels = int(getattr(getattr(mc, "hf_config", None), "num_labels", 1) or 1)
+        self.pooling = "cls" if self.cross_encoder else model_pooling(
+            getattr(mc, "model_path", None), getattr(self.tm.server_args, "pooling_method", None),
+            getattr(mc, "is_encoder", False))
         self.hidden_size = int(getattr(mc, "hidden_size", 0) or 0)
         self.matryoshka = _matryoshka(getattr(mc, "hf_config", None))
 
@@ -174,7 +180,13 @@ class OpenAIServingEmbedding(OpenAIServingBase):
                                "aborted")
         return outs
 
+    def _check_embedder(self) -> None:
+        if self.cross_encoder:
+            raise APIError("this model is a cross-encoder (reranker): it scores text pairs through /v1/rerank or "
+                           "/v1/score, not embeddings", 400, "model", "wrong_server_kind")
+
     async def create(self, request: Request, body: dict[str, Any]) -> Response:
+        self._check_embedder()
         req = parse_model(EmbeddingRequest, body)
         lora = self.resolve_lora(req.model, req.lora_path)  # an adapter's name selects it, as on the other routes
         self._check_dimensions(req.dimensions)

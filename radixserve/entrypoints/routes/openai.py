@@ -1,5 +1,6 @@
 """The OpenAI-compatible API: GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions, and on a
---is-embedding server POST /v1/embeddings (with the native POST /encode)."""
+--is-embedding server POST /v1/embeddings (with the native POST /encode); on a cross-encoder's server POST
+/v1/rerank and POST /v1/score (serving_score.py; also as vLLM's /rerank and /score)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import json_response, read_json
+from radixserve.entrypoints.openai.serving_score import score_service
 from radixserve.entrypoints.server_state import ServerState, server_state
 
 router = APIRouter()
@@ -70,3 +72,23 @@ async def encode(request: Request) -> Response:
     state.ensure_embedding()
     state.ensure_serving()
     return await state.embeddings.encode(request, body)
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+async def rerank(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    service = score_service(state)  # a 400 unless the model is a cross-encoder
+    state.ensure_serving()
+    return await service.rerank(request, body)
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def score(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    service = score_service(state)
+    state.ensure_serving()
+    return await service.score(request, body)

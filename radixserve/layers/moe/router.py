@@ -6,7 +6,10 @@ Covers the routers of the supported families:
   best expert ("group_limited_greedy"), times `routed_scaling_factor`;
 - DeepSeek-V3: sigmoid scores; the choice uses scores + `e_score_correction_bias`, groups ranked by the sum of their
   two best corrected scores; the weights are the uncorrected scores of the chosen experts, renormalised, times
-  `routed_scaling_factor`.
+  `routed_scaling_factor`;
+- ERNIE 4.5 MoE: softmax; the choice uses scores + `e_score_correction_bias`, the weights are the chosen softmax
+  scores over max(their sum, `renorm_min`) (`moe_norm_min`): only the torch path divides so (the fused kernels
+  decline a router with renorm_min set rather than divide by the plain sum).
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ class RouterConfig:
     topk_groups: int | None = None  # ... of which the best this many are eligible
     group_ranking: str = "max"  # how a group is ranked: its best score, or the sum of its two best
     routed_scaling_factor: float = 1.0
+    renorm_min: float = 0.0  # renormalised weights over max(sum, this) (ERNIE); 0: over the plain sum
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORING:
             raise ValueError(f"MoE scoring must be one of {', '.join(SCORING)}, got {self.scoring!r}")
         if self.group_ranking not in GROUP_RANKING:
             raise ValueError(f"MoE group ranking must be one of {', '.join(GROUP_RANKING)}")
+        if self.renorm_min < 0:
+            raise ValueError(f"MoE renorm_min must be >= 0, got {self.renorm_min}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..{self.num_experts}")
         if self.num_groups is not None:
@@ -55,7 +61,8 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E]. On CUDA an ungrouped router
     runs as one Triton kernel (`topk_kernel.py`); this torch code is the reference and the CPU path."""
-    if use_fused(router_logits) and (cfg.num_groups or 1) == 1 and router_logits.stride(-1) == 1:
+    if use_fused(router_logits) and (cfg.num_groups or 1) == 1 and router_logits.stride(-1) == 1 \
+            and not cfg.renorm_min:
         from radixserve.layers.moe.topk_kernel import fused_topk
 
         return fused_topk(router_logits, cfg.top_k, cfg.scoring == "sigmoid", cfg.renormalize,
@@ -80,7 +87,10 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     ids = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if cfg.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+        total = weights.sum(dim=-1, keepdim=True)
+        total = total.clamp(min=cfg.renorm_min) if cfg.renorm_min else \
+            total + (1e-20 if cfg.scoring == "sigmoid" else 0.0)
+        weights = weights / total
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     return weights, ids.to(torch.int32)
@@ -145,12 +155,12 @@ class MoEGate(nn.Module):
         ungrouped router): one launch for at most GATE_TOPK_TOKENS tokens with the float32 weight, two
         (`gate_gemm.gate_topk_blocks`) for more with the exact half-precision copy. Returns (weights, ids, the
         experts' input, the new residual or None); None elsewhere (the caller then runs the linear layer and
-        select_experts).
+        select_experts), and for a router with renorm_min (ERNIE), which the kernels do not implement.
         With `norm` = (residual, an RMSNorm), x is the block's input before that norm: the same launch does the
         residual add and the norm (`fused_add_rmsnorm`'s arithmetic) and returns its two outputs."""
         from radixserve.layers.moe import topk_kernel
 
-        if self.bias is not None:
+        if self.bias is not None or cfg.renorm_min:
             return None
         if norm is None and (cfg.num_groups or 1) == 1 and self._half_fits(x):
             from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
