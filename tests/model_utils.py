@@ -102,6 +102,9 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
                 p.mul_(40.0)  # routers with clear winners: no near-tie between two experts decides a token
             if name.endswith(("e_score_correction_bias", "self_attn.sinks")):
                 p.copy_(torch.randn_like(p) * 0.5)
+        for name, b in model.named_buffers():  # transformers 5 holds DeepSeek-V3's correction bias as a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.5)
     model.save_pretrained(path)
     return model
 
