@@ -134,8 +134,9 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
             fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True,
                           QUANT=False, A8=False, HAS_BIAS=True, **act),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    # fp8 experts of a bf16 model: the W8A8 grouped GEMMs at their tuned tiles, the small-batch kernels in both
-    # forms (per-row scales on the CUDA cores, block-wise through tl.dot) at their default tiles
+    # fp8 experts of a bf16 model: the W8A8 grouped GEMMs at their tuned tiles, the small-batch kernels in their
+    # three fp8 forms (per-row scales on the CUDA cores, block-wise through tl.dot or on the CUDA cores) at their
+    # default tiles
     for cfg in sorted(set(fused_moe.TUNED_FP8[(128, 768, 2048)].values()), key=str)[:2]:
         for fn, block_n in ((fused_moe._gate_up_kernel, cfg.block_n_gate_up),
                             (fused_moe._down_kernel, cfg.block_n_down)):
@@ -150,20 +151,26 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
                               QUANT=True, A8=True, **plain), dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     from radixserve.layers.moe import small_batch
 
-    for quant, cfg in ((1, small_batch.DEFAULT_FP8_ROWS), (2, small_batch.DEFAULT_FP8_BLOCKS),
-                       (3, small_batch.DEFAULT_FP8_ROWS)):
+    # ... and bf16 experts' at the default tile with GPT-OSS's biases and activation (fp8 experts never carry them)
+    for quant, cfg in ((0, small_batch.DEFAULT), (1, small_batch.DEFAULT_FP8_ROWS),
+                       (2, small_batch.DEFAULT_FP8_BLOCKS), (3, small_batch.DEFAULT_FP8_ROWS)):
         for fn, bn, bk in ((small_batch._small_gate_up_kernel, cfg.block_n_gate_up, cfg.block_k_gate_up),
                            (small_batch._small_down_kernel, cfg.block_n_down, min(cfg.block_k_down, 128))):
             sig = {n: "i32" for n in fn.arg_names}
-            sig.update({n: "*fp8e4nv" for n in ("W13", "W13S", "W2", "W2S") if n in fn.arg_names})
+            sig.update({n: "*bf16" if quant == 0 else "*fp8e4nv" for n in ("W13", "W13S", "W2", "W2S")
+                        if n in fn.arg_names})
             sig.update(X="*bf16", Inter="*bf16", Out="*bf16", Partial="*fp32", Count="*i32", Weights="*fp32",
-                       Ids="*i32", Scale="*fp32", SScale="*fp32")
+                       Ids="*i32", Bias="*bf16", alpha="fp32", limit="fp32")
+            sig.update({n: "*fp32" if quant else "*bf16" for n in ("Scale", "SScale")})  # (16-bit: placeholders)
             sig = {n: t for n, t in sig.items() if n in fn.arg_names}
-            consts = dict(BLOCK_N=bn, BLOCK_K=bk if quant == 1 else min(bk, 128), FP32=False, PDL=1, QUANT=quant)
+            consts = dict(BLOCK_N=bn, BLOCK_K=bk if quant == 1 else min(bk, 128), FP32=False, PDL=1, QUANT=quant,
+                          HAS_BIAS=quant == 0)
             if fn is small_batch._small_down_kernel:
                 consts["S_PAD"] = 8
-            out[f"{fn.__name__} fp8 quant={quant}"] = (fn, sig, consts, dict(num_warps=cfg.warps,
-                                                                             num_stages=cfg.stages))
+            else:
+                consts["ACT"] = 1 if quant == 0 else 0
+            name = "bf16 gpt-oss" if quant == 0 else f"fp8 quant={quant}"
+            out[f"{fn.__name__} {name}"] = (fn, sig, consts, dict(num_warps=cfg.warps, num_stages=cfg.stages))
     # the router on the tensor cores (DeepSeek-V2-Lite's 64 experts top-6, DeepSeek-V3's 256 with its bias) and
     # the top-k sum, at the GPU's launch options
     from radixserve.layers.moe import gate_gemm

@@ -126,14 +126,15 @@ def test_mxfp4_refusals(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_expert_kernel_matches_transformers_experts() -> None:
-    """The grouped Triton kernels (interpreted) and the torch path with the biases and the clamped SwiGLU against
-    transformers' GptOssExperts, through the checkpoint-to-stacked layout change the loader makes."""
+    """The grouped and small-batch Triton kernels (interpreted) and the torch path with the biases and the clamped
+    SwiGLU against transformers' GptOssExperts, through the checkpoint-to-stacked layout change the loader makes."""
     import transformers as tf
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from radixserve.layers.moe.activation import ExpertActivation, ExpertBias
     from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe
     from radixserve.layers.moe.moe_torch import moe_forward_torch
+    from radixserve.layers.moe.small_batch import small_batch_moe
     from radixserve.models.gpt_oss import deinterleave_rows
 
     torch.manual_seed(0)
@@ -159,6 +160,8 @@ def test_expert_kernel_matches_transformers_experts() -> None:
     for config in (None, MoEConfig(16, 8, 16, 16, 1, 1)):
         torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids32, config=config, act=act, bias=bias), want,
                                    atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(small_batch_moe(x[:3], w13, w2, weights[:3], ids32[:3], act=act, bias=bias), want[:3],
+                               atol=1e-5, rtol=1e-5)
     assert not torch.allclose(moe_forward_torch(x, w13, w2, weights, ids32, bias=bias), want, atol=1e-2)
 
 

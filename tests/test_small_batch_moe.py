@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from moe_utils import DEVICE, expert_weights, skewed_ids
 
+from radixserve.layers.moe.activation import ExpertActivation, ExpertBias
 from radixserve.layers.moe.moe_torch import moe_forward_torch
 from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
 
@@ -104,3 +105,107 @@ def _route(logits: torch.Tensor, layer: torch.nn.Module) -> tuple[torch.Tensor, 
     from radixserve.layers.moe import select_experts
 
     return select_experts(logits, layer.router)
+
+
+def _gpt_oss_experts(e: int, h: int, i: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """GPT-OSS-style experts: weights and biases [E, 2I] / [E, H], on DEVICE."""
+    w13, w2 = expert_weights(e, h, i, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    b13, b2 = torch.randn(e, 2 * i, generator=g) * 0.5, torch.randn(e, h, generator=g) * 0.5
+    return w13, w2, b13.to(DEVICE), b2.to(DEVICE)
+
+
+# a limit the products cross on both sides, so that both clamps act
+_OAI = ExpertActivation("swiglu_oai", alpha=1.702, limit=0.75)
+
+
+@pytest.mark.parametrize("top_k,tokens", [(2, 1), (1, 3), (4, 3)])
+def test_small_batch_moe_gpt_oss_experts_match_reference(top_k: int, tokens: int) -> None:
+    """Biased experts with the clamped SwiGLU: gate/up bias before the activation, down bias before the routing
+    weight, as `moe_forward_torch` computes them; in both tile shapes of the test above."""
+    e, h, i = 11, 24, 20
+    w13, w2, b13, b2 = _gpt_oss_experts(e, h, i, seed=top_k + 20)
+    x, ids, weights = _inputs(tokens, top_k, e, h, seed=top_k + 30)
+    bias = ExpertBias(b13, b2)
+    gu = torch.einsum("th,eih->tei", x, w13) + b13  # every expert's pre-activation products
+    assert (gu[..., :i] > _OAI.limit).any() and (gu[..., i:] > _OAI.limit).any() and (gu[..., i:] < -_OAI.limit).any()
+    ref = moe_forward_torch(x, w13, w2, weights, ids, act=_OAI, bias=bias)
+    got = small_batch_moe(x, w13, w2, weights, ids, act=_OAI, bias=bias)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    cfg = SmallMoEConfig(32, 16, 32, 16, 1, 1)
+    torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, config=cfg, act=_OAI, bias=bias), ref,
+                               atol=1e-5, rtol=1e-5)
+    # the activation and each bias change the result (the comparisons above can fail)
+    silu = small_batch_moe(x, w13, w2, weights, ids, bias=bias)
+    torch.testing.assert_close(silu, moe_forward_torch(x, w13, w2, weights, ids, bias=bias), atol=1e-5, rtol=1e-5)
+    assert (silu - got).abs().max() > 1e-2
+    for partial in (ExpertBias(b13, None), ExpertBias(None, b2)):
+        assert (small_batch_moe(x, w13, w2, weights, ids, act=_OAI, bias=partial) - got).abs().max() > 1e-2
+
+
+def test_small_batch_moe_gpt_oss_experts_held_elsewhere() -> None:
+    """Expert parallelism with biases: an expert held by another rank adds neither its product nor its bias."""
+    e, h, i, t, k = 8, 16, 12, 3, 2
+    w13, w2, b13, b2 = _gpt_oss_experts(e, h, i, seed=40)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(41)).to(DEVICE)
+    ids = torch.tensor([[0, 5], [6, 7], [1, 2]], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(42)).to(DEVICE)
+    halves = [small_batch_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids, expert_offset=4 * r,
+                              act=_OAI, bias=ExpertBias(b13[r * 4:(r + 1) * 4], b2[r * 4:(r + 1) * 4]))
+              for r in range(2)]
+    assert not halves[0][1].any()  # token 1 chose no expert of rank 0
+    torch.testing.assert_close(halves[0] + halves[1], moe_forward_torch(x, w13, w2, weights, ids, act=_OAI,
+                                                                        bias=ExpertBias(b13, b2)),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="bias"):
+        small_batch_moe(x, w13[:4], w2[:4], weights, ids, act=_OAI, bias=ExpertBias(b13, b2[:4]))
+    sw13, sw2 = torch.zeros(2 * i, h, device=DEVICE), torch.zeros(h, i, device=DEVICE)
+    with pytest.raises(ValueError, match="shared MLP"):
+        small_batch_moe(x, w13, w2, weights, ids, shared_w13=sw13, shared_w2=sw2, act=_OAI)
+
+
+def test_fused_moe_layer_takes_the_small_path_for_gpt_oss_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FusedMoE with GPT-OSS's experts (activation, biases) and the kernels on: up to SMALL_BATCH_TOKENS tokens go
+    through small_batch_moe, more through the grouped GEMMs; both equal the reference. An attached shared MLP is
+    never folded into their launch (it is into a plain layer's)."""
+    from types import SimpleNamespace
+
+    from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    holder = torch.nn.Module()
+    holder.experts = FusedMoE(RouterConfig(8, 2, renormalize=True), 16, 8, reduce_results=False, activation=_OAI,
+                              bias=True)
+    holder.plain = FusedMoE(RouterConfig(8, 2, renormalize=True), 16, 8, reduce_results=False)
+    initialize_dummy_weights(holder, seed=2)
+    holder.to(DEVICE)
+    layer = holder.experts
+    assert not layer.plain_experts and layer.w2_bias.abs().sum() > 0
+    calls: list[int] = []
+    real = small_batch.small_batch_moe
+
+    def counting(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(small_batch, "small_batch_moe", counting)
+    monkeypatch.setattr(small_batch, "SMALL_BATCH_TOKENS", 4)
+    mlp = SimpleNamespace(gate_up_proj=torch.nn.Linear(16, 16, bias=False).to(DEVICE),
+                          down_proj=torch.nn.Linear(8, 16, bias=False).to(DEVICE))
+    set_fused_kernels(True)
+    try:
+        for t in (1, 3, 5):
+            x = torch.randn(t, 16, generator=torch.Generator().manual_seed(t + 50)).to(DEVICE)
+            logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t + 51)).to(DEVICE)
+            w, ids = _route(logits, layer)
+            ref = moe_forward_torch(x, layer.w13_weight, layer.w2_weight, w, ids, act=_OAI,
+                                    bias=layer.expert_bias())
+            torch.testing.assert_close(layer(x, logits), ref, atol=1e-5, rtol=1e-5)
+        for lay in (layer, holder.plain):
+            lay.attach_shared_experts(mlp)
+        x1 = torch.randn(1, 16, device=DEVICE)
+        assert holder.plain.shared_folded(x1) and not layer.shared_folded(x1)
+    finally:
+        set_fused_kernels(None)
+    assert calls == [1, 3]

@@ -46,7 +46,7 @@ def build(family: str, path: str) -> torch.nn.Module:
         return granite(path)
     if family == "gemma2":  # soft-capped scores in the Triton kernels, under CUDA graphs too
         return gemma3(path, family="gemma2")
-    if family == "gpt_oss":  # sinks in the Triton kernels; biased experts through the grouped GEMMs at every size
+    if family == "gpt_oss":  # sinks in the Triton kernels; biased experts through the small-batch and grouped GEMMs
         return gpt_oss(path)
     if family in ("glm4", "glm4_moe"):  # partial rotation (interleaved / neox) laid out at load, fused rotary paths
         return glm(family, path)

@@ -182,9 +182,10 @@ class FusedMoE(nn.Module):
 
     def folded_shared_weights(self, x: torch.Tensor) -> SharedWeights | None:
         """The attached shared MLP's weights (gate_up [2S, H], down [H, S], and for fp8 experts their scales in the
-        experts' form) when this call's expert launch also computes it, else None."""
+        experts' form) when this call's expert launch also computes it, else None. Never for GPT-OSS's experts
+        (`plain_experts` False: the launch applies their activation and biases, a shared MLP has SiLU and none)."""
         mlp = self.__dict__.get("_shared_mlp")
-        if mlp is None or self.ep_size > 1 or self.__dict__.get("_fold_off"):
+        if mlp is None or self.ep_size > 1 or self.__dict__.get("_fold_off") or not self.plain_experts:
             return None
         from radixserve.layers.triton_ops import use_fused
 

@@ -68,20 +68,20 @@ class MoEMethod(QuantizeMethodBase, ABC):
         """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) over the experts this rank holds, through the
         layer's stacked `w13_weight` / `w2_weight` and `expert_scales`: the small-batch kernels for a few tokens
         and the grouped GEMMs for more on the GPU (the small-batch path also computes an attached shared MLP,
-        `FusedMoE.folded_shared_weights`; GPT-OSS's biased experts take the grouped GEMMs at every size), the
-        per-expert torch reference elsewhere."""
+        `FusedMoE.folded_shared_weights`, SiLU experts without biases only; both paths take GPT-OSS's activation
+        and biases), the per-expert torch reference elsewhere."""
         scales = self.expert_scales(layer)
         act, bias = layer.activation, layer.expert_bias()
         if use_fused(x):
             from radixserve.layers.moe import small_batch
 
-            if x.shape[0] <= self.small_batch_tokens(layer) and layer.plain_experts:
+            if x.shape[0] <= self.small_batch_tokens(layer):
                 shared = layer.folded_shared_weights(x)
                 counters = layer.small_counters if layer.small_counters.device == x.device else None
                 return small_batch.small_batch_moe(
                     x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,
                     *(shared[:2] if shared else (None, None)), counters=counters, scales=scales,
-                    shared_scales=shared[2:] if shared and shared.s13 is not None else None)
+                    shared_scales=shared[2:] if shared and shared.s13 is not None else None, act=act, bias=bias)
             from radixserve.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_offset,

@@ -6,10 +6,12 @@ So instead of bucketing the assignments by expert (align, padded row blocks, a s
 rows are zeros: compute is free here, and `tl.dot` gets Triton's pipelined loads):
 
 1. gate/up: program (assignment, column block) reads x[t] and the expert's gate and up rows of that column block,
-   and stores SiLU(gate)·up for the assignment (fp32 accumulation, one store in the model dtype);
-2. down: program (assignment, output column block) multiplies the activated row by the expert's W_down block and
-   its routing weight into a float32 partial; the last of the token's programs for that block (a counter per
-   (token, block), put back to 0 by it) sums the token's partials in slot order and stores the output.
+   and stores SiLU(gate)·up for the assignment (fp32 accumulation, one store in the model dtype; GPT-OSS's experts:
+   their gate/up bias added, then their clamped activation, `activation.py`, as the grouped GEMMs compute it);
+2. down: program (assignment, output column block) multiplies the activated row by the expert's W_down block (plus
+   its down bias, GPT-OSS) and its routing weight into a float32 partial; the last of the token's programs for that
+   block (a counter per (token, block), put back to 0 by it) sums the token's partials in slot order and stores the
+   output.
 
 Shared experts (DeepSeek's `shared_experts`) may ride along as extra assignments of weight 1: a shared MLP whose
 intermediate size (per rank) is c times the routed one is c more "experts" for every token, read from its own
@@ -35,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.moe.activation import SILU, ExpertActivation, ExpertBias
 from radixserve.layers.moe.fused_moe import _wdot, scale_args
 from radixserve.layers.quantization.fp8_gemv import _runs8
 from radixserve.layers.triton_ops import pdl
@@ -135,11 +138,15 @@ def _fp8_rows(w_rows, shift, x_row, Scale, s_rows, s_rows2, n_read, K, group_k, 
 @triton.jit
 def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_local, inter_size, shared_inter,
                           hidden, stride_x, stride_we, stride_wn, stride_ws, stride_i, Scale, stride_se, stride_sn,
-                          group_n, group_k, SScale, stride_ss, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
+                          group_n, group_k, SScale, stride_ss, Bias, stride_be, alpha, limit,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = 0,
+                          QUANT: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0):
     """QUANT: W13 is fp8 with float32 scales per row (1: multiplied on the CUDA cores, `_fp8_rows`) or per block (2:
     widened for the tensor cores, each K step scaled, `fused_moe._wdot`; 3: on the CUDA cores, `_fp8_rows`); the
-    shared MLP's gate_up (W13S) then has scales of the same form in SScale (its rows of scales stride_ss apart)."""
+    shared MLP's gate_up (W13S) then has scales of the same form in SScale (its rows of scales stride_ss apart).
+    HAS_BIAS: the routed experts' Bias [E, 2I] (gate then up) is added to the products; ACT
+    (`ExpertActivation.code`): 0 SiLU(gate)·up, 1 GPT-OSS's clamped gate·sigmoid(alpha·gate)·(up + 1), as
+    `fused_moe._gate_up_kernel` computes them."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -191,19 +198,31 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
             u_ptrs += BLOCK_K
         g = tl.sum(tl.where((rows == 0)[:, None], acc_g, 0.0), axis=0)
         u = tl.sum(tl.where((rows == 0)[:, None], acc_u, 0.0), axis=0)
-    act = g / (1.0 + tl.exp(-g)) * u
+    if HAS_BIAS:  # routed experts only (a shared MLP has none)
+        b_ptrs = Bias + e64 * stride_be + offs_n
+        b_ok = offs_n < tl.where(is_routed & held, inter_size, 0)
+        g += tl.load(b_ptrs, mask=b_ok, other=0.0).to(tl.float32)
+        u += tl.load(b_ptrs + inter_size, mask=b_ok, other=0.0).to(tl.float32)
+    if ACT == 0:
+        act = g / (1.0 + tl.exp(-g)) * u
+    else:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        act = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
     tl.store(Inter + a.to(tl.int64) * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k, slots, offset, num_local, hidden,
                        inter_size, stride_i, stride_we, stride_wn, stride_ws, stride_o, Scale, stride_se, stride_sn,
-                       group_n, group_k, SScale, stride_ss, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = 0, QUANT: tl.constexpr = 0):
+                       group_n, group_k, SScale, stride_ss, Bias, stride_be, S_PAD: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = 0,
+                       QUANT: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False):
     """Program (assignment, column block): its weighted down-projection into Partial (float32); the last of a
     token's `slots` programs for a column block (a counter per block in Count, put back to 0 by it) sums them in
     slot order and stores the token's output. fp8 (QUANT): the shared MLP's down weight (W2S) has scales of the
-    experts' form in SScale (rows stride_ss apart; block-wise, chunk c's columns start at group c·I / group_k)."""
+    experts' form in SScale (rows stride_ss apart; block-wise, chunk c's columns start at group c·I / group_k).
+    HAS_BIAS: the routed experts' Bias [E, H] is added to the product before the routing weight."""
     pdl_prologue(PDL)
     a = tl.program_id(0)
     nb = tl.program_id(1)
@@ -234,7 +253,6 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
     if QUANT == 1 or QUANT == 3:
         part, _ = _fp8_rows(base + offs_n.to(tl.int64) * stride_row, 0, Inter + a.to(tl.int64) * stride_i, Scale,
                             s_cols, s_cols, n_read, inter_size, group_k, BLOCK_K, False, QUANT == 3)
-        part = part * wt
     else:
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter_size, BLOCK_K):
@@ -244,7 +262,11 @@ def _small_down_kernel(Inter, W2, W2S, Out, Partial, Count, Weights, Ids, top_k,
             acc = acc + _wdot(act, w, Scale, s_cols, n_read, k0, group_k, QUANT == 2, FP32)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        part = tl.sum(tl.where((rows == 0)[:, None], acc, 0.0), axis=0) * wt
+        part = tl.sum(tl.where((rows == 0)[:, None], acc, 0.0), axis=0)
+    if HAS_BIAS:  # routed experts held here only (a shared chunk has none; another rank's expert adds nothing)
+        b_ok = offs_n < tl.where(is_routed & held, hidden, 0)
+        part += tl.load(Bias + e64 * stride_be + offs_n, mask=b_ok, other=0.0).to(tl.float32)
+    part = part * wt
     tl.store(Partial + a.to(tl.int64) * hidden + offs_n, part, mask=n_ok)
     tl.debug_barrier()  # every thread's partial is written before the counter moves
     counter = Count + tok * tl.num_programs(1) + nb
@@ -261,13 +283,17 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                     topk_ids: torch.Tensor, expert_offset: int = 0, shared_w13: torch.Tensor | None = None,
                     shared_w2: torch.Tensor | None = None, config: SmallMoEConfig | None = None,
                     counters: torch.Tensor | None = None, scales: ExpertScales | None = None,
-                    shared_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    shared_scales: tuple[torch.Tensor, torch.Tensor] | None = None, act: ExpertActivation = SILU,
+                    bias: ExpertBias | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t]) (+ the shared MLP SiLU(x G^T)·(x U^T) D^T when
     `shared_w13` [2S, H] / `shared_w2` [H, S] are given, S a multiple of the routed intermediate size), for
     x [T, H], w13 [E, 2I, H], w2 [E, H, I]; experts outside [expert_offset, expert_offset + E) add nothing. With
     `scales` the routed weights are fp8, widened in the kernels; an fp8 shared MLP then comes with
     `shared_scales` of the same form: per row (block) [ceil(2S / gn), 1] / [ceil(H / gn), 1], or per block of the
-    experts' groups [ceil(2S / gn), ceil(H / gk13)] / [ceil(H / gn), S / gk2] (I a multiple of gk2)."""
+    experts' groups [ceil(2S / gn), ceil(H / gk13)] / [ceil(H / gn), S / gk2] (I a multiple of gk2).
+    `act` / `bias`: the routed experts' activation and biases (GPT-OSS, `activation.py`; bias.w13 [E, 2I] added
+    before the activation, bias.w2 [E, H] before the routing weight), as `fused_moe` takes them; a shared MLP rides
+    along with SiLU experts only."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -286,6 +312,8 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
             raise ValueError(f"small_batch_moe: shared weights {tuple(shared_w13.shape)} / "
                              f"{tuple(shared_w2.shape)} are not [2S, H] / [H, S] with S a multiple of {inter}")
         chunks = shared_inter // inter
+        if act != SILU:
+            raise ValueError(f"small_batch_moe: a shared MLP (SiLU) cannot ride along with {act.kind} experts")
         _check_shared_scales(scales, shared_scales, shared_inter, hidden, inter)
     out = torch.empty_like(x)
     if num_tokens == 0:
@@ -299,6 +327,12 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         cfg = replace(cfg, block_k_gate_up=min(cfg.block_k_gate_up, scales.group_k13),
                       block_k_down=min(cfg.block_k_down, scales.group_k2))
     q13, q2 = scale_args(scales, w13, w2)
+    b13 = bias.w13 if bias is not None else None
+    b2 = bias.w2 if bias is not None else None
+    for name, b, want in (("gate_up", b13, (num_local, 2 * inter)), ("down", b2, (num_local, hidden))):
+        if b is not None and (tuple(b.shape) != want or b.stride(-1) != 1):
+            raise ValueError(f"small_batch_moe: {name} bias {tuple(b.shape)}; expected {want}, contiguous in the "
+                             f"last dimension")
     blocks_down = triton.cdiv(hidden, cfg.block_n_down)
     if counters is None:
         counters = torch.zeros(num_tokens * blocks_down, dtype=torch.int32, device=x.device)
@@ -309,22 +343,24 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     slots = top_k + chunks
-    act = torch.empty((num_tokens * slots, inter), dtype=x.dtype, device=x.device)
+    inter_out = torch.empty((num_tokens * slots, inter), dtype=x.dtype, device=x.device)
     partial = torch.empty((num_tokens * slots, hidden), dtype=torch.float32, device=x.device)
     sw13 = w13 if shared_w13 is None else shared_w13
     sw2 = w2 if shared_w2 is None else shared_w2
     ss13, ss2 = shared_scales if shared_scales is not None and chunks else (q13[0], q2[0])  # (placeholders)
     fp32 = x.dtype == torch.float32
     opts = {} if interp else {"num_warps": cfg.warps, "num_stages": cfg.stages, **pdl.launch_opts(x)}
-    launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13, act,
-           ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0), w13.stride(0),
-           w13.stride(1), sw13.stride(-2), act.stride(0), *q13, ss13, ss13.stride(0), BLOCK_N=cfg.block_n_gate_up,
-           BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=quant, **opts)
-    launch(_small_down_kernel, (num_tokens * slots, blocks_down), act, w2, sw2, out, partial, counters, weights, ids,
-           top_k, slots, expert_offset, num_local, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-           sw2.stride(-2), out.stride(0), *q2, ss2, ss2.stride(0), S_PAD=triton.next_power_of_2(slots),
-           BLOCK_N=cfg.block_n_down,
-           BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, **opts)
+    launch(_small_gate_up_kernel, (num_tokens * slots, triton.cdiv(inter, cfg.block_n_gate_up)), x, w13, sw13,
+           inter_out, ids, top_k, slots, expert_offset, num_local, inter, shared_inter, hidden, x.stride(0),
+           w13.stride(0), w13.stride(1), sw13.stride(-2), inter_out.stride(0), *q13, ss13, ss13.stride(0),
+           w13 if b13 is None else b13, 0 if b13 is None else b13.stride(0), act.alpha, act.limit,
+           BLOCK_N=cfg.block_n_gate_up, BLOCK_K=cfg.block_k_gate_up, FP32=fp32, QUANT=quant, HAS_BIAS=b13 is not None,
+           ACT=act.code, **opts)
+    launch(_small_down_kernel, (num_tokens * slots, blocks_down), inter_out, w2, sw2, out, partial, counters,
+           weights, ids, top_k, slots, expert_offset, num_local, hidden, inter, inter_out.stride(0), w2.stride(0),
+           w2.stride(1), sw2.stride(-2), out.stride(0), *q2, ss2, ss2.stride(0), w2 if b2 is None else b2,
+           0 if b2 is None else b2.stride(0), S_PAD=triton.next_power_of_2(slots), BLOCK_N=cfg.block_n_down,
+           BLOCK_K=cfg.block_k_down, FP32=fp32, QUANT=quant, HAS_BIAS=b2 is not None, **opts)
     return out
 
 
