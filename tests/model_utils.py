@@ -154,6 +154,20 @@ def moe_config(kind: str, kw: dict[str, Any]) -> Any:
     raise ValueError(kind)
 
 
+def stub_gguf(path: str, arch: str) -> str:
+    """A one-tensor GGUF file of llama.cpp architecture `arch` at `path`: enough for a refusal by name to read."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,

@@ -45,6 +45,18 @@ def reference_outputs(path: str, prompts: list[list[int]], sampling: dict[str, A
     return outs
 
 
+def tp2_and_tp1_outputs(path: str, prompts: list[list[int]], max_new_tokens: int = 12
+                        ) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of `prompts` from a TP=2 Engine over gloo, and from one TP=1 scheduler (`reference_outputs`)."""
+    from radixserve import Engine
+
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    want = reference_outputs(path, prompts, sampling)
+    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
+        got = engine.generate(input_ids=prompts, sampling_params=sampling)
+    return [o["output_ids"] for o in got], want
+
+
 def wait_idle(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
     """The engine's internal state once every scheduler reports idle (finished requests leave the running batch
     one step after their last token is sent)."""

@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
-from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves, stub_gguf
+from parallel_utils import INIT_RANGE, tp2_and_tp1_outputs
 
 from radixserve.bench_one_batch import StaticBatch
 
@@ -181,7 +181,6 @@ def test_lora_b_and_head_norms_are_laid_out_per_head(tmp_path) -> None:  # noqa:
 
 
 def test_unsupported_configs_and_gguf_are_refused(tmp_path) -> None:  # noqa: ANN001
-    import gguf
 
     from radixserve.configs.model_config import ModelConfig
 
@@ -196,14 +195,7 @@ def test_unsupported_configs_and_gguf_are_refused(tmp_path) -> None:  # noqa: AN
     with pytest.raises(ValueError, match="logit_scale must be a positive number"):
         make_runner(path)
     for arch in ("command-r", "cohere2"):
-        file = str(tmp_path / f"{arch}.gguf")
-        w = gguf.GGUFWriter(file, arch)
-        w.add_block_count(1)
-        w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        file = stub_gguf(str(tmp_path / f"{arch}.gguf"), arch)
         with pytest.raises(ValueError, match="GGUF files of Cohere Command-R.* not supported"):
             ModelConfig(file)
 
@@ -228,13 +220,8 @@ def test_dummy_weights_do_not_depend_on_the_tp_split() -> None:
 @pytest.mark.parametrize("case", ["cohere_qk", "cohere2"])
 def test_tp2_matches_tp1(case: str, tmp_path) -> None:  # noqa: ANN001
     """Heads split over the ranks keep their layout and their q/k norm rows; one all-reduce a layer."""
-    from radixserve import Engine
-
     path = str(tmp_path)
     kind = "cohere2" if case == "cohere2" else "cohere"
     make_tiny_model(kind, path, seed=4, initializer_range=INIT_RANGE, **CASES[case])
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want = reference_outputs(path, PROMPTS, sampling)
-    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
-        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
-    assert [o["output_ids"] for o in got] == want
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want

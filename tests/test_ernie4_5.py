@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
-from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves, stub_gguf
+from parallel_utils import INIT_RANGE, tp2_and_tp1_outputs
 
 from radixserve.bench_one_batch import StaticBatch
 
@@ -178,31 +178,18 @@ def test_bad_configs_are_refused(tmp_path) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("kind", ["ernie4_5", "ernie4_5_moe"])
 def test_tp2_matches_tp1(kind: str, tmp_path) -> None:  # noqa: ANN001
     """Heads split over the ranks keep each head's layout; biases added once; experts and shared experts split."""
-    from radixserve import Engine
-
     path = str(tmp_path)
     make_tiny_model(kind, path, seed=4, initializer_range=INIT_RANGE)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want = reference_outputs(path, PROMPTS, sampling)
-    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
-        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
-    assert [o["output_ids"] for o in got] == want
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want
 
 
 def test_gguf_files_are_refused(tmp_path) -> None:  # noqa: ANN001
     """llama.cpp's ERNIE files: transformers' GGUF reader (this version) refuses them, so no loader maps them."""
-    import gguf
 
     from radixserve.configs.model_config import ModelConfig
 
     for arch in ("ernie4_5", "ernie4_5-moe"):
-        file = str(tmp_path / f"{arch}.gguf")
-        w = gguf.GGUFWriter(file, arch)
-        w.add_block_count(1)
-        w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        file = stub_gguf(str(tmp_path / f"{arch}.gguf"), arch)
         with pytest.raises(ValueError, match=f"architecture {arch} is not supported"):
             ModelConfig(file)

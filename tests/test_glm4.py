@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
-from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves, stub_gguf
+from parallel_utils import INIT_RANGE, tp2_and_tp1_outputs
 
 from radixserve.bench_one_batch import StaticBatch
 
@@ -170,7 +170,6 @@ def test_unsupported_tensors_are_refused(tmp_path) -> None:  # noqa: ANN001
 def test_bad_rotary_factors_and_gguf_are_refused(tmp_path) -> None:  # noqa: ANN001
     """partial_rotary_factor 0 (which would rotate nothing: not the whole head in its place), an odd rotary_dim and
     llama.cpp's GLM files (post-norms, the rotary layout: no GGUF name here maps them) are refused."""
-    import gguf
 
     from radixserve.configs.model_config import ModelConfig
     from radixserve.models.glm4 import Glm4ForCausalLM
@@ -184,14 +183,7 @@ def test_bad_rotary_factors_and_gguf_are_refused(tmp_path) -> None:  # noqa: ANN
         with pytest.raises(ValueError, match=match):
             Glm4ForCausalLM(cfg)
     for arch, name in (("glm4", "GLM-4"), ("glm4moe", "GLM-4.5")):
-        file = str(tmp_path / f"{arch}.gguf")
-        w = gguf.GGUFWriter(file, arch)
-        w.add_block_count(1)
-        w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        file = stub_gguf(str(tmp_path / f"{arch}.gguf"), arch)
         with pytest.raises(ValueError, match=f"GGUF files of {name} are not supported"):
             ModelConfig(file)
 
@@ -267,12 +259,7 @@ def test_per_channel_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, mo
 @pytest.mark.parametrize("kind", ["glm4", "glm4_moe"])
 def test_tp2_matches_tp1(kind: str, tmp_path) -> None:  # noqa: ANN001
     """Heads split over the ranks keep each head's layout; experts and shared experts split over them."""
-    from radixserve import Engine
-
     path = str(tmp_path)
     make_tiny_model(kind, path, seed=4, initializer_range=INIT_RANGE)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want = reference_outputs(path, PROMPTS, sampling)
-    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
-        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
-    assert [o["output_ids"] for o in got] == want
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want

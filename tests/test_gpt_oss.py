@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
-from parallel_utils import SERVER_KW, reference_outputs
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves, stub_gguf
+from parallel_utils import tp2_and_tp1_outputs
 
 from radixserve.bench_one_batch import StaticBatch
 
@@ -255,7 +255,6 @@ def test_bad_configs_gguf_and_expert_lora_are_refused(tmp_path) -> None:  # noqa
     """swiglu_limit 0 (not the default in its place), a layer type served as another, sinks of another head count,
     a GGUF file of the architecture (its config transformers reads; its tensors no loader here maps), and a PEFT
     adapter on the stacked experts (`target_parameters`) are refused with their reason."""
-    import gguf
 
     from radixserve.configs.model_config import ModelConfig
     from radixserve.lora.config import LoRAConfig
@@ -275,14 +274,7 @@ def test_bad_configs_gguf_and_expert_lora_are_refused(tmp_path) -> None:  # noqa
             GptOssForCausalLM(bad)
     cfg.swiglu_alpha = 0.0  # a value of the config's own, served as such
     assert GptOssForCausalLM(cfg).model.layers[0].mlp.experts.activation.alpha == 0.0
-    file = str(tmp_path / "gpt-oss.gguf")
-    w = gguf.GGUFWriter(file, "gpt-oss")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    file = stub_gguf(str(tmp_path / "gpt-oss.gguf"), "gpt-oss")
     with pytest.raises(ValueError, match="GGUF files of GPT-OSS are not supported"):
         ModelConfig(file)
     adapter = tmp_path / "adapter"
@@ -296,12 +288,7 @@ def test_bad_configs_gguf_and_expert_lora_are_refused(tmp_path) -> None:  # noqa
 @pytest.mark.integration
 def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
     """Heads (and their sinks), the experts' intermediate slices and the down bias (added by rank 0 alone)."""
-    from radixserve import Engine
-
     path = str(tmp_path)
     gpt_oss(path, seed=4)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want = reference_outputs(path, PROMPTS, sampling)
-    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
-        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
-    assert [o["output_ids"] for o in got] == want
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
-from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
+from parallel_utils import INIT_RANGE, tp2_and_tp1_outputs
 
 from radixserve.bench_one_batch import StaticBatch
 
@@ -54,12 +54,7 @@ def test_scheduler_chunked_prefill_and_prefix_cache(tmp_path) -> None:  # noqa: 
 
 @pytest.mark.integration
 def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
-    from radixserve import Engine
-
     path = str(tmp_path)
     granite(path, seed=4)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want = reference_outputs(path, PROMPTS, sampling)
-    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
-        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
-    assert [o["output_ids"] for o in got] == want
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves
-from parallel_utils import INIT_RANGE, SERVER_KW, reference_outputs
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, make_tiny_model, scheduler_waves, stub_gguf
+from parallel_utils import INIT_RANGE, tp2_and_tp1_outputs
 
 from radixserve.bench_one_batch import StaticBatch
 
@@ -142,18 +142,10 @@ def test_dummy_weights_do_not_depend_on_the_tp_split() -> None:
 
 def test_gguf_files_are_refused(tmp_path) -> None:  # noqa: ANN001
     """llama.cpp writes both generations as "olmo2" (post-norms no GGUF name here maps): refused by name."""
-    import gguf
 
     from radixserve.configs.model_config import ModelConfig
 
-    file = str(tmp_path / "olmo2.gguf")
-    w = gguf.GGUFWriter(file, "olmo2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    file = stub_gguf(str(tmp_path / "olmo2.gguf"), "olmo2")
     with pytest.raises(ValueError, match="GGUF files of OLMo 2 / OLMo 3 are not supported"):
         ModelConfig(file)
 
@@ -161,12 +153,7 @@ def test_gguf_files_are_refused(tmp_path) -> None:  # noqa: ANN001
 @pytest.mark.integration
 @pytest.mark.parametrize("kind,over", [("olmo2", {}), ("olmo3", {"num_key_value_heads": 1})])  # KV heads replicated
 def test_tp2_matches_tp1(kind: str, over: dict, tmp_path) -> None:  # noqa: ANN001
-    from radixserve import Engine
-
     path = str(tmp_path)
     make_tiny_model(kind, path, seed=4, initializer_range=INIT_RANGE, **over)
-    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want = reference_outputs(path, PROMPTS, sampling)
-    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
-        got = engine.generate(input_ids=PROMPTS, sampling_params=sampling)
-    assert [o["output_ids"] for o in got] == want
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want

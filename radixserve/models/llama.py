@@ -20,6 +20,7 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.models.multimodal_text import TextOfMultimodal
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -423,18 +424,5 @@ class MistralForCausalLM(LlamaForCausalLM):
     pass
 
 
-class Mistral3ForConditionalGeneration(MistralForCausalLM):
+class Mistral3ForConditionalGeneration(TextOfMultimodal, MistralForCausalLM):
     """Mistral Small 3.1 / 3.2 served as text (`models/multimodal_text.py`): its Mistral language model."""
-
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-        from radixserve.models.multimodal_text import text_config
-
-        super().__init__(text_config(config), tp_rank, tp_size)
-
-    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
-        from radixserve.models.multimodal_text import text_weight_name
-
-        name = text_weight_name(name)
-        if name is None or name == "lm_head.weight" and self.tie_word_embeddings:
-            return None
-        return super().load_weight(params, name, tensor)

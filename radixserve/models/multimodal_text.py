@@ -5,7 +5,11 @@ embedding."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 # transformers 4 saved `language_model.model.*` and `language_model.lm_head.*`; transformers 5 saves
 # `model.language_model.*` and a top-level `lm_head.*`
@@ -36,3 +40,19 @@ def text_config(config: Any) -> Any:
     if text is not config and getattr(config, "tie_word_embeddings", None) is not None:
         text.tie_word_embeddings = bool(config.tie_word_embeddings)
     return text
+
+
+class TextOfMultimodal:
+    """Mixin (before a causal LM class) for a multimodal checkpoint served as text: the model is built from the
+    text config and loads the language model's weights only (the image encoder's are skipped)."""
+
+    tie_word_embeddings: bool
+
+    def __init__(self, config: Any, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(text_config(config), tp_rank, tp_size)  # type: ignore[call-arg]
+
+    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+        name = text_weight_name(name)
+        if name is None or name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        return super().load_weight(params, name, tensor)  # type: ignore[misc]

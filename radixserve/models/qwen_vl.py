@@ -13,40 +13,18 @@ pixels.)"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from radixserve.models.multimodal_text import text_config, text_weight_name
+from radixserve.models.multimodal_text import TextOfMultimodal
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-    from transformers import PretrainedConfig
 
-
-class _TextOfVisionLanguage:
-    """The causal LM's construction from the text config and its loading of the language model's weights only."""
-
-    tie_word_embeddings: bool
-
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(text_config(config), tp_rank, tp_size)
-
-    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
-        name = text_weight_name(name)
-        if name is None or name == "lm_head.weight" and self.tie_word_embeddings:
-            return None
-        return super().load_weight(params, name, tensor)
-
-
-class Qwen2VLForConditionalGeneration(_TextOfVisionLanguage, Qwen2ForCausalLM):
+class Qwen2VLForConditionalGeneration(TextOfMultimodal, Qwen2ForCausalLM):
     pass
 
 
-class Qwen2_5_VLForConditionalGeneration(_TextOfVisionLanguage, Qwen2ForCausalLM):
+class Qwen2_5_VLForConditionalGeneration(TextOfMultimodal, Qwen2ForCausalLM):
     pass
 
 
-class Qwen3VLForConditionalGeneration(_TextOfVisionLanguage, Qwen3ForCausalLM):
+class Qwen3VLForConditionalGeneration(TextOfMultimodal, Qwen3ForCausalLM):
     pass
