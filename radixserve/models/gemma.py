@@ -74,7 +74,28 @@ class GeluTanhMLP(nn.Module):
         return self.down_proj(F.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:])
 
 
-class GemmaDecoderLayer(nn.Module):
+class SandwichNormLayer(nn.Module):
+    """A decoder layer whose attention and MLP outputs are normed before their residual adds, four norms a layer
+    (Gemma 2/3, GLM-4): `NORMS` names them, in the checkpoint's words, in the order (attention input, attention
+    output, MLP input, MLP output); the subclass builds them beside `self_attn` and `mlp`."""
+
+    NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's normed MLP output, not yet added to `residual` (None at the first layer)."""
+        attn_in, attn_out, mlp_in, mlp_out = (getattr(self, name) for name in self.NORMS)
+        if residual is None:
+            residual = hidden
+            hidden = attn_in(hidden)
+        else:
+            hidden, residual = attn_in(hidden, residual)
+        hidden = attn_out(self.self_attn(positions, hidden, forward_batch))
+        hidden, residual = mlp_in(hidden, residual)
+        return mlp_out(self.mlp(hidden)), residual
+
+
+class GemmaDecoderLayer(SandwichNormLayer):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
                  qk_norm: bool) -> None:
         super().__init__()
@@ -88,18 +109,6 @@ class GemmaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's normed MLP output, not yet added to `residual` (None at the first layer)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, forward_batch))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class GemmaModel(nn.Module):

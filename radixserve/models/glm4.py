@@ -28,6 +28,7 @@ from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import RotaryEmbedding, partial_rotary_order
 from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from radixserve.models.deepseek_v2 import DeepseekMoE
+from radixserve.models.gemma import SandwichNormLayer
 from radixserve.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -108,7 +109,9 @@ class GlmLayout:
         return self._laid_out(f".{module}.", b)
 
 
-class Glm4DecoderLayer(nn.Module):
+class Glm4DecoderLayer(SandwichNormLayer):
+    NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -121,18 +124,6 @@ class Glm4DecoderLayer(nn.Module):
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)  # the MLP's input norm
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's normed MLP output, not yet added to `residual` (None at the first layer)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_self_attn_layernorm(self.self_attn(positions, hidden, forward_batch))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.post_mlp_layernorm(self.mlp(hidden)), residual
 
 
 class Glm4Model(nn.Module):
