@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from radixserve.layers.attention.base_attn_backend import first_key, local_window
 from radixserve.layers.attention.flex_attention_backend import FlexAttnBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -28,9 +29,9 @@ def make_runner(hq: int, hkv: int, d: int, page_size: int, pool_size: int = 512,
                            req_to_token_pool=ReqToTokenPool(8, 256, device))
 
 
-def layer(hq: int, hkv: int, d: int, window: int = -1) -> SimpleNamespace:
+def layer(hq: int, hkv: int, d: int, window: int = -1, chunk: int = -1) -> SimpleNamespace:
     return SimpleNamespace(tp_q_head_num=hq, tp_k_head_num=hkv, tp_v_head_num=hkv, head_dim=d, scaling=d ** -0.5,
-                           layer_id=LAYER, sliding_window_size=window)
+                           layer_id=LAYER, sliding_window_size=window, attention_chunk_size=chunk)
 
 
 def forward_batch(runner: SimpleNamespace, backend: object, rows: list[int], pre: list[int], ext: list[int],
@@ -54,7 +55,7 @@ def forward_batch(runner: SimpleNamespace, backend: object, rows: list[int], pre
 
 def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens: list[int], window: int,
              seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32, d: int = 16,
-             tol: float = 2e-5) -> None:
+             tol: float = 2e-5, chunk: int = -1) -> None:
     gen = torch.Generator().manual_seed(seed)
     runner = make_runner(hq, hkv, d, page_size, device=device, dtype=dtype)
 
@@ -63,7 +64,8 @@ def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens
 
     kv, r2t = runner.token_to_kv_pool, runner.req_to_token_pool
     flex, ref = FlexAttnBackend(runner), TorchNativeAttnBackend(runner)
-    lay = layer(hq, hkv, d, window)
+    lay = layer(hq, hkv, d, window, chunk)
+    window = local_window(lay)  # the masks' key: 0 full, W sliding, -C chunked
     rows = r2t.alloc(len(prefix_lens))
     # the prefixes: written by one extend (so the flex backend records their slots' positions), as a cache would
     zeros = [0] * len(rows)
@@ -118,7 +120,7 @@ def run_case(hq: int, hkv: int, page_size: int, prefix_lens: list[int], ext_lens
 
 
 def visible(row: int, pos: int, window: int, table: torch.Tensor) -> set[int]:
-    first = max(0, pos - window + 1) if window > 0 else 0
+    first = max(0, first_key(pos, window))
     return set(table[row, first:pos + 1].tolist())
 
 
@@ -154,6 +156,12 @@ def test_flex_sliding_window(page_size: int) -> None:
     run_case(4, 2, page_size, prefix_lens=[0, 30, 17], ext_lens=[45, 3, 25], window=8, seed=3)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flex_chunked_attention(page_size: int) -> None:
+    """Llama 4's chunks: prefixes and new tokens crossing chunk boundaries, in extend and decode."""
+    run_case(4, 2, page_size, prefix_lens=[0, 30, 17], ext_lens=[45, 3, 25], window=-1, seed=4, chunk=16)
+
+
 def test_flex_long_extend_spans_several_query_blocks() -> None:
     run_case(2, 1, 16, prefix_lens=[3, 0], ext_lens=[150, 130], window=-1, seed=5)
 
@@ -162,7 +170,7 @@ def test_flex_knows_the_config_windows_before_any_request() -> None:
     """CUDA-graph capture runs decode before any extend: the windows must come from the config, not from traffic."""
     runner = make_runner(2, 1, 16, 1)
     runner.model_config.sliding_windows = [-1, 6]
-    assert FlexAttnBackend(runner).windows == {-1, 6}
+    assert FlexAttnBackend(runner).windows == {0, 6}  # (0: full attention)
 
 
 def test_flex_refuses_fp8_and_mla() -> None:
@@ -176,8 +184,8 @@ def test_flex_refuses_fp8_and_mla() -> None:
         FlexAttnBackend(runner)
 
 
-@pytest.mark.parametrize("window", [-1, 5])
-def test_torch_native_static_decode_equals_eager(window: int) -> None:
+@pytest.mark.parametrize("window,chunk", [(-1, -1), (5, -1), (-1, 8)])
+def test_torch_native_static_decode_equals_eager(window: int, chunk: int) -> None:
     """The decode torch_native captures in CUDA graphs (fixed width, masks, no host reads) equals its eager decode."""
     runner = make_runner(4, 2, 16, 1)
     kv, r2t = runner.token_to_kv_pool, runner.req_to_token_pool
@@ -190,7 +198,7 @@ def test_torch_native_static_decode_equals_eager(window: int) -> None:
     lens = [9, 1, 30]
     for r, n in zip(rows, lens, strict=True):
         r2t.write(r, 0, kv.alloc(n))
-    lay = layer(4, 2, 16, window)
+    lay = layer(4, 2, 16, window, chunk)
     q = torch.randn(3, 64, generator=gen)
     fb = forward_batch(runner, native, rows, [n - 1 for n in lens], [1, 1, 1], torch.zeros(3, dtype=torch.int64),
                        ForwardMode.DECODE)
@@ -264,6 +272,7 @@ def test_flex_graph_block_kernel_equals_torch_lists(page_size: int) -> None:
     req = torch.tensor(rows, device=dev)
     ref, ker = FlexAttnBackend(runner), FlexAttnBackend(runner)
     for b in (ref, ker):
+        b.windows.add(-24)  # a layer with chunks of 24 (Llama 4)
         b.init_cuda_graph_state(8)
     meta_ref, meta_ker = ref._graph_meta(len(rows)), ker._graph_meta(len(rows))
     assert meta_ker["rows"] == 8
@@ -273,7 +282,7 @@ def test_flex_graph_block_kernel_equals_torch_lists(page_size: int) -> None:
         torch.testing.assert_close(ker.slot_pos, ref.slot_pos)
         torch.testing.assert_close(meta_ker["pos"], meta_ref["pos"])
         torch.testing.assert_close(meta_ker["row"], meta_ref["row"])
-        for window in (-1, 5, 40):
+        for window in (0, 5, 40, -24):
             num_r, idx_r, _ = meta_ref["masks"][window]
             num_k, idx_k, _ = meta_ker["masks"][window]
             torch.testing.assert_close(num_k, num_r)

@@ -197,10 +197,11 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
                                             ("gpt-oss-20b", 20.91), ("glm-4.5-air", 106.85),  # no MTP layer
                                             ("olmo-2-7b", 7.30),  # 7,298,617,344
                                             ("command-r7b", 8.03),  # 8,028,033,024, the tied embedding once
-                                            ("ernie-4.5-21b-a3b", 21.83)])  # 21,825,437,888: no MTP layer
+                                            ("ernie-4.5-21b-a3b", 21.83),  # 21,825,437,888: no MTP layer
+                                            ("llama-4-scout-17b-16e", 107.77)])  # text: 107,769,861,120
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
-    (Gemma 3 12B without its vision tower)."""
+    (Gemma 3 12B and Llama 4 Scout without their vision towers: Scout's 108.64 B with it is the 109 B published)."""
     from radixserve.models.registry import get_model_class
 
     cfg = ModelConfig(os.path.join(os.path.dirname(__file__), "..", "radixserve", "configs", "shapes", shape),

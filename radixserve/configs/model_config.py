@@ -54,7 +54,8 @@ def sliding_window_size(cfg: Any, layer_id: int) -> int:
 
 # GGUF architectures (llama.cpp's names) whose files this loader would misread: refused before transformers' reader
 _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Command-R7B / Command-A",
-                       "gpt-oss": "GPT-OSS", "glm4": "GLM-4", "glm4moe": "GLM-4.5", "olmo2": "OLMo 2 / OLMo 3"}
+                       "gpt-oss": "GPT-OSS", "glm4": "GLM-4", "glm4moe": "GLM-4.5", "olmo2": "OLMo 2 / OLMo 3",
+                       "llama4": "Llama 4"}
 
 
 def _refuse_gguf_arch(path: str) -> None:

@@ -17,12 +17,17 @@ if TYPE_CHECKING:
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
                  v_head_dim: int | None = None, sliding_window_size: int = -1, logit_cap: float = 0.0,
-                 sinks: bool = False, first_head: int = 0, total_heads: int | None = None) -> None:
+                 sinks: bool = False, first_head: int = 0, total_heads: int | None = None,
+                 attention_chunk_size: int = -1) -> None:
         """`first_head` / `total_heads`: where this rank's query heads sit among the model's (tensor parallelism),
         for the checkpoint's per-head sinks, which each rank loads its slice of."""
         super().__init__()
         if sliding_window_size == 0 or sliding_window_size < -1:
             raise ValueError(f"sliding_window_size must be -1 (full attention) or positive; got {sliding_window_size}")
+        if attention_chunk_size == 0 or attention_chunk_size < -1:
+            raise ValueError(f"attention_chunk_size must be -1 (none) or positive; got {attention_chunk_size}")
+        if attention_chunk_size > 0 and sliding_window_size > 0:
+            raise ValueError("a layer attends within a sliding window or within chunks, not both")
         if not logit_cap >= 0:
             raise ValueError(f"logit_cap must be >= 0 (0: none); got {logit_cap}")
         # Gemma 2's soft-capping of the scaled scores, cap * tanh(s / cap); 0: none (backends that support it set
@@ -49,6 +54,10 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
         # -1: full causal attention; W > 0: a query at position p sees the keys at positions p - W + 1 .. p
         self.sliding_window_size = sliding_window_size
+        # -1: none; C > 0 (Llama 4's chunked local attention): a query at position p sees the keys at positions
+        # (p // C) * C .. p, those of its own C-token chunk (backends that support it set
+        # `supports_chunked_attention`; the model runner refuses the others)
+        self.attention_chunk_size = attention_chunk_size
         # per-tensor scales of an fp8 KV cache: the pool holds k / k_scale (the checkpoint's k_scale / v_scale when
         # it has them, else 1.0); ignored by a 16/32-bit pool
         self.k_scale = 1.0

@@ -122,7 +122,9 @@ def _yarn_inv_freq(base: float, dim: int, scaling: dict[str, Any], max_position:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None, is_neox_style: bool = True,
-                 rotary_dim: int | None = None) -> None:
+                 rotary_dim: int | None = None, table_positions: int | None = None) -> None:
+        """table_positions: build the cos/sin tables for at most this many positions (Llama 4's 10M-token
+        max_position_embeddings would be gigabytes); the loader extends them to the served context (`cover`)."""
         super().__init__()
         self.head_dim = head_dim
         self.is_neox_style = is_neox_style
@@ -156,7 +158,7 @@ class RotaryEmbedding(nn.Module):
             if self._long is not None:
                 self._long = (self._long[0], torch.cat([self._long[1], pad]))
         self._inv_freq, self._attention_factor = inv_freq, attention_factor
-        cos, sin = self._tables(max_position)
+        cos, sin = self._tables(max_position if table_positions is None else min(max_position, table_positions))
         # Kept in fp32; computed on the CPU at construction, moved with the module.
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)

@@ -109,6 +109,10 @@ def check_attention_features(model: torch.nn.Module, attn_backend: object, backe
             isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         raise ValueError(f"this model has attention sinks (GPT-OSS's per-head sink logits), which the {backend} "
                          f"attention backend does not support: use triton, torch_native, flex or (on the CPU) cpu")
+    if not getattr(attn_backend, "supports_chunked_attention", False) and any(
+            getattr(m, "attention_chunk_size", -1) > 0 for m in model.modules()):
+        raise ValueError(f"this model attends within chunks (Llama 4's attention_chunk_size), which the {backend} "
+                         f"attention backend does not support: use triton, torch_native, flex or (on the CPU) cpu")
 
 
 class ModelRunner:

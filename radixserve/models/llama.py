@@ -82,11 +82,11 @@ def attention_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
+def model_rotary(config: PretrainedConfig, table_positions: int | None = None) -> RotaryEmbedding:
     """The model's rotary tables, one instance for all its layers (Llama 3.1's 131,072 positions are 64 MB of
     float32 cos/sin: a copy a layer would be 2 GB over 32 layers). `partial_rotary_factor` (top level or in
     rope_parameters) rotates that share of each head; `original_max_position_embeddings` may sit beside a
-    transformers-4 config's rope_scaling instead of in it."""
+    transformers-4 config's rope_scaling instead of in it. `table_positions`: see RotaryEmbedding."""
     theta, scaling = rope_params(config)
     head_dim = attention_head_dim(config)
     params = getattr(config, "rope_parameters", None) or {}
@@ -98,13 +98,14 @@ def model_rotary(config: PretrainedConfig) -> RotaryEmbedding:
     original = getattr(config, "original_max_position_embeddings", None)
     if scaling is not None and original and "original_max_position_embeddings" not in scaling:
         scaling = {**scaling, "original_max_position_embeddings": original}
-    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=int(head_dim * share))
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=int(head_dim * share),
+                           table_positions=table_positions)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
                  qkv_bias: bool = False, qk_norm: bool = False, scaling: float | None = None,
-                 logit_cap: float = 0.0, sinks: bool = False) -> None:
+                 logit_cap: float = 0.0, sinks: bool = False, attention_chunk_size: int = -1) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -121,7 +122,8 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(self.num_heads, self.head_dim, scaling, self.num_kv_heads, layer_id,
                                    sliding_window_size=sliding_window_size(config, layer_id), logit_cap=logit_cap,
                                    sinks=sinks,  # GPT-OSS's learned per-head sink logits
-                                   first_head=tp_rank * self.num_heads, total_heads=num_heads)
+                                   first_head=tp_rank * self.num_heads, total_heads=num_heads,
+                                   attention_chunk_size=attention_chunk_size)  # Llama 4's chunked layers
         self.output_scale = 1.0  # Granite's residual_multiplier
         self.qk_norm = qk_norm
         if qk_norm:
@@ -239,12 +241,14 @@ MLPFactory = Callable[["PretrainedConfig", int, int, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention  # (Llama 4: its own, with the same signature)
+
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
                  qkv_bias: bool = False, qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp,
                  attn_sinks: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
-                                        sinks=attn_sinks)
+        self.self_attn = self.attention_cls(config, layer_id, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
+                                            sinks=attn_sinks)
         self.mlp = mlp_factory(config, layer_id, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -292,6 +296,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    table_positions: int | None = None  # the rotary tables' positions at construction (None: the config's)
+
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qkv_bias: bool = False,
                  qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp, attn_sinks: bool = False) -> None:
         super().__init__()
@@ -301,9 +308,9 @@ class LlamaModel(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", False))
         emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
-        rotary = model_rotary(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
-                                                      mlp_factory, attn_sinks)
+        rotary = model_rotary(config, self.table_positions)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
+                                                   mlp_factory, attn_sinks)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for prev, layer in zip(self.layers[:-1], self.layers[1:], strict=True):  # fused all-reduce + norm

@@ -2,8 +2,9 @@
 decode): float32 greedy tokens equal transformers' (Phi-3: partial rotation + LongRoPE + a sliding window; Gemma 2:
 soft-capped scores and logits; Gemma 3: sliding and full layers, head_dim 256; SmolLM3: layers without rotary;
 Granite: its multipliers through the fused paths; GPT-OSS: attention sinks, biased experts; GLM-4 / GLM-4.5: partial
-rotation laid out at load; OLMo 2/3: whole-width q/k norms; Cohere: interleaved rotary, q/k LayerNorms, NoPE layers),
-and bf16 agrees position by position. Skipped without a GPU."""
+rotation laid out at load; OLMo 2/3: whole-width q/k norms; Cohere: interleaved rotary, q/k LayerNorms, NoPE layers;
+Llama 4: chunked attention, temperature-tuned NoPE layers), and bf16 agrees position by position. Skipped without a
+GPU."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from test_gemma import gemma3  # noqa: E402
 from test_glm4 import glm  # noqa: E402
 from test_gpt_oss import gpt_oss  # noqa: E402
 from test_granite import granite  # noqa: E402
+from test_llama4 import llama4  # noqa: E402
 from test_olmo2 import olmo  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
@@ -54,11 +56,13 @@ def build(family: str, path: str) -> torch.nn.Module:
         return olmo(path, family)
     if family in ("cohere_qk", "cohere2"):  # interleaved rotary laid out at load, q/k LayerNorm, NoPE layers
         return cohere(family, path)
+    if family == "llama4":  # chunked attention in the Triton kernels (graphs too), input-weighted experts
+        return llama4(path)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
 @pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite", "gpt_oss", "glm4", "glm4_moe",
-                                    "olmo2", "olmo3", "cohere_qk", "cohere2"])
+                                    "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")

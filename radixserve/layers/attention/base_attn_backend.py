@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
     supports_logit_cap: bool = False  # attention scores soft-capped per layer (RadixAttention.logit_cap)
     supports_sinks: bool = False  # GPT-OSS's per-head sink logits (RadixAttention.sinks)
+    supports_chunked_attention: bool = False  # Llama 4: RadixAttention.attention_chunk_size
     # whether a one-request extend can be captured (model_executor/prefill_graph_runner.py): the extend forward
     # reads the request's lengths from the device only, after an init_forward_metadata made at capture time
     supports_prefill_cuda_graph: bool = False
@@ -138,9 +139,40 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return scale_by_sinks(torch.matmul(p, v.float()), lse, sink).to(q.dtype)
 
 
+def attention_layers(model_runner: Any) -> list[Any]:
+    """The loaded model's attention layers (RadixAttention modules); none before a model is loaded."""
+    from radixserve.layers.radix_attention import RadixAttention
+
+    model = getattr(model_runner, "model", None)
+    return [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
+
+
 def sliding_window(layer: object) -> int:
     """The layer's attention window in tokens, or -1 for full attention (also for a layer that sets none)."""
     return getattr(layer, "sliding_window_size", -1)
+
+
+def attention_chunk(layer: object) -> int:
+    """The layer's attention chunk in tokens (a query sees the keys of its own chunk up to itself), or -1."""
+    return getattr(layer, "attention_chunk_size", -1)
+
+
+def local_window(layer: object) -> int:
+    """The layer's sliding window (> 0) or attention chunk as a negative number (-C), or 0 for full attention:
+    the one `window` argument of the Triton kernels (`triton_ops.common.first_visible`)."""
+    window, chunk = sliding_window(layer), attention_chunk(layer)
+    return window if window > 0 else -chunk if chunk > 0 else 0
+
+
+def first_key(pos: Any, window: int) -> Any:
+    """The first key position a query at `pos` (an int or a tensor of them) sees under `window` as `local_window`
+    gives it: pos - W + 1 for a sliding window of W (may be negative: no key is before 0), the start of its chunk
+    (pos // C) * C for chunks of C, 0 for full attention."""
+    if window > 0:
+        return pos - window + 1
+    if window < 0:
+        return pos // -window * -window
+    return pos * 0
 
 
 def value_head_dim(layer: object) -> int:

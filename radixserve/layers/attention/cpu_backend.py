@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import cpu_ops
-from radixserve.layers.attention.base_attn_backend import kv_scales, logit_cap, sinks, sliding_window
+from radixserve.layers.attention.base_attn_backend import first_key, kv_scales, local_window, logit_cap, sinks
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ def _is_mla(layer: RadixAttention) -> bool:
 class CpuAttnBackend(TorchNativeAttnBackend):
     supports_cuda_graph = False  # CPU only
     supports_sinks = True  # layers with sinks take the reference path (the C decode kernel has none)
+    supports_chunked_attention = True  # chunked layers extend through the reference; decode starts at the chunk
 
     def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
@@ -64,8 +65,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         """q: [n, H*D] one query per request -> [n, H*D]."""
         h, d = layer.tp_q_head_num, layer.head_dim
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        window = sliding_window(layer)
-        starts = (ends - window).clamp_(min=0) if window > 0 else zeros  # the query sees the last `window` keys
+        window = local_window(layer)  # the query sees its window's or its chunk's keys only
+        starts = first_key(ends - 1, window).clamp_(min=0) if window else zeros
         q32 = q.reshape(-1, h, d).to(torch.float32).contiguous()
         scales = kv_scales(layer) if k_buf.dtype == torch.float8_e4m3fn else (1.0, 1.0)
         out = cpu_ops.paged_decode_attention(q32, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token, rows,
@@ -81,10 +82,10 @@ class CpuAttnBackend(TorchNativeAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         k_buf, _ = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if sliding_window(layer) > 0 or k_buf.dtype != q.dtype or _is_mla(layer) or logit_cap(layer) \
+        if local_window(layer) or k_buf.dtype != q.dtype or _is_mla(layer) or logit_cap(layer) \
                 or sinks(layer) is not None:
-            # windows' masks, MLA's latent (value dim != key dim), soft-capping and sinks live in the reference; a
-            # pool of another dtype must be read back (rounded) from it
+            # windows' and chunks' masks, MLA's latent (value dim != key dim), soft-capping and sinks live in the
+            # reference; a pool of another dtype must be read back (rounded) from it
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)

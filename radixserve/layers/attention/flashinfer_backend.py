@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from radixserve.layers.attention.base_attn_backend import AttentionBackend, kv_scales, sliding_window
+from radixserve.layers.attention.base_attn_backend import AttentionBackend, attention_layers, kv_scales, sliding_window
 from radixserve.layers.attention.triton_ops.merge_state import merge_attn_states
 from radixserve.layers.attention.triton_ops.page_indices import fill_page_indices
 
@@ -163,7 +163,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.q_dtype = getattr(model_runner, "dtype", pool.dtype)
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         # every layer's window (W tokens: window_left = W - 1; -1 full) and softmax scale
-        layers = _attention_layers(model_runner)
+        layers = attention_layers(model_runner)
         if sliding_windows is None:
             sliding_windows = [sliding_window(m) for m in layers]
         self.windows = sorted({w - 1 if w > 0 else -1 for w in sliding_windows} or {-1})
@@ -455,10 +455,3 @@ class FlashInferAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
-
-
-def _attention_layers(model_runner: ModelRunner) -> list[Any]:
-    from radixserve.layers.radix_attention import RadixAttention
-
-    model = getattr(model_runner, "model", None)
-    return [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []

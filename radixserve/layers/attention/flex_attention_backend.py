@@ -10,6 +10,7 @@ pages); its mask_mod admits a slot for a query only if the slot really holds a k
                                                  or free slot in a listed block fails here)
     kp <= pos(q)                                 causal, which also covers the cached prefix
     kp > pos(q) - window                         sliding window (layers that have one)
+    kp >= (pos(q) // chunk) * chunk              chunked attention (Llama 4's chunked layers)
 
 Extend flattens all the batch's new tokens into one query sequence (blocks of `q_block` tokens; a block that spans
 several requests lists the union of their KV blocks, each request cut to what its queries can see). Decode puts
@@ -41,11 +42,13 @@ except ImportError:  # older torch: return_lse=True
 
 from radixserve.layers.attention.base_attn_backend import (
     AttentionBackend,
+    attention_layers,
+    first_key,
     kv_scales,
+    local_window,
     logit_cap,
     scale_by_sinks,
     sinks,
-    sliding_window,
     value_head_dim,
 )
 from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
@@ -73,6 +76,7 @@ class FlexAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_logit_cap = True  # as a score_mod
     supports_sinks = True  # flex's log-sum-exp (natural log) scales the output: out * sigmoid(lse - sink)
+    supports_chunked_attention = True
     q_block = 128  # extend: queries per block
     kv_block_extend = 128  # extend: physical slots per KV block
     kv_block_decode = 16  # decode: physical slots per KV block
@@ -96,9 +100,11 @@ class FlexAttnBackend(AttentionBackend):
         # plus a last entry that takes the writes of padded decode rows
         self.dump = -(-self.num_slots // kb) * kb
         self.slot_pos = torch.full((self.dump + 1,), -1, dtype=torch.int64, device=self.device)
-        # the layers' windows (-1: full attention), known from the config so that CUDA-graph capture builds a mask
-        # for each before any request has run; a window first seen in an extend is added there
-        self.windows: set[int] = {-1} | set(getattr(cfg, "sliding_windows", None) or ())
+        # the layers' windows as `local_window` gives them (0: full attention, W > 0: sliding, -C: chunks of C),
+        # known from the model so that CUDA-graph capture builds a mask for each before any request has run; a
+        # window first seen in an extend is added there
+        self.windows: set[int] = {0} | {w for w in getattr(cfg, "sliding_windows", None) or () if w > 0} | {
+            local_window(m) for m in attention_layers(model_runner)}
         self._flex_extend: Any = flex_attention
         self._flex_decode: Any = flex_attention
         if self.is_cuda:
@@ -201,8 +207,8 @@ class FlexAttnBackend(AttentionBackend):
             kp = slot_pos[kv_idx]
             p = pos[b]
             ok = (kp >= 0) & (kp <= p) & (table[row[b], kp.clamp(min=0)] == kv_idx)
-            if window > 0:
-                ok = ok & (kp > p - window)
+            if window:
+                ok = ok & (kp >= first_key(p, window))
             return ok
 
         return mask_mod
@@ -225,7 +231,7 @@ class FlexAttnBackend(AttentionBackend):
         kb = self.kv_block_decode
         for window, (num, idx, _) in meta["masks"].items():
             num[bs:].zero_()
-            first = (seq - window).clamp(min=0) if window > 0 else torch.zeros_like(seq)  # first visible position
+            first = first_key(seq - 1, window).clamp(min=0)  # the first visible position
             if self.page_size % kb == 0:
                 # pages are whole blocks: a row's blocks are the blocks of its positions 0, kb, 2kb, ...
                 width = min(meta["width"], -(-longest // kb) + 1)
@@ -287,7 +293,7 @@ class FlexAttnBackend(AttentionBackend):
                         b = pre[i] + min(hi, starts[i] + ext[i]) - 1 - starts[i]
                         if b < a:
                             continue
-                        first = max(0, a - window + 1) if window > 0 else 0
+                        first = max(0, first_key(a, window))
                         parts.append(slots[i, first:b + 1] // kb)
                 lists.append(np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64))
             width = max(1, max(len(x) for x in lists))
@@ -366,7 +372,7 @@ class FlexAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)
-        window = sliding_window(layer)
+        window = local_window(layer)
         if window not in self._meta["masks"]:
             self.windows.add(window)
             self._meta = self._extend_meta(forward_batch)
@@ -385,7 +391,7 @@ class FlexAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001, ANN201
         if save_kv_cache:
             self._save(k, v, layer, forward_batch)
-        window = sliding_window(layer)
+        window = local_window(layer)
         if self._meta is None:
             self._meta = self._eager_decode_meta(forward_batch)
         meta = self._meta
@@ -396,7 +402,7 @@ class FlexAttnBackend(AttentionBackend):
                 self._fill_decode_meta_kernel(meta, *self._graph_inputs)
         if window not in meta["masks"]:
             if self._use_graph_meta:
-                raise RuntimeError(f"flex backend: sliding window {window} was not seen before the capture")
+                raise RuntimeError(f"flex backend: window {window} was not seen before the capture")
             self.windows.add(window)
             meta = self._meta = self._eager_decode_meta(forward_batch)
         h, d, dv = layer.tp_q_head_num, layer.head_dim, value_head_dim(layer)

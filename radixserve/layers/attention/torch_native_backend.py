@@ -14,10 +14,11 @@ import torch
 from radixserve.layers.attention.base_attn_backend import (
     AttentionBackend,
     capped_attention,
+    first_key,
     kv_scales,
+    local_window,
     logit_cap,
     sinks,
-    sliding_window,
     value_head_dim,
 )
 from radixserve.mem_cache.memory_pool import gather_kv, load_kv_values
@@ -36,6 +37,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_logit_cap = True
     supports_sinks = True
+    supports_chunked_attention = True
 
     def __init__(self, model_runner: ModelRunner) -> None:
         self.device = model_runner.device
@@ -71,14 +73,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, value_head_dim(layer))
         rows = forward_batch.req_pool_indices.tolist()
         gqa = layer.tp_q_head_num // layer.tp_k_head_num
-        window = sliding_window(layer)
+        window = local_window(layer)
         start = 0
         for i, (q_len, pre) in enumerate(zip(q_lens, prefix_lens, strict=True)):
             if q_len == 0:
                 continue
             kv_len = pre + q_len
-            # with a sliding window, keys before the first query's window are never read
-            first = max(0, pre - window + 1) if window > 0 else 0
+            # with a sliding window or chunks, keys before the first query's first visible key are never read
+            first = max(0, first_key(pre, window))
             slots = req_to_token[rows[i], first:kv_len].long()
             ks, vs = kv_scales(layer)
             k = load_kv_values(gather_kv(k_buf, slots), q.dtype, ks).transpose(0, 1)  # [Hkv, L, D]
@@ -89,11 +91,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                 v = v.repeat_interleave(gqa, dim=0)
             mask = None
             if q_len > 1:
-                # query j (absolute position pre + j) sees keys 0 .. pre + j (key column c is position first + c)
-                mask = torch.ones(q_len, kv_len - first, dtype=torch.bool, device=q.device).tril(
-                    diagonal=pre - first)
-                if window > 0:  # ... and only the last `window` of them
-                    mask &= ~torch.ones_like(mask).tril(diagonal=pre - first - window)
+                # query j (position pre + j) sees keys first_key(pre + j) .. pre + j (key column c: position first + c)
+                qpos = torch.arange(pre, kv_len, device=q.device)[:, None]
+                kpos = torch.arange(first, kv_len, device=q.device)[None, :]
+                mask = (kpos <= qpos) & (kpos >= first_key(qpos, window))
             o = capped_attention(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, layer.scaling,
                                  logit_cap(layer), sink=sinks(layer))
             out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
@@ -126,7 +127,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         lens = forward_batch.seq_lens_cpu
         rows = forward_batch.req_pool_indices
         req_to_token = forward_batch.req_to_token_pool.req_to_token
-        window = sliding_window(layer)
+        window = local_window(layer)
         start = 0
         while start < len(lens):
             end, longest = start, 0
@@ -138,8 +139,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             seq = torch.tensor(lens[start:end], device=q.device)
             cols = torch.arange(longest, device=q.device)[None, :]
             mask = cols < seq[:, None]  # [n, L]
-            if window > 0:  # the query (position seq - 1) sees the last `window` keys only
-                mask &= cols >= seq[:, None] - window
+            if window:  # the query (position seq - 1) sees its window's or its chunk's keys only
+                mask &= cols >= first_key(seq[:, None] - 1, window)
             pad = ~mask
             kk = load_kv_values(gather_kv(k_buf, slots), q.dtype, kv_scales(layer)[0])  # [n, L, Hkv, D]
             vv = load_kv_values(gather_kv(v_buf, slots), q.dtype, kv_scales(layer)[1])
@@ -165,7 +166,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         q = q.view(bs, h, d)
         out = q.new_empty(bs, h, dv)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
-        window = sliding_window(layer)
+        window = local_window(layer)
         ks, vs = kv_scales(layer)
         cols = torch.arange(width, device=q.device)[None, :]
         group = max(1, DECODE_GROUP_ELEMENTS // (width * hkv))
@@ -173,8 +174,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             end = min(bs, start + group)
             seq = forward_batch.seq_lens[start:end, None]
             mask = cols < seq  # [n, width]
-            if window > 0:
-                mask &= cols >= seq - window
+            if window:
+                mask &= cols >= first_key(seq - 1, window)
             slots = req_to_token[forward_batch.req_pool_indices[start:end], :width].long()
             keep = mask[:, :, None, None]
             kk = torch.where(keep, load_kv_values(gather_kv(k_buf, slots), q.dtype, ks), 0).permute(0, 2, 1, 3)

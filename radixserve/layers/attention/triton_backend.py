@@ -15,6 +15,7 @@ import torch
 
 from radixserve.layers.attention.base_attn_backend import (
     AttentionBackend,
+    attention_chunk,
     kv_scales,
     logit_cap,
     sinks,
@@ -82,6 +83,7 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_logit_cap = True
     supports_sinks = True  # the kernels add exp(sink - max) to the softmax sum where each output is normalised
+    supports_chunked_attention = True  # a negative `window` in the kernels (triton_ops.common.first_visible)
     supports_prefill_cuda_graph = True
     replay_reads_graph_inputs = False  # its replay hook copies only buffers that are not its own
     replay_hook_only_loads_inputs = True  # and does nothing else (the kernels read the lengths on the device)
@@ -321,7 +323,8 @@ class TritonAttnBackend(AttentionBackend):
         # batch replays its launches (the host work of a layer's attention is several times its GPU time for a
         # small batch, and eager attention runs between the pieces of a piecewise graph)
         key = (q3.shape, q3.stride(), k3.shape, k3.stride(), v3.stride(), q.dtype, k_buf.dtype, k_buf.stride(),
-               v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer), logit_cap(layer), sk is None)
+               v_buf.stride(), layer.scaling, kv_scales(layer), sliding_window(layer), attention_chunk(layer),
+               logit_cap(layer), sk is None)
         plan = meta.plans.get(key)
         if plan is not None:
             plan.replay(tensors)
@@ -332,7 +335,8 @@ class TritonAttnBackend(AttentionBackend):
                     tensors[0], tensors[1], tensors[2], tensors[3], k_buf, v_buf, self.req_to_token,
                     meta.req_pool_indices, meta.extend_prefix_lens, meta.extend_seq_lens, meta.extend_start_loc,
                     meta.max_extend_len, layer.scaling, k_scale=kv_scales(layer)[0], v_scale=kv_scales(layer)[1],
-                    sliding_window=sliding_window(layer), logit_cap=logit_cap(layer), sinks=sk)
+                    sliding_window=sliding_window(layer), logit_cap=logit_cap(layer), sinks=sk,
+                    attention_chunk=attention_chunk(layer))
             if meta.tail_decodes:  # their K/V went into the pool above (or before, when save_kv_cache is off)
                 self._decode_rows(tensors[4], tensors[5], layer, forward_batch, meta, meta.tail_req_pool_indices,
                                   meta.tail_seq_lens, sk)
@@ -369,7 +373,7 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling, min_split_len=self.min_split_len, block_n=self.decode_block_n,
             use_dot=self.decode_use_dot, num_kv_splits=meta.num_kv_splits, k_scale=kv_scales(layer)[0],
             v_scale=kv_scales(layer)[1], sliding_window=sliding_window(layer), counters=meta.counters,
-            logit_cap=logit_cap(layer), sinks=sk)
+            logit_cap=logit_cap(layer), sinks=sk, attention_chunk=attention_chunk(layer))
 
     # ---------------------------------------------------------------- MLA (latent pool)
     def _mla_store(self, k: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:

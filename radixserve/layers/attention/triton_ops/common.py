@@ -53,11 +53,31 @@ def online_softmax_step(qk, v, visible, m_i, l_i, acc, DOT_FP32: tl.constexpr, M
     return m_new, l_i, acc
 
 
+def kernel_window(sliding_window: int, attention_chunk: int) -> int:
+    """The kernels' `window` argument: W for a sliding window of W tokens, -C for chunks of C, 0 for neither."""
+    if sliding_window == 0 or sliding_window < -1:
+        raise ValueError(f"sliding_window must be -1 (none) or positive; got {sliding_window}")
+    if attention_chunk == 0 or attention_chunk < -1:
+        raise ValueError(f"attention_chunk must be -1 (none) or positive; got {attention_chunk}")
+    if sliding_window > 0 and attention_chunk > 0:
+        raise ValueError("a sliding window and an attention chunk cannot both be set")
+    return sliding_window if sliding_window > 0 else -attention_chunk if attention_chunk > 0 else 0
+
+
+@triton.jit
+def first_visible(pos, window):
+    """The first key position a query at `pos` sees: pos - window + 1 under a sliding window (window > 0; may be
+    negative), the start of its chunk (pos // C) * C under chunked attention (window = -C < 0), else 0
+    (`base_attn_backend.local_window` / `first_key` on the host)."""
+    c = tl.maximum(-window, 1)
+    return tl.where(window > 0, pos - window + 1, tl.where(window < 0, pos // c * c, 0))
+
+
 @triton.jit
 def window_start(seq_len, window):
     """The first KV position the last query of a seq_len-token sequence sees: seq_len - window under a sliding
-    window (window > 0), else 0."""
-    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    window (window > 0), its chunk's first under chunked attention (window < 0), else 0."""
+    return tl.maximum(first_visible(seq_len - 1, window), 0)
 
 
 @triton.jit

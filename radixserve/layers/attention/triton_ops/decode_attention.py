@@ -47,6 +47,7 @@ from radixserve.layers.attention.triton_ops.common import (
     decode_head_block,
     decode_splits,
     head_dims,
+    kernel_window,
     merge_if_last,
     merge_split_block,
     mma,
@@ -484,9 +485,12 @@ def decode_attention_fwd(
     counters: torch.Tensor | None = None,
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int = -1,
 ) -> None:
     """Attention of one query token per request over its first seq_len KV slots (the last `sliding_window` of them
-    when it is positive); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless it is fp8).
+    when it is positive; those of the query's own chunk when `attention_chunk` is, Llama 4's chunked attention: from
+    ((seq_len - 1) // chunk) * chunk); writes `o` in place. The pool holds k / k_scale and v / v_scale (1.0 unless
+    it is fp8).
 
     q, o: [bs, H, D]; k_buffer, v_buffer: [slots, Hkv, D]; req_to_token: [rows, max_ctx] int32;
     req_pool_indices, seq_lens: [bs] (int32 or int64, on the device); mid_o [bs, H, S, D] and mid_lse [bs, H, S]
@@ -517,10 +521,7 @@ def decode_attention_fwd(
     group = num_heads // num_kv_heads
     if min_split_len < 1:
         raise ValueError(f"min_split_len must be positive; got {min_split_len}")
-    if sliding_window == 0 or sliding_window < -1:
-        raise ValueError(f"sliding_window must be -1 (none) or positive; got {sliding_window}")
-    window = max(sliding_window, 0)  # 0: full attention in the kernels
-
+    window = kernel_window(sliding_window, attention_chunk)
     interp = is_interpreted()
     if k_buffer.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         k_scale = v_scale = 1.0  # only an fp8 pool is scaled
@@ -569,7 +570,7 @@ def decode_attention_fwd(
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=block_n, USE_DOT=use_dot, DOT_FP32=dot_fp32,
         KV_F16=use_dot and not dot_fp32 and fp8_pool, V_PAIRS=v_pairs,
-        SLIDING=window > 0, HEADS_FIRST=heads_first, DIRECT=direct, MERGE=merge,
+        SLIDING=window != 0, HEADS_FIRST=heads_first, DIRECT=direct, MERGE=merge,
         MERGE_HEADS=merge_heads, MERGE_SPLITS=merge_split_block(merge_heads, block_d),
         CAP=max(logit_cap, 0.0) * LOG2E, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_opts(q),

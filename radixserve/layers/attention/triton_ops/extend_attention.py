@@ -4,8 +4,9 @@ For request b, its extend_len new tokens (rows extend_start .. extend_start + ex
   1. the cached prefix: positions 0 .. prefix_len - 1, whose K/V are read from the pool through
      req_to_token[req_pool_indices[b], :prefix_len] (no mask: every new token sees the whole prefix), and
   2. the new tokens themselves, causally, read from the contiguous k/v inputs (not from the pool).
-Under a sliding window of W tokens (SLIDING) a query at position p sees only the keys at p - W + 1 .. p: the loops
-start at the first block any query of the program can see, and every block is masked.
+Under a sliding window of W tokens (SLIDING, window = W) a query at position p sees only the keys at p - W + 1 .. p,
+under chunked attention of C tokens (SLIDING, window = -C: Llama 4) those at (p // C) * C .. p (`first_visible`):
+the loops start at the first block any query of the program can see, and every block is masked.
 One program handles BLOCK_M new tokens of one query head; both phases share one online softmax. Query heads map to
 KV heads by integer division (GQA). An fp8 pool's prefix is read times its k/v scales (k's folded into the prefix's
 score scale, v's applied as the tile is widened). Lengths vary per request; programs past a request's end exit at once.
@@ -21,6 +22,8 @@ import triton.language as tl
 from radixserve.layers.attention.triton_ops.common import (
     LOG2E,
     check_sinks,
+    first_visible,
+    kernel_window,
     mma,
     online_softmax_step,
     sink_weight,
@@ -95,7 +98,7 @@ def _extend_kernel(
         # 1. the cached prefix, read through req_to_token: full blocks, then the ragged tail
         full_end = (prefix_len // BLOCK_N) * BLOCK_N
         if SLIDING:  # from the block holding the first key this program's first query sees, all masked
-            lo = (tl.maximum(prefix_len + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+            lo = (tl.maximum(first_visible(prefix_len + m0, window), 0) // BLOCK_N) * BLOCK_N
             for n0 in range(lo, prefix_len, BLOCK_N):
                 offs_n = n0 + offs_nb
                 mask_n = offs_n < prefix_len
@@ -105,7 +108,7 @@ def _extend_kernel(
                 v = tl.load(vb_head + loc[:, None] * stride_vbt, mask=mask_kv, other=0.0)
                 if KV_FP8:
                     v = (v.to(tl.float32) * v_scale).to(q.dtype)
-                visible = mask_n[None, :] & (offs_n[None, :] > (prefix_len + offs_m)[:, None] - window)
+                visible = mask_n[None, :] & (offs_n[None, :] >= first_visible(prefix_len + offs_m, window)[:, None])
                 m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, prefix_scale_log2, DOT_FP32, True,
                                               True, CAP)
             full_end = 0  # nothing left for the unmasked loops below
@@ -144,7 +147,7 @@ def _extend_kernel(
         end_new = tl.minimum(m0 + BLOCK_M, q_len)
         masked_start = m0
         if SLIDING:
-            masked_start = (tl.maximum(m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+            masked_start = (tl.maximum(first_visible(prefix_len + m0, window) - prefix_len, 0) // BLOCK_N) * BLOCK_N
         for n0 in range(masked_start, end_new, BLOCK_N):
             offs_n = n0 + offs_nb
             mask_n = offs_n < q_len
@@ -153,7 +156,8 @@ def _extend_kernel(
             v = tl.load(ve_head + offs_n[:, None] * stride_vt, mask=mask_kv, other=0.0)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             if SLIDING:
-                visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
+                first = first_visible(prefix_len + offs_m, window) - prefix_len  # in new-token indices
+                visible = visible & (offs_n[None, :] >= first[:, None])
             m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_FP32, True, SLIDING,
                                           CAP)
 
@@ -202,13 +206,15 @@ def extend_attention_fwd(
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int = -1,
 ) -> None:
     """Writes `o` in place. q, o: [T, H, D]; k, v: [T, Hkv, D] (the new tokens, in q's order); k_buffer, v_buffer:
     [slots, Hkv, D] (an fp8 pool holds k / k_scale, v / v_scale); req_to_token [rows, max_ctx] int32; the
     per-request tensors [bs] on the device; max_extend_len >= max(extend_seq_lens) sizes the grid (a host int, so
     no device sync). sliding_window > 0: a query sees only the keys up to that many positions back, itself
     included. logit_cap > 0: the scaled scores are soft-capped, logit_cap * tanh(s / logit_cap). sinks: float32
-    [H] per-head sink logits (GPT-OSS) that join every query's softmax (`check_sinks`), or None."""
+    [H] per-head sink logits (GPT-OSS) that join every query's softmax (`check_sinks`), or None. attention_chunk > 0
+    (Llama 4): a query at position p sees only the keys of its own chunk, from (p // chunk) * chunk."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError("q/o [T, H, D], k/v [T, Hkv, D] and k/v buffers [slots, Hkv, D] expected")
     num_tokens, num_heads, head_dim = q.shape
@@ -227,8 +233,7 @@ def extend_attention_fwd(
             raise ValueError(f"{name} must have a unit stride in its last dimension")
     if max_extend_len < 0:
         raise ValueError(f"max_extend_len must be >= 0; got {max_extend_len}")
-    if sliding_window == 0 or sliding_window < -1:
-        raise ValueError(f"sliding_window must be -1 (none) or positive; got {sliding_window}")
+    window = kernel_window(sliding_window, attention_chunk)
     check_sinks(sinks, num_heads, q.device)
     bs = extend_seq_lens.shape[0]
     if num_tokens == 0 or bs == 0 or max_extend_len == 0:
@@ -251,7 +256,7 @@ def extend_attention_fwd(
         q, k, v, o, k_buffer, v_buffer,
         req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
         o if sinks is None else sinks,  # (a stand-in pointer that the kernel does not touch)
-        sm_scale * LOG2E, sm_scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale, max(sliding_window, 0),
+        sm_scale * LOG2E, sm_scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale, window,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -260,6 +265,6 @@ def extend_attention_fwd(
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32, KV_FP8=kv_fp8, SLIDING=sliding_window > 0, CAP=max(logit_cap, 0.0) * LOG2E,
+        DOT_FP32=dot_fp32, KV_FP8=kv_fp8, SLIDING=window != 0, CAP=max(logit_cap, 0.0) * LOG2E,
         HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
     )

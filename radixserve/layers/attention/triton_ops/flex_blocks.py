@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.attention.triton_ops.common import first_visible
 from radixserve.layers.triton_ops.launch import launch
 
 
@@ -44,9 +45,7 @@ def _flex_decode_blocks_kernel(
         tl.store(Pos_out + r, pos)
         new_slot = tl.load(Table + row * stride_t + tl.maximum(seq - 1, 0), mask=real, other=0).to(tl.int64)
         tl.store(Slot_pos + tl.where(real, new_slot, dump), pos)
-    first = tl.zeros_like(seq)
-    if window > 0:
-        first = tl.maximum(seq - window, 0)
+    first = tl.maximum(first_visible(seq - 1, window), 0).to(tl.int64)  # (window: as the attention kernels')
     offs = tl.arange(0, BLOCK)
     if PAGED:
         b0 = first // KB
