@@ -26,8 +26,8 @@ def load_benchmark(name: str) -> ModuleType:
 
 def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
     """Build a random HF model of `kind` (llama, qwen2, qwen3, llama3-rope, phi3, smollm3, granite, gemma2, gemma3,
-    gpt_oss, or one of MOE_KINDS),
-    save it to `path`, return it."""
+    gpt_oss, cohere, cohere2, glm4, glm4_moe, olmo2, olmo3, ernie4_5, ernie4_5_moe, minimax_m2, seed_oss, exaone4,
+    granitemoe, granitemoeshared, or one of MOE_KINDS), save it to `path`, return it."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -89,6 +89,26 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
         cfg = (tf.Ernie4_5Config(**kw, **common, use_bias=True, tie_word_embeddings=True) if kind == "ernie4_5" else
                tf.Ernie4_5_MoeConfig(**kw, **common, moe_intermediate_size=32, moe_num_experts=8, moe_k=3,
                                      moe_num_shared_experts=2, moe_layer_start_index=1, tie_word_embeddings=False))
+    elif kind == "minimax_m2":  # whole-width q/k norm, partial neox rotation, sigmoid + correction-bias top-k
+        cfg = tf.MiniMaxM2Config(**{**kw, "intermediate_size": 32}, head_dim=32, rotary_dim=16, num_local_experts=8,
+                                 num_experts_per_tok=3, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    elif kind == "seed_oss":  # Llama with q/k/v biases (o_proj's and the MLP's off, as released), head_dim set
+        cfg = tf.SeedOssConfig(**{"attention_bias": True, "attention_out_bias": False, "mlp_bias": False, **kw},
+                               head_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    elif kind == "exaone4":  # post-norms, per-head q/k norm; layers 0, 2, .. slide and rotate, 1, 3, .. are NoPE
+        theta = kw.pop("rope_theta")
+        cfg = tf.Exaone4Config(**{"sliding_window": 5, "sliding_window_pattern": 2, "pad_token_id": 0,
+                                  "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": theta}, **kw})
+    elif kind in ("granitemoe", "granitemoeshared"):  # Granite's multipliers far from 1; 8 experts, top 2
+        theta = kw.pop("rope_theta")
+        common = {"embedding_multiplier": 6.0, "attention_multiplier": 0.05, "residual_multiplier": 0.4,
+                  "logits_scaling": 4.0, "tie_word_embeddings": True, "num_local_experts": 8,
+                  "num_experts_per_tok": 2, "pad_token_id": 0,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                  **kw, "intermediate_size": kw["intermediate_size"] // 4}
+        cfg = (tf.GraniteMoeConfig(**common) if kind == "granitemoe" else
+               tf.GraniteMoeSharedConfig(**{"shared_intermediate_size": 48, **common}))
     elif kind in MOE_KINDS:
         cfg = moe_config(kind, kw)
     else:
@@ -98,7 +118,8 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith((".bias", "_proj_bias")):
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight",
+                              "block_sparse_moe.router.weight")):
                 p.mul_(40.0)  # routers with clear winners: no near-tie between two experts decides a token
             if name.endswith(("e_score_correction_bias", "self_attn.sinks")):
                 p.copy_(torch.randn_like(p) * 0.5)

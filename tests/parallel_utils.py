@@ -45,14 +45,15 @@ def reference_outputs(path: str, prompts: list[list[int]], sampling: dict[str, A
     return outs
 
 
-def tp2_and_tp1_outputs(path: str, prompts: list[list[int]], max_new_tokens: int = 12
+def tp2_and_tp1_outputs(path: str, prompts: list[list[int]], max_new_tokens: int = 12, **engine_kw: Any
                         ) -> tuple[list[list[int]], list[list[int]]]:
-    """Greedy tokens of `prompts` from a TP=2 Engine over gloo, and from one TP=1 scheduler (`reference_outputs`)."""
+    """Greedy tokens of `prompts` from a TP=2 Engine over gloo (`engine_kw`: more server arguments, e.g. ep_size),
+    and from one TP=1 scheduler (`reference_outputs`)."""
     from radixserve import Engine
 
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
     want = reference_outputs(path, prompts, sampling)
-    with Engine(model_path=path, tp_size=2, **SERVER_KW) as engine:
+    with Engine(model_path=path, tp_size=2, **SERVER_KW, **engine_kw) as engine:
         got = engine.generate(input_ids=prompts, sampling_params=sampling)
     return [o["output_ids"] for o in got], want
 

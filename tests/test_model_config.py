@@ -198,7 +198,13 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
                                             ("olmo-2-7b", 7.30),  # 7,298,617,344
                                             ("command-r7b", 8.03),  # 8,028,033,024, the tied embedding once
                                             ("ernie-4.5-21b-a3b", 21.83),  # 21,825,437,888: no MTP layer
-                                            ("llama-4-scout-17b-16e", 107.77)])  # text: 107,769,861,120
+                                            ("llama-4-scout-17b-16e", 107.77),  # text: 107,769,861,120
+                                            # 228,689,764,864: the release's 228,703,644,928 less its 13,880,064
+                                            # fp8 block scales; no MTP module
+                                            ("minimax-m2", 228.69),
+                                            ("seed-oss-36b", 36.15),  # 36,151,104,512
+                                            ("exaone-4.0-32b", 32.0),  # 32,003,216,384; 30.95B without embeddings
+                                            ("granite-3.1-3b-a800m", 3.3)])  # 3,298,793,472, tied embedding
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
     (Gemma 3 12B and Llama 4 Scout without their vision towers: Scout's 108.64 B with it is the 109 B published)."""

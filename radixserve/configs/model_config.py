@@ -55,15 +55,19 @@ def sliding_window_size(cfg: Any, layer_id: int) -> int:
 # GGUF architectures (llama.cpp's names) whose files this loader would misread: refused before transformers' reader
 _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Command-R7B / Command-A",
                        "gpt-oss": "GPT-OSS", "glm4": "GLM-4", "glm4moe": "GLM-4.5", "olmo2": "OLMo 2 / OLMo 3",
-                       "llama4": "Llama 4"}
+                       "llama4": "Llama 4", "minimax-m2": "MiniMax-M2", "exaone4": "EXAONE 4.0",
+                       "granitemoe": "Granite MoE"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
     """Refuse by name the GGUF files of families whose metadata or tensors this loader does not map: Cohere's
     (logit_scale, use_qk_norm, Cohere2's sliding pattern), GPT-OSS's (attention sinks, biased MXFP4 experts: its
     config transformers reads, the model would fail on its tensors only after building), GLM's and OLMo's
-    (post-norms, GLM's rotary layout), so that a reader that accepted them would not serve another model. An
-    unreadable file is left to the reader's own message."""
+    (post-norms, GLM's rotary layout), Llama 4's (chunked attention, NoPE layers, stacked experts), MiniMax-M2's
+    (whole-width q/k norms, partial rotation, correction-bias routing: transformers reads its config, no tensor map
+    here lays them out), EXAONE 4's (post-norms, NoPE global layers) and Granite MoE's (its multipliers, fused
+    experts, the shared MLP), so that a reader that accepted them would not serve another model. An unreadable
+    file is left to the reader's own message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:

@@ -127,20 +127,30 @@ class CohereDecoderLayer(nn.Module):
         return hidden + attn + mlp
 
 
-def layer_rotaries(config: PretrainedConfig, sliding_nope: bool) -> list[RotaryEmbedding]:
-    """Each layer's rotary table: the model's for every layer, or with `sliding_nope` (Cohere2) for the
-    "sliding_attention" layers only, the full-attention ones sharing a table that turns nothing."""
+def layer_rotaries(config: PretrainedConfig, sliding_nope: bool,
+                   rotate_without_window: bool = False) -> list[RotaryEmbedding]:
+    """Each layer's rotary table: the model's for every layer, or with `sliding_nope` (Cohere2, EXAONE 4) for the
+    "sliding_attention" layers only, the full-attention ones sharing a table that turns nothing. A config without a
+    `sliding_window` leaves every layer unrotated (Cohere2), or with `rotate_without_window` rotates every layer
+    (EXAONE 4), as transformers does for each."""
     n = config.num_hidden_layers
     rotary = model_rotary(config)
     if not sliding_nope:
         return [rotary] * n
     types = list(getattr(config, "layer_types", None) or [])
     if len(types) != n or any(t not in _LAYER_TYPES for t in types):
-        raise ValueError(f"Cohere2 needs layer_types with {n} entries, each one of {', '.join(_LAYER_TYPES)}; "
+        family = getattr(config, "model_type", None) or "this model"
+        raise ValueError(f"{family} needs layer_types with {n} entries, each one of {', '.join(_LAYER_TYPES)}; "
                          f"got {types}")
-    nope = RotaryEmbedding(attention_head_dim(config), config.max_position_embeddings, 10000.0, rotary_dim=0)
-    turns = getattr(config, "sliding_window", None) is not None  # transformers: no window, no rotation anywhere
-    return [rotary if turns and t == "sliding_attention" else nope for t in types]
+    if getattr(config, "sliding_window", None) is None:
+        return [rotary] * n if rotate_without_window else [_nope(config)] * n
+    nope = _nope(config)
+    return [rotary if t == "sliding_attention" else nope for t in types]
+
+
+def _nope(config: PretrainedConfig) -> RotaryEmbedding:
+    """A table that turns nothing (rotary_dim 0: cos 1, sin 0), served by every rotary kernel path unchanged."""
+    return RotaryEmbedding(attention_head_dim(config), config.max_position_embeddings, 10000.0, rotary_dim=0)
 
 
 class CohereModel(nn.Module):

@@ -93,8 +93,8 @@ class GlmLayout:
             return tensor
         if tensor.dim() == 0 or tensor.shape[0] % self.head_dim \
                 or name.endswith(("_scale_inv", ".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed")):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} cannot be laid out per head dim for GLM's partial "
-                             f"rotation (block-wise or packed quantized q/k tensors are not supported; 16-bit and "
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} cannot be laid out per head dim for the rotary "
+                             f"layout (block-wise or packed quantized q/k tensors are not supported; 16-bit and "
                              f"per-channel fp8 ones are)")
         heads = tensor.shape[0] // self.head_dim
         return tensor.reshape(heads, self.head_dim, *tensor.shape[1:])[:, self.dim_order] \

@@ -62,7 +62,7 @@ class WholeWidthRMSNorm(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if tuple(loaded.shape) != (self.full_width,):
             raise ValueError(f"q/k norm weight of shape {tuple(loaded.shape)}; expected ({self.full_width},) "
-                             f"(OLMo norms q and k over all their heads)")
+                             f"(q and k are normed over all their heads)")
         param.data.copy_(loaded.narrow(0, self.offset, param.shape[0]))
 
     def checkpoint_shape(self, leaf: str) -> tuple[int, ...]:
@@ -82,10 +82,11 @@ class OlmoAttention(LlamaAttention):
     """LlamaAttention with OLMo's whole-width q/k norm between the projection and the rotation."""
 
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, qkv_bias: bool | None = None) -> None:
+        """qkv_bias: None takes the config's attention_bias (OLMo); MiniMax-M2 passes False (never biased)."""
+        qkv_bias = bool(getattr(config, "attention_bias", False)) if qkv_bias is None else qkv_bias
         # qk_norm=False: no per-head norm modules of Llama's; ours are built below
-        super().__init__(config, layer_id, tp_rank, tp_size, rotary,
-                         qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=False)
+        super().__init__(config, layer_id, tp_rank, tp_size, rotary, qkv_bias=qkv_bias, qk_norm=False)
         proj = self.qkv_proj
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -136,10 +137,14 @@ class OlmoAttention(LlamaAttention):
 
 
 class OlmoDecoderLayer(nn.Module):
+    """Post-norms only: h + norm(attn(h)), then h + norm(mlp(h)). `attention`: the layer's attention module where
+    it is not OLMo's (EXAONE 4 passes Llama's with its per-head q/k norm)."""
+
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, attention: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = OlmoAttention(config, layer_id, tp_rank, tp_size, rotary)
+        self.self_attn = attention if attention is not None else \
+            OlmoAttention(config, layer_id, tp_rank, tp_size, rotary)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

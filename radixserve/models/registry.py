@@ -12,6 +12,8 @@ _MODELS: dict[str, str] = {
     "Llama4ForConditionalGeneration": "radixserve.models.llama4",
     "Phi3ForCausalLM": "radixserve.models.phi3",
     "GraniteForCausalLM": "radixserve.models.granite",
+    "GraniteMoeForCausalLM": "radixserve.models.granitemoe",
+    "GraniteMoeSharedForCausalLM": "radixserve.models.granitemoe",
     "SmolLM3ForCausalLM": "radixserve.models.smollm3",
     "CohereForCausalLM": "radixserve.models.cohere",
     "Cohere2ForCausalLM": "radixserve.models.cohere",
@@ -35,6 +37,9 @@ _MODELS: dict[str, str] = {
     "Olmo3ForCausalLM": "radixserve.models.olmo2",
     "Ernie4_5ForCausalLM": "radixserve.models.ernie4_5",
     "Ernie4_5_MoeForCausalLM": "radixserve.models.ernie4_5",
+    "Exaone4ForCausalLM": "radixserve.models.exaone4",
+    "MiniMaxM2ForCausalLM": "radixserve.models.minimax_m2",
+    "SeedOssForCausalLM": "radixserve.models.seed_oss",
     "BertModel": "radixserve.models.bert",  # encoders: embeddings only (configs/encoder.py)
     "BertForMaskedLM": "radixserve.models.bert",
     "RobertaModel": "radixserve.models.bert",

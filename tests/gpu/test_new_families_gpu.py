@@ -3,8 +3,10 @@ decode): float32 greedy tokens equal transformers' (Phi-3: partial rotation + Lo
 soft-capped scores and logits; Gemma 3: sliding and full layers, head_dim 256; SmolLM3: layers without rotary;
 Granite: its multipliers through the fused paths; GPT-OSS: attention sinks, biased experts; GLM-4 / GLM-4.5: partial
 rotation laid out at load; OLMo 2/3: whole-width q/k norms; Cohere: interleaved rotary, q/k LayerNorms, NoPE layers;
-Llama 4: chunked attention, temperature-tuned NoPE layers), and bf16 agrees position by position. Skipped without a
-GPU."""
+Llama 4: chunked attention, temperature-tuned NoPE layers; MiniMax-M2: whole-width q/k norms, partial rotation laid
+out at load, sigmoid + correction-bias routing; Seed-OSS: its q/k/v, o_proj and MLP bias flags; EXAONE 4: per-head
+q/k norm in the rotary kernel, NoPE layers; Granite MoE: multipliers through the MoE kernels, the shared MLP), and
+bf16 agrees position by position. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -19,13 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
 from test_cohere import cohere  # noqa: E402
+from test_exaone4 import exaone  # noqa: E402
 from test_gemma import gemma3  # noqa: E402
 from test_glm4 import glm  # noqa: E402
 from test_gpt_oss import gpt_oss  # noqa: E402
 from test_granite import granite  # noqa: E402
+from test_granitemoe import granite_moe  # noqa: E402
 from test_llama4 import llama4  # noqa: E402
+from test_minimax_m2 import minimax  # noqa: E402
 from test_olmo2 import olmo  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
+from test_seed_oss import FLIPPED, seed_oss  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
@@ -58,11 +64,20 @@ def build(family: str, path: str) -> torch.nn.Module:
         return cohere(family, path)
     if family == "llama4":  # chunked attention in the Triton kernels (graphs too), input-weighted experts
         return llama4(path)
+    if family == "minimax_m2":  # whole-width q/k norm (fused rotary / q/k/v paths off), sigmoid top-k kernels
+        return minimax(path)
+    if family == "seed_oss":  # o_proj and MLP biases (q/k/v unbiased) through the fused paths
+        return seed_oss(path, **FLIPPED)
+    if family == "exaone4":  # per-head q/k norm fused into the rotary kernel, on the NoPE table too
+        return exaone(path)
+    if family in ("granitemoe", "granitemoeshared"):  # multipliers around the small-batch / grouped MoE kernels
+        return granite_moe(family, path)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
 @pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite", "gpt_oss", "glm4", "glm4_moe",
-                                    "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4"])
+                                    "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4", "minimax_m2", "seed_oss",
+                                    "exaone4", "granitemoe", "granitemoeshared"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
