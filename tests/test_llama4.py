@@ -129,7 +129,8 @@ def test_scheduler_chunked_prefill_and_prefix_cache(tmp_path) -> None:  # noqa: 
 
 def test_dummy_weights_and_rotary_tables(tmp_path) -> None:  # noqa: ANN001
     """--load-format dummy serves the model (the weightless q/k norms stay ones); a 10M-position config builds its
-    rotary tables for TABLE_POSITIONS and the loader extends them to the served context."""
+    rotary tables for TABLE_POSITIONS, and the model runner sizes the request table and extends the rotary tables
+    to the longest request the KV pool can hold (min(context, pool) + 8 positions), not to the 10M context."""
     from radixserve.configs.model_config import ModelConfig
     from radixserve.models.llama4 import TABLE_POSITIONS, Llama4ForCausalLM
 
@@ -142,8 +143,12 @@ def test_dummy_weights_and_rotary_tables(tmp_path) -> None:  # noqa: ANN001
     _edit_config(path, max_position_embeddings=10_000_000)
     model = Llama4ForCausalLM(ModelConfig(path).hf_config)
     assert model.model.layers[0].self_attn.rotary_emb.cos_cache.shape[0] == TABLE_POSITIONS
-    runner = make_runner(path, context_length=TABLE_POSITIONS + 100)
-    assert runner.model.model.layers[0].self_attn.rotary_emb.cos_cache.shape[0] >= TABLE_POSITIONS + 100
+    runner = make_runner(path)  # the 10M context, a pool of 4,096 tokens
+    assert runner.context_len == 10_000_000 and runner.req_to_token_pool.req_to_token.shape[1] == 4096 + 8
+    assert runner.model.model.layers[0].self_attn.rotary_emb.cos_cache.shape[0] == TABLE_POSITIONS
+    runner = make_runner(path, max_total_tokens=TABLE_POSITIONS + 100)
+    assert runner.req_to_token_pool.req_to_token.shape[1] == TABLE_POSITIONS + 108
+    assert runner.model.model.layers[0].self_attn.rotary_emb.cos_cache.shape[0] == TABLE_POSITIONS + 108
 
 
 def test_bad_configs_quantized_experts_and_gguf_are_refused(tmp_path) -> None:  # noqa: ANN001

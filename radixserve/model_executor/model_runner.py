@@ -25,6 +25,7 @@ from radixserve.mem_cache.mla_memory_pool import MLATokenToKVPool
 from radixserve.model_executor.forward_batch_info import ForwardBatch
 from radixserve.model_executor.inference_mode import inference_mode
 from radixserve.model_loader import get_model
+from radixserve.model_loader.loader import cover_context
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,8 @@ class ModelRunner:
         set_dp_attention(self.server_args.enable_dp_attention)  # read by the models that support it
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                          seed=self.server_args.random_seed, quantization=self.server_args.quantization)
+                          seed=self.server_args.random_seed, quantization=self.server_args.quantization,
+                          cover_positions=0)  # the rotary tables are extended once the pool is sized
         model.eval()
         if self.server_args.enable_dp_attention and not getattr(model, "dp_attention", False):
             raise ValueError(f"--enable-dp-attention is not supported by {type(model).__name__} (it is by the "
@@ -304,7 +306,11 @@ class ModelRunner:
             # the pool until requests are retracted (both measured slower on the 8B offline run)
             max_reqs = min(max_reqs, self.cuda_graph_max_bs)
         self.max_running_requests = max_reqs
-        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
+        # a request never holds more tokens than the pool: its row of the request table (and the rotary tables)
+        # need no more positions than that, however long the model's context (Llama 4 Scout's: 10M tokens)
+        self.max_positions = min(self.context_len, size) + 8
+        cover_context(self.model, self.max_positions)
+        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.max_positions, self.device)
         if cfg.is_mla:
             self.token_to_kv_pool = MLATokenToKVPool(size, self.kv_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                                      cfg.num_hidden_layers, self.device, page_size=args.page_size)

@@ -107,10 +107,13 @@ def get_model(
     tp_size: int = 1,
     seed: int = 42,
     quantization: str | None = None,
+    cover_positions: int | None = None,
 ) -> nn.Module:
     """The model of `model_config`, built on `device` in `dtype`, with weights from safetensors, GGUF or random
     ("dummy"). `quantization` (`--quantization`) or the checkpoint's `quantization_config` picks a method from
-    `layers.quantization`. Raises ValueError for an unsupported architecture or unreadable weights."""
+    `layers.quantization`. The rotary tables cover `cover_positions` positions (default the served context; 0: as
+    built, for a caller that covers them itself once it knows how long a request can be). Raises ValueError for an
+    unsupported architecture or unreadable weights."""
     from radixserve.layers.quantization import apply_quantization, finish_quantization, resolve_quant_config
     from radixserve.models.registry import get_model_class
 
@@ -128,7 +131,7 @@ def get_model(
     start = time.perf_counter()
     with _default_dtype(dtype), torch_device:
         model = model_class(model_config.hf_config, tp_rank=tp_rank, tp_size=tp_size)
-        cover_context(model, model_config.context_len)
+        cover_context(model, model_config.context_len if cover_positions is None else cover_positions)
         if quant_config is not None:
             apply_quantization(model, quant_config)
 
