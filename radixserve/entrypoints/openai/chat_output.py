@@ -7,7 +7,9 @@ grew (reasoning, content, a call's id and name once known, then its argument fra
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from radixserve.entrypoints.openai.tool_parsers.base import (
 )
 
 
-def new_call_id() -> str:
+def new_call_id(name: str | None = None, index: int = 0) -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -63,6 +65,12 @@ class ForcedCallScanner(ToolParser):
         return res.content, [(n, a) for n, a in calls if a is not None]
 
 
+@functools.lru_cache(maxsize=16)
+def _hidden_pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    """One pattern for all the hidden tokens (a tokenizer may have hundreds), longest first."""
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
 @dataclass
 class OutputConfig:
     """How one chat request's output is read; shared by its choices."""
@@ -71,8 +79,11 @@ class OutputConfig:
     prompt_opens_reasoning: bool = False
     tools: ToolParser | None = None  # None: no tool parsing (no tools, or tool_choice "none")
     max_calls: int | None = None  # parallel_tool_calls false: only the first call counts
-    call_id: Callable[[], str] = new_call_id  # the model family's id form (ToolParser.call_id)
-    keep_special_tokens: bool = False  # the parsers read special-token markers (harmony): not skipped in the output
+    call_id: Callable[[str | None, int], str] = new_call_id  # the model family's id form (ToolParser.call_id)
+    keep_special_tokens: bool = False  # the parsers read special-token markers: not skipped in the output
+    # special tokens' texts taken out of the kept output before it is read (all but the parsers' own markers, as
+    # skip_special_tokens would: the stop token, ...); each comes whole from the detokenizer, so streaming is safe
+    hidden_tokens: tuple[str, ...] = ()
 
 
 @dataclass
@@ -85,6 +96,8 @@ class ChoiceOutput:
     calls: list[list[Any]] = field(default_factory=list)  # per announced call: [id, arguments sent]
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:
+        if self.cfg.hidden_tokens:
+            text = _hidden_pattern(self.cfg.hidden_tokens).sub("", text)
         if self.cfg.reasoning is None:
             return "", text
         return self.cfg.reasoning.split(text, final, self.cfg.prompt_opens_reasoning)
@@ -99,8 +112,8 @@ class ChoiceOutput:
             calls = calls[: self.cfg.max_calls]
             if calls or isinstance(self.cfg.tools, ForcedCallScanner):  # (a forced call's text is never content)
                 msg["content"] = content or None
-                msg["tool_calls"] = [{"id": self.cfg.call_id(), "type": "function",
-                                      "function": {"name": n, "arguments": a}} for n, a in calls]
+                msg["tool_calls"] = [{"id": self.cfg.call_id(n, k), "type": "function",
+                                      "function": {"name": n, "arguments": a}} for k, (n, a) in enumerate(calls)]
                 self.calls = [[c["id"], len(c["function"]["arguments"])] for c in msg["tool_calls"]]
             else:  # the text itself when it holds no call, except where the format's markers are taken out
                 msg["content"] = content
@@ -130,7 +143,7 @@ class ChoiceOutput:
             if call.name is None:
                 break
             if k >= len(self.calls):
-                self.calls.append([self.cfg.call_id(), 0])
+                self.calls.append([self.cfg.call_id(call.name, k), 0])
                 out.append({"tool_calls": [{"index": k, "id": self.calls[k][0], "type": "function",
                                             "function": {"name": call.name, "arguments": ""}}]})
             args = call.args

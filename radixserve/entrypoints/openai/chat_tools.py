@@ -15,6 +15,7 @@ past assistant `tool_calls` written into the content the same way, so any chat m
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,7 @@ def plan_tools(req: Any, parser_name: str | None, chat_template: str | None, gra
                            "'required' or a named function; with 'auto' send strict false or null", 400,
                            "tools", "unsupported_parameter")
         fmt.tool_names = frozenset(names)
+        fmt.tool_params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         return ToolPlan("auto", tools, fmt, fmt, max_calls=max_calls)
     if not grammar_ok:
         raise APIError("tool_choice: 'required' and named functions need structured output, which is not available "
@@ -166,7 +168,7 @@ def template_kwargs(req: Any, plan: ToolPlan, chat_template: str) -> dict[str, A
 
 
 def output_config(req: Any, plan: ToolPlan, reasoning_parser: str | None, prompt_text: str,
-                  json_output: bool = False) -> OutputConfig:
+                  json_output: bool = False, special_tokens: Collection[str] = ()) -> OutputConfig:
     """`json_output`: a JSON-schema grammar shapes the answer from its first token (a forced call, a JSON
     response_format), so none of it is thinking, even where the prompt opened the thinking block.
 
@@ -174,10 +176,13 @@ def output_config(req: Any, plan: ToolPlan, reasoning_parser: str | None, prompt
     reasoning parser): the output keeps its special tokens and is always read by the harmony parsers, so that no
     marker reaches the content: the tool parser even without tools (it then finds no call), and the reasoning
     parser even when `--reasoning-parser` is not given (as vLLM and SGLang separate GPT-OSS's reasoning);
-    `separate_reasoning: false` leaves the analysis channel out (it cannot be shown inline without its markers)."""
+    `separate_reasoning: false` leaves the analysis channel out (it cannot be shown inline without its markers).
+
+    Other parsers whose markers may be special tokens (`needs_special_tokens`: DeepSeek's, Kimi's, ...) keep the
+    special tokens while they read the output; `special_tokens` (the tokenizer's) other than their markers are
+    then taken out of the text before it is read, as skipping them would."""
     chosen = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
-    harmony = not json_output and (plan.format_parser.needs_special_tokens
-                                   or (chosen is not None and chosen.needs_special_tokens))
+    harmony = not json_output and HARMONY in (plan.format_parser.name, chosen.name if chosen is not None else None)
     if harmony and chosen is None:
         chosen = get_reasoning_parser(HARMONY)
     reasoning = chosen if req.separate_reasoning and not json_output else None
@@ -185,7 +190,13 @@ def output_config(req: Any, plan: ToolPlan, reasoning_parser: str | None, prompt
     if harmony and tools is None:
         tools = get_tool_parser(HARMONY)
         tools.tool_names = frozenset()  # no tools offered: a call is not one, its body is content
+    hidden: tuple[str, ...] = ()
+    readers = [p for p in (reasoning, tools) if p is not None and p.needs_special_tokens]
+    keep = harmony or (not json_output and bool(readers))
+    if keep and not harmony:
+        markers = {m for p in (reasoning, tools) if p is not None for m in p.special_markers}
+        hidden = tuple(t for t in special_tokens if t and t not in markers)
     return OutputConfig(reasoning=reasoning,
                         prompt_opens_reasoning=bool(reasoning and reasoning.prompt_opens_reasoning(prompt_text)),
                         tools=tools, max_calls=plan.max_calls, call_id=plan.format_parser.call_id,
-                        keep_special_tokens=harmony)
+                        keep_special_tokens=keep, hidden_tokens=hidden)

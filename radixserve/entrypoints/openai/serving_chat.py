@@ -56,8 +56,24 @@ def _flatten_content(msg: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
+def special_token_texts(tok: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens (those skip_special_tokens drops)."""
+    texts = set(getattr(tok, "all_special_tokens", None) or [])
+    for added in (getattr(tok, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            texts.add(str(getattr(added, "content", added)))
+    return tuple(sorted(texts))
+
+
 class OpenAIServingChat(OpenAIServingBase):
     object_prefix = "chatcmpl"
+    _special_texts: tuple[str, ...] | None = None
+
+    def special_texts(self) -> tuple[str, ...]:
+        if self._special_texts is None:
+            tok = self.tm.tokenizer
+            self._special_texts = special_token_texts(tok) if tok is not None else ()
+        return self._special_texts
 
     async def apply_chat_template(self, req: ChatCompletionRequest, plan: ToolPlan | None = None
                                   ) -> tuple[list[int], str]:
@@ -124,8 +140,8 @@ class OpenAIServingChat(OpenAIServingBase):
             self.check_length(len(ids), max_new, "messages")
         sp = self._sampling(req, max_new, plan)
         cfg = output_config(req, plan, getattr(self.tm.server_args, "reasoning_parser", None), prompt_text,
-                            json_output="json_schema" in sp)
-        if cfg.keep_special_tokens:  # the harmony markers are special tokens: the parsers read them, content never
+                            json_output="json_schema" in sp, special_tokens=self.special_texts())
+        if cfg.keep_special_tokens:  # the markers are special tokens: the parsers read them, content never
             sp["skip_special_tokens"] = False
             sp["spaces_between_special_tokens"] = False
         want_lp = bool(req.logprobs)

@@ -18,6 +18,11 @@ class ReasoningParser:
     starts_in_reasoning = False  # the model's output begins inside the thinking block
     needs_special_tokens = False  # reads markers that are special tokens: the output keeps them (serving_chat)
 
+    @property
+    def special_markers(self) -> tuple[str, ...]:
+        """The marker texts this parser reads (kept in the output when special tokens are)."""
+        return (self.start, self.end)
+
     def prompt_opens_reasoning(self, prompt_text: str) -> bool:
         """True when the rendered prompt ends inside an open thinking block."""
         tail = prompt_text.rstrip()

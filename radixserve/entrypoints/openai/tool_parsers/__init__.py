@@ -19,11 +19,22 @@ TOOL_PARSERS: dict[str, str] = {
     "llama3": f"{_PKG}.llama3:Llama3JsonToolParser",
     "mistral": f"{_PKG}.mistral:MistralToolParser",
     "gpt-oss": f"{_PKG}.gpt_oss:GptOssToolParser",
+    "pythonic": f"{_PKG}.pythonic:PythonicToolParser",
+    "deepseekv3": f"{_PKG}.deepseek:DeepSeekV3ToolParser",
+    "deepseekv31": f"{_PKG}.deepseek:DeepSeekV31ToolParser",
+    "glm45": f"{_PKG}.glm45:Glm45ToolParser",
+    "qwen3_coder": f"{_PKG}.qwen3_coder:Qwen3CoderToolParser",
+    "kimi_k2": f"{_PKG}.kimi_k2:KimiK2ToolParser",
+    "minimax-m2": f"{_PKG}.minimax_m2:MiniMaxM2ToolParser",
 }
+# the names vLLM's --tool-call-parser gives the same formats
+TOOL_PARSERS.update({"llama4_pythonic": TOOL_PARSERS["pythonic"], "deepseek_v3": TOOL_PARSERS["deepseekv3"],
+                     "deepseek_v31": TOOL_PARSERS["deepseekv31"], "minimax_m2": TOOL_PARSERS["minimax-m2"]})
 DEFAULT_TOOL_PARSER = "hermes"  # when the chat template shows no family's markers
-# markers checked in this order (a Llama template mentions neither <tool_call> nor [TOOL_CALLS]; GPT-OSS's harmony
-# `<|channel|>` first: the most specific)
-_DETECT_ORDER = ("gpt-oss", "mistral", "hermes", "llama3")
+# templates checked in this order: the most specific markers first (GPT-OSS's harmony `<|channel|>`; GLM's and
+# Qwen3-Coder's templates also show hermes' <tool_call>; Llama 4's shows `ipython` as Llama 3's does)
+_DETECT_ORDER = ("gpt-oss", "mistral", "kimi_k2", "deepseekv3", "deepseekv31", "minimax-m2", "glm45",
+                 "qwen3_coder", "hermes", "pythonic", "llama3")
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -38,7 +49,7 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     if not chat_template:
         return None
     for name in _DETECT_ORDER:
-        if any(m in chat_template for m in get_tool_parser(name).template_markers):
+        if get_tool_parser(name).matches_template(chat_template):
             return name
     return None
 

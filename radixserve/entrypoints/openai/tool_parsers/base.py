@@ -5,7 +5,9 @@ A parser's `scan(text, final)` looks at the whole text generated so far and retu
 (never a half-written start marker) and the calls found, each with its name once known and the raw text of its
 arguments so far. Streaming diffs one scan against the previous one (content and arguments only grow), so the
 streamed deltas and the final message come from the same code. With `final=True` only complete calls whose
-arguments are a JSON object count; anything else stays content.
+arguments are a JSON object count; anything else stays content. Per request, the parser also knows the functions
+offered (`tool_names`: a call to another one is malformed) and their parameter schemas (`tool_params`: formats that
+write argument values as text convert them to the schema's types).
 """
 
 from __future__ import annotations
@@ -205,14 +207,30 @@ class ToolParser:
     template_markers: tuple[str, ...] = ()
     # the functions a request offers (set per request): a call to another one is not a call, as if malformed
     tool_names: frozenset[str] | None = None
+    # the functions' parameter schemas (name -> JSON schema, set per request): formats that write argument values
+    # as text (XML-like tags) convert them to the types the schema gives
+    tool_params: dict[str, dict[str, Any]] | None = None
     # reads markers that are special tokens: the output keeps them (serving_chat), and the content never shows them
     needs_special_tokens = False
+    # the marker texts this format reads (kept in the output when special tokens are; other special tokens are not)
+    special_markers: tuple[str, ...] = ()
 
     def scan(self, text: str, final: bool) -> ScanResult:
         raise NotImplementedError
 
-    def call_id(self) -> str:
-        """A new tool call id, in the form this family's chat templates accept when the call comes back."""
+    def matches_template(self, chat_template: str) -> bool:
+        """True when the chat template shows this family's format."""
+        return any(m in chat_template for m in self.template_markers)
+
+    def param_schema(self, function: str, param: str) -> dict[str, Any] | None:
+        """The JSON schema of one parameter of one of the request's functions, when known."""
+        props = ((self.tool_params or {}).get(function) or {}).get("properties")
+        schema = props.get(param) if isinstance(props, dict) else None
+        return schema if isinstance(schema, dict) else None
+
+    def call_id(self, name: str | None = None, index: int = 0) -> str:
+        """A new tool call id (for the `index`-th call of an answer, to `name`), in the form this family's chat
+        templates accept when the call comes back."""
         return "call_" + uuid.uuid4().hex[:24]
 
     def parse(self, text: str) -> tuple[str, list[tuple[str, str]]]:

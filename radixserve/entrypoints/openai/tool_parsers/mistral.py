@@ -80,7 +80,7 @@ class MistralToolParser(ToolParser):
             return finish_scan(text, ScanResult(content.strip(), calls))
         return ScanResult(content, calls)
 
-    def call_id(self) -> str:
+    def call_id(self, name: str | None = None, index: int = 0) -> str:
         """Mistral's templates (and mistral-common) refuse a history whose call ids are not 9 letters or digits."""
         return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
