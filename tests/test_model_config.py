@@ -204,10 +204,13 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
                                             ("minimax-m2", 228.69),
                                             ("seed-oss-36b", 36.15),  # 36,151,104,512
                                             ("exaone-4.0-32b", 32.0),  # 32,003,216,384; 30.95B without embeddings
-                                            ("granite-3.1-3b-a800m", 3.3)])  # 3,298,793,472, tied embedding
+                                            ("granite-3.1-3b-a800m", 3.3),  # 3,298,793,472, tied embedding
+                                            ("hunyuan-a13b", 80.39),  # 80,393,183,232, the tied embedding once
+                                            ("phi-3.5-moe", 41.87)])  # 41,873,153,344
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
-    (Gemma 3 12B and Llama 4 Scout without their vision towers: Scout's 108.64 B with it is the 109 B published)."""
+    (Gemma 3 12B and Llama 4 Scout without their vision towers: Scout's 108.64 B with it is the 109 B published;
+    Hunyuan-A13B's is the 80 B published, Phi-3.5-MoE's the 41.9 B)."""
     from radixserve.models.registry import get_model_class
 
     cfg = ModelConfig(os.path.join(os.path.dirname(__file__), "..", "radixserve", "configs", "shapes", shape),

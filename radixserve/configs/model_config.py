@@ -56,7 +56,8 @@ def sliding_window_size(cfg: Any, layer_id: int) -> int:
 _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Command-R7B / Command-A",
                        "gpt-oss": "GPT-OSS", "glm4": "GLM-4", "glm4moe": "GLM-4.5", "olmo2": "OLMo 2 / OLMo 3",
                        "llama4": "Llama 4", "minimax-m2": "MiniMax-M2", "exaone4": "EXAONE 4.0",
-                       "granitemoe": "Granite MoE"}
+                       "granitemoe": "Granite MoE", "hunyuan-moe": "Hunyuan MoE (Hunyuan-A13B)",
+                       "hunyuan-dense": "Hunyuan dense", "phimoe": "Phi-3.5-MoE"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
@@ -66,8 +67,9 @@ def _refuse_gguf_arch(path: str) -> None:
     (post-norms, GLM's rotary layout), Llama 4's (chunked attention, NoPE layers, stacked experts), MiniMax-M2's
     (whole-width q/k norms, partial rotation, correction-bias routing: transformers reads its config, no tensor map
     here lays them out), EXAONE 4's (post-norms, NoPE global layers) and Granite MoE's (its multipliers, fused
-    experts, the shared MLP), so that a reader that accepted them would not serve another model. An unreadable
-    file is left to the reader's own message."""
+    experts, the shared MLP), Hunyuan's (q/k norms after the rotation, NTK-alpha rotary) and Phi-3.5-MoE's (biased
+    LayerNorms and LM head, sparsemixer routing, LongRoPE mscales), so that a reader that accepted them would not
+    serve another model. An unreadable file is left to the reader's own message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:

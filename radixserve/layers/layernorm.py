@@ -1,9 +1,10 @@
 """RMSNorm, optionally fused with the residual add (one Triton kernel on CUDA, one C call for float32 / bfloat16 rows
-on the CPU, torch ops elsewhere); LayerNorm without a bias (Cohere's), in torch ops."""
+on the CPU, torch ops elsewhere); LayerNorm without a bias (Cohere's) or with one (Phi-3.5-MoE's), in torch ops."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers import cpu_ops
@@ -61,17 +62,39 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """LayerNorm without a bias (Cohere): (x - mean) * rsqrt(var + eps) * weight over the last dim, in float32 and
     back to x's dtype, as transformers computes it. `shape` is the weight's: (hidden,), or (heads, head_dim) for a
-    weight per head (x then [..., heads, head_dim])."""
+    weight per head (x then [..., heads, head_dim]). With `bias` (Phi-3.5-MoE's nn.LayerNorm, a 1-D shape): torch's
+    layer_norm in x's dtype, as nn.LayerNorm computes it; called as RMSNorm is, `norm(x, residual)` returns
+    (norm(x + residual), x + residual)."""
 
-    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5) -> None:
+    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(shape), requires_grad=False)
+        if bias:
+            if self.weight.dim() != 1:
+                raise ValueError(f"a biased LayerNorm takes a 1-D shape, got {tuple(self.weight.shape)}")
+            self.bias = nn.Parameter(torch.zeros(shape), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
         self.eps = eps
 
     def prefetch_next(self, module: nn.Module | None) -> None:
         """RMSNorm's hook for its fused all-reduce; no such kernel fuses this norm, so nothing is prefetched."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """reduce: `x` is this TP rank's partial sum, summed over the ranks first (as RMSNorm's)."""
+        if reduce:
+            from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
+
+            x = tensor_model_parallel_all_reduce(x)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return F.layer_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
         dtype = x.dtype
         x = x.float()
         centred = x - x.mean(-1, keepdim=True)

@@ -54,6 +54,9 @@ class LogitsProcessor(nn.Module):
                 logits = torch.mm(hidden, lm_head.weight.T, out_dtype=torch.float32)
             if logits is None:
                 logits = torch.matmul(hidden, lm_head.weight.T)
+        bias = getattr(lm_head, "bias", None)
+        if bias is not None:  # a biased LM head (Phi-3.5-MoE): this rank's slice of the vocabulary
+            logits = logits + bias.to(logits.dtype)
         if lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         logits = logits[:, : self.vocab_size]

@@ -37,7 +37,28 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Holds the output projection; the LogitsProcessor multiplies by it and gathers the vocabulary shards."""
+    """Holds the output projection; the LogitsProcessor multiplies by it (adding `bias`, this rank's slice of a
+    biased head's: Phi-3.5-MoE's lm_head_bias) and gathers the vocabulary shards."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
+                 bias: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.shard_size), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if tuple(loaded.shape) != (self.num_embeddings,):
+            raise ValueError(f"lm_head.bias shape mismatch: expected ({self.num_embeddings},), got "
+                             f"{tuple(loaded.shape)}")
+        param.data.zero_()
+        param.data[: self.end - self.start].copy_(loaded[self.start:self.end])
+
+    def checkpoint_shape(self, leaf: str) -> tuple[int, ...]:
+        """The full (unsharded) shape of `leaf` (dummy weights)."""
+        return (self.num_embeddings,) if leaf == "bias" else (self.num_embeddings, self.weight.shape[1])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never used as an embedding
         raise RuntimeError("ParallelLMHead is applied by LogitsProcessor")

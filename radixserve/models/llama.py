@@ -308,7 +308,7 @@ class LlamaModel(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", False))
         emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
-        rotary = model_rotary(config, self.table_positions)
+        rotary = self.build_rotary(config)
         self.layers = nn.ModuleList(self.layer_cls(config, i, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
                                                    mlp_factory, attn_sinks)
                                     for i in range(config.num_hidden_layers))
@@ -320,6 +320,10 @@ class LlamaModel(nn.Module):
             layer.post_attention_layernorm.prefetch_next(getattr(layer.mlp, "gate_up_proj", None))
         self.final_partial = bool(len(self.layers)) and self.layers[-1].mlp_partial
         self.embed_scale = 1.0
+
+    def build_rotary(self, config: PretrainedConfig) -> RotaryEmbedding:
+        """The rotary tables every layer shares (a family with its own frequencies overrides this)."""
+        return model_rotary(config, self.table_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

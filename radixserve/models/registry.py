@@ -38,6 +38,10 @@ _MODELS: dict[str, str] = {
     "Ernie4_5ForCausalLM": "radixserve.models.ernie4_5",
     "Ernie4_5_MoeForCausalLM": "radixserve.models.ernie4_5",
     "Exaone4ForCausalLM": "radixserve.models.exaone4",
+    "HunYuanDenseV1ForCausalLM": "radixserve.models.hunyuan",
+    "HunYuanMoEV1ForCausalLM": "radixserve.models.hunyuan",
+    "PhimoeForCausalLM": "radixserve.models.phimoe",
+    "PhiMoEForCausalLM": "radixserve.models.phimoe",  # the hub checkpoints' (remote-code) name
     "MiniMaxM2ForCausalLM": "radixserve.models.minimax_m2",
     "SeedOssForCausalLM": "radixserve.models.seed_oss",
     "BertModel": "radixserve.models.bert",  # encoders: embeddings only (configs/encoder.py)

@@ -5,7 +5,8 @@ Granite: its multipliers through the fused paths; GPT-OSS: attention sinks, bias
 rotation laid out at load; OLMo 2/3: whole-width q/k norms; Cohere: interleaved rotary, q/k LayerNorms, NoPE layers;
 Llama 4: chunked attention, temperature-tuned NoPE layers; MiniMax-M2: whole-width q/k norms, partial rotation laid
 out at load, sigmoid + correction-bias routing; Seed-OSS: its q/k/v, o_proj and MLP bias flags; EXAONE 4: per-head
-q/k norm in the rotary kernel, NoPE layers; Granite MoE: multipliers through the MoE kernels, the shared MLP), and
+q/k norm in the rotary kernel, NoPE layers; Granite MoE: multipliers through the MoE kernels, the shared MLP; Hunyuan:
+q/k norms after the rotation, NTK-alpha rotary; Phi-3.5-MoE: biased LayerNorms and LM head, sparsemixer routing), and
 bf16 agrees position by position. Skipped without a GPU."""
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from test_glm4 import glm  # noqa: E402
 from test_gpt_oss import gpt_oss  # noqa: E402
 from test_granite import granite  # noqa: E402
 from test_granitemoe import granite_moe  # noqa: E402
+from test_hunyuan import hunyuan  # noqa: E402
 from test_llama4 import llama4  # noqa: E402
 from test_minimax_m2 import minimax  # noqa: E402
 from test_olmo2 import olmo  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
+from test_phimoe import phimoe  # noqa: E402
 from test_seed_oss import FLIPPED, seed_oss  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
 
@@ -72,12 +75,17 @@ def build(family: str, path: str) -> torch.nn.Module:
         return exaone(path)
     if family in ("granitemoe", "granitemoeshared"):  # multipliers around the small-batch / grouped MoE kernels
         return granite_moe(family, path)
+    if family in ("hunyuan", "hunyuan_dense"):  # q/k norms after the (fused CUDA) rotation; fused top-k routers
+        return hunyuan(path, moe=family == "hunyuan")
+    if family == "phimoe":  # biased LayerNorms, the biased LM head, sparsemixer (torch) routing on CUDA
+        return phimoe(path)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
 @pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite", "gpt_oss", "glm4", "glm4_moe",
                                     "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4", "minimax_m2", "seed_oss",
-                                    "exaone4", "granitemoe", "granitemoeshared"])
+                                    "exaone4", "granitemoe", "granitemoeshared", "hunyuan", "hunyuan_dense",
+                                    "phimoe"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
