@@ -206,7 +206,10 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
                                             ("exaone-4.0-32b", 32.0),  # 32,003,216,384; 30.95B without embeddings
                                             ("granite-3.1-3b-a800m", 3.3),  # 3,298,793,472, tied embedding
                                             ("hunyuan-a13b", 80.39),  # 80,393,183,232, the tied embedding once
-                                            ("phi-3.5-moe", 41.87)])  # 41,873,153,344
+                                            ("phi-3.5-moe", 41.87),  # 41,873,153,344
+                                            ("starcoder2-7b", 7.17),  # 7,173,923,840, the tied embedding once
+                                            ("minitron-8b-base", 8.27),  # 8,271,699,968: 2.10B of it embeddings
+                                            ("afm-4.5b", 4.62)])  # 4,619,184,640 (the "4.5B" of its name)
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
     (Gemma 3 12B and Llama 4 Scout without their vision towers: Scout's 108.64 B with it is the 109 B published;

@@ -57,7 +57,8 @@ _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Comma
                        "gpt-oss": "GPT-OSS", "glm4": "GLM-4", "glm4moe": "GLM-4.5", "olmo2": "OLMo 2 / OLMo 3",
                        "llama4": "Llama 4", "minimax-m2": "MiniMax-M2", "exaone4": "EXAONE 4.0",
                        "granitemoe": "Granite MoE", "hunyuan-moe": "Hunyuan MoE (Hunyuan-A13B)",
-                       "hunyuan-dense": "Hunyuan dense", "phimoe": "Phi-3.5-MoE"}
+                       "hunyuan-dense": "Hunyuan dense", "phimoe": "Phi-3.5-MoE", "starcoder2": "StarCoder2",
+                       "nemotron": "Nemotron", "arcee": "Arcee (AFM)"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
@@ -68,8 +69,11 @@ def _refuse_gguf_arch(path: str) -> None:
     (whole-width q/k norms, partial rotation, correction-bias routing: transformers reads its config, no tensor map
     here lays them out), EXAONE 4's (post-norms, NoPE global layers) and Granite MoE's (its multipliers, fused
     experts, the shared MLP), Hunyuan's (q/k norms after the rotation, NTK-alpha rotary) and Phi-3.5-MoE's (biased
-    LayerNorms and LM head, sparsemixer routing, LongRoPE mscales), so that a reader that accepted them would not
-    serve another model. An unreadable file is left to the reader's own message."""
+    LayerNorms and LM head, sparsemixer routing, LongRoPE mscales), StarCoder2's and Nemotron's (transformers reads
+    their configs, but their biased LayerNorms, StarCoder2's c_fc / c_proj MLP, Nemotron's norm weights with
+    llama.cpp's + 1 folded in and its partial rotation have no tensor map here) and Arcee's (its ungated MLP), so
+    that a reader that accepted them would not serve another model. An unreadable file is left to the reader's own
+    message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:

@@ -105,7 +105,9 @@ def model_rotary(config: PretrainedConfig, table_positions: int | None = None) -
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
                  qkv_bias: bool = False, qk_norm: bool = False, scaling: float | None = None,
-                 logit_cap: float = 0.0, sinks: bool = False, attention_chunk_size: int = -1) -> None:
+                 logit_cap: float = 0.0, sinks: bool = False, attention_chunk_size: int = -1,
+                 o_bias: bool | None = None) -> None:
+        """o_bias: whether o_proj has a bias (None: the config's attention_bias, as Llama's)."""
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -115,7 +117,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Llama's attention_bias puts a bias on o_proj too; Qwen2's q/k/v bias does not.
-        o_bias = bool(getattr(config, "attention_bias", False))
+        o_bias = bool(getattr(config, "attention_bias", False)) if o_bias is None else o_bias
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, o_bias, tp_rank, tp_size)
         self.rotary_emb = rotary  # shared by every layer (model_rotary)
         scaling = self.head_dim ** -0.5 if scaling is None else scaling  # Gemma: query_pre_attn_scalar ** -0.5

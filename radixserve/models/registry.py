@@ -42,6 +42,9 @@ _MODELS: dict[str, str] = {
     "HunYuanMoEV1ForCausalLM": "radixserve.models.hunyuan",
     "PhimoeForCausalLM": "radixserve.models.phimoe",
     "PhiMoEForCausalLM": "radixserve.models.phimoe",  # the hub checkpoints' (remote-code) name
+    "Starcoder2ForCausalLM": "radixserve.models.starcoder2",
+    "NemotronForCausalLM": "radixserve.models.nemotron",
+    "ArceeForCausalLM": "radixserve.models.arcee",
     "MiniMaxM2ForCausalLM": "radixserve.models.minimax_m2",
     "SeedOssForCausalLM": "radixserve.models.seed_oss",
     "BertModel": "radixserve.models.bert",  # encoders: embeddings only (configs/encoder.py)

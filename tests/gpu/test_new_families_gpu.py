@@ -6,8 +6,10 @@ rotation laid out at load; OLMo 2/3: whole-width q/k norms; Cohere: interleaved 
 Llama 4: chunked attention, temperature-tuned NoPE layers; MiniMax-M2: whole-width q/k norms, partial rotation laid
 out at load, sigmoid + correction-bias routing; Seed-OSS: its q/k/v, o_proj and MLP bias flags; EXAONE 4: per-head
 q/k norm in the rotary kernel, NoPE layers; Granite MoE: multipliers through the MoE kernels, the shared MLP; Hunyuan:
-q/k norms after the rotation, NTK-alpha rotary; Phi-3.5-MoE: biased LayerNorms and LM head, sparsemixer routing), and
-bf16 agrees position by position. Skipped without a GPU."""
+q/k norms after the rotation, NTK-alpha rotary; Phi-3.5-MoE: biased LayerNorms and LM head, sparsemixer routing;
+StarCoder2: biased LayerNorms, biased ungated GELU MLP, sliding window; Nemotron: LayerNorm1P, relu2, partial
+rotation laid out at load; Arcee: relu2 MLP in Llama's RMSNorm layer, YaRN), and bf16 agrees position by position.
+Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
+from test_arcee import arcee  # noqa: E402
 from test_cohere import cohere  # noqa: E402
 from test_exaone4 import exaone  # noqa: E402
 from test_gemma import gemma3  # noqa: E402
@@ -31,11 +34,13 @@ from test_granitemoe import granite_moe  # noqa: E402
 from test_hunyuan import hunyuan  # noqa: E402
 from test_llama4 import llama4  # noqa: E402
 from test_minimax_m2 import minimax  # noqa: E402
+from test_nemotron import BIASED, nemotron  # noqa: E402
 from test_olmo2 import olmo  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_phimoe import phimoe  # noqa: E402
 from test_seed_oss import FLIPPED, seed_oss  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
+from test_starcoder2 import starcoder2  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
 
@@ -79,13 +84,19 @@ def build(family: str, path: str) -> torch.nn.Module:
         return hunyuan(path, moe=family == "hunyuan")
     if family == "phimoe":  # biased LayerNorms, the biased LM head, sparsemixer (torch) routing on CUDA
         return phimoe(path)
+    if family == "starcoder2":  # biased LayerNorms (no RMSNorm-fused path), biased ungated MLP, the window in Triton
+        return starcoder2(path)
+    if family == "nemotron":  # LayerNorm1P, partial rotation laid out at load through the fused rotary paths
+        return nemotron(path, **BIASED)
+    if family == "arcee":  # Llama's fused RMSNorm paths around an ungated relu2 MLP, YaRN
+        return arcee(path)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
 @pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite", "gpt_oss", "glm4", "glm4_moe",
                                     "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4", "minimax_m2", "seed_oss",
                                     "exaone4", "granitemoe", "granitemoeshared", "hunyuan", "hunyuan_dense",
-                                    "phimoe"])
+                                    "phimoe", "starcoder2", "nemotron", "arcee"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
