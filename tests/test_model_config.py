@@ -209,7 +209,10 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
                                             ("phi-3.5-moe", 41.87),  # 41,873,153,344
                                             ("starcoder2-7b", 7.17),  # 7,173,923,840, the tied embedding once
                                             ("minitron-8b-base", 8.27),  # 8,271,699,968: 2.10B of it embeddings
-                                            ("afm-4.5b", 4.62)])  # 4,619,184,640 (the "4.5B" of its name)
+                                            ("afm-4.5b", 4.62),  # 4,619,184,640 (the "4.5B" of its name)
+                                            ("olmoe-1b-7b-0924", 6.92),  # 6,919,161,856: the 6.9B published
+                                            ("dbrx-base", 131.6),  # 131,596,523,520: the 132B published
+                                            ("dots.llm1.base", 142.77)])  # 142,774,381,696: the 142B published
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
     (Gemma 3 12B and Llama 4 Scout without their vision towers: Scout's 108.64 B with it is the 109 B published;

@@ -58,7 +58,8 @@ _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Comma
                        "llama4": "Llama 4", "minimax-m2": "MiniMax-M2", "exaone4": "EXAONE 4.0",
                        "granitemoe": "Granite MoE", "hunyuan-moe": "Hunyuan MoE (Hunyuan-A13B)",
                        "hunyuan-dense": "Hunyuan dense", "phimoe": "Phi-3.5-MoE", "starcoder2": "StarCoder2",
-                       "nemotron": "Nemotron", "arcee": "Arcee (AFM)"}
+                       "nemotron": "Nemotron", "arcee": "Arcee (AFM)", "olmoe": "OLMoE", "dbrx": "DBRX",
+                       "dots1": "dots.llm1"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
@@ -71,9 +72,11 @@ def _refuse_gguf_arch(path: str) -> None:
     experts, the shared MLP), Hunyuan's (q/k norms after the rotation, NTK-alpha rotary) and Phi-3.5-MoE's (biased
     LayerNorms and LM head, sparsemixer routing, LongRoPE mscales), StarCoder2's and Nemotron's (transformers reads
     their configs, but their biased LayerNorms, StarCoder2's c_fc / c_proj MLP, Nemotron's norm weights with
-    llama.cpp's + 1 folded in and its partial rotation have no tensor map here) and Arcee's (its ungated MLP), so
-    that a reader that accepted them would not serve another model. An unreadable file is left to the reader's own
-    message."""
+    llama.cpp's + 1 folded in and its partial rotation have no tensor map here), Arcee's (its ungated MLP), OLMoE's
+    (whole-width q/k norms, clip_qkv), DBRX's (fused Wqkv with clip_qkv, bias-free LayerNorms, fused w1 / v1 / w2
+    experts, p-norm routing) and dots.llm1's (correction-bias grouped routing, shared experts, per-head q/k norms),
+    so that a reader that accepted them would not serve another model. An unreadable file is left to the reader's
+    own message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:

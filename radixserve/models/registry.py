@@ -47,6 +47,9 @@ _MODELS: dict[str, str] = {
     "ArceeForCausalLM": "radixserve.models.arcee",
     "MiniMaxM2ForCausalLM": "radixserve.models.minimax_m2",
     "SeedOssForCausalLM": "radixserve.models.seed_oss",
+    "OlmoeForCausalLM": "radixserve.models.olmoe",
+    "DbrxForCausalLM": "radixserve.models.dbrx",
+    "Dots1ForCausalLM": "radixserve.models.dots1",
     "BertModel": "radixserve.models.bert",  # encoders: embeddings only (configs/encoder.py)
     "BertForMaskedLM": "radixserve.models.bert",
     "RobertaModel": "radixserve.models.bert",

@@ -8,8 +8,10 @@ out at load, sigmoid + correction-bias routing; Seed-OSS: its q/k/v, o_proj and 
 q/k norm in the rotary kernel, NoPE layers; Granite MoE: multipliers through the MoE kernels, the shared MLP; Hunyuan:
 q/k norms after the rotation, NTK-alpha rotary; Phi-3.5-MoE: biased LayerNorms and LM head, sparsemixer routing;
 StarCoder2: biased LayerNorms, biased ungated GELU MLP, sliding window; Nemotron: LayerNorm1P, relu2, partial
-rotation laid out at load; Arcee: relu2 MLP in Llama's RMSNorm layer, YaRN), and bf16 agrees position by position.
-Skipped without a GPU."""
+rotation laid out at load; Arcee: relu2 MLP in Llama's RMSNorm layer, YaRN; OLMoE: whole-width q/k norms, clip_qkv,
+softmax top-k kernels; DBRX: fused Wqkv clamped, bias-free LayerNorms, p-norm routing (p = 1 in the kernels, p = 2
+as torch ops); dots.llm1: per-head q/k norms, grouped correction-bias routing, shared experts), and bf16 agrees
+position by position. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
 from test_arcee import arcee  # noqa: E402
 from test_cohere import cohere  # noqa: E402
+from test_dbrx import dbrx  # noqa: E402
+from test_dots1 import dots1  # noqa: E402
 from test_exaone4 import exaone  # noqa: E402
 from test_gemma import gemma3  # noqa: E402
 from test_glm4 import glm  # noqa: E402
@@ -36,6 +40,7 @@ from test_llama4 import llama4  # noqa: E402
 from test_minimax_m2 import minimax  # noqa: E402
 from test_nemotron import BIASED, nemotron  # noqa: E402
 from test_olmo2 import olmo  # noqa: E402
+from test_olmoe import olmoe  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_phimoe import phimoe  # noqa: E402
 from test_seed_oss import FLIPPED, seed_oss  # noqa: E402
@@ -90,13 +95,20 @@ def build(family: str, path: str) -> torch.nn.Module:
         return nemotron(path, **BIASED)
     if family == "arcee":  # Llama's fused RMSNorm paths around an ungated relu2 MLP, YaRN
         return arcee(path)
+    if family == "olmoe":  # whole-width q/k norm and the clamp (fused q/k/v + rotary paths off), softmax top-k kernels
+        return olmoe(path)
+    if family in ("dbrx", "dbrx_p2"):  # the clamp with no fused q/k/v path, LayerNorms; p = 1 kernels or p = 2 torch
+        return dbrx(path, p=2.0 if family == "dbrx_p2" else 1.0)
+    if family == "dots1":  # per-head q/k norm in the rotary kernel, grouped sigmoid routing, shared experts folded
+        return dots1(path)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
 @pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3", "smollm3", "granite", "gpt_oss", "glm4", "glm4_moe",
                                     "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4", "minimax_m2", "seed_oss",
                                     "exaone4", "granitemoe", "granitemoeshared", "hunyuan", "hunyuan_dense",
-                                    "phimoe", "starcoder2", "nemotron", "arcee"])
+                                    "phimoe", "starcoder2", "nemotron", "arcee", "olmoe", "dbrx", "dbrx_p2",
+                                    "dots1"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
