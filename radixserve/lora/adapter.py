@@ -12,9 +12,9 @@ import torch
 from radixserve.lora.config import TARGET_MODULES, LoRAConfig
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT may also keep the adapter name before
-# ".weight" in memory; saved files drop it)
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES) + r")\.lora_([AB])(?:\.[\w-]+)?"
-                  r"\.weight$")
+# ".weight" in memory; saved files drop it); Llama 4 names its MLP `feed_forward` (its dense layers')
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.(" + "|".join(TARGET_MODULES)
+                  + r")\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # the image encoder of a multimodal checkpoint served as text (Gemma 3, Qwen-VL's `visual`): its layers are not
 # loaded, so neither is their LoRA (PEFT's q_proj / v_proj targets match Gemma 3's tower too, under the same layer
 # numbers as the text's; its gate/up/down_proj targets match Qwen2.5-VL's vision blocks)

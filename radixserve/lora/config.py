@@ -57,9 +57,9 @@ class LoRAConfig:
             targets = TARGET_MODULES
         elif isinstance(targets, str):  # a regex over module names: the weights decide what is really there
             targets = tuple(t for t in TARGET_MODULES if t in targets)
-        else:
-            targets = tuple(targets)
-        bad = sorted(set(targets) - set(TARGET_MODULES))
+        else:  # names, or dotted suffixes of module paths ("feed_forward.down_proj": PEFT matches the path's end)
+            targets = tuple(t.rsplit(".", 1)[-1] if isinstance(t, str) else t for t in targets)
+        bad = sorted(str(t) for t in set(targets) - set(TARGET_MODULES))
         if bad:
             raise ValueError(f"LoRA adapter {path!r}: target module(s) {', '.join(bad)} not supported (supported: "
                              f"{', '.join(TARGET_MODULES)})")

@@ -112,7 +112,8 @@ class LoRAMemoryPool:
         missing = sorted(m for _, m in weights.weights if not any(m in GROUPS[g] for g in groups))
         if missing:
             raise ValueError(f"LoRA adapter {name!r} targets {', '.join(sorted(set(missing)))}, which this server "
-                             f"does not serve (--lora-target-modules)")
+                             f"does not serve: the model has no LoRA layer for it (an ungated MLP's up_proj has no "
+                             f"gate_up_proj to carry it) or --lora-target-modules leaves it out")
         pin = torch.device(self.device).type == "cuda"
         host = HostAdapter(name=name, path=cfg.path, rank=cfg.r, scaling=cfg.scaling,
                            target_modules=weights.target_modules,
