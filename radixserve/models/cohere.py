@@ -34,7 +34,6 @@ from radixserve.distributed.parallel_state import tensor_model_parallel_all_redu
 from radixserve.layers.layernorm import LayerNorm
 from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from radixserve.models.glm4 import GlmLayout, rotary_order
 from radixserve.models.llama import (
     LlamaAttention,
@@ -42,6 +41,7 @@ from radixserve.models.llama import (
     LlamaMLP,
     attention_head_dim,
     check_hidden_act,
+    input_embedding,
     model_rotary,
 )
 
@@ -157,9 +157,7 @@ class CohereModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qk_norm: bool,
                  sliding_nope: bool) -> None:
         super().__init__()
-        tied = bool(getattr(config, "tie_word_embeddings", True))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size, tied_default=True)
         rotaries = layer_rotaries(config, sliding_nope)
         self.layers = nn.ModuleList(CohereDecoderLayer(config, i, tp_rank, tp_size, rotaries[i], qk_norm)
                                     for i in range(config.num_hidden_layers))

@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from radixserve.layers.layernorm import RMSNorm
-from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from radixserve.models.cohere import layer_rotaries
-from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, check_hidden_act
+from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, check_hidden_act, input_embedding
 from radixserve.models.olmo2 import OlmoDecoderLayer, OlmoModel
 
 if TYPE_CHECKING:
@@ -37,9 +36,7 @@ class Exaone4Model(OlmoModel):
 
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
         nn.Module.__init__(self)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         # the sliding layers rotate, the full ones do not; without a window every layer rotates
         rotaries = layer_rotaries(config, sliding_nope=True, rotate_without_window=True)
         for rotary in rotaries:

@@ -26,8 +26,7 @@ from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim, model_rotary
+from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim, input_embedding, model_rotary
 from radixserve.models.multimodal_text import text_config, text_weight_name
 
 if TYPE_CHECKING:
@@ -114,9 +113,7 @@ class GemmaDecoderLayer(SandwichNormLayer):
 class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, gemma3: bool) -> None:
         super().__init__()
-        tied = bool(getattr(config, "tie_word_embeddings", True))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size, tied_default=True)
         # sqrt(hidden_size) rounded to the model's dtype (built under it as torch's default), as transformers
         # multiplies (33.94 is 34.0 in bfloat16)
         self.embed_scale = torch.tensor(float(config.hidden_size) ** 0.5, dtype=torch.get_default_dtype(),

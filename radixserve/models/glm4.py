@@ -26,7 +26,6 @@ from torch import nn
 
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import RotaryEmbedding, partial_rotary_order
-from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from radixserve.models.deepseek_v2 import DeepseekMoE
 from radixserve.models.gemma import SandwichNormLayer
 from radixserve.models.llama import (
@@ -35,6 +34,7 @@ from radixserve.models.llama import (
     LlamaMLP,
     LlamaModel,
     check_hidden_act,
+    input_embedding,
     load_plain,
     model_rotary,
 )
@@ -127,15 +127,21 @@ class Glm4DecoderLayer(SandwichNormLayer):
 
 
 class Glm4Model(nn.Module):
+    """Embeddings, pre-norm layers called as layer(positions, hidden, residual, forward_batch) -> (hidden,
+    residual) (`layer_cls`, built with the rotary of `build_rotary`), the final RMSNorm; MiniMax-M2's too."""
+
+    layer_cls: type[nn.Module] = Glm4DecoderLayer
+
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
-        rotary = model_rotary(config)
-        self.layers = nn.ModuleList(Glm4DecoderLayer(config, i, tp_rank, tp_size, rotary)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size)
+        rotary = self.build_rotary(config)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, tp_rank, tp_size, rotary)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_rotary(self, config: PretrainedConfig) -> RotaryEmbedding:
+        return model_rotary(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

@@ -78,6 +78,17 @@ class LlamaMLP(nn.Module):
         return self._scaled(out if out is not None else self.down_proj(self.act_fn(gate_up)))
 
 
+def input_embedding(config: PretrainedConfig, tp_rank: int, tp_size: int, tied_default: bool = False
+                    ) -> VocabParallelEmbedding:
+    """The token embedding. Untied, every TP rank holds it whole (one row read a token, no masked lookup and no
+    all-reduce; vocab x hidden x 2 bytes more memory a rank); tied (`tie_word_embeddings`, else `tied_default`), it
+    is also the LM head, whose product stays split over the ranks."""
+    tied = getattr(config, "tie_word_embeddings", None)
+    tied = tied_default if tied is None else bool(tied)
+    emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)
+    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+
+
 def attention_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -304,12 +315,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, qkv_bias: bool = False,
                  qk_norm: bool = False, mlp_factory: MLPFactory = dense_mlp, attn_sinks: bool = False) -> None:
         super().__init__()
-        # untied: every TP rank holds the whole embedding (one row read a token, no masked lookup and no
-        # all-reduce; vocab x hidden x 2 bytes more memory a rank); tied, it is also the LM head, whose product
-        # stays split over the ranks
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         rotary = self.build_rotary(config)
         self.layers = nn.ModuleList(self.layer_cls(config, i, tp_rank, tp_size, rotary, qkv_bias, qk_norm,
                                                    mlp_factory, attn_sinks)

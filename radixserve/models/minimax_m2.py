@@ -29,8 +29,7 @@ from radixserve.distributed.parallel_state import custom_all_reduce_fuses_norm
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from radixserve.models.glm4 import GlmLayout, unbiased_o_proj
+from radixserve.models.glm4 import Glm4Model, GlmLayout, unbiased_o_proj
 from radixserve.models.llama import LlamaDecoderLayer, check_hidden_act, load_plain, model_rotary
 from radixserve.models.olmo2 import OlmoAttention
 from radixserve.models.qwen2_moe import MoECausalLM, SparseMoeBlock
@@ -38,7 +37,6 @@ from radixserve.models.qwen2_moe import MoECausalLM, SparseMoeBlock
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from radixserve.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -141,24 +139,11 @@ class MiniMaxM2DecoderLayer(LlamaDecoderLayer):
             self.self_attn.o_proj.reduce_results = False
 
 
-class MiniMaxM2Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
-        rotary = minimax_rotary(config)
-        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i, tp_rank, tp_size, rotary)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class MiniMaxM2Model(Glm4Model):
+    layer_cls = MiniMaxM2DecoderLayer
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, forward_batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def build_rotary(self, config: PretrainedConfig) -> RotaryEmbedding:
+        return minimax_rotary(config)
 
 
 class MiniMaxM2ForCausalLM(GlmLayout, MoECausalLM):

@@ -26,13 +26,13 @@ from torch import nn
 from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from radixserve.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
     attention_head_dim,
     check_hidden_act,
+    input_embedding,
     model_rotary,
     rope_params,
 )
@@ -191,9 +191,7 @@ def olmo3_rotary(config: PretrainedConfig, layer_type: str) -> RotaryEmbedding:
 class OlmoModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, olmo3: bool) -> None:
         super().__init__()
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         types = layer_types(config)
         if olmo3:  # one table per layer type, shared by its layers
             rotary = {t: olmo3_rotary(config, t) for t in sorted(set(types))}

@@ -23,8 +23,7 @@ from radixserve.layers.activation import activation_fn
 from radixserve.layers.layernorm import LayerNorm
 from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from radixserve.models.llama import LlamaAttention, model_rotary
+from radixserve.models.llama import LlamaAttention, input_embedding, model_rotary
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -80,9 +79,7 @@ class LayerNormModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, eps: float, qkv_bias: bool,
                  o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        emb_rank, emb_size = (tp_rank, tp_size) if tied else (0, 1)  # as LlamaModel: untied, whole on every rank
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         rotary = model_rotary(config)
         self.layers = nn.ModuleList(LayerNormDecoderLayer(config, i, tp_rank, tp_size, rotary, eps, qkv_bias, o_bias,
                                                           mlp_bias)
