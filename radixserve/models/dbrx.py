@@ -35,6 +35,7 @@ from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim, rope_params
+from radixserve.models.ungated import PreNormForward
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -174,7 +175,7 @@ class DbrxMoE(nn.Module):
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
-class DbrxDecoderLayer(nn.Module):
+class DbrxDecoderLayer(PreNormForward, nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -182,16 +183,6 @@ class DbrxDecoderLayer(nn.Module):
         self.mlp = DbrxMoE(config, tp_rank, tp_size)
         self.input_layernorm = DbrxLayerNorm(config.hidden_size, 1e-5)
         self.post_attention_layernorm = DbrxLayerNorm(config.hidden_size, 1e-5)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DbrxModel(nn.Module):

@@ -43,9 +43,10 @@ from radixserve.models.llama import (
     rope_params,
 )
 from radixserve.models.qwen2_moe import MoECausalLM
+from radixserve.models.ungated import PreNormForward
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.forward_batch_info import ForwardBatch
+    pass
 
 # checkpoint (and transformers 5) names -> ours
 _RENAMES = ((".block_sparse_moe.", ".mlp."), (".mlp.router.", ".mlp.gate."))
@@ -147,7 +148,7 @@ class PhimoeRotaryEmbedding(RotaryEmbedding):
         return cos, sin
 
 
-class PhimoeDecoderLayer(LlamaDecoderLayer):
+class PhimoeDecoderLayer(PreNormForward, LlamaDecoderLayer):
     """Pre-norm layer with biased LayerNorms; no fused norm paths (they implement RMSNorm)."""
 
     def __init__(self, config: Any, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
@@ -159,16 +160,6 @@ class PhimoeDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, bias=True)
         self.fuse_reduce = self.mlp_partial = False
         self.self_attn.o_proj.reduce_results = True
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class PhimoeModel(LlamaModel):

@@ -52,15 +52,15 @@ def ungated_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: 
                       getattr(config, "hidden_act", None), tp_rank, tp_size)
 
 
-class LayerNormDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
-                 eps: float, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary, qkv_bias=qkv_bias, o_bias=o_bias)
-        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, mlp_bias,
-                              getattr(config, "hidden_act", None), tp_rank, tp_size)
-        self.input_layernorm = LayerNorm(config.hidden_size, eps, bias=True)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, bias=True)
+class PreNormForward:
+    """The plain pre-norm layer's forward, for a layer whose norms take RMSNorm's (x, residual) convention but that
+    must not take LlamaDecoderLayer's RMSNorm-fused paths (LayerNorm layers: StarCoder2, Nemotron, DBRX,
+    Phi-3.5-MoE): h + attn(norm1(h)), then + mlp(norm2(.))."""
+
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    self_attn: nn.Module
+    mlp: nn.Module
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +73,17 @@ class LayerNormDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class LayerNormDecoderLayer(PreNormForward, nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
+                 eps: float, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary, qkv_bias=qkv_bias, o_bias=o_bias)
+        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, mlp_bias,
+                              getattr(config, "hidden_act", None), tp_rank, tp_size)
+        self.input_layernorm = LayerNorm(config.hidden_size, eps, bias=True)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, bias=True)
 
 
 class LayerNormModel(nn.Module):
