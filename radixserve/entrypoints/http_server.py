@@ -3,7 +3,8 @@
 Routes
   native      POST /generate, GET /health, GET /health_generate, GET /get_model_info, GET /get_server_info,
               GET /get_internal_state, POST /flush_cache, POST /abort_request, GET /version
-  OpenAI      POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model}
+  OpenAI      POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
+              GET /v1/models/{model}
   metrics     GET /metrics (with --enable-metrics)
 
 Routes live in `routes/` (one router per concern), middleware (API key, body size and read timeout) in
@@ -46,6 +47,7 @@ from radixserve.entrypoints.openai.errors import APIError, from_request_error
 from radixserve.entrypoints.openai.serving_base import structured_output_available
 from radixserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from radixserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from radixserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from radixserve.entrypoints.routes import ROUTERS
 from radixserve.entrypoints.server_state import ServerState
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
@@ -79,6 +81,7 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
                         completions=OpenAIServingCompletion(tm, name, aliases, grammar_ok),
                         chat=OpenAIServingChat(tm, name, aliases, grammar_ok), metrics=metrics,
                         grammar_ok=grammar_ok)
+    state.responses = OpenAIServingResponses(state.chat)
     if metrics is not None:
         tm.metrics = metrics
     state.live_stats = web.attach_live_stats(tm)

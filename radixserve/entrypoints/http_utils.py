@@ -115,10 +115,16 @@ class SSEResponse(StreamingResponse):
 def stream_as_sse(request: Request, tm: Any, obj: Any,
                   render: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
                   to_error: Callable[[Exception], APIError],
-                  generate: Callable[[Any], AsyncIterator[dict[str, Any]]] | None = None) -> Awaitable[Response]:
+                  generate: Callable[[Any], AsyncIterator[dict[str, Any]]] | None = None,
+                  error_event: Callable[[APIError], bytes] | None = None,
+                  done: bytes | None = SSE_DONE) -> Awaitable[Response]:
     """Start `obj` on the tokenizer manager (or with `generate`) and wait for its first output (so bad input and
-    overload are plain HTTP errors), then stream `render(outputs)` as server-sent events ending in [DONE]; a later
-    error is an error event. A client that leaves mid-stream closes the generator, which aborts the request."""
+    overload are plain HTTP errors), then stream `render(outputs)` as server-sent events ending in `done` ([DONE]);
+    a later error is an error event (`error_event(err)`, else `data: {"error": ...}`). A client that leaves
+    mid-stream closes the generator, which aborts the request."""
+    def error_chunk(err: APIError) -> bytes:
+        return error_event(err) if error_event is not None else sse_event(err.body())
+
     from radixserve.managers.tokenizer_manager import RequestError
 
     async def start() -> Response:
@@ -148,19 +154,20 @@ def stream_as_sse(request: Request, tm: Any, obj: Any,
                 ended = True
             except RequestError as e:
                 ended = True
-                yield sse_event(to_error(e).body())
+                yield error_chunk(to_error(e))
             except APIError as e:
                 ended = True
-                yield sse_event(e.body())
+                yield error_chunk(e)
             except Exception as e:  # an engine bug must still end the stream cleanly
                 ended = True
                 _logger.exception("error while streaming request %s", getattr(obj, "rid", None))
-                yield sse_event(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
+                yield error_chunk(APIError(f"internal error: {type(e).__name__}: {e}", 500))
             finally:
                 await agen.aclose()
                 if not ended and tm.metrics is not None:  # the client went away mid-stream
                     tm.metrics.observe_abort()
-            yield SSE_DONE
+            if done is not None:
+                yield done
 
         return SSEResponse(body())
 

@@ -30,6 +30,7 @@ class ServerState:
     grammar_ok: bool = False
     live_stats: Any = None  # the dashboard's recent figures (web.live_stats.LiveStats)
     embeddings: Any = None  # OpenAIServingEmbedding on a --is-embedding server
+    responses: Any = None  # OpenAIServingResponses (/v1/responses, over `chat`)
     start_time: float = dataclasses.field(default_factory=time.time)
     draining: bool = False  # SIGTERM received: new requests get 503 while in-flight ones finish
     dead_child: str | None = None  # "the scheduler process (pid N) was killed by SIGKILL", once one died

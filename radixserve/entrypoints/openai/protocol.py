@@ -251,3 +251,122 @@ class AbortRequest(_Strict):
 
     rid: str | None = None
     abort_all: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- /v1/responses
+class ResponsesFunctionTool(_Strict):
+    """A function tool in the Responses form (flat: no `function` wrapper)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None  # as response_format's: a 400 when set
+
+
+class ResponsesText(_Strict):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None  # "medium" or null only (feature_gates, as on chat)
+
+
+class ResponsesReasoning(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summary is written
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (deprecated name of summary)
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses. `input` items are checked one by one in responses_items (so errors name `input[i]`);
+    fields of features we do not have are accepted when null/default (checked in responses_items)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools (ResponsesFunctionTool), checked in responses_items
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None  # {"include_obfuscation": ...}: nothing to obfuscate
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None  # nothing is stored whatever its value: the response says "store": false
+    previous_response_id: str | None = None  # not implemented (a 400 when set)
+    conversation: str | dict[str, Any] | None = None  # not implemented
+    prompt: dict[str, Any] | None = None  # prompt templates: not implemented
+    include: list[str] | None = None  # only [] / null
+    truncation: Literal["auto", "disabled"] | None = None  # "auto" is a 400 (nothing is truncated)
+    background: bool | None = None  # only false / null
+    max_tool_calls: int | None = None  # only null
+    top_logprobs: int | None = None  # only null / 0
+    rid: str | None = None  # SGLang extension: the engine request id, usable with /abort_request
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_is_false(cls, v: Any) -> Any:
+        return False if v is None else v
+
+
+class ResponsesTextPart(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None  # from a previous response's output: only []
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class ResponsesMessageItem(_Strict):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[dict[str, Any]]  # parts checked one by one (ResponsesTextPart)
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: str | None = None
+
+
+class ResponsesFunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ResponsesFunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponsesTextPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ResponsesReasoningItem(_Strict):
+    """Past reasoning: accepted and left out of the prompt (chat templates drop past thinking)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None

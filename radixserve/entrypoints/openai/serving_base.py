@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from radixserve.entrypoints.http_utils import (
+    SSE_DONE,
     json_response,
     stream_as_sse,
     until_disconnected,
@@ -259,12 +260,15 @@ class OpenAIServingBase:
         return outs
 
     async def stream(self, request: Request, obj: io.GenerateReqInput, prompt_param: str,
-                     render: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]]) -> Response:
+                     render: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[bytes]],
+                     error_event: Callable[[APIError], bytes] | None = None, done: bytes | None = SSE_DONE
+                     ) -> Response:
         """Start the request and wait for its first output (so bad input and overload are plain HTTP errors),
-        then stream `render(outputs)` as server-sent events ending in [DONE]; a later error is an error event."""
+        then stream `render(outputs)` as server-sent events ending in `done`; a later error is an error event
+        (`error_event`: its form, see stream_as_sse)."""
         return await stream_as_sse(request, self.tm, obj, render,
                                    lambda e: from_request_error(e, prompt_param=prompt_param, openai=True),
-                                   generate=self._generate)
+                                   generate=self._generate, error_event=error_event, done=done)
 
     def response_model(self, req: Any) -> str:
         """The `model` a response names: the LoRA adapter the request asked for, as it named it (in `model`, or

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -54,6 +55,16 @@ def _flatten_content(msg: ChatMessage, i: int) -> str:
                                f"messages[{i}].content[{j}].{other}", "invalid_value")
         parts.append(part.text)
     return "".join(parts)
+
+
+@dataclass
+class PreparedChat:
+    """A chat request ready to run: the engine request, its id, the prompt's length and the output reader."""
+
+    obj: io.GenerateReqInput
+    rid: str
+    prompt_len: int
+    cfg: OutputConfig
 
 
 def special_token_texts(tok: Any) -> tuple[str, ...]:
@@ -123,8 +134,9 @@ class OpenAIServingChat(OpenAIServingBase):
             sp["json_schema"] = plan.schema
         return sp
 
-    async def create(self, request: Request, body: dict[str, Any]) -> Response:
-        req = parse_model(ChatCompletionRequest, body)
+    async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
+        """Everything before generation: checks, the prompt, the sampling parameters and the output reader (also
+        used by /v1/responses, which builds a chat request)."""
         lora = self.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs", "invalid_value")
@@ -144,15 +156,20 @@ class OpenAIServingChat(OpenAIServingBase):
         if cfg.keep_special_tokens:  # the markers are special tokens: the parsers read them, content never
             sp["skip_special_tokens"] = False
             sp["spaces_between_special_tokens"] = False
-        want_lp = bool(req.logprobs)
-        top_n = req.top_logprobs or 0
         rid, _ = self.make_rid(req, 1)
         obj = io.GenerateReqInput(input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
-                                  return_logprob=want_lp, logprob_start_len=-1, top_logprobs_num=top_n,
-                                  lora_path=lora)
+                                  return_logprob=bool(req.logprobs), logprob_start_len=-1,
+                                  top_logprobs_num=req.top_logprobs or 0, lora_path=lora)
+        return PreparedChat(obj, rid, len(ids), cfg)
+
+    async def create(self, request: Request, body: dict[str, Any]) -> Response:
+        req = parse_model(ChatCompletionRequest, body)
+        prep = await self.prepare(req)
+        obj, rid, cfg, prompt_len = prep.obj, prep.rid, prep.cfg, prep.prompt_len
+        want_lp = bool(req.logprobs)
         if req.stream:
             return await self.stream(request, obj, "messages",
-                                     lambda outs: self._render_stream(req, outs, len(ids), rid, cfg))
+                                     lambda outs: self._render_stream(req, outs, prompt_len, rid, cfg))
         outs = await self.collect(request, obj, "messages")
         choices = []
         completion_tokens = 0
@@ -172,7 +189,7 @@ class OpenAIServingChat(OpenAIServingBase):
             completion_tokens += meta.get("completion_tokens", 0)
         resp = self.base_response(rid, "chat.completion", req)
         resp["choices"] = choices
-        resp["usage"] = self.usage(len(ids), completion_tokens, outs[0]["meta_info"].get("cached_tokens", 0)
+        resp["usage"] = self.usage(prompt_len, completion_tokens, outs[0]["meta_info"].get("cached_tokens", 0)
                                    if outs else 0)
         resp["system_fingerprint"] = None
         return json_response(resp)

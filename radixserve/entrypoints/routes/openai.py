@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API: GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions, and on a
+"""The OpenAI-compatible API: GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions, POST
+/v1/responses (serving_responses.py, on the chat path), and on a
 --is-embedding server POST /v1/embeddings (with the native POST /encode); on a cross-encoder's server POST
 /v1/rerank and POST /v1/score (serving_score.py; also as vLLM's /rerank and /score)."""
 
@@ -53,6 +54,15 @@ async def chat_completions(request: Request) -> Response:
     state.ensure_generation()
     state.ensure_serving()
     return await state.chat.create(request, body)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    state.ensure_generation()
+    state.ensure_serving()
+    return await state.responses.create(request, body)
 
 
 @router.post("/v1/embeddings")
