@@ -140,6 +140,8 @@ def test_dummy_weights_and_rotary_tables(tmp_path) -> None:  # noqa: ANN001
     assert len(StaticBatch(runner).generate(PROMPTS, 4)[0]) == 4
     norms = [m.q_norm.weight for m in runner.model.modules() if hasattr(m, "q_norm")]
     assert len(norms) == 3 and all(bool((w == 1).all()) for w in norms)
+    nope = {id(layer.self_attn.rotary_emb) for layer in runner.model.model.layers if not layer.self_attn.rotates}
+    assert len(nope) == 1 and runner.model.model.layers[3].self_attn.rotary_emb.rotary_dim == 0  # one shared table
     _edit_config(path, max_position_embeddings=10_000_000)
     model = Llama4ForCausalLM(ModelConfig(path).hf_config)
     assert model.model.layers[0].self_attn.rotary_emb.cos_cache.shape[0] == TABLE_POSITIONS

@@ -109,9 +109,7 @@ class WeightlessRMSNorm(nn.Module):
 class Llama4Attention(LlamaAttention):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, rotary: RotaryEmbedding,
                  qkv_bias: bool = False, qk_norm: bool = False, sinks: bool = False) -> None:
-        rotates = rope_layers(config)[layer_id]
-        if not rotates:  # NoPE: a table that turns nothing (rotary_dim 0: cos 1, sin 0 on every kernel path)
-            rotary = RotaryEmbedding(attention_head_dim(config), 1, 10000.0, rotary_dim=0)
+        self.rotates = rotates = rope_layers(config)[layer_id]  # (NoPE layers: Llama4Model gives their table)
         qk_norm = bool(getattr(config, "use_qk_norm", True)) and rotates
         super().__init__(config, layer_id, tp_rank, tp_size, rotary, qkv_bias, qk_norm, sinks=sinks,
                          attention_chunk_size=layer_chunks(config)[layer_id])
@@ -185,6 +183,17 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
 class Llama4Model(LlamaModel):
     layer_cls = Llama4DecoderLayer
     table_positions = TABLE_POSITIONS
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        # the NoPE layers share one table that turns nothing (rotary_dim 0: cos 1, sin 0 on every kernel path),
+        # extended with the rope table to the served positions
+        nope = None
+        for layer in self.layers:
+            if not layer.self_attn.rotates:
+                if nope is None:
+                    nope = RotaryEmbedding(layer.self_attn.head_dim, 1, 10000.0, rotary_dim=0)
+                layer.self_attn.rotary_emb = nope
 
 
 # checkpoint names -> ours: the feed-forward block is `mlp` here; stacked experts transposed to [E, out, in]
