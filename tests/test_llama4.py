@@ -182,3 +182,16 @@ def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
     llama4(path, seed=4, initializer_range=INIT_RANGE)
     got, want = tp2_and_tp1_outputs(path, PROMPTS)
     assert got == want
+
+
+def test_layout_orders_stay_on_the_cpu_under_a_device_default() -> None:
+    """Models are built under the GPU as default device, the checkpoint's tensors arrive on the CPU: the q/k layout
+    orders that index them are CPU tensors whatever the default (on an H100 a CUDA order failed to index them)."""
+    from radixserve.layers.rotary_embedding import partial_rotary_order
+    from radixserve.models.glm4 import rotary_order
+
+    with torch.device("meta"):
+        orders = [rotary_order(16, 16, interleaved=True), rotary_order(16, 8, interleaved=True),
+                  partial_rotary_order(16, 8)]
+    assert all(o.device.type == "cpu" for o in orders)
+    assert rotary_order(16, 16, interleaved=True).tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]

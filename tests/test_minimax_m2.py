@@ -220,3 +220,19 @@ def test_tp2_matches_tp1(over: dict, tmp_path) -> None:  # noqa: ANN001
     make_tiny_model("minimax_m2", path, seed=4, initializer_range=INIT_RANGE, **over)
     got, want = tp2_and_tp1_outputs(path, PROMPTS)
     assert got == want
+
+
+def test_rotary_dim_alone_sets_the_partial_rotation() -> None:
+    """A config with `rotary_dim` and no partial_rotary_factor (as transformers before 5.2x keeps MiniMax-M2's)
+    rotates rotary_dim dims of each head; a stated factor that disagrees is refused."""
+    from types import SimpleNamespace
+
+    from radixserve.models.minimax_m2 import minimax_rotary
+
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=2, head_dim=32, rotary_dim=16,
+                          max_position_embeddings=64, rope_theta=10000.0)
+    assert minimax_rotary(cfg).rotary_dim == 16
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=2, head_dim=32, rotary_dim=16, partial_rotary_factor=1.0,
+                          max_position_embeddings=64, rope_theta=10000.0)
+    with pytest.raises(ValueError, match="rotary_dim 16 disagrees"):
+        minimax_rotary(cfg)

@@ -82,8 +82,10 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """The order of a head's dims under partial rotation (see the module's note): new dim j holds old dim order[j].
     The first half gets transformers' rotated first half (0 .. r/2 - 1) then half of the unrotated dims, the second
     half its rotated second half (r/2 .. r - 1) then the other unrotated dims."""
-    r, half, rest = rotary_dim // 2, head_dim // 2, torch.arange(rotary_dim, head_dim)
-    return torch.cat([torch.arange(r), rest[:half - r], torch.arange(r, rotary_dim), rest[half - r:]])
+    # on the CPU whatever the default device (models are built under the GPU's): it indexes checkpoint tensors
+    r, half, rest = rotary_dim // 2, head_dim // 2, torch.arange(rotary_dim, head_dim, device="cpu")
+    return torch.cat([torch.arange(r, device="cpu"), rest[:half - r], torch.arange(r, rotary_dim, device="cpu"),
+                      rest[half - r:]])
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

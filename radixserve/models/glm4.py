@@ -59,9 +59,11 @@ def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool) -> torch.Ten
         raise ValueError(f"rotary_dim {rotary_dim} must be even and in 1..head_dim {head_dim} (even)")
     if not interleaved:
         return None if rotary_dim == head_dim else partial_rotary_order(head_dim, rotary_dim)
-    half, rest = head_dim // 2, torch.arange(rotary_dim, head_dim)
+    # on the CPU whatever the default device (models are built under the GPU's): it indexes checkpoint tensors
+    half, rest = head_dim // 2, torch.arange(rotary_dim, head_dim, device="cpu")
     r = rotary_dim // 2
-    return torch.cat([torch.arange(0, rotary_dim, 2), rest[:half - r], torch.arange(1, rotary_dim, 2),
+    return torch.cat([torch.arange(0, rotary_dim, 2, device="cpu"), rest[:half - r],
+                      torch.arange(1, rotary_dim, 2, device="cpu"),
                       rest[half - r:]])
 
 

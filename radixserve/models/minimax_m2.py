@@ -30,7 +30,7 @@ from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.models.glm4 import Glm4Model, GlmLayout, unbiased_o_proj
-from radixserve.models.llama import LlamaDecoderLayer, check_hidden_act, load_plain, model_rotary
+from radixserve.models.llama import LlamaDecoderLayer, attention_head_dim, check_hidden_act, load_plain, model_rotary
 from radixserve.models.olmo2 import OlmoAttention
 from radixserve.models.qwen2_moe import MoECausalLM, SparseMoeBlock
 
@@ -88,8 +88,12 @@ def check_config(config: PretrainedConfig) -> None:
 def minimax_rotary(config: PretrainedConfig) -> RotaryEmbedding:
     """The shared rotary tables over the first rotary_dim dims of each head (partial_rotary_factor = rotary_dim /
     head_dim in transformers 5's rope_parameters); a stated rotary_dim must agree with them."""
-    rotary = model_rotary(config)
     stated = getattr(config, "rotary_dim", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    if stated is not None and params.get("partial_rotary_factor") is None \
+            and getattr(config, "partial_rotary_factor", None) is None:  # (transformers < 5.2x keeps rotary_dim only)
+        config.partial_rotary_factor = int(stated) / attention_head_dim(config)
+    rotary = model_rotary(config)
     if stated is not None and int(stated) != rotary.rotary_dim:
         raise ValueError(f"rotary_dim {stated} disagrees with partial_rotary_factor (rotary_dim "
                          f"{rotary.rotary_dim} of head_dim {rotary.head_dim})")
