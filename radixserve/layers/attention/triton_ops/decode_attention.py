@@ -552,7 +552,10 @@ def decode_attention_fwd(
     grid1 = (num_kv_heads * head_blocks, bs, num_kv_splits) if heads_first else (bs, num_kv_heads * head_blocks,
                                                                                    num_kv_splits)
     direct = num_kv_splits == 1  # stage 1 writes the output itself; no stage 2
-    merge = not direct and counters is not None  # stage 1's last program of each head block merges; no stage 2
+    # stage 1's last program of each head block merges; no stage 2. Not with sinks: Triton 3.6's thread-locality
+    # pass asserts on that variant (the split loop's running max read by the sink weight and the partial's store;
+    # GPT-OSS's batch-64 decode on an H100), so stage 2 adds them
+    merge = not direct and counters is not None and sinks is None
     merge_heads = min(block_h, triton.next_power_of_2(group))  # the block's real heads (block_h pads them to 16)
     launch(_decode_stage1_kernel, grid1,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
