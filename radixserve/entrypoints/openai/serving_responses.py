@@ -113,7 +113,8 @@ class ResponseEvents:
 
     # ------------------------------------------------------------------ items
     def _where(self) -> dict[str, Any]:
-        assert self.open is not None
+        if self.open is None:  # (an internal ordering error: every delta comes after its item was added)
+            raise RuntimeError("a Responses stream event came before its output item was opened")
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
 
     def _add(self, item: dict[str, Any]) -> list[bytes]:
