@@ -17,77 +17,21 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.bench_one_batch import (  # noqa: E402
-    StaticBatch,
     latency_test,
     measure_copy_bandwidth,
     print_profile,
     profile_decode,
     profile_prefill,
 )
-from radixserve.layers.moe import FusedMoE  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
-
-
-def expert_layers(runner: ModelRunner) -> list[FusedMoE]:
-    return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-
-
-def bytes_of(params: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def distinct_experts(runner: ModelRunner, batch_size: int, input_len: int, seed: int) -> list[int]:
-    """Distinct experts each MoE layer routes this batch's tokens to in one eager decode step."""
-    layers = expert_layers(runner)
-    counts: list[int] = []
-    originals = []
-    for layer in layers:
-        orig = layer.run_experts
-
-        def recording(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *, _orig: Any = orig
-                      ) -> torch.Tensor:
-            counts.append(int(ids.unique().numel()))
-            return _orig(x, weights, ids)
-
-        originals.append(orig)
-        layer.run_experts = recording  # type: ignore[method-assign]
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, runner.model_config.vocab_size, (batch_size, input_len), generator=g).tolist()
-    sb = StaticBatch(runner)
-    graphs, runner.cuda_graph_runner = runner.cuda_graph_runner, None
-    try:
-        batch, _ = sb.prefill(prompts)
-        counts.clear()
-        sb.decode(batch)
-        sb.release(batch)
-    finally:
-        runner.cuda_graph_runner = graphs
-        for layer, orig in zip(layers, originals, strict=True):
-            layer.run_experts = orig  # type: ignore[method-assign]
-    return counts
-
-
-def active_bytes(runner: ModelRunner, result: dict[str, Any], experts_hit: list[int]) -> dict[str, float]:
-    layers = expert_layers(runner)
-    expert_total = sum(bytes_of([m.w13_weight, m.w2_weight]) for m in layers)
-    per_expert = [bytes_of([m.w13_weight, m.w2_weight]) / m.num_local_experts for m in layers]
-    model = runner.model
-    embed = model.model.embed_tokens.weight
-    tied = model.lm_head is model.model.embed_tokens
-    dense = runner.weight_bytes - expert_total - (0 if tied else embed.numel() * embed.element_size())
-    routed = sum(n * b for n, b in zip(experts_hit, per_expert, strict=True))
-    avg_len = result["input_len"] + result["output_len"] / 2
-    kv = result["batch_size"] * avg_len * runner.token_to_kv_pool.bytes_per_token()
-    return {"dense_bytes": dense, "routed_bytes": routed, "kv_bytes": kv, "step_bytes": dense + routed + kv,
-            "experts_hit_per_layer": sum(experts_hit) / max(1, len(experts_hit))}
+from radixserve.step_bytes import distinct_experts, moe_step_bytes  # noqa: E402
 
 
 def steps_recaptured(runner: ModelRunner, batch_sizes: list[int], input_len: int, output_len: int, seed: int,
@@ -176,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     for bs in args.batch_size:
         latency_test(runner, bs, args.input_len, 4, server_args.random_seed)  # warm-up
         r = latency_test(runner, bs, args.input_len, args.output_len, server_args.random_seed)
-        r.update(active_bytes(runner, r, distinct_experts(runner, bs, args.input_len, server_args.random_seed)))
+        r.update(moe_step_bytes(runner, r, distinct_experts(runner, bs, args.input_len, server_args.random_seed)))
         r["roofline_s"] = r["step_bytes"] / copy_bw
         r["bandwidth_util"] = r["roofline_s"] / r["median_decode_s"]
         rows.append(r)

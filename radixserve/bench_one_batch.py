@@ -187,11 +187,20 @@ def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) 
     return 2 * nbytes / seconds
 
 
-def add_bandwidth(result: dict[str, Any], runner: ModelRunner, copy_bw: float) -> None:
-    """Bytes a decode step must read (all weights + the KV of every token attended to) over step time."""
-    kv_per_token = runner.token_to_kv_pool.bytes_per_token()
-    avg_len = result["input_len"] + result["output_len"] / 2
-    step_bytes = runner.weight_bytes + result["batch_size"] * avg_len * kv_per_token
+def add_bandwidth(result: dict[str, Any], runner: ModelRunner, copy_bw: float, seed: int = 0) -> None:
+    """Bytes a decode step must read over step time: all weights + the KV of every token attended to, or for an
+    MoE model the weights every token passes through, the experts this batch touches and the KV
+    (`step_bytes.moe_step_bytes`)."""
+    from radixserve.step_bytes import distinct_experts, expert_layers, moe_step_bytes
+
+    if expert_layers(runner):
+        hit = distinct_experts(runner, result["batch_size"], result["input_len"], seed)
+        result.update(moe_step_bytes(runner, result, hit))
+        step_bytes = result["step_bytes"]
+    else:
+        kv_per_token = runner.token_to_kv_pool.bytes_per_token()
+        avg_len = result["input_len"] + result["output_len"] / 2
+        step_bytes = runner.weight_bytes + result["batch_size"] * avg_len * kv_per_token
     achieved = step_bytes / result["median_decode_s"]
     result.update(step_bytes=step_bytes, achieved_bw_gbs=achieved / 1e9, copy_bw_gbs=copy_bw / 1e9,
                   bandwidth_util=achieved / copy_bw)
@@ -431,7 +440,7 @@ def main(argv: list[str] | None = None, tp_rank: int | None = None) -> None:
                 latency_test(runner, bs, input_len, min(args.output_len, 4), server_args.random_seed)
             r = latency_test(runner, bs, input_len, args.output_len, server_args.random_seed)
             if copy_bw is not None and r["decode_tok_s"]:
-                add_bandwidth(r, runner, copy_bw)
+                add_bandwidth(r, runner, copy_bw, server_args.random_seed)
             results.append(r)
     probe = host_probe_us()
     if copy_bw is not None:
