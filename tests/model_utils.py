@@ -92,6 +92,10 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
     elif kind == "minimax_m2":  # whole-width q/k norm, partial neox rotation, sigmoid + correction-bias top-k
         cfg = tf.MiniMaxM2Config(**{**kw, "intermediate_size": 32}, head_dim=32, rotary_dim=16, num_local_experts=8,
                                  num_experts_per_tok=3, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        # transformers before 5.2x ignore the released checkpoints' `rotary_dim` (their reference then rotates the
+        # whole head): state the partial rotation in their form too, as 5.2x derives it
+        cfg.rope_parameters = {**(cfg.rope_parameters or {}), "partial_rotary_factor": 16 / 32}
+        cfg.partial_rotary_factor = 16 / 32
     elif kind == "seed_oss":  # Llama with q/k/v biases (o_proj's and the MLP's off, as released), head_dim set
         cfg = tf.SeedOssConfig(**{"attention_bias": True, "attention_out_bias": False, "mlp_bias": False, **kw},
                                head_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -114,6 +118,9 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, **over: Any) -> Any:
     else:
         raise ValueError(kind)
     model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
+    if kind == "gpt_oss":  # transformers before 5.18 clamp at a fixed 7.0, not the config's swiglu_limit
+        for layer in model.model.layers:
+            layer.mlp.experts.limit = cfg.swiglu_limit
     with torch.no_grad():  # make biases and norms non-trivial so a dropped term is visible
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith((".bias", "_proj_bias")):
