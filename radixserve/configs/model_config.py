@@ -203,6 +203,7 @@ class ModelConfig:
         self.v_head_dim: int = int(getattr(text_cfg, "v_head_dim", 0) or 0) or self.head_dim
 
         self.context_len: int = self._context_len(text_cfg, context_length)
+        self._check_dynamic_rope(text_cfg)
         self.is_encoder: bool = is_encoder(archs)  # BERT / XLM-R embedding models (configs/encoder.py)
         if self.is_encoder:  # no position past the table: the context is what it covers
             self.context_len = min(self.context_len, encoder_max_tokens(text_cfg))
@@ -367,6 +368,19 @@ class ModelConfig:
             logger.warning("context_length %d is larger than the model's %d (%s); outputs past %d tokens may be "
                            "poor", override, model_len, self._config_source, model_len)
         return override
+
+    def _check_dynamic_rope(self, cfg: Any) -> None:
+        """Dynamic NTK rope scaling (InternLM3's): transformers rotates with the config's frequencies while a
+        sequence stays within the original context and rescales every position's once it grows past it, which keys
+        already in a KV cache cannot follow; so the served context stops at the original one."""
+        if (self.rope_scaling or {}).get("rope_type") != "dynamic":
+            return
+        limit = self.rope_scaling.get("original_max_position_embeddings") or getattr(cfg, "max_position_embeddings",
+                                                                                      None)
+        if limit and self.context_len > int(limit):
+            raise ValueError(f"context_length {self.context_len} is past {int(limit)} positions, where dynamic NTK "
+                             f"rope scaling (rope_type 'dynamic') would change the rotation of every cached key; "
+                             f"serve at most {int(limit)} tokens (--context-length {int(limit)})")
 
     def _eos_token_ids(self, cfg: Any) -> set[int]:
         ids = _as_id_set(getattr(cfg, "eos_token_id", None))

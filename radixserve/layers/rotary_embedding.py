@@ -147,13 +147,15 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         elif kind == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
+        elif kind == "dynamic":  # dynamic NTK: the config's own frequencies up to its original context, where
+            pass                 # transformers rescales nothing (ModelConfig refuses a longer served context)
         elif kind == "yarn":
             inv_freq, attention_factor = _yarn_inv_freq(base, rotary_dim, rope_scaling, max_position)
         elif kind == FREQ_FACTORS:
             inv_freq = inv_freq / _freq_factors(rope_scaling, rotary_dim)
         elif kind not in ("default", None):
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
-                             f"longrope, {FREQ_FACTORS})")
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, dynamic, llama3, "
+                             f"yarn, longrope, {FREQ_FACTORS})")
         if rotary_dim < head_dim:  # the dims past rotary_dim / 2 of each half keep frequency 0
             pad = inv_freq.new_zeros((head_dim - rotary_dim) // 2)
             inv_freq = torch.cat([inv_freq, pad])

@@ -445,3 +445,13 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Mistral3ForConditionalGeneration(TextOfMultimodal, MistralForCausalLM):
     """Mistral Small 3.1 / 3.2 served as text (`models/multimodal_text.py`): its Mistral language model."""
+
+
+class CwmForCausalLM(LlamaForCausalLM):
+    """Meta's CWM: Llama 3 whose `layer_types` put one full-attention layer among sliding-window ones
+    (`sliding_window_size`)."""
+
+
+class InternLM3ForCausalLM(LlamaForCausalLM):
+    """InternLM3: Llama; transformers' config maps its `qkv_bias` / `bias` to attention_bias / mlp_bias, and its
+    dynamic NTK rope keeps the config's frequencies within the original context (`ModelConfig` refuses more)."""

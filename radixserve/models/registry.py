@@ -8,6 +8,8 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "radixserve.models.llama",
     "MistralForCausalLM": "radixserve.models.llama",
     "Mistral3ForConditionalGeneration": "radixserve.models.llama",
+    "CwmForCausalLM": "radixserve.models.llama",
+    "InternLM3ForCausalLM": "radixserve.models.llama",
     "Llama4ForCausalLM": "radixserve.models.llama4",
     "Llama4ForConditionalGeneration": "radixserve.models.llama4",
     "Phi3ForCausalLM": "radixserve.models.phi3",
