@@ -153,6 +153,9 @@ class ServerArgs:
                                         default=30.0)
     graceful_shutdown_timeout: float = _flag("On SIGTERM: seconds in-flight requests may take to finish (new ones "
                                              "get 503) before the rest are aborted", default=30.0)
+    responses_store_size: int = _flag("Most /v1/responses responses kept in the server's memory for "
+                                      "previous_response_id and GET /v1/responses/{id} (the least recently used "
+                                      "go first; lost on restart); 0: store none", default=1000)
     disable_web_ui: bool = _flag("Do not serve the built-in web page (chat playground and dashboard) at /",
                                  default=False)
     enable_metrics: bool = _flag("Expose Prometheus metrics on /metrics", default=False)
@@ -320,6 +323,9 @@ class ServerArgs:
             raise ValueError(f"--api-key-file {self.api_key_file!r} is not a file")
         if self.max_request_bytes <= 0:
             raise ValueError(f"--max-request-bytes must be > 0; got {self.max_request_bytes}")
+        if not isinstance(self.responses_store_size, int) or isinstance(self.responses_store_size, bool) \
+                or self.responses_store_size < 0:
+            raise ValueError(f"--responses-store-size must be an integer >= 0; got {self.responses_store_size!r}")
         if self.request_read_timeout <= 0 or self.graceful_shutdown_timeout < 0:
             raise ValueError("--request-read-timeout must be > 0 and --graceful-shutdown-timeout >= 0")
         if (self.speculative_draft_model_path is not None) != (self.speculative_algorithm == "draft_model"):

@@ -13,6 +13,8 @@ def test_cli_round_trip() -> None:
     assert (args.port, args.max_total_tokens, args.disable_radix_cache) == (31000, 2048, True)
     assert args.schedule_policy == "lpm" and args.dtype == "bfloat16" and args.chunk_size is None
     assert args.host == "127.0.0.1"  # never binds every interface unless told to
+    assert args.responses_store_size == 1000
+    assert prepare_server_args(["--responses-store-size", "0"]).responses_store_size == 0
 
 
 @pytest.mark.parametrize("kw,flag", [
@@ -37,6 +39,8 @@ def test_cli_round_trip() -> None:
     ({"tokenizer_path": "/definitely/not/here"}, "--tokenizer-path"),
     ({"max_lora_rank": 16}, "--max-lora-rank"),  # without LoRA serving
     ({"lora_target_modules": ["q_proj"]}, "--lora-target-modules"),
+    ({"responses_store_size": -1}, "--responses-store-size"),
+    ({"responses_store_size": 1.5}, "--responses-store-size"),
 ])
 def test_invalid_values_name_the_flag(kw, flag) -> None:
     with pytest.raises(ValueError, match=flag):

@@ -3,8 +3,8 @@
 Routes
   native      POST /generate, GET /health, GET /health_generate, GET /get_model_info, GET /get_server_info,
               GET /get_internal_state, POST /flush_cache, POST /abort_request, GET /version
-  OpenAI      POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
-              GET /v1/models/{model}
+  OpenAI      POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE
+              /v1/responses/{id}, GET /v1/responses/{id}/input_items, GET /v1/models, GET /v1/models/{model}
   metrics     GET /metrics (with --enable-metrics)
 
 Routes live in `routes/` (one router per concern), middleware (API key, body size and read timeout) in
@@ -81,7 +81,7 @@ def create_app(tokenizer_manager: TokenizerManager, processes: Any, server_args:
                         completions=OpenAIServingCompletion(tm, name, aliases, grammar_ok),
                         chat=OpenAIServingChat(tm, name, aliases, grammar_ok), metrics=metrics,
                         grammar_ok=grammar_ok)
-    state.responses = OpenAIServingResponses(state.chat)
+    state.responses = OpenAIServingResponses(state.chat, server_args.responses_store_size)
     if metrics is not None:
         tm.metrics = metrics
     state.live_stats = web.attach_live_stats(tm)

@@ -284,7 +284,7 @@ class ResponsesText(_Strict):
 
 class ResponsesReasoning(_Strict):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summary is written
+    summary: Literal["auto", "concise", "detailed"] | None = None  # the reasoning text itself; "concise": a 400
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (deprecated name of summary)
 
 
@@ -311,8 +311,8 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
-    store: bool | None = None  # nothing is stored whatever its value: the response says "store": false
-    previous_response_id: str | None = None  # not implemented (a 400 when set)
+    store: bool | None = None  # null: true (stored unless --responses-store-size 0; see response_store)
+    previous_response_id: str | None = None  # a stored response to continue
     conversation: str | dict[str, Any] | None = None  # not implemented
     prompt: dict[str, Any] | None = None  # prompt templates: not implemented
     include: list[str] | None = None  # only [] / null

@@ -8,9 +8,13 @@ chat answer (a message with reasoning and tool calls) as Responses output items 
 - Function tools are the flat Responses form mapped to chat tools; `tool_choice` {"type": "function", "name"}
   likewise; `text.format` is chat's `response_format`; `reasoning.effort` reaches chat templates that take
   `reasoning_effort` (GPT-OSS's), and is a 400 elsewhere.
-- Nothing is stored: `store` is accepted whatever its value and the response says `"store": false`;
-  `previous_response_id`, `conversation`, `prompt`, `background`, `include`, `truncation: "auto"`,
-  `max_tool_calls` and `top_logprobs` are 400s unless null/default.
+- `reasoning.summary` (or the older `generate_summary`) "auto" / "detailed": there is no summariser model, so the
+  reasoning item's summary is its reasoning text itself (`summary: [{"type": "summary_text", "text"}]`);
+  "concise" is a 400; null leaves `summary: []`.
+- Storage (`store`, `previous_response_id`, GET/DELETE /v1/responses/{id}) is serving_responses' and
+  response_store's: here the stored conversation (`history`) is read before `input`, and `input_items` writes the
+  items to store. `conversation`, `prompt`, `background`, `include`, `truncation: "auto"`, `max_tool_calls` and
+  `top_logprobs` are 400s unless null/default.
 - Errors of the chat path name the Responses field (`remap_error`: `tools[0].function.name` -> `tools[0].name`,
   `messages` -> `input`, `response_format` -> `text.format`, `max_tokens` -> `max_output_tokens`)."""
 
@@ -56,9 +60,6 @@ def _invalid(param: str, what: str) -> APIError:
 # ---------------------------------------------------------------------------------------------- request checks
 def check_request(req: ResponsesRequest) -> None:
     """Fields of features this server does not have: null/default values only."""
-    if req.previous_response_id is not None:
-        raise _unsupported("previous_response_id", "this server stores no responses; send the whole conversation "
-                                                   "in input (the previous output items included)")
     if req.conversation is not None:
         raise _unsupported("conversation", "conversations are not stored by this server; send the items in input")
     if req.prompt is not None:
@@ -74,6 +75,11 @@ def check_request(req: ResponsesRequest) -> None:
         raise _unsupported("max_tool_calls", "not supported (parallel_tool_calls false allows one call); send null")
     if req.top_logprobs:
         raise _unsupported("top_logprobs", "logprobs are not returned by /v1/responses; send null or 0")
+    for name in ("summary", "generate_summary"):
+        if req.reasoning is not None and getattr(req.reasoning, name) == "concise":
+            raise _unsupported(f"reasoning.{name}", "'concise' is not supported: this server has no summariser, the "
+                                                    "summary is the model's reasoning text itself; send 'auto' or "
+                                                    "'detailed' (or null for no summary)")
     if req.stream_options is not None:
         if not req.stream:
             raise _invalid("stream_options", "only allowed when stream is true")
@@ -84,6 +90,12 @@ def check_request(req: ResponsesRequest) -> None:
         value = req.stream_options.get("include_obfuscation")
         if value is not None and not isinstance(value, bool):
             raise _invalid("stream_options.include_obfuscation", f"must be a boolean, got {value!r}")
+
+
+def wants_summary(req: ResponsesRequest) -> bool:
+    """Whether reasoning items carry a summary (`reasoning.summary` or `generate_summary` set; check_request
+    refused "concise")."""
+    return req.reasoning is not None and (req.reasoning.summary or req.reasoning.generate_summary) is not None
 
 
 def function_tools(req: ResponsesRequest) -> list[ResponsesFunctionTool]:
@@ -131,17 +143,25 @@ def _parts_text(parts: list[Any], where: str) -> str:
     return "".join(texts)
 
 
-def input_messages(inp: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
-    """`instructions` and `input` as chat messages (dicts in ChatMessage's form)."""
+def input_messages(inp: str | list[dict[str, Any]], instructions: str | None,
+                   history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """`instructions`, then `history` (a stored conversation's items, see `input_items`), then `input`, as chat
+    messages (dicts in ChatMessage's form). Errors name `input[i]`, counted in `input`."""
     messages: list[dict[str, Any]] = []
     if instructions is not None:
         messages.append({"role": "developer", "content": instructions})
+    items = list(history or [])
+    skip = len(items)
     if isinstance(inp, str):
-        messages.append({"role": "user", "content": inp})
-        return messages
+        if not items:
+            messages.append({"role": "user", "content": inp})
+            return messages
+        items.append({"role": "user", "content": inp})
+    else:
+        items += inp
     calls: set[str] = set()
-    for i, raw in enumerate(inp):
-        where = f"input[{i}]"
+    for i, raw in enumerate(items):
+        where = f"input[{i - skip}]" if i >= skip else f"previous_response_id (item {i})"
         kind = raw.get("type") or "message"
         if kind not in _ITEM_MODELS:
             raise _unsupported(f"{where}.type", f"items of type {kind!r} are not supported (message, function_call, "
@@ -177,9 +197,33 @@ def input_messages(inp: str | list[dict[str, Any]], instructions: str | None) ->
     return messages
 
 
-def chat_request_body(req: ResponsesRequest, template: str | None) -> dict[str, Any]:
-    """The /v1/chat/completions body that runs `req` (`template`: the chat template, to see what it takes)."""
-    body: dict[str, Any] = {"messages": input_messages(req.input, req.instructions), "stream": req.stream}
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as the items a stored response keeps (for `previous_response_id` and GET .../input_items): each with
+    its `id` (the one sent, else a new one), `type`, `status` ("completed" unless sent) and message text as content
+    parts (`input_text`, or `output_text` for the assistant's). `inp` must have passed `input_messages`."""
+    raws = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
+    out = []
+    for raw in raws:
+        kind = raw.get("type") or "message"
+        item = _ITEM_MODELS[kind].model_validate(raw).model_dump(by_alias=True, exclude_none=True)
+        if kind == "message" and isinstance(item["content"], str):
+            part = {"type": "input_text", "text": item["content"]}
+            if item["role"] == "assistant":
+                part = {"type": "output_text", "text": item["content"], "annotations": []}
+            item["content"] = [part]
+        item_id = item.pop("id", None) or new_item_id(_ID_PREFIXES[kind])
+        out.append({"id": item_id, "type": kind, **item, "status": item.get("status") or "completed"})
+    return out
+
+
+def chat_request_body(req: ResponsesRequest, template: str | None,
+                      history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The /v1/chat/completions body that runs `req` (`template`: the chat template, to see what it takes) after
+    the stored conversation `history` (items, see `input_items`) of its previous response."""
+    body: dict[str, Any] = {"messages": input_messages(req.input, req.instructions, history), "stream": req.stream}
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "safety_identifier",
                  "prompt_cache_key", "prompt_cache_retention", "service_tier", "rid"):
         value = getattr(req, name)
@@ -258,9 +302,14 @@ def remap_error(err: APIError) -> APIError:
 
 
 # ---------------------------------------------------------------------------------------------- output -> items
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [],
+def reasoning_item(item_id: str, text: str, status: str, summary: bool = False) -> dict[str, Any]:
+    """A reasoning item; with `summary`, its summary is the reasoning text itself (there is no summariser)."""
+    return {"id": item_id, "type": "reasoning", "summary": [summary_part(text)] if summary else [],
             "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def summary_part(text: str) -> dict[str, Any]:
+    return {"type": "summary_text", "text": text}
 
 
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -273,12 +322,13 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "arguments": arguments}
 
 
-def output_items(message: dict[str, Any], cut: bool) -> list[dict[str, Any]]:
-    """A chat answer (ChoiceOutput.message) as output items: its reasoning, its text (also when empty, unless it
-    called tools) and its calls, in that order; the last one "incomplete" when the answer was cut off."""
+def output_items(message: dict[str, Any], cut: bool, summary: bool = False) -> list[dict[str, Any]]:
+    """A chat answer (ChoiceOutput.message) as output items: its reasoning (`summary`: with its summary), its text
+    (also when empty, unless it called tools) and its calls, in that order; the last one "incomplete" when the
+    answer was cut off."""
     items = []
     if message.get("reasoning_content"):
-        items.append(reasoning_item(new_item_id("rs"), message["reasoning_content"], "completed"))
+        items.append(reasoning_item(new_item_id("rs"), message["reasoning_content"], "completed", summary))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
         items.append(message_item(new_item_id("msg"), message.get("content") or "", "completed"))
@@ -297,8 +347,10 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_t
 
 
 def response_object(req: ResponsesRequest, response_id: str, model: str, created_at: int, status: str,
-                    output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
-    """The response object: its output and status, with the request's settings echoed as OpenAI does."""
+                    output: list[dict[str, Any]], usage: dict[str, Any] | None, store: bool = False
+                    ) -> dict[str, Any]:
+    """The response object: its output and status, with the request's settings echoed as OpenAI does (`store`:
+    whether this response is stored)."""
     fmt = req.text.format if req.text is not None else None
     reasoning = req.reasoning
     choice = req.tool_choice
@@ -307,10 +359,10 @@ def response_object(req: ResponsesRequest, response_id: str, model: str, created
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": reasoning.effort if reasoning else None,
                       "summary": (reasoning.summary or reasoning.generate_summary) if reasoning else None},
-        "store": False, "background": False, "temperature": req.temperature, "top_p": req.top_p,
+        "store": store, "background": False, "temperature": req.temperature, "top_p": req.top_p,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"},
                  "verbosity": (req.text.verbosity if req.text else None) or "medium"},
         "tool_choice": (choice if isinstance(choice, str) else choice.model_dump()) if choice is not None

@@ -1,5 +1,6 @@
 """The OpenAI-compatible API: GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions, POST
-/v1/responses (serving_responses.py, on the chat path), and on a
+/v1/responses (serving_responses.py, on the chat path) with its stored responses (GET and DELETE
+/v1/responses/{response_id}, GET /v1/responses/{response_id}/input_items), and on a
 --is-embedding server POST /v1/embeddings (with the native POST /encode); on a cross-encoder's server POST
 /v1/rerank and POST /v1/score (serving_score.py; also as vLLM's /rerank and /score)."""
 
@@ -63,6 +64,27 @@ async def responses(request: Request) -> Response:
     state.ensure_generation()
     state.ensure_serving()
     return await state.responses.create(request, body)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str) -> Response:
+    state = server_state(request)
+    state.ensure_generation()
+    return state.responses.retrieve(response_id, request.query_params)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    state = server_state(request)
+    state.ensure_generation()
+    return state.responses.delete(response_id)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(request: Request, response_id: str) -> Response:
+    state = server_state(request)
+    state.ensure_generation()
+    return state.responses.list_input_items(response_id, request.query_params)
 
 
 @router.post("/v1/embeddings")
