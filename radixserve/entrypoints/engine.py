@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from radixserve.configs.encoder import apply_encoder_args, is_classifier
+from radixserve.configs.hybrid import apply_hybrid_args
 from radixserve.configs.model_config import ModelConfig
 from radixserve.managers import io_struct as io
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
@@ -75,6 +76,7 @@ def resolve_model(server_args: ServerArgs) -> ModelConfig:
                       load_format=server_args.load_format, trust_remote_code=server_args.trust_remote_code)
     server_args.model_path = cfg.model_path
     apply_encoder_args(server_args, cfg)  # an encoder (BERT, XLM-R): embeddings, no radix cache or chunking
+    apply_hybrid_args(server_args, cfg)  # linear-attention layers (Qwen3-Next, Qwen3.5): no radix cache
     explicit = server_args.tokenizer_path is not None
     if not explicit:
         server_args.tokenizer_path = cfg.tokenizer_path

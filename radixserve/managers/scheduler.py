@@ -22,6 +22,7 @@ import zmq
 from tqdm import tqdm
 
 from radixserve.configs.encoder import apply_encoder_args, embedding_normalize
+from radixserve.configs.hybrid import apply_hybrid_args
 from radixserve.configs.model_config import ModelConfig
 from radixserve.lora.slots import LoRASlotTable
 from radixserve.managers.schedule_batch import LaunchedBatch, Req, ScheduleBatch
@@ -63,6 +64,7 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
                                         load_format=server_args.load_format,
                                         trust_remote_code=server_args.trust_remote_code)
         apply_encoder_args(server_args, self.model_config)  # an encoder: embeddings, no radix cache or chunking
+        apply_hybrid_args(server_args, self.model_config)  # linear-attention layers: no radix cache
         # embeddings are L2-normalised unless the model's sentence-transformers modules.json has no Normalize (and
         # never a cross-encoder's scores)
         self.embed_normalize = not server_args.is_embedding or embedding_normalize(

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from radixserve.configs.hybrid import apply_hybrid_args
 from radixserve.configs.model_config import ModelConfig
 from radixserve.distributed.parallel_state import (
     broadcast_tensor_from_first_rank,
@@ -121,6 +122,7 @@ class ModelRunner:
                  gpu_id: int = 0, decode_rows_per_request: int | None = None) -> None:
         self.model_config = model_config
         self.server_args = server_args
+        apply_hybrid_args(server_args, model_config)  # linear-attention layers: no prefix cache, no extend graphs
         # decode-shaped forwards carry this many rows per running request at most: 1, or 1 + k with speculation
         # (a verify is one decode row per token), which the CUDA graphs are captured for
         if decode_rows_per_request is None:
@@ -266,7 +268,8 @@ class ModelRunner:
     def _init_memory_pool(self) -> None:
         cfg, args = self.model_config, self.server_args
         num_kv_heads = max(1, cfg.num_key_value_heads // self.tp_size)
-        head_dim, num_layers, max_total = cfg.head_dim, cfg.num_hidden_layers, args.max_total_tokens
+        # (a hybrid model's linear-attention layers hold no KV: their recurrent states are sized below)
+        head_dim, num_layers, max_total = cfg.head_dim, cfg.kv_layer_count, args.max_total_tokens
         if getattr(cfg, "is_encoder", False):
             # an encoder attends within its forward and stores no KV: the pool only counts the tokens in flight
             # (one element a slot) and is sized by tokens, not memory: two prefill batches' worth unless given
@@ -289,6 +292,8 @@ class ModelRunner:
             frac = args.mem_fraction_static or 0.85
             # Keep (1 - frac) of the card for activations, CUDA graphs and the sampler.
             rest = free - total * (1 - frac)
+            state_cap = self._state_request_cap(rest)
+            rest -= (state_cap + 2) * self.state_bytes if self.state_bytes else 0
             if rest <= cell * 64:
                 raise ValueError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
                                  f"loading {self.weight_bytes / 2**30:.1f} GiB of weights; raise "
@@ -298,6 +303,7 @@ class ModelRunner:
                 size = min(size, max_total)
         else:
             size = max_total or CPU_DEFAULT_MAX_TOTAL_TOKENS
+            state_cap = self._state_request_cap(None)
         self.max_total_num_tokens = size
         self.context_len = cfg.context_len
         max_reqs = args.max_running_requests or max(1, min(1024 if self.is_cuda else 256, size // 2))
@@ -305,6 +311,8 @@ class ModelRunner:
             # every decode batch replays a graph: more requests at once would decode eagerly (host-bound) and fill
             # the pool until requests are retracted (both measured slower on the 8B offline run)
             max_reqs = min(max_reqs, self.cuda_graph_max_bs)
+        if self.state_bytes:
+            max_reqs = min(max_reqs, state_cap)
         self.max_running_requests = max_reqs
         # a request never holds more tokens than the pool: its row of the request table (and the rotary tables)
         # need no more positions than that, however long the model's context (Llama 4 Scout's: 10M tokens)
@@ -319,6 +327,27 @@ class ModelRunner:
                                                   self.device, page_size=args.page_size)
         size = self.max_total_num_tokens = self.token_to_kv_pool.size  # whole pages
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
+        if self.state_bytes:  # one state row per request slot (and one for CUDA-graph padding rows)
+            self.model.allocate_states(max_reqs + 1, self.dtype, self.device)
+            logger.info("linear-attention states: %.1f MiB a request, %.2f GiB for %d slots", self.state_bytes / 2**20,
+                        (max_reqs + 2) * self.state_bytes / 2**30, max_reqs + 1)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of a hybrid model's recurrent state per request (0 for a model without linear attention)."""
+        fn = getattr(self.model, "state_bytes_per_request", None)
+        return fn(self.dtype) if fn is not None else 0
+
+    def _state_request_cap(self, budget: float | None) -> int:
+        """A hybrid model's most running requests: --max-running-requests, else as many as a quarter of the memory
+        `budget` (CUDA) holds states for, at most the decode graphs' batch (32 on the CPU)."""
+        if not self.state_bytes:
+            return 1 << 30
+        if self.server_args.max_running_requests:
+            return self.server_args.max_running_requests
+        if budget is None:
+            return 32
+        return max(1, min(self.cuda_graph_max_bs, int(0.25 * budget // self.state_bytes)))
 
     def _calculate_kv_scales(self) -> None:
         from radixserve.layers.quantization.kv_calibration import calculate_kv_scales, calibration_text

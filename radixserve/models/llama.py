@@ -153,6 +153,12 @@ class LlamaAttention(nn.Module):
                 return self._out(self.attn(q, k, v, forward_batch, save_kv_cache=False))
             qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self._out(self.attend(positions, q, k, v, forward_batch))
+
+    def attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               forward_batch: ForwardBatch) -> torch.Tensor:
+        """Attention of projected q, k, v (rows of [T, heads x head_dim]): the q/k norms, the rotation and the KV
+        store (fused where the rotary kernel can), then the backend; o_proj is the caller's."""
         norm = None
         if self.qk_norm:
             if self.rotary_emb.can_fuse(q, k):  # normalised inside the rotary kernel: two launches fewer
@@ -164,8 +170,7 @@ class LlamaAttention(nn.Module):
                 k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         kv_write = self._kv_write(q, k, v, forward_batch)
         q, k = self.rotary_emb(positions, q, k, kv_write, norm)
-        out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
-        return self._out(out)
+        return self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
 
     def _out(self, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj's product, times Granite's residual_multiplier where the model sets one (output_scale)."""
@@ -358,7 +363,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = self.build_model(config, tp_rank, tp_size)
-        rotary = self.model.layers[0].self_attn.rotary_emb if len(self.model.layers) else None
+        attn = next((layer.self_attn for layer in self.model.layers if hasattr(layer, "self_attn")), None)
+        rotary = attn.rotary_emb if attn is not None else None  # (a hybrid model's first layers may have none)
         if rotary is not None and 0 < rotary.rotary_dim < rotary.head_dim and not self.partial_rotary:
             raise ValueError(f"{type(self).__name__} does not support partial_rotary_factor (rotary_dim "
                              f"{rotary.rotary_dim} of head_dim {rotary.head_dim})")

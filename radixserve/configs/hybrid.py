@@ -1,0 +1,43 @@
+"""Server settings a hybrid model (linear-attention layers beside full-attention ones: Qwen3-Next, Qwen3.5) needs.
+
+Its Gated DeltaNet layers keep one recurrent state per request (`layers/linear_attention.py`): a prefix found in
+the radix cache brings its KV but not the state at its end, so the cache is off (each request computes its prompt;
+chunked prefill carries the state from chunk to chunk). Extend runs those layers request by request, outside the
+prefill and piecewise CUDA graphs, which are off; decode graphs stay. What cannot work is refused."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def apply_hybrid_args(server_args: Any, model_config: Any) -> None:
+    """Set what a hybrid model needs on `server_args` (in place; a no-op for other models), a log line for what
+    changed; ValueError for a setting it cannot serve with."""
+    if not getattr(model_config, "linear_attention_layers", None):
+        return
+    arch = model_config.architectures[0]
+    refused = [(server_args.speculative_algorithm is not None, "--speculative-algorithm (a rejected draft token "
+                "would have to be taken back out of the recurrent state)"),
+               (server_args.enable_lora, "--enable-lora (no adapters for the linear-attention layers)"),
+               (server_args.enable_torch_compile, "--enable-torch-compile"),
+               (server_args.attention_backend == "double_sparsity", "--attention-backend double_sparsity"),
+               (server_args.enable_dp_attention, "--enable-dp-attention")]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"{arch} has linear-attention layers: {what} is not supported")
+    changes = []
+    if not server_args.disable_radix_cache:
+        server_args.disable_radix_cache = True
+        changes.append("radix cache off (a cached prefix does not bring the linear layers' state)")
+    if server_args.prefill_cuda_graph_max_tokens:
+        server_args.prefill_cuda_graph_max_tokens = 0
+        changes.append("prefill CUDA graphs off")
+    if server_args.piecewise_cuda_graph_max_tokens:
+        server_args.piecewise_cuda_graph_max_tokens = 0
+        changes.append("piecewise CUDA graphs off")
+    if changes:
+        logger.info("%s has %d linear-attention layers: %s", arch, len(model_config.linear_attention_layers),
+                    "; ".join(changes))

@@ -1,0 +1,241 @@
+"""Gated DeltaNet, the linear-attention layer of the hybrid Qwen models (Qwen3-Next, Qwen3.5): a recurrent state per
+request instead of a KV cache.
+
+Each token's q, k, v (one projection with z, b and a), after a causal depthwise convolution of width K over the
+q/k/v channels and SiLU, updates a [Dk, Dv] state per value head with the gated delta rule:
+
+    S <- exp(g) * S;  S <- S + k (beta * (v - S^T k))^T;  o = S^T q
+
+(q and k L2-normalised, q scaled by Dk^-1/2, g = -exp(A_log) * softplus(a + dt_bias) <= 0, beta = sigmoid(b); each
+q/k head serves Hv / Hk value heads). The output is RMS-normed per head, times SiLU(z), then out_proj.
+
+State: a request's conv window (the last K - 1 inputs of the convolution, model dtype) and its S (float32), in
+`StateBuffers` rows indexed by its request-pool slot; one more row takes the writes of a CUDA graph's padding rows
+(their KV slot is 0, which no real token has). A prefill chunk whose request has no prefix starts from zeros,
+otherwise from the state its previous chunk left.
+
+Decode (one token a request) is batched tensor ops, captured in the decode CUDA graphs. Extend runs request by
+request: the convolution over [window; tokens] and the delta rule in chunks of 64 tokens, each chunk's updates
+solved at once (a unit lower-triangular system; the "WY" form), the chunks in sequence; a request with one token
+takes the recurrent step.
+
+Tensor parallelism splits the heads: each rank holds Hk / tp key heads and Hv / tp value heads, their channels of
+the projection and of the convolution, and out_proj's matching input columns (one all-reduce after it)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+CHUNK = 64  # tokens whose delta-rule updates are solved together in extend
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for a batch. state [B, H, Dk, Dv], q/k [B, H, Dk] (normalised, q scaled),
+    v [B, H, Dv], g/beta [B, H], all float32 -> (o [B, H, Dv], the new state)."""
+    state = state * g.exp()[..., None, None]
+    remembered = (state * k[..., None]).sum(-2)
+    delta = (v - remembered) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, `chunk` tokens at a time. state [H, Dk, Dv], q/k [H, T, Dk],
+    v [H, T, Dv], g/beta [H, T], float32 -> (o [H, T, Dv], the final state).
+
+    Within a chunk starting from state S0, with c_i the cumulative log decay up to token i, the update each token
+    writes is u_i = beta_i (v_i - e^{c_i} S0^T k_i - sum_{j<i} e^{c_i - c_j} (k_i . k_j) u_j): a unit lower-triangular
+    system (I + A) U = beta * V - (beta e^c * K) S0, solved for the two right-hand sides at once; then
+    o_i = e^{c_i} S0^T q_i + sum_{j<=i} e^{c_i - c_j} (q_i . k_j) u_j and S = e^{c_last} S0 + sum_j e^{c_last - c_j}
+    k_j u_j^T. Padding tokens (k = 0, beta = 0, g = 0) change nothing."""
+    heads, length, dk = k.shape
+    pad = (-length) % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (length + pad) // chunk
+    q, k, v = (t.reshape(heads, n, chunk, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(heads, n, chunk), beta.reshape(heads, n, chunk)
+    cum = g.cumsum(-1)  # [H, N, C]
+    gap = cum[..., :, None] - cum[..., None, :]  # c_i - c_j
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    decay = gap.masked_fill(~lower, float("-inf")).exp()  # e^{c_i - c_j} for j <= i, else 0
+    strict = (k @ k.transpose(-1, -2)) * decay * beta[..., :, None]
+    system = strict.tril(-1) + torch.eye(chunk, dtype=k.dtype, device=k.device)
+    rhs = torch.cat([v * beta[..., None], k * (beta * cum.exp())[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    from_v, from_state = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
+    scores = (q @ k.transpose(-1, -2)) * decay  # [H, N, C, C], causal within the chunk
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    outs = []
+    for c in range(n):
+        u = from_v[:, c] - from_state[:, c] @ state
+        outs.append(q_decayed[:, c] @ state + scores[:, c] @ u)
+        state = state * cum[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
+    out = torch.stack(outs, dim=1).reshape(heads, n * chunk, -1)[:, :length]
+    return out, state
+
+
+class StateBuffers:
+    """One layer's recurrent state for every request slot (+ the padding row): conv windows [slots + 1, C, K - 1]
+    in the model dtype, delta-rule states [slots + 1, Hv, Dk, Dv] in float32."""
+
+    def __init__(self, slots: int, channels: int, width: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.padding_row = slots
+        self.conv = torch.zeros((slots + 1, channels, width - 1), dtype=dtype, device=device)
+        self.ssm = torch.zeros((slots + 1, heads, dk, dv), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_slot(channels: int, width: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> int:
+        return channels * (width - 1) * torch.finfo(dtype).bits // 8 + heads * dk * dv * 4
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        if hk % tp_size or hv % tp_size or hv % hk:
+            raise ValueError(f"linear attention: {hk} key heads and {hv} value heads must be divisible by the tensor "
+                             f"parallel size {tp_size}, and the value heads by the key heads")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"linear attention: hidden_act {config.hidden_act!r} is not supported (silu)")
+        self.hk, self.hv = hk // tp_size, hv // tp_size  # this rank's heads
+        self.width = int(config.linear_conv_kernel_dim)
+        key, value = hk * self.dk, hv * self.dv
+        # q, k, v, z, b, a in one product: this rank's heads of each
+        self.in_proj = MergedColumnParallelLinear(config.hidden_size, [key, key, value, value, hv, hv], False,
+                                                  tp_rank, tp_size)
+        self.sections = list(self.in_proj.shard_sizes)
+        self.channels = sum(self.sections[:3])  # q, k, v: the convolved channels
+        self.conv_weight = nn.Parameter(torch.empty(self.channels, self.width), requires_grad=False)
+        self.conv_weight.weight_loader = self._load_conv
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        for p in (self.A_log, self.dt_bias):
+            p.weight_loader = self._load_heads
+        self.norm_weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)
+        self.eps = config.rms_norm_eps
+        self.out_proj = RowParallelLinear(value, config.hidden_size, False, tp_rank, tp_size)
+        self.tp_rank = tp_rank
+        self.states: StateBuffers | None = None
+
+    # ------------------------------------------------------------------ weights and state
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The checkpoint's conv1d weight [C, 1, K] (all ranks' q, k, v channels): this rank's channels of each."""
+        loaded = loaded.reshape(loaded.shape[0], -1)
+        parts, start = [], 0
+        for n in self.sections[:3]:
+            total = n * (self.in_proj.tp_size)
+            parts.append(loaded[start + self.tp_rank * n: start + (self.tp_rank + 1) * n])
+            start += total
+        if start != loaded.shape[0] or loaded.shape[1] != self.width:
+            raise ValueError(f"linear attention conv1d weight {tuple(loaded.shape)}: expected "
+                             f"({start}, {self.width})")
+        param.data.copy_(torch.cat(parts))
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != (self.hv * self.in_proj.tp_size,):
+            raise ValueError(f"linear attention per-head parameter {tuple(loaded.shape)}: expected "
+                             f"({self.hv * self.in_proj.tp_size},)")
+        param.data.copy_(loaded[self.tp_rank * self.hv:(self.tp_rank + 1) * self.hv])
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        return StateBuffers.bytes_per_slot(self.channels, self.width, self.hv, self.dk, self.dv, dtype)
+
+    def allocate_states(self, slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.states = StateBuffers(slots, self.channels, self.width, self.hv, self.dk, self.dv, dtype, device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        if self.states is None:
+            raise RuntimeError("linear attention states are not allocated (ModelRunner allocates them with the pools)")
+        mixed, z, b, a = self.in_proj(hidden).split([self.channels, *self.sections[3:]], dim=-1)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if forward_batch.forward_mode.is_decode():
+            core = self._decode(mixed, g, beta, forward_batch)
+        else:
+            core = self._extend(mixed, g, beta, forward_batch)
+        return self.out_proj(self._gated_norm(core, z))
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each value head's output (weight after the cast, as transformers), times SiLU(z)."""
+        dtype = z.dtype
+        x = core.reshape(-1, self.dv).float()
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        x = self.norm_weight * x
+        out = x.float() * F.silu(z.reshape(-1, self.dv).float())
+        return out.to(dtype).reshape(z.shape[0], -1)
+
+    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved [T, C] -> q, k [T, Hv, Dk] (normalised, repeated over their value heads, q scaled), v [T, Hv,
+        Dv], float32."""
+        q, k, v = conv_out.float().split(self.sections[:3], dim=-1)
+        t, r = q.shape[0], self.hv // self.hk
+        q = l2_normalize(q.reshape(t, self.hk, self.dk)).repeat_interleave(r, dim=1) * self.dk ** -0.5
+        k = l2_normalize(k.reshape(t, self.hk, self.dk)).repeat_interleave(r, dim=1)
+        return q, k, v.reshape(t, self.hv, self.dv)
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        st = self.states
+        rows = forward_batch.req_pool_indices
+        # a CUDA graph's padding rows (KV slot 0) write the padding row, not a request's
+        rows = torch.where(forward_batch.out_cache_loc != 0, rows, torch.full_like(rows, st.padding_row))
+        window = torch.cat([st.conv[rows], mixed[:, :, None]], dim=-1)  # [B, C, K]
+        st.conv.index_copy_(0, rows, window[:, :, 1:])
+        conv = F.silu((window.float() * self.conv_weight.float()).sum(-1)).to(mixed.dtype)
+        q, k, v = self._split_heads(conv)
+        out, state = delta_rule_step(st.ssm[rows], q, k, v, g, beta)
+        st.ssm.index_copy_(0, rows, state)
+        return out.to(mixed.dtype)
+
+    def _extend(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        st = self.states
+        lens, prefixes = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
+        if lens is None or prefixes is None:
+            raise RuntimeError("linear attention extend needs the batch's extend lengths on the host")
+        rows = forward_batch.req_pool_indices.tolist()
+        outs, start = [], 0
+        for row, n, prefix in zip(rows, lens, prefixes, strict=True):
+            x = mixed[start:start + n]
+            if prefix == 0:  # a fresh sequence (or one recomputed from its start)
+                st.conv[row].zero_()
+                st.ssm[row].zero_()
+            window = torch.cat([st.conv[row], x.t()], dim=-1)  # [C, K - 1 + n]
+            conv = F.conv1d(window.float()[None], self.conv_weight.float()[:, None, :], groups=self.channels)[0]
+            st.conv[row] = window[:, -(self.width - 1):]
+            q, k, v = self._split_heads(F.silu(conv).to(mixed.dtype).t())
+            gi, bi = g[start:start + n], beta[start:start + n]
+            if n == 1:  # (a decode riding in a mixed batch, a one-token chunk): the recurrent step
+                o, state = delta_rule_step(st.ssm[row][None], q, k, v, gi, bi)
+                state = state[0]
+            else:
+                o, state = delta_rule_chunked(st.ssm[row], q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              gi.t(), bi.t())
+                o = o.transpose(0, 1)
+            st.ssm[row] = state
+            outs.append(o)
+            start += n
+        return torch.cat(outs).to(mixed.dtype)
