@@ -1,0 +1,208 @@
+"""The hybrid Qwen models (Qwen3-Next; Qwen3.5 dense, MoE and image-text checkpoints as text) against transformers in
+float32 on tiny random models: three Gated DeltaNet layers, then one gated full-attention layer with a partial
+rotation. Greedy tokens on every CPU-runnable backend; through the scheduler with 5-token chunks (the recurrent state
+carried from chunk to chunk, mixed steps, no prefix cache); TP=2. Also the delta rule's chunked form against its
+recurrent step, the state rows of CUDA-graph padding, the pool and state sizing, and what a hybrid model refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, scheduler_waves
+from parallel_utils import tp2_and_tp1_outputs
+
+from radixserve.bench_one_batch import StaticBatch
+from radixserve.layers.linear_attention import GatedDeltaNet, delta_rule_chunked, delta_rule_step, l2_normalize
+
+PROMPTS = [[5, 17, 42, 99, 3, 200, 7, 8, 9, 10, 11, 12, 13, 14], [1, 2, 3], list(range(30, 110))]
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
+              rms_norm_eps=1e-6, tie_word_embeddings=False)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+           norm_topk_prob=True)
+
+
+def _text_config(kind: str, initializer_range: float) -> object:
+    import transformers as tf
+
+    kw = {**COMMON, "initializer_range": initializer_range}
+    if kind == "qwen3_next":
+        return tf.Qwen3NextConfig(**kw, **MOE, decoder_sparse_step=1)
+    if kind == "qwen3_5_moe":
+        return tf.Qwen3_5MoeTextConfig(**kw, **MOE)
+    return tf.Qwen3_5TextConfig(**kw)
+
+
+def hybrid(path: str, kind: str = "qwen3_next", seed: int = 0, initializer_range: float = 0.2) -> torch.nn.Module:
+    """A tiny hybrid model saved at `path` (partial rotation 0.25: 8 of 32 dims); norms, decays and routers away
+    from their initial values so that each matters."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = _text_config(kind, initializer_range)
+    cfg._attn_implementation = "eager"
+    hf = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(("dt_bias", "A_log")):
+                p.add_(torch.randn_like(p) * 0.3)
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(40.0)  # routers with clear winners
+    hf.save_pretrained(path)
+    return hf
+
+
+def as_image_text(path: str, moe: bool) -> None:
+    """Rewrite a saved Qwen3.5 text model as its image-text checkpoint (config with a text_config, the language
+    model's weights under model.language_model., a vision tensor beside them)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    cfg_path = os.path.join(path, "config.json")
+    text = json.load(open(cfg_path))
+    cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
+    top = cls(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2,
+                                               "out_hidden_size": text["hidden_size"]}).to_dict()
+    top["architectures"] = ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"]
+    json.dump(top, open(cfg_path, "w"))
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    out = {(n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n): t
+           for n, t in weights.items()}
+    out["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    save_file(out, file)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_greedy_matches_transformers(kind: str, backend: str, tmp_path) -> None:  # noqa: ANN001
+    hf = hybrid(str(tmp_path), kind)
+    runner = make_runner(str(tmp_path), attention_backend=backend)
+    assert StaticBatch(runner).generate(PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+def test_greedy_matches_transformers_triton_interpreted(tmp_path) -> None:  # noqa: ANN001
+    hf = hybrid(str(tmp_path), "qwen3_5")
+    runner = make_runner(str(tmp_path), attention_backend="triton")
+    assert StaticBatch(runner).generate(PROMPTS[:2], 5) == [hf_greedy(hf, p, 5) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_image_text_checkpoint_served_as_text(moe: bool, tmp_path) -> None:  # noqa: ANN001
+    hf = hybrid(str(tmp_path), "qwen3_5_moe" if moe else "qwen3_5")
+    as_image_text(str(tmp_path), moe)
+    runner = make_runner(str(tmp_path))
+    assert StaticBatch(runner).generate(PROMPTS[:2], 8) == [hf_greedy(hf, p, 8) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_scheduler_chunks_carry_the_state(kind: str, tmp_path) -> None:  # noqa: ANN001
+    """5-token chunks: each chunk starts from the state the one before left (a reset would change the tokens);
+    decodes ride in mixed steps; the prefix cache is off, so nothing is hit."""
+    hf = hybrid(str(tmp_path), kind)
+    assert scheduler_waves(str(tmp_path), expect_hits=False) == [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
+
+
+def test_the_linear_layers_and_their_state_matter(tmp_path) -> None:  # noqa: ANN001
+    """The greedy test could not pass with the DeltaNet's state dropped between decode steps."""
+    path = str(tmp_path)
+    hf = hybrid(path, "qwen3_5")
+    want = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    runner = make_runner(path)
+    nets = runner.model.model.delta_nets()
+    assert len(nets) == 3
+    original = GatedDeltaNet._decode
+
+    def forgetful(self, mixed, g, beta, forward_batch):  # noqa: ANN001, ANN202
+        self.states.ssm.zero_()
+        return original(self, mixed, g, beta, forward_batch)
+
+    for net in nets:
+        net._decode = forgetful.__get__(net)
+    assert StaticBatch(runner).generate(PROMPTS, 10) != want
+
+
+def test_chunked_delta_rule_equals_the_recurrence() -> None:
+    torch.manual_seed(0)
+    heads, length, dk, dv = 3, 150, 16, 8  # two full chunks and a partial one
+    q = l2_normalize(torch.randn(heads, length, dk)) * dk ** -0.5
+    k = l2_normalize(torch.randn(heads, length, dk))
+    v, g, beta = torch.randn(heads, length, dv), -torch.rand(heads, length), torch.rand(heads, length)
+    s0 = torch.randn(heads, dk, dv) * 0.1
+    out, final = delta_rule_chunked(s0.clone(), q, k, v, g, beta)
+    state, want = s0[None], []
+    for t in range(length):
+        o, state = delta_rule_step(state, q[:, t][None], k[:, t][None], v[:, t][None], g[:, t][None],
+                                   beta[:, t][None])
+        want.append(o[0])
+    torch.testing.assert_close(out, torch.stack(want, dim=1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, state[0], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_write_the_padding_row() -> None:
+    """A CUDA graph pads a decode batch with rows of request slot 0 and KV slot 0: their state goes to the extra
+    row, so a real request in slot 0 keeps its own."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.3)
+    net.allocate_states(4, torch.float32, "cpu")
+    net.states.ssm.normal_()
+    net.states.conv.normal_()
+    x = torch.randn(3, 64)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True),
+                            req_pool_indices=torch.tensor([0, 2, 0]), out_cache_loc=torch.tensor([7, 9, 0]))
+    ssm0, conv0 = net.states.ssm.clone(), net.states.conv.clone()
+    out = net(x, batch)
+    alone = SimpleNamespace(forward_mode=batch.forward_mode, req_pool_indices=torch.tensor([0, 2]),
+                            out_cache_loc=torch.tensor([7, 9]))
+    ssm1 = net.states.ssm.clone()
+    net.states.ssm.copy_(ssm0)
+    net.states.conv.copy_(conv0)
+    torch.testing.assert_close(net(x[:2], alone), out[:2])
+    torch.testing.assert_close(net.states.ssm[:4], ssm1[:4])  # slots 0 and 2 as without the padding row
+    assert not torch.equal(ssm1[4], ssm0[4]) and torch.equal(ssm1[1], ssm0[1])
+
+
+def test_pool_holds_the_attention_layers_and_states_are_sized(tmp_path) -> None:  # noqa: ANN001
+    hybrid(str(tmp_path), "qwen3_next")
+    runner = make_runner(str(tmp_path), max_running_requests=6)
+    assert runner.model_config.linear_attention_layers == [0, 1, 2]
+    assert runner.model_config.kv_layer_count == 1 and len(runner.token_to_kv_pool.k_buffer) == 1
+    net = runner.model.model.delta_nets()[0]
+    assert net.states.ssm.shape == (6 + 2, 4, 16, 16) and net.states.conv.shape == (8, 2 * 32 + 64, 3)
+    per_request = 3 * ((2 * 32 + 64) * 3 * 4 + 4 * 16 * 16 * 4)
+    assert runner.state_bytes == per_request
+
+
+def test_hybrid_settings_and_refusals(tmp_path) -> None:  # noqa: ANN001
+    from radixserve.configs.hybrid import apply_hybrid_args
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.server_args import ServerArgs
+
+    hybrid(str(tmp_path), "qwen3_5")
+    cfg = ModelConfig(str(tmp_path))
+    args = ServerArgs(model_path=str(tmp_path), device="cpu")
+    apply_hybrid_args(args, cfg)
+    assert args.disable_radix_cache and args.prefill_cuda_graph_max_tokens == 0 \
+        and args.piecewise_cuda_graph_max_tokens == 0
+    for bad in (dict(speculative_algorithm="ngram"), dict(enable_lora=True), dict(enable_torch_compile=True)):
+        with pytest.raises(ValueError, match="linear-attention layers"):
+            apply_hybrid_args(ServerArgs(model_path=str(tmp_path), device="cpu", **bad), cfg)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_tp2_matches_tp1(kind: str, tmp_path) -> None:  # noqa: ANN001
+    path = str(tmp_path)
+    hybrid(path, kind, seed=4, initializer_range=0.1)
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want
