@@ -10,8 +10,9 @@ q/k norms after the rotation, NTK-alpha rotary; Phi-3.5-MoE: biased LayerNorms a
 StarCoder2: biased LayerNorms, biased ungated GELU MLP, sliding window; Nemotron: LayerNorm1P, relu2, partial
 rotation laid out at load; Arcee: relu2 MLP in Llama's RMSNorm layer, YaRN; OLMoE: whole-width q/k norms, clip_qkv,
 softmax top-k kernels; DBRX: fused Wqkv clamped, bias-free LayerNorms, p-norm routing (p = 1 in the kernels, p = 2
-as torch ops); dots.llm1: per-head q/k norms, grouped correction-bias routing, shared experts), and bf16 agrees
-position by position. Skipped without a GPU."""
+as torch ops); dots.llm1: per-head q/k norms, grouped correction-bias routing, shared experts; Qwen3-Next /
+Qwen3.5: Gated DeltaNet states through the decode graphs), and bf16 agrees position by position. Skipped without
+a GPU."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from test_olmo2 import olmo  # noqa: E402
 from test_olmoe import olmoe  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_phimoe import phimoe  # noqa: E402
+from test_qwen3_next import hybrid  # noqa: E402
 from test_seed_oss import FLIPPED, seed_oss  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
 from test_starcoder2 import starcoder2  # noqa: E402
@@ -101,6 +103,8 @@ def build(family: str, path: str) -> torch.nn.Module:
         return dbrx(path, p=2.0 if family == "dbrx_p2" else 1.0)
     if family == "dots1":  # per-head q/k norm in the rotary kernel, grouped sigmoid routing, shared experts folded
         return dots1(path)
+    if family in ("qwen3_next", "qwen3_5"):  # Gated DeltaNet states in the decode graphs, gated partial-rope attention
+        return hybrid(path, family)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
@@ -108,7 +112,7 @@ def build(family: str, path: str) -> torch.nn.Module:
                                     "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4", "minimax_m2", "seed_oss",
                                     "exaone4", "granitemoe", "granitemoeshared", "hunyuan", "hunyuan_dense",
                                     "phimoe", "starcoder2", "nemotron", "arcee", "olmoe", "dbrx", "dbrx_p2",
-                                    "dots1"])
+                                    "dots1", "qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
