@@ -95,22 +95,25 @@ SM90_SHARED_MAX = 232_448  # the most dynamic shared memory an sm_90 block may o
 
 def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[str, int]]]:
     """Kernels at the tiles and launch options a GPU launch gives them, each of which must fit sm_90's shared memory
-    (`--tiles`): the MLA kernels at DeepSeek-V2's head sizes in float32 and bfloat16, the largest float32 tiles of
-    the grouped GEMMs and of the MHA extend / decode kernels, the tensor-core router and the top-k sum."""
+    (`--tiles`): the MLA kernels at DeepSeek-V2's head sizes in float32 and bfloat16 (the expanded prefill's at
+    GLM-4.7-Flash's too), the largest float32 tiles of the grouped GEMMs and of the MHA extend / decode kernels, the
+    tensor-core router and the top-k sum."""
     import torch
 
     from radixserve.layers.attention.triton_ops import mla_attention, mla_expanded
 
     out = {}
     for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        bm, bn, warps, stages = mla_expanded.default_blocks(dt)
         fn = mla_expanded._mla_expanded_kernel
         sig = {n: "i32" for n in fn.arg_names}
         sig.update({n: "*" + name for n in ("Q", "K", "V", "KPE", "Out")})
         sig.update({n: "*i32" for n in ("QStart", "KVStart", "ExtLens", "KVLens")}, scale_log2="fp32")
-        out[f"mla_expanded {name} {bm}x{bn}"] = (
-            fn, sig, dict(D=128, R=64, DV=128, BLOCK_D=128, BLOCK_R=64, BLOCK_DV=128, BLOCK_M=bm, BLOCK_N=bn,
-                          DOT_FP32=dt == torch.float32), dict(num_warps=warps, num_stages=stages))
+        for d, dv in ((128, 128), (192, 256)):  # DeepSeek's heads, GLM-4.7-Flash's (192 padded to 256)
+            bm, bn, warps, stages = mla_expanded.default_blocks(dt, head_dims=(d, 64, dv))
+            out[f"mla_expanded {name} {d}/{dv} {bm}x{bn}"] = (
+                fn, sig, dict(D=d, R=64, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=64, BLOCK_DV=dv,
+                              BLOCK_M=bm, BLOCK_N=bn, DOT_FP32=dt == torch.float32),
+                dict(num_warps=warps, num_stages=stages))
         fn = mla_attention._mla_decode_stage1_kernel
         sig = {n: "i32" for n in fn.arg_names}
         sig.update({n: "*" + name for n in ("Q", "KV_Buf", "Out")}, Mid_O="*fp32", Mid_LSE="*fp32",

@@ -195,6 +195,8 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
 @pytest.mark.parametrize("shape,billions", [("gemma-2-9b", 9.24), ("gemma-3-12b", 11.77), ("phi-4", 14.66),
                                             ("qwen2.5-vl-7b", 7.62),  # its language model: 7,615,616,512
                                             ("gpt-oss-20b", 20.91), ("glm-4.5-air", 106.85),  # no MTP layer
+                                            # 29,943,393,920 (3.90B a token: 4 of 64 experts), no MTP layer
+                                            ("glm-4.7-flash", 29.94),
                                             ("olmo-2-7b", 7.30),  # 7,298,617,344
                                             ("command-r7b", 8.03),  # 8,028,033,024, the tied embedding once
                                             ("ernie-4.5-21b-a3b", 21.83),  # 21,825,437,888: no MTP layer

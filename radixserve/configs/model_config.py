@@ -59,7 +59,8 @@ _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Comma
                        "granitemoe": "Granite MoE", "hunyuan-moe": "Hunyuan MoE (Hunyuan-A13B)",
                        "hunyuan-dense": "Hunyuan dense", "phimoe": "Phi-3.5-MoE", "starcoder2": "StarCoder2",
                        "nemotron": "Nemotron", "arcee": "Arcee (AFM)", "olmoe": "OLMoE", "dbrx": "DBRX",
-                       "dots1": "dots.llm1"}
+                       "dots1": "dots.llm1", "deepseek2": "DeepSeek-V2 / V3 and GLM-4.7-Flash (MLA)",
+                       "gemma": "Gemma 1"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
@@ -74,9 +75,10 @@ def _refuse_gguf_arch(path: str) -> None:
     their configs, but their biased LayerNorms, StarCoder2's c_fc / c_proj MLP, Nemotron's norm weights with
     llama.cpp's + 1 folded in and its partial rotation have no tensor map here), Arcee's (its ungated MLP), OLMoE's
     (whole-width q/k norms, clip_qkv), DBRX's (fused Wqkv with clip_qkv, bias-free LayerNorms, fused w1 / v1 / w2
-    experts, p-norm routing) and dots.llm1's (correction-bias grouped routing, shared experts, per-head q/k norms),
-    so that a reader that accepted them would not serve another model. An unreadable file is left to the reader's
-    own message."""
+    experts, p-norm routing), dots.llm1's (correction-bias grouped routing, shared experts, per-head q/k norms),
+    llama.cpp's `deepseek2` files (DeepSeek-V2 / V3 and GLM-4.7-Flash: no tensor map here for their latent
+    attention) and Gemma 1's (norm weights stored with the 1 added), so that a reader that accepted them would not
+    serve another model. An unreadable file is left to the reader's own message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:

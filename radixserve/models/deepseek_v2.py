@@ -1,5 +1,5 @@
 """DeepSeek-V2 and DeepSeek-V3: multi-head latent attention (MLA) and DeepSeek-MoE (routed + shared experts; the
-first `first_k_dense_replace` layers dense).
+first `first_k_dense_replace` layers dense, or those `mlp_layer_types` names dense).
 
 MLA caches per token one compressed latent c = RMSNorm(W_DKV x) (kv_lora_rank values) and one rotated key part
 k_pe (qk_rope_head_dim values) shared by all heads. Head h's key is [W_UK_h c, k_pe] and its value W_UV_h c
@@ -278,6 +278,18 @@ class DeepseekMoE(nn.Module):
         return out
 
 
+def is_moe_layer(config: PretrainedConfig, layer_id: int) -> bool:
+    """Whether layer `layer_id` runs the MoE: its entry of `mlp_layer_types` ("dense" / "sparse", GLM-4.7-Flash's
+    config) where the config has that list, else every layer from `first_k_dense_replace` on."""
+    types = getattr(config, "mlp_layer_types", None)
+    if types is None:
+        return layer_id >= (getattr(config, "first_k_dense_replace", 0) or 0)
+    if len(types) != config.num_hidden_layers or not set(types) <= {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {config.num_hidden_layers} "
+                         f"layers, got {types}")
+    return types[layer_id] == "sparse"
+
+
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int, v3: bool,
                  rotary_emb: RotaryEmbedding, dp_attention: bool = False) -> None:
@@ -285,7 +297,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.dp_attention = dp_attention  # attention whole on every rank, the MLP sharded over all ranks' tokens
         attn_rank, attn_size = (0, 1) if dp_attention else (tp_rank, tp_size)
         self.self_attn = DeepseekMLAAttention(config, layer_id, attn_rank, attn_size, rotary_emb)
-        if layer_id >= (getattr(config, "first_k_dense_replace", 0) or 0):
+        if is_moe_layer(config, layer_id):
             self.mlp = DeepseekMoE(config, tp_rank, tp_size, v3, reduce_results=not dp_attention)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, tp_rank, tp_size,

@@ -1,8 +1,10 @@
-"""Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3 served as text (`Gemma3ForCausalLM`: the 1B and the text configs;
-`Gemma3ForConditionalGeneration`: the 4B/12B/27B checkpoints, whose vision tower is skipped at load and whose
-requests are text only).
+"""Gemma 1 (`GemmaForCausalLM`), Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3 served as text (`Gemma3ForCausalLM`: the
+1B and the text configs; `Gemma3ForConditionalGeneration`: the 4B/12B/27B checkpoints, whose vision tower is skipped
+at load and whose requests are text only).
 
-Llama's attention and stacked layers, with Gemma's differences:
+Gemma 1 is Llama's model (one norm before the attention, one before the MLP) with the scaled embedding, the
+(1 + weight) norms and the GELU-tanh MLP below; its scores scale by head_dim ** -0.5. Gemma 2 and 3 are Llama's
+attention and stacked layers, with Gemma's differences:
 - the embedding is multiplied by sqrt(hidden_size) (rounded to the model's dtype, as transformers does);
 - four norms a layer: the attention's and the MLP's outputs are normed before the residual add (post-attention and
   post-feedforward), their inputs by the input and pre-feedforward norms;
@@ -26,7 +28,14 @@ from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, attention_head_dim, input_embedding, model_rotary
+from radixserve.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+    attention_head_dim,
+    input_embedding,
+    model_rotary,
+)
 from radixserve.models.multimodal_text import text_config, text_weight_name
 
 if TYPE_CHECKING:
@@ -110,14 +119,17 @@ class GemmaDecoderLayer(SandwichNormLayer):
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
 
+def embedding_scale(config: PretrainedConfig) -> float:
+    """sqrt(hidden_size) rounded to the model's dtype (built under it as torch's default), as transformers
+    multiplies (33.94 is 34.0 in bfloat16)."""
+    return torch.tensor(float(config.hidden_size) ** 0.5, dtype=torch.get_default_dtype(), device="cpu").item()
+
+
 class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, gemma3: bool) -> None:
         super().__init__()
         self.embed_tokens = input_embedding(config, tp_rank, tp_size, tied_default=True)
-        # sqrt(hidden_size) rounded to the model's dtype (built under it as torch's default), as transformers
-        # multiplies (33.94 is 34.0 in bfloat16)
-        self.embed_scale = torch.tensor(float(config.hidden_size) ** 0.5, dtype=torch.get_default_dtype(),
-                                        device="cpu").item()
+        self.embed_scale = embedding_scale(config)
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         if gemma3:  # one table per layer type, shared by its layers
             rotary = {t: layer_type_rotary(config, t) for t in sorted(set(types))}
@@ -137,22 +149,14 @@ class GemmaModel(nn.Module):
         return hidden
 
 
-class GemmaForCausalLM(LlamaForCausalLM):
-    """Both generations: `gemma3` picks Gemma 3's q/k norms and per-type rotary over Gemma 2's soft-capping."""
-    gemma3 = True
+class GemmaFamilyForCausalLM(LlamaForCausalLM):
+    """What every Gemma shares at load: the tied embedding by default, the norms' (1 + weight)."""
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         config = text_config(config)
         if getattr(config, "tie_word_embeddings", None) is None:
             config.tie_word_embeddings = True  # Gemma's default
         super().__init__(config, tp_rank, tp_size)
-        cap = getattr(config, "final_logit_softcapping", None)
-        if cap is not None:
-            self.logits_processor = LogitsProcessor(config.vocab_size, float(cap))
-
-    def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
-        check_gemma_config(config, soft_capping=not self.gemma3)
-        return GemmaModel(config, tp_rank, tp_size, self.gemma3)
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
         name = text_weight_name(name)  # a multimodal checkpoint's text weights; its image encoder is not loaded
@@ -163,13 +167,49 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return super().load_weight(params, name, tensor)
 
 
-class Gemma3ForCausalLM(GemmaForCausalLM):
+def gelu_tanh_mlp(config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module:
+    return GeluTanhMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
+
+
+class GemmaForCausalLM(GemmaFamilyForCausalLM):
+    """Gemma 1: Llama's layers with the GELU-tanh MLP and the scaled embedding. Its releases' configs say
+    hidden_act "gelu", which transformers runs as the tanh approximation (as here)."""
+
+    def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
+        act = getattr(config, "hidden_act", None) or GELU_TANH[0]
+        if act not in (*GELU_TANH, "gelu"):
+            raise ValueError(f"Gemma hidden_act {act!r} is not supported (supported: gelu_pytorch_tanh)")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention is not supported")
+        model = LlamaModel(config, tp_rank, tp_size, bool(getattr(config, "attention_bias", False)),
+                           mlp_factory=gelu_tanh_mlp)
+        model.embed_scale = embedding_scale(config)
+        return model
+
+
+class Gemma2Or3ForCausalLM(GemmaFamilyForCausalLM):
+    """Both later generations: `gemma3` picks Gemma 3's q/k norms and per-type rotary over Gemma 2's
+    soft-capping."""
+    gemma3 = True
+
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, tp_rank, tp_size)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            self.logits_processor = LogitsProcessor(self.config.vocab_size, float(cap))
+
+    def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
+        check_gemma_config(config, soft_capping=not self.gemma3)
+        return GemmaModel(config, tp_rank, tp_size, self.gemma3)
+
+
+class Gemma3ForCausalLM(Gemma2Or3ForCausalLM):
     pass
 
 
-class Gemma3ForConditionalGeneration(GemmaForCausalLM):
+class Gemma3ForConditionalGeneration(Gemma2Or3ForCausalLM):
     pass
 
 
-class Gemma2ForCausalLM(GemmaForCausalLM):
+class Gemma2ForCausalLM(Gemma2Or3ForCausalLM):
     gemma3 = False

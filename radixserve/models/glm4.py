@@ -1,6 +1,7 @@
-"""GLM-4 (`Glm4ForCausalLM`: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1) and GLM-4.5 (`Glm4MoeForCausalLM`: GLM-4.5,
-GLM-4.5-Air, GLM-4.6): Llama's attention (q/k/v bias, o_proj without one) with partial rotation over the first
-partial_rotary_factor (0.5) of each head.
+"""GLM-4 (`Glm4ForCausalLM`: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1), GLM-4.5 (`Glm4MoeForCausalLM`: GLM-4.5,
+GLM-4.5-Air, GLM-4.6) and GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`, last below). GLM-4 and GLM-4.5: Llama's
+attention (q/k/v bias, o_proj without one) with partial rotation over the first partial_rotary_factor (0.5) of each
+head.
 
 - GLM-4 rotates *interleaved* pairs (2i, 2i + 1) of the first rotary_dim dims, GLM-4.5 the neox halves of them
   (i, i + rotary_dim / 2). Our kernels rotate the pairs (i, i + head_dim / 2) with the frequencies past
@@ -13,7 +14,11 @@ partial_rotary_factor (0.5) of each head.
   the experts (grouped top-k over n_group / topk_group), the chosen sigmoid scores weigh them (renormalised when
   norm_topk_prob) times routed_scaling_factor, plus the shared experts; the first `first_k_dense_replace` layers
   are dense. Its per-head q/k RMSNorm is on when `use_qk_norm`. The checkpoints' multi-token-prediction layer
-  (`num_nextn_predict_layers`, stored as layer num_hidden_layers) serves speculative decoding only and is skipped."""
+  (`num_nextn_predict_layers`, stored as layer num_hidden_layers) serves speculative decoding only and is skipped.
+- GLM-4.7-Flash is DeepSeek-V3 (`deepseek_v2.DeepseekV3ForCausalLM`): its multi-head latent attention (interleaved
+  rotary pairs when `rope_interleave`; at its shape qk_nope_head_dim 192 and v_head_dim 256) and the same MoE,
+  with the dense / sparse choice a layer from `mlp_layer_types` (transformers derives it from num_hidden_layers
+  when the config omits it: the first layer dense)."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from torch import nn
 
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import RotaryEmbedding, partial_rotary_order
-from radixserve.models.deepseek_v2 import DeepseekMoE
+from radixserve.models.deepseek_v2 import DeepseekMoE, DeepseekV3ForCausalLM
 from radixserve.models.gemma import SandwichNormLayer
 from radixserve.models.llama import (
     LlamaAttention,
@@ -216,3 +221,22 @@ class Glm4MoeForCausalLM(GlmLayout, MoECausalLM):
             load_plain(params[name], name, tensor.float())
             return name
         return super().load_weight(params, name, self._laid_out(name, tensor))
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash: DeepSeek-V3's model as it is (see the module's text); transformers rotates the whole
+    qk_rope_head_dim, so a partial_rotary_factor other than 1 is refused."""
+
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        params = getattr(config, "rope_parameters", None) or {}
+        share = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        if share not in (None, 1, 1.0):
+            raise ValueError(f"Glm4MoeLiteForCausalLM: partial_rotary_factor {share} is not supported (1.0: the whole "
+                             f"qk_rope_head_dim rotates)")
+        super().__init__(config, tp_rank, tp_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # the multi-token-prediction layer(s) sit at layer num_hidden_layers on: speculative decoding only
+        n = self.config.num_hidden_layers
+        super().load_weights((name, t) for name, t in weights
+                             if (m := _LAYER.match(name)) is None or int(m.group(1)) < n)

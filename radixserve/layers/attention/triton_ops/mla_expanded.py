@@ -114,7 +114,7 @@ def mla_expanded_extend(q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, 
     from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
 
     interp = is_interpreted()
-    block_m, block_n, warps, stages = blocks or default_blocks(q.dtype, interp)
+    block_m, block_n, warps, stages = blocks or default_blocks(q.dtype, interp, (d, r, dv))
     launch(_mla_expanded_kernel, (bs, heads, triton.cdiv(max_ext, block_m)),
            q, k_nope, v, k_pe, o, q_start, kv_start, ext_lens, kv_lens, sm_scale * LOG2E,
            q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), v.stride(0), v.stride(1), k_pe.stride(0),
@@ -124,13 +124,19 @@ def mla_expanded_extend(q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, 
                                                                                   num_stages=stages)))
 
 
-def default_blocks(dtype: torch.dtype, interpreted: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) on a GPU: 128 x 64, 8 warps, 3 stages won the bf16 sweep
-    (`benchmarks/bench_mla_prefill.py`); float32 operands take 64 x 64, 4 warps, 2 stages, since the bf16 tiles
-    would need 295 KB of shared memory at DeepSeek's head sizes (sm_90 gives a block at most 227 KB)."""
+def default_blocks(dtype: torch.dtype, interpreted: bool = False, head_dims: tuple[int, int, int] = (128, 64, 128)
+                   ) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) on a GPU for head_dims (D, R, DV): 128 x 64, 8 warps, 3 stages won the bf16
+    sweep (`benchmarks/bench_mla_prefill.py`, DeepSeek's 128, 64, 128); float32 operands take 64 x 64, 4 warps, 2
+    stages, since the bf16 tiles would need 295 KB of shared memory at DeepSeek's head sizes (sm_90 gives a block at
+    most 227 KB), and 64 x 32 where the padded head dims are wider than DeepSeek's (GLM-4.7-Flash's 192, 64, 256:
+    64 x 64 needs 246 KB there, 64 x 32 164 KB; bf16's 128 x 64 156 KB). Chosen by those sizes, not timed."""
     if interpreted:
         return 16, 16, 1, 1
-    return (64, 64, 4, 2) if dtype.itemsize >= 4 else (128, 64, 8, 3)
+    if dtype.itemsize < 4:
+        return 128, 64, 8, 3
+    wide = sum(_pow2(n) for n in head_dims) > 320
+    return (64, 32, 4, 2) if wide else (64, 64, 4, 2)
 
 
 def _pow2(n: int) -> int:
