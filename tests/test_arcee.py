@@ -99,8 +99,8 @@ def test_unsupported_configs_and_gguf_are_refused(tmp_path) -> None:  # noqa: AN
     json.dump({**cfg, "sliding_window": 8}, open(cfg_path, "w"))
     with pytest.raises(ValueError, match="sliding_window is not supported for Arcee"):
         make_runner(path)
-    json.dump({**cfg, "hidden_act": "gelu_new"}, open(cfg_path, "w"))
-    with pytest.raises(ValueError, match="hidden_act 'gelu_new' is not supported"):
+    json.dump({**cfg, "hidden_act": "quick_gelu"}, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match="hidden_act 'quick_gelu' is not supported"):
         make_runner(path)
     with pytest.raises(ValueError, match="GGUF files of Arcee \\(AFM\\) are not supported"):
         ModelConfig(stub_gguf(str(tmp_path / "a.gguf"), "arcee"))

@@ -60,7 +60,7 @@ _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Comma
                        "hunyuan-dense": "Hunyuan dense", "phimoe": "Phi-3.5-MoE", "starcoder2": "StarCoder2",
                        "nemotron": "Nemotron", "arcee": "Arcee (AFM)", "olmoe": "OLMoE", "dbrx": "DBRX",
                        "dots1": "dots.llm1", "deepseek2": "DeepSeek-V2 / V3 and GLM-4.7-Flash (MLA)",
-                       "gemma": "Gemma 1"}
+                       "gemma": "Gemma 1", "apertus": "Apertus", "phi2": "Phi-1 / 1.5 / 2", "stablelm": "StableLM"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
@@ -77,8 +77,11 @@ def _refuse_gguf_arch(path: str) -> None:
     (whole-width q/k norms, clip_qkv), DBRX's (fused Wqkv with clip_qkv, bias-free LayerNorms, fused w1 / v1 / w2
     experts, p-norm routing), dots.llm1's (correction-bias grouped routing, shared experts, per-head q/k norms),
     llama.cpp's `deepseek2` files (DeepSeek-V2 / V3 and GLM-4.7-Flash: no tensor map here for their latent
-    attention) and Gemma 1's (norm weights stored with the 1 added), so that a reader that accepted them would not
-    serve another model. An unreadable file is left to the reader's own message."""
+    attention), Gemma 1's (norm weights stored with the 1 added), Apertus's (the xIELU activation's learned
+    parameters, its ungated MLP), Phi-2's (fused biased q/k/v, the parallel layer's biased LayerNorm, partial
+    rotation, the biased LM head) and StableLM's (transformers reads its config, but its biased LayerNorms, partial
+    rotation and per-head q/k norms have no tensor map here), so that a reader that accepted them would not serve
+    another model. An unreadable file is left to the reader's own message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:

@@ -30,6 +30,7 @@ from radixserve.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
+    MLPFactory,
     attention_head_dim,
     check_hidden_act,
     input_embedding,
@@ -138,14 +139,16 @@ class OlmoAttention(LlamaAttention):
 
 class OlmoDecoderLayer(nn.Module):
     """Post-norms only: h + norm(attn(h)), then h + norm(mlp(h)). `attention`: the layer's attention module where
-    it is not OLMo's (EXAONE 4 passes Llama's with its per-head q/k norm)."""
+    it is not OLMo's (EXAONE 4 passes Llama's with its per-head q/k norm); `mlp`: its feed-forward block where it
+    is not the dense SiLU MLP (FlexOlmo passes OLMoE's sparse MoE block)."""
 
     def __init__(self, config: PretrainedConfig, layer_id: int, tp_rank: int, tp_size: int,
-                 rotary: RotaryEmbedding, attention: nn.Module | None = None) -> None:
+                 rotary: RotaryEmbedding, attention: nn.Module | None = None, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = attention if attention is not None else \
             OlmoAttention(config, layer_id, tp_rank, tp_size, rotary)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, tp_rank, tp_size)
+        self.mlp = mlp if mlp is not None else \
+            LlamaMLP(config.hidden_size, config.intermediate_size, False, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -189,7 +192,9 @@ def olmo3_rotary(config: PretrainedConfig, layer_type: str) -> RotaryEmbedding:
 
 
 class OlmoModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, olmo3: bool) -> None:
+    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int, olmo3: bool,
+                 mlp_factory: MLPFactory | None = None) -> None:
+        """mlp_factory: each layer's feed-forward block where it is not the dense SiLU MLP (FlexOlmo's MoE)."""
         super().__init__()
         self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         types = layer_types(config)
@@ -198,8 +203,10 @@ class OlmoModel(nn.Module):
         else:
             shared = model_rotary(config)
             rotary = {t: shared for t in set(types)}
-        self.layers = nn.ModuleList(OlmoDecoderLayer(config, i, tp_rank, tp_size, rotary[types[i]])
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            OlmoDecoderLayer(config, i, tp_rank, tp_size, rotary[types[i]],
+                             mlp=None if mlp_factory is None else mlp_factory(config, i, tp_rank, tp_size))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:

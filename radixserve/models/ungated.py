@@ -14,6 +14,7 @@ LlamaMLP only, so they are not taken for it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,9 +37,12 @@ QKV_STACKED = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_pro
 
 class UngatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str | None, tp_rank: int,
-                 tp_size: int) -> None:
+                 tp_size: int, act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """act_fn: the activation where it is not one of `ACTIVATIONS` by name (Apertus's xIELU, a module with
+        learned parameters); hidden_act is then not looked up."""
         super().__init__()
-        self.act_fn = activation_fn(hidden_act)  # (first: an unsupported activation refused before any weight)
+        # (first: an unsupported activation refused before any weight)
+        self.act_fn = act_fn if act_fn is not None else activation_fn(hidden_act)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
 

@@ -11,8 +11,11 @@ StarCoder2: biased LayerNorms, biased ungated GELU MLP, sliding window; Nemotron
 rotation laid out at load; Arcee: relu2 MLP in Llama's RMSNorm layer, YaRN; OLMoE: whole-width q/k norms, clip_qkv,
 softmax top-k kernels; DBRX: fused Wqkv clamped, bias-free LayerNorms, p-norm routing (p = 1 in the kernels, p = 2
 as torch ops); dots.llm1: per-head q/k norms, grouped correction-bias routing, shared experts; Qwen3-Next /
-Qwen3.5: Gated DeltaNet states through the decode graphs), and bf16 agrees position by position. Skipped without
-a GPU."""
+Qwen3.5: Gated DeltaNet states through the decode graphs; Apertus: xIELU MLP in Llama's RMSNorm layer, per-head q/k
+norms in the rotary kernel; NanoChat: the reversed rotation laid out at load, q/k norms after it; FlexOlmo:
+whole-width q/k norms around the MoE kernels; Phi: the parallel biased-LayerNorm layer, partial rotation laid out at
+load; StableLM 2 12B's flags: per-head q/k LayerNorms, parallel residual), and bf16 agrees position by position.
+Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -26,11 +29,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import hf_greedy, make_tiny_model, teacher_forced_agreement  # noqa: E402
+from test_apertus import apertus  # noqa: E402
 from test_arcee import arcee  # noqa: E402
 from test_cohere import cohere  # noqa: E402
 from test_dbrx import dbrx  # noqa: E402
 from test_dots1 import dots1  # noqa: E402
 from test_exaone4 import exaone  # noqa: E402
+from test_flex_olmo import flex_olmo  # noqa: E402
 from test_gemma import gemma3  # noqa: E402
 from test_glm4 import glm  # noqa: E402
 from test_gpt_oss import gpt_oss  # noqa: E402
@@ -39,14 +44,17 @@ from test_granitemoe import granite_moe  # noqa: E402
 from test_hunyuan import hunyuan  # noqa: E402
 from test_llama4 import llama4  # noqa: E402
 from test_minimax_m2 import minimax  # noqa: E402
+from test_nanochat import nanochat  # noqa: E402
 from test_nemotron import BIASED, nemotron  # noqa: E402
 from test_olmo2 import olmo  # noqa: E402
 from test_olmoe import olmoe  # noqa: E402
+from test_phi import phi  # noqa: E402
 from test_phi3 import KINDS, PROMPTS, phi3  # noqa: E402
 from test_phimoe import phimoe  # noqa: E402
 from test_qwen3_next import hybrid  # noqa: E402
 from test_seed_oss import FLIPPED, seed_oss  # noqa: E402
 from test_smollm3 import smollm3  # noqa: E402
+from test_stablelm import V2_12B, stablelm  # noqa: E402
 from test_starcoder2 import starcoder2  # noqa: E402
 
 from radixserve.bench_one_batch import StaticBatch  # noqa: E402
@@ -105,6 +113,16 @@ def build(family: str, path: str) -> torch.nn.Module:
         return dots1(path)
     if family in ("qwen3_next", "qwen3_5"):  # Gated DeltaNet states in the decode graphs, gated partial-rope attention
         return hybrid(path, family)
+    if family == "apertus":  # xIELU around Llama's fused RMSNorm paths, per-head q/k norms in the rotary kernel
+        return apertus(path)
+    if family == "nanochat":  # the reversed rotation laid out at load; q/k norms after it, K stored by the backend
+        return nanochat(path)
+    if family == "flex_olmo":  # whole-width q/k norm (fused q/k/v + rotary paths off), softmax top-k kernels
+        return flex_olmo(path)
+    if family == "phi":  # the parallel layer (LayerNorm, no fused norm path), partial rotation through fused rotary
+        return phi(path, share=0.4)
+    if family == "stablelm":  # per-head q/k LayerNorms before the rotary kernel, parallel residual
+        return stablelm(path, **V2_12B)
     return phi3(path, "longrope", sliding_window=6) if family == "phi3" else gemma3(path, "head256")
 
 
@@ -112,7 +130,8 @@ def build(family: str, path: str) -> torch.nn.Module:
                                     "olmo2", "olmo3", "cohere_qk", "cohere2", "llama4", "minimax_m2", "seed_oss",
                                     "exaone4", "granitemoe", "granitemoeshared", "hunyuan", "hunyuan_dense",
                                     "phimoe", "starcoder2", "nemotron", "arcee", "olmoe", "dbrx", "dbrx_p2",
-                                    "dots1", "qwen3_next", "qwen3_5"])
+                                    "dots1", "qwen3_next", "qwen3_5", "apertus", "nanochat", "flex_olmo", "phi",
+                                    "stablelm"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_float32_greedy_equals_transformers(family: str, graphs: bool, tmp_path) -> None:
     hf = build(family, str(tmp_path)).to("cuda")
