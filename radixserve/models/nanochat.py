@@ -106,7 +106,8 @@ class NanoChatForCausalLM(GlmLayout, LlamaForCausalLM):
         if len(self.model.layers):  # q/k rows: each head's halves swapped (the rotation turning the other way)
             self.head_dim = self.model.layers[0].self_attn.head_dim
             half = self.head_dim // 2
-            self.dim_order = torch.cat([torch.arange(half, self.head_dim), torch.arange(half)])
+            cpu = torch.device("cpu")  # (it indexes checkpoint tensors, whatever device the model is built on)
+            self.dim_order = torch.cat([torch.arange(half, self.head_dim, device=cpu), torch.arange(half, device=cpu)])
 
     def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
         refuse_sliding_window(config, "NanoChat")

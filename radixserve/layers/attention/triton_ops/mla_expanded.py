@@ -130,13 +130,27 @@ def default_blocks(dtype: torch.dtype, interpreted: bool = False, head_dims: tup
     sweep (`benchmarks/bench_mla_prefill.py`, DeepSeek's 128, 64, 128); float32 operands take 64 x 64, 4 warps, 2
     stages, since the bf16 tiles would need 295 KB of shared memory at DeepSeek's head sizes (sm_90 gives a block at
     most 227 KB), and 64 x 32 where the padded head dims are wider than DeepSeek's (GLM-4.7-Flash's 192, 64, 256:
-    64 x 64 needs 246 KB there, 64 x 32 164 KB; bf16's 128 x 64 156 KB). Chosen by those sizes, not timed."""
+    64 x 64 needs 246 KB there, 64 x 32 164 KB); 16-bit tiles as `_smem_16bit` finds room (GLM-4.7-Flash: 128 x 32,
+    the sweep's 128 x 64 needing 296 KB there). Chosen by those sizes, not timed."""
     if interpreted:
         return 16, 16, 1, 1
-    if dtype.itemsize < 4:
-        return 128, 64, 8, 3
+    if dtype.itemsize < 4:  # the first of these that fits
+        for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 2)):
+            if _smem_16bit(bm, bn, stages, head_dims) <= _SMEM_BUDGET:
+                return bm, bn, warps, stages
+        return 64, 32, 4, 2
     wide = sum(_pow2(n) for n in head_dims) > 320
     return (64, 32, 4, 2) if wide else (64, 64, 4, 2)
+
+
+_SMEM_BUDGET = 220 * 1024  # sm_90 gives a block 227 KB
+
+
+def _smem_16bit(bm: int, bn: int, stages: int, head_dims: tuple[int, int, int]) -> int:
+    """Shared memory of the kernel's 16-bit tiles: `stages` buffers of the K / k_pe / V tiles and the Q tile (the
+    H100's launch of 128 x 64, 3 stages at GLM-4.7-Flash's heads asked for exactly this, 303,104 bytes)."""
+    d, r, dv = (_pow2(n) for n in head_dims)
+    return 2 * (stages * bn * (d + r + dv) + bm * (d + r))
 
 
 def _pow2(n: int) -> int:
