@@ -87,9 +87,22 @@ def test_greedy_matches_transformers(kind: str, backend: str, tmp_path) -> None:
 
 
 def test_greedy_matches_transformers_triton_interpreted(tmp_path) -> None:  # noqa: ANN001
+    """The triton backend and every fused kernel as on CUDA (the DeltaNet's decode step among them), interpreted."""
+    from radixserve.layers import linear_attention
+    from radixserve.layers.triton_ops import set_fused_kernels
+
     hf = hybrid(str(tmp_path), "qwen3_5")
     runner = make_runner(str(tmp_path), attention_backend="triton")
-    assert StaticBatch(runner).generate(PROMPTS[:2], 5) == [hf_greedy(hf, p, 5) for p in PROMPTS[:2]]
+    calls = []
+    original = linear_attention.use_fused
+    linear_attention.use_fused = lambda x: calls.append(1) or original(x)
+    set_fused_kernels(True)
+    try:
+        got = StaticBatch(runner).generate(PROMPTS[:2], 5)
+    finally:
+        set_fused_kernels(None)
+        linear_attention.use_fused = original
+    assert calls and got == [hf_greedy(hf, p, 5) for p in PROMPTS[:2]]
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -206,3 +219,25 @@ def test_tp2_matches_tp1(kind: str, tmp_path) -> None:  # noqa: ANN001
     hybrid(path, kind, seed=4, initializer_range=0.1)
     got, want = tp2_and_tp1_outputs(path, PROMPTS)
     assert got == want
+
+
+def test_fused_decode_step_equals_the_torch_step() -> None:
+    """The Triton decode step (interpreted here) against the torch step: outputs and the rows it updates in place,
+    with grouped value heads, an odd Dv and the padding row in the batch twice."""
+    from radixserve.layers.triton_ops.delta_rule import delta_rule_decode
+
+    torch.manual_seed(0)
+    hk, hv, dk, dv, bs = 2, 4, 16, 24, 5
+    state = torch.randn(7, hv, dk, dv)
+    rows = torch.tensor([3, 0, 6, 5, 6])  # 6: the padding row, twice
+    qkv = torch.randn(bs, 2 * hk * dk + hv * dv)
+    g, beta = -torch.rand(bs, hv), torch.rand(bs, hv)
+    want_state = state.clone()
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2_normalize(q.reshape(bs, hk, dk)).repeat_interleave(2, dim=1) * dk ** -0.5
+    k = l2_normalize(k.reshape(bs, hk, dk)).repeat_interleave(2, dim=1)
+    want, new = delta_rule_step(state[rows], q, k, v.reshape(bs, hv, dv), g, beta)
+    want_state[rows[:4]] = new[:4]
+    got = delta_rule_decode(state, rows, qkv, g, beta, hk, dk, dv)
+    torch.testing.assert_close(got[:4], want[:4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[:6], want_state[:6], atol=1e-5, rtol=1e-5)

@@ -14,7 +14,8 @@ State: a request's conv window (the last K - 1 inputs of the convolution, model 
 (their KV slot is 0, which no real token has). A prefill chunk whose request has no prefix starts from zeros,
 otherwise from the state its previous chunk left.
 
-Decode (one token a request) is batched tensor ops, captured in the decode CUDA graphs. Extend runs request by
+Decode (one token a request) is batched tensor ops, the delta rule's step one Triton launch on CUDA
+(`triton_ops/delta_rule.py`), captured in the decode CUDA graphs. Extend runs request by
 request: the convolution over [window; tokens] and the delta rule in chunks of 64 tokens, each chunk's updates
 solved at once (a unit lower-triangular system; the "WY" form), the chunks in sequence; a request with one token
 takes the recurrent step.
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from radixserve.layers.triton_ops import use_fused
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -205,6 +207,10 @@ class GatedDeltaNet(nn.Module):
         window = torch.cat([st.conv[rows], mixed[:, :, None]], dim=-1)  # [B, C, K]
         st.conv.index_copy_(0, rows, window[:, :, 1:])
         conv = F.silu((window.float() * self.conv_weight.float()).sum(-1)).to(mixed.dtype)
+        if use_fused(conv):  # the step in one launch, each state slice read and written once
+            from radixserve.layers.triton_ops.delta_rule import delta_rule_decode
+
+            return delta_rule_decode(st.ssm, rows, conv, g, beta, self.hk, self.dk, self.dv)
         q, k, v = self._split_heads(conv)
         out, state = delta_rule_step(st.ssm[rows], q, k, v, g, beta)
         st.ssm.index_copy_(0, rows, state)
