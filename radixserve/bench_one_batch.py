@@ -190,7 +190,7 @@ def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) 
 def add_bandwidth(result: dict[str, Any], runner: ModelRunner, copy_bw: float, seed: int = 0) -> None:
     """Bytes a decode step must read over step time: all weights + the KV of every token attended to, or for an
     MoE model the weights every token passes through, the experts this batch touches and the KV
-    (`step_bytes.moe_step_bytes`)."""
+    (`step_bytes.moe_step_bytes`); plus a hybrid model's recurrent states."""
     from radixserve.step_bytes import distinct_experts, expert_layers, moe_step_bytes
 
     if expert_layers(runner):
@@ -201,6 +201,11 @@ def add_bandwidth(result: dict[str, Any], runner: ModelRunner, copy_bw: float, s
         kv_per_token = runner.token_to_kv_pool.bytes_per_token()
         avg_len = result["input_len"] + result["output_len"] / 2
         step_bytes = runner.weight_bytes + result["batch_size"] * avg_len * kv_per_token
+    # a hybrid model's linear-attention layers read each request's recurrent state (and write it back)
+    state = result["batch_size"] * getattr(runner, "state_bytes", 0)
+    if state:
+        result["state_bytes_read"] = state
+        step_bytes += state
     achieved = step_bytes / result["median_decode_s"]
     result.update(step_bytes=step_bytes, achieved_bw_gbs=achieved / 1e9, copy_bw_gbs=copy_bw / 1e9,
                   bandwidth_util=achieved / copy_bw)

@@ -194,6 +194,12 @@ def test_pool_holds_the_attention_layers_and_states_are_sized(tmp_path) -> None:
     assert net.states.ssm.shape == (6 + 2, 4, 16, 16) and net.states.conv.shape == (8, 2 * 32 + 64, 3)
     per_request = 3 * ((2 * 32 + 64) * 3 * 4 + 4 * 16 * 16 * 4)
     assert runner.state_bytes == per_request
+    from radixserve.bench_one_batch import add_bandwidth
+
+    result = {"batch_size": 2, "input_len": 8, "output_len": 4, "median_decode_s": 1e-3}
+    add_bandwidth(result, runner, copy_bw=1e12)  # (an MoE model: the step's active bytes, plus the states)
+    assert result["state_bytes_read"] == 2 * per_request
+    assert result["step_bytes"] == result["dense_bytes"] + result["routed_bytes"] + result["kv_bytes"] + 2 * per_request
 
 
 def test_hybrid_settings_and_refusals(tmp_path) -> None:  # noqa: ANN001
