@@ -247,3 +247,30 @@ def test_fused_decode_step_equals_the_torch_step() -> None:
     got = delta_rule_decode(state, rows, qkv, g, beta, hk, dk, dv)
     torch.testing.assert_close(got[:4], want[:4], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state[:6], want_state[:6], atol=1e-5, rtol=1e-5)
+
+
+def test_padded_extend_equals_request_by_request() -> None:
+    """The batched extend (each request padded to the longest) against the extend one request at a time: fresh and
+    continuing requests, a one-token one; the outputs and every state row they touch."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.3)
+    net.allocate_states(4, torch.float32, "cpu")
+    net.states.ssm.normal_()
+    net.states.conv.normal_()
+    lens, prefixes, rows = [7, 1, 70], [0, 5, 2], [1, 3, 0]
+    mixed = torch.randn(sum(lens), net.channels)
+    g, beta = -torch.rand(sum(lens), net.hv), torch.rand(sum(lens), net.hv)
+    before = net.states.ssm.clone(), net.states.conv.clone()
+    one_by_one = net._extend_each(mixed, g, beta, rows, lens, prefixes)
+    after = net.states.ssm.clone(), net.states.conv.clone()
+    net.states.ssm.copy_(before[0])
+    net.states.conv.copy_(before[1])
+    padded = net._extend_padded(mixed, g, beta, torch.tensor(rows), lens, prefixes)
+    torch.testing.assert_close(padded, one_by_one, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(net.states.ssm, after[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(net.states.conv, after[1])

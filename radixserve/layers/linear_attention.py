@@ -15,10 +15,10 @@ State: a request's conv window (the last K - 1 inputs of the convolution, model 
 otherwise from the state its previous chunk left.
 
 Decode (one token a request) is batched tensor ops, the delta rule's step one Triton launch on CUDA
-(`triton_ops/delta_rule.py`), captured in the decode CUDA graphs. Extend runs request by
-request: the convolution over [window; tokens] and the delta rule in chunks of 64 tokens, each chunk's updates
-solved at once (a unit lower-triangular system; the "WY" form), the chunks in sequence; a request with one token
-takes the recurrent step.
+(`triton_ops/delta_rule.py`), captured in the decode CUDA graphs. Extend: the convolution over [window; tokens] and
+the delta rule in chunks of 64 tokens, each chunk's updates solved at once (a unit lower-triangular system; the "WY"
+form), the chunks in sequence; requests of similar lengths together (each padded to the longest), otherwise one by
+one (a request with one token then takes the recurrent step).
 
 Tensor parallelism splits the heads: each rank holds Hk / tp key heads and Hv / tp value heads, their channels of
 the projection and of the convolution, and out_proj's matching input columns (one all-reduce after it)."""
@@ -218,11 +218,18 @@ class GatedDeltaNet(nn.Module):
 
     def _extend(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        st = self.states
         lens, prefixes = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
         if lens is None or prefixes is None:
             raise RuntimeError("linear attention extend needs the batch's extend lengths on the host")
-        rows = forward_batch.req_pool_indices.tolist()
+        longest = max(lens, default=0)
+        if len(lens) > 1 and len(lens) * longest <= 2 * sum(lens) + CHUNK * len(lens):
+            return self._extend_padded(mixed, g, beta, forward_batch.req_pool_indices, lens, prefixes)
+        return self._extend_each(mixed, g, beta, forward_batch.req_pool_indices.tolist(), lens, prefixes)
+
+    def _extend_each(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: list[int],
+                     lens: list[int], prefixes: list[int]) -> torch.Tensor:
+        """The extend request by request (a single request, or lengths too unequal to pad to the longest)."""
+        st = self.states
         outs, start = [], 0
         for row, n, prefix in zip(rows, lens, prefixes, strict=True):
             x = mixed[start:start + n]
@@ -245,3 +252,34 @@ class GatedDeltaNet(nn.Module):
             outs.append(o)
             start += n
         return torch.cat(outs).to(mixed.dtype)
+
+    def _extend_padded(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: torch.Tensor,
+                       lens: list[int], prefixes: list[int]) -> torch.Tensor:
+        """The extend of a batch whose requests are of similar lengths, all at once: each request's tokens padded
+        to the longest (padding after them: beta = 0 and g = 0 leave the state as it is, and their outputs are
+        dropped), the convolution batched, the delta rule over (request, head) sequences."""
+        st, b, longest, width = self.states, len(lens), max(lens), self.width
+        device = mixed.device
+        n = torch.tensor(lens, device=device)
+        keep = (torch.tensor(prefixes, device=device) > 0).to(st.ssm.dtype)  # 0: a fresh sequence starts at zero
+        x = torch.nn.utils.rnn.pad_sequence(list(mixed.split(lens)), batch_first=True)  # [B, T, C]
+        window = torch.cat([st.conv[rows] * keep.to(st.conv.dtype)[:, None, None], x.transpose(1, 2)], dim=-1)
+        conv = F.conv1d(window.float(), self.conv_weight.float()[:, None, :], groups=self.channels)  # [B, C, T]
+        last = (n[:, None] + torch.arange(width - 1, device=device))[:, None, :].expand(b, self.channels, -1)
+        st.conv[rows] = torch.gather(window, 2, last)  # each request's last K - 1 inputs
+        q, k, v = self._split_heads(F.silu(conv).to(mixed.dtype).transpose(1, 2).reshape(b * longest, -1))
+        real = torch.arange(longest, device=device)[None, :] < n[:, None]  # [B, T]
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [tokens, Hv] -> [B x Hv, T], zeros after each request
+            out = t.new_zeros((b, longest, t.shape[-1]))
+            out[real] = t
+            return out.transpose(1, 2).reshape(b * self.hv, longest)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [B x T, Hv, D] -> [B x Hv, T, D]
+            return t.reshape(b, longest, self.hv, -1).transpose(1, 2).reshape(b * self.hv, longest, -1)
+
+        state = (st.ssm[rows] * keep[:, None, None, None]).reshape(b * self.hv, self.dk, self.dv)
+        o, state = delta_rule_chunked(state, heads(q), heads(k), heads(v), padded(g), padded(beta))
+        st.ssm[rows] = state.reshape(b, self.hv, self.dk, self.dv)
+        o = o.reshape(b, self.hv, longest, self.dv).transpose(1, 2)  # [B, T, Hv, Dv]
+        return o[real].to(mixed.dtype)
