@@ -274,3 +274,51 @@ def test_padded_extend_equals_request_by_request() -> None:
     torch.testing.assert_close(padded, one_by_one, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net.states.ssm, after[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net.states.conv, after[1])
+
+
+def test_extend_memory_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked delta rule in slices of sequences (SEQ_BUDGET) equals it whole; an extend's requests go in
+    consecutive groups of at most PAD_TOKENS padded tokens, a request alone where padding would double the work."""
+    from radixserve.layers import linear_attention as la
+
+    torch.manual_seed(0)
+    heads, length, dk, dv = 6, 100, 16, 8
+    q, k = l2_normalize(torch.randn(heads, length, dk)), l2_normalize(torch.randn(heads, length, dk))
+    v, g, beta = torch.randn(heads, length, dv), -torch.rand(heads, length), torch.rand(heads, length)
+    s0 = torch.randn(heads, dk, dv)
+    whole = la.delta_rule_chunked(s0, q, k, v, g, beta)
+    monkeypatch.setattr(la, "SEQ_BUDGET", 1)  # one sequence a slice
+    sliced = la.delta_rule_chunked(s0, q, k, v, g, beta)
+    torch.testing.assert_close(sliced[0], whole[0])
+    torch.testing.assert_close(sliced[1], whole[1])
+    assert la._pad_groups([5, 1, 7, 300, 280, 2]) == [[0, 1, 2], [3, 4, 5]]
+    assert la._pad_groups([5, 1000, 7]) == [[0, 1], [2]]  # 3 x 1000 padded would be past 2 x 1012 + 3 x 64
+    monkeypatch.setattr(la, "PAD_TOKENS", 500)
+    assert la._pad_groups([300, 280, 250]) == [[0], [1], [2]] and la._pad_groups([200, 200]) == [[0, 1]]
+    assert la._pieces([1200, 3], [0, 9]) == ([0, 0, 0, 1], [500, 500, 200, 3], [0, 500, 1000, 9])
+
+
+def test_long_extend_in_pieces_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request longer than PAD_TOKENS runs in pieces that carry the state: the same outputs and state."""
+    import transformers as tf
+
+    from radixserve.layers import linear_attention as la
+
+    torch.manual_seed(0)
+    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.3)
+    net.allocate_states(4, torch.float32, "cpu")
+    lens, prefixes = [150, 5], [0, 0]
+    mixed = torch.randn(sum(lens), net.channels)
+    g, beta = -torch.rand(sum(lens), net.hv), torch.rand(sum(lens), net.hv)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False), extend_seq_lens_cpu=lens,
+                            extend_prefix_lens_cpu=prefixes, req_pool_indices=torch.tensor([2, 1]))
+    whole = net._extend(mixed, g, beta, batch)
+    state = net.states.ssm.clone()
+    net.states.ssm.zero_()
+    net.states.conv.zero_()
+    monkeypatch.setattr(la, "PAD_TOKENS", 64)
+    torch.testing.assert_close(net._extend(mixed, g, beta, batch), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(net.states.ssm, state, atol=1e-5, rtol=1e-5)

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
 CHUNK = 64  # tokens whose delta-rule updates are solved together in extend
+PAD_TOKENS = 4096  # the most padded tokens an extend runs at once (bounds its float32 temporaries)
+SEQ_BUDGET = 256 << 20  # bytes of temporaries the chunked delta rule may take at once (it runs in slices of heads)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -59,6 +61,19 @@ def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule_sequences` over slices of the sequences (heads) whose temporaries fit SEQ_BUDGET."""
+    seqs, length, dk = k.shape
+    per_seq = 4 * (length + chunk) * (5 * dk + 5 * v.shape[-1] + 4 * chunk)  # float32 temporaries (a bound)
+    step = max(1, SEQ_BUDGET // per_seq)
+    if seqs <= step:
+        return delta_rule_sequences(state, q, k, v, g, beta, chunk)
+    parts = [delta_rule_sequences(state[i:i + step], q[i:i + step], k[i:i + step], v[i:i + step], g[i:i + step],
+                                  beta[i:i + step], chunk) for i in range(0, seqs, step)]
+    return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def delta_rule_sequences(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over one sequence, `chunk` tokens at a time. state [H, Dk, Dv], q/k [H, T, Dk],
     v [H, T, Dv], g/beta [H, T], float32 -> (o [H, T, Dv], the final state).
 
@@ -94,6 +109,34 @@ def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         state = state * cum[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
     out = torch.stack(outs, dim=1).reshape(heads, n * chunk, -1)[:, :length]
     return out, state
+
+
+def _pieces(lens: list[int], prefixes: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(the request of each piece, the pieces' lengths, their prefixes): requests cut into pieces of at most
+    PAD_TOKENS tokens."""
+    owner, out_lens, out_prefixes = [], [], []
+    for i, (n, prefix) in enumerate(zip(lens, prefixes, strict=True)):
+        for first in range(0, n, PAD_TOKENS):
+            owner.append(i)
+            out_lens.append(min(PAD_TOKENS, n - first))
+            out_prefixes.append(prefix + first)
+    return owner, out_lens, out_prefixes
+
+
+def _pad_groups(lens: list[int]) -> list[list[int]]:
+    """Consecutive requests run together, each padded to the group's longest: while the padded tokens stay within
+    PAD_TOKENS and within twice the real ones (plus a chunk a request)."""
+    groups: list[list[int]] = []
+    for i in range(len(lens)):
+        group = groups[-1] + [i] if groups else []
+        if group:
+            padded = len(group) * max(lens[j] for j in group)
+            real = sum(lens[j] for j in group)
+            if padded <= PAD_TOKENS and padded <= 2 * real + CHUNK * len(group):
+                groups[-1] = group
+                continue
+        groups.append([i])
+    return groups
 
 
 class StateBuffers:
@@ -221,10 +264,22 @@ class GatedDeltaNet(nn.Module):
         lens, prefixes = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
         if lens is None or prefixes is None:
             raise RuntimeError("linear attention extend needs the batch's extend lengths on the host")
-        longest = max(lens, default=0)
-        if len(lens) > 1 and len(lens) * longest <= 2 * sum(lens) + CHUNK * len(lens):
-            return self._extend_padded(mixed, g, beta, forward_batch.req_pool_indices, lens, prefixes)
-        return self._extend_each(mixed, g, beta, forward_batch.req_pool_indices.tolist(), lens, prefixes)
+        # a request longer than PAD_TOKENS runs in pieces, each continuing from the state the one before left
+        owner, lens, prefixes = _pieces(lens, prefixes)
+        rows = forward_batch.req_pool_indices
+        outs, start = [], 0
+        for group in _pad_groups(lens):  # consecutive pieces: their tokens are contiguous
+            n = sum(lens[i] for i in group)
+            part = slice(start, start + n)
+            sub_lens, sub_prefixes = [lens[i] for i in group], [prefixes[i] for i in group]
+            if len(group) > 1:  # (never two pieces of one request: a piece is PAD_TOKENS long but the last)
+                sub_rows = rows[torch.tensor([owner[i] for i in group], device=rows.device)]
+                outs.append(self._extend_padded(mixed[part], g[part], beta[part], sub_rows, sub_lens, sub_prefixes))
+            else:
+                outs.append(self._extend_each(mixed[part], g[part], beta[part], [int(rows[owner[group[0]]])],
+                                              sub_lens, sub_prefixes))
+            start += n
+        return torch.cat(outs)
 
     def _extend_each(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: list[int],
                      lens: list[int], prefixes: list[int]) -> torch.Tensor:
