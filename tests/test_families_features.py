@@ -38,6 +38,7 @@ def _builders() -> dict[str, Callable[[str], torch.nn.Module]]:
     import test_nemotron
     import test_olmoe
     import test_phimoe
+    import test_qwen3_next
     import test_seed_oss
     import test_starcoder2
 
@@ -47,7 +48,8 @@ def _builders() -> dict[str, Callable[[str], torch.nn.Module]]:
             "hunyuan_moe": test_hunyuan.hunyuan, "hunyuan_dense": lambda p: test_hunyuan.hunyuan(p, moe=False),
             "phimoe": test_phimoe.phimoe, "starcoder2": test_starcoder2.starcoder2,
             "nemotron": test_nemotron.nemotron, "arcee": test_arcee.arcee, "olmoe": test_olmoe.olmoe,
-            "dbrx": test_dbrx.dbrx, "dots1": test_dots1.dots1}
+            "dbrx": test_dbrx.dbrx, "dots1": test_dots1.dots1,
+            "qwen3_next": test_qwen3_next.hybrid, "qwen3_5": lambda p: test_qwen3_next.hybrid(p, "qwen3_5")}
 
 
 FAMILIES = ["llama4", "minimax_m2", "seed_oss", "exaone4", "granitemoe", "granitemoeshared", "hunyuan_moe",
@@ -78,7 +80,7 @@ def _dequantised(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 _FP8_WEIGHTS = (("weight", "weight_scale"), ("w13_weight", "w13_scale"), ("w2_weight", "w2_scale"))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_next", "qwen3_5"])  # (and the hybrid Qwen models)
 def test_online_fp8_is_the_model_with_dequantised_weights(family: str, tmp_path) -> None:  # noqa: ANN001
     from radixserve.layers.moe import MoEGate
     from radixserve.layers.quantization.fp8 import FP8
