@@ -23,8 +23,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
               rms_norm_eps=1e-6, tie_word_embeddings=False)
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-           norm_topk_prob=True)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
 def _text_config(kind: str, initializer_range: float) -> object:
@@ -32,13 +31,14 @@ def _text_config(kind: str, initializer_range: float) -> object:
 
     kw = {**COMMON, "initializer_range": initializer_range}
     if kind == "qwen3_next":
-        return tf.Qwen3NextConfig(**kw, **MOE, decoder_sparse_step=1)
-    if kind == "qwen3_5_moe":
+        return tf.Qwen3NextConfig(**kw, **MOE, decoder_sparse_step=1, norm_topk_prob=False)
+    if kind == "qwen3_5_moe":  # (no norm_topk_prob: Qwen3.5-MoE always renormalises the top-k weights)
         return tf.Qwen3_5MoeTextConfig(**kw, **MOE)
     return tf.Qwen3_5TextConfig(**kw)
 
 
-def hybrid(path: str, kind: str = "qwen3_next", seed: int = 0, initializer_range: float = 0.2) -> torch.nn.Module:
+def hybrid(path: str, kind: str = "qwen3_next", seed: int = 0, initializer_range: float = 0.2,
+           router_scale: float = 40.0) -> torch.nn.Module:
     """A tiny hybrid model saved at `path` (partial rotation 0.25: 8 of 32 dims); norms, decays and routers away
     from their initial values so that each matters."""
     import transformers as tf
@@ -52,7 +52,7 @@ def hybrid(path: str, kind: str = "qwen3_next", seed: int = 0, initializer_range
             if "norm" in name or name.endswith(("dt_bias", "A_log")):
                 p.add_(torch.randn_like(p) * 0.3)
             if name.endswith("mlp.gate.weight"):
-                p.mul_(40.0)  # routers with clear winners
+                p.mul_(router_scale)  # (40: routers with clear winners)
     hf.save_pretrained(path)
     return hf
 
@@ -84,6 +84,20 @@ def test_greedy_matches_transformers(kind: str, backend: str, tmp_path) -> None:
     hf = hybrid(str(tmp_path), kind)
     runner = make_runner(str(tmp_path), attention_backend=backend)
     assert StaticBatch(runner).generate(PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_moe_weights_renormalised_as_transformers(kind: str, tmp_path) -> None:  # noqa: ANN001
+    """Routers without clear winners, so that the top-k weights' renormalisation shows in the logits: Qwen3-Next's
+    follows norm_topk_prob (false here), Qwen3.5-MoE's always renormalises (its config has no such flag)."""
+    hf = hybrid(str(tmp_path), kind, router_scale=1.0)
+    sb = StaticBatch(make_runner(str(tmp_path)))
+    batch, _ = sb.prefill([PROMPTS[0]])
+    got = sb.last_logits.next_token_logits[0].float()
+    sb.release(batch)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_matches_transformers_triton_interpreted(tmp_path) -> None:  # noqa: ANN001
@@ -322,3 +336,12 @@ def test_long_extend_in_pieces_equals_whole(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(la, "PAD_TOKENS", 64)
     torch.testing.assert_close(net._extend(mixed, g, beta, batch), whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net.states.ssm, state, atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_files_are_refused(tmp_path) -> None:  # noqa: ANN001
+    from model_utils import stub_gguf
+
+    from radixserve.configs.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match="GGUF files of Qwen3-Next are not supported"):
+        ModelConfig(stub_gguf(str(tmp_path / "q.gguf"), "qwen3next"))

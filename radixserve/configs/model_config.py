@@ -60,7 +60,8 @@ _REFUSED_GGUF_ARCHS = {"command-r": "Cohere Command-R", "cohere2": "Cohere Comma
                        "hunyuan-dense": "Hunyuan dense", "phimoe": "Phi-3.5-MoE", "starcoder2": "StarCoder2",
                        "nemotron": "Nemotron", "arcee": "Arcee (AFM)", "olmoe": "OLMoE", "dbrx": "DBRX",
                        "dots1": "dots.llm1", "deepseek2": "DeepSeek-V2 / V3 and GLM-4.7-Flash (MLA)",
-                       "gemma": "Gemma 1", "apertus": "Apertus", "phi2": "Phi-1 / 1.5 / 2", "stablelm": "StableLM"}
+                       "gemma": "Gemma 1", "apertus": "Apertus", "phi2": "Phi-1 / 1.5 / 2", "stablelm": "StableLM",
+                       "qwen3next": "Qwen3-Next"}
 
 
 def _refuse_gguf_arch(path: str) -> None:
@@ -80,8 +81,9 @@ def _refuse_gguf_arch(path: str) -> None:
     attention), Gemma 1's (norm weights stored with the 1 added), Apertus's (the xIELU activation's learned
     parameters, its ungated MLP), Phi-2's (fused biased q/k/v, the parallel layer's biased LayerNorm, partial
     rotation, the biased LM head) and StableLM's (transformers reads its config, but its biased LayerNorms, partial
-    rotation and per-head q/k norms have no tensor map here), so that a reader that accepted them would not serve
-    another model. An unreadable file is left to the reader's own message."""
+    rotation and per-head q/k norms have no tensor map here) and Qwen3-Next's (its linear-attention layers), so that
+    a reader that accepted them would not serve another model. An unreadable file is left to the reader's own
+    message."""
     from radixserve.model_loader.gguf_loader import gguf_field, open_gguf
 
     try:

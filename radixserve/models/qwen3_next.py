@@ -7,7 +7,8 @@ layers are Qwen3's with three differences: q_proj yields each head's query and a
 is multiplied by its sigmoid before o_proj), the rotation covers `partial_rotary_factor` of the head (q/k rows laid
 out at load for our kernels: `glm4.rotary_order`), and every RMSNorm but the DeltaNet's scales by 1 + weight (1 added
 at load). Only these layers hold KV: they take attention layer ids 0, 1, .. (`ModelConfig.kv_layer_count`).
-Feed-forward blocks are Qwen2-MoE's (softmax top-k, a sigmoid-gated shared expert) or dense.
+Feed-forward blocks are Qwen2-MoE's (softmax top-k, a sigmoid-gated shared expert; Qwen3-Next's layers and
+renormalisation as its config says, Qwen3.5-MoE's every layer and always renormalised, as transformers) or dense.
 
 Serving constraints (`configs/hybrid.py` sets or refuses them at start): no prefix cache (a cached prefix's KV does
 not bring the recurrent state at its end), no prefill / piecewise CUDA graphs (extend runs the DeltaNet request by
@@ -31,7 +32,7 @@ from radixserve.layers.vocab_parallel_embedding import ParallelLMHead
 from radixserve.models.glm4 import rotary_order
 from radixserve.models.llama import LlamaAttention, LlamaMLP, input_embedding, load_plain, model_rotary
 from radixserve.models.multimodal_text import TextOfMultimodal
-from radixserve.models.qwen2_moe import MoECausalLM, qwen2_moe_mlp
+from radixserve.models.qwen2_moe import MoECausalLM, SparseMoeBlock, qwen2_moe_mlp
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -83,7 +84,11 @@ class HybridDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, tp_rank, tp_size)
         else:
             self.self_attn = GatedAttention(config, kv_layer_id, tp_rank, tp_size, rotary)
-        if getattr(config, "num_experts", 0):
+        if getattr(config, "num_experts", 0) and not str(config.model_type).startswith("qwen3_next"):
+            # Qwen3.5-MoE: every layer sparse, the top-k weights always renormalised (its config has no flags)
+            self.mlp = SparseMoeBlock(config, tp_rank, tp_size, renormalize=True,
+                                      shared_size=config.shared_expert_intermediate_size, shared_gate=True)
+        elif getattr(config, "num_experts", 0):
             self.mlp = qwen2_moe_mlp(config, layer_id, tp_rank, tp_size)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, tp_rank, tp_size)
