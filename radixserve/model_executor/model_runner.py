@@ -295,8 +295,10 @@ class ModelRunner:
             state_cap = self._state_request_cap(rest)
             rest -= (state_cap + 2) * self.state_bytes if self.state_bytes else 0
             if rest <= cell * 64:
+                states = (f" and {(state_cap + 2) * self.state_bytes / 2**30:.1f} GiB of linear-attention states "
+                          f"for {state_cap} requests (fewer: --max-running-requests)") if self.state_bytes else ""
                 raise ValueError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
-                                 f"loading {self.weight_bytes / 2**30:.1f} GiB of weights; raise "
+                                 f"loading {self.weight_bytes / 2**30:.1f} GiB of weights{states}; raise "
                                  f"--mem-fraction-static (now {frac}) or use a smaller model / --tp-size")
             size = int(rest // cell)
             if max_total is not None:
