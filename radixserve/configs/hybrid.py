@@ -13,6 +13,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+def linear_attention_layers(config: Any) -> list[int]:
+    """The layers of a (text) config that are linear attention (`layer_types`), [] for other models."""
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "linear_attention"]
+
+
 def apply_hybrid_args(server_args: Any, model_config: Any) -> None:
     """Set what a hybrid model needs on `server_args` (in place; a no-op for other models), a log line for what
     changed; ValueError for a setting it cannot serve with."""

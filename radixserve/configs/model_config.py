@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from radixserve.configs.encoder import encoder_max_tokens, is_encoder
+from radixserve.configs.hybrid import linear_attention_layers
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +217,7 @@ class ModelConfig:
             self.context_len = min(self.context_len, encoder_max_tokens(text_cfg))
         # hybrid models (Qwen3-Next, Qwen3.5): their linear-attention layers hold a recurrent state, not KV; the
         # other layers take KV layer ids 0, 1, .. (`models/qwen3_next.py`)
-        self.linear_attention_layers: list[int] = [i for i, kind in enumerate(getattr(text_cfg, "layer_types", None)
-                                                                           or []) if kind == "linear_attention"]
+        self.linear_attention_layers: list[int] = linear_attention_layers(text_cfg)
         self.kv_layer_count: int = self.num_hidden_layers - len(self.linear_attention_layers)
         # per layer: -1 (full attention) or the window in tokens
         self.sliding_windows: list[int] = [sliding_window_size(text_cfg, i) for i in range(self.num_hidden_layers)]

@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixserve.configs.hybrid import linear_attention_layers
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import QKVParallelLinear
 from radixserve.layers.linear_attention import GatedDeltaNet
-from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.layers.vocab_parallel_embedding import ParallelLMHead
 from radixserve.models.glm4 import rotary_order
 from radixserve.models.llama import LlamaAttention, LlamaMLP, input_embedding, load_plain, model_rotary
 from radixserve.models.multimodal_text import TextOfMultimodal
@@ -39,15 +38,9 @@ if TYPE_CHECKING:
 
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
-LINEAR = "linear_attention"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # RMSNorms stored as (weight - 1): 1 is added at load (the DeltaNet's gated norm is a plain one)
 _PLUS_ONE = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
-
-
-def linear_layer_ids(config: PretrainedConfig) -> list[int]:
-    """The layers that are Gated DeltaNet (`layer_types`), [] for other models."""
-    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == LINEAR]
 
 
 class GatedAttention(LlamaAttention):
@@ -71,9 +64,6 @@ class GatedAttention(LlamaAttention):
         gate = q_gate[..., self.head_dim:].reshape(-1, self.q_size)
         out = self.attend(positions, q, k, v, forward_batch)
         return self._out(out * torch.sigmoid(gate))
-
-    def normed_forward(self, *args: object, **kwargs: object) -> None:
-        return None  # (no fused norm + q/k/v launch for the gated query layout)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -117,7 +107,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         rotary = model_rotary(config)
-        linear = set(linear_layer_ids(config))
+        linear = set(linear_attention_layers(config))
         kv_ids = {layer: i for i, layer in enumerate(j for j in range(config.num_hidden_layers) if j not in linear)}
         self.layers = nn.ModuleList(HybridDecoderLayer(config, i, kv_ids.get(i), tp_rank, tp_size, rotary)
                                     for i in range(config.num_hidden_layers))
@@ -138,18 +128,14 @@ class Qwen3NextForCausalLM(MoECausalLM):
     partial_rotary = True  # q/k laid out at load (`_laid_out`)
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.model = HybridModel(config, tp_rank, tp_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = self.model.embed_tokens if self.tie_word_embeddings else \
-            ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        super().__init__(config, tp_rank, tp_size)
         attn = next((layer.self_attn for layer in self.model.layers if hasattr(layer, "self_attn")), None)
         self.head_dim = attn.head_dim if attn is not None else 0
         self.dim_order = None if attn is None else \
             rotary_order(attn.rotary_emb.head_dim, attn.rotary_emb.rotary_dim, interleaved=False)
+
+    def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
+        return HybridModel(config, tp_rank, tp_size)
 
     # ------------------------------------------------------------------ recurrent state (ModelRunner)
     def state_bytes_per_request(self, dtype: torch.dtype) -> int:
