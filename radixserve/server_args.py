@@ -101,6 +101,10 @@ class ServerArgs:
     schedule_policy: str = _flag("Order of the waiting queue", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("Scales the reserved decode tokens", default=1.0)
     disable_radix_cache: bool = _flag("Use ChunkCache (no prefix sharing)", default=False)
+    state_snapshots: int | None = _flag("Hybrid models (Qwen3-Next, Qwen3.5): the linear-attention state snapshots "
+                                        "the radix cache keeps, each the state of every such layer at the end of "
+                                        "one cached prefix (default: as many as request slots; 0: no prefix "
+                                        "caching for these models)")
     attention_backend: str | None = _flag("Attention backend (default triton on CUDA, cpu on CPU; torch_native is "
                                           "the pure-PyTorch reference)", choices=ATTENTION_BACKENDS)
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
@@ -254,6 +258,9 @@ class ServerArgs:
                      "torch_compile_max_bs"):
             positive(name)
         positive("page_size", allow_none=False)
+        if self.state_snapshots is not None and (not isinstance(self.state_snapshots, int)
+                                                 or isinstance(self.state_snapshots, bool) or self.state_snapshots < 0):
+            raise ValueError(f"--state-snapshots must be a non-negative integer; got {self.state_snapshots!r}")
         if self.page_size > 1 and self.speculative_algorithm is not None:
             raise ValueError("--speculative-algorithm needs --page-size 1 (a rejected draft's slot may share a page "
                              "with kept tokens, and pages are freed whole)")

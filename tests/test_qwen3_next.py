@@ -1,8 +1,9 @@
 """The hybrid Qwen models (Qwen3-Next; Qwen3.5 dense, MoE and image-text checkpoints as text) against transformers in
 float32 on tiny random models: three Gated DeltaNet layers, then one gated full-attention layer with a partial
 rotation. Greedy tokens on every CPU-runnable backend; through the scheduler with 5-token chunks (the recurrent state
-carried from chunk to chunk, mixed steps, no prefix cache); TP=2. Also the delta rule's chunked form against its
-recurrent step, the state rows of CUDA-graph padding, the pool and state sizing, and what a hybrid model refuses."""
+carried from chunk to chunk, mixed steps, with and without the prefix cache); TP=2. Also the delta rule's chunked form
+against its recurrent step, the state rows of CUDA-graph padding, the pool and state sizing, and what a hybrid model
+refuses (its prefix cache: test_hybrid_prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -128,11 +129,13 @@ def test_image_text_checkpoint_served_as_text(moe: bool, tmp_path) -> None:  # n
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
-def test_scheduler_chunks_carry_the_state(kind: str, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("cache", [True, False])
+def test_scheduler_chunks_carry_the_state(kind: str, cache: bool, tmp_path) -> None:  # noqa: ANN001
     """5-token chunks: each chunk starts from the state the one before left (a reset would change the tokens);
-    decodes ride in mixed steps; the prefix cache is off, so nothing is hit."""
+    decodes ride in mixed steps; with the prefix cache the second wave starts from the first's state snapshots."""
     hf = hybrid(str(tmp_path), kind)
-    assert scheduler_waves(str(tmp_path), expect_hits=False) == [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
+    assert scheduler_waves(str(tmp_path), expect_hits=cache, disable_radix_cache=not cache) == \
+        [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
 
 
 def test_the_linear_layers_and_their_state_matter(tmp_path) -> None:  # noqa: ANN001
@@ -205,7 +208,10 @@ def test_pool_holds_the_attention_layers_and_states_are_sized(tmp_path) -> None:
     assert runner.model_config.linear_attention_layers == [0, 1, 2]
     assert runner.model_config.kv_layer_count == 1 and len(runner.token_to_kv_pool.k_buffer) == 1
     net = runner.model.model.delta_nets()[0]
-    assert net.states.ssm.shape == (6 + 2, 4, 16, 16) and net.states.conv.shape == (8, 2 * 32 + 64, 3)
+    # rows: 7 request slots, 6 snapshots for the radix cache (one a running request), the padding row
+    assert net.states.ssm.shape == (7 + 6 + 1, 4, 16, 16) and net.states.conv.shape == (14, 2 * 32 + 64, 3)
+    assert (runner.state_pool.first_row, runner.state_pool.size, net.states.padding_row) == (7, 6, 13)
+    assert make_runner(str(tmp_path), max_running_requests=6, disable_radix_cache=True).state_pool is None
     per_request = 3 * ((2 * 32 + 64) * 3 * 4 + 4 * 16 * 16 * 4)
     assert runner.state_bytes == per_request
     from radixserve.bench_one_batch import add_bandwidth
@@ -225,8 +231,22 @@ def test_hybrid_settings_and_refusals(tmp_path) -> None:  # noqa: ANN001
     cfg = ModelConfig(str(tmp_path))
     args = ServerArgs(model_path=str(tmp_path), device="cpu")
     apply_hybrid_args(args, cfg)
-    assert args.disable_radix_cache and args.prefill_cuda_graph_max_tokens == 0 \
+    assert not args.disable_radix_cache and args.prefill_cuda_graph_max_tokens == 0 \
         and args.piecewise_cuda_graph_max_tokens == 0
+    # the radix cache keeps state snapshots in order with the forwards: no overlap beside it
+    overlap = ServerArgs(model_path=str(tmp_path), device="cpu", enable_overlap_schedule=True)
+    assert overlap.use_overlap
+    apply_hybrid_args(overlap, cfg)
+    assert not overlap.use_overlap and not overlap.disable_radix_cache
+    no_cache = ServerArgs(model_path=str(tmp_path), device="cpu", enable_overlap_schedule=True,
+                          disable_radix_cache=True)
+    apply_hybrid_args(no_cache, cfg)
+    assert no_cache.use_overlap
+    no_snapshots = ServerArgs(model_path=str(tmp_path), device="cpu", state_snapshots=0)
+    apply_hybrid_args(no_snapshots, cfg)
+    assert no_snapshots.disable_radix_cache
+    with pytest.raises(ValueError, match="--state-snapshots must be a non-negative integer"):
+        ServerArgs(model_path=str(tmp_path), device="cpu", state_snapshots=-1)
     for bad in (dict(speculative_algorithm="ngram"), dict(enable_lora=True), dict(enable_torch_compile=True)):
         with pytest.raises(ValueError, match="linear-attention layers"):
             apply_hybrid_args(ServerArgs(model_path=str(tmp_path), device="cpu", **bad), cfg)
@@ -309,7 +329,7 @@ def test_extend_memory_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert la._pad_groups([5, 1000, 7]) == [[0, 1], [2]]  # 3 x 1000 padded would be past 2 x 1012 + 3 x 64
     monkeypatch.setattr(la, "PAD_TOKENS", 500)
     assert la._pad_groups([300, 280, 250]) == [[0], [1], [2]] and la._pad_groups([200, 200]) == [[0, 1]]
-    assert la._pieces([1200, 3], [0, 9]) == ([0, 0, 0, 1], [500, 500, 200, 3], [0, 500, 1000, 9])
+    assert la._pieces([1200, 3], [0, 9]) == ([0, 0, 0, 1], [500, 500, 200, 3], [0, 500, 1000, 9], [-1] * 4)
 
 
 def test_long_extend_in_pieces_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -328,7 +348,8 @@ def test_long_extend_in_pieces_equals_whole(monkeypatch: pytest.MonkeyPatch) -> 
     mixed = torch.randn(sum(lens), net.channels)
     g, beta = -torch.rand(sum(lens), net.hv), torch.rand(sum(lens), net.hv)
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False), extend_seq_lens_cpu=lens,
-                            extend_prefix_lens_cpu=prefixes, req_pool_indices=torch.tensor([2, 1]))
+                            extend_prefix_lens_cpu=prefixes, state_checkpoints=None,
+                            req_pool_indices=torch.tensor([2, 1]))
     whole = net._extend(mixed, g, beta, batch)
     state = net.states.ssm.clone()
     net.states.ssm.zero_()

@@ -1,9 +1,11 @@
 """Server settings a hybrid model (linear-attention layers beside full-attention ones: Qwen3-Next, Qwen3.5) needs.
 
-Its Gated DeltaNet layers keep one recurrent state per request (`layers/linear_attention.py`): a prefix found in
-the radix cache brings its KV but not the state at its end, so the cache is off (each request computes its prompt;
-chunked prefill carries the state from chunk to chunk). Extend runs those layers request by request, outside the
-prefill and piecewise CUDA graphs, which are off; decode graphs stay. What cannot work is refused."""
+Its Gated DeltaNet layers keep one recurrent state per request (`layers/linear_attention.py`): a cached prefix is
+only usable with the state at its end, which `HybridRadixCache` keeps in snapshot rows beside the request rows. The
+snapshots are copied in order with the forwards, so the overlap scheduler is off while the cache is on (it would
+run a finished request's next decode before its state is kept); `--disable-radix-cache` (or `--state-snapshots 0`)
+keeps overlap and computes every prompt whole. Extend runs those layers outside the prefill and piecewise CUDA
+graphs, which are off; decode graphs stay. What cannot work is refused."""
 
 from __future__ import annotations
 
@@ -34,9 +36,13 @@ def apply_hybrid_args(server_args: Any, model_config: Any) -> None:
         if bad:
             raise ValueError(f"{arch} has linear-attention layers: {what} is not supported")
     changes = []
-    if not server_args.disable_radix_cache:
+    if server_args.state_snapshots == 0 and not server_args.disable_radix_cache:
         server_args.disable_radix_cache = True
-        changes.append("radix cache off (a cached prefix does not bring the linear layers' state)")
+        changes.append("radix cache off (--state-snapshots 0)")
+    if not server_args.disable_radix_cache and server_args.use_overlap:
+        server_args.disable_overlap_schedule = True
+        changes.append("overlap scheduler off (the radix cache keeps state snapshots in order with the forwards; "
+                       "--disable-radix-cache keeps it)")
     if server_args.prefill_cuda_graph_max_tokens:
         server_args.prefill_cuda_graph_max_tokens = 0
         changes.append("prefill CUDA graphs off")

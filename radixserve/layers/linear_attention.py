@@ -111,24 +111,30 @@ def delta_rule_sequences(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return out, state
 
 
-def _pieces(lens: list[int], prefixes: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """(the request of each piece, the pieces' lengths, their prefixes): requests cut into pieces of at most
-    PAD_TOKENS tokens."""
-    owner, out_lens, out_prefixes = [], [], []
+def _pieces(lens: list[int], prefixes: list[int], cuts: dict[int, tuple[int, int]] | None = None
+            ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(the request of each piece, the pieces' lengths, their prefixes, the snapshot row to copy the state into
+    after the piece or -1): requests cut into pieces of at most PAD_TOKENS tokens, and where `cuts` (request ->
+    (tokens into its extend, snapshot row)) asks for a state snapshot."""
+    owner, out_lens, out_prefixes, stash = [], [], [], []
     for i, (n, prefix) in enumerate(zip(lens, prefixes, strict=True)):
-        for first in range(0, n, PAD_TOKENS):
+        at, row = (cuts or {}).get(i, (0, -1))
+        bounds = sorted({*range(0, n, PAD_TOKENS), *([at] if 0 < at < n else [])}) + [n]
+        for first, last in zip(bounds, bounds[1:], strict=False):
             owner.append(i)
-            out_lens.append(min(PAD_TOKENS, n - first))
+            out_lens.append(last - first)
             out_prefixes.append(prefix + first)
-    return owner, out_lens, out_prefixes
+            stash.append(row if last == at else -1)
+    return owner, out_lens, out_prefixes, stash
 
 
-def _pad_groups(lens: list[int]) -> list[list[int]]:
+def _pad_groups(lens: list[int], owner: list[int] | None = None) -> list[list[int]]:
     """Consecutive requests run together, each padded to the group's longest: while the padded tokens stay within
-    PAD_TOKENS and within twice the real ones (plus a chunk a request)."""
+    PAD_TOKENS and within twice the real ones (plus a chunk a request). Two pieces of one request (`owner`) never
+    share a group: the second starts from the state the first leaves."""
     groups: list[list[int]] = []
     for i in range(len(lens)):
-        group = groups[-1] + [i] if groups else []
+        group = groups[-1] + [i] if groups and (owner is None or owner[groups[-1][-1]] != owner[i]) else []
         if group:
             padded = len(group) * max(lens[j] for j in group)
             real = sum(lens[j] for j in group)
@@ -264,20 +270,28 @@ class GatedDeltaNet(nn.Module):
         lens, prefixes = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
         if lens is None or prefixes is None:
             raise RuntimeError("linear attention extend needs the batch's extend lengths on the host")
-        # a request longer than PAD_TOKENS runs in pieces, each continuing from the state the one before left
-        owner, lens, prefixes = _pieces(lens, prefixes)
+        # a request longer than PAD_TOKENS runs in pieces, each continuing from the state the one before left; a
+        # piece also ends where the radix cache asked for a snapshot of the state (copied once the piece ran)
+        cuts = {i: (at, row) for i, at, row in forward_batch.state_checkpoints or ()}
+        owner, lens, prefixes, stash = _pieces(lens, prefixes, cuts)
         rows = forward_batch.req_pool_indices
+        st = self.states
         outs, start = [], 0
-        for group in _pad_groups(lens):  # consecutive pieces: their tokens are contiguous
+        for group in _pad_groups(lens, owner):  # consecutive pieces: their tokens are contiguous
             n = sum(lens[i] for i in group)
             part = slice(start, start + n)
             sub_lens, sub_prefixes = [lens[i] for i in group], [prefixes[i] for i in group]
-            if len(group) > 1:  # (never two pieces of one request: a piece is PAD_TOKENS long but the last)
+            if len(group) > 1:
                 sub_rows = rows[torch.tensor([owner[i] for i in group], device=rows.device)]
                 outs.append(self._extend_padded(mixed[part], g[part], beta[part], sub_rows, sub_lens, sub_prefixes))
             else:
                 outs.append(self._extend_each(mixed[part], g[part], beta[part], [int(rows[owner[group[0]]])],
                                               sub_lens, sub_prefixes))
+            for i in group:
+                if stash[i] >= 0:
+                    row = int(rows[owner[i]])
+                    st.conv[stash[i]].copy_(st.conv[row])
+                    st.ssm[stash[i]].copy_(st.ssm[row])
             start += n
         return torch.cat(outs)
 

@@ -56,6 +56,9 @@ class Req:
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self.kv_committed_len: int | None = None  # tokens whose KV is written (set after each forward)
+        # a hybrid model's planned state snapshot inside its next forward: (tokens, snapshot row) (HybridRadixCache)
+        self.state_checkpoint: tuple[int, int] | None = None
+        self.chunk_snapshot: TreeNode | None = None  # ... and the node of the snapshot after its last chunk
         # Overlap scheduling: (batch id, future slot) of a sampled token not yet copied back to the CPU.
         # Its id is referred to as -(future slot) in the next batch's input_ids and resolved on the device.
         self.pending_token: tuple[int, int] | None = None
@@ -205,6 +208,9 @@ class ModelWorkerBatch:
     dp_all_decode: bool = False  # ... and every rank decodes (or idles): a CUDA graph may run
     # MIXED: how many requests at the end ride along as one-token decodes (after the n_prefill prefill requests)
     num_mixed_decodes: int = 0
+    # extend, hybrid models: (request index, tokens into its extend, snapshot row) where the forward copies a
+    # request's recurrent state (HybridRadixCache.prepare_extend)
+    state_checkpoints: list[tuple[int, int, int]] | None = None
 
 
 class ScheduleBatch:
@@ -225,6 +231,7 @@ class ScheduleBatch:
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
+        self.state_checkpoints: list[tuple[int, int, int]] = []  # extend: see ModelWorkerBatch
         self.n_prefill = len(reqs)  # for MIXED: the first n_prefill requests are the prefill, the rest decode
         self.sampling_info: DeferredSamplingInfo | None = None
         # host-side copies of what prepare_for_* computed (None once filter/merge changed the batch)
@@ -288,6 +295,8 @@ class ScheduleBatch:
                 raise RuntimeError("out of request slots (admission should have prevented this)")
             for r, s in zip(new_rows, slots, strict=True):
                 r.req_pool_idx = s
+        if self.tree_cache is not None:  # (a hybrid model: the cached prefixes' recurrent states, checkpoints)
+            self.state_checkpoints = self.tree_cache.prepare_extend(reqs, new_rows)
         self.prefix_lens = [len(r.prefix_indices) for r in reqs]
         self.extend_lens = [r.extend_input_len for r in reqs]
         for r, pre in zip(reqs, self.prefix_lens, strict=True):
@@ -535,4 +544,5 @@ class ScheduleBatch:
             lora_loads=lora_loads,
             pooling=[r.pooling for r in self.reqs] if extend and any(r.pooling for r in self.reqs) else None,
             num_mixed_decodes=len(self.reqs) - self.n_prefill if self.forward_mode.is_mixed() else 0,
+            state_checkpoints=self.state_checkpoints if extend and self.state_checkpoints else None,
         )

@@ -38,6 +38,7 @@ from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.hybrid_radix_cache import HybridRadixCache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.model_executor.forward_batch_info import ForwardMode
 from radixserve.server_args import ServerArgs
@@ -80,8 +81,14 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         self.max_running_requests = self.worker.max_running_requests
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
-        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
-        self.tree_cache: BasePrefixCache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool)
+        self.tree_cache: BasePrefixCache
+        state_pool = self.worker.model_runner.state_pool  # a hybrid model's state snapshots (None: no such model)
+        if server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool)
+        elif state_pool is not None:
+            self.tree_cache = HybridRadixCache(self.req_to_token_pool, self.token_to_kv_pool, state_pool)
+        else:
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool)
         # LoRA: which adapter sits in which device slot (the worker holds the weights)
         self.lora_manager = self.worker.model_runner.lora_manager
         self.lora_table = LoRASlotTable(server_args.max_loras_per_batch) if self.lora_manager is not None else None

@@ -91,7 +91,7 @@ class SchedulerStatsMixin:
         free = self.token_to_kv_pool.available_size()
         total = free + cache.evictable_size() + cache.protected_size()
         ok = total == self.token_to_kv_pool.size and cache.protected_size() == 0
-        ok = ok and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
+        ok = ok and self.req_to_token_pool.available_size() == self.req_to_token_pool.size and cache.check_states()
         if not ok:
             self.invariant_violations += 1
             logger.error("memory leak: free=%d evictable=%d protected=%d pool=%d free_req_slots=%d/%d", free,

@@ -50,6 +50,13 @@ class BasePrefixCache(ABC):
     def cache_unfinished_req(self, req: Req) -> None:
         """A chunk of a chunked prefill ran: what was filled so far becomes the request's prefix."""
 
+    def prepare_extend(self, reqs: list[Req], new_rows: list[Req]) -> list[tuple[int, int, int]]:
+        """Before an extend of `reqs` runs (`new_rows`: those given a request slot just now). A cache that keeps
+        model state besides KV (a hybrid model's recurrent states) loads it into the new rows and plans where the
+        forward leaves copies of it: (index in `reqs`, tokens into the request's extend, snapshot row). KV-only
+        caches have nothing to do."""
+        return []
+
     @abstractmethod
     def release_req(self, req: Req) -> None:
         """A running request is retracted: free its own KV slots and its request slot, unlock its prefix (the cached
@@ -86,6 +93,11 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` unlocked slots if there are that many; returns the number freed."""
+
+    def check_states(self) -> bool:
+        """When idle: whether the model state the cache keeps besides KV is accounted for exactly (KV-only caches
+        keep none)."""
+        return True
 
     @abstractmethod
     def evictable_size(self) -> int: ...

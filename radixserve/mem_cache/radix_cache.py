@@ -107,7 +107,7 @@ def _kv_len(req: Any, num_tokens: int) -> int:
 class TreeNode:
     """A node of the radix tree. `key` is this node's token segment, `value` its KV slots (CPU int64)."""
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "state")
 
     def __init__(self, key: list[int] | None = None, value: torch.Tensor | None = None,
                  parent: TreeNode | None = None) -> None:
@@ -117,6 +117,7 @@ class TreeNode:
         self.value: torch.Tensor = value if value is not None else _empty_indices()
         self.lock_ref: int = 0
         self.last_access_time: int = _tick()
+        self.state: int | None = None  # a hybrid model's state snapshot at this node's end (HybridRadixCache)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -162,6 +163,9 @@ class RadixCache(BasePrefixCache):
         If the prefix ends inside a node, the node is split there so that the returned node ends exactly at the
         prefix (the caller locks it). Touches every node on the path (LRU).
         """
+        return self._match(key, namespace)
+
+    def _match(self, key: Sequence[int] | torch.Tensor, namespace: str | None) -> tuple[torch.Tensor, TreeNode]:
         key = _as_key(key)
         if self.page_size > 1:
             key = key[:self._aligned(len(key))]
@@ -271,7 +275,7 @@ class RadixCache(BasePrefixCache):
         if new_prefix_len < prefix_len:
             raise RuntimeError(f"radix cache lost a locked prefix: matched {prefix_len}, found {new_prefix_len}")
         self.token_to_kv_pool.free(indices[prefix_len:new_prefix_len])
-        new_indices, new_last_node = self.match_prefix(fill_ids, _namespace(req))
+        new_indices, new_last_node = self._match(fill_ids, _namespace(req))
         if len(new_indices) != len(fill_ids):
             raise RuntimeError(f"radix cache: re-match after insert found {len(new_indices)} of {len(fill_ids)}")
         self.req_to_token_pool.write(row, prefix_len, new_indices[prefix_len:])
@@ -342,7 +346,7 @@ class RadixCache(BasePrefixCache):
             parent = leaf.parent
             if parent is None:
                 raise RuntimeError("radix cache: a leaf with no parent in the eviction heap")
-            self.token_to_kv_pool.free(leaf.value)
+            self._free_node(leaf)
             del parent.children[self._child_key(leaf.key, 0)]
             leaf.parent = None
             n = len(leaf.key)
@@ -368,7 +372,7 @@ class RadixCache(BasePrefixCache):
             stack.extend(n.children.values())
         freed = 0
         for n in nodes[1:]:
-            self.token_to_kv_pool.free(n.value)
+            self._free_node(n)
             freed += len(n.key)
             n.parent = None
         self._evictable_size -= freed
@@ -427,6 +431,10 @@ class RadixCache(BasePrefixCache):
             top.lock_ref = 1  # never evicted; its key is empty so it counts nowhere
             self.root.children[namespace] = top  # type: ignore[index]  # a str never equals a token id
         return top
+
+    def _free_node(self, node: TreeNode) -> None:
+        """A node leaves the tree (eviction, a dropped namespace): what it owns goes back to the pools."""
+        self.token_to_kv_pool.free(node.value)
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         """Split `child` after its first `k` tokens (0 < k < len); returns the new upper node."""

@@ -104,6 +104,9 @@ class ForwardBatch:
     dp_all_decode: bool = False  # every rank decodes or idles: all of them can replay the same CUDA graph
     # MIXED: how many requests at the end are decodes riding along with the prefill (one token each)
     num_mixed_decodes: int = 0
+    # extend, hybrid models: (request index, tokens into its extend, snapshot row): after those tokens the
+    # linear-attention layers copy the request's state into the snapshot row (the radix cache keeps it)
+    state_checkpoints: list[tuple[int, int, int]] | None = None
     # a decode that replays a CUDA graph from its one-copy pack (init_new's fast path): the batch's [6, n] host
     # array (ScheduleBatch.decode_pack), which the replay copies to the graph runner's device pack. The replay also
     # writes the batch's new KV slots into the request table and resolves ids in flight through the model runner's
@@ -223,6 +226,7 @@ class ForwardBatch:
             dp_num_tokens=batch.dp_num_tokens,
             dp_all_decode=batch.dp_all_decode,
             num_mixed_decodes=batch.num_mixed_decodes,
+            state_checkpoints=batch.state_checkpoints,
         )
         if ext is not None:
             fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = rest[0], rest[1], rest[2]

@@ -23,6 +23,7 @@ from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.sampler import Sampler
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixserve.mem_cache.mla_memory_pool import MLATokenToKVPool
+from radixserve.mem_cache.state_pool import StatePool
 from radixserve.model_executor.forward_batch_info import ForwardBatch
 from radixserve.model_executor.inference_mode import inference_mode
 from radixserve.model_loader import get_model
@@ -293,10 +294,12 @@ class ModelRunner:
             # Keep (1 - frac) of the card for activations, CUDA graphs and the sampler.
             rest = free - total * (1 - frac)
             state_cap = self._state_request_cap(rest)
-            rest -= (state_cap + 2) * self.state_bytes if self.state_bytes else 0
+            state_rows = state_cap + 2 + self._state_snapshots(state_cap)
+            rest -= state_rows * self.state_bytes if self.state_bytes else 0
             if rest <= cell * 64:
-                states = (f" and {(state_cap + 2) * self.state_bytes / 2**30:.1f} GiB of linear-attention states "
-                          f"for {state_cap} requests (fewer: --max-running-requests)") if self.state_bytes else ""
+                states = (f" and {state_rows * self.state_bytes / 2**30:.1f} GiB of linear-attention states "
+                          f"for {state_cap} requests and the cache's snapshots (fewer: --max-running-requests, "
+                          "--state-snapshots)") if self.state_bytes else ""
                 raise ValueError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
                                  f"loading {self.weight_bytes / 2**30:.1f} GiB of weights{states}; raise "
                                  f"--mem-fraction-static (now {frac}) or use a smaller model / --tp-size")
@@ -329,10 +332,15 @@ class ModelRunner:
                                                   self.device, page_size=args.page_size)
         size = self.max_total_num_tokens = self.token_to_kv_pool.size  # whole pages
         logger.info("KV pool: %d tokens (%.2f GiB), %d request slots", size, size * cell / 2**30, max_reqs)
-        if self.state_bytes:  # one state row per request slot (and one for CUDA-graph padding rows)
-            self.model.allocate_states(max_reqs + 1, self.dtype, self.device)
-            logger.info("linear-attention states: %.1f MiB a request, %.2f GiB for %d slots", self.state_bytes / 2**20,
-                        (max_reqs + 2) * self.state_bytes / 2**30, max_reqs + 1)
+        self.state_pool: StatePool | None = None
+        if self.state_bytes:  # a state row per request slot, the radix cache's snapshots, a CUDA-graph padding row
+            snapshots = self._state_snapshots(state_cap)
+            self.model.allocate_states(max_reqs + 1 + snapshots, self.dtype, self.device)
+            if snapshots:
+                self.state_pool = StatePool(self.model.state_buffers(), max_reqs + 1, snapshots)
+            logger.info("linear-attention states: %.1f MiB a request, %.2f GiB for %d slots and %d cache snapshots",
+                        self.state_bytes / 2**20, (max_reqs + 2 + snapshots) * self.state_bytes / 2**30, max_reqs + 1,
+                        snapshots)
 
     @property
     def state_bytes(self) -> int:
@@ -342,7 +350,8 @@ class ModelRunner:
 
     def _state_request_cap(self, budget: float | None) -> int:
         """A hybrid model's most running requests: --max-running-requests, else as many as a quarter of the memory
-        `budget` (CUDA) holds states for, at most the decode graphs' batch (32 on the CPU)."""
+        `budget` (CUDA) holds states for, at most the decode graphs' batch (32 on the CPU). The radix cache's
+        snapshots (`_state_snapshots`) come on top, out of the KV pool's share."""
         if not self.state_bytes:
             return 1 << 30
         if self.server_args.max_running_requests:
@@ -350,6 +359,13 @@ class ModelRunner:
         if budget is None:
             return 32
         return max(1, min(self.cuda_graph_max_bs, int(0.25 * budget // self.state_bytes)))
+
+    def _state_snapshots(self, state_cap: int) -> int:
+        """How many state snapshots the radix cache of a hybrid model keeps (0 without the cache)."""
+        if not self.state_bytes or self.server_args.disable_radix_cache:
+            return 0
+        given = self.server_args.state_snapshots
+        return state_cap if given is None else given
 
     def _calculate_kv_scales(self) -> None:
         from radixserve.layers.quantization.kv_calibration import calculate_kv_scales, calibration_text

@@ -145,6 +145,10 @@ class Qwen3NextForCausalLM(MoECausalLM):
         for net in self.model.delta_nets():
             net.allocate_states(slots, dtype, device)
 
+    def state_buffers(self) -> list:
+        """Every linear-attention layer's StateBuffers (allocated), for the radix cache's snapshots."""
+        return [net.states for net in self.model.delta_nets()]
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         n = self.config.num_hidden_layers

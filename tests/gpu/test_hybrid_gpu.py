@@ -1,7 +1,7 @@
 """The hybrid Qwen models on CUDA through the scheduler: overlap scheduling, decode CUDA graphs (the DeltaNet states
 gathered and written back inside them, padding rows to their own row), 5-token chunks whose state carries over and
-mixed steps, float32 greedy tokens equal transformers'; a second wave reuses the request slots. Skipped without a
-GPU."""
+mixed steps, float32 greedy tokens equal transformers'; a second wave reuses the request slots; the prefix cache's
+state snapshots and checkpoints. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -15,13 +15,21 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import WAVE_PROMPTS, hf_greedy, scheduler_waves  # noqa: E402
+from test_hybrid_prefix_cache import check_hits  # noqa: E402
 from test_qwen3_next import hybrid  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
-def test_scheduler_on_cuda_equals_transformers(kind: str, tmp_path) -> None:
+@pytest.mark.parametrize("cache", [True, False])
+def test_scheduler_on_cuda_equals_transformers(kind: str, cache: bool, tmp_path) -> None:
+    """With the prefix cache (state snapshots, overlap off) and without it (overlap on)."""
     hf = hybrid(str(tmp_path), kind)
     want = [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
-    got = scheduler_waves(str(tmp_path), expect_hits=False, device="cuda", cuda_graph_max_bs=8,
-                          disable_overlap_schedule=False)
+    got = scheduler_waves(str(tmp_path), expect_hits=cache, device="cuda", cuda_graph_max_bs=8,
+                          disable_overlap_schedule=False, disable_radix_cache=not cache)
     assert got == want
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_prefix_cache_hits_on_cuda(kind: str, tmp_path) -> None:
+    check_hits(str(tmp_path), kind, device="cuda", cuda_graph_max_bs=8)

@@ -1,0 +1,191 @@
+"""Prefix caching for hybrid models (HybridRadixCache): a cached prefix is used only where the tree holds the
+linear-attention layers' state at its end. Through a float32 CPU scheduler on tiny Qwen3-Next / Qwen3.5 models,
+request by request: greedy tokens equal transformers' while the hits are exactly the ones the snapshots allow (a
+next turn, a shared head after the request that left its state there, a repeated prompt, n > 1's shared prefill),
+with the snapshot rows accounted for after every request, also when they and the KV pool run short. Unit tests of
+the tree's rules and of the forward's checkpoint copy."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from model_utils import hf_greedy
+from test_qwen3_next import COMMON, hybrid
+
+from radixserve.layers.linear_attention import GatedDeltaNet
+from radixserve.mem_cache.hybrid_radix_cache import HybridRadixCache
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from radixserve.mem_cache.state_pool import StatePool
+
+HEAD = list(range(60, 72))  # a shared 12-token head (a system prompt)
+
+
+def _scheduler(path: str, **kw: Any) -> Any:
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.server_args import ServerArgs
+
+    args = dict(device="cpu", dtype="float32", max_total_tokens=2048, skip_tokenizer_init=True)
+    return Scheduler(ServerArgs(model_path=path, **{**args, **kw}), port_args={})
+
+
+def _serve(s: Any, rid: str, prompt: list[int], max_new_tokens: int = 6) -> tuple[list[int], int]:
+    """One request run to its end: (its tokens, the prompt tokens it found cached); the pools check out after."""
+    from radixserve.managers import io_struct as io
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    before = s.cache_hit_tokens
+    s.process_input_requests([io.TokenizedGenerateReqInput(
+        rid=rid, input_text=None, input_ids=prompt, sampling_params=SamplingParams.from_dict(
+            {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}))])
+    while s.step() or not s.is_idle():
+        pass
+    out = [t for msg in s.outbox for r, ids in zip(msg.rids, msg.new_token_ids, strict=True) if r == rid for t in ids]
+    s.outbox.clear()
+    assert s.check_memory() and s.tree_cache.check_states()
+    return out, s.cache_hit_tokens - before
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_hits_where_states_are_kept(kind: str, tmp_path) -> None:  # noqa: ANN001
+    check_hits(str(tmp_path), kind)
+
+
+def check_hits(path: str, kind: str, **server_kw: Any) -> None:
+    """Requests one at a time: each greedy output equals transformers' and each hit is the one expected."""
+    hf = hybrid(path, kind)
+    s = _scheduler(path, **server_kw)
+    assert type(s.tree_cache).__name__ == "HybridRadixCache" and not s.enable_overlap
+    r1 = HEAD + [5, 6]
+    out1, hit = _serve(s, "1", r1)
+    assert out1 == hf_greedy(hf, r1, 6) and hit == 0
+    # the head is cached KV without a state at its end: no hit, but the forward leaves the state there
+    out2, hit = _serve(s, "2", HEAD + [7])
+    assert out2 == hf_greedy(hf, HEAD + [7], 6) and hit == 0
+    r3 = HEAD + [8, 9, 10]
+    out3, hit = _serve(s, "3", r3)
+    assert out3 == hf_greedy(hf, r3, 6) and hit == len(HEAD)
+    # the next turn of the first conversation: its prompt, its answer but the last token (whose KV never ran)
+    r4 = r1 + out1 + [11, 12]
+    out4, hit = _serve(s, "4", r4)
+    assert out4 == hf_greedy(hf, r4, 6) and hit == len(r1) + len(out1) - 1
+    # a repeated prompt matches all but its last token: the first repeat leaves the state there, the second hits it
+    out5, hit = _serve(s, "5", r3)
+    assert out5 == out3 and hit == len(HEAD)
+    out6, hit = _serve(s, "6", r3)
+    assert out6 == out3 and hit == len(r3) - 1
+    # n > 1's shared prefill (max_new_tokens 0) leaves its state one token before the end for the samples
+    p7 = list(range(120, 131))
+    assert _serve(s, "7", p7, max_new_tokens=0) == ([], 0)
+    out8, hit = _serve(s, "8", p7)
+    assert out8 == hf_greedy(hf, p7, 6) and hit == len(p7) - 1
+
+
+def _depth(node: Any) -> int:
+    n = 0
+    while node.parent is not None:
+        n, node = n + len(node.key), node.parent
+    return n
+
+
+def test_chunked_prompt_keeps_its_last_snapshot(tmp_path) -> None:  # noqa: ANN001
+    """5-token chunks: each chunk's snapshot is given back when the next one is taken, so a finished request leaves
+    two, at its prompt's end and at its own end; a longer prompt resumes from the first."""
+    path = str(tmp_path)
+    hf = hybrid(path, "qwen3_5")
+    s = _scheduler(path, chunked_prefill_size=5)
+    p = list(range(30, 53))  # chunks end at 5, 10, 15, 20 and 23
+    out, hit = _serve(s, "1", p)
+    assert out == hf_greedy(hf, p, 6) and hit == 0
+    assert sorted(_depth(n) for n in s.tree_cache.state_nodes) == [23, 28]
+    longer = p + [7, 8, 9]
+    out, hit = _serve(s, "2", longer)
+    assert out == hf_greedy(hf, longer, 6) and hit == 23
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_short_of_snapshots_and_kv(page_size: int, tmp_path) -> None:  # noqa: ANN001
+    """Two snapshot rows and a small KV pool: snapshots are given up (least recently used first) and nodes evicted
+    with theirs, the tokens stay right and every row and slot is accounted for after each request (with pages:
+    matches, snapshots and checkpoints only on page boundaries)."""
+    path = str(tmp_path)
+    hf = hybrid(path, "qwen3_5")
+    s = _scheduler(path, state_snapshots=2, max_total_tokens=96, max_running_requests=2, page_size=page_size)
+    assert s.tree_cache.states.size == 2
+    prompts = [HEAD + [i, i + 1] for i in range(2, 6)] + [list(range(10 * i, 10 * i + 20)) for i in range(1, 4)]
+    prompts.append(HEAD)  # (tokens 0 and 1 stay out: the reference's generate takes 0 for padding)
+    hits = 0
+    for i, p in enumerate(prompts + prompts[:3]):
+        out, hit = _serve(s, str(i), p)
+        assert out == hf_greedy(hf, p, 6), i
+        assert len(s.tree_cache.state_nodes) <= 2
+        hits += hit
+    assert hits > 0
+
+
+def _pools(snapshots: int) -> tuple[HybridRadixCache, TokenToKVPool]:
+    kv = TokenToKVPool(64, torch.float32, 1, 4, 1, "cpu")
+    buffers = SimpleNamespace(conv=torch.zeros(3 + snapshots, 2, 3), ssm=torch.zeros(3 + snapshots, 1, 2, 2))
+    cache = HybridRadixCache(ReqToTokenPool(2, 64, "cpu"), kv, StatePool([buffers], 2, snapshots))
+    return cache, kv
+
+
+def test_matches_end_at_snapshots() -> None:
+    cache, kv = _pools(2)
+    cache.insert(list(range(10)), kv.alloc(10))
+    six = cache._node_at(list(range(6)), None)
+    cache._hold(six, cache.states.alloc())
+    indices, node = cache.match_prefix(list(range(9)))
+    assert len(indices) == 6 and node is six  # KV for 9 tokens, a state after 6
+    assert cache.cached_len(list(range(9))) == 9
+    indices, node = cache.match_prefix([0, 1, 2, 3])  # a split above the snapshot: nothing usable
+    assert len(indices) == 0 and node is cache.root and six.state is not None and len(six.key) == 2
+    assert cache.is_attached(six) and not cache.is_attached(six.children[6])
+    assert cache.check_states()
+    # the least recently used unlocked snapshot is given up when none is free; a locked one never
+    cache.insert(list(range(20, 30)), kv.alloc(10))
+    other = cache._node_at(list(range(20, 30)), None)
+    cache._hold(other, cache.states.alloc())
+    cache.inc_lock_ref(other)
+    row = cache._alloc_state()
+    assert row is not None and six.state is None and not cache.is_attached(six) and cache._alloc_state() is None
+    cache.states.free(row)
+    cache.dec_lock_ref(other)
+    assert cache.check_states()
+    assert cache.evict(100) == 20 and cache.states.available_size() == 2 and cache.check_states()
+    assert kv.available_size() == kv.size
+
+
+def test_forward_copies_the_state_at_a_checkpoint() -> None:
+    """A checkpoint splits a request's extend: the snapshot row holds the state after exactly those tokens, and
+    the outputs and the final state are those of the whole extend (padded with another request or alone)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.3)
+    net.allocate_states(4, torch.float32, "cpu")
+    lens = [40, 30]
+    mixed = torch.randn(sum(lens), net.channels)
+    g, beta = -torch.rand(sum(lens), net.hv), torch.rand(sum(lens), net.hv)
+
+    def extend(ls: list[int], rows: list[int], cuts: Any = None, part: slice = slice(None)) -> torch.Tensor:
+        batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False), extend_seq_lens_cpu=ls,
+                                extend_prefix_lens_cpu=[0] * len(ls), state_checkpoints=cuts,
+                                req_pool_indices=torch.tensor(rows))
+        return net._extend(mixed[part], g[part], beta[part], batch)
+
+    whole = extend(lens, [0, 1])
+    final = net.states.ssm[:2].clone()
+    extend([25], [2], part=slice(0, 25))  # request 0's first 25 tokens alone, into row 2
+    want = net.states.ssm[2].clone(), net.states.conv[2].clone()
+    net.states.ssm.zero_()
+    net.states.conv.zero_()
+    torch.testing.assert_close(extend(lens, [0, 1], [(0, 25, 3)]), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(net.states.ssm[:2], final, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(net.states.ssm[3], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(net.states.conv[3], want[1])
