@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True, tokenize=True)
     prompt = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
-    tmp = tempfile.mkdtemp(prefix="bench-quality-")
+    scratch = tempfile.TemporaryDirectory(prefix="bench-quality-")  # the files written: removed at the end
+    tmp = scratch.name
     setups: dict[str, dict[str, Any]] = {
         "fp32": {}, "fp8": {"quantization": "fp8"}, "fp8 KV e4m3": {"kv_cache_dtype": "fp8_e4m3"},
         "fp8 KV e4m3 ckpt-scales": {"kv_cache_dtype": "fp8_e4m3", "kv_scales": True},
@@ -192,37 +193,40 @@ def main(argv: list[str] | None = None) -> None:
         setups[f"fp8 KV e4m3 scale {v:g}"] = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": v}
         names.append(f"fp8 KV e4m3 scale {v:g}")
     rows, base_ppl = [], None
-    for name in names:
-        kw = dict(setups[name])
-        path, note = folder, ""
-        scales = kw.pop("kv_scales", False)
-        if scales is not False:
-            path = os.path.join(tmp, f"smollm2-kv-scales-{len(rows)}")
-            note = write_kv_scales_checkpoint(folder, path, tok(text)["input_ids"][args.tokens:2 * args.tokens],
-                                              uniform=None if scales is True else scales)
-        if "gguf" in kw:
-            kind = kw.pop("gguf")
-            path = os.path.join(tmp, f"smollm2-{kind.replace('/', '-')}.gguf")
-            types = write_gguf(folder, path, kind)
-            counts: dict[str, int] = {}
-            for t in types.values():
-                counts[t] = counts.get(t, 0) + 1
-            note = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
-            kw["quantization"] = "gguf"  # packed on the CPU too (the default there dequantises at load)
-        t0 = time.perf_counter()
-        sa = ServerArgs(model_path=path, tokenizer_path=folder, device="cpu", dtype="float32",
-                        max_total_tokens=args.tokens + 64, max_running_requests=4, **kw)
-        runner = ModelRunner(ModelConfig(path), sa)
-        ppl = perplexity(runner, ids)
-        answer = tok.decode(StaticBatch(runner).generate([prompt], 16)[0])
-        base_ppl = ppl if name == "fp32" else base_ppl
-        delta = None if base_ppl is None or name == "fp32" else 100.0 * (ppl / base_ppl - 1.0)
-        margin = MARGINS.get(name)
-        ok = "Paris" in answer and (margin is None or (delta is not None and abs(delta) <= margin))
-        rows.append({"config": name, "perplexity": ppl, "delta_pct": delta, "margin_pct": margin, "answer": answer,
-                     "pass": ok, "weights": note, "seconds": time.perf_counter() - t0,
-                     "weight_bytes": runner.weight_bytes})
-        print(f"{name}: ppl {ppl:.4f} ({'' if delta is None else f'{delta:+.2f}%'}) {answer!r}", file=sys.stderr)
+    try:
+        for name in names:
+            kw = dict(setups[name])
+            path, note = folder, ""
+            scales = kw.pop("kv_scales", False)
+            if scales is not False:
+                path = os.path.join(tmp, f"smollm2-kv-scales-{len(rows)}")
+                note = write_kv_scales_checkpoint(folder, path, tok(text)["input_ids"][args.tokens:2 * args.tokens],
+                                                  uniform=None if scales is True else scales)
+            if "gguf" in kw:
+                kind = kw.pop("gguf")
+                path = os.path.join(tmp, f"smollm2-{kind.replace('/', '-')}.gguf")
+                types = write_gguf(folder, path, kind)
+                counts: dict[str, int] = {}
+                for t in types.values():
+                    counts[t] = counts.get(t, 0) + 1
+                note = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+                kw["quantization"] = "gguf"  # packed on the CPU too (the default there dequantises at load)
+            t0 = time.perf_counter()
+            sa = ServerArgs(model_path=path, tokenizer_path=folder, device="cpu", dtype="float32",
+                            max_total_tokens=args.tokens + 64, max_running_requests=4, **kw)
+            runner = ModelRunner(ModelConfig(path), sa)
+            ppl = perplexity(runner, ids)
+            answer = tok.decode(StaticBatch(runner).generate([prompt], 16)[0])
+            base_ppl = ppl if name == "fp32" else base_ppl
+            delta = None if base_ppl is None or name == "fp32" else 100.0 * (ppl / base_ppl - 1.0)
+            margin = MARGINS.get(name)
+            ok = "Paris" in answer and (margin is None or (delta is not None and abs(delta) <= margin))
+            rows.append({"config": name, "perplexity": ppl, "delta_pct": delta, "margin_pct": margin, "answer": answer,
+                         "pass": ok, "weights": note, "seconds": time.perf_counter() - t0,
+                         "weight_bytes": runner.weight_bytes})
+            print(f"{name}: ppl {ppl:.4f} ({'' if delta is None else f'{delta:+.2f}%'}) {answer!r}", file=sys.stderr)
+    finally:
+        scratch.cleanup()
     print(f"\nSmolLM2-135M-Instruct, CPU float32, {len(ids)} tokens of {text_path}")
     print(f"{'config':<14} {'perplexity':>10} {'vs fp32':>8} {'margin':>7} {'Paris':>6} {'pass':>5}  weights")
     for r in rows:

@@ -82,7 +82,7 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
         self.tree_cache: BasePrefixCache
-        state_pool = self.worker.model_runner.state_pool  # a hybrid model's state snapshots (None: no such model)
+        state_pool = getattr(self.worker.model_runner, "state_pool", None)  # a hybrid model's state snapshots
         if server_args.disable_radix_cache:
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool)
         elif state_pool is not None:
