@@ -2,8 +2,8 @@
 linear-attention layers' state at its end. Through a float32 CPU scheduler on tiny Qwen3-Next / Qwen3.5 models,
 request by request: greedy tokens equal transformers' while the hits are exactly the ones the snapshots allow (a
 next turn, a shared head after the request that left its state there, a repeated prompt, n > 1's shared prefill),
-with the snapshot rows accounted for after every request, also when they and the KV pool run short. Unit tests of
-the tree's rules and of the forward's checkpoint copy."""
+with the snapshot rows accounted for after every request, also when they and the KV pool run short; the same
+through the Engine's processes. Unit tests of the tree's rules and of the forward's checkpoint copy."""
 
 from __future__ import annotations
 
@@ -189,3 +189,29 @@ def test_forward_copies_the_state_at_a_checkpoint() -> None:
     torch.testing.assert_close(net.states.ssm[:2], final, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net.states.ssm[3], want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net.states.conv[3], want[1])
+
+
+@pytest.mark.integration
+def test_engine_n_samples_and_next_turn(tmp_path) -> None:  # noqa: ANN001
+    """Through the Engine's processes: n = 3 samples find all but the prompt's last token cached (the shared
+    prefill's checkpoint), a next turn finds the first turn cached, and the pools check out at the end."""
+    from parallel_utils import wait_idle
+
+    from radixserve import Engine
+
+    path = str(tmp_path)
+    hf = hybrid(path, "qwen3_5")
+    prompt = list(range(80, 97))
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with Engine(model_path=path, skip_tokenizer_init=True, device="cpu", dtype="float32", max_total_tokens=2048,
+                log_level="warning") as engine:
+        outs = engine.generate(input_ids=prompt, sampling_params={**greedy, "n": 3})
+        want = hf_greedy(hf, prompt, 6)
+        assert [o["output_ids"] for o in outs] == [want] * 3
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(prompt) - 1] * 3
+        turn = prompt + want + [5, 6]
+        out = engine.generate(input_ids=turn, sampling_params=greedy)
+        assert out["output_ids"] == hf_greedy(hf, turn, 6)
+        assert out["meta_info"]["cached_tokens"] == len(prompt) + len(want) - 1
+        state = wait_idle(engine)
+        assert state["idle"] and state["memory_ok"]
