@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 import torch
 from model_utils import hf_greedy
-from test_qwen3_next import COMMON, hybrid
+from test_qwen3_next import hybrid, random_delta_net
 
-from radixserve.layers.linear_attention import GatedDeltaNet
 from radixserve.mem_cache.hybrid_radix_cache import HybridRadixCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixserve.mem_cache.state_pool import StatePool
@@ -161,14 +160,7 @@ def test_matches_end_at_snapshots() -> None:
 def test_forward_copies_the_state_at_a_checkpoint() -> None:
     """A checkpoint splits a request's extend: the snapshot row holds the state after exactly those tokens, and
     the outputs and the final state are those of the whole extend (padded with another request or alone)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.3)
-    net.allocate_states(4, torch.float32, "cpu")
+    net = random_delta_net()
     lens = [40, 30]
     mixed = torch.randn(sum(lens), net.channels)
     g, beta = -torch.rand(sum(lens), net.hv), torch.rand(sum(lens), net.hv)

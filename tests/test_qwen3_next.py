@@ -58,6 +58,20 @@ def hybrid(path: str, kind: str = "qwen3_next", seed: int = 0, initializer_range
     return hf
 
 
+def random_delta_net(slots: int = 4) -> GatedDeltaNet:
+    """A Qwen3.5-shaped Gated DeltaNet layer (float32, seed 0) with weights away from their initial values, and
+    state rows for `slots` requests."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.3)
+    net.allocate_states(slots, torch.float32, "cpu")
+    return net
+
+
 def as_image_text(path: str, moe: bool) -> None:
     """Rewrite a saved Qwen3.5 text model as its image-text checkpoint (config with a text_config, the language
     model's weights under model.language_model., a vision tensor beside them)."""
@@ -177,14 +191,7 @@ def test_chunked_delta_rule_equals_the_recurrence() -> None:
 def test_padding_rows_write_the_padding_row() -> None:
     """A CUDA graph pads a decode batch with rows of request slot 0 and KV slot 0: their state goes to the extra
     row, so a real request in slot 0 keeps its own."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.3)
-    net.allocate_states(4, torch.float32, "cpu")
+    net = random_delta_net()
     net.states.ssm.normal_()
     net.states.conv.normal_()
     x = torch.randn(3, 64)
@@ -286,14 +293,7 @@ def test_fused_decode_step_equals_the_torch_step() -> None:
 def test_padded_extend_equals_request_by_request() -> None:
     """The batched extend (each request padded to the longest) against the extend one request at a time: fresh and
     continuing requests, a one-token one; the outputs and every state row they touch."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.3)
-    net.allocate_states(4, torch.float32, "cpu")
+    net = random_delta_net()
     net.states.ssm.normal_()
     net.states.conv.normal_()
     lens, prefixes, rows = [7, 1, 70], [0, 5, 2], [1, 3, 0]
@@ -330,20 +330,16 @@ def test_extend_memory_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(la, "PAD_TOKENS", 500)
     assert la._pad_groups([300, 280, 250]) == [[0], [1], [2]] and la._pad_groups([200, 200]) == [[0, 1]]
     assert la._pieces([1200, 3], [0, 9]) == ([0, 0, 0, 1], [500, 500, 200, 3], [0, 500, 1000, 9], [-1] * 4)
+    # a state checkpoint (request 0: after 4 tokens, into row 7) cuts a piece, whose pieces never share a group
+    assert la._pieces([10, 5], [0, 3], {0: (4, 7)}) == ([0, 0, 1], [4, 6, 5], [0, 4, 3], [7, -1, -1])
+    assert la._pad_groups([4, 6, 5], [0, 0, 1]) == [[0], [1, 2]] and la._pad_groups([4, 6, 5]) == [[0, 1, 2]]
 
 
 def test_long_extend_in_pieces_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request longer than PAD_TOKENS runs in pieces that carry the state: the same outputs and state."""
-    import transformers as tf
-
     from radixserve.layers import linear_attention as la
 
-    torch.manual_seed(0)
-    net = GatedDeltaNet(tf.Qwen3_5TextConfig(**COMMON)).float()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.3)
-    net.allocate_states(4, torch.float32, "cpu")
+    net = random_delta_net()
     lens, prefixes = [150, 5], [0, 0]
     mixed = torch.randn(sum(lens), net.channels)
     g, beta = -torch.rand(sum(lens), net.hv), torch.rand(sum(lens), net.hv)
