@@ -1,6 +1,7 @@
-"""Server settings a hybrid model (linear-attention layers beside full-attention ones: Qwen3-Next, Qwen3.5) needs.
+"""Server settings a hybrid model (recurrent-state layers beside full-attention ones: Qwen3-Next, Qwen3.5 with Gated
+DeltaNet, Granite 4.0 with Mamba2) needs.
 
-Its Gated DeltaNet layers keep one recurrent state per request (`layers/linear_attention.py`): a cached prefix is
+Its recurrent layers (`layers/linear_attention.py`, `layers/mamba2.py`) keep one state per request: a cached prefix is
 only usable with the state at its end, which `HybridRadixCache` keeps in snapshot rows beside the request rows. The
 snapshots are copied in order with the forwards, so the overlap scheduler is off while the cache is on (it would
 run a finished request's next decode before its state is kept); `--disable-radix-cache` (or `--state-snapshots 0`)
@@ -15,9 +16,16 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+# layer kinds that keep a recurrent state per request instead of KV: Qwen3-Next / Qwen3.5's Gated DeltaNet,
+# Granite 4.0's Mamba2 ("mamba" in its released configs, "linear_attention" as transformers 5 renames it)
+RECURRENT_LAYER_KINDS = ("linear_attention", "mamba")
+
+
 def linear_attention_layers(config: Any) -> list[int]:
-    """The layers of a (text) config that are linear attention (`layer_types`), [] for other models."""
-    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "linear_attention"]
+    """The layers of a (text) config that keep a recurrent state (linear attention or Mamba2: `layer_types`, or
+    Granite's `layers_block_type`), [] for other models."""
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or []
+    return [i for i, kind in enumerate(kinds) if kind in RECURRENT_LAYER_KINDS]
 
 
 def apply_hybrid_args(server_args: Any, model_config: Any) -> None:

@@ -215,8 +215,8 @@ class ModelConfig:
         self.is_encoder: bool = is_encoder(archs)  # BERT / XLM-R embedding models (configs/encoder.py)
         if self.is_encoder:  # no position past the table: the context is what it covers
             self.context_len = min(self.context_len, encoder_max_tokens(text_cfg))
-        # hybrid models (Qwen3-Next, Qwen3.5): their linear-attention layers hold a recurrent state, not KV; the
-        # other layers take KV layer ids 0, 1, .. (`models/qwen3_next.py`)
+        # hybrid models (Qwen3-Next, Qwen3.5, Granite 4.0): their linear-attention / Mamba2 layers hold a recurrent
+        # state, not KV; the other layers take KV layer ids 0, 1, .. (`models/qwen3_next.py`, `granitemoehybrid.py`)
         self.linear_attention_layers: list[int] = linear_attention_layers(text_cfg)
         self.kv_layer_count: int = self.num_hidden_layers - len(self.linear_attention_layers)
         # per layer: -1 (full attention) or the window in tokens

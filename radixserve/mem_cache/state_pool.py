@@ -1,9 +1,10 @@
 """StatePool: the snapshot rows of a hybrid model's recurrent states, for the radix cache.
 
-A hybrid model (Qwen3-Next, Qwen3.5) keeps, per linear-attention layer, one state row per request slot and one
-padding row (`layers/linear_attention.py` StateBuffers). With prefix caching the same buffers hold `size` more rows
-after the request slots: each keeps the state of every layer at the end of one cached prefix (a radix node). A row
-is free here, held by a node of the tree, or reserved by a request whose forward fills it at a checkpoint.
+A hybrid model (Qwen3-Next, Qwen3.5, Granite 4.0) keeps, per linear-attention or Mamba2 layer, one state row per
+request slot and one padding row (`layers/linear_attention.py` StateBuffers). With prefix caching the same buffers
+hold `size` more rows after the request slots: each keeps the state of every layer at the end of one cached prefix
+(a radix node). A row is free here, held by a node of the tree, or reserved by a request whose forward fills it at
+a checkpoint.
 Copies run on the current stream, in order with the forwards (the overlap scheduler is off for these models).
 """
 

@@ -18,6 +18,7 @@ _MODELS: dict[str, str] = {
     "GraniteForCausalLM": "radixserve.models.granite",
     "GraniteMoeForCausalLM": "radixserve.models.granitemoe",
     "GraniteMoeSharedForCausalLM": "radixserve.models.granitemoe",
+    "GraniteMoeHybridForCausalLM": "radixserve.models.granitemoehybrid",
     "SmolLM3ForCausalLM": "radixserve.models.smollm3",
     "CohereForCausalLM": "radixserve.models.cohere",
     "Cohere2ForCausalLM": "radixserve.models.cohere",

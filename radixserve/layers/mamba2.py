@@ -1,0 +1,232 @@
+"""Mamba2, the recurrent layer of IBM Granite 4.0's hybrid models (`models/granitemoehybrid.py`): a state per
+request instead of a KV cache.
+
+One projection gives each token a gate z (the layer's inner width I), the convolved channels xBC (x: I, then B and C:
+G groups of N each) and one dt a head. After a causal depthwise convolution of width K (with bias) and SiLU over xBC,
+each head h (of H, head width P, group g = h // (H / G)) updates a [P, N] state:
+
+    dt = softplus(dt + dt_bias);  S <- exp(dt * A) S + dt x B^T;  y = S C + D x
+
+with A = -exp(A_log) per head (extend clamps dt to `time_step_limit`; the decode step does not, as in
+transformers). The output times SiLU(z) is RMS-normed in G groups of I / G channels (the norm's
+weight after), then out_proj.
+
+State: a request's conv window (the last K - 1 xBC inputs, model dtype) and its S [H, P, N] (float32), in
+`StateBuffers` rows indexed by its request-pool slot, the snapshot rows of the radix cache after them, then the
+padding row that CUDA-graph padding entries (KV slot 0) write. A prefill chunk whose request has no prefix starts
+from zeros, otherwise from the state its previous chunk left.
+
+Decode is the recurrent step, batched over the requests. Extend runs the convolution over [window; tokens] and the
+scan in chunks of `CHUNK` tokens (the state space duality form): within a chunk the outputs are a causal, decayed
+C B^T product applied to dt x plus the chunk's start state read through C; the state is carried chunk to chunk.
+Requests are grouped and padded as the linear-attention layer's (`_pieces`, `_pad_groups`: padding tokens have
+dt = 0, so they leave the state as it is), which also cuts a request where the radix cache asked for a state
+snapshot. Temporaries are bounded by the group's padded tokens (PAD_TOKENS) and the chunk.
+
+Tensor parallelism is not supported (the model refuses tp_size > 1)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.linear import ReplicatedLinear
+from radixserve.layers.linear_attention import StateBuffers, _pad_groups, _pieces
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from radixserve.model_executor.forward_batch_info import ForwardBatch
+
+CHUNK = 64  # tokens of the scan solved at once in extend (any size gives the same result)
+
+
+def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the scan for a batch (without the D skip). state [S, H, P, N], x [S, H, P], dt [S, H] (after
+    softplus and clamp), a [H] (= A, negative), b / c [S, G, N], float32 -> (y [S, H, P], the new state)."""
+    s, h, p = x.shape
+    g, n = b.shape[1:]
+    st = state.reshape(s, g, h // g, p, n)
+    decay = (dt * a).exp().reshape(s, g, h // g)[..., None, None]
+    u = (x * dt[..., None]).reshape(s, g, h // g, p)
+    st = st * decay + u[..., None] * b[:, :, None, None, :]
+    y = (st * c[:, :, None, None, :]).sum(-1)
+    return y.reshape(s, h, p), st.reshape(s, h, p, n)
+
+
+def ssd_chunked(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                c: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan over sequences (without the D skip), `chunk` tokens at a time. state [S, H, P, N], x [S, T, H, P],
+    dt [S, T, H] (after softplus and clamp; 0 on padding tokens), a [H], b / c [S, T, G, N], float32 -> (y [S, T,
+    H, P], the final state).
+
+    Within a chunk starting from S0, with L_t the cumulative log decay (sum of dt * A) up to token t:
+    y_t = e^{L_t} S0 C_t + sum_{j<=t} e^{L_t - L_j} (C_t . B_j) dt_j x_j and
+    S = e^{L_last} S0 + sum_j e^{L_last - L_j} dt_j x_j B_j^T."""
+    s, length, h, p = x.shape
+    g, n = b.shape[2:]
+    r = h // g
+    st = state.reshape(s, g, r, p, n)
+    outs = []
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        size = end - start
+        u = (x[:, start:end] * dt[:, start:end, :, None]).reshape(s, size, g, r, p)  # dt x
+        cum = (dt[:, start:end] * a).cumsum(1).reshape(s, size, g, r).permute(0, 2, 3, 1)  # [S, G, r, L]
+        bj, ct = b[:, start:end], c[:, start:end]  # [S, L, G, N]
+        lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [S, G, r, L, L]
+        scores = torch.einsum("slgn,smgn->sglm", ct, bj)[:, :, None] * decay  # causal, decayed C . B
+        y = torch.einsum("sgrlm,smgrp->slgrp", scores, u)
+        y = y + torch.einsum("slgn,sgrpn->slgrp", ct, st) * cum.permute(0, 3, 1, 2).exp()[..., None]
+        to_end = (cum[..., -1:] - cum).exp().permute(0, 3, 1, 2)  # [S, L, G, r]
+        st = st * cum[..., -1].exp()[..., None, None] + torch.einsum("slgrp,slgn->sgrpn", u * to_end[..., None], bj)
+        outs.append(y.reshape(s, size, h, p))
+    return torch.cat(outs, dim=1), st.reshape(s, h, p, n)
+
+
+class Mamba2Mixer(nn.Module):
+    """Granite 4.0's Mamba2 layer (transformers' parameter names: in_proj, conv1d as conv_weight / conv_bias,
+    dt_bias, A_log, D, norm.weight, out_proj)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.inner = int(config.mamba_expand * hidden)
+        self.heads = int(config.mamba_n_heads)
+        head_dim = getattr(config, "mamba_d_head", "auto")
+        self.head_dim = self.inner // self.heads if head_dim in (None, "auto") else int(head_dim)
+        self.groups, self.state_size = int(config.mamba_n_groups), int(config.mamba_d_state)
+        self.width = int(config.mamba_d_conv)
+        if self.heads * self.head_dim != self.inner:
+            raise ValueError(f"Mamba2: mamba_n_heads {self.heads} x mamba_d_head {self.head_dim} must equal "
+                             f"mamba_expand x hidden_size = {self.inner}")
+        if self.heads % self.groups or self.inner % self.groups:
+            raise ValueError(f"Mamba2: mamba_n_groups {self.groups} must divide mamba_n_heads {self.heads}")
+        if self.width < 2:
+            raise ValueError(f"Mamba2: mamba_d_conv must be at least 2; got {self.width}")
+        if (getattr(config, "hidden_act", None) or "silu") not in ("silu", "swish"):
+            raise ValueError(f"Mamba2: hidden_act {config.hidden_act!r} is not supported (silu)")
+        limit = getattr(config, "time_step_limit", None) or (0.0, math.inf)
+        self.dt_min, self.dt_max = float(limit[0]), float(limit[1])
+        self.channels = self.inner + 2 * self.groups * self.state_size  # x, B, C: the convolved channels
+        bias = bool(getattr(config, "mamba_proj_bias", False))
+        self.in_proj = ReplicatedLinear(hidden, self.inner + self.channels + self.heads, bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.channels, self.width), requires_grad=False)
+        self.conv_bias = nn.Parameter(torch.zeros(self.channels), requires_grad=False) \
+            if getattr(config, "mamba_conv_bias", True) else None
+        self.dt_bias = nn.Parameter(torch.empty(self.heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.heads), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.ones(self.inner), requires_grad=False)
+        self.eps = float(config.rms_norm_eps)
+        self.out_proj = ReplicatedLinear(self.inner, hidden, bias)
+        self.states: StateBuffers | None = None
+
+    # ------------------------------------------------------------------ state
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        return StateBuffers.bytes_per_slot(self.channels, self.width, self.heads, self.head_dim, self.state_size,
+                                           dtype)
+
+    def allocate_states(self, slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.states = StateBuffers(slots, self.channels, self.width, self.heads, self.head_dim, self.state_size,
+                                   dtype, device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        if self.states is None:
+            raise RuntimeError("Mamba2 states are not allocated (ModelRunner allocates them with the pools)")
+        z, xbc, dt = self.in_proj(hidden).split([self.inner, self.channels, self.heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if forward_batch.forward_mode.is_decode():  # (the step takes dt unclamped, as transformers' and mamba_ssm's)
+            y = self._decode(xbc, dt, forward_batch)
+        else:
+            y = self._extend(xbc, dt.clamp(self.dt_min, self.dt_max), forward_batch)
+        return self.out_proj(self._gated_norm(y, z))
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y [T, I] (float32) times SiLU(z), RMS-normed over each group's I / G channels, times the weight."""
+        x = (y * F.silu(z.float())).reshape(-1, self.groups, self.inner // self.groups)
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(-1, self.inner)
+        return (self.norm_weight.float() * x).to(z.dtype)
+
+    def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved [..., C] (float32) -> x [..., H, P], B and C [..., G, N]."""
+        x, b, c = conv.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
+        lead = conv.shape[:-1]
+        return (x.reshape(*lead, self.heads, self.head_dim), b.reshape(*lead, self.groups, self.state_size),
+                c.reshape(*lead, self.groups, self.state_size))
+
+    def _conv_out(self, conv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """SiLU of the convolution's float32 output, rounded through the model dtype, back in float32."""
+        return F.silu(conv).to(dtype).float()
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        st = self.states
+        rows = forward_batch.req_pool_indices
+        # a CUDA graph's padding rows (KV slot 0) write the padding row, not a request's
+        rows = torch.where(forward_batch.out_cache_loc != 0, rows, torch.full_like(rows, st.padding_row))
+        window = torch.cat([st.conv[rows], xbc[:, :, None]], dim=-1)  # [B, C, K]
+        st.conv.index_copy_(0, rows, window[:, :, 1:])
+        conv = (window.float() * self.conv_weight.float()).sum(-1)
+        if self.conv_bias is not None:
+            conv = conv + self.conv_bias.float()
+        x, b, c = self._split(self._conv_out(conv, xbc.dtype))
+        a = -self.A_log.float().exp()
+        y, state = ssd_step(st.ssm[rows], x, dt, a, b, c)
+        st.ssm.index_copy_(0, rows, state)
+        y = y + x * self.D.float()[:, None]
+        return y.reshape(xbc.shape[0], self.inner)
+
+    def _extend(self, xbc: torch.Tensor, dt: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        lens, prefixes = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
+        if lens is None or prefixes is None:
+            raise RuntimeError("Mamba2 extend needs the batch's extend lengths on the host")
+        # pieces of at most PAD_TOKENS tokens, cut where the radix cache asked for a state snapshot (copied after)
+        cuts = {i: (at, row) for i, at, row in forward_batch.state_checkpoints or ()}
+        owner, lens, prefixes, stash = _pieces(lens, prefixes, cuts)
+        rows, st = forward_batch.req_pool_indices, self.states
+        outs, start = [], 0
+        for group in _pad_groups(lens, owner):  # consecutive pieces: their tokens are contiguous
+            n = sum(lens[i] for i in group)
+            part = slice(start, start + n)
+            sub_rows = rows[torch.tensor([owner[i] for i in group], device=rows.device)]
+            outs.append(self.extend_padded(xbc[part], dt[part], sub_rows, [lens[i] for i in group],
+                                           [prefixes[i] for i in group]))
+            for i in group:
+                if stash[i] >= 0:
+                    row = int(rows[owner[i]])
+                    st.conv[stash[i]].copy_(st.conv[row])
+                    st.ssm[stash[i]].copy_(st.ssm[row])
+            start += n
+        return torch.cat(outs)
+
+    def extend_padded(self, xbc: torch.Tensor, dt: torch.Tensor, rows: torch.Tensor, lens: list[int],
+                      prefixes: list[int]) -> torch.Tensor:
+        """The extend of consecutive requests (state rows `rows`) at once, each padded to the longest (padding after
+        its tokens: dt = 0 leaves the state as it is, the outputs are dropped) -> y [tokens, I] (float32, with the
+        D skip)."""
+        st, count, longest, width = self.states, len(lens), max(lens), self.width
+        device = xbc.device
+        n = torch.tensor(lens, device=device)
+        keep = torch.tensor(prefixes, device=device) > 0  # False: a fresh sequence starts at zero
+        x = torch.nn.utils.rnn.pad_sequence(list(xbc.split(lens)), batch_first=True)  # [S, T, C]
+        window = torch.cat([st.conv[rows] * keep.to(st.conv.dtype)[:, None, None], x.transpose(1, 2)], dim=-1)
+        bias = None if self.conv_bias is None else self.conv_bias.float()
+        conv = F.conv1d(window.float(), self.conv_weight.float()[:, None, :], bias, groups=self.channels)
+        last = (n[:, None] + torch.arange(width - 1, device=device))[:, None, :].expand(count, self.channels, -1)
+        st.conv[rows] = torch.gather(window, 2, last)  # each request's last K - 1 inputs
+        real = torch.arange(longest, device=device)[None, :] < n[:, None]  # [S, T]
+        xs, b, c = self._split(self._conv_out(conv.transpose(1, 2), xbc.dtype))
+        dts = dt.new_zeros((count, longest, self.heads))
+        dts[real] = dt
+        state = st.ssm[rows] * keep.to(st.ssm.dtype)[:, None, None, None]
+        y, state = ssd_chunked(state, xs, dts, -self.A_log.float().exp(), b, c)
+        st.ssm[rows] = state
+        y = y + xs * self.D.float()[:, None]
+        return y[real].reshape(-1, self.inner)
