@@ -7,6 +7,7 @@ through the Engine's processes. Unit tests of the tree's rules and of the forwar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,9 +53,10 @@ def test_hits_where_states_are_kept(kind: str, tmp_path) -> None:  # noqa: ANN00
     check_hits(str(tmp_path), kind)
 
 
-def check_hits(path: str, kind: str, **server_kw: Any) -> None:
-    """Requests one at a time: each greedy output equals transformers' and each hit is the one expected."""
-    hf = hybrid(path, kind)
+def check_hits(path: str, kind: str, build: Callable[[str], Any] | None = None, **server_kw: Any) -> None:
+    """Requests one at a time: each greedy output equals transformers' and each hit is the one expected (the model
+    saved at `path` by `build`, default the tiny hybrid Qwen of `kind`)."""
+    hf = build(path) if build is not None else hybrid(path, kind)
     s = _scheduler(path, **server_kw)
     assert type(s.tree_cache).__name__ == "HybridRadixCache" and not s.enable_overlap
     r1 = HEAD + [5, 6]

@@ -155,6 +155,15 @@ class StateBuffers:
         self.conv = torch.zeros((slots + 1, channels, width - 1), dtype=dtype, device=device)
         self.ssm = torch.zeros((slots + 1, heads, dk, dv), dtype=torch.float32, device=device)
 
+    def keep_checkpoints(self, group: list[int], owner: list[int], stash: list[int], rows: torch.Tensor) -> None:
+        """After a group of extend pieces ran: a piece that ends at a state checkpoint (`stash[i]` >= 0) copies its
+        request's row (`rows[owner[i]]`) into that snapshot row."""
+        for i in group:
+            if stash[i] >= 0:
+                row = int(rows[owner[i]])
+                self.conv[stash[i]].copy_(self.conv[row])
+                self.ssm[stash[i]].copy_(self.ssm[row])
+
     @staticmethod
     def bytes_per_slot(channels: int, width: int, heads: int, dk: int, dv: int, dtype: torch.dtype) -> int:
         return channels * (width - 1) * torch.finfo(dtype).bits // 8 + heads * dk * dv * 4
@@ -287,11 +296,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 outs.append(self._extend_each(mixed[part], g[part], beta[part], [int(rows[owner[group[0]]])],
                                               sub_lens, sub_prefixes))
-            for i in group:
-                if stash[i] >= 0:
-                    row = int(rows[owner[i]])
-                    st.conv[stash[i]].copy_(st.conv[row])
-                    st.ssm[stash[i]].copy_(st.ssm[row])
+            st.keep_checkpoints(group, owner, stash, rows)
             start += n
         return torch.cat(outs)
 

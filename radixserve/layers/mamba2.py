@@ -198,11 +198,7 @@ class Mamba2Mixer(nn.Module):
             sub_rows = rows[torch.tensor([owner[i] for i in group], device=rows.device)]
             outs.append(self.extend_padded(xbc[part], dt[part], sub_rows, [lens[i] for i in group],
                                            [prefixes[i] for i in group]))
-            for i in group:
-                if stash[i] >= 0:
-                    row = int(rows[owner[i]])
-                    st.conv[stash[i]].copy_(st.conv[row])
-                    st.ssm[stash[i]].copy_(st.ssm[row])
+            st.keep_checkpoints(group, owner, stash, rows)
             start += n
         return torch.cat(outs)
 
