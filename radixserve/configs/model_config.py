@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from radixserve.configs.encoder import encoder_max_tokens, is_encoder
-from radixserve.configs.hybrid import linear_attention_layers
+from radixserve.configs.hybrid import kv_layer_count, linear_attention_layers
 
 logger = logging.getLogger(__name__)
 
@@ -215,10 +215,11 @@ class ModelConfig:
         self.is_encoder: bool = is_encoder(archs)  # BERT / XLM-R embedding models (configs/encoder.py)
         if self.is_encoder:  # no position past the table: the context is what it covers
             self.context_len = min(self.context_len, encoder_max_tokens(text_cfg))
-        # hybrid models (Qwen3-Next, Qwen3.5, Granite 4.0): their linear-attention / Mamba2 layers hold a recurrent
-        # state, not KV; the other layers take KV layer ids 0, 1, .. (`models/qwen3_next.py`, `granitemoehybrid.py`)
+        # hybrid models (Qwen3-Next, Qwen3.5, Granite 4.0, Nemotron-H): their linear-attention / Mamba2 layers hold a
+        # recurrent state, not KV, and Nemotron-H's MLP-only layers neither; the attention layers take KV layer ids
+        # 0, 1, .. (`models/qwen3_next.py`, `granitemoehybrid.py`, `nemotron_h.py`)
         self.linear_attention_layers: list[int] = linear_attention_layers(text_cfg)
-        self.kv_layer_count: int = self.num_hidden_layers - len(self.linear_attention_layers)
+        self.kv_layer_count: int = kv_layer_count(text_cfg, self.num_hidden_layers)
         # per layer: -1 (full attention) or the window in tokens
         self.sliding_windows: list[int] = [sliding_window_size(text_cfg, i) for i in range(self.num_hidden_layers)]
 

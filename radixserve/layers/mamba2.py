@@ -1,5 +1,5 @@
-"""Mamba2, the recurrent layer of IBM Granite 4.0's hybrid models (`models/granitemoehybrid.py`): a state per
-request instead of a KV cache.
+"""Mamba2, the recurrent layer of IBM Granite 4.0's and NVIDIA Nemotron-H's hybrid models
+(`models/granitemoehybrid.py`, `models/nemotron_h.py`): a state per request instead of a KV cache.
 
 One projection gives each token a gate z (the layer's inner width I), the convolved channels xBC (x: I, then B and C:
 G groups of N each) and one dt a head. After a causal depthwise convolution of width K (with bias) and SiLU over xBC,
@@ -28,6 +28,7 @@ Tensor parallelism is not supported (the model refuses tp_size > 1)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,41 +91,71 @@ def ssd_chunked(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch
     return torch.cat(outs, dim=1), st.reshape(s, h, p, n)
 
 
-class Mamba2Mixer(nn.Module):
-    """Granite 4.0's Mamba2 layer (transformers' parameter names: in_proj, conv1d as conv_weight / conv_bias,
-    dt_bias, A_log, D, norm.weight, out_proj)."""
+@dataclass(frozen=True)
+class Mamba2Names:
+    """Where a family's config keeps the Mamba2 layer's sizes and switches (the attribute names). `expand`: None
+    where the inner width is simply heads x head width (Nemotron-H), else the attribute whose value times
+    hidden_size gives it (Granite, which then checks heads x head width against it)."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    heads: str
+    head_dim: str
+    groups: str
+    state: str
+    conv: str
+    act: str
+    conv_bias: str
+    proj_bias: str
+    eps: str
+    expand: str | None
+
+
+GRANITE = Mamba2Names("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "hidden_act",
+                      "mamba_conv_bias", "mamba_proj_bias", "rms_norm_eps", "mamba_expand")
+NEMOTRON_H = Mamba2Names("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel",
+                         "mamba_hidden_act", "use_conv_bias", "use_bias", "layer_norm_epsilon", None)
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba2 layer of Granite 4.0 and Nemotron-H (transformers' parameter names: in_proj, conv1d as
+    conv_weight / conv_bias, dt_bias, A_log, D, norm.weight as norm_weight, out_proj). `names`: the family's config
+    attribute names (GRANITE, NEMOTRON_H)."""
+
+    def __init__(self, config: PretrainedConfig, names: Mamba2Names = GRANITE) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.inner = int(config.mamba_expand * hidden)
-        self.heads = int(config.mamba_n_heads)
-        head_dim = getattr(config, "mamba_d_head", "auto")
-        self.head_dim = self.inner // self.heads if head_dim in (None, "auto") else int(head_dim)
-        self.groups, self.state_size = int(config.mamba_n_groups), int(config.mamba_d_state)
-        self.width = int(config.mamba_d_conv)
+        self.heads = int(getattr(config, names.heads))
+        head_dim = getattr(config, names.head_dim, "auto")
+        if names.expand is None:
+            self.head_dim = int(head_dim)
+            self.inner = self.heads * self.head_dim
+        else:
+            self.inner = int(getattr(config, names.expand) * hidden)
+            self.head_dim = self.inner // self.heads if head_dim in (None, "auto") else int(head_dim)
+        self.groups, self.state_size = int(getattr(config, names.groups)), int(getattr(config, names.state))
+        self.width = int(getattr(config, names.conv))
         if self.heads * self.head_dim != self.inner:
-            raise ValueError(f"Mamba2: mamba_n_heads {self.heads} x mamba_d_head {self.head_dim} must equal "
-                             f"mamba_expand x hidden_size = {self.inner}")
+            raise ValueError(f"Mamba2: {names.heads} {self.heads} x {names.head_dim} {self.head_dim} must equal "
+                             f"{names.expand} x hidden_size = {self.inner}")
         if self.heads % self.groups or self.inner % self.groups:
-            raise ValueError(f"Mamba2: mamba_n_groups {self.groups} must divide mamba_n_heads {self.heads}")
+            raise ValueError(f"Mamba2: {names.groups} {self.groups} must divide {names.heads} {self.heads}")
         if self.width < 2:
-            raise ValueError(f"Mamba2: mamba_d_conv must be at least 2; got {self.width}")
-        if (getattr(config, "hidden_act", None) or "silu") not in ("silu", "swish"):
-            raise ValueError(f"Mamba2: hidden_act {config.hidden_act!r} is not supported (silu)")
+            raise ValueError(f"Mamba2: {names.conv} must be at least 2; got {self.width}")
+        act = getattr(config, names.act, None) or "silu"
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Mamba2: {names.act} {act!r} is not supported (silu)")
         limit = getattr(config, "time_step_limit", None) or (0.0, math.inf)
         self.dt_min, self.dt_max = float(limit[0]), float(limit[1])
         self.channels = self.inner + 2 * self.groups * self.state_size  # x, B, C: the convolved channels
-        bias = bool(getattr(config, "mamba_proj_bias", False))
+        bias = bool(getattr(config, names.proj_bias, False))
         self.in_proj = ReplicatedLinear(hidden, self.inner + self.channels + self.heads, bias)
         self.conv_weight = nn.Parameter(torch.empty(self.channels, self.width), requires_grad=False)
         self.conv_bias = nn.Parameter(torch.zeros(self.channels), requires_grad=False) \
-            if getattr(config, "mamba_conv_bias", True) else None
+            if getattr(config, names.conv_bias, True) else None
         self.dt_bias = nn.Parameter(torch.empty(self.heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.heads), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.ones(self.inner), requires_grad=False)
-        self.eps = float(config.rms_norm_eps)
+        self.eps = float(getattr(config, names.eps))
         self.out_proj = ReplicatedLinear(self.inner, hidden, bias)
         self.states: StateBuffers | None = None
 

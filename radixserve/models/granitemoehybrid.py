@@ -32,6 +32,7 @@ from radixserve.models.llama import (
     load_plain,
     model_rotary,
 )
+from radixserve.models.recurrent_state import RecurrentStates
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -143,7 +144,7 @@ class GraniteHybridModel(nn.Module):
         return [layer.mamba for layer in self.layers if hasattr(layer, "mamba")]
 
 
-class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
+class GraniteMoeHybridForCausalLM(RecurrentStates, GraniteMoeForCausalLM):
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         if tp_size > 1:
             raise ValueError(f"GraniteMoeHybridForCausalLM does not support tensor parallelism (tp_size {tp_size})")
@@ -153,17 +154,8 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
         check_hidden_act(config)
         return GraniteHybridModel(config)
 
-    # ------------------------------------------------------------------ recurrent state (ModelRunner)
-    def state_bytes_per_request(self, dtype: torch.dtype) -> int:
-        return sum(m.state_bytes(dtype) for m in self.model.mixers())
-
-    def allocate_states(self, slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        for m in self.model.mixers():
-            m.allocate_states(slots, dtype, device)
-
-    def state_buffers(self) -> list:
-        """Every Mamba2 layer's StateBuffers (allocated), for the radix cache's snapshots."""
-        return [m.states for m in self.model.mixers()]
+    def state_layers(self) -> list:  # (RecurrentStates: what ModelRunner sizes and allocates)
+        return self.model.mixers()
 
     # ------------------------------------------------------------------ weights
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:

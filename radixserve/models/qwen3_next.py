@@ -32,6 +32,7 @@ from radixserve.models.glm4 import rotary_order
 from radixserve.models.llama import LlamaAttention, LlamaMLP, input_embedding, load_plain, model_rotary
 from radixserve.models.multimodal_text import TextOfMultimodal
 from radixserve.models.qwen2_moe import MoECausalLM, SparseMoeBlock, qwen2_moe_mlp
+from radixserve.models.recurrent_state import RecurrentStates
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -124,7 +125,7 @@ class HybridModel(nn.Module):
         return [layer.linear_attn for layer in self.layers if hasattr(layer, "linear_attn")]
 
 
-class Qwen3NextForCausalLM(MoECausalLM):
+class Qwen3NextForCausalLM(RecurrentStates, MoECausalLM):
     partial_rotary = True  # q/k laid out at load (`_laid_out`)
 
     def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -137,17 +138,8 @@ class Qwen3NextForCausalLM(MoECausalLM):
     def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
         return HybridModel(config, tp_rank, tp_size)
 
-    # ------------------------------------------------------------------ recurrent state (ModelRunner)
-    def state_bytes_per_request(self, dtype: torch.dtype) -> int:
-        return sum(net.state_bytes(dtype) for net in self.model.delta_nets())
-
-    def allocate_states(self, slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        for net in self.model.delta_nets():
-            net.allocate_states(slots, dtype, device)
-
-    def state_buffers(self) -> list:
-        """Every linear-attention layer's StateBuffers (allocated), for the radix cache's snapshots."""
-        return [net.states for net in self.model.delta_nets()]
+    def state_layers(self) -> list:  # (RecurrentStates: what ModelRunner sizes and allocates)
+        return self.model.delta_nets()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

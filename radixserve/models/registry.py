@@ -56,6 +56,7 @@ _MODELS: dict[str, str] = {
     "PhiMoEForCausalLM": "radixserve.models.phimoe",  # the hub checkpoints' (remote-code) name
     "Starcoder2ForCausalLM": "radixserve.models.starcoder2",
     "NemotronForCausalLM": "radixserve.models.nemotron",
+    "NemotronHForCausalLM": "radixserve.models.nemotron_h",
     "ArceeForCausalLM": "radixserve.models.arcee",
     "ApertusForCausalLM": "radixserve.models.apertus",
     "NanoChatForCausalLM": "radixserve.models.nanochat",

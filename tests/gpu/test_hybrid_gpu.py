@@ -1,7 +1,8 @@
 """The hybrid Qwen models on CUDA through the scheduler: overlap scheduling, decode CUDA graphs (the DeltaNet states
 gathered and written back inside them, padding rows to their own row), 5-token chunks whose state carries over and
 mixed steps, float32 greedy tokens equal transformers'; a second wave reuses the request slots; the prefix cache's
-state snapshots and checkpoints; Granite 4.0's Mamba2 hybrid the same way. Skipped without a GPU."""
+state snapshots and checkpoints; Granite 4.0's and Nemotron-H's Mamba2 hybrids the same way. Skipped without a
+GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import WAVE_PROMPTS, hf_greedy, scheduler_waves  # noqa: E402
 from test_granite_hybrid import granite_hybrid  # noqa: E402
 from test_hybrid_prefix_cache import check_hits  # noqa: E402
+from test_nemotron_h import nemotron_h  # noqa: E402
 from test_qwen3_next import hybrid  # noqa: E402
 
 
@@ -37,9 +39,11 @@ def test_prefix_cache_hits_on_cuda(kind: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("cache", [True, False])
-def test_granite_hybrid_on_cuda_equals_transformers(cache: bool, tmp_path) -> None:
-    """Granite 4.0's Mamba2 layers through the scheduler on CUDA (decode graphs, chunks, the prefix cache)."""
-    hf = granite_hybrid(str(tmp_path))
+@pytest.mark.parametrize("build", [granite_hybrid, nemotron_h], ids=["granite", "nemotron_h"])
+def test_mamba2_hybrids_on_cuda_equal_transformers(build, cache: bool, tmp_path) -> None:  # noqa: ANN001
+    """Granite 4.0's and Nemotron-H's Mamba2 layers through the scheduler on CUDA (decode graphs, chunks, the prefix
+    cache)."""
+    hf = build(str(tmp_path))
     want = [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
     got = scheduler_waves(str(tmp_path), expect_hits=cache, device="cuda", cuda_graph_max_bs=8,
                           disable_overlap_schedule=False, disable_radix_cache=not cache)

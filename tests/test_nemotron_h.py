@@ -1,0 +1,157 @@
+"""NVIDIA Nemotron-H (`NemotronHForCausalLM`) against transformers in float32 on a tiny random model with the three
+layer kinds (Mamba2 in two groups of heads, attention without rotation, relu2 MLP): greedy tokens on the CPU
+backends (a prompt longer than the scan's chunk), prefill logits; through the scheduler with 5-token chunks, with and
+without the prefix cache; prefix-cache hits request by request. Also that the Mamba2 state decides tokens, the KV
+layer count (only the attention layers), the layer kinds read from the pattern, and what the model refuses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, scheduler_waves
+from test_hybrid_prefix_cache import check_hits
+
+from radixserve.bench_one_batch import StaticBatch
+from radixserve.layers.mamba2 import CHUNK, NEMOTRON_H, Mamba2Mixer
+
+PROMPTS = [[5, 17, 42, 99, 3, 200, 7, 8, 9, 10, 11, 12, 13, 14], [2, 3, 4], list(range(30, 110))]  # 80 > CHUNK
+PATTERN = "M*-M-*M"  # Mamba2 at 0, 3, 6; attention at 1, 5; MLP at 2, 4
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=512, layer_norm_epsilon=1e-5, mamba_num_heads=8, mamba_head_dim=16,
+              n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, tie_word_embeddings=False,
+              pad_token_id=0, initializer_range=0.1, rescale_prenorm_residual=False)
+
+
+def _config(pattern: str = PATTERN, **kw: Any) -> Any:
+    import transformers as tf
+
+    return tf.NemotronHConfig(**{**COMMON, "hybrid_override_pattern": pattern, **kw})
+
+
+def nemotron_h(path: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny Nemotron-H saved at `path`; norms and D away from their initial values, the Mamba2 decays slow so that
+    the state carries far."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = _config()
+    cfg._attn_implementation = "eager"
+    hf = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(".D"):
+                p.add_(torch.randn_like(p) * 0.3)
+            if name.endswith("A_log"):  # slow decays (A near -0.15, dt near 0.5): a long memory in the state
+                p.copy_(torch.randn_like(p) * 0.5 - 2.0)
+            if name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p) * 0.3 - 0.5)
+            if name.endswith("mixer.out_proj.weight"):
+                p.mul_(4.0)  # the Mamba2 layers' share of the residual stream well above the others'
+            if name == "lm_head.weight":
+                p.mul_(4.0)  # clear margins between the top tokens
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_greedy_matches_transformers(backend: str, tmp_path) -> None:  # noqa: ANN001
+    hf = nemotron_h(str(tmp_path))
+    runner = make_runner(str(tmp_path), attention_backend=backend)
+    assert type(runner.model).__name__ == "NemotronHForCausalLM"
+    assert runner.model_config.linear_attention_layers == [0, 3, 6] and runner.model_config.kv_layer_count == 2
+    assert len(runner.token_to_kv_pool.k_buffer) == 2
+    assert max(len(p) for p in PROMPTS) > CHUNK
+    assert StaticBatch(runner).generate(PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+def test_prefill_logits_match_transformers(tmp_path) -> None:  # noqa: ANN001
+    hf = nemotron_h(str(tmp_path))
+    sb = StaticBatch(make_runner(str(tmp_path)))
+    batch, _ = sb.prefill([PROMPTS[2]])
+    got = sb.last_logits.next_token_logits[0].float()
+    sb.release(batch)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[2]])).logits[0, -1].float()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_mamba_state_matters(tmp_path) -> None:  # noqa: ANN001
+    """The greedy test could not pass with the Mamba2 state dropped between decode steps."""
+    path = str(tmp_path)
+    hf = nemotron_h(path)
+    want = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    runner = make_runner(path)
+    mixers = runner.model.model.mixers()
+    assert len(mixers) == 3
+    original = Mamba2Mixer._decode
+
+    def forgetful(self, xbc, dt, forward_batch):  # noqa: ANN001, ANN202
+        self.states.ssm.zero_()
+        return original(self, xbc, dt, forward_batch)
+
+    for m in mixers:
+        m._decode = forgetful.__get__(m)
+    assert StaticBatch(runner).generate(PROMPTS, 10) != want
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_scheduler_chunks_carry_the_state(cache: bool, tmp_path) -> None:  # noqa: ANN001
+    """5-token chunks (each starting from the state the one before left), decodes in mixed steps; with the prefix
+    cache the second wave starts from the first's state snapshots."""
+    hf = nemotron_h(str(tmp_path))
+    assert scheduler_waves(str(tmp_path), expect_hits=cache, disable_radix_cache=not cache) == \
+        [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
+
+
+def test_prefix_cache_hits_request_by_request(tmp_path) -> None:  # noqa: ANN001
+    """The hybrid models' sequence of hits (a shared head from its third request, a next turn, a repeated prompt,
+    n > 1's shared prefill), with Nemotron-H's Mamba2 states in the snapshots."""
+    check_hits(str(tmp_path), "nemotron_h", build=nemotron_h)
+
+
+def test_states_are_sized_and_layer_kinds_read(tmp_path) -> None:  # noqa: ANN001
+    from radixserve.configs.hybrid import kv_layer_count, layer_kinds, linear_attention_layers
+
+    nemotron_h(str(tmp_path))
+    runner = make_runner(str(tmp_path), max_running_requests=6)
+    mixer = runner.model.model.mixers()[0]
+    channels = 128 + 2 * 2 * 16  # x (8 heads of 16), then B and C of two groups
+    assert mixer.states.ssm.shape == (7 + 6 + 1, 8, 16, 16) and mixer.states.conv.shape == (14, channels, 3)
+    assert runner.state_bytes == 3 * (channels * 3 * 4 + 8 * 16 * 16 * 4)
+    assert len(runner.model.state_buffers()) == 3 and runner.state_pool is not None
+    # the released configs' pattern string alone, transformers 5's list, and models without MLP-only layers
+    raw = SimpleNamespace(hybrid_override_pattern=PATTERN)
+    assert layer_kinds(raw) == ["mamba", "attention", "mlp", "mamba", "mlp", "attention", "mamba"]
+    assert linear_attention_layers(raw) == [0, 3, 6] and kv_layer_count(raw, 7) == 2
+    assert linear_attention_layers(_config()) == [0, 3, 6] and kv_layer_count(_config(), 7) == 2
+    assert kv_layer_count(SimpleNamespace(hybrid_override_pattern="M-M-M-"), 6) == 0
+    assert kv_layer_count(SimpleNamespace(layer_types=["linear_attention", "full_attention"]), 2) == 1
+    assert kv_layer_count(SimpleNamespace(layer_types=["sliding_attention", "full_attention"]), 2) == 2
+    assert kv_layer_count(SimpleNamespace(), 4) == 4
+
+
+def test_mixer_reads_nemotron_h_names() -> None:
+    """The inner width is heads x head width (not expand x hidden); the gated norm's epsilon is
+    layer_norm_epsilon; the convolution's bias follows use_conv_bias."""
+    mixer = Mamba2Mixer(_config(expand=7, layer_norm_epsilon=1e-3, use_conv_bias=False), NEMOTRON_H)
+    assert (mixer.inner, mixer.heads, mixer.head_dim, mixer.groups, mixer.state_size, mixer.width) == \
+        (128, 8, 16, 2, 16, 4)
+    assert mixer.eps == 1e-3 and mixer.conv_bias is None
+
+
+def test_refusals() -> None:
+    from radixserve.models.nemotron_h import NemotronHForCausalLM
+
+    with pytest.raises(ValueError, match="NemotronHForCausalLM does not support tensor parallelism"):
+        NemotronHForCausalLM(_config(), tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="pattern letter 'E'"):
+        NemotronHForCausalLM(_config("M*E-M"))
+    with pytest.raises(ValueError, match="n_groups 3 must divide mamba_num_heads 8"):
+        NemotronHForCausalLM(_config(n_groups=3))
+    with pytest.raises(ValueError, match="mamba_hidden_act 'gelu'"):
+        NemotronHForCausalLM(_config(mamba_hidden_act="gelu"))
+    with pytest.raises(ValueError, match="sliding_window"):
+        NemotronHForCausalLM(_config(sliding_window=8))
