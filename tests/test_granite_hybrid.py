@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, scheduler_waves
+from parallel_utils import tp2_and_tp1_outputs
 from test_hybrid_prefix_cache import check_hits
 
 from radixserve.bench_one_batch import StaticBatch
@@ -250,9 +251,80 @@ def test_states_are_sized_and_layer_kinds_read(tmp_path) -> None:  # noqa: ANN00
 def test_refusals(tmp_path) -> None:  # noqa: ANN001
     from radixserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 
-    with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM does not support tensor parallelism"):
-        GraniteMoeHybridForCausalLM(_config(), tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="mamba_n_heads 8 and mamba_n_groups 2 must be divisible by the tensor "
+                                         "parallel size 4"):
+        GraniteMoeHybridForCausalLM(_config(), tp_rank=0, tp_size=4)
     with pytest.raises(ValueError, match="mamba_n_groups 3 must divide"):
         Mamba2Mixer(_config(mamba_n_groups=3))
     with pytest.raises(ValueError, match="position_embedding_type 'alibi'"):
         GraniteMoeHybridForCausalLM(_config(position_embedding_type="alibi"))
+
+
+def test_tp_shards_match_the_whole_layer() -> None:
+    """Two TP=2 ranks loaded from the whole layer's tensors (the checkpoint's names and shapes): each holds its
+    heads, groups and channels, half the state, and gives its half of the gated-norm output (what out_proj's
+    all-reduce sums) of a fresh extend and the decode step after it."""
+    from radixserve.models.llama import load_plain
+
+    whole = random_mixer()
+    full = {name: p.detach().clone() for name, p in whole.named_parameters()}
+    hidden = torch.randn(9, 64)
+
+    def run(mixer: Mamba2Mixer) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = []
+        for step, batch in enumerate([_extend_batch([6, 3], [0, 0], [1, 2]),
+                                      SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True),
+                                                      req_pool_indices=torch.tensor([1, 2]),
+                                                      out_cache_loc=torch.tensor([5, 6]))]):
+            x = hidden[:9] if step == 0 else hidden[:2]
+            z, xbc, dt = mixer.in_proj(x).split([mixer.inner, mixer.channels, mixer.heads], dim=-1)
+            dt = torch.nn.functional.softplus(dt.float() + mixer.dt_bias.float())
+            y = mixer._extend(xbc, dt, batch) if step == 0 else mixer._decode(xbc, dt, batch)
+            outs.append(mixer._gated_norm(y, z))
+        return outs[0], outs[1]
+
+    want = run(whole)
+    for rank in range(2):
+        part = Mamba2Mixer(_config(), tp_rank=rank, tp_size=2).float()
+        assert (part.heads, part.groups, part.inner, part.channels) == (4, 1, 64, 64 + 2 * 16)
+        with torch.no_grad():
+            for name, p in part.named_parameters():
+                load_plain(p, name, full[name])
+        part.allocate_states(4, torch.float32, "cpu")
+        assert part.state_bytes(torch.float32) * 2 == whole.state_bytes(torch.float32)
+        assert part.out_proj.weight.shape == (64, 64)
+        torch.testing.assert_close(part.out_proj.weight, whole.out_proj.weight[:, rank * 64:(rank + 1) * 64])
+        for got, ref in zip(run(part), want, strict=True):
+            torch.testing.assert_close(got, ref[:, rank * 64:(rank + 1) * 64], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.integration
+def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
+    path = str(tmp_path)
+    granite_hybrid(path, seed=3)
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want
+
+
+def test_tp_dummy_weights_are_the_whole_layers_shards() -> None:
+    """The dummy loader fills each TP rank's Mamba2 parameters with its shard of the TP=1 layer's."""
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    whole = Mamba2Mixer(_config()).float()
+    initialize_dummy_weights(whole)
+    full = dict(whole.named_parameters())
+    channels = [slice(0, 128), slice(128, 160), slice(160, 192)]  # x, B, C of the whole layer
+    for rank in range(2):
+        part = Mamba2Mixer(_config(), tp_rank=rank, tp_size=2).float()
+        initialize_dummy_weights(part)
+        got = dict(part.named_parameters())
+        conv = torch.cat([full["conv_weight"][s][rank * (s.stop - s.start) // 2:(rank + 1) * (s.stop - s.start) // 2]
+                          for s in channels])
+        torch.testing.assert_close(got["conv_weight"], conv)
+        for name in ("dt_bias", "A_log", "D", "norm_weight"):
+            n = got[name].shape[0]
+            torch.testing.assert_close(got[name], full[name][rank * n:(rank + 1) * n])
+        torch.testing.assert_close(got["out_proj.weight"], full["out_proj.weight"][:, rank * 64:(rank + 1) * 64])
+        rows = [(0, 128), (128, 128), (256, 32), (288, 32), (320, 8)]  # z, x, B, C, dt
+        want = torch.cat([full["in_proj.weight"][s + rank * n // 2:s + (rank + 1) * n // 2] for s, n in rows])
+        torch.testing.assert_close(got["in_proj.weight"], want)

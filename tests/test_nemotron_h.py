@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, scheduler_waves
+from parallel_utils import tp2_and_tp1_outputs
 from test_hybrid_prefix_cache import check_hits
 
 from radixserve.bench_one_batch import StaticBatch
@@ -145,8 +146,11 @@ def test_mixer_reads_nemotron_h_names() -> None:
 def test_refusals() -> None:
     from radixserve.models.nemotron_h import NemotronHForCausalLM
 
-    with pytest.raises(ValueError, match="NemotronHForCausalLM does not support tensor parallelism"):
-        NemotronHForCausalLM(_config(), tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="mamba_num_heads 8 and n_groups 2 must be divisible by the tensor "
+                                         "parallel size 4"):
+        NemotronHForCausalLM(_config(), tp_rank=0, tp_size=4)
+    with pytest.raises(ValueError, match="n_groups 1 must be divisible by the tensor parallel size 2"):
+        Mamba2Mixer(_config(n_groups=1), NEMOTRON_H, tp_rank=1, tp_size=2)
     with pytest.raises(ValueError, match="pattern letter 'E'"):
         NemotronHForCausalLM(_config("M*E-M"))
     with pytest.raises(ValueError, match="n_groups 3 must divide mamba_num_heads 8"):
@@ -155,3 +159,11 @@ def test_refusals() -> None:
         NemotronHForCausalLM(_config(mamba_hidden_act="gelu"))
     with pytest.raises(ValueError, match="sliding_window"):
         NemotronHForCausalLM(_config(sliding_window=8))
+
+
+@pytest.mark.integration
+def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
+    path = str(tmp_path)
+    nemotron_h(path, seed=3)
+    got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want

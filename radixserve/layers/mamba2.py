@@ -23,7 +23,10 @@ Requests are grouped and padded as the linear-attention layer's (`_pieces`, `_pa
 dt = 0, so they leave the state as it is), which also cuts a request where the radix cache asked for a state
 snapshot. Temporaries are bounded by the group's padded tokens (PAD_TOKENS) and the chunk.
 
-Tensor parallelism is not supported (the model refuses tp_size > 1)."""
+Tensor parallelism splits the heads and the groups: each rank holds H / tp heads and G / tp groups (whole norm
+groups, since the norm's groups are the same G), its rows of each section of in_proj (z, x, B, C, dt), its x, B and
+C channels of the convolution, its heads' dt_bias / A_log / D, its channels of the norm's weight, and out_proj's
+matching input columns (one all-reduce after it). The state rows then hold this rank's heads and channels only."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.linear import ReplicatedLinear
+from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixserve.layers.linear_attention import StateBuffers, _pad_groups, _pieces
 
 if TYPE_CHECKING:
@@ -115,29 +118,59 @@ NEMOTRON_H = Mamba2Names("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_s
                          "mamba_hidden_act", "use_conv_bias", "use_bias", "layer_norm_epsilon", None)
 
 
+class StackedColumnLinear(MergedColumnParallelLinear):
+    """Column-parallel sections loaded from one checkpoint tensor that stacks them whole (Mamba2's in_proj: z, x,
+    B, C, dt): without a shard id, this rank's rows of each section."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if shard_id is not None or getattr(param, "shard_scalar", False) or getattr(param, "output_dim", 0) is None:
+            super().weight_loader(param, loaded, shard_id)
+            return
+        if self.tp_size == 1:  # the tensor as it is (also a block-quantized one)
+            self._copy(param, loaded)
+            return
+        dim = getattr(param, "output_dim", 0)
+        full = [n * self.tp_size for n in self.shard_sizes]
+        if getattr(param, "output_block", 1) > 1 or loaded.dim() != param.dim() or loaded.shape[dim] != sum(full):
+            raise ValueError(f"weight shape mismatch: expected {sum(full)} rows stacking sections {full} along dim "
+                             f"{dim}, got a tensor of shape {tuple(loaded.shape)}")
+        start = 0
+        for i, n in enumerate(full):
+            super().weight_loader(param, loaded.narrow(dim, start, n), i)
+            start += n
+
+
 class Mamba2Mixer(nn.Module):
     """The Mamba2 layer of Granite 4.0 and Nemotron-H (transformers' parameter names: in_proj, conv1d as
     conv_weight / conv_bias, dt_bias, A_log, D, norm.weight as norm_weight, out_proj). `names`: the family's config
-    attribute names (GRANITE, NEMOTRON_H)."""
+    attribute names (GRANITE, NEMOTRON_H). With tp_size > 1, `heads`, `groups`, `inner` and `channels` are this
+    rank's; the loaders cut the checkpoint's whole tensors to them."""
 
-    def __init__(self, config: PretrainedConfig, names: Mamba2Names = GRANITE) -> None:
+    def __init__(self, config: PretrainedConfig, names: Mamba2Names = GRANITE, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.heads = int(getattr(config, names.heads))
+        heads = int(getattr(config, names.heads))
         head_dim = getattr(config, names.head_dim, "auto")
         if names.expand is None:
             self.head_dim = int(head_dim)
-            self.inner = self.heads * self.head_dim
+            inner = heads * self.head_dim
         else:
-            self.inner = int(getattr(config, names.expand) * hidden)
-            self.head_dim = self.inner // self.heads if head_dim in (None, "auto") else int(head_dim)
-        self.groups, self.state_size = int(getattr(config, names.groups)), int(getattr(config, names.state))
+            inner = int(getattr(config, names.expand) * hidden)
+            self.head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+        groups, self.state_size = int(getattr(config, names.groups)), int(getattr(config, names.state))
         self.width = int(getattr(config, names.conv))
-        if self.heads * self.head_dim != self.inner:
-            raise ValueError(f"Mamba2: {names.heads} {self.heads} x {names.head_dim} {self.head_dim} must equal "
-                             f"{names.expand} x hidden_size = {self.inner}")
-        if self.heads % self.groups or self.inner % self.groups:
-            raise ValueError(f"Mamba2: {names.groups} {self.groups} must divide {names.heads} {self.heads}")
+        if heads * self.head_dim != inner:
+            raise ValueError(f"Mamba2: {names.heads} {heads} x {names.head_dim} {self.head_dim} must equal "
+                             f"{names.expand} x hidden_size = {inner}")
+        if heads % groups or inner % groups:
+            raise ValueError(f"Mamba2: {names.groups} {groups} must divide {names.heads} {heads}")
+        if heads % tp_size or groups % tp_size:
+            raise ValueError(f"Mamba2: {names.heads} {heads} and {names.groups} {groups} must be divisible by the "
+                             f"tensor parallel size {tp_size}")
+        if (inner // tp_size) % (inner // groups):  # (with G % tp == 0 each rank holds whole norm groups)
+            raise ValueError(f"Mamba2: the gated norm's {groups} groups of {inner // groups} channels would straddle "
+                             f"the tensor parallel ranks ({tp_size})")
         if self.width < 2:
             raise ValueError(f"Mamba2: {names.conv} must be at least 2; got {self.width}")
         act = getattr(config, names.act, None) or "silu"
@@ -145,19 +178,59 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"Mamba2: {names.act} {act!r} is not supported (silu)")
         limit = getattr(config, "time_step_limit", None) or (0.0, math.inf)
         self.dt_min, self.dt_max = float(limit[0]), float(limit[1])
-        self.channels = self.inner + 2 * self.groups * self.state_size  # x, B, C: the convolved channels
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # this rank's heads, groups, inner width and convolved channels (x, B, C)
+        self.heads, self.groups, self.inner = heads // tp_size, groups // tp_size, inner // tp_size
+        self.channels = self.inner + 2 * self.groups * self.state_size
         bias = bool(getattr(config, names.proj_bias, False))
-        self.in_proj = ReplicatedLinear(hidden, self.inner + self.channels + self.heads, bias)
+        gn = groups * self.state_size
+        self.sections = [inner, inner, gn, gn, heads]  # z, x, B, C, dt: the full sizes, as the checkpoint stacks them
+        self.in_proj = StackedColumnLinear(hidden, self.sections, bias, tp_rank, tp_size)  # this rank's rows of each
         self.conv_weight = nn.Parameter(torch.empty(self.channels, self.width), requires_grad=False)
+        self.conv_weight.weight_loader = self._load_conv
         self.conv_bias = nn.Parameter(torch.zeros(self.channels), requires_grad=False) \
             if getattr(config, names.conv_bias, True) else None
+        if self.conv_bias is not None:
+            self.conv_bias.weight_loader = self._load_conv
         self.dt_bias = nn.Parameter(torch.empty(self.heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.heads), requires_grad=False)
+        for p in (self.dt_bias, self.A_log, self.D):
+            p.weight_loader = self._load_heads
         self.norm_weight = nn.Parameter(torch.ones(self.inner), requires_grad=False)
+        self.norm_weight.weight_loader = self._load_heads
         self.eps = float(getattr(config, names.eps))
-        self.out_proj = ReplicatedLinear(self.inner, hidden, bias)
+        self.out_proj = RowParallelLinear(inner, hidden, bias, tp_rank, tp_size)
         self.states: StateBuffers | None = None
+
+    # ------------------------------------------------------------------ weights
+    def checkpoint_shape(self, leaf: str) -> tuple[int, ...]:
+        """The whole (all ranks') shape of this layer's own parameter `leaf` (conv1d's weight as [C, K]), what its
+        loader takes (the dummy loader's)."""
+        param = getattr(self, leaf)
+        if leaf in ("conv_weight", "conv_bias"):
+            return (sum(self.sections[1:4]), *param.shape[1:])
+        return (param.shape[0] * self.tp_size,)
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """The conv1d weight [C, K] or bias [C] (every rank's x, B, C channels): this rank's channels of each."""
+        full = self.sections[1:4]
+        if loaded.shape[0] != sum(full) or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"Mamba2 conv1d {tuple(loaded.shape)}: expected ({sum(full)}"
+                             f"{', ' + str(self.width) if param.dim() == 2 else ''})")
+        parts, start = [], 0
+        for total in full:
+            n = total // self.tp_size
+            parts.append(loaded[start + self.tp_rank * n:start + (self.tp_rank + 1) * n])
+            start += total
+        param.data.copy_(torch.cat(parts))
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """dt_bias, A_log, D (one value a head) or the norm's weight (one a channel): this rank's."""
+        n = param.shape[0]
+        if loaded.shape != (n * self.tp_size,):
+            raise ValueError(f"Mamba2 per-head parameter {tuple(loaded.shape)}: expected ({n * self.tp_size},)")
+        param.data.copy_(loaded[self.tp_rank * n:(self.tp_rank + 1) * n])
 
     # ------------------------------------------------------------------ state
     def state_bytes(self, dtype: torch.dtype) -> int:

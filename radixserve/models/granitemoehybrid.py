@@ -10,7 +10,8 @@ Granite's multipliers as in `granitemoe.py` (embeddings times `embedding_multipl
 models use none). The feed-forward block is `shared_mlp` (`shared_intermediate_size`), plus the routed experts of
 `block_sparse_moe` where `num_local_experts` > 0 (the MoE variants; 0: the dense ones): GraniteMoeShared's block.
 
-Serving constraints are the hybrid models' (`configs/hybrid.py`); tensor parallelism is not supported."""
+Serving constraints are the hybrid models' (`configs/hybrid.py`). Tensor parallelism splits the Mamba2 layers'
+heads and groups (`layers/mamba2.py`), the attention heads and the feed-forward blocks as elsewhere."""
 
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ _MAMBA_NAMES = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "nor
 class GraniteHybridAttention(LlamaAttention):
     """Llama's attention with Granite's score scale; the rotation only where the model has one."""
 
-    def __init__(self, config: PretrainedConfig, kv_layer_id: int, rotary: RotaryEmbedding | None) -> None:
+    def __init__(self, config: PretrainedConfig, kv_layer_id: int, rotary: RotaryEmbedding | None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         scaling = getattr(config, "attention_multiplier", None)
-        super().__init__(config, kv_layer_id, 0, 1, rotary, qkv_bias=bool(getattr(config, "attention_bias", False)),
+        super().__init__(config, kv_layer_id, tp_rank, tp_size, rotary,
+                         qkv_bias=bool(getattr(config, "attention_bias", False)),
                          scaling=None if scaling is None else float(scaling))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -61,9 +64,9 @@ class GraniteHybridAttention(LlamaAttention):
 class GraniteSharedMLP(nn.Module):
     """The dense variants' feed-forward block: the shared MLP alone (named as in the MoE block, for the loader)."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.shared_expert = LlamaMLP(config.hidden_size, _shared_size(config), False, 0, 1)
+        self.shared_expert = LlamaMLP(config.hidden_size, _shared_size(config), False, tp_rank, tp_size)
 
     @property
     def output_scale(self) -> float:
@@ -78,16 +81,17 @@ class GraniteSharedMLP(nn.Module):
 
 
 class GraniteHybridDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, kv_layer_id: int | None, rotary: RotaryEmbedding | None) -> None:
+    def __init__(self, config: PretrainedConfig, kv_layer_id: int | None, rotary: RotaryEmbedding | None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         if kv_layer_id is None:
-            self.mamba = Mamba2Mixer(config)
+            self.mamba = Mamba2Mixer(config, tp_rank=tp_rank, tp_size=tp_size)
         else:
-            self.self_attn = GraniteHybridAttention(config, kv_layer_id, rotary)
+            self.self_attn = GraniteHybridAttention(config, kv_layer_id, rotary, tp_rank, tp_size)
         if (getattr(config, "num_local_experts", 0) or 0) > 0:
-            self.mlp = GraniteMoeBlock(config, 0, 1, shared_size=_shared_size(config))
+            self.mlp = GraniteMoeBlock(config, tp_rank, tp_size, shared_size=_shared_size(config))
         else:
-            self.mlp = GraniteSharedMLP(config)
+            self.mlp = GraniteSharedMLP(config, tp_rank, tp_size)
         self.residual_scale = float(getattr(config, "residual_multiplier", 1.0))
         self.mlp.output_scale = self.residual_scale
         if hasattr(self, "self_attn"):
@@ -112,9 +116,9 @@ class GraniteHybridDecoderLayer(nn.Module):
 
 
 class GraniteHybridModel(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.embed_tokens = input_embedding(config, 0, 1)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         self.embed_scale = float(getattr(config, "embedding_multiplier", 1.0))
         kind = getattr(config, "position_embedding_type", None)
         if kind not in (None, "nope", "rope"):
@@ -127,7 +131,7 @@ class GraniteHybridModel(nn.Module):
                              "layers_block_type, one per hidden layer)")
         attention = [i for i in range(config.num_hidden_layers) if i not in recurrent]
         kv_ids = {layer: i for i, layer in enumerate(attention)}
-        self.layers = nn.ModuleList(GraniteHybridDecoderLayer(config, kv_ids.get(i), rotary)
+        self.layers = nn.ModuleList(GraniteHybridDecoderLayer(config, kv_ids.get(i), rotary, tp_rank, tp_size)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -145,14 +149,9 @@ class GraniteHybridModel(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(RecurrentStates, GraniteMoeForCausalLM):
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-        if tp_size > 1:
-            raise ValueError(f"GraniteMoeHybridForCausalLM does not support tensor parallelism (tp_size {tp_size})")
-        super().__init__(config, tp_rank, tp_size)
-
     def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
         check_hidden_act(config)
-        return GraniteHybridModel(config)
+        return GraniteHybridModel(config, tp_rank, tp_size)
 
     def state_layers(self) -> list:  # (RecurrentStates: what ModelRunner sizes and allocates)
         return self.model.mixers()

@@ -10,7 +10,8 @@ Each layer is one block, h + mixer(RMSNorm(h)), whose mixer is one of (the confi
 - "E" (MoE, Nemotron 3) is refused.
 Only the "*" layers hold KV: they take attention layer ids 0, 1, .. (`ModelConfig.kv_layer_count`). The checkpoint's
 names are `backbone.embeddings`, `backbone.layers.N.norm` / `.mixer.*`, `backbone.norm_f`, `lm_head` (untied by
-default). Serving constraints are the hybrid models' (`configs/hybrid.py`); tensor parallelism is not supported."""
+default). Serving constraints are the hybrid models' (`configs/hybrid.py`). Tensor parallelism splits the Mamba2
+layers' heads and groups (`layers/mamba2.py`), the attention heads and the MLPs' intermediate width."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def layer_pattern(config: PretrainedConfig) -> str:
 class NemotronHAttention(LlamaAttention):
     """Attention of q, k, v as projected: no rotation, no bias (transformers' NemotronHAttention has none)."""
 
-    def __init__(self, config: PretrainedConfig, kv_layer_id: int) -> None:
-        super().__init__(config, kv_layer_id, 0, 1, None, qkv_bias=False, o_bias=False)
+    def __init__(self, config: PretrainedConfig, kv_layer_id: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(config, kv_layer_id, tp_rank, tp_size, None, qkv_bias=False, o_bias=False)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -66,20 +67,21 @@ class NemotronHAttention(LlamaAttention):
 class NemotronHBlock(nn.Module):
     """One layer: its norm, then its mixer (Mamba2, attention or MLP by `letter`), added to the residual stream."""
 
-    def __init__(self, config: PretrainedConfig, letter: str, kv_layer_id: int | None) -> None:
+    def __init__(self, config: PretrainedConfig, letter: str, kv_layer_id: int | None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
         self.letter = letter
         self.norm = RMSNorm(config.hidden_size, float(config.layer_norm_epsilon))
         if letter == "M":
-            self.mixer: nn.Module = Mamba2Mixer(config, NEMOTRON_H)
+            self.mixer: nn.Module = Mamba2Mixer(config, NEMOTRON_H, tp_rank, tp_size)
         elif letter == "*":
             if kv_layer_id is None:
                 raise ValueError("NemotronH: an attention layer needs a KV layer id")
-            self.mixer = NemotronHAttention(config, kv_layer_id)
+            self.mixer = NemotronHAttention(config, kv_layer_id, tp_rank, tp_size)
         else:
             self.mixer = UngatedMLP(config.hidden_size, config.intermediate_size,
                                     bool(getattr(config, "mlp_bias", False)),
-                                    getattr(config, "mlp_hidden_act", None) or "relu2", 0, 1)
+                                    getattr(config, "mlp_hidden_act", None) or "relu2", tp_rank, tp_size)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +98,7 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         pattern = layer_pattern(config)
         if len(pattern) != config.num_hidden_layers:
@@ -104,9 +106,10 @@ class NemotronHModel(nn.Module):
                              f"num_hidden_layers {config.num_hidden_layers}")
         if getattr(config, "sliding_window", None):
             raise ValueError("NemotronH: sliding_window is not supported (its attention layers see every token)")
-        self.embed_tokens = input_embedding(config, 0, 1)
+        self.embed_tokens = input_embedding(config, tp_rank, tp_size)
         kv_ids = {layer: i for i, layer in enumerate(i for i, letter in enumerate(pattern) if letter == "*")}
-        self.layers = nn.ModuleList(NemotronHBlock(config, letter, kv_ids.get(i)) for i, letter in enumerate(pattern))
+        self.layers = nn.ModuleList(NemotronHBlock(config, letter, kv_ids.get(i), tp_rank, tp_size)
+                                    for i, letter in enumerate(pattern))
         self.norm = RMSNorm(config.hidden_size, float(config.layer_norm_epsilon))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -123,13 +126,8 @@ class NemotronHModel(nn.Module):
 class NemotronHForCausalLM(RecurrentStates, LlamaForCausalLM):
     stacked_params = QKV_STACKED  # (the MLP's up_proj is its own weight, not half of a gate_up)
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
-        if tp_size > 1:
-            raise ValueError(f"NemotronHForCausalLM does not support tensor parallelism (tp_size {tp_size})")
-        super().__init__(config, tp_rank, tp_size)
-
     def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
-        return NemotronHModel(config)
+        return NemotronHModel(config, tp_rank, tp_size)
 
     def state_layers(self) -> list:  # (RecurrentStates: what ModelRunner sizes and allocates)
         return self.model.mixers()
