@@ -89,43 +89,52 @@ def test_greedy_matches_transformers(moe: bool, rope: bool, backend: str, tmp_pa
     assert StaticBatch(runner).generate(PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-def test_prefill_logits_match_transformers(tmp_path) -> None:  # noqa: ANN001
-    hf = granite_hybrid(str(tmp_path))
-    sb = StaticBatch(make_runner(str(tmp_path)))
-    batch, _ = sb.prefill([PROMPTS[2]])
+def check_logits(hf: torch.nn.Module, path: str, prompt: list[int]) -> None:
+    """The prefill's last logits equal transformers' (float32)."""
+    sb = StaticBatch(make_runner(path))
+    batch, _ = sb.prefill([prompt])
     got = sb.last_logits.next_token_logits[0].float()
     sb.release(batch)
     with torch.no_grad():
-        want = hf(torch.tensor([PROMPTS[2]])).logits[0, -1].float()
+        want = hf(torch.tensor([prompt])).logits[0, -1].float()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_the_mamba_state_matters(tmp_path) -> None:  # noqa: ANN001
+def check_state_matters(hf: torch.nn.Module, path: str, prompts: list[list[int]], mixers: int) -> None:
     """The greedy test could not pass with the Mamba2 state dropped between decode steps."""
-    path = str(tmp_path)
-    hf = granite_hybrid(path)
-    want = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    want = [hf_greedy(hf, p, 10) for p in prompts]
     runner = make_runner(path)
-    mixers = runner.model.model.mixers()
-    assert len(mixers) == 3
+    layers = runner.model.model.mixers()
+    assert len(layers) == mixers
     original = Mamba2Mixer._decode
 
     def forgetful(self, xbc, dt, forward_batch):  # noqa: ANN001, ANN202
         self.states.ssm.zero_()
         return original(self, xbc, dt, forward_batch)
 
-    for m in mixers:
+    for m in layers:
         m._decode = forgetful.__get__(m)
-    assert StaticBatch(runner).generate(PROMPTS, 10) != want
+    assert StaticBatch(runner).generate(prompts, 10) != want
+
+
+def check_scheduler_waves(hf: torch.nn.Module, path: str, cache: bool) -> None:
+    """5-token chunks (each starting from the state the one before left), decodes in mixed steps; with the prefix
+    cache the second wave starts from the first's state snapshots."""
+    assert scheduler_waves(path, expect_hits=cache, disable_radix_cache=not cache) == \
+        [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
+
+
+def test_prefill_logits_match_transformers(tmp_path) -> None:  # noqa: ANN001
+    check_logits(granite_hybrid(str(tmp_path)), str(tmp_path), PROMPTS[2])
+
+
+def test_the_mamba_state_matters(tmp_path) -> None:  # noqa: ANN001
+    check_state_matters(granite_hybrid(str(tmp_path)), str(tmp_path), PROMPTS, 3)
 
 
 @pytest.mark.parametrize("cache", [True, False])
 def test_scheduler_chunks_carry_the_state(cache: bool, tmp_path) -> None:  # noqa: ANN001
-    """5-token chunks (each starting from the state the one before left), decodes in mixed steps; with the prefix
-    cache the second wave starts from the first's state snapshots."""
-    hf = granite_hybrid(str(tmp_path))
-    assert scheduler_waves(str(tmp_path), expect_hits=cache, disable_radix_cache=not cache) == \
-        [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
+    check_scheduler_waves(granite_hybrid(str(tmp_path)), str(tmp_path), cache)
 
 
 def test_prefix_cache_hits_request_by_request(tmp_path) -> None:  # noqa: ANN001

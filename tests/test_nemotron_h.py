@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import WAVE_PROMPTS, hf_greedy, make_runner, scheduler_waves
+from model_utils import hf_greedy, make_runner
 from parallel_utils import tp2_and_tp1_outputs
+from test_granite_hybrid import check_logits, check_scheduler_waves, check_state_matters
 from test_hybrid_prefix_cache import check_hits
 
 from radixserve.bench_one_batch import StaticBatch
@@ -69,42 +70,16 @@ def test_greedy_matches_transformers(backend: str, tmp_path) -> None:  # noqa: A
 
 
 def test_prefill_logits_match_transformers(tmp_path) -> None:  # noqa: ANN001
-    hf = nemotron_h(str(tmp_path))
-    sb = StaticBatch(make_runner(str(tmp_path)))
-    batch, _ = sb.prefill([PROMPTS[2]])
-    got = sb.last_logits.next_token_logits[0].float()
-    sb.release(batch)
-    with torch.no_grad():
-        want = hf(torch.tensor([PROMPTS[2]])).logits[0, -1].float()
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    check_logits(nemotron_h(str(tmp_path)), str(tmp_path), PROMPTS[2])
 
 
 def test_the_mamba_state_matters(tmp_path) -> None:  # noqa: ANN001
-    """The greedy test could not pass with the Mamba2 state dropped between decode steps."""
-    path = str(tmp_path)
-    hf = nemotron_h(path)
-    want = [hf_greedy(hf, p, 10) for p in PROMPTS]
-    runner = make_runner(path)
-    mixers = runner.model.model.mixers()
-    assert len(mixers) == 3
-    original = Mamba2Mixer._decode
-
-    def forgetful(self, xbc, dt, forward_batch):  # noqa: ANN001, ANN202
-        self.states.ssm.zero_()
-        return original(self, xbc, dt, forward_batch)
-
-    for m in mixers:
-        m._decode = forgetful.__get__(m)
-    assert StaticBatch(runner).generate(PROMPTS, 10) != want
+    check_state_matters(nemotron_h(str(tmp_path)), str(tmp_path), PROMPTS, 3)
 
 
 @pytest.mark.parametrize("cache", [True, False])
 def test_scheduler_chunks_carry_the_state(cache: bool, tmp_path) -> None:  # noqa: ANN001
-    """5-token chunks (each starting from the state the one before left), decodes in mixed steps; with the prefix
-    cache the second wave starts from the first's state snapshots."""
-    hf = nemotron_h(str(tmp_path))
-    assert scheduler_waves(str(tmp_path), expect_hits=cache, disable_radix_cache=not cache) == \
-        [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
+    check_scheduler_waves(nemotron_h(str(tmp_path)), str(tmp_path), cache)
 
 
 def test_prefix_cache_hits_request_by_request(tmp_path) -> None:  # noqa: ANN001

@@ -254,6 +254,11 @@ def test_hybrid_settings_and_refusals(tmp_path) -> None:  # noqa: ANN001
     assert no_snapshots.disable_radix_cache
     with pytest.raises(ValueError, match="--state-snapshots must be a non-negative integer"):
         ServerArgs(model_path=str(tmp_path), device="cpu", state_snapshots=-1)
+    # an option only hybrid models read is refused for the others, not ignored
+    dense = SimpleNamespace(linear_attention_layers=[], architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="--state-snapshots applies to hybrid models"):
+        apply_hybrid_args(ServerArgs(model_path=str(tmp_path), device="cpu", state_snapshots=4), dense)
+    apply_hybrid_args(ServerArgs(model_path=str(tmp_path), device="cpu"), dense)  # (nothing to change)
     for bad in (dict(speculative_algorithm="ngram"), dict(enable_lora=True), dict(enable_torch_compile=True)):
         with pytest.raises(ValueError, match="linear-attention layers"):
             apply_hybrid_args(ServerArgs(model_path=str(tmp_path), device="cpu", **bad), cfg)

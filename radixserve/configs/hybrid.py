@@ -52,8 +52,11 @@ def kv_layer_count(config: Any, num_hidden_layers: int) -> int:
 
 def apply_hybrid_args(server_args: Any, model_config: Any) -> None:
     """Set what a hybrid model needs on `server_args` (in place; a no-op for other models), a log line for what
-    changed; ValueError for a setting it cannot serve with."""
+    changed; ValueError for a setting it cannot serve with (or, for other models, one that means nothing to them)."""
     if not getattr(model_config, "linear_attention_layers", None):
+        if getattr(server_args, "state_snapshots", None) is not None:
+            raise ValueError(f"--state-snapshots applies to hybrid models (linear-attention or Mamba2 layers); "
+                             f"{model_config.architectures[0]} has none")
         return
     arch = model_config.architectures[0]
     refused = [(server_args.speculative_algorithm is not None, "--speculative-algorithm (a rejected draft token "

@@ -76,7 +76,7 @@ def resolve_model(server_args: ServerArgs) -> ModelConfig:
                       load_format=server_args.load_format, trust_remote_code=server_args.trust_remote_code)
     server_args.model_path = cfg.model_path
     apply_encoder_args(server_args, cfg)  # an encoder (BERT, XLM-R): embeddings, no radix cache or chunking
-    apply_hybrid_args(server_args, cfg)  # linear-attention layers (Qwen3-Next, Qwen3.5): no radix cache
+    apply_hybrid_args(server_args, cfg)  # recurrent-state layers (Qwen3-Next, Qwen3.5, Granite 4.0, Nemotron-H)
     explicit = server_args.tokenizer_path is not None
     if not explicit:
         server_args.tokenizer_path = cfg.tokenizer_path

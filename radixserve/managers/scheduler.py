@@ -65,7 +65,7 @@ class Scheduler(SchedulerInputMixin, SchedulerPrefillMixin, SchedulerOutputProce
                                         load_format=server_args.load_format,
                                         trust_remote_code=server_args.trust_remote_code)
         apply_encoder_args(server_args, self.model_config)  # an encoder: embeddings, no radix cache or chunking
-        apply_hybrid_args(server_args, self.model_config)  # linear-attention layers: no radix cache
+        apply_hybrid_args(server_args, self.model_config)  # recurrent-state layers: the cache keeps state snapshots
         # embeddings are L2-normalised unless the model's sentence-transformers modules.json has no Normalize (and
         # never a cross-encoder's scores)
         self.embed_normalize = not server_args.is_embedding or embedding_normalize(

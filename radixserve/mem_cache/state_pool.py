@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 
 class StatePool:
     def __init__(self, buffers: list[Any], first_row: int, size: int) -> None:
@@ -53,7 +51,3 @@ class StatePool:
         for b in self.buffers:
             b.conv[dst].copy_(b.conv[src])
             b.ssm[dst].copy_(b.ssm[src])
-
-    def equal(self, a: int, b: int) -> bool:
-        """Whether rows `a` and `b` hold the same states (tests)."""
-        return all(torch.equal(x.conv[a], x.conv[b]) and torch.equal(x.ssm[a], x.ssm[b]) for x in self.buffers)

@@ -123,7 +123,7 @@ class ModelRunner:
                  gpu_id: int = 0, decode_rows_per_request: int | None = None) -> None:
         self.model_config = model_config
         self.server_args = server_args
-        apply_hybrid_args(server_args, model_config)  # linear-attention layers: no prefix cache, no extend graphs
+        apply_hybrid_args(server_args, model_config)  # recurrent-state layers (configs/hybrid.py)
         # decode-shaped forwards carry this many rows per running request at most: 1, or 1 + k with speculation
         # (a verify is one decode row per token), which the CUDA graphs are captured for
         if decode_rows_per_request is None:
