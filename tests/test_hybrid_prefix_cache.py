@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import hf_greedy
+from model_utils import WAVE_PROMPTS, hf_greedy, scheduler_waves
 from test_qwen3_next import hybrid, random_delta_net
 
 from radixserve.mem_cache.hybrid_radix_cache import HybridRadixCache
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixserve.mem_cache.state_pool import StatePool
+from radixserve.mem_cache.state_pool import StatePool, apply_state_copies
 
 HEAD = list(range(60, 72))  # a shared 12-token head (a system prompt)
 
@@ -48,9 +48,9 @@ def _serve(s: Any, rid: str, prompt: list[int], max_new_tokens: int = 6) -> tupl
     return out, s.cache_hit_tokens - before
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
-def test_hits_where_states_are_kept(kind: str, tmp_path) -> None:  # noqa: ANN001
-    check_hits(str(tmp_path), kind)
+@pytest.mark.parametrize("kind,overlap", [("qwen3_next", False), ("qwen3_5", False), ("qwen3_5", True)])
+def test_hits_where_states_are_kept(kind: str, overlap: bool, tmp_path) -> None:  # noqa: ANN001
+    check_hits(str(tmp_path), kind, enable_overlap_schedule=overlap)
 
 
 def check_hits(path: str, kind: str, build: Callable[[str], Any] | None = None, **server_kw: Any) -> None:
@@ -58,7 +58,8 @@ def check_hits(path: str, kind: str, build: Callable[[str], Any] | None = None, 
     saved at `path` by `build`, default the tiny hybrid Qwen of `kind`)."""
     hf = build(path) if build is not None else hybrid(path, kind)
     s = _scheduler(path, **server_kw)
-    assert type(s.tree_cache).__name__ == "HybridRadixCache" and not s.enable_overlap
+    overlap = bool(server_kw.get("enable_overlap_schedule"))
+    assert type(s.tree_cache).__name__ == "HybridRadixCache" and s.enable_overlap == overlap
     r1 = HEAD + [5, 6]
     out1, hit = _serve(s, "1", r1)
     assert out1 == hf_greedy(hf, r1, 6) and hit == 0
@@ -68,10 +69,11 @@ def check_hits(path: str, kind: str, build: Callable[[str], Any] | None = None, 
     r3 = HEAD + [8, 9, 10]
     out3, hit = _serve(s, "3", r3)
     assert out3 == hf_greedy(hf, r3, 6) and hit == len(HEAD)
-    # the next turn of the first conversation: its prompt, its answer but the last token (whose KV never ran)
+    # the next turn of the first conversation: its prompt, its answer but the last token (whose KV never ran;
+    # with overlap the request decoded once more before its end was seen, so its KV and state cover that one too)
     r4 = r1 + out1 + [11, 12]
     out4, hit = _serve(s, "4", r4)
-    assert out4 == hf_greedy(hf, r4, 6) and hit == len(r1) + len(out1) - 1
+    assert out4 == hf_greedy(hf, r4, 6) and hit == len(r1) + len(out1) - (0 if overlap else 1)
     # a repeated prompt matches all but its last token: the first repeat leaves the state there, the second hits it
     out5, hit = _serve(s, "5", r3)
     assert out5 == out3 and hit == len(HEAD)
@@ -82,6 +84,14 @@ def check_hits(path: str, kind: str, build: Callable[[str], Any] | None = None, 
     assert _serve(s, "7", p7, max_new_tokens=0) == ([], 0)
     out8, hit = _serve(s, "8", p7)
     assert out8 == hf_greedy(hf, p7, 6) and hit == len(p7) - 1
+
+
+def test_waves_with_overlap(tmp_path) -> None:  # noqa: ANN001
+    """The overlap scheduler with the cache: 5-token chunks and mixed steps, a second wave on the first's
+    snapshots; every snapshot copy runs between the right forwards (the tokens say so), the pools check out."""
+    path = str(tmp_path)
+    hf = hybrid(path, "qwen3_5")
+    assert scheduler_waves(path, enable_overlap_schedule=True) == [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
 
 
 def _depth(node: Any) -> int:
@@ -162,7 +172,7 @@ def test_matches_end_at_snapshots() -> None:
 def test_forward_copies_the_state_at_a_checkpoint() -> None:
     """A checkpoint splits a request's extend: the snapshot row holds the state after exactly those tokens, and
     the outputs and the final state are those of the whole extend (padded with another request or alone)."""
-    net = random_delta_net()
+    net = random_delta_net(6)
     lens = [40, 30]
     mixed = torch.randn(sum(lens), net.channels)
     g, beta = -torch.rand(sum(lens), net.hv), torch.rand(sum(lens), net.hv)
@@ -179,10 +189,35 @@ def test_forward_copies_the_state_at_a_checkpoint() -> None:
     want = net.states.ssm[2].clone(), net.states.conv[2].clone()
     net.states.ssm.zero_()
     net.states.conv.zero_()
-    torch.testing.assert_close(extend(lens, [0, 1], [(0, 25, 3)]), whole, atol=1e-5, rtol=1e-5)
+    # two checkpoints in request 0 (inside and at its end), one at request 1's end
+    torch.testing.assert_close(extend(lens, [0, 1], [(0, 25, 3), (1, 30, 5), (0, 40, 4)]), whole, atol=1e-5,
+                               rtol=1e-5)
     torch.testing.assert_close(net.states.ssm[:2], final, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net.states.ssm[3], want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net.states.conv[3], want[1])
+    for row, snap in ((0, 4), (1, 5)):
+        torch.testing.assert_close(net.states.ssm[snap], net.states.ssm[row])
+        torch.testing.assert_close(net.states.conv[snap], net.states.conv[row])
+
+
+def test_state_copies_wait_for_a_batch_and_keep_their_order() -> None:
+    """`StatePool.copy` only queues; `apply_state_copies` (the worker, before a forward) gives what copying one by one
+    in order gives, also where a copy reads a row an earlier one wrote (a snapshot taken, then loaded at once)."""
+    buffers = SimpleNamespace(conv=torch.randn(8, 2, 3), ssm=torch.randn(8, 1, 2, 2))
+    pool = StatePool([buffers], 4, 4)
+    start = buffers.ssm.clone(), buffers.conv.clone()
+    copies = [(0, 4), (1, 5), (4, 2), (5, 6), (3, 7), (7, 0)]
+    for src, dst in copies:
+        pool.copy(src, dst)
+    assert torch.equal(buffers.ssm, start[0]) and torch.equal(buffers.conv, start[1])
+    taken = pool.take_pending()
+    assert taken == copies and pool.take_pending() == []
+    want = [t.clone() for t in start]
+    for src, dst in copies:
+        for t in want:
+            t[dst] = t[src]
+    apply_state_copies([buffers], taken)
+    assert torch.equal(buffers.ssm, want[0]) and torch.equal(buffers.conv, want[1])
 
 
 @pytest.mark.integration

@@ -240,11 +240,10 @@ def test_hybrid_settings_and_refusals(tmp_path) -> None:  # noqa: ANN001
     apply_hybrid_args(args, cfg)
     assert not args.disable_radix_cache and args.prefill_cuda_graph_max_tokens == 0 \
         and args.piecewise_cuda_graph_max_tokens == 0
-    # the radix cache keeps state snapshots in order with the forwards: no overlap beside it
+    # the radix cache's state copies travel with the batches: overlap stays beside it
     overlap = ServerArgs(model_path=str(tmp_path), device="cpu", enable_overlap_schedule=True)
-    assert overlap.use_overlap
     apply_hybrid_args(overlap, cfg)
-    assert not overlap.use_overlap and not overlap.disable_radix_cache
+    assert overlap.use_overlap and not overlap.disable_radix_cache
     no_cache = ServerArgs(model_path=str(tmp_path), device="cpu", enable_overlap_schedule=True,
                           disable_radix_cache=True)
     apply_hybrid_args(no_cache, cfg)
@@ -335,8 +334,12 @@ def test_extend_memory_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(la, "PAD_TOKENS", 500)
     assert la._pad_groups([300, 280, 250]) == [[0], [1], [2]] and la._pad_groups([200, 200]) == [[0, 1]]
     assert la._pieces([1200, 3], [0, 9]) == ([0, 0, 0, 1], [500, 500, 200, 3], [0, 500, 1000, 9], [-1] * 4)
-    # a state checkpoint (request 0: after 4 tokens, into row 7) cuts a piece, whose pieces never share a group
-    assert la._pieces([10, 5], [0, 3], {0: (4, 7)}) == ([0, 0, 1], [4, 6, 5], [0, 4, 3], [7, -1, -1])
+    # a state checkpoint (request 0: after 4 tokens, into row 7) cuts a piece, whose pieces never share a group;
+    # one at a request's end (request 1, row 8) cuts nothing
+    cuts = la.state_cuts([(0, 4, 7), (1, 5, 8)])
+    assert la._pieces([10, 5], [0, 3], cuts) == ([0, 0, 1], [4, 6, 5], [0, 4, 3], [7, -1, 8])
+    assert la._pieces([10], [0], la.state_cuts([(0, 4, 7), (0, 10, 9), (0, 6, 8)])) == (
+        [0, 0, 0], [4, 2, 4], [0, 4, 6], [7, 8, 9])
     assert la._pad_groups([4, 6, 5], [0, 0, 1]) == [[0], [1, 2]] and la._pad_groups([4, 6, 5]) == [[0, 1, 2]]
 
 

@@ -2,11 +2,10 @@
 DeltaNet, Granite 4.0 and Nemotron-H with Mamba2) needs.
 
 Its recurrent layers (`layers/linear_attention.py`, `layers/mamba2.py`) keep one state per request: a cached prefix is
-only usable with the state at its end, which `HybridRadixCache` keeps in snapshot rows beside the request rows. The
-snapshots are copied in order with the forwards, so the overlap scheduler is off while the cache is on (it would
-run a finished request's next decode before its state is kept); `--disable-radix-cache` (or `--state-snapshots 0`)
-keeps overlap and computes every prompt whole. Extend runs those layers outside the prefill and piecewise CUDA
-graphs, which are off; decode graphs stay. What cannot work is refused."""
+only usable with the state at its end, which `HybridRadixCache` keeps in snapshot rows beside the request rows
+(`--state-snapshots 0`: no radix cache, every prompt computed whole). Extend runs those layers outside the prefill
+and piecewise CUDA graphs, which are off; decode graphs and the overlap scheduler stay. What cannot work is
+refused."""
 
 from __future__ import annotations
 
@@ -72,10 +71,6 @@ def apply_hybrid_args(server_args: Any, model_config: Any) -> None:
     if server_args.state_snapshots == 0 and not server_args.disable_radix_cache:
         server_args.disable_radix_cache = True
         changes.append("radix cache off (--state-snapshots 0)")
-    if not server_args.disable_radix_cache and server_args.use_overlap:
-        server_args.disable_overlap_schedule = True
-        changes.append("overlap scheduler off (the radix cache keeps state snapshots in order with the forwards; "
-                       "--disable-radix-cache keeps it)")
     if server_args.prefill_cuda_graph_max_tokens:
         server_args.prefill_cuda_graph_max_tokens = 0
         changes.append("prefill CUDA graphs off")

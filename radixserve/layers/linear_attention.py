@@ -111,20 +111,28 @@ def delta_rule_sequences(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return out, state
 
 
-def _pieces(lens: list[int], prefixes: list[int], cuts: dict[int, tuple[int, int]] | None = None
+def state_cuts(checkpoints: list[tuple[int, int, int]] | None) -> dict[int, dict[int, int]]:
+    """`ForwardBatch.state_checkpoints` by request: request -> {tokens into its extend: snapshot row}."""
+    cuts: dict[int, dict[int, int]] = {}
+    for i, at, row in checkpoints or ():
+        cuts.setdefault(i, {})[at] = row
+    return cuts
+
+
+def _pieces(lens: list[int], prefixes: list[int], cuts: dict[int, dict[int, int]] | None = None
             ) -> tuple[list[int], list[int], list[int], list[int]]:
     """(the request of each piece, the pieces' lengths, their prefixes, the snapshot row to copy the state into
-    after the piece or -1): requests cut into pieces of at most PAD_TOKENS tokens, and where `cuts` (request ->
-    (tokens into its extend, snapshot row)) asks for a state snapshot."""
+    after the piece or -1): requests cut into pieces of at most PAD_TOKENS tokens, and where `cuts` (`state_cuts`)
+    asks for a state snapshot."""
     owner, out_lens, out_prefixes, stash = [], [], [], []
     for i, (n, prefix) in enumerate(zip(lens, prefixes, strict=True)):
-        at, row = (cuts or {}).get(i, (0, -1))
-        bounds = sorted({*range(0, n, PAD_TOKENS), *([at] if 0 < at < n else [])}) + [n]
+        at = (cuts or {}).get(i, {})
+        bounds = sorted({*range(0, n, PAD_TOKENS), *(a for a in at if 0 < a < n)}) + [n]
         for first, last in zip(bounds, bounds[1:], strict=False):
             owner.append(i)
             out_lens.append(last - first)
             out_prefixes.append(prefix + first)
-            stash.append(row if last == at else -1)
+            stash.append(at.get(last, -1))
     return owner, out_lens, out_prefixes, stash
 
 
@@ -281,8 +289,7 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("linear attention extend needs the batch's extend lengths on the host")
         # a request longer than PAD_TOKENS runs in pieces, each continuing from the state the one before left; a
         # piece also ends where the radix cache asked for a snapshot of the state (copied once the piece ran)
-        cuts = {i: (at, row) for i, at, row in forward_batch.state_checkpoints or ()}
-        owner, lens, prefixes, stash = _pieces(lens, prefixes, cuts)
+        owner, lens, prefixes, stash = _pieces(lens, prefixes, state_cuts(forward_batch.state_checkpoints))
         rows = forward_batch.req_pool_indices
         st = self.states
         outs, start = [], 0

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from radixserve.layers.linear_attention import StateBuffers, _pad_groups, _pieces
+from radixserve.layers.linear_attention import StateBuffers, _pad_groups, _pieces, state_cuts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -292,8 +292,7 @@ class Mamba2Mixer(nn.Module):
         if lens is None or prefixes is None:
             raise RuntimeError("Mamba2 extend needs the batch's extend lengths on the host")
         # pieces of at most PAD_TOKENS tokens, cut where the radix cache asked for a state snapshot (copied after)
-        cuts = {i: (at, row) for i, at, row in forward_batch.state_checkpoints or ()}
-        owner, lens, prefixes, stash = _pieces(lens, prefixes, cuts)
+        owner, lens, prefixes, stash = _pieces(lens, prefixes, state_cuts(forward_batch.state_checkpoints))
         rows, st = forward_batch.req_pool_indices, self.states
         outs, start = [], 0
         for group in _pad_groups(lens, owner):  # consecutive pieces: their tokens are contiguous

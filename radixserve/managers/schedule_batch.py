@@ -56,8 +56,8 @@ class Req:
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self.kv_committed_len: int | None = None  # tokens whose KV is written (set after each forward)
-        # a hybrid model's planned state snapshot inside its next forward: (tokens, snapshot row) (HybridRadixCache)
-        self.state_checkpoint: tuple[int, int] | None = None
+        # a hybrid model's planned state snapshots inside its next forward: (tokens, snapshot row) (HybridRadixCache)
+        self.state_checkpoints: list[tuple[int, int]] = []
         self.chunk_snapshot: TreeNode | None = None  # ... and the node of the snapshot after its last chunk
         # Overlap scheduling: (batch id, future slot) of a sampled token not yet copied back to the CPU.
         # Its id is referred to as -(future slot) in the next batch's input_ids and resolved on the device.
@@ -211,6 +211,9 @@ class ModelWorkerBatch:
     # extend, hybrid models: (request index, tokens into its extend, snapshot row) where the forward copies a
     # request's recurrent state (HybridRadixCache.prepare_extend)
     state_checkpoints: list[tuple[int, int, int]] | None = None
+    # hybrid models: (src row, dst row) state copies the cache queued (snapshots taken, snapshots loaded into new
+    # requests' rows), applied in order before this forward (mem_cache/state_pool.py)
+    state_copies: list[tuple[int, int]] | None = None
 
 
 class ScheduleBatch:
@@ -545,4 +548,5 @@ class ScheduleBatch:
             pooling=[r.pooling for r in self.reqs] if extend and any(r.pooling for r in self.reqs) else None,
             num_mixed_decodes=len(self.reqs) - self.n_prefill if self.forward_mode.is_mixed() else 0,
             state_checkpoints=self.state_checkpoints if extend and self.state_checkpoints else None,
+            state_copies=(self.tree_cache.take_state_copies() or None) if self.tree_cache is not None else None,
         )

@@ -57,6 +57,11 @@ class BasePrefixCache(ABC):
         caches have nothing to do."""
         return []
 
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (src row, dst row) state copies queued since the last call, for the next batch to carry to the
+        worker (a hybrid model's snapshots; KV-only caches have none)."""
+        return []
+
     @abstractmethod
     def release_req(self, req: Req) -> None:
         """A running request is retracted: free its own KV slots and its request slot, unlock its prefix (the cached

@@ -4,18 +4,22 @@ A cached prefix is only usable where the tree also holds the state of every line
 KV of the full-attention layers alone cannot restart the recurrence. So nodes may carry a state snapshot (a row of
 the `StatePool`), and a match ends at the deepest node on the path that has one; the request's row is loaded from
 that snapshot before its extend. Snapshots are taken
-- at every insert whose length the request's state covers exactly: after each prefill chunk and when a request
-  ends (the KV of `prompt + output[:-1]`, the state after the same tokens), so a conversation's next turn resumes
-  where the last one stopped;
-- inside a forward, at a checkpoint the cache plans in `prepare_extend`: where the request's tokens leave the KV
-  already cached (a shared system prompt: the second request that shares it leaves the state there for every later
-  one), and one token before the end of a prefill-only request (n > 1's shared prompt: its samples match all but
-  their last prompt token).
+- inside a forward, at checkpoints the cache plans in `prepare_extend`: at the end of a request's prefill (its
+  last chunk), where the request's tokens leave the KV already cached (a shared system prompt: the second request
+  that shares it leaves the state there for every later one), and one token before the end of a prefill-only
+  request (n > 1's shared prompt: its samples match all but their last prompt token);
+- at every other insert whose length the request's state covers exactly (`req.kv_committed_len`): after a middle
+  chunk, and when a request ends (its KV and its state then cover `prompt + output[:-1]`, or all of its tokens
+  where, with the overlap scheduler, one more decode step ran before its end was seen), so a conversation's next
+  turn resumes where the last one stopped.
+Every copy of a state row goes through the pool's queue, applied before the next forward (`state_pool.py`): so a
+snapshot taken after a forward sees the state as of every forward launched so far, which is what
+`kv_committed_len` counts, with or without the overlap scheduler.
 When every snapshot row is taken the least recently used unlocked node gives its snapshot up (its KV stays, for
 the LRU eviction); eviction of a node frees its snapshot. A node's snapshot stays with the lower part of a split.
 
 Accounting: a snapshot row is free, held by exactly one node, or reserved by one request's planned checkpoint
-(`req.state_checkpoint`) until its next cache call, so when the scheduler is idle
+(`req.state_checkpoints`) until its next cache call, so when the scheduler is idle
 `states.available_size() + len(state_nodes) == states.size`.
 """
 
@@ -90,24 +94,30 @@ class HybridRadixCache(RadixCache):
                 self.states.copy(node.state, r.req_pool_idx)
         plans = []
         for i, r in enumerate(reqs):
-            if r.state_checkpoint is not None:  # (a previous plan not settled: should not happen)
-                self.states.free(r.state_checkpoint[1])
-                r.state_checkpoint = None
-            at = self._checkpoint(r)
-            if at is not None and (row := self._alloc_state()) is not None:
-                r.state_checkpoint = (at, row)
+            self._drop_checkpoints(r)  # (a previous plan not settled: should not happen)
+            for at in self._checkpoints(r):
+                row = self._alloc_state()
+                if row is None:
+                    break
+                r.state_checkpoints.append((at, row))
                 plans.append((i, at - len(r.prefix_indices), row))
         return plans
 
-    def _checkpoint(self, req: Any) -> int | None:
-        """Where inside this extend the request's state is worth keeping (a length of its tokens), or None."""
+    def _checkpoints(self, req: Any) -> list[int]:
+        """Where inside this extend the request's state is worth keeping (lengths of its tokens, ascending)."""
         prefix, end = len(req.prefix_indices), len(req.fill_ids)
         tokens = list(req.origin_input_ids) + list(req.output_ids)
-        targets = [self._aligned(self.cached_len(tokens[:len(tokens) - 1], _namespace(req)))]
-        if req.sampling_params.max_new_tokens == 0 and req.pooling is None:
-            targets.append(self._aligned(len(tokens) - 1))
-        inside = [t for t in targets if prefix < t < end]
-        return min(inside) if inside else None
+        targets = {self._aligned(self.cached_len(tokens[:len(tokens) - 1], _namespace(req)))}
+        prefill_only = req.sampling_params.max_new_tokens == 0 and req.pooling is None
+        if prefill_only:
+            targets.add(self._aligned(len(tokens) - 1))
+        inside = {t for t in targets if prefix < t < end}
+        if end == len(tokens) and end == self._aligned(end) and not prefill_only:
+            inside.add(end)  # the prefill's end (its result is seen after the next decode step with overlap)
+        return sorted(inside)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        return self.states.take_pending()
 
     # ------------------------------------------------------------------ caching
     def cache_finished_req(self, req: Any) -> None:
@@ -129,7 +139,7 @@ class HybridRadixCache(RadixCache):
         req.chunk_snapshot = taken or before
 
     def release_req(self, req: Any) -> None:
-        self._drop_checkpoint(req)
+        self._drop_checkpoints(req)
         req.chunk_snapshot = None
         super().release_req(req)
 
@@ -138,28 +148,29 @@ class HybridRadixCache(RadixCache):
         """After an insert: hang the request's planned checkpoint on its node, and snapshot its state at the end
         of what was inserted when the state covers exactly that (returns the node of that snapshot)."""
         if self.disable:
-            self._drop_checkpoint(req)
+            self._drop_checkpoints(req)
             return None
-        if req.state_checkpoint is not None:
-            at, snap = req.state_checkpoint
-            req.state_checkpoint = None
+        taken = None
+        for at, snap in req.state_checkpoints:
             node = self._node_at(tokens[:at], namespace)
             if node is not None and node.state is None:
                 self._hold(node, snap)
+                taken = node if at == len(tokens) else taken
             else:
                 self.states.free(snap)
+        req.state_checkpoints = []
         if covered and covered == self._aligned(covered) and covered <= len(tokens):
             node = self._node_at(tokens[:covered], namespace)
             if node is not None and node.state is None and (snap := self._alloc_state(keep=node)) is not None:
                 self.states.copy(row, snap)
                 self._hold(node, snap)
                 return node
-        return None
+        return taken
 
-    def _drop_checkpoint(self, req: Any) -> None:
-        if req.state_checkpoint is not None:
-            self.states.free(req.state_checkpoint[1])
-            req.state_checkpoint = None
+    def _drop_checkpoints(self, req: Any) -> None:
+        for _, snap in req.state_checkpoints:
+            self.states.free(snap)
+        req.state_checkpoints = []
 
     def _node_at(self, key: list[int], namespace: str | None) -> TreeNode | None:
         """The node that ends exactly after `key` (splitting one if needed), None if the tree lacks part of it."""
