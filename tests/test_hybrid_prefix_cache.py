@@ -58,8 +58,9 @@ def check_hits(path: str, kind: str, build: Callable[[str], Any] | None = None, 
     saved at `path` by `build`, default the tiny hybrid Qwen of `kind`)."""
     hf = build(path) if build is not None else hybrid(path, kind)
     s = _scheduler(path, **server_kw)
-    overlap = bool(server_kw.get("enable_overlap_schedule"))
-    assert type(s.tree_cache).__name__ == "HybridRadixCache" and s.enable_overlap == overlap
+    overlap = s.enable_overlap  # (on by default on CUDA)
+    assert type(s.tree_cache).__name__ == "HybridRadixCache"
+    assert overlap == server_kw.get("enable_overlap_schedule", overlap) != server_kw.get("disable_overlap_schedule")
     r1 = HEAD + [5, 6]
     out1, hit = _serve(s, "1", r1)
     assert out1 == hf_greedy(hf, r1, 6) and hit == 0

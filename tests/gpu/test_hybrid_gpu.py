@@ -25,7 +25,7 @@ from test_qwen3_next import hybrid  # noqa: E402
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("cache", [True, False])
 def test_scheduler_on_cuda_equals_transformers(kind: str, cache: bool, tmp_path) -> None:
-    """With the prefix cache (state snapshots, overlap off) and without it (overlap on)."""
+    """With the prefix cache (state snapshots) and without it, overlap on."""
     hf = hybrid(str(tmp_path), kind)
     want = [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
     got = scheduler_waves(str(tmp_path), expect_hits=cache, device="cuda", cuda_graph_max_bs=8,
@@ -34,8 +34,9 @@ def test_scheduler_on_cuda_equals_transformers(kind: str, cache: bool, tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
-def test_prefix_cache_hits_on_cuda(kind: str, tmp_path) -> None:
-    check_hits(str(tmp_path), kind, device="cuda", cuda_graph_max_bs=8)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefix_cache_hits_on_cuda(kind: str, overlap: bool, tmp_path) -> None:
+    check_hits(str(tmp_path), kind, device="cuda", cuda_graph_max_bs=8, disable_overlap_schedule=not overlap)
 
 
 @pytest.mark.parametrize("cache", [True, False])
