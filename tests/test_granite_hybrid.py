@@ -241,6 +241,50 @@ def test_padding_rows_write_the_padding_row() -> None:
     assert mixer.states.padding_row == 4 and not torch.equal(ssm1[4], ssm0[4]) and torch.equal(ssm1[1], ssm0[1])
 
 
+def test_fused_decode_step_equals_the_torch_step() -> None:
+    """The Triton scan step (interpreted here) against the torch step: outputs with the D skip and the rows it
+    updates in place, with 2 groups of heads, a head width that is not a power of two (masked rows) and the padding
+    row in the batch twice; then the layer's whole decode with the kernel on and off."""
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.layers.triton_ops.ssd_decode import ssd_decode
+
+    torch.manual_seed(0)
+    heads, p, n, groups, bs = 4, 24, 16, 2, 5
+    state = torch.randn(7, heads, p, n)
+    rows = torch.tensor([3, 0, 6, 5, 6])  # 6: the padding row, twice
+    xbc = torch.randn(bs, heads * p + 2 * groups * n)
+    dt, a, d = torch.rand(bs, heads), -torch.rand(heads), torch.randn(heads)
+    x, b, c = xbc.split([heads * p, groups * n, groups * n], dim=-1)
+    want, new = ssd_step(state[rows], x.reshape(bs, heads, p), dt, a, b.reshape(bs, groups, n),
+                         c.reshape(bs, groups, n))
+    want = want + x.reshape(bs, heads, p) * d[:, None]
+    want_state = state.clone()
+    want_state[rows[:4]] = new[:4]
+    got = ssd_decode(state, rows, xbc, dt, a, d, groups)
+    torch.testing.assert_close(got[:4], want[:4].reshape(4, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[:6], want_state[:6], atol=1e-5, rtol=1e-5)
+
+    mixer = random_mixer()
+    mixer.states.ssm.normal_()
+    mixer.states.conv.normal_()
+    start = mixer.states.ssm.clone(), mixer.states.conv.clone()
+    hidden = torch.randn(3, 64)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True),
+                            req_pool_indices=torch.tensor([2, 0, 0]), out_cache_loc=torch.tensor([7, 9, 0]))
+    plain = mixer(hidden, batch), mixer.states.ssm.clone(), mixer.states.conv.clone()
+    mixer.states.ssm.copy_(start[0])
+    mixer.states.conv.copy_(start[1])
+    set_fused_kernels(True)
+    try:
+        fused = mixer(hidden, batch)
+    finally:
+        set_fused_kernels(None)
+    torch.testing.assert_close(fused, plain[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixer.states.ssm, plain[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixer.states.conv, plain[2])
+    assert not torch.equal(plain[1], start[0])
+
+
 def test_states_are_sized_and_layer_kinds_read(tmp_path) -> None:  # noqa: ANN001
     from radixserve.configs.hybrid import linear_attention_layers
 

@@ -133,7 +133,7 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
             "_extend_kernel", "_decode_stage1_kernel", "_gemv_row_kernel", "_gemv_rope_kernel", "_mid_kernel",
             "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel", "_mla_expanded_kernel",
             "_mla_rows_kernel", "_align_count_kernel", "_align_scatter_kernel", "_int4_gemv_kernel",
-            "_int4_dequant_kernel"} <= names, names
+            "_int4_dequant_kernel", "_delta_rule_decode_kernel", "_ssd_decode_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
@@ -143,7 +143,7 @@ def _gpu_only_products() -> None:
     """The products the layers take only on CUDA (the one-row 16-bit GEMVs, the 17..256-row kernels, Q4_K's dp4c
     at K = 2,048), called directly on small CPU tensors; and the MoE align's parallel path (batches of more than
     `SMALL_ALIGN` assignments), which the tiny models' batches do not reach; the 4- and 8-bit GEMV and dequantising
-    copy in bf16 (GPTQ / AWQ / compressed-tensors)."""
+    copy in bf16 (GPTQ / AWQ / compressed-tensors); the hybrid models' decode steps."""
     from radixserve.layers.moe import fused_moe
     from radixserve.layers.quantization import gguf_formats as G
     from radixserve.layers.quantization.fp8 import quantize_rows
@@ -191,4 +191,12 @@ def _gpu_only_products() -> None:
         qw, s4, z4 = quantize_groups(w.float(), 128, False, bits)
         int4_gemv(torch.randn(2, 256, generator=g).to(bf), qw, s4, z4, torch.zeros(128, dtype=bf), bits)
         int4_dequantize(qw, s4, z4, 256, bf, bits)
+    # the hybrid models' decode steps: the gated delta rule (Qwen3-Next / Qwen3.5) and the Mamba2 scan
+    from radixserve.layers.triton_ops.delta_rule import delta_rule_decode
+    from radixserve.layers.triton_ops.ssd_decode import ssd_decode
+
+    delta_rule_decode(torch.randn(3, 4, 16, 24), torch.tensor([0, 2]), torch.randn(2, 2 * 2 * 16 + 4 * 24).to(bf),
+                      -torch.rand(2, 4), torch.rand(2, 4), 2, 16, 24)
+    ssd_decode(torch.randn(3, 4, 24, 16), torch.tensor([0, 2]), torch.randn(2, 4 * 24 + 2 * 2 * 16),
+               torch.rand(2, 4), -torch.rand(4), torch.randn(4), 2)
 

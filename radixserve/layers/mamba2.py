@@ -16,7 +16,8 @@ State: a request's conv window (the last K - 1 xBC inputs, model dtype) and its 
 padding row that CUDA-graph padding entries (KV slot 0) write. A prefill chunk whose request has no prefix starts
 from zeros, otherwise from the state its previous chunk left.
 
-Decode is the recurrent step, batched over the requests. Extend runs the convolution over [window; tokens] and the
+Decode is the recurrent step, batched over the requests (on CUDA in one Triton launch after the convolution:
+`triton_ops/ssd_decode.py`). Extend runs the convolution over [window; tokens] and the
 scan in chunks of `CHUNK` tokens (the state space duality form): within a chunk the outputs are a causal, decayed
 C B^T product applied to dt x plus the chunk's start state read through C; the state is carried chunk to chunk.
 Requests are grouped and padded as the linear-attention layer's (`_pieces`, `_pad_groups`: padding tokens have
@@ -40,6 +41,7 @@ from torch import nn
 
 from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixserve.layers.linear_attention import StateBuffers, _pad_groups, _pieces, state_cuts
+from radixserve.layers.triton_ops import use_fused
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -280,8 +282,13 @@ class Mamba2Mixer(nn.Module):
         conv = (window.float() * self.conv_weight.float()).sum(-1)
         if self.conv_bias is not None:
             conv = conv + self.conv_bias.float()
-        x, b, c = self._split(self._conv_out(conv, xbc.dtype))
+        conv = self._conv_out(conv, xbc.dtype)
         a = -self.A_log.float().exp()
+        if use_fused(conv):  # the scan's step in one launch, each state slice read and written once
+            from radixserve.layers.triton_ops.ssd_decode import ssd_decode
+
+            return ssd_decode(st.ssm, rows, conv, dt, a, self.D.float(), self.groups)
+        x, b, c = self._split(conv)
         y, state = ssd_step(st.ssm[rows], x, dt, a, b, c)
         st.ssm.index_copy_(0, rows, state)
         y = y + x * self.D.float()[:, None]
