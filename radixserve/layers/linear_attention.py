@@ -190,10 +190,12 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv = hk // tp_size, hv // tp_size  # this rank's heads
         self.width = int(config.linear_conv_kernel_dim)
         key, value = hk * self.dk, hv * self.dv
-        # q, k, v, z, b, a in one product: this rank's heads of each
-        self.in_proj = MergedColumnParallelLinear(config.hidden_size, [key, key, value, value, hv, hv], False,
-                                                  tp_rank, tp_size)
-        self.sections = list(self.in_proj.shard_sizes)
+        # q, k, v, z in one product and b, a in another (fp8 checkpoints keep b and a in 16 bits): this rank's heads
+        self.in_proj_qkvz = MergedColumnParallelLinear(config.hidden_size, [key, key, value, value], False, tp_rank,
+                                                       tp_size)
+        self.in_proj_ba = MergedColumnParallelLinear(config.hidden_size, [hv, hv], False, tp_rank, tp_size)
+        self.tp_size = tp_size
+        self.sections = list(self.in_proj_qkvz.shard_sizes) + list(self.in_proj_ba.shard_sizes)
         self.channels = sum(self.sections[:3])  # q, k, v: the convolved channels
         self.conv_weight = nn.Parameter(torch.empty(self.channels, self.width), requires_grad=False)
         self.conv_weight.weight_loader = self._load_conv
@@ -213,7 +215,7 @@ class GatedDeltaNet(nn.Module):
         loaded = loaded.reshape(loaded.shape[0], -1)
         parts, start = [], 0
         for n in self.sections[:3]:
-            total = n * (self.in_proj.tp_size)
+            total = n * self.tp_size
             parts.append(loaded[start + self.tp_rank * n: start + (self.tp_rank + 1) * n])
             start += total
         if start != loaded.shape[0] or loaded.shape[1] != self.width:
@@ -222,9 +224,9 @@ class GatedDeltaNet(nn.Module):
         param.data.copy_(torch.cat(parts))
 
     def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape != (self.hv * self.in_proj.tp_size,):
+        if loaded.shape != (self.hv * self.tp_size,):
             raise ValueError(f"linear attention per-head parameter {tuple(loaded.shape)}: expected "
-                             f"({self.hv * self.in_proj.tp_size},)")
+                             f"({self.hv * self.tp_size},)")
         param.data.copy_(loaded[self.tp_rank * self.hv:(self.tp_rank + 1) * self.hv])
 
     def state_bytes(self, dtype: torch.dtype) -> int:
@@ -237,7 +239,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         if self.states is None:
             raise RuntimeError("linear attention states are not allocated (ModelRunner allocates them with the pools)")
-        mixed, z, b, a = self.in_proj(hidden).split([self.channels, *self.sections[3:]], dim=-1)
+        mixed, z = self.in_proj_qkvz(hidden).split([self.channels, self.sections[3]], dim=-1)
+        b, a = self.in_proj_ba(hidden).split(self.sections[4:], dim=-1)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if forward_batch.forward_mode.is_decode():

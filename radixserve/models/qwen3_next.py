@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch_info import ForwardBatch
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_QKV = re.compile(r"\.self_attn\.[qkv]_proj\.")
 # RMSNorms stored as (weight - 1): 1 is added at load (the DeltaNet's gated norm is a plain one)
 _PLUS_ONE = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
 
@@ -134,6 +135,18 @@ class Qwen3NextForCausalLM(RecurrentStates, MoECausalLM):
         self.head_dim = attn.head_dim if attn is not None else 0
         self.dim_order = None if attn is None else \
             rotary_order(attn.rotary_emb.head_dim, attn.rotary_emb.rotary_dim, interleaved=False)
+        self._qkv_blocks: tuple[int, int] | None = None  # block-wise fp8 q/k/v dequantised at load (their block)
+        self._qkv_pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def kept_unquantized(self, config: object) -> tuple[str, ...]:
+        """With block-wise fp8 checkpoints the attention's q/k/v stay in 16 bits: the partial rotation's layout moves
+        q/k rows across blocks (dims 32..63 of a 256-dim head land at 128..159), which block scales cannot follow,
+        so each matrix is dequantised at load (`load_weight`) and laid out then."""
+        block = getattr(config, "weight_block_size", None)
+        if not block or not getattr(config, "serialized", False) or self.dim_order is None:
+            return ()
+        self._qkv_blocks = (int(block[0]), int(block[1]))
+        return ("self_attn.qkv_proj",)
 
     def build_model(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> nn.Module:
         return HybridModel(config, tp_rank, tp_size)
@@ -153,6 +166,8 @@ class Qwen3NextForCausalLM(RecurrentStates, MoECausalLM):
                 yield name, tensor
 
         super().load_weights(served())
+        if self._qkv_pending:
+            raise ValueError(f"block-wise fp8 q/k/v without their scales or weights: {sorted(self._qkv_pending)}")
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
         if name.endswith(_PLUS_ONE) or name == "model.norm.weight":
@@ -160,8 +175,28 @@ class Qwen3NextForCausalLM(RecurrentStates, MoECausalLM):
         if ".linear_attn." in name:
             return self._load_linear(params, name, tensor)
         if ".self_attn." in name:
+            if self._qkv_blocks is not None and _QKV.search(name):
+                whole = self._dequantized(name, tensor)
+                if whole is None:
+                    return None  # its other half (weight or block scales) is still to come
+                name, tensor = whole
             tensor = self._laid_out(name, tensor)
         return super().load_weight(params, name, tensor)
+
+    def _dequantized(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """A block-wise fp8 q/k/v tensor: held until its weight and its block scales are both in, then the matrix
+        dequantised (float32) under its weight's name."""
+        from radixserve.layers.quantization.fp8 import dequantize_blocks
+
+        module, _, leaf = name.rpartition(".")
+        if leaf not in ("weight", "weight_scale_inv"):
+            raise ValueError(f"{name}: a block-wise fp8 checkpoint's q/k/v carry a weight and weight_scale_inv only")
+        parts = self._qkv_pending.setdefault(module, {})
+        parts[leaf] = tensor
+        if len(parts) < 2:
+            return None
+        del self._qkv_pending[module]
+        return f"{module}.weight", dequantize_blocks(parts["weight"], parts["weight_scale_inv"], *self._qkv_blocks)
 
     def _laid_out(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """q's rows (not the gate's), k's rows and the q/k norms in the partial rotation's per-head layout."""
@@ -175,33 +210,52 @@ class Qwen3NextForCausalLM(RecurrentStates, MoECausalLM):
         return tensor.reshape(-1, d, *tensor.shape[1:])[:, order].reshape(tensor.shape).contiguous()
 
     def _load_linear(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+        """A DeltaNet tensor: q/k/v/z's rows into in_proj_qkvz, b/a's into in_proj_ba (Qwen3.5 ships in_proj_qkv,
+        _z, _b, _a; Qwen3-Next in_proj_qkvz and in_proj_ba grouped by key head), whatever the tensor is of them:
+        the weight, an fp8 checkpoint's block scales (rows in blocks), per-channel scales or a scalar."""
         prefix, _, leaf = name.partition(".linear_attn.")
         net: GatedDeltaNet = self.model.layers[int(_LAYER.match(name).group(1))].linear_attn
-        target = f"{prefix}.linear_attn.in_proj.weight"
-        proj = params.get(target)
-        hk, hv, dk, dv = net.hk * net.in_proj.tp_size, net.hv * net.in_proj.tp_size, net.dk, net.dv
-        if leaf == "in_proj_qkv.weight":  # Qwen3.5: q, k, v stacked
-            for shard, part in enumerate(tensor.split([hk * dk, hk * dk, hv * dv])):
-                proj.weight_loader(proj, part, shard)
-        elif leaf in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"):
-            proj.weight_loader(proj, tensor, {"z": 3, "b": 4, "a": 5}[leaf[8]])
-        elif leaf == "in_proj_qkvz.weight":  # Qwen3-Next: grouped by key head, [q, k, v's, z's] in each group
-            r = hv // hk
-            q, k, v, z = tensor.reshape(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
-            for shard, part in enumerate((q, k, v, z)):
-                proj.weight_loader(proj, part.reshape(-1, tensor.shape[-1]), shard)
-        elif leaf == "in_proj_ba.weight":  # grouped by key head, [b's, a's] in each group
-            r = hv // hk
-            b, a = tensor.reshape(hk, 2 * r, -1).split([r, r], dim=1)
-            proj.weight_loader(proj, b.reshape(hv, -1), 4)
-            proj.weight_loader(proj, a.reshape(hv, -1), 5)
-        else:
+        part, _, suffix = leaf.partition(".")
+        hk, hv, dk, dv = net.hk * net.tp_size, net.hv * net.tp_size, net.dk, net.dv
+        r = hv // hk
+        layout = {"in_proj_qkv": ("in_proj_qkvz", [hk * dk, hk * dk, hv * dv], 0, 1),
+                  "in_proj_z": ("in_proj_qkvz", [hv * dv], 3, 1),
+                  "in_proj_b": ("in_proj_ba", [hv], 0, 1), "in_proj_a": ("in_proj_ba", [hv], 1, 1),
+                  # Qwen3-Next: each key head's group holds [q, k, v's, z's] (and [b's, a's])
+                  "in_proj_qkvz": ("in_proj_qkvz", [dk, dk, r * dv, r * dv], 0, hk),
+                  "in_proj_ba": ("in_proj_ba", [r, r], 0, hk)}.get(part)
+        if layout is None:
             ours = {"conv1d.weight": "conv_weight", "norm.weight": "norm_weight"}.get(leaf, leaf)
             target = f"{prefix}.linear_attn.{ours}"
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             load_plain(params[target], name, tensor)
+            return target
+        module, sizes, first, groups = layout
+        target = f"{prefix}.linear_attn.{module}.{suffix}"
+        proj = params.get(target)
+        if proj is None:
+            raise ValueError(f"unexpected weight {name!r} for {type(self).__name__} (no {target})")
+        if tensor.numel() == 1:  # a per-tensor scale: each of our matrices the tensor covers takes it
+            for shard in range(first, first + len(sizes)):
+                proj.weight_loader(proj, tensor.reshape(-1), shard)
+            return target
+        for shard, rows in enumerate(_split_rows(tensor, sizes, groups, name), start=first):
+            proj.weight_loader(proj, rows, shard)
         return target
+
+
+def _split_rows(tensor: torch.Tensor, sizes: list[int], groups: int, name: str) -> list[torch.Tensor]:
+    """`tensor`'s rows as `groups` consecutive groups of `sizes` rows each -> one tensor a size (its rows of every
+    group). The tensor may hold one row per `f` weight rows (block scales: f = the block) where every size is a
+    multiple of f."""
+    total = groups * sum(sizes)
+    n = tensor.shape[0]
+    f = total // n if n and total % n == 0 else 0
+    if not f or any(s % f for s in sizes):
+        raise ValueError(f"{name}: {n} rows do not cover {groups} x {sizes} rows in whole blocks")
+    parts = tensor.reshape(groups, total // f // groups, *tensor.shape[1:]).split([s // f for s in sizes], dim=1)
+    return [p.reshape(-1, *tensor.shape[1:]) for p in parts]
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

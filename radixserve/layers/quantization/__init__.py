@@ -114,12 +114,15 @@ READ_AS_MATRIX = ("kv_b_proj",)
 
 def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
     """Give every layer that `config` quantizes its method and parameters (linear layers, and the MoE layers'
-    stacked experts where the method has a MoE form); returns how many layers changed."""
+    stacked experts where the method has a MoE form; not the layers whose names end as the model's
+    `kept_unquantized(config)` says); returns how many layers changed."""
     from radixserve.layers.moe.layer import FusedMoE
 
     count, experts_kept = 0, 0
+    kept = getattr(model, "kept_unquantized", None)  # layers a model loads in 16 bits whatever the checkpoint
+    kept = tuple(kept(config)) if kept is not None else ()
     for prefix, module in model.named_modules():
-        if not hasattr(module, "set_quant_method"):
+        if not hasattr(module, "set_quant_method") or (kept and prefix.endswith(kept)):
             continue
         if prefix.rsplit(".", 1)[-1] in READ_AS_MATRIX:  # the model dtype; a quantized checkpoint's dequantised
             matrix = getattr(config, "matrix_method", None)

@@ -86,7 +86,9 @@ class QuantizationConfig:
         raise NotImplementedError
 
 
-STACKED_PARTS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+STACKED_PARTS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")),
+                 # the DeltaNet's projections (Qwen3.5's separate matrices; Qwen3-Next's are stacked as ours)
+                 ("in_proj_qkvz", ("in_proj_qkv", "in_proj_z")), ("in_proj_ba", ("in_proj_b", "in_proj_a")))
 
 
 def hf_parts(prefix: str) -> list[str]:
@@ -110,10 +112,12 @@ def name_matches(name: str, pattern: str) -> bool:
 
 def is_ignored(prefix: str, ignored: list[str] | tuple[str, ...],
                matches: Callable[[str, str], bool] = name_matches) -> bool:
-    """Whether a layer is in a checkpoint's ignore list (HF names; our stacked layers match their parts), each
-    entry tested with `matches` (the format's rule)."""
+    """Whether a layer is in a checkpoint's ignore list (HF names; our stacked layers match by their own name or
+    by all of their parts), each entry tested with `matches` (the format's rule)."""
     if not ignored:
         return False
+    if any(matches(prefix, pattern) for pattern in ignored):  # a checkpoint whose layer is stacked as ours
+        return True
     parts = hf_parts(prefix)
     hits = [any(matches(p, pattern) for pattern in ignored) for p in parts]
     if any(hits) and not all(hits):
