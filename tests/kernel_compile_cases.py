@@ -137,6 +137,11 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
             fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True,
                           QUANT=False, A8=False, HAS_BIAS=True, **act),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        if fn is fused_moe._gate_up_kernel:  # Nemotron 3's non-gated relu2 experts, without biases
+            out[f"{fn.__name__} fp32 relu2 {cfg.block_m}x{block_n}"] = (
+                fn, sig, dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, FP32=True, N_FIRST=True,
+                              QUANT=False, A8=False, HAS_BIAS=False, ACT=2),
+                dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     # fp8 experts of a bf16 model: the W8A8 grouped GEMMs at their tuned tiles, the small-batch kernels in their
     # three fp8 forms (per-row scales on the CUDA cores, block-wise through tl.dot or on the CUDA cores) at their
     # default tiles
@@ -174,6 +179,9 @@ def tile_cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any], dict[st
                 consts["ACT"] = 1 if quant == 0 else 0
             name = "bf16 gpt-oss" if quant == 0 else f"fp8 quant={quant}"
             out[f"{fn.__name__} {name}"] = (fn, sig, consts, dict(num_warps=cfg.warps, num_stages=cfg.stages))
+            if fn is small_batch._small_gate_up_kernel and quant == 0:  # Nemotron 3's non-gated relu2 experts
+                out[f"{fn.__name__} bf16 relu2"] = (fn, sig, {**consts, "ACT": 2, "HAS_BIAS": False},
+                                                    dict(num_warps=cfg.warps, num_stages=cfg.stages))
     # the router on the tensor cores (DeepSeek-V2-Lite's 64 experts top-6, DeepSeek-V3's 256 with its bias) and
     # the top-k sum, at the GPU's launch options
     from radixserve.layers.moe import gate_gemm

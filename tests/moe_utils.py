@@ -7,10 +7,11 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in Triton's interpreter
 
 
-def expert_weights(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked w13 [e, 2i, h] and w2 [e, h, i] on DEVICE."""
+def expert_weights(e: int, h: int, i: int, seed: int = 0, gated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked w13 [e, 2i, h] ([e, i, h]: up rows alone, `gated` False) and w2 [e, h, i] on DEVICE."""
     g = torch.Generator().manual_seed(seed)
-    w13, w2 = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    rows = 2 * i if gated else i
+    w13, w2 = torch.randn(e, rows, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
     return w13.to(DEVICE), w2.to(DEVICE)
 
 

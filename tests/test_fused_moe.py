@@ -8,6 +8,7 @@ import pytest
 import torch
 from moe_utils import DEVICE, expert_weights, skewed_ids
 
+from radixserve.layers.moe.activation import RELU2
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe, moe_align_block_size
 from radixserve.layers.moe.moe_torch import moe_forward_torch
 
@@ -249,3 +250,72 @@ def test_precompile_runs_every_block_config_a_batch_may_pick() -> None:
     aligned = {(r.fn.fn.__name__, r.kwargs["BLOCK_M"]) for r in records if "BLOCK_M" in r.kwargs}
     for cfg in configs:  # the parallel align (batches over SMALL_ALIGN assignments) at each config's block_m
         assert {("_align_count_kernel", cfg.block_m), ("_align_scatter_kernel", cfg.block_m)} <= aligned
+
+
+@pytest.mark.parametrize("top_k,tokens", [(1, 7), (2, 19), (8, 6)])
+def test_fused_moe_non_gated_relu2_experts_match_reference(top_k: int, tokens: int) -> None:
+    """Nemotron 3's experts: w13 holds the up rows alone ([E, I, H]), relu(x W_up^T)² then W_down; uneven loads, an
+    expert with no tokens, experts held by another rank; the reference is the per-expert formula itself."""
+    e, h, i = 10, 32, 24
+    w13, w2 = expert_weights(e, h, i, seed=top_k + 7, gated=False)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    ids = skewed_ids(tokens, top_k, e, seed=top_k).to(DEVICE)
+    assert not (ids == e - 1).any()
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    ref = moe_forward_torch(x, w13, w2, weights, ids, act=RELU2)
+    by_hand = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(top_k):
+            ex = int(ids[t, j])
+            by_hand[t] += weights[t, j] * (torch.relu(x[t] @ w13[ex].T) ** 2 @ w2[ex].T)
+    torch.testing.assert_close(ref, by_hand, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, act=RELU2), ref, atol=1e-5, rtol=1e-5)
+    cfg = MoEConfig(block_m=32, block_n_gate_up=16, block_n_down=32, block_k=16, num_warps=1, num_stages=1)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=cfg, act=RELU2), ref, atol=1e-5, rtol=1e-5)
+    halves = [fused_moe(x, w13[r * 5:(r + 1) * 5], w2[r * 5:(r + 1) * 5], weights, ids, expert_offset=5 * r,
+                        num_global_experts=e, act=RELU2) for r in range(2)]
+    torch.testing.assert_close(halves[0] + halves[1], ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="do not match"):  # gated weights are not taken for non-gated experts
+        fused_moe(x, torch.cat([w13, w13], dim=1), w2, weights, ids, act=RELU2)
+
+
+def test_non_gated_tp_and_ep_shards_add_up_to_the_whole_layer() -> None:
+    """FusedMoE with relu2 experts: w13 is [E, I, H] (up rows alone), per-expert `up_proj` tensors load as shard w3
+    (a gate shard is refused), and TP=2 / EP=2 ranks' partial outputs sum to the one-rank layer's."""
+    from radixserve.layers.moe import FusedMoE, RouterConfig, load_expert_weight
+
+    router = RouterConfig(8, 2, renormalize=True)
+    g = torch.Generator().manual_seed(11)
+    ups, downs = torch.randn(8, 12, 16, generator=g), torch.randn(8, 16, 12, generator=g)
+
+    def build(rank: int, tp: int, ep: int) -> FusedMoE:
+        holder = torch.nn.Module()
+        holder.mlp = torch.nn.Module()
+        holder.mlp.experts = FusedMoE(router, 16, 12, rank, tp, ep_size=ep, reduce_results=False, activation=RELU2)
+        params = dict(holder.named_parameters())
+        for j in range(8):
+            assert load_expert_weight(params, f"mlp.experts.{j}.up_proj.weight", ups[j]) == "mlp.experts.w13_weight"
+            load_expert_weight(params, f"mlp.experts.{j}.down_proj.weight", downs[j])
+        return holder.mlp.experts
+
+    full = build(0, 1, 1)
+    assert full.w13_weight.shape == (8, 12, 16) and torch.equal(full.w13_weight, ups)
+    assert full.full_shape("w13_weight") == (8, 12, 16)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(9, 8, generator=torch.Generator().manual_seed(1)) * 3
+    ref = full(x, logits)
+    for ep in (1, 2):
+        parts = [build(r, 2, ep) for r in range(2)]
+        if ep == 1:
+            assert torch.equal(parts[1].w13_weight, ups[:, 6:]) and torch.equal(parts[1].w2_weight, downs[:, :, 6:])
+        torch.testing.assert_close(sum(p(x, logits) for p in parts), ref, atol=1e-5, rtol=1e-5)
+    stacked = FusedMoE(router, 16, 12, 1, 2, ep_size=1, reduce_results=False, activation=RELU2)
+    stacked.weight_loader(stacked.w13_weight, ups, None)  # a whole stacked tensor (the dummy loader, transformers 5)
+    assert torch.equal(stacked.w13_weight, ups[:, 6:])
+    with pytest.raises(ValueError, match="no gate"):
+        full.weight_loader(full.w13_weight, ups[0], "w1", 0)
+    with pytest.raises(ValueError, match="served in the model dtype only"):
+        from radixserve.layers.quantization.fp8 import Fp8Config
+        from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
+
+        full.set_quant_method(Fp8MoEMethod(Fp8Config(serialized=False)))

@@ -217,7 +217,9 @@ def test_embedded_model_config(embedded_model_path: str) -> None:
                                             ("dots.llm1.base", 142.77),  # 142,774,381,696: the 142B published
                                             ("cwm", 32.58),  # 32,581,097,472: transformers' CwmConfig defaults
                                             ("qwen3.5-9b", 8.95),  # 8,953,803,264: Qwen3_5TextConfig's defaults
-                                            ("qwen3.5-35b-a3b", 34.66)])  # 34,660,610,688: no MTP layer
+                                            ("qwen3.5-35b-a3b", 34.66),  # 34,660,610,688: no MTP layer
+                                            # 31,577,940,288: the 31.6B published for Nemotron 3 Nano 30B-A3B
+                                            ("nemotron-3-nano-30b-a3b", 31.58)])
 def test_family_shapes_build_with_the_released_sizes(shape: str, billions: float) -> None:
     """configs/shapes for dummy-weight GPU runs: each builds (on the meta device) with its release's parameter count
     (Gemma 3 12B and Llama 4 Scout without their vision towers: Scout's 108.64 B with it is the 109 B published;

@@ -2,7 +2,9 @@
 layer kinds (Mamba2 in two groups of heads, attention without rotation, relu2 MLP): greedy tokens on the CPU
 backends (a prompt longer than the scan's chunk), prefill logits; through the scheduler with 5-token chunks, with and
 without the prefix cache; prefix-cache hits request by request. Also that the Mamba2 state decides tokens, the KV
-layer count (only the attention layers), the layer kinds read from the pattern, and what the model refuses."""
+layer count (only the attention layers), the layer kinds read from the pattern, and what the model refuses.
+Nemotron 3's MoE layers ("E": grouped sigmoid routing with a correction bias, non-gated relu2 experts, a shared MLP,
+with and without the latent projection) the same way, and their weights from transformers 5's stacked names."""
 
 from __future__ import annotations
 
@@ -33,13 +35,20 @@ def _config(pattern: str = PATTERN, **kw: Any) -> Any:
     return tf.NemotronHConfig(**{**COMMON, "hybrid_override_pattern": pattern, **kw})
 
 
-def nemotron_h(path: str, seed: int = 0) -> torch.nn.Module:
+# Nemotron 3's MoE layers, tiny: 8 experts in 4 groups, the best 2 groups eligible, top-3
+MOE_PATTERN = "M*EM-E"  # Mamba2 at 0, 3; attention at 1; MoE at 2, 5; MLP at 4
+MOE = dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+           n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+def nemotron_h(path: str, seed: int = 0, pattern: str = PATTERN, **kw: Any) -> torch.nn.Module:
     """A tiny Nemotron-H saved at `path`; norms and D away from their initial values, the Mamba2 decays slow so that
-    the state carries far."""
+    the state carries far. `kw`: config overrides (a MoE's); its routers get a correction bias large enough to change
+    choices."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = _config()
+    cfg = _config(pattern, **kw)
     cfg._attn_implementation = "eager"
     hf = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
@@ -54,8 +63,17 @@ def nemotron_h(path: str, seed: int = 0) -> torch.nn.Module:
                 p.mul_(4.0)  # the Mamba2 layers' share of the residual stream well above the others'
             if name == "lm_head.weight":
                 p.mul_(4.0)  # clear margins between the top tokens
+            if name.endswith("experts.down_proj"):
+                p.mul_(3.0)  # the routed experts' share well above the rounding
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.2)
     hf.save_pretrained(path)
     return hf
+
+
+def nemotron_h_moe(path: str, latent: int | None = None, norm: bool = True, seed: int = 0) -> torch.nn.Module:
+    return nemotron_h(path, seed, MOE_PATTERN, **{**MOE, "moe_latent_size": latent, "norm_topk_prob": norm})
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch_native"])
@@ -126,8 +144,10 @@ def test_refusals() -> None:
         NemotronHForCausalLM(_config(), tp_rank=0, tp_size=4)
     with pytest.raises(ValueError, match="n_groups 1 must be divisible by the tensor parallel size 2"):
         Mamba2Mixer(_config(n_groups=1), NEMOTRON_H, tp_rank=1, tp_size=2)
-    with pytest.raises(ValueError, match="pattern letter 'E'"):
-        NemotronHForCausalLM(_config("M*E-M"))
+    with pytest.raises(ValueError, match=r"'X' is not supported \(M, \*, -, E\)"):
+        NemotronHForCausalLM(SimpleNamespace(hybrid_override_pattern="M*X"))
+    with pytest.raises(ValueError, match="mlp_hidden_act 'silu' is not supported"):
+        NemotronHForCausalLM(_config(MOE_PATTERN, **MOE, mlp_hidden_act="silu"))
     with pytest.raises(ValueError, match="n_groups 3 must divide mamba_num_heads 8"):
         NemotronHForCausalLM(_config(n_groups=3))
     with pytest.raises(ValueError, match="mamba_hidden_act 'gelu'"):
@@ -141,4 +161,71 @@ def test_tp2_matches_tp1(tmp_path) -> None:  # noqa: ANN001
     path = str(tmp_path)
     nemotron_h(path, seed=3)
     got, want = tp2_and_tp1_outputs(path, PROMPTS)
+    assert got == want
+
+
+@pytest.mark.parametrize("latent,norm", [(None, True), (None, False), (24, True), (24, False)])
+def test_moe_greedy_and_logits_match_transformers(latent: int | None, norm: bool, tmp_path) -> None:  # noqa: ANN001
+    """Nemotron 3's MoE layers (grouped sigmoid routing with a correction bias, relu2 experts, the shared MLP; the
+    latent projection or none; renormalised weights or not) among the other kinds: greedy tokens and prefill logits
+    equal transformers'; the MoE layers hold the experts stacked, up rows alone."""
+    path = str(tmp_path)
+    hf = nemotron_h_moe(path, latent, norm)
+    runner = make_runner(path)
+    model = runner.model
+    moe = model.model.layers[2].mixer
+    assert type(moe).__name__ == "NemotronHMoE" and model.model.layers[5].letter == "E"
+    width = latent or 64
+    assert moe.experts.w13_weight.shape == (8, 32, width) and moe.experts.w2_weight.shape == (8, width, 32)
+    assert (moe.fc1_latent_proj is not None) == (latent is not None)
+    assert moe.gate.e_score_correction_bias.abs().sum() > 0
+    assert runner.model_config.linear_attention_layers == [0, 3] and runner.model_config.kv_layer_count == 1
+    assert StaticBatch(runner).generate(PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
+    check_logits(hf, path, PROMPTS[2])
+
+
+def test_moe_layers_matter(tmp_path) -> None:  # noqa: ANN001
+    """The greedy test above could not pass with the routed experts, the correction bias or the shared MLP left
+    out."""
+    path = str(tmp_path)
+    hf = nemotron_h_moe(path, 24)
+    want = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    for drop in ("experts.w2_weight", "gate.e_score_correction_bias", "shared_experts.down_proj.weight"):
+        runner = make_runner(path)
+        for layer in runner.model.model.layers:
+            if layer.letter == "E":
+                dict(layer.mixer.named_parameters())[drop].data.zero_()
+        assert StaticBatch(runner).generate(PROMPTS, 10) != want, drop
+
+
+def test_moe_scheduler_chunks(tmp_path) -> None:  # noqa: ANN001
+    check_scheduler_waves(nemotron_h_moe(str(tmp_path), 24, False), str(tmp_path), True)
+
+
+def test_moe_weights_load_from_transformers_stacked_names(tmp_path) -> None:  # noqa: ANN001
+    """transformers 5's in-memory names (`model.layers.N.mixer.experts.up_proj` [E, I, H_in] stacked,
+    `model.embeddings`, `model.norm_f`) load to the same parameters as the saved checkpoint's per-expert
+    `backbone.layers.N.mixer.experts.J.up_proj.weight`."""
+    from radixserve.models.nemotron_h import NemotronHForCausalLM
+
+    path = str(tmp_path)
+    hf = nemotron_h_moe(path, 24)
+    names = dict(hf.state_dict())
+    assert "model.layers.2.mixer.experts.up_proj" in names
+    saved = make_runner(path).model
+    model = NemotronHForCausalLM(hf.config)
+    model.load_weights(names.items())
+    mine = dict(model.named_parameters())
+    for name, p in saved.named_parameters():
+        assert torch.equal(mine[name], p), name
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_tp2_matches_tp1(ep: int, tmp_path) -> None:  # noqa: ANN001
+    """TP=2 (the experts' and the shared MLP's intermediate width split) or EP=2 (the experts split) over gloo, with
+    the latent projection: the same greedy tokens as one rank."""
+    path = str(tmp_path)
+    nemotron_h_moe(path, 24, seed=3)
+    got, want = tp2_and_tp1_outputs(path, PROMPTS, ep_size=ep)
     assert got == want

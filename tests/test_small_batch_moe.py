@@ -1,6 +1,7 @@
 """The small-batch MoE path (two launches, no sort: `layers/moe/small_batch.py`), run by Triton's interpreter on the
 CPU, against the per-expert torch reference: top-k 1/2/8, uneven loads, an expert with no tokens, experts held by
-another rank, shared experts folded in as extra assignments; and FusedMoE choosing it for small batches only."""
+another rank, shared experts folded in as extra assignments; GPT-OSS's and Nemotron 3's (non-gated relu2) experts; and
+FusedMoE choosing it for small batches only."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from moe_utils import DEVICE, expert_weights, skewed_ids
 
-from radixserve.layers.moe.activation import ExpertActivation, ExpertBias
+from radixserve.layers.moe.activation import RELU2, ExpertActivation, ExpertBias
+from radixserve.layers.moe.fused_moe import fused_moe
 from radixserve.layers.moe.moe_torch import moe_forward_torch
 from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
 
@@ -209,3 +211,88 @@ def test_fused_moe_layer_takes_the_small_path_for_gpt_oss_experts(monkeypatch: p
     finally:
         set_fused_kernels(None)
     assert calls == [1, 3]
+
+
+@pytest.mark.parametrize("top_k,tokens", [(1, 3), (2, 5), (8, 4)])
+def test_small_batch_moe_non_gated_relu2_experts_match_reference(top_k: int, tokens: int) -> None:
+    """Nemotron 3's experts (w13 [E, I, H], up rows alone; relu(up)²): uneven loads, an expert with no tokens, both
+    tile shapes; with a bias on the up rows too (the kernels read it at the up rows' offset, 0)."""
+    e, h, i = 11, 24, 20
+    w13, w2 = expert_weights(e, h, i, seed=top_k + 60, gated=False)
+    x, ids, weights = _inputs(tokens, top_k, e, h, seed=top_k + 61)
+    assert not (ids == e - 1).any()
+    assert (F.linear(x, w13[0]) < 0).any()  # relu cuts some products
+    ref = moe_forward_torch(x, w13, w2, weights, ids, act=RELU2)
+    torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, act=RELU2), ref, atol=1e-5, rtol=1e-5)
+    cfg = SmallMoEConfig(32, 16, 32, 16, 1, 1)
+    torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, config=cfg, act=RELU2), ref,
+                               atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(62)
+    bias = ExpertBias((torch.randn(e, i, generator=g) * 0.5).to(DEVICE),
+                      (torch.randn(e, h, generator=g) * 0.5).to(DEVICE))
+    ref_b = moe_forward_torch(x, w13, w2, weights, ids, act=RELU2, bias=bias)
+    assert (ref_b - ref).abs().max() > 1e-2
+    torch.testing.assert_close(small_batch_moe(x, w13, w2, weights, ids, act=RELU2, bias=bias), ref_b,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, act=RELU2, bias=bias), ref_b, atol=1e-5, rtol=1e-5)
+
+
+def test_small_batch_moe_non_gated_experts_held_elsewhere() -> None:
+    """Expert parallelism with relu2 experts: the two ranks' partial outputs add up to the whole; a shared MLP
+    (gated SiLU) cannot ride along."""
+    e, h, i, t, k = 8, 16, 12, 3, 2
+    w13, w2 = expert_weights(e, h, i, seed=70, gated=False)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(71)).to(DEVICE)
+    ids = torch.tensor([[0, 5], [6, 7], [1, 2]], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(72)).to(DEVICE)
+    halves = [small_batch_moe(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids, expert_offset=4 * r,
+                              act=RELU2) for r in range(2)]
+    assert not halves[0][1].any()
+    torch.testing.assert_close(halves[0] + halves[1], moe_forward_torch(x, w13, w2, weights, ids, act=RELU2),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        small_batch_moe(x, w13, w2, weights, ids)  # [E, I, H] is not a gated stack
+    sw13, sw2 = torch.zeros(2 * i, h, device=DEVICE), torch.zeros(h, i, device=DEVICE)
+    with pytest.raises(ValueError, match="shared MLP"):
+        small_batch_moe(x, w13, w2, weights, ids, shared_w13=sw13, shared_w2=sw2, act=RELU2)
+
+
+def test_fused_moe_layer_serves_non_gated_experts_on_both_kernel_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FusedMoE with relu2 experts and the kernels on: small batches through small_batch_moe, larger ones through
+    the grouped GEMMs, each equal to the reference; an attached shared MLP is never folded in."""
+    from types import SimpleNamespace
+
+    from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
+    from radixserve.layers.triton_ops import set_fused_kernels
+    from radixserve.model_loader.dummy import initialize_dummy_weights
+
+    holder = torch.nn.Module()
+    holder.experts = FusedMoE(RouterConfig(8, 2, "sigmoid", renormalize=True, routed_scaling_factor=2.5), 16, 8,
+                              reduce_results=False, activation=RELU2)
+    initialize_dummy_weights(holder, seed=4)
+    holder.to(DEVICE)
+    layer = holder.experts
+    assert layer.w13_weight.shape == (8, 8, 16) and not layer.plain_experts
+    calls: list[int] = []
+    real = small_batch.small_batch_moe
+
+    def counting(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(small_batch, "small_batch_moe", counting)
+    monkeypatch.setattr(small_batch, "SMALL_BATCH_TOKENS", 4)
+    layer.attach_shared_experts(SimpleNamespace(gate_up_proj=torch.nn.Linear(16, 16, bias=False).to(DEVICE),
+                                                down_proj=torch.nn.Linear(8, 16, bias=False).to(DEVICE)))
+    set_fused_kernels(True)
+    try:
+        for t in (2, 6):
+            x = torch.randn(t, 16, generator=torch.Generator().manual_seed(t + 80)).to(DEVICE)
+            logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t + 81)).to(DEVICE)
+            w, ids = _route(logits, layer)
+            ref = moe_forward_torch(x, layer.w13_weight, layer.w2_weight, w, ids, act=RELU2)
+            assert not layer.shared_folded(x)
+            torch.testing.assert_close(layer(x, logits), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        set_fused_kernels(None)
+    assert calls == [2]

@@ -1,5 +1,5 @@
 """NVIDIA Nemotron-H's hybrid models (`NemotronHForCausalLM`, model_type `nemotron_h`: Nemotron-H 8B / 47B,
-NVIDIA-Nemotron-Nano-9B-v2 / 12B-v2).
+NVIDIA-Nemotron-Nano-9B-v2 / 12B-v2, Nemotron 3 Nano 30B-A3B and later Nemotron 3 releases).
 
 Each layer is one block, h + mixer(RMSNorm(h)), whose mixer is one of (the config's `hybrid_override_pattern`, or
 `layers_block_type` as transformers 5 keeps it, `configs/hybrid.py` layer_kinds):
@@ -7,11 +7,20 @@ Each layer is one block, h + mixer(RMSNorm(h)), whose mixer is one of (the confi
   the gated RMSNorm in `n_groups` groups after the SiLU gate): a recurrent state per request;
 - "*": attention without any rotation (no position embedding at all), no biases;
 - "-": a non-gated MLP, up_proj -> `mlp_hidden_act` (relu2: relu(x) ** 2) -> down_proj;
-- "E" (MoE, Nemotron 3) is refused.
+- "E" (Nemotron 3): a MoE (`NemotronHMoE`): DeepSeek-V3's router (float32 logits, sigmoid scores, the choice on
+  scores + `e_score_correction_bias` within the `topk_group` best of `n_group` groups, weights the uncorrected
+  scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`); `n_routed_experts` non-gated relu2
+  experts (up [I, H] -> relu2 -> down [H, I], `moe_intermediate_size`), optionally between a latent projection
+  down (`fc1_latent_proj`, hidden -> `moe_latent_size`) and back up (`fc2_latent_proj`); plus one shared non-gated
+  MLP (`moe_shared_expert_intermediate_size`) on the block's input.
 Only the "*" layers hold KV: they take attention layer ids 0, 1, .. (`ModelConfig.kv_layer_count`). The checkpoint's
-names are `backbone.embeddings`, `backbone.layers.N.norm` / `.mixer.*`, `backbone.norm_f`, `lm_head` (untied by
-default). Serving constraints are the hybrid models' (`configs/hybrid.py`). Tensor parallelism splits the Mamba2
-layers' heads and groups (`layers/mamba2.py`), the attention heads and the MLPs' intermediate width."""
+names are `backbone.embeddings`, `backbone.layers.N.norm` / `.mixer.*` (a MoE's experts one by one,
+`mixer.experts.J.{up,down}_proj.weight`, or stacked as transformers 5 holds them, `mixer.experts.{up,down}_proj`),
+`backbone.norm_f`, `lm_head` (untied by default). Serving constraints are the hybrid models' (`configs/hybrid.py`).
+Tensor parallelism splits the Mamba2 layers' heads and groups (`layers/mamba2.py`), the attention heads, the MLPs'
+and the experts' intermediate width (or, with --ep-size, the experts); the router and the latent projections are
+replicated, and each MoE layer ends in one all-reduce. The experts run in the model dtype (a quantized model keeps
+them so)."""
 
 from __future__ import annotations
 
@@ -21,8 +30,12 @@ import torch
 from torch import nn
 
 from radixserve.configs.hybrid import layer_kinds
+from radixserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.mamba2 import NEMOTRON_H, Mamba2Mixer
+from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig, load_expert_weight, select_experts
+from radixserve.layers.moe.activation import RELU2
 from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, input_embedding, load_plain
 from radixserve.models.recurrent_state import RecurrentStates
 from radixserve.models.ungated import QKV_STACKED, UngatedMLP
@@ -35,6 +48,8 @@ if TYPE_CHECKING:
 # a layer kind as the configs spell it -> its pattern letter
 _LETTERS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
 _MAMBA_NAMES = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "norm.weight": "norm_weight"}
+# transformers 5's in-memory names of a MoE's stacked experts (up [E, I, H_in], down [E, H_in, I]) -> FusedMoE's
+_STACKED_EXPERTS = {"experts.up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"}
 
 
 def layer_pattern(config: PretrainedConfig) -> str:
@@ -46,9 +61,7 @@ def layer_pattern(config: PretrainedConfig) -> str:
     for kind in kinds:
         letter = _LETTERS.get(kind)
         if letter is None:
-            raise ValueError(f"NemotronH: layer kind {kind!r} is not supported (M, *, -)")
-        if letter == "E":
-            raise ValueError("NemotronH: MoE layers (pattern letter 'E', layer kind 'moe') are not supported")
+            raise ValueError(f"NemotronH: layer kind {kind!r} is not supported (M, *, -, E)")
         letters.append(letter)
     return "".join(letters)
 
@@ -64,8 +77,65 @@ class NemotronHAttention(LlamaAttention):
         return self._out(self.attn(q, k, v, forward_batch))
 
 
+class NemotronHMoE(nn.Module):
+    """An "E" layer's mixer: routed relu2 experts (through a latent projection where the config has one) plus the
+    shared MLP, as transformers' NemotronHMoE. Under tensor (or expert) parallelism each rank computes its partial
+    sums of both, and one all-reduce adds them."""
+
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_experts = getattr(config, "n_routed_experts", None)
+        if not num_experts:
+            raise ValueError("NemotronH: a MoE layer needs n_routed_experts > 0 in the config")
+        act = getattr(config, "mlp_hidden_act", None) or "relu2"
+        if act != "relu2":
+            raise ValueError(f"NemotronH: the MoE experts' mlp_hidden_act {act!r} is not supported (relu2 only)")
+        groups = int(getattr(config, "n_group", None) or 1)
+        router = RouterConfig(int(num_experts), config.num_experts_per_tok, "sigmoid",
+                              bool(getattr(config, "norm_topk_prob", True)), groups if groups > 1 else None,
+                              config.topk_group if groups > 1 else None, "top2_sum",
+                              float(getattr(config, "routed_scaling_factor", 1.0)))
+        bias = bool(getattr(config, "mlp_bias", False))
+        latent = getattr(config, "moe_latent_size", None)
+        self.tp_size = tp_size
+        self.gate = MoEGate(hidden, router.num_experts, correction_bias=True)
+        self.experts = FusedMoE(router, latent or hidden, config.moe_intermediate_size, tp_rank, tp_size,
+                                reduce_results=False, activation=RELU2)
+        self.shared_experts = UngatedMLP(hidden, config.moe_shared_expert_intermediate_size, bias, act, tp_rank,
+                                         tp_size, reduce_results=False)
+        if latent:  # replicated: the experts' partial sums go through fc2 before the one all-reduce
+            self.fc1_latent_proj = ReplicatedLinear(hidden, latent, bias)
+            self.fc2_latent_proj = ReplicatedLinear(latent, hidden, bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk weights, topk ids) of x: the gate and the top-k in one launch where `MoEGate.route` can."""
+        routed = self.gate.route(x, self.experts.router)
+        if routed is not None:
+            return routed[0], routed[1]
+        return select_experts(self.gate(x), self.experts.router, self.gate.e_score_correction_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        latent = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        routed = self.experts.run_experts(latent, weights, ids)  # this rank's partial sums
+        shared = self.shared_experts(x)
+        if self.fc2_latent_proj is None:
+            out = routed + shared
+        elif self.tp_size > 1 and self.fc2_latent_proj.bias is not None:
+            # fc2's bias must be added once: the routed sums are reduced before it, the shared MLP's on their own
+            return self.fc2_latent_proj(tensor_model_parallel_all_reduce(routed)) + \
+                tensor_model_parallel_all_reduce(shared)
+        else:  # linear: fc2 of each rank's partial sums adds up to fc2 of the whole
+            out = self.fc2_latent_proj(routed) + shared
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+
+
 class NemotronHBlock(nn.Module):
-    """One layer: its norm, then its mixer (Mamba2, attention or MLP by `letter`), added to the residual stream."""
+    """One layer: its norm, then its mixer (Mamba2, attention, MLP or MoE by `letter`), added to the residual
+    stream."""
 
     def __init__(self, config: PretrainedConfig, letter: str, kv_layer_id: int | None, tp_rank: int = 0,
                  tp_size: int = 1) -> None:
@@ -78,6 +148,8 @@ class NemotronHBlock(nn.Module):
             if kv_layer_id is None:
                 raise ValueError("NemotronH: an attention layer needs a KV layer id")
             self.mixer = NemotronHAttention(config, kv_layer_id, tp_rank, tp_size)
+        elif letter == "E":
+            self.mixer = NemotronHMoE(config, tp_rank, tp_size)
         else:
             self.mixer = UngatedMLP(config.hidden_size, config.intermediate_size,
                                     bool(getattr(config, "mlp_bias", False)),
@@ -151,4 +223,23 @@ class NemotronHForCausalLM(RecurrentStates, LlamaForCausalLM):
                     tensor = tensor.reshape(tensor.shape[0], -1)
                 load_plain(params[target], name, tensor)
                 return target
+            if layer.letter == "E":
+                return self._load_moe(params, name, ".".join(parts[:4]), leaf, tensor)
+        return super().load_weight(params, name, tensor)
+
+    def _load_moe(self, params: dict[str, nn.Parameter], name: str, prefix: str, leaf: str, tensor: torch.Tensor
+                  ) -> str | None:
+        """A MoE layer's tensor: an expert's (one by one, or all of them stacked) into FusedMoE's stacked
+        parameters; the router's, the shared MLP's and the latent projections' as they are named."""
+        target = load_expert_weight(params, name, tensor)
+        if target is not None:
+            return target
+        ours = _STACKED_EXPERTS.get(leaf)
+        if ours is not None:
+            target = f"{prefix}.{ours}"
+            try:
+                params[target].weight_loader(params[target], tensor, None)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
+            return target
         return super().load_weight(params, name, tensor)

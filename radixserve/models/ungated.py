@@ -37,14 +37,16 @@ QKV_STACKED = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_pro
 
 class UngatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str | None, tp_rank: int,
-                 tp_size: int, act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 tp_size: int, act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 reduce_results: bool = True) -> None:
         """act_fn: the activation where it is not one of `ACTIVATIONS` by name (Apertus's xIELU, a module with
-        learned parameters); hidden_act is then not looked up."""
+        learned parameters); hidden_act is then not looked up. reduce_results False: each rank returns its partial
+        sum (Nemotron 3's shared expert, reduced with the routed experts' sums)."""
         super().__init__()
         # (first: an unsupported activation refused before any weight)
         self.act_fn = act_fn if act_fn is not None else activation_fn(hidden_act)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank, tp_size, reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.up_proj(x)))

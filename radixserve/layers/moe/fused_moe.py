@@ -7,8 +7,9 @@
    is sized from shapes alone (an upper bound on the blocks; programs past `total` return at once), so it can be
    captured in a CUDA graph.
 2. Gate/up: per block, rows x[assignment // k] times the expert's gate and up columns, the activation (SiLU(gate)·up,
-   or GPT-OSS's, with its biases: `activation.py`) in registers,
-   one store of the activated [T·k, I] intermediate: the [T·k, 2I] gate/up product never reaches memory.
+   or GPT-OSS's, with its biases; or, for non-gated experts (Nemotron 3), relu(up)² of the up columns alone:
+   `activation.py`) in registers, one store of the activated [T·k, I] intermediate: the [T·k, 2I] gate/up product
+   never reaches memory.
 3. Down: per block, intermediate rows times the expert's W_down, times the routing weight, stored per assignment;
    then one sum over each token's k rows (`moe_sum`).
 
@@ -237,7 +238,8 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
     """QUANT: W13 is fp8 with float32 scales [E, rows / group_n, hidden / group_k] (`_wdot`). A8: X is fp8 too,
     scaled per row and act_group columns (XScale), and the product runs on the fp8 tensor cores (`_a8dot`).
     HAS_BIAS: Bias [E, 2I] (gate then up) is added to the products; ACT (`ExpertActivation.code`): 0 SiLU(gate)·up,
-    1 GPT-OSS's clamped gate·sigmoid(alpha·gate)·(up + 1)."""
+    1 GPT-OSS's clamped gate·sigmoid(alpha·gate)·(up + 1), 2 relu(up)² with W13 [E, I, H] holding the up rows alone
+    (not gated: no gate column is read; Bias [E, I])."""
     pid_m, pid_n = _block_ids(N_FIRST)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
@@ -250,36 +252,48 @@ def _gate_up_kernel(X, W13, Inter, Sorted, ExpertIds, Total, num_valid, top_k, i
     n_ok = offs_n < inter_size
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + tok[:, None] * stride_x + offs_k[None, :]
+    if ACT == 2:  # not gated: the up rows come first (and alone)
+        up_rows = 0
+    else:
+        up_rows = inter_size
     wg_ptrs = W13 + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    wu_ptrs = wg_ptrs + inter_size * stride_wn
+    wu_ptrs = wg_ptrs + up_rows * stride_wn
     sg_cols = expert * stride_se + (offs_n // group_n) * stride_sn  # the gate and up columns' scale rows
-    su_cols = expert * stride_se + ((inter_size + offs_n) // group_n) * stride_sn
+    su_cols = expert * stride_se + ((up_rows + offs_n) // group_n) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = offs_k < hidden - k0
         x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if ACT != 2:  # (non-gated: no gate column is read)
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if A8:
-            acc_g += _a8dot(x, wg, XScale + tok * stride_xs, row_ok, Scale, sg_cols, n_ok, k0, group_k, act_group)
+            if ACT != 2:
+                acc_g += _a8dot(x, wg, XScale + tok * stride_xs, row_ok, Scale, sg_cols, n_ok, k0, group_k,
+                                act_group)
             acc_u += _a8dot(x, wu, XScale + tok * stride_xs, row_ok, Scale, su_cols, n_ok, k0, group_k, act_group)
         else:
-            acc_g += _wdot(x, wg, Scale, sg_cols, n_ok, k0, group_k, QUANT, FP32)
+            if ACT != 2:
+                acc_g += _wdot(x, wg, Scale, sg_cols, n_ok, k0, group_k, QUANT, FP32)
             acc_u += _wdot(x, wu, Scale, su_cols, n_ok, k0, group_k, QUANT, FP32)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
     if HAS_BIAS:
         b_ptrs = Bias + expert * stride_be + offs_n
-        acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptrs + inter_size, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACT != 2:
+            acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + up_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ACT == 0:
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    else:
+    elif ACT == 1:
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         act = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    else:
+        r = tl.maximum(acc_u, 0.0)
+        act = r * r
     out_ptrs = Inter + rows[:, None].to(tl.int64) * stride_i + offs_n[None, :]
     tl.store(out_ptrs, act.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -438,16 +452,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               config: MoEConfig | None = None, scales: ExpertScales | None = None, act_fp8: bool | None = None,
               act_group: int = ACT_GROUP, act: ExpertActivation = SILU, bias: ExpertBias | None = None
               ) -> torch.Tensor:
-    """The same result as `moe_forward_torch` (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] with global
-    expert ids; this rank holds experts expert_offset .. expert_offset + E - 1 of `num_global_experts`). With
-    `scales` the weights are fp8: with `act_fp8` the activations (x, then the intermediate) are quantised per row
-    and `act_group` columns and both products run on the fp8 tensor cores (W8A8, as the dense fp8 layers do above
-    16 rows); else the weights are widened in the kernels (W8A16). `act_fp8` None: W8A8 for 16-bit activations
-    whose widths are multiples of act_group. `act` / `bias`: GPT-OSS's expert activation and biases."""
+    """The same result as `moe_forward_torch` (x [T, H], w13 [E, 2I, H] ([E, I, H] for a non-gated `act`),
+    w2 [E, H, I], topk_* [T, k] with global expert ids; this rank holds experts expert_offset .. expert_offset + E - 1
+    of `num_global_experts`). With `scales` the weights are fp8: with `act_fp8` the activations (x, then the
+    intermediate) are quantised per row and `act_group` columns and both products run on the fp8 tensor cores (W8A8,
+    as the dense fp8 layers do above 16 rows); else the weights are widened in the kernels (W8A16). `act_fp8` None:
+    W8A8 for 16-bit activations whose widths are multiples of act_group. `act` / `bias`: the experts' activation
+    (GPT-OSS's, Nemotron 3's) and biases (GPT-OSS's)."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
-    if w13.shape != (num_local, 2 * inter, hidden) or w2.shape != (num_local, hidden, inter):
+    rows13 = act.w13_rows(inter)
+    if w13.shape != (num_local, rows13, hidden) or w2.shape != (num_local, hidden, inter):
         raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden {hidden}")
     if num_tokens == 0:
         return torch.zeros_like(x)
@@ -467,7 +483,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     q13, q2 = scale_args(scales, w13, w2)
     b13 = bias.w13 if bias is not None else None
     b2 = bias.w2 if bias is not None else None
-    if b13 is not None and b13.shape != (num_local, 2 * inter) or b2 is not None and b2.shape != (num_local, hidden):
+    if b13 is not None and b13.shape != (num_local, rows13) or b2 is not None and b2.shape != (num_local, hidden):
         raise ValueError(f"fused_moe: expert biases {tuple(b13.shape) if b13 is not None else None} / "
                          f"{tuple(b2.shape) if b2 is not None else None} do not match the weights")
     dtype = x.dtype

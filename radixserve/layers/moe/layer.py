@@ -9,7 +9,8 @@ The caller may skip the all-reduce (`reduce_results=False`) to fold it with the 
 
 Checkpoint tensors arrive one expert at a time (`weight_loader(param, w, shard_id in {"w1", "w2", "w3"},
 expert_id)`, w1 = gate, w3 = up, w2 = down, as in Mixtral's names) or, from the dummy loader, as one full stacked
-tensor in this layer's layout (`shard_id=None`). Nothing builds an nn.Module per expert.
+tensor in this layer's layout (`shard_id=None`). Nothing builds an nn.Module per expert. Non-gated experts (the
+relu2 activation, Nemotron 3) hold up rows alone in w13 ([E, I, H]) and take no w1.
 """
 
 from __future__ import annotations
@@ -69,19 +70,19 @@ class FusedMoE(nn.Module):
         self.inter_per_rank = intermediate_size // self.moe_tp_size
         self.reduce_results = reduce_results
         self.act_dtype = torch.get_default_dtype()  # the model dtype it is built under: its activations'
+        self.activation = activation  # (first: it decides w13's rows)
         self.quant_method = quant_method or UnquantizedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.inter_per_rank)
-        self.activation = activation
         if bias:  # GPT-OSS: gate/up [E, 2I] (gate then up, sharded as the rows) and down [E, H] (rank 0's whole)
-            self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter_per_rank),
-                                         requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts,
+                                                     activation.w13_rows(self.inter_per_rank)), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(self.num_local_experts, hidden_size), requires_grad=False)
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
         else:
             self.w13_bias = self.w2_bias = None
         if not self.plain_experts and type(self.quant_method) is not UnquantizedMoEMethod:
             raise ValueError(f"{type(self.quant_method).__name__}: experts with biases or the {activation.kind} "
-                             f"activation (GPT-OSS) are served in the model dtype only")
+                             f"activation (GPT-OSS, Nemotron 3) are served in the model dtype only")
         from radixserve.layers.moe.small_batch import counters_needed
 
         # the small-batch path's per-block counters (each put back to 0 by the launch that uses it)
@@ -93,7 +94,7 @@ class FusedMoE(nn.Module):
         current method's parameters go, the new one's are created."""
         if not self.plain_experts:
             raise ValueError(f"{type(method).__name__}: experts with biases or the {self.activation.kind} "
-                             f"activation (GPT-OSS) are served in the model dtype only")
+                             f"activation (GPT-OSS, Nemotron 3) are served in the model dtype only")
         for name, _ in list(self.named_parameters(recurse=False)):
             delattr(self, name)
         self.quant_method = method
@@ -101,7 +102,8 @@ class FusedMoE(nn.Module):
 
     @property
     def plain_experts(self) -> bool:
-        """SiLU experts without biases: what every kernel path and quantized form serves (GPT-OSS's are not)."""
+        """SiLU experts without biases: what every kernel path and quantized form serves (GPT-OSS's and Nemotron 3's
+        are not)."""
         return self.w13_bias is None and self.activation == SILU
 
     def expert_bias(self) -> ExpertBias | None:
@@ -110,10 +112,21 @@ class FusedMoE(nn.Module):
     # ---------------------------------------------------------------- loading
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         """The unsharded stacked shape of `w13_weight` / `w2_weight` (all experts, the whole intermediate dim), or
-        of the biases `w13_bias` [E, 2I] / `w2_bias` [E, H]."""
+        of the biases `w13_bias` [E, 2I] / `w2_bias` [E, H] (I rows in place of 2I for non-gated experts)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        return {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i), "w13_bias": (e, 2 * i),
+        rows = self.activation.w13_rows(i)
+        return {"w13_weight": (e, rows, h), "w2_weight": (e, h, i), "w13_bias": (e, rows),
                 "w2_bias": (e, h)}[param_name]
+
+    def _copy_rows(self, dst: torch.Tensor, full: torch.Tensor) -> None:
+        """This rank's intermediate slice of full w13 rows ([E, 2I, ...] gate then up, or [E, I, ...] up alone)."""
+        n, i = self.inter_per_rank, self.intermediate_size
+        lo = self.moe_tp_rank * n
+        if not self.activation.gated:
+            dst.copy_(full[:, lo:lo + n])
+            return
+        dst[:, :n].copy_(full[:, lo:lo + n])
+        dst[:, n:].copy_(full[:, i + lo:i + lo + n])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
@@ -128,10 +141,8 @@ class FusedMoE(nn.Module):
             if tuple(loaded.shape) != full:
                 raise ValueError(f"stacked expert weight shape {tuple(loaded.shape)}, expected {full}")
             mine = loaded.narrow(0, self.expert_offset, self.num_local_experts)
-            i = self.intermediate_size
             if is_w13:
-                param.data[:, :n].copy_(mine[:, lo:lo + n])
-                param.data[:, n:].copy_(mine[:, i + lo:i + lo + n])
+                self._copy_rows(param.data, mine)
             else:
                 param.data.copy_(mine[:, :, lo:lo + n])
             return
@@ -144,6 +155,12 @@ class FusedMoE(nn.Module):
             if is_w13 is False or loaded.shape != (self.intermediate_size, self.hidden_size):
                 raise ValueError(f"expert {expert_id} {shard_id} shape {tuple(loaded.shape)}, expected "
                                  f"{(self.intermediate_size, self.hidden_size)}")
+            if not self.activation.gated:
+                if shard_id == "w1":
+                    raise ValueError(f"expert {expert_id}: {self.activation.kind} experts are not gated (no gate "
+                                     f"projection to load)")
+                param.data[local].copy_(loaded[lo:lo + n])
+                return
             dst = param.data[local, :n] if shard_id == "w1" else param.data[local, n:]
             dst.copy_(loaded[lo:lo + n])
         elif shard_id == "w2":
@@ -162,11 +179,8 @@ class FusedMoE(nn.Module):
         if shard_id is not None or tuple(loaded.shape) != full:
             raise ValueError(f"stacked expert bias shape {tuple(loaded.shape)}, expected {full}")
         mine = loaded.narrow(0, self.expert_offset, self.num_local_experts)
-        n, i = self.inter_per_rank, self.intermediate_size
-        lo = self.moe_tp_rank * n
         if is_w13:
-            param.data[:, :n].copy_(mine[:, lo:lo + n])
-            param.data[:, n:].copy_(mine[:, i + lo:i + lo + n])
+            self._copy_rows(param.data, mine)
         elif self.moe_tp_rank == 0:
             param.data.copy_(mine)
         else:

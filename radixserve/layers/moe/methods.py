@@ -40,8 +40,9 @@ class MoEMethod(QuantizeMethodBase, ABC):
     @abstractmethod
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,  # type: ignore[override]
                        inter_size: int) -> None:
-        """Register `w13_weight` [E, 2I, H] (gate rows then up rows) and `w2_weight` [E, H, I] (or their
-        quantized forms) on `layer`, each with `weight_loader = layer.weight_loader`."""
+        """Register `w13_weight` [E, 2I, H] (gate rows then up rows; [E, I, H] for non-gated experts,
+        `layer.activation.gated` False) and `w2_weight` [E, H, I] (or their quantized forms) on `layer`, each with
+        `weight_loader = layer.weight_loader`."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Called once after every weight is loaded (quantization.finish_quantization); quantized formats
@@ -69,7 +70,7 @@ class MoEMethod(QuantizeMethodBase, ABC):
         layer's stacked `w13_weight` / `w2_weight` and `expert_scales`: the small-batch kernels for a few tokens
         and the grouped GEMMs for more on the GPU (the small-batch path also computes an attached shared MLP,
         `FusedMoE.folded_shared_weights`, SiLU experts without biases only; both paths take GPT-OSS's activation
-        and biases), the per-expert torch reference elsewhere."""
+        and biases and Nemotron 3's non-gated relu2 experts), the per-expert torch reference elsewhere."""
         scales = self.expert_scales(layer)
         act, bias = layer.activation, layer.expert_bias()
         if use_fused(x):
@@ -97,7 +98,8 @@ class UnquantizedMoEMethod(MoEMethod):
     """Weights in the model dtype."""
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
-        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter_size, hidden_size), requires_grad=False)
+        rows = layer.activation.w13_rows(inter_size)
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, rows, hidden_size), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter_size), requires_grad=False)
         layer.w13_weight.weight_loader = layer.weight_loader
         layer.w2_weight.weight_loader = layer.weight_loader

@@ -7,7 +7,8 @@ rows are zeros: compute is free here, and `tl.dot` gets Triton's pipelined loads
 
 1. gate/up: program (assignment, column block) reads x[t] and the expert's gate and up rows of that column block,
    and stores SiLU(gate)·up for the assignment (fp32 accumulation, one store in the model dtype; GPT-OSS's experts:
-   their gate/up bias added, then their clamped activation, `activation.py`, as the grouped GEMMs compute it);
+   their gate/up bias added, then their clamped activation; Nemotron 3's non-gated experts: relu(up)² of their up
+   rows alone; `activation.py`, as the grouped GEMMs compute it);
 2. down: program (assignment, output column block) multiplies the activated row by the expert's W_down block (plus
    its down bias, GPT-OSS) and its routing weight into a float32 partial; the last of the token's programs for that
    block (a counter per (token, block), put back to 0 by it) sums the token's partials in slot order and stores the
@@ -145,8 +146,9 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     widened for the tensor cores, each K step scaled, `fused_moe._wdot`; 3: on the CUDA cores, `_fp8_rows`); the
     shared MLP's gate_up (W13S) then has scales of the same form in SScale (its rows of scales stride_ss apart).
     HAS_BIAS: the routed experts' Bias [E, 2I] (gate then up) is added to the products; ACT
-    (`ExpertActivation.code`): 0 SiLU(gate)·up, 1 GPT-OSS's clamped gate·sigmoid(alpha·gate)·(up + 1), as
-    `fused_moe._gate_up_kernel` computes them."""
+    (`ExpertActivation.code`): 0 SiLU(gate)·up, 1 GPT-OSS's clamped gate·sigmoid(alpha·gate)·(up + 1), 2 relu(up)²
+    with W13 [E, I, H] holding the up rows alone (no gate read; Bias [E, I]), as `fused_moe._gate_up_kernel` computes
+    them."""
     pdl_prologue(PDL)
     a = tl.program_id(0)  # assignment: token a // slots, slot a % slots (routed slots first, then shared chunks)
     tok = a // slots
@@ -163,7 +165,11 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     # shared MLP's gate_up weight (gate rows, then up rows shared_inter further)
     chunk = (j - top_k).to(tl.int64)
     gate_rows = tl.where(is_routed, offs_n, chunk * inter_size + offs_n).to(tl.int64)
-    up_shift = tl.where(is_routed, inter_size, shared_inter).to(tl.int64)
+    if ACT == 2:  # not gated: a routed expert's up rows come first (and alone)
+        routed_up = 0
+    else:
+        routed_up = inter_size
+    up_shift = tl.where(is_routed, routed_up, shared_inter).to(tl.int64)
     stride_row = tl.where(is_routed, stride_wn, stride_ws).to(tl.int64)
     base = tl.where(is_routed, W13 + e64 * stride_we, W13S)
     offs_k = tl.arange(0, BLOCK_K)
@@ -175,13 +181,13 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     # shared_inter further)
     sg_cols = tl.where(is_routed, e64 * stride_se + (offs_n // group_n) * stride_sn,
                        (gate_rows // group_n) * stride_ss)
-    su_cols = tl.where(is_routed, e64 * stride_se + ((inter_size + offs_n) // group_n) * stride_sn,
+    su_cols = tl.where(is_routed, e64 * stride_se + ((routed_up + offs_n) // group_n) * stride_sn,
                        ((gate_rows + up_shift) // group_n) * stride_ss)
     Scale = tl.where(is_routed, Scale, SScale)
     if QUANT == 1 or QUANT == 3:
         x_row = X + tok.to(tl.int64) * stride_x
         g, u = _fp8_rows(base + gate_rows * stride_row, up_shift * stride_row, x_row, Scale, sg_cols, su_cols, n_read,
-                         hidden, group_k, BLOCK_K, True, QUANT == 3)
+                         hidden, group_k, BLOCK_K, ACT != 2, QUANT == 3)  # (non-gated: u = g, the up rows')
     else:
         acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -189,9 +195,11 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
             k_ok = offs_k < hidden - k0
             x = tl.load(x_ptrs, mask=(rows == 0)[:, None] & k_ok[None, :], other=0.0)
             m = k_ok[:, None] & n_read[None, :]
-            wg = tl.load(g_ptrs, mask=m, other=0.0)
+            if ACT != 2:
+                wg = tl.load(g_ptrs, mask=m, other=0.0)
             wu = tl.load(u_ptrs, mask=m, other=0.0)
-            acc_g = acc_g + _wdot(x, wg, Scale, sg_cols, n_read, k0, group_k, QUANT == 2, FP32)
+            if ACT != 2:
+                acc_g = acc_g + _wdot(x, wg, Scale, sg_cols, n_read, k0, group_k, QUANT == 2, FP32)
             acc_u = acc_u + _wdot(x, wu, Scale, su_cols, n_read, k0, group_k, QUANT == 2, FP32)
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
@@ -201,14 +209,18 @@ def _small_gate_up_kernel(X, W13, W13S, Inter, Ids, top_k, slots, offset, num_lo
     if HAS_BIAS:  # routed experts only (a shared MLP has none)
         b_ptrs = Bias + e64 * stride_be + offs_n
         b_ok = offs_n < tl.where(is_routed & held, inter_size, 0)
-        g += tl.load(b_ptrs, mask=b_ok, other=0.0).to(tl.float32)
-        u += tl.load(b_ptrs + inter_size, mask=b_ok, other=0.0).to(tl.float32)
+        if ACT != 2:
+            g += tl.load(b_ptrs, mask=b_ok, other=0.0).to(tl.float32)
+        u += tl.load(b_ptrs + routed_up, mask=b_ok, other=0.0).to(tl.float32)
     if ACT == 0:
         act = g / (1.0 + tl.exp(-g)) * u
-    else:
+    elif ACT == 1:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         act = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    else:
+        r = tl.maximum(u, 0.0)
+        act = r * r
     tl.store(Inter + a.to(tl.int64) * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=n_ok)
 
 
@@ -287,17 +299,19 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                     bias: ExpertBias | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t]) (+ the shared MLP SiLU(x G^T)·(x U^T) D^T when
     `shared_w13` [2S, H] / `shared_w2` [H, S] are given, S a multiple of the routed intermediate size), for
-    x [T, H], w13 [E, 2I, H], w2 [E, H, I]; experts outside [expert_offset, expert_offset + E) add nothing. With
-    `scales` the routed weights are fp8, widened in the kernels; an fp8 shared MLP then comes with
-    `shared_scales` of the same form: per row (block) [ceil(2S / gn), 1] / [ceil(H / gn), 1], or per block of the
-    experts' groups [ceil(2S / gn), ceil(H / gk13)] / [ceil(H / gn), S / gk2] (I a multiple of gk2).
-    `act` / `bias`: the routed experts' activation and biases (GPT-OSS, `activation.py`; bias.w13 [E, 2I] added
+    x [T, H], w13 [E, 2I, H] ([E, I, H] for a non-gated `act`), w2 [E, H, I]; experts outside [expert_offset,
+    expert_offset + E) add nothing. With `scales` the routed weights are fp8, widened in the kernels; an fp8 shared
+    MLP then comes with `shared_scales` of the same form: per row (block) [ceil(2S / gn), 1] / [ceil(H / gn), 1], or
+    per block of the experts' groups [ceil(2S / gn), ceil(H / gk13)] / [ceil(H / gn), S / gk2] (I a multiple of
+    gk2).
+    `act` / `bias`: the routed experts' activation and biases (GPT-OSS, Nemotron 3, `activation.py`; bias.w13 added
     before the activation, bias.w2 [E, H] before the routing weight), as `fused_moe` takes them; a shared MLP rides
     along with SiLU experts only."""
     num_tokens, hidden = x.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
-    if w13.shape != (num_local, 2 * inter, hidden) or w2.shape != (num_local, hidden, inter):
+    rows13 = act.w13_rows(inter)
+    if w13.shape != (num_local, rows13, hidden) or w2.shape != (num_local, hidden, inter):
         raise ValueError(f"small_batch_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden "
                          f"{hidden}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
@@ -329,7 +343,7 @@ def small_batch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     q13, q2 = scale_args(scales, w13, w2)
     b13 = bias.w13 if bias is not None else None
     b2 = bias.w2 if bias is not None else None
-    for name, b, want in (("gate_up", b13, (num_local, 2 * inter)), ("down", b2, (num_local, hidden))):
+    for name, b, want in (("gate_up", b13, (num_local, rows13)), ("down", b2, (num_local, hidden))):
         if b is not None and (tuple(b.shape) != want or b.stride(-1) != 1):
             raise ValueError(f"small_batch_moe: {name} bias {tuple(b.shape)}; expected {want}, contiguous in the "
                              f"last dimension")
