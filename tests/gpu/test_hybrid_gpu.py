@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import WAVE_PROMPTS, hf_greedy, scheduler_waves  # noqa: E402
 from test_granite_hybrid import granite_hybrid  # noqa: E402
 from test_hybrid_prefix_cache import check_hits  # noqa: E402
-from test_nemotron_h import nemotron_h  # noqa: E402
+from test_nemotron_h import nemotron_h, nemotron_h_moe  # noqa: E402
 from test_qwen3_next import hybrid  # noqa: E402
 
 
@@ -40,10 +40,11 @@ def test_prefix_cache_hits_on_cuda(kind: str, overlap: bool, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("cache", [True, False])
-@pytest.mark.parametrize("build", [granite_hybrid, nemotron_h], ids=["granite", "nemotron_h"])
+@pytest.mark.parametrize("build", [granite_hybrid, nemotron_h, nemotron_h_moe],
+                         ids=["granite", "nemotron_h", "nemotron_3_moe"])
 def test_mamba2_hybrids_on_cuda_equal_transformers(build, cache: bool, tmp_path) -> None:  # noqa: ANN001
-    """Granite 4.0's and Nemotron-H's Mamba2 layers through the scheduler on CUDA (decode graphs, chunks, the prefix
-    cache)."""
+    """Granite 4.0's and Nemotron-H's Mamba2 layers (Nemotron 3's relu2 experts too) through the scheduler on CUDA
+    (decode graphs, chunks, the prefix cache)."""
     hf = build(str(tmp_path))
     want = [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
     got = scheduler_waves(str(tmp_path), expect_hits=cache, device="cuda", cuda_graph_max_bs=8,
