@@ -281,7 +281,8 @@ def test_fused_moe_non_gated_relu2_experts_match_reference(top_k: int, tokens: i
 
 def test_non_gated_tp_and_ep_shards_add_up_to_the_whole_layer() -> None:
     """FusedMoE with relu2 experts: w13 is [E, I, H] (up rows alone), per-expert `up_proj` tensors load as shard w3
-    (a gate shard is refused), and TP=2 / EP=2 ranks' partial outputs sum to the one-rank layer's."""
+    (a gate shard is refused; fp8 holds them too), and TP=2 / EP=2 ranks' partial outputs sum to the one-rank
+    layer's."""
     from radixserve.layers.moe import FusedMoE, RouterConfig, load_expert_weight
 
     router = RouterConfig(8, 2, renormalize=True)
@@ -314,8 +315,11 @@ def test_non_gated_tp_and_ep_shards_add_up_to_the_whole_layer() -> None:
     assert torch.equal(stacked.w13_weight, ups[:, 6:])
     with pytest.raises(ValueError, match="no gate"):
         full.weight_loader(full.w13_weight, ups[0], "w1", 0)
-    with pytest.raises(ValueError, match="served in the model dtype only"):
-        from radixserve.layers.quantization.fp8 import Fp8Config
-        from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
+    from radixserve.layers.quantization.fp8 import FP8, Fp8Config
+    from radixserve.layers.quantization.fp8_moe import Fp8MoEMethod
 
-        full.set_quant_method(Fp8MoEMethod(Fp8Config(serialized=False)))
+    full.set_quant_method(Fp8MoEMethod(Fp8Config(serialized=True)))  # fp8 holds them: up rows alone, one scale
+    assert full.w13_weight.shape == (8, 12, 16) and full.w13_weight.dtype == FP8
+    assert full.w13_weight_scale.shape == (8, 1)
+    with pytest.raises(ValueError, match="no gate projection's scale"):
+        full.w13_weight_scale.weight_loader(full.w13_weight_scale, torch.tensor(1.0), "w1", 0)

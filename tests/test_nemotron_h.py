@@ -229,3 +229,125 @@ def test_moe_tp2_matches_tp1(ep: int, tmp_path) -> None:  # noqa: ANN001
     nemotron_h_moe(path, 24, seed=3)
     got, want = tp2_and_tp1_outputs(path, PROMPTS, ep_size=ep)
     assert got == want
+
+
+# ---------------------------------------------------------------- FP8 (NVIDIA's ModelOpt release)
+def _write_modelopt_fp8(path: str, exclude: list[str], listed: list[str], hf_quant_config: bool = False) -> str:
+    """The tiny MoE model at `path` rewritten as NVIDIA-Nemotron-3-Nano-30B-A3B-FP8 is laid out (ModelOpt FP8):
+    every `*proj.weight` of the layers (each expert's up / down, the shared MLP's, Mamba2's in_proj / out_proj, the
+    MLP's) fp8 with a scalar `weight_scale` and a static scalar `input_scale`, but the modules in `exclude` (HF
+    names); the attention layer's KV-cache scales on k_proj / v_proj; the settings in config.json's
+    quantization_config (`ignore`) or in hf_quant_config.json (`exclude_modules`), that list written as `listed`.
+    The dequantised weights are saved with the other files in `path`/deq."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from radixserve.layers.quantization.base import name_matches
+    from radixserve.layers.quantization.fp8 import FP8, FP8_MAX
+
+    deq_dir = os.path.join(path, "deq")
+    os.makedirs(deq_dir)
+    for f in os.listdir(path):
+        if f.endswith(".json"):
+            shutil.copy(os.path.join(path, f), deq_dir)
+    out, deq = {}, {}
+    for name, t in load_file(os.path.join(path, "model.safetensors")).items():
+        module = name.rsplit(".", 1)[0]
+        if ".layers." in name and name.endswith("proj.weight") and not any(name_matches(module, p) for p in exclude):
+            scale = t.float().abs().max() / FP8_MAX
+            q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            out[name], out[module + ".weight_scale"] = q, scale.reshape(())
+            out[module + ".input_scale"] = torch.tensor(0.03)
+            deq[name] = q.float() * scale
+        else:
+            out[name] = deq[name] = t
+    out["backbone.layers.1.mixer.k_proj.k_scale"] = torch.tensor(0.5)
+    out["backbone.layers.1.mixer.v_proj.v_scale"] = torch.tensor(0.25)
+    save_file(out, os.path.join(path, "model.safetensors"))
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"))
+    settings = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+    if hf_quant_config:
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": {"name": "modelopt", "version": "0.35.0"},
+                       "quantization": {**settings, "exclude_modules": listed}}, f)
+    else:
+        from model_utils import set_quantization_config
+
+        set_quantization_config(path, {"quant_method": "modelopt", **settings, "ignore": listed,
+                                       "producer": {"name": "modelopt", "version": "0.35.0"}})
+    return deq_dir
+
+
+# as the release's ignore list: lm_head, the attention projections, the Mamba2 layer next to them (here layer 0)
+FP8_EXCLUDE = ["lm_head", "backbone.layers.0.mixer.in_proj", "backbone.layers.0.mixer.out_proj",
+               *(f"backbone.layers.1.mixer.{p}_proj" for p in "qkvo")]
+
+
+@pytest.mark.parametrize("names,hf_quant_config", [("backbone", False), ("backbone", True), ("model", False)])
+def test_modelopt_fp8_checkpoint_matches_its_dequantized_weights(names: str, hf_quant_config: bool, tmp_path,
+                                                                 monkeypatch) -> None:  # noqa: ANN001
+    """Nemotron 3 in NVIDIA's FP8 layout: the relu2 experts fp8 (each expert's up_proj alone in w13, per-tensor
+    scales), the shared MLP and the quantized Mamba2 layer's in_proj (one scale for all its sections) / out_proj fp8,
+    the ignore list's layers (by the checkpoint's `backbone.` names, or transformers 5's `model.` ones) 16-bit, the KV
+    scales on the attention layer. With W8A16 forced and the dense layers' static input scales dropped after their
+    check, the model is the dequantised one: greedy tokens equal transformers' on those weights."""
+    import transformers as tf
+
+    import radixserve.layers.quantization.fp8 as fp8mod
+
+    path = str(tmp_path)
+    nemotron_h_moe(path, latent=None)
+    listed = [p.replace("backbone.", "model.") for p in FP8_EXCLUDE] if names == "model" else FP8_EXCLUDE
+    deq_dir = _write_modelopt_fp8(path, FP8_EXCLUDE, listed, hf_quant_config)
+    monkeypatch.setattr(fp8mod, "SMALL_M", 1 << 30)  # W8A16: the dequantised reference's arithmetic
+    runner = make_runner(path)
+    layers = runner.model.model.layers
+    moe, experts = layers[2].mixer, layers[2].mixer.experts
+    assert type(experts.quant_method).__name__ == "Fp8MoEMethod"
+    assert experts.w13_weight.dtype == fp8mod.FP8 and experts.w13_weight.shape == (8, 32, 64)
+    assert {n for n, _ in experts.named_parameters()} == {"w13_weight", "w2_weight", "w13_scale", "w2_scale"}
+    assert moe.shared_experts.up_proj.weight.dtype == fp8mod.FP8 and layers[4].mixer.up_proj.weight.dtype == fp8mod.FP8
+    in_proj = layers[3].mixer.in_proj
+    assert in_proj.weight.dtype == fp8mod.FP8 and layers[3].mixer.out_proj.weight.dtype == fp8mod.FP8
+    assert in_proj.weight_scale.unique().numel() == 1  # the checkpoint's one scale on every section's rows
+    assert layers[0].mixer.in_proj.weight.dtype == torch.float32 and layers[0].mixer.out_proj.weight.dtype == \
+        torch.float32
+    assert layers[1].mixer.qkv_proj.weight.dtype == torch.float32 and runner.model.lm_head.weight.dtype == \
+        torch.float32
+    assert (layers[1].mixer.attn.k_scale, layers[1].mixer.attn.v_scale) == (0.5, 0.25)
+    dense = [m for m in runner.model.modules() if getattr(m, "input_scale", None) is not None]
+    assert len(dense) == 2 + 2 + 2 + 2 and all(float(m.input_scale) == pytest.approx(0.03) for m in dense)
+    for m in dense:  # (static activation quantisation is the dense fp8 layers' own, tested with them)
+        del m.input_scale
+    hf = tf.AutoModelForCausalLM.from_pretrained(deq_dir, torch_dtype=torch.float32).eval()
+    assert StaticBatch(runner).generate(PROMPTS, 8) == [hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+def test_online_fp8_quantizes_the_relu2_experts(tmp_path) -> None:  # noqa: ANN001
+    """`--quantization fp8` on the 16-bit model: the relu2 experts fp8 (up rows alone, a scale a row) with every
+    other projection; the experts' product is the reference's on their dequantised weights, and the model serves."""
+    from radixserve.layers.moe.activation import RELU2
+    from radixserve.layers.moe.moe_torch import moe_forward_torch
+    from radixserve.layers.quantization.fp8 import FP8, dequantize_blocks
+
+    path = str(tmp_path)
+    nemotron_h_moe(path, latent=24)
+    runner = make_runner(path, quantization="fp8")
+    layers = runner.model.model.layers
+    experts = layers[5].mixer.experts
+    assert type(experts.quant_method).__name__ == "Fp8MoEMethod"
+    assert experts.w13_weight.dtype == FP8 and experts.w13_weight.shape == (8, 32, 24)
+    sc = experts.quant_method.expert_scales(experts)
+    assert sc.w13.shape == (8, 32, 1) and layers[3].mixer.in_proj.weight.dtype == FP8
+    d13 = torch.stack([dequantize_blocks(experts.w13_weight[j], sc.w13[j], 1, 24) for j in range(8)])
+    d2 = torch.stack([dequantize_blocks(experts.w2_weight[j], sc.w2[j], 1, 32) for j in range(8)])
+    x = torch.randn(4, 24, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[0, 3, 5], [1, 2, 7], [4, 6, 0], [7, 5, 3]], dtype=torch.int32)
+    w = torch.rand(4, 3, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(experts.quant_method.apply(experts, x, w, ids),
+                               moe_forward_torch(x, d13, d2, w, ids, act=RELU2), atol=1e-5, rtol=1e-5)
+    out = StaticBatch(runner).generate(PROMPTS, 6)
+    assert [len(o) for o in out] == [6, 6, 6]

@@ -122,9 +122,15 @@ NEMOTRON_H = Mamba2Names("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_s
 
 class StackedColumnLinear(MergedColumnParallelLinear):
     """Column-parallel sections loaded from one checkpoint tensor that stacks them whole (Mamba2's in_proj: z, x,
-    B, C, dt): without a shard id, this rank's rows of each section."""
+    B, C, dt): without a shard id, this rank's rows of each section; an fp8 checkpoint's per-tensor scale of the
+    whole tensor (`weight_scale`, `input_scale`: one value) is every section's."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if shard_id is None and getattr(param, "shard_scalar", False):
+            if loaded.numel() != 1:
+                raise ValueError(f"expected a per-tensor scale (one value), got shape {tuple(loaded.shape)}")
+            param.data.fill_(float(loaded.reshape(())))
+            return
         if shard_id is not None or getattr(param, "shard_scalar", False) or getattr(param, "output_dim", 0) is None:
             super().weight_loader(param, loaded, shard_id)
             return

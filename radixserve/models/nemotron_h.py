@@ -19,8 +19,14 @@ names are `backbone.embeddings`, `backbone.layers.N.norm` / `.mixer.*` (a MoE's 
 `backbone.norm_f`, `lm_head` (untied by default). Serving constraints are the hybrid models' (`configs/hybrid.py`).
 Tensor parallelism splits the Mamba2 layers' heads and groups (`layers/mamba2.py`), the attention heads, the MLPs'
 and the experts' intermediate width (or, with --ep-size, the experts); the router and the latent projections are
-replicated, and each MoE layer ends in one all-reduce. The experts run in the model dtype (a quantized model keeps
-them so)."""
+replicated, and each MoE layer ends in one all-reduce.
+
+FP8: NVIDIA's FP8 release (NVIDIA-Nemotron-3-Nano-30B-A3B-FP8, ModelOpt, `quantization/modelopt.py`) stores the
+routed experts' and the shared MLP's up / down projections and most Mamba2 layers' in_proj / out_proj as fp8 with a
+per-tensor `weight_scale` and static `input_scale`, each expert's `mixer.experts.J.up_proj` on its own (no gate; the
+fp8 experts hold its rows alone, `fp8_moe.py`); its ignore list (the attention projections, the Mamba2 layers next to
+them, lm_head) names layers `backbone.` as the checkpoint does (`checkpoint_prefix`); the attention layers' KV-cache
+scales are `mixer.k_proj.k_scale` / `mixer.v_proj.v_scale`. `--quantization fp8` quantises the experts online."""
 
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.mamba2 import NEMOTRON_H, Mamba2Mixer
 from radixserve.layers.moe import FusedMoE, MoEGate, RouterConfig, load_expert_weight, select_experts
 from radixserve.layers.moe.activation import RELU2
+from radixserve.layers.quantization.kv_cache import set_kv_scale
 from radixserve.models.llama import LlamaAttention, LlamaForCausalLM, input_embedding, load_plain
 from radixserve.models.recurrent_state import RecurrentStates
 from radixserve.models.ungated import QKV_STACKED, UngatedMLP
@@ -50,6 +57,9 @@ _LETTERS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_atten
 _MAMBA_NAMES = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "norm.weight": "norm_weight"}
 # transformers 5's in-memory names of a MoE's stacked experts (up [E, I, H_in], down [E, H_in, I]) -> FusedMoE's
 _STACKED_EXPERTS = {"experts.up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"}
+# an attention layer's KV-cache scales as checkpoints name them (ModelOpt: on k_proj / v_proj) -> "k" / "v"
+_KV_SCALES = {leaf: w for w in "kv" for leaf in (f"{w}_scale", f"attn.{w}_scale", f"{w}_proj.{w}_scale",
+                                                 f"{w}_proj.output_scale")}
 
 
 def layer_pattern(config: PretrainedConfig) -> str:
@@ -204,6 +214,13 @@ class NemotronHForCausalLM(RecurrentStates, LlamaForCausalLM):
     def state_layers(self) -> list:  # (RecurrentStates: what ModelRunner sizes and allocates)
         return self.model.mixers()
 
+    def checkpoint_prefix(self, prefix: str) -> str:
+        """The checkpoint's name of our layer `prefix` (`backbone.layers.N...` for `model.layers.N...`): what a
+        quantized checkpoint's ignore list names (`quantization.apply_quantization`)."""
+        if prefix.startswith("model."):
+            prefix = "backbone." + prefix[len("model."):]
+        return prefix.replace("backbone.embed_tokens", "backbone.embeddings")
+
     # ------------------------------------------------------------------ weights
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
         if name.startswith("mtp."):  # multi-token prediction layers (Nemotron 3): not served
@@ -225,6 +242,9 @@ class NemotronHForCausalLM(RecurrentStates, LlamaForCausalLM):
                 return target
             if layer.letter == "E":
                 return self._load_moe(params, name, ".".join(parts[:4]), leaf, tensor)
+            if layer.letter == "*" and leaf in _KV_SCALES:  # (used with --kv-cache-dtype fp8_e4m3)
+                set_kv_scale(layer.mixer.attn, _KV_SCALES[leaf], tensor)
+                return None
         return super().load_weight(params, name, tensor)
 
     def _load_moe(self, params: dict[str, nn.Parameter], name: str, prefix: str, leaf: str, tensor: torch.Tensor

@@ -80,9 +80,7 @@ class FusedMoE(nn.Module):
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
         else:
             self.w13_bias = self.w2_bias = None
-        if not self.plain_experts and type(self.quant_method) is not UnquantizedMoEMethod:
-            raise ValueError(f"{type(self.quant_method).__name__}: experts with biases or the {activation.kind} "
-                             f"activation (GPT-OSS, Nemotron 3) are served in the model dtype only")
+        self._check_method(self.quant_method)
         from radixserve.layers.moe.small_batch import counters_needed
 
         # the small-batch path's per-block counters (each put back to 0 by the launch that uses it)
@@ -92,18 +90,24 @@ class FusedMoE(nn.Module):
     def set_quant_method(self, method: MoEMethod) -> None:
         """Hold the experts as `method` does (`quantization.apply_quantization`, before the weights load): the
         current method's parameters go, the new one's are created."""
-        if not self.plain_experts:
-            raise ValueError(f"{type(method).__name__}: experts with biases or the {self.activation.kind} "
-                             f"activation (GPT-OSS, Nemotron 3) are served in the model dtype only")
+        self._check_method(method)
         for name, _ in list(self.named_parameters(recurse=False)):
             delattr(self, name)
         self.quant_method = method
         method.create_weights(self, self.num_local_experts, self.hidden_size, self.inter_per_rank)
 
+    def _check_method(self, method: MoEMethod) -> None:
+        """ValueError unless `method` holds these experts (`MoEMethod.serves`: fp8 takes SiLU and Nemotron 3's
+        relu2 experts; experts with biases, GPT-OSS's, stay in the model dtype)."""
+        if not method.serves(self):
+            what = "biases" if self.w13_bias is not None else f"the {self.activation.kind} activation"
+            raise ValueError(f"{type(method).__name__}: experts with {what} are served in the model dtype only "
+                             f"(this method does not hold them)")
+
     @property
     def plain_experts(self) -> bool:
-        """SiLU experts without biases: what every kernel path and quantized form serves (GPT-OSS's and Nemotron 3's
-        are not)."""
+        """SiLU experts without biases: what every quantized form serves and what a shared MLP rides along with
+        (GPT-OSS's and Nemotron 3's are not; fp8 serves Nemotron 3's too, `MoEMethod.serves`)."""
         return self.w13_bias is None and self.activation == SILU
 
     def expert_bias(self) -> ExpertBias | None:

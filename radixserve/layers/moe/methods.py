@@ -44,6 +44,11 @@ class MoEMethod(QuantizeMethodBase, ABC):
         `layer.activation.gated` False) and `w2_weight` [E, H, I] (or their quantized forms) on `layer`, each with
         `weight_loader = layer.weight_loader`."""
 
+    def serves(self, layer: FusedMoE) -> bool:
+        """Whether this method holds `layer`'s experts: by default SiLU experts without biases
+        (`FusedMoE.plain_experts`); a method that takes other activations or biases says so."""
+        return layer.plain_experts
+
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Called once after every weight is loaded (quantization.finish_quantization); quantized formats
         repack or quantize here. Weights in the model dtype need nothing."""
@@ -95,7 +100,10 @@ class MoEMethod(QuantizeMethodBase, ABC):
 
 
 class UnquantizedMoEMethod(MoEMethod):
-    """Weights in the model dtype."""
+    """Weights in the model dtype: every activation, with or without biases."""
+
+    def serves(self, layer: FusedMoE) -> bool:
+        return type(self) is UnquantizedMoEMethod or layer.plain_experts  # (subclasses: plain experts only)
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
         rows = layer.activation.w13_rows(inter_size)

@@ -114,34 +114,40 @@ READ_AS_MATRIX = ("kv_b_proj",)
 
 def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
     """Give every layer that `config` quantizes its method and parameters (linear layers, and the MoE layers'
-    stacked experts where the method has a MoE form; not the layers whose names end as the model's
-    `kept_unquantized(config)` says); returns how many layers changed."""
+    stacked experts where the method has a MoE form that serves them; not the layers whose names end as the
+    model's `kept_unquantized(config)` says); a model's `checkpoint_prefix(name)` gives the checkpoint's name of a
+    layer, which an ignore list may use as well as ours. Returns how many layers changed."""
     from radixserve.layers.moe.layer import FusedMoE
 
     count, experts_kept = 0, 0
     kept = getattr(model, "kept_unquantized", None)  # layers a model loads in 16 bits whatever the checkpoint
     kept = tuple(kept(config)) if kept is not None else ()
+    # a model whose checkpoint names its layers otherwise (Nemotron-H's `backbone.`): ignore lists may use either
+    ckpt_name = getattr(model, "checkpoint_prefix", None)
     for prefix, module in model.named_modules():
         if not hasattr(module, "set_quant_method") or (kept and prefix.endswith(kept)):
             continue
+        name = ckpt_name(prefix) if ckpt_name is not None else prefix
         if prefix.rsplit(".", 1)[-1] in READ_AS_MATRIX:  # the model dtype; a quantized checkpoint's dequantised
             matrix = getattr(config, "matrix_method", None)
-            method = matrix(module, prefix) if matrix is not None else None
+            method = matrix(module, name) if matrix is not None else None
             if method is not None:
                 module.set_quant_method(method)
             continue
-        if isinstance(module, FusedMoE) and not module.plain_experts:  # GPT-OSS's: served in the model dtype
-            experts_kept += 1
-            continue
-        method = config.get_quant_method(module, prefix)
+        method = config.get_quant_method(module, name)
+        if method is not None and name != prefix and config.get_quant_method(module, prefix) is None:
+            method = None  # ignored under our name (an ignore list written from in-memory names)
+        if isinstance(module, FusedMoE) and method is not None and not method.serves(module):
+            method = None  # (GPT-OSS's experts with biases: served in the model dtype)
         if method is not None:
             module.set_quant_method(method)
             count += 1
         elif isinstance(module, FusedMoE):
             experts_kept += 1
     if experts_kept:
-        logger.warning("%s quantization: %d MoE expert layers stay in the model dtype (%s has no MoE form, or "
-                       "the experts carry biases)", config.name, experts_kept, config.name)
+        logger.warning("%s quantization: %d MoE expert layers stay in the model dtype (%s has no MoE form for "
+                       "them, e.g. experts with biases, or they are in the ignore list)", config.name, experts_kept,
+                       config.name)
     logger.info("%s quantization on %d layers", config.name, count)
     if hasattr(config, "log_summary"):
         config.log_summary()

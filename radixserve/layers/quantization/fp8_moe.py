@@ -7,6 +7,9 @@ Three ways in, as for the linear layers (`fp8.py`):
   with per-channel scales (`.weight_scale` [N, 1], compressed-tensors): kept;
 - `--quantization fp8` on a 16/32-bit checkpoint: each expert quantised after loading, one scale per output row
   (dummy weights with a block-wise checkpoint's `quantization_config`: to its blocks).
+Non-gated relu2 experts (Nemotron 3; NVIDIA's ModelOpt FP8 release: per-tensor scales) have no gate: w13 holds each
+expert's `up_proj` rows alone ([E, I, H]) and its scales as many rows (one per-tensor scale, not a (gate, up) pair);
+the kernels skip the gate (`ACT` 2). Experts with biases (GPT-OSS) are not served here (`serves`).
 
 The products (`MoEMethod.apply`): for the fewest tokens W8A16, the activations as they are (multiplied on the CUDA
 cores, block-wise scales applied to each K step's sums: `small_batch`); above `small_batch_tokens` (4), for
@@ -41,8 +44,9 @@ def _param(data: torch.Tensor, loader: object) -> nn.Parameter:
 
 
 class Fp8MoEMethod(MoEMethod):
-    """The layer ends with `w13_weight` fp8 [E, 2I, H], `w2_weight` fp8 [E, H, I] and their float32 scales
-    `w13_scale` / `w2_scale` (`ExpertScales`' layout)."""
+    """The layer ends with `w13_weight` fp8 [E, 2I, H] ([E, I, H], up rows alone, for non-gated relu2 experts),
+    `w2_weight` fp8 [E, H, I] and their float32 scales `w13_scale` / `w2_scale` (`ExpertScales`' layout). SiLU and
+    relu2 experts without biases (GPT-OSS's biased experts stay in the model dtype)."""
 
     def __init__(self, config: Fp8Config) -> None:
         self.config = config
@@ -51,13 +55,18 @@ class Fp8MoEMethod(MoEMethod):
         self._forms: dict[str, tuple[bool, int]] = {}  # FP8_BLOCKS_FORM -> (W8A8 grouped GEMMs, small-batch form)
 
     # ------------------------------------------------------------ weights
+    def serves(self, layer: FusedMoE) -> bool:
+        return layer.w13_bias is None and layer.activation.kind in ("silu", "relu2")
+
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, inter_size: int) -> None:
         e, h, i = num_experts, hidden_size, inter_size
+        rows = layer.activation.w13_rows(i)  # gate rows then up rows, or (relu2) up rows alone
+        shards = 2 if layer.activation.gated else 1  # per-tensor scales of w13: (gate, up) or (up,)
         if not self.config.serialized:  # 16/32-bit weights, quantised after loading
-            layer.w13_weight = _param(torch.empty(e, 2 * i, h), layer.weight_loader)
+            layer.w13_weight = _param(torch.empty(e, rows, h), layer.weight_loader)
             layer.w2_weight = _param(torch.empty(e, h, i), layer.weight_loader)
             return
-        layer.w13_weight = _param(torch.empty(e, 2 * i, h, dtype=FP8), layer.weight_loader)
+        layer.w13_weight = _param(torch.empty(e, rows, h, dtype=FP8), layer.weight_loader)
         layer.w2_weight = _param(torch.empty(e, h, i, dtype=FP8), layer.weight_loader)
 
         def loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
@@ -71,29 +80,35 @@ class Fp8MoEMethod(MoEMethod):
                 raise ValueError(f"block-wise fp8 experts: the intermediate size per rank {i} is not a multiple of "
                                  f"the block {self.block}")
             f32, name = torch.float32, self.config.block_scale_name
-            setattr(layer, f"w13_{name}", _param(torch.ones(e, 2 * (i // bn), -(-h // bk), dtype=f32), loader))
+            setattr(layer, f"w13_{name}", _param(torch.ones(e, rows // bn, -(-h // bk), dtype=f32), loader))
             setattr(layer, f"w2_{name}", _param(torch.ones(e, -(-h // bn), -(-i // bk), dtype=f32), loader))
             return
-        if strategy == "channel":  # a scale per row: [E, 2I, 1] (gate rows, then up rows) and [E, H, 1]
-            layer.w13_weight_scale = _param(torch.ones(e, 2 * i, 1, dtype=torch.float32), loader)
+        if strategy == "channel":  # a scale per row: [E, 2I, 1] (gate rows, then up rows; relu2: up) and [E, H, 1]
+            layer.w13_weight_scale = _param(torch.ones(e, rows, 1, dtype=torch.float32), loader)
             layer.w2_weight_scale = _param(torch.ones(e, h, 1, dtype=torch.float32), loader)
         else:
-            layer.w13_weight_scale = _param(torch.ones(e, 2, dtype=torch.float32), loader)  # (gate, up) of each
+            layer.w13_weight_scale = _param(torch.ones(e, shards, dtype=torch.float32), loader)  # (gate, up) / (up,)
             layer.w2_weight_scale = _param(torch.ones(e, dtype=torch.float32), loader)
         if self.config.activation_scheme == "static":
-            layer.w13_input_scale = _param(torch.ones(e, 2, dtype=torch.float32), loader)
+            layer.w13_input_scale = _param(torch.ones(e, shards, dtype=torch.float32), loader)
             layer.w2_input_scale = _param(torch.ones(e, dtype=torch.float32), loader)
 
     def _load_scale(self, layer: FusedMoE, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None,
                     expert_id: int | None) -> None:
-        """One expert's scale tensor from the checkpoint (`shard_id` w1 = gate, w3 = up, w2 = down)."""
+        """One expert's scale tensor from the checkpoint (`shard_id` w1 = gate, w3 = up, w2 = down; non-gated
+        experts: their up rows are all of w13, and a gate's scale is refused)."""
         if shard_id not in ("w1", "w2", "w3") or expert_id is None or not 0 <= expert_id < layer.num_experts:
             raise ValueError(f"fp8 expert scale: shard {shard_id!r} / expert {expert_id} is not one expert's "
                              f"gate, up or down matrix")
+        gated = layer.activation.gated
+        if shard_id == "w1" and not gated:
+            raise ValueError(f"expert {expert_id}: {layer.activation.kind} experts are not gated (no gate "
+                             f"projection's scale to load)")
         local = expert_id - layer.expert_offset
         if not 0 <= local < layer.num_local_experts:
             return  # another rank's expert
         is_w13 = shard_id != "w2"
+        first = shard_id == "w1" or not gated  # the w13 section this shard fills: the first (gate, or relu2's up)
         loaded = loaded.float()
         strategy = self.config.weight_strategy if param.dim() > 2 else "tensor"  # (input scales: per tensor)
         if strategy == "channel":
@@ -104,7 +119,7 @@ class Fp8MoEMethod(MoEMethod):
                                  f"{tuple(loaded.shape)}")
             loaded = loaded.reshape(rows, 1)
             if is_w13:
-                dst = param.data[local, :i] if shard_id == "w1" else param.data[local, i:]
+                dst = param.data[local, :i] if first else param.data[local, i:]
                 dst.copy_(loaded[layer.moe_tp_rank * i:(layer.moe_tp_rank + 1) * i])
             else:
                 param.data[local].copy_(loaded)
@@ -118,7 +133,7 @@ class Fp8MoEMethod(MoEMethod):
                                  f"{tuple(loaded.shape)}, expected {full}")
             if is_w13:
                 nb = i // bn
-                dst = param.data[local, :nb] if shard_id == "w1" else param.data[local, nb:]
+                dst = param.data[local, :nb] if first else param.data[local, nb:]
                 dst.copy_(loaded[layer.moe_tp_rank * nb:(layer.moe_tp_rank + 1) * nb])
             else:
                 kb = -(-i // bk)
@@ -128,7 +143,7 @@ class Fp8MoEMethod(MoEMethod):
             raise ValueError(f"expert {expert_id} {shard_id}: a per-tensor fp8 scale has one value, got "
                              f"{tuple(loaded.shape)}")
         if is_w13:
-            param.data[local, 0 if shard_id == "w1" else 1] = loaded.reshape(())
+            param.data[local, 0 if first else 1] = loaded.reshape(())
         else:
             param.data[local] = loaded.reshape(())
 
@@ -150,7 +165,7 @@ class Fp8MoEMethod(MoEMethod):
         else:  # per channel as stored; per tensor: each matrix's scale on each of its rows
             if self.config.weight_strategy == "channel":
                 s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
-            else:
+            else:  # (gate, up) or relu2's (up,): each section's I rows
                 s13 = layer.w13_weight_scale.data.repeat_interleave(i, dim=1).unsqueeze(-1)
                 s2 = layer.w2_weight_scale.data[:, None, None].expand(-1, h, 1)
             del layer.w13_weight_scale, layer.w2_weight_scale

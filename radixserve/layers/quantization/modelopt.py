@@ -5,7 +5,9 @@ ModelOpt's unified checkpoint keeps the model's tensor names: each quantized lin
 `k_proj.k_scale` / `v_proj.v_scale` (read by `kv_cache.py`, used with `--kv-cache-dtype fp8_e4m3`). The settings
 are in config.json's `quantization_config` (`quant_method: modelopt`) or, in older exports, in
 `hf_quant_config.json` beside it (`{"quantization": {...}}`; the loader reads it when config.json has none).
-`quant_algo` FP8 is supported; `exclude_modules` (names or shell wildcards) stay unquantized. Other algorithms
+`quant_algo` FP8 is supported; `exclude_modules` / `ignore` (names or shell wildcards, the checkpoint's names: a
+model that renames its layers gives them back, `apply_quantization`'s `checkpoint_prefix`) stay unquantized. MoE
+experts take the fp8 experts' per-tensor form (`fp8_moe.py`, Nemotron 3's non-gated ones too). Other algorithms
 (NVFP4, INT4-AWQ, per-block FP8) are refused with their name."""
 
 from __future__ import annotations
