@@ -46,7 +46,20 @@ def test_mamba2_hybrids_on_cuda_equal_transformers(build, cache: bool, tmp_path)
     """Granite 4.0's and Nemotron-H's Mamba2 layers (Nemotron 3's relu2 experts too) through the scheduler on CUDA
     (decode graphs, chunks, the prefix cache)."""
     hf = build(str(tmp_path))
-    want = [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
+    if build is granite_hybrid and _older_transformers():
+        # transformers before 5.25 computes another model from the same Granite 4.0 checkpoint (its own generate and
+        # no-cache forward agree, 5.25's differ from them from the second token on); the CPU suite checks our
+        # layers against 5.25, so here CUDA is checked against our CPU path
+        want = scheduler_waves(str(tmp_path), expect_hits=False, disable_radix_cache=True)
+    else:
+        want = [hf_greedy(hf, p, 12) for p in WAVE_PROMPTS]
     got = scheduler_waves(str(tmp_path), expect_hits=cache, device="cuda", cuda_graph_max_bs=8,
                           disable_overlap_schedule=False, disable_radix_cache=not cache)
     assert got == want
+
+
+def _older_transformers() -> bool:
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) < (5, 25)
