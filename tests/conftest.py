@@ -19,6 +19,51 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _patch_triton_interpreter_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language for the interpreter (`_patch_lang`) when a launch starts, and
+    again at every call of a @triton.jit helper inside the kernel, for each program of the grid: the patches the
+    launch (or the helper's first call) made stay in place until the launch ends, so the repeats change nothing,
+    yet they walk triton.language's members with `inspect.getmembers` each time (about a third of the interpreted
+    kernels' time here). Within one launch, each helper's patch is made once. Interpreter-mode only, and only for
+    the Triton whose internals this matches; anything else leaves Triton as it is."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import threading
+
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    grid_call = vars(getattr(ti, "GridExecutor", object)).get("__call__")
+    patch_lang, scope_cls = getattr(ti, "_patch_lang", None), getattr(ti, "_LangPatchScope", None)
+    if grid_call is None or patch_lang is None or scope_cls is None or getattr(patch_lang, "_once", False):
+        return
+    local = threading.local()  # the helpers patched in this thread's launch in progress (None between launches)
+
+    def once_per_launch(fn: object) -> object:
+        done = getattr(local, "done", None)
+        if done is None:
+            return patch_lang(fn)
+        if fn in done:
+            return scope_cls()  # nothing to undo; the caller (a helper's call) discards it anyway
+        done.add(fn)
+        return patch_lang(fn)
+
+    def launch(self: object, *args: object, **kwargs: object) -> object:
+        outer, local.done = getattr(local, "done", None), set()
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            local.done = outer
+
+    once_per_launch._once = True  # type: ignore[attr-defined]
+    ti._patch_lang = once_per_launch
+    ti.GridExecutor.__call__ = launch
+
+
+_patch_triton_interpreter_once_per_launch()
+
+
 # Tests that start no process but take about a second or more on the 2-core CI machine (`--durations` of a quiet
 # run): `slow`, so that `make test-fast` (not integration, not slow) stays an inner loop of about a minute.
 # `make test` runs them all. Parametrised tests are listed once, by function.
