@@ -260,6 +260,34 @@ def teacher_forced_agreement(hf: Any, runner: Any, prompts: list[list[int]], ste
     return exact, near, total
 
 
+def rewrite_checkpoint(path: str, convert: Any, extra: dict[str, torch.Tensor] | None = None) -> str:
+    """Rewrite the model saved at `path` tensor by tensor as a quantized checkpoint: `convert(name, tensor)` gives
+    the tensors to store for it ({name: tensor}) and its dequantised form, or None to keep it as it is; `extra`
+    tensors are stored too. The dequantised weights are saved with the other files in `path`/deq (returned), for a
+    transformers reference."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    deq_dir = os.path.join(path, "deq")
+    os.makedirs(deq_dir)
+    for f in os.listdir(path):
+        if f.endswith(".json"):
+            shutil.copy(os.path.join(path, f), deq_dir)
+    out, deq = {}, {}
+    for name, t in load_file(os.path.join(path, "model.safetensors")).items():
+        converted = convert(name, t)
+        if converted is None:
+            out[name] = deq[name] = t
+        else:
+            out.update(converted[0])
+            deq[name] = converted[1]
+    out.update(extra or {})
+    save_file(out, os.path.join(path, "model.safetensors"))
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"))
+    return deq_dir
+
+
 def set_quantization_config(path: str, qc: dict[str, Any] | None) -> None:
     """Write `qc` as the `quantization_config` of the model saved at `path` (None removes it)."""
     import json

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_utils import DEVICE, expert_weights, skewed_ids
+from test_quant_fp8_moe import fp8_experts
 
 from radixserve.layers.moe.activation import RELU2
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe
@@ -16,28 +17,6 @@ from radixserve.layers.moe.methods import ExpertScales
 from radixserve.layers.moe.moe_torch import moe_forward_torch
 from radixserve.layers.moe.small_batch import SmallMoEConfig, small_batch_moe
 from radixserve.layers.quantization.fp8 import FP8, dequantize_blocks, quantize_blocks, quantize_rows
-
-
-def _quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> fp8 and scales in `ExpertScales`' layout."""
-    if block is None:
-        parts = [quantize_rows(w[e]) for e in range(w.shape[0])]
-        return torch.stack([q for q, _ in parts]), torch.stack([s[:, None] for _, s in parts])
-    parts = [quantize_blocks(w[e], *block) for e in range(w.shape[0])]
-    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
-
-
-def relu2_fp8_experts(e: int, h: int, i: int, block: tuple[int, int] | None, seed: int = 0,
-                      ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales, torch.Tensor, torch.Tensor]:
-    """(fp8 w13 [e, i, h], fp8 w2, their scales, the dequantised float32 w13, w2) on DEVICE."""
-    w13, w2 = expert_weights(e, h, i, seed, gated=False)
-    q13, s13 = _quantize(w13.cpu(), block)
-    q2, s2 = _quantize(w2.cpu(), block)
-    gn, gk13, gk2 = (1, h, i) if block is None else (block[0], block[1], block[1])
-    scales = ExpertScales(s13.to(DEVICE), s2.to(DEVICE), gn, gk13, gk2)
-    d13 = torch.stack([dequantize_blocks(q13[x], s13[x], gn, gk13) for x in range(e)])
-    d2 = torch.stack([dequantize_blocks(q2[x], s2[x], gn, gk2) for x in range(e)])
-    return q13.to(DEVICE), q2.to(DEVICE), scales, d13.to(DEVICE), d2.to(DEVICE)
 
 
 @pytest.mark.parametrize("block", [None, (16, 16)])
@@ -55,7 +34,7 @@ def test_fp8_relu2_kernels_match_reference(block: tuple[int, int] | None, path: 
     e, h, i = 10, 64, 32
     if path == "grouped-a8" and block is not None:
         block = (32, 32)  # (the fp8 product's shortest K step)
-    q13, q2, scales, d13, d2 = relu2_fp8_experts(e, h, i, block, seed=top_k + 3)
+    q13, q2, scales, d13, d2 = fp8_experts(e, h, i, block, seed=top_k + 3, gated=False)
     assert q13.shape == (e, i, h) and scales.w13.shape[1] == (i if block is None else i // block[0])
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ids = skewed_ids(tokens, top_k, e).to(DEVICE)

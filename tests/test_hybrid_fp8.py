@@ -6,13 +6,9 @@ blocks), and the tokens are transformers' on the dequantised weights."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import pytest
 import torch
-from model_utils import hf_greedy, make_runner
+from model_utils import hf_greedy, make_runner, rewrite_checkpoint, set_quantization_config
 from test_qwen3_next import PROMPTS, hybrid
 
 from radixserve.bench_one_batch import StaticBatch
@@ -20,35 +16,21 @@ from radixserve.bench_one_batch import StaticBatch
 
 def write_block_fp8(path: str, block: int, not_converted: list[str]) -> str:
     """The tiny model at `path` rewritten with every layer's `*proj*.weight` fp8 in `block` x `block` blocks but
-    those named in `not_converted`; the dequantised weights saved with the other files in `path`/deq."""
-    from safetensors.torch import load_file, save_file
-
+    those named in `not_converted`; returns the folder of its dequantised weights (`rewrite_checkpoint`)."""
     from radixserve.layers.quantization.base import name_matches
     from radixserve.layers.quantization.fp8 import dequantize_blocks, quantize_blocks
 
-    deq_dir = os.path.join(path, "deq")
-    os.makedirs(deq_dir)
-    for f in os.listdir(path):
-        if f.endswith(".json"):
-            shutil.copy(os.path.join(path, f), deq_dir)
-    out, deq = {}, {}
-    for name, t in load_file(os.path.join(path, "model.safetensors")).items():
+    def convert(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
         module = name.rsplit(".", 1)[0]
-        if ".layers." in name and name.endswith(".weight") and "proj" in module.rsplit(".", 1)[-1] \
-                and not any(name_matches(module, p) for p in not_converted):
-            q, s = quantize_blocks(t.float(), block, block)
-            out[name], out[module + ".weight_scale_inv"] = q, s
-            deq[name] = dequantize_blocks(q, s, block, block)
-        else:
-            out[name] = deq[name] = t
-    save_file(out, os.path.join(path, "model.safetensors"))
-    save_file(deq, os.path.join(deq_dir, "model.safetensors"))
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [block, block], "modules_to_not_convert": not_converted}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+        if ".layers." not in name or not name.endswith(".weight") or "proj" not in module.rsplit(".", 1)[-1] \
+                or any(name_matches(module, p) for p in not_converted):
+            return None
+        q, s = quantize_blocks(t.float(), block, block)
+        return {name: q, module + ".weight_scale_inv": s}, dequantize_blocks(q, s, block, block)
+
+    deq_dir = rewrite_checkpoint(path, convert)
+    set_quantization_config(path, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [block, block], "modules_to_not_convert": not_converted})
     return deq_dir
 
 

@@ -141,27 +141,17 @@ def test_bad_configs_are_refused(tmp_path) -> None:  # noqa: ANN001
 def _write_block_fp8(path: str, block: int) -> str:
     """The tiny model at `path` rewritten as MiniMax's fp8 layout (every attention projection and expert matrix
     block-wise with `weight_scale_inv`); the dequantised weights saved with the other files in `path`/deq."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
+    from model_utils import rewrite_checkpoint
 
     from radixserve.layers.quantization.fp8 import dequantize_blocks, quantize_blocks
 
-    deq_dir = os.path.join(path, "deq")
-    os.makedirs(deq_dir)
-    for f in os.listdir(path):
-        if f.endswith(".json"):
-            shutil.copy(os.path.join(path, f), deq_dir)
-    out, deq = {}, {}
-    for name, t in load_file(os.path.join(path, "model.safetensors")).items():
-        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")) and ".layers." in name:
-            q, s = quantize_blocks(t.float(), block, block)
-            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s
-            deq[name] = dequantize_blocks(q, s, block, block)
-        else:
-            out[name] = deq[name] = t
-    save_file(out, os.path.join(path, "model.safetensors"))
-    save_file(deq, os.path.join(deq_dir, "model.safetensors"))
+    def convert(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if not name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")) or ".layers." not in name:
+            return None
+        q, s = quantize_blocks(t.float(), block, block)
+        return {name: q, name[:-len("weight")] + "weight_scale_inv": s}, dequantize_blocks(q, s, block, block)
+
+    deq_dir = rewrite_checkpoint(path, convert)
     qc = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
           "weight_block_size": [block, block],  # the release's quantization_config, its blocks scaled down
           "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}

@@ -241,33 +241,23 @@ def _write_modelopt_fp8(path: str, exclude: list[str], listed: list[str], hf_qua
     The dequantised weights are saved with the other files in `path`/deq."""
     import json
     import os
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from model_utils import rewrite_checkpoint
 
     from radixserve.layers.quantization.base import name_matches
     from radixserve.layers.quantization.fp8 import FP8, FP8_MAX
 
-    deq_dir = os.path.join(path, "deq")
-    os.makedirs(deq_dir)
-    for f in os.listdir(path):
-        if f.endswith(".json"):
-            shutil.copy(os.path.join(path, f), deq_dir)
-    out, deq = {}, {}
-    for name, t in load_file(os.path.join(path, "model.safetensors")).items():
+    def convert(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
         module = name.rsplit(".", 1)[0]
-        if ".layers." in name and name.endswith("proj.weight") and not any(name_matches(module, p) for p in exclude):
-            scale = t.float().abs().max() / FP8_MAX
-            q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-            out[name], out[module + ".weight_scale"] = q, scale.reshape(())
-            out[module + ".input_scale"] = torch.tensor(0.03)
-            deq[name] = q.float() * scale
-        else:
-            out[name] = deq[name] = t
-    out["backbone.layers.1.mixer.k_proj.k_scale"] = torch.tensor(0.5)
-    out["backbone.layers.1.mixer.v_proj.v_scale"] = torch.tensor(0.25)
-    save_file(out, os.path.join(path, "model.safetensors"))
-    save_file(deq, os.path.join(deq_dir, "model.safetensors"))
+        if ".layers." not in name or not name.endswith("proj.weight") or any(name_matches(module, p) for p in exclude):
+            return None
+        scale = t.float().abs().max() / FP8_MAX
+        q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return ({name: q, module + ".weight_scale": scale.reshape(()), module + ".input_scale": torch.tensor(0.03)},
+                q.float() * scale)
+
+    deq_dir = rewrite_checkpoint(path, convert, {"backbone.layers.1.mixer.k_proj.k_scale": torch.tensor(0.5),
+                                                 "backbone.layers.1.mixer.v_proj.v_scale": torch.tensor(0.25)})
     settings = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
     if hf_quant_config:
         with open(os.path.join(path, "hf_quant_config.json"), "w") as f:

@@ -27,10 +27,11 @@ def _quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Ten
     return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
 
 
-def fp8_experts(e: int, h: int, i: int, block: tuple[int, int] | None, seed: int = 0,
+def fp8_experts(e: int, h: int, i: int, block: tuple[int, int] | None, seed: int = 0, gated: bool = True,
                 ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales, torch.Tensor, torch.Tensor]:
-    """(fp8 w13, fp8 w2, their scales, and the dequantised float32 w13, w2) on DEVICE."""
-    w13, w2 = expert_weights(e, h, i, seed)
+    """(fp8 w13 ([e, i, h] when not `gated`), fp8 w2, their scales, and the dequantised float32 w13, w2) on
+    DEVICE."""
+    w13, w2 = expert_weights(e, h, i, seed, gated=gated)
     q13, s13 = _quantize(w13.cpu(), block)
     q2, s2 = _quantize(w2.cpu(), block)
     gn, gk13, gk2 = (1, h, i) if block is None else (block[0], block[1], block[1])
