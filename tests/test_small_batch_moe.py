@@ -23,6 +23,22 @@ def _inputs(t: int, k: int, e: int, h: int, seed: int) -> tuple[torch.Tensor, to
     return x, ids, weights
 
 
+def _count_small_batch_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token counts of the small-batch launches from now on (at most 4 tokens take that path)."""
+    from radixserve.layers.moe import small_batch
+
+    calls: list[int] = []
+    real = small_batch.small_batch_moe
+
+    def counting(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(small_batch, "small_batch_moe", counting)
+    monkeypatch.setattr(small_batch, "SMALL_BATCH_TOKENS", 4)
+    return calls
+
+
 @pytest.mark.parametrize("top_k,tokens", [(1, 3), (2, 5), (8, 4)])
 def test_small_batch_moe_matches_reference(top_k: int, tokens: int) -> None:
     e, h, i = 11, 24, 20  # sizes off the tile sizes: every mask is exercised
@@ -72,7 +88,7 @@ def test_small_batch_moe_folds_the_shared_experts(chunks: int) -> None:
 def test_fused_moe_layer_takes_the_small_path_only_for_small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """FusedMoE with the kernels on: up to SMALL_BATCH_TOKENS tokens go through small_batch_moe, more through the
     sorted grouped GEMM; both equal the reference."""
-    from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
+    from radixserve.layers.moe import FusedMoE, RouterConfig
     from radixserve.layers.triton_ops import set_fused_kernels
     from radixserve.model_loader.dummy import initialize_dummy_weights
 
@@ -81,15 +97,7 @@ def test_fused_moe_layer_takes_the_small_path_only_for_small_batches(monkeypatch
     initialize_dummy_weights(holder, seed=1)
     holder.to(DEVICE)
     layer = holder.experts
-    calls: list[int] = []
-    real = small_batch.small_batch_moe
-
-    def counting(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(small_batch, "small_batch_moe", counting)
-    monkeypatch.setattr(small_batch, "SMALL_BATCH_TOKENS", 4)
+    calls = _count_small_batch_calls(monkeypatch)
     set_fused_kernels(True)
     try:
         for t in (3, 4, 5):
@@ -172,7 +180,7 @@ def test_fused_moe_layer_takes_the_small_path_for_gpt_oss_experts(monkeypatch: p
     never folded into their launch (it is into a plain layer's)."""
     from types import SimpleNamespace
 
-    from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
+    from radixserve.layers.moe import FusedMoE, RouterConfig
     from radixserve.layers.triton_ops import set_fused_kernels
     from radixserve.model_loader.dummy import initialize_dummy_weights
 
@@ -184,15 +192,7 @@ def test_fused_moe_layer_takes_the_small_path_for_gpt_oss_experts(monkeypatch: p
     holder.to(DEVICE)
     layer = holder.experts
     assert not layer.plain_experts and layer.w2_bias.abs().sum() > 0
-    calls: list[int] = []
-    real = small_batch.small_batch_moe
-
-    def counting(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(small_batch, "small_batch_moe", counting)
-    monkeypatch.setattr(small_batch, "SMALL_BATCH_TOKENS", 4)
+    calls = _count_small_batch_calls(monkeypatch)
     mlp = SimpleNamespace(gate_up_proj=torch.nn.Linear(16, 16, bias=False).to(DEVICE),
                           down_proj=torch.nn.Linear(8, 16, bias=False).to(DEVICE))
     set_fused_kernels(True)
@@ -262,7 +262,7 @@ def test_fused_moe_layer_serves_non_gated_experts_on_both_kernel_paths(monkeypat
     the grouped GEMMs, each equal to the reference; an attached shared MLP is never folded in."""
     from types import SimpleNamespace
 
-    from radixserve.layers.moe import FusedMoE, RouterConfig, small_batch
+    from radixserve.layers.moe import FusedMoE, RouterConfig
     from radixserve.layers.triton_ops import set_fused_kernels
     from radixserve.model_loader.dummy import initialize_dummy_weights
 
@@ -273,15 +273,7 @@ def test_fused_moe_layer_serves_non_gated_experts_on_both_kernel_paths(monkeypat
     holder.to(DEVICE)
     layer = holder.experts
     assert layer.w13_weight.shape == (8, 8, 16) and not layer.plain_experts
-    calls: list[int] = []
-    real = small_batch.small_batch_moe
-
-    def counting(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(small_batch, "small_batch_moe", counting)
-    monkeypatch.setattr(small_batch, "SMALL_BATCH_TOKENS", 4)
+    calls = _count_small_batch_calls(monkeypatch)
     layer.attach_shared_experts(SimpleNamespace(gate_up_proj=torch.nn.Linear(16, 16, bias=False).to(DEVICE),
                                                 down_proj=torch.nn.Linear(8, 16, bias=False).to(DEVICE)))
     set_fused_kernels(True)
