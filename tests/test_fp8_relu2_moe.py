@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_utils import DEVICE, expert_weights, skewed_ids
-from test_quant_fp8_moe import fp8_experts
+from test_quant_fp8_moe import fp8_experts, reference_quantises_as_the_kernels
 
 from radixserve.layers.moe.activation import RELU2
 from radixserve.layers.moe.fused_moe import MoEConfig, fused_moe
@@ -28,8 +28,7 @@ def test_fp8_relu2_kernels_match_reference(block: tuple[int, int] | None, path: 
     rows before them), on every path; an expert with no tokens, uneven loads, tiles whose K step is cut to the scale
     group; expert parallelism's halves. W8A8 (x and the intermediate quantised per row and 32 columns, 32 x 32 blocks)
     against the reference quantising alike."""
-    from radixserve.layers.moe import moe_torch, small_batch
-    from radixserve.layers.quantization.fp8_kernels import per_token_group_quant_fp8
+    from radixserve.layers.moe import small_batch
 
     e, h, i = 10, 64, 32
     if path == "grouped-a8" and block is not None:
@@ -52,14 +51,7 @@ def test_fp8_relu2_kernels_match_reference(block: tuple[int, int] | None, path: 
         outs = [fused_moe(x, q13, q2, weights, ids, scales=scales, act=RELU2),
                 fused_moe(x, q13, q2, weights, ids, scales=scales, act=RELU2, config=MoEConfig(16, 16, 32, 64, 1, 1))]
     else:
-        def kernel_act(a: torch.Tensor, group: int | None) -> torch.Tensor:  # (the interpreter's rounding)
-            if group is None:
-                return a.float()
-            q, sc = per_token_group_quant_fp8(a.contiguous(), group)
-            return (q.float().view(a.shape[0], -1, group) * sc[..., None]).view(a.shape)
-
-        if DEVICE == "cpu":
-            monkeypatch.setattr(moe_torch, "_act", kernel_act)
+        reference_quantises_as_the_kernels(monkeypatch)
         a8_ref = moe_forward_torch(x, q13, q2, weights, ids, scales=scales, act_group=32, act=RELU2)
         got = fused_moe(x, q13, q2, weights, ids, scales=scales, act_fp8=True, act_group=32, act=RELU2)
         assert (got - a8_ref).abs().max() < 1e-3 * a8_ref.abs().max()

@@ -108,14 +108,9 @@ def test_block_wise_small_batch_forms_match_reference(form: str, monkeypatch: py
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block", [None, (32, 32)])
-def test_fp8_w8a8_grouped_kernels_match_reference(block: tuple[int, int] | None,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grouped GEMMs with fp8 activations too (x and the intermediate quantised per row and 32 columns, both
-    products on the fp8 tensor cores) against the reference that quantises the same way; and the quantisation
-    is real: the result is not the 16-bit-activation one. Under Triton's interpreter the reference quantises with
-    the kernel the fused path uses (the interpreter drops the carry of a few roundings that torch makes; on a GPU
-    the two quantisers agree bit for bit and torch's is used)."""
+def reference_quantises_as_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Triton's interpreter, the torch reference's activation quantisation (W8A8) done by the kernel the fused
+    path uses (the interpreter drops the carry of a few roundings that torch makes; on a GPU the two agree)."""
     from radixserve.layers.moe import moe_torch
     from radixserve.layers.quantization.fp8_kernels import per_token_group_quant_fp8
 
@@ -127,6 +122,17 @@ def test_fp8_w8a8_grouped_kernels_match_reference(block: tuple[int, int] | None,
 
     if DEVICE == "cpu":
         monkeypatch.setattr(moe_torch, "_act", kernel_act)
+
+
+@pytest.mark.parametrize("block", [None, (32, 32)])
+def test_fp8_w8a8_grouped_kernels_match_reference(block: tuple[int, int] | None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped GEMMs with fp8 activations too (x and the intermediate quantised per row and 32 columns, both
+    products on the fp8 tensor cores) against the reference that quantises the same way; and the quantisation
+    is real: the result is not the 16-bit-activation one. Under Triton's interpreter the reference quantises with
+    the kernel the fused path uses (the interpreter drops the carry of a few roundings that torch makes; on a GPU
+    the two quantisers agree bit for bit and torch's is used)."""
+    reference_quantises_as_the_kernels(monkeypatch)
     e, h, i, t, k = 8, 64, 32, 11, 2
     q13, q2, scales, d13, d2 = fp8_experts(e, h, i, block, seed=9)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(10)).to(DEVICE)

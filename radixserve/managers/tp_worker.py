@@ -13,7 +13,6 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.constrained.base_grammar_backend import bitmask_to_vocab_mask
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.managers.schedule_batch import ModelWorkerBatch
-from radixserve.mem_cache.state_pool import apply_state_copies
 from radixserve.model_executor.forward_batch_info import ForwardBatch
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
@@ -35,7 +34,7 @@ def run_model_worker_batch(runner: ModelRunner, batch: ModelWorkerBatch,
     if batch.lora_loads:
         runner.lora_manager.apply_loads(batch.lora_loads)
     if batch.state_copies:
-        apply_state_copies(runner.state_pool.buffers, batch.state_copies)
+        runner.state_pool.apply(batch.state_copies)
     info = batch.sampling_info.apply(batch.sampling_ops) if batch.sampling_info is not None else None
     bitmask = batch.grammar_bitmask
     if info is not None:

@@ -64,6 +64,10 @@ class StatePool:
         pending, self._pending = self._pending, []
         return pending
 
+    def apply(self, copies: list[tuple[int, int]]) -> None:
+        """Run copies a batch carried (the worker, before its forward): `apply_state_copies` on these buffers."""
+        apply_state_copies(self.buffers, copies)
+
 
 def apply_state_copies(buffers: list[Any], copies: list[tuple[int, int]]) -> None:
     """Run queued (src row, dst row) copies on every layer's state buffers, with the effect of running them one by
