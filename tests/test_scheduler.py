@@ -278,6 +278,29 @@ def test_requests_sharing_a_new_prefix_in_one_round_share_it(tiny_path, page_siz
     drain(plain)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_head_in_flight_is_computed_once_under_overlap(tiny_path, page_size, mixed) -> None:
+    """Overlap: the next batch is scheduled while the last prefill is still in flight, before its prompts reach
+    the tree. A request arriving then with the same uncached head waits a round (as it would behind a request of
+    its own batch) and takes the head from the cache; without overlap it finds the head cached at once."""
+    head = list(range(100, 140))
+    kw = {"enable_mixed_chunk": True, "chunked_prefill_size": 64} if mixed else {}
+    for overlap in (False, True):
+        s = make_scheduler(tiny_path, page_size=page_size, enable_overlap_schedule=overlap, **kw)
+        submit(s, "first", head + [1, 2], 6)
+        s.step()
+        submit(s, "second", head + [3, 4], 3)
+        submit(s, "other", [7, 8, 9], 3)  # shares nothing: admitted at once
+        s.step()
+        names = [r.rid for r in s.last_batch.reqs]
+        assert "other" in names and ("second" in names) == (not overlap)
+        res = drain(s)
+        assert res["first"]["meta"]["cached_tokens"] == 0
+        assert res["second"]["meta"]["cached_tokens"] >= len(head) - len(head) % page_size, overlap
+        assert s.cache_hit_tokens == res["second"]["meta"]["cached_tokens"]
+
+
 def test_prompt_logprobs_with_chunked_prefill(tiny_path) -> None:
     """A request asking for prompt logprobs is prefilled whole even when chunking is on, so none are missing."""
     prompt = list(range(50, 90))

@@ -77,9 +77,10 @@ class SchedulerPrefillMixin:
         free_slots = self.req_to_token_pool.available_size() - sum(r.req_pool_idx is None for r in adder.can_run)
         slots_left = min(slots_left, free_slots)
         admitted = []
-        uncached_heads: set[tuple] = set()  # (adapter, *prompt head)s this batch will put into the cache
         sharing = self.tree_cache.shares_prefixes
         head_len = self.in_batch_prefix_len
+        # (adapter, *prompt head)s this batch, or the prefill still in flight, will put into the cache
+        uncached_heads = self._heads_in_flight(head_len) if sharing else set()
         loras = None  # LoRA: the distinct adapters of the batch must fit the device slots
         if self.lora_table is not None:
             loras = {r.lora_id for r in [*running, *adder.can_run] if r.lora_id is not None}
@@ -98,10 +99,11 @@ class SchedulerPrefillMixin:
             # round's ordering just did (and never lock a node no longer in the tree).
             if not prefix_matched or not self.tree_cache.is_attached(req.last_node):
                 req.init_next_round_input(self.tree_cache)
-            if sharing and len(req.prefix_indices) < head_len <= len(req.fill_ids):
+            head = _uncached_head(req, head_len) if sharing else None
+            if head is not None:
                 # In-batch prefix sharing: a request whose uncached head repeats one already admitted this round
-                # waits one round, and then finds that head in the cache instead of computing it again.
-                head = (req.lora_id, *req.fill_ids[:head_len])
+                # (or one in flight) waits one round, and then finds that head in the cache instead of computing it
+                # again.
                 if head in uncached_heads:
                     continue
                 uncached_heads.add(head)
@@ -112,3 +114,28 @@ class SchedulerPrefillMixin:
             if loras is not None and req.lora_id is not None:
                 loras.add(req.lora_id)
         return admitted
+
+    def _heads_in_flight(self, head_len: int) -> set[tuple]:
+        """Under overlap the prefill launched last is still in flight while the next batch is scheduled, and its
+        prompts reach the tree only when its result is processed (after the next launch). Their uncached heads
+        count as this round's, so a request arriving with one waits a round and then finds it cached instead of
+        computing it a second time, as it would without overlap. (A chunked prompt's chunk is cached when its next
+        chunk is scheduled, before this.)"""
+        heads: set[tuple] = set()
+        for launched in self.result_queue:
+            mode = launched.forward_mode
+            if not mode.is_extend() or mode.is_target_verify():
+                continue
+            prefill = launched.reqs[:launched.n_prefill] if mode.is_mixed() else launched.reqs
+            for req in prefill:
+                head = _uncached_head(req, head_len)
+                if head is not None and req is not self.chunked_req:
+                    heads.add(head)
+        return heads
+
+
+def _uncached_head(req: Req, head_len: int) -> tuple | None:
+    """(adapter, *the first head_len prompt tokens) when this request's cached prefix stops short of them."""
+    if len(req.prefix_indices) < head_len <= len(req.fill_ids):
+        return (req.lora_id, *req.fill_ids[:head_len])
+    return None
