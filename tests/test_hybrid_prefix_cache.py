@@ -117,6 +117,35 @@ def test_chunked_prompt_keeps_its_last_snapshot(tmp_path) -> None:  # noqa: ANN0
     assert out == hf_greedy(hf, longer, 6) and hit == 23
 
 
+@pytest.mark.parametrize("page_size,overlap", [(1, False), (4, False), (1, True)])
+def test_requests_arriving_together_compute_a_new_head_once(page_size: int, overlap: bool, tmp_path) -> None:  # noqa: ANN001
+    """Three requests arriving together with a new 20-token head: the in-batch check admits the first, which leaves a
+    state where its prompt and the next one part (a page boundary with pages); the others then start there instead
+    of computing the head again (before, the second found KV without a state and computed it)."""
+    from radixserve.managers import io_struct as io
+    from radixserve.sampling.sampling_params import SamplingParams
+
+    path = str(tmp_path)
+    hf = hybrid(path, "qwen3_5")
+    s = _scheduler(path, page_size=page_size, enable_overlap_schedule=overlap)
+    head = list(range(40, 60))
+    prompts = {"a": head + [5, 6, 7], "b": head + [8], "c": head + [9, 10]}
+    for rid, p in prompts.items():
+        s.process_input_requests([io.TokenizedGenerateReqInput(
+            rid=rid, input_text=None, input_ids=p, sampling_params=SamplingParams.from_dict(
+                {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}))])
+    while s.step() or not s.is_idle():
+        pass
+    got: dict[str, list[int]] = {}
+    for msg in s.outbox:
+        for rid, ids in zip(msg.rids, msg.new_token_ids, strict=True):
+            got.setdefault(rid, []).extend(ids)
+    assert got == {rid: hf_greedy(hf, p, 5) for rid, p in prompts.items()}
+    shared = len(head) - len(head) % page_size
+    assert s.cache_hit_tokens == 2 * shared
+    assert s.check_memory() and s.tree_cache.check_states()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_short_of_snapshots_and_kv(page_size: int, tmp_path) -> None:  # noqa: ANN001
     """Two snapshot rows and a small KV pool: snapshots are given up (least recently used first) and nodes evicted

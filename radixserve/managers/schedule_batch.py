@@ -59,6 +59,9 @@ class Req:
         # a hybrid model's planned state snapshots inside its next forward: (tokens, snapshot row) (HybridRadixCache)
         self.state_checkpoints: list[tuple[int, int]] = []
         self.chunk_snapshot: TreeNode | None = None  # ... and the node of the snapshot after its last chunk
+        # a request admitted after this one will share its first shared_len tokens (set at admission): a hybrid
+        # model's cache leaves a state snapshot there
+        self.shared_len = 0
         # Overlap scheduling: (batch id, future slot) of a sampled token not yet copied back to the CPU.
         # Its id is referred to as -(future slot) in the next batch's input_ids and resolved on the device.
         self.pending_token: tuple[int, int] | None = None

@@ -81,6 +81,7 @@ class SchedulerPrefillMixin:
         head_len = self.in_batch_prefix_len
         # (adapter, *prompt head)s this batch, or the prefill still in flight, will put into the cache
         uncached_heads = self._heads_in_flight(head_len) if sharing else set()
+        owners: dict[tuple, Req] = {}  # the request admitted this round with each uncached head
         loras = None  # LoRA: the distinct adapters of the batch must fit the device slots
         if self.lora_table is not None:
             loras = {r.lora_id for r in [*running, *adder.can_run] if r.lora_id is not None}
@@ -105,8 +106,13 @@ class SchedulerPrefillMixin:
                 # (or one in flight) waits one round, and then finds that head in the cache instead of computing it
                 # again.
                 if head in uncached_heads:
+                    owner = owners.get(head)
+                    if owner is not None:  # (the hybrid caches leave a state where the two prompts part)
+                        owner.shared_len = max(owner.shared_len, min(_common_len(owner.fill_ids, req.fill_ids),
+                                                                     len(req.fill_ids) - 1))
                     continue
                 uncached_heads.add(head)
+                owners[head] = req
             if not adder.add_one_req(req):
                 break
             admitted.append(req)
@@ -139,3 +145,12 @@ def _uncached_head(req: Req, head_len: int) -> tuple | None:
     if len(req.prefix_indices) < head_len <= len(req.fill_ids):
         return (req.lora_id, *req.fill_ids[:head_len])
     return None
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -6,8 +6,10 @@ the `StatePool`), and a match ends at the deepest node on the path that has one;
 that snapshot before its extend. Snapshots are taken
 - inside a forward, at checkpoints the cache plans in `prepare_extend`: at the end of a request's prefill (its
   last chunk), where the request's tokens leave the KV already cached (a shared system prompt: the second request
-  that shares it leaves the state there for every later one), and one token before the end of a prefill-only
-  request (n > 1's shared prompt: its samples match all but their last prompt token);
+  that shares it leaves the state there for every later one), where a request waiting behind it in the same round
+  shares its tokens up to (`req.shared_len`, set by the scheduler's in-batch prefix check: two requests arriving
+  together with a new system prompt compute it once), and one token before the end of a prefill-only request
+  (n > 1's shared prompt: its samples match all but their last prompt token);
 - at every other insert whose length the request's state covers exactly (`req.kv_committed_len`): after a middle
   chunk, and when a request ends (its KV and its state then cover `prompt + output[:-1]`, or all of its tokens
   where, with the overlap scheduler, one more decode step ran before its end was seen), so a conversation's next
@@ -108,6 +110,8 @@ class HybridRadixCache(RadixCache):
         prefix, end = len(req.prefix_indices), len(req.fill_ids)
         tokens = list(req.origin_input_ids) + list(req.output_ids)
         targets = {self._aligned(self.cached_len(tokens[:len(tokens) - 1], _namespace(req)))}
+        if req.shared_len:  # a request admitted after it waits to share this much (the scheduler's in-batch check)
+            targets.add(self._aligned(req.shared_len))
         prefill_only = req.sampling_params.max_new_tokens == 0 and req.pooling is None
         if prefill_only:
             targets.add(self._aligned(len(tokens) - 1))
