@@ -120,8 +120,9 @@ def test_chunked_prompt_keeps_its_last_snapshot(tmp_path) -> None:  # noqa: ANN0
 @pytest.mark.parametrize("page_size,overlap", [(1, False), (4, False), (1, True)])
 def test_requests_arriving_together_compute_a_new_head_once(page_size: int, overlap: bool, tmp_path) -> None:  # noqa: ANN001
     """Three requests arriving together with a new 20-token head: the in-batch check admits the first, which leaves a
-    state where its prompt and the next one part (a page boundary with pages); the others then start there instead
-    of computing the head again (before, the second found KV without a state and computed it)."""
+    state where its prompt and every waiting one part (the head: one of them shares a token more; a page boundary
+    with pages); the others then start there instead of computing the head again (before, the second found KV
+    without a state and computed it)."""
     from radixserve.managers import io_struct as io
     from radixserve.sampling.sampling_params import SamplingParams
 
@@ -129,7 +130,7 @@ def test_requests_arriving_together_compute_a_new_head_once(page_size: int, over
     hf = hybrid(path, "qwen3_5")
     s = _scheduler(path, page_size=page_size, enable_overlap_schedule=overlap)
     head = list(range(40, 60))
-    prompts = {"a": head + [5, 6, 7], "b": head + [8], "c": head + [9, 10]}
+    prompts = {"a": head + [5, 6, 7], "b": head + [5, 8], "c": head + [9, 10]}  # b shares one more token with a
     for rid, p in prompts.items():
         s.process_input_requests([io.TokenizedGenerateReqInput(
             rid=rid, input_text=None, input_ids=p, sampling_params=SamplingParams.from_dict(

@@ -107,9 +107,10 @@ class SchedulerPrefillMixin:
                 # again.
                 if head in uncached_heads:
                     owner = owners.get(head)
-                    if owner is not None:  # (the hybrid caches leave a state where the two prompts part)
-                        owner.shared_len = max(owner.shared_len, min(_common_len(owner.fill_ids, req.fill_ids),
-                                                                     len(req.fill_ids) - 1))
+                    if owner is not None:
+                        # the hybrid caches leave a state where the owner's prompt and every waiting one part
+                        common = min(_common_len(owner.fill_ids, req.fill_ids), len(req.fill_ids) - 1)
+                        owner.shared_len = min(owner.shared_len, common) if owner.shared_len else common
                     continue
                 uncached_heads.add(head)
                 owners[head] = req
