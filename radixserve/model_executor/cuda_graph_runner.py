@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
+from radixserve.layers.triton_ops import pdl
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from radixserve.model_executor.graph_inputs import check_graph_buffers, launch_decode_pack, load_graph_inputs
 from radixserve.model_executor.raw_copy import RawHostToDevice
@@ -145,7 +146,7 @@ class CudaGraphRunner:
                                                                       self.seq_lens[:bs])
                 if self.lora is not None:
                     self.lora.begin_capture(bs)
-                with forward_context(fb):
+                with forward_context(fb), pdl.level_while(pdl.graph_level(bs)):
                     t = time.perf_counter()
                     for _ in range(2):  # compile kernels and settle allocations outside the capture
                         self._load_pack_in_graph(bs)

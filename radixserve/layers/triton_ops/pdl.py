@@ -11,12 +11,15 @@ their own prologue). Both instructions do nothing when the kernel was not launch
 turns it off) is 1 or 2 and the device is a CUDA GPU of compute capability 9.0 or later with a Triton that has the
 instructions. Level 1 is the default because the 8B batch-1 decode graph replayed back to back (no host in the
 way, timed with CUDA events) takes 4.02 ms with it against 4.16 without, and the fp8 one 2.92 against 2.97, the
-same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there."""
+same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there. Decode graphs of a few
+requests are captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,6 +45,11 @@ except ImportError:  # an older Triton: stand-ins, and launch_opts never asks fo
 LEVEL = int(os.environ.get("RADIXSERVE_PDL", "1"))
 if LEVEL not in (0, 1, 2):
     raise ValueError(f"RADIXSERVE_PDL must be 0, 1 or 2, got {LEVEL}")
+LEVEL_FROM_ENV = "RADIXSERVE_PDL" in os.environ
+# Decode graphs of at most this many requests are captured at level 2 while the level is the default 1: level 2
+# shortened the 8B batch-1 graph (fp8 weights -2.4%, bf16 -0.3 to -0.5%) and lengthened batch 64's (+0.7 to +1.0%)
+# (docs/perf-log.md, "PDL level 1 against 2"). RADIXSERVE_PDL set to any level applies to every graph.
+SMALL_GRAPH_BS = 8
 
 
 def set_level(level: int) -> None:
@@ -50,6 +58,25 @@ def set_level(level: int) -> None:
     if level not in (0, 1, 2):
         raise ValueError(f"PDL level must be 0, 1 or 2, got {level}")
     LEVEL = level
+
+
+def graph_level(batch_size: int) -> int:
+    """The level a decode CUDA graph of `batch_size` requests is captured at (see SMALL_GRAPH_BS)."""
+    if LEVEL == 1 and not LEVEL_FROM_ENV and batch_size <= SMALL_GRAPH_BS:
+        return 2
+    return LEVEL
+
+
+@contextlib.contextmanager
+def level_while(level: int) -> Iterator[None]:
+    """The launches inside run at `level` (a graph's capture and the warm-up before it)."""
+    global LEVEL
+    before = LEVEL
+    set_level(level)
+    try:
+        yield
+    finally:
+        LEVEL = before
 
 
 @triton.jit
@@ -74,4 +101,5 @@ def launch_opts(t: torch.Tensor, level: int | None = None) -> dict[str, Any]:
     return {"PDL": level, "launch_pdl": True}
 
 
-__all__ = ["AVAILABLE", "LEVEL", "gdc_launch_dependents", "gdc_wait", "launch_opts", "pdl_prologue", "set_level"]
+__all__ = ["AVAILABLE", "LEVEL", "gdc_launch_dependents", "gdc_wait", "graph_level", "launch_opts", "level_while",
+           "pdl_prologue", "set_level"]

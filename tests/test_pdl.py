@@ -1,0 +1,44 @@
+"""The programmatic-dependent-launch level a launch gets (`triton_ops/pdl.py`): decode graphs of a few requests at
+level 2 while the level is the default, every graph at RADIXSERVE_PDL's level where it is set, and a capture's
+level undone after it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.layers.triton_ops import pdl
+
+
+@pytest.mark.parametrize("level,from_env,want_small,want_large", [
+    (1, False, 2, 1),  # the default: small decode graphs at 2
+    (1, True, 1, 1),  # RADIXSERVE_PDL=1: every graph at 1
+    (2, True, 2, 2),
+    (0, True, 0, 0),
+    (0, False, 0, 0),  # switched off in the process (set_level(0)): off everywhere
+])
+def test_graph_level(monkeypatch: pytest.MonkeyPatch, level: int, from_env: bool, want_small: int,
+                     want_large: int) -> None:
+    monkeypatch.setattr(pdl, "LEVEL", level)
+    monkeypatch.setattr(pdl, "LEVEL_FROM_ENV", from_env)
+    assert [pdl.graph_level(bs) for bs in (1, pdl.SMALL_GRAPH_BS)] == [want_small] * 2
+    assert pdl.graph_level(pdl.SMALL_GRAPH_BS + 1) == want_large
+
+
+def test_level_while_restores_the_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pdl, "LEVEL", 1)
+    with pdl.level_while(2):
+        assert pdl.LEVEL == 2
+    assert pdl.LEVEL == 1
+    with pytest.raises(RuntimeError), pdl.level_while(0):
+        assert pdl.LEVEL == 0
+        raise RuntimeError("a failed capture")
+    assert pdl.LEVEL == 1
+    with pytest.raises(ValueError, match="0, 1 or 2"), pdl.level_while(3):
+        pass
+    assert pdl.LEVEL == 1
+
+
+def test_no_pdl_on_the_cpu() -> None:
+    with pdl.level_while(2):
+        assert pdl.launch_opts(torch.zeros(1)) == {}
