@@ -48,8 +48,9 @@ if LEVEL not in (0, 1, 2):
 LEVEL_FROM_ENV = "RADIXSERVE_PDL" in os.environ
 # Decode graphs of at most this many requests are captured at level 2 while the level is the default 1: level 2
 # shortened the 8B batch-1 graph (fp8 weights -2.4%, bf16 -0.3 to -0.5%) and lengthened batch 64's (+0.7 to +1.0%)
-# (docs/perf-log.md, "PDL level 1 against 2"). RADIXSERVE_PDL set to any level applies to every graph.
-SMALL_GRAPH_BS = 8
+# (docs/perf-log.md, "PDL level 1 against 2"); batches in between were not compared. RADIXSERVE_PDL set to any
+# level applies to every graph.
+SMALL_GRAPH_BS = 1
 
 
 def set_level(level: int) -> None:
