@@ -11,8 +11,8 @@ their own prologue). Both instructions do nothing when the kernel was not launch
 turns it off) is 1 or 2 and the device is a CUDA GPU of compute capability 9.0 or later with a Triton that has the
 instructions. Level 1 is the default because the 8B batch-1 decode graph replayed back to back (no host in the
 way, timed with CUDA events) takes 4.02 ms with it against 4.16 without, and the fp8 one 2.92 against 2.97, the
-same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there. Decode graphs of a few
-requests are captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`)."""
+same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there. The batch-1 decode graph
+is captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`, SMALL_GRAPH_BS)."""
 
 from __future__ import annotations
 
