@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from radixserve.managers import io_struct as io
+from radixserve.mem_cache.radix_cache import _match_len
 
 logger = logging.getLogger(__name__)
 
@@ -21,15 +22,6 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.last_access = 0
-
-
-def _common_prefix_len(a: list[int], b: list[int], start: int) -> int:
-    """Length of the common prefix of `a` and `b[start:]`."""
-    n = min(len(a), len(b) - start)
-    i = 0
-    while i < n and a[i] == b[start + i]:
-        i += 1
-    return i
 
 
 class ApproxPrefixTree:
@@ -51,7 +43,7 @@ class ApproxPrefixTree:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common_prefix_len(child.key, tokens, pos)
+            n = _match_len(child.key, tokens, pos)
             pos += n
             if n < len(child.key):
                 break
@@ -74,7 +66,7 @@ class ApproxPrefixTree:
                 node.children[tokens[pos]] = leaf
                 self.size += len(leaf.key)
                 break
-            n = _common_prefix_len(child.key, tokens, pos)
+            n = _match_len(child.key, tokens, pos)
             if n < len(child.key):  # split the edge: node -> mid (key[:n]) -> child (key[n:])
                 mid = _Node(child.key[:n], node)
                 node.children[tokens[pos]] = mid

@@ -9,6 +9,7 @@ from __future__ import annotations
 from radixserve.managers.finish_reason import FinishAbort
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.managers.schedule_policy import PrefillAdder, latency_step_budget
+from radixserve.mem_cache.radix_cache import _match_len
 
 
 class SchedulerPrefillMixin:
@@ -79,9 +80,9 @@ class SchedulerPrefillMixin:
         admitted = []
         sharing = self.tree_cache.shares_prefixes
         head_len = self.in_batch_prefix_len
-        # (adapter, *prompt head)s this batch, or the prefill still in flight, will put into the cache
-        uncached_heads = self._heads_in_flight(head_len) if sharing else set()
-        owners: dict[tuple, Req] = {}  # the request admitted this round with each uncached head
+        # (adapter, *prompt head)s this batch, or the prefill still in flight (owner None), will put into the
+        # cache -> the request admitted with it this round
+        owners: dict[tuple, Req | None] = dict.fromkeys(self._heads_in_flight(head_len)) if sharing else {}
         loras = None  # LoRA: the distinct adapters of the batch must fit the device slots
         if self.lora_table is not None:
             loras = {r.lora_id for r in [*running, *adder.can_run] if r.lora_id is not None}
@@ -105,14 +106,13 @@ class SchedulerPrefillMixin:
                 # In-batch prefix sharing: a request whose uncached head repeats one already admitted this round
                 # (or one in flight) waits one round, and then finds that head in the cache instead of computing it
                 # again.
-                if head in uncached_heads:
-                    owner = owners.get(head)
+                if head in owners:
+                    owner = owners[head]
                     if owner is not None:
                         # the hybrid caches leave a state where the owner's prompt and every waiting one part
-                        common = min(_common_len(owner.fill_ids, req.fill_ids), len(req.fill_ids) - 1)
+                        common = min(_match_len(owner.fill_ids, req.fill_ids, 0), len(req.fill_ids) - 1)
                         owner.shared_len = min(owner.shared_len, common) if owner.shared_len else common
                     continue
-                uncached_heads.add(head)
                 owners[head] = req
             if not adder.add_one_req(req):
                 break
@@ -135,8 +135,8 @@ class SchedulerPrefillMixin:
                 continue
             prefill = launched.reqs[:launched.n_prefill] if mode.is_mixed() else launched.reqs
             for req in prefill:
-                head = _uncached_head(req, head_len)
-                if head is not None and req is not self.chunked_req:
+                head = _uncached_head(req, head_len) if req is not self.chunked_req else None
+                if head is not None:
                     heads.add(head)
         return heads
 
@@ -146,12 +146,3 @@ def _uncached_head(req: Req, head_len: int) -> tuple | None:
     if len(req.prefix_indices) < head_len <= len(req.fill_ids):
         return (req.lora_id, *req.fill_ids[:head_len])
     return None
-
-
-def _common_len(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
