@@ -143,7 +143,8 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
             "_extend_kernel", "_decode_stage1_kernel", "_gemv_row_kernel", "_gemv_rope_kernel", "_mid_kernel",
             "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel", "_mla_expanded_kernel",
             "_mla_rows_kernel", "_align_count_kernel", "_align_scatter_kernel", "_int4_gemv_kernel",
-            "_int4_dequant_kernel", "_delta_rule_decode_kernel", "_ssd_decode_kernel"} <= names, names
+            "_int4_dequant_kernel", "_delta_rule_decode_kernel", "_ssd_decode_kernel",
+            "_ssd_scan_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
@@ -209,4 +210,9 @@ def _gpu_only_products() -> None:
                       -torch.rand(2, 4), torch.rand(2, 4), 2, 16, 24)
     ssd_decode(torch.randn(3, 4, 24, 16), torch.tensor([0, 2]), torch.randn(2, 4 * 24 + 2 * 2 * 16),
                torch.rand(2, 4), -torch.rand(4), torch.randn(4), 2)
+    from radixserve.layers.triton_ops.ssd_scan import ssd_scan
+
+    for exact in (True, False):  # Mamba2's prefill scan at Nemotron-H's head (64 x 128), IEEE and TF32 products
+        ssd_scan(torch.randn(1, 2, 64, 128), torch.randn(1, 8, 2, 64), torch.rand(1, 8, 2), -torch.rand(2),
+                 torch.randn(1, 8, 1, 128), torch.randn(1, 8, 1, 128), torch.tensor([8]), exact=exact)
 

@@ -19,10 +19,11 @@ from zeros, otherwise from the state its previous chunk left.
 Decode is the recurrent step, batched over the requests (on CUDA in one Triton launch after the convolution:
 `triton_ops/ssd_decode.py`). Extend runs the convolution over [window; tokens] and the
 scan in chunks of `CHUNK` tokens (the state space duality form): within a chunk the outputs are a causal, decayed
-C B^T product applied to dt x plus the chunk's start state read through C; the state is carried chunk to chunk.
-Requests are grouped and padded as the linear-attention layer's (`_pieces`, `_pad_groups`: padding tokens have
-dt = 0, so they leave the state as it is), which also cuts a request where the radix cache asked for a state
-snapshot. Temporaries are bounded by the group's padded tokens (PAD_TOKENS) and the chunk.
+C B^T product applied to dt x plus the chunk's start state read through C; the state is carried chunk to chunk
+(on CUDA all the chunks of a group's requests in one Triton launch, `triton_ops/ssd_scan.py`). Requests are
+grouped and padded as the linear-attention layer's (`_pieces`, `_pad_groups`: padding tokens have dt = 0, so they
+leave the state as it is), which also cuts a request where the radix cache asked for a state snapshot.
+Temporaries are bounded by the group's padded tokens (PAD_TOKENS) and the chunk.
 
 Tensor parallelism splits the heads and the groups: each rank holds H / tp heads and G / tp groups (whole norm
 groups, since the norm's groups are the same G), its rows of each section of in_proj (z, x, B, C, dt), its x, B and
@@ -338,7 +339,13 @@ class Mamba2Mixer(nn.Module):
         dts = dt.new_zeros((count, longest, self.heads))
         dts[real] = dt
         state = st.ssm[rows] * keep.to(st.ssm.dtype)[:, None, None, None]
-        y, state = ssd_chunked(state, xs, dts, -self.A_log.float().exp(), b, c)
+        a = -self.A_log.float().exp()
+        if use_fused(xs):  # the chunks in one launch, each program's state slice carried in registers
+            from radixserve.layers.triton_ops.ssd_scan import ssd_scan
+
+            y = ssd_scan(state, xs, dts, a, b, c, n, exact=xbc.dtype == torch.float32)
+        else:
+            y, state = ssd_chunked(state, xs, dts, a, b, c)
         st.ssm[rows] = state
         y = y + xs * self.D.float()[:, None]
         return y[real].reshape(-1, self.inner)
