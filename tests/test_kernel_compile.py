@@ -144,7 +144,7 @@ def test_models_launches_compile_for_sm90(tmp_path, monkeypatch) -> None:
             "_fp8_mid_kernel", "_q4_k_dp4c_rope_kernel", "_q8_1_normed_blocks_kernel", "_mla_expanded_kernel",
             "_mla_rows_kernel", "_align_count_kernel", "_align_scatter_kernel", "_int4_gemv_kernel",
             "_int4_dequant_kernel", "_delta_rule_decode_kernel", "_ssd_decode_kernel",
-            "_ssd_scan_kernel"} <= names, names
+            "_ssd_scan_kernel", "_delta_chunks_kernel"} <= names, names
     (tmp_path / "specs.json").write_text(json.dumps(specs))
     report = _compile_report("--specs", str(tmp_path / "specs.json"))
     assert len(report["results"]) == len(specs)
@@ -215,4 +215,10 @@ def _gpu_only_products() -> None:
     for exact in (True, False):  # Mamba2's prefill scan at Nemotron-H's head (64 x 128), IEEE and TF32 products
         ssd_scan(torch.randn(1, 2, 64, 128), torch.randn(1, 8, 2, 64), torch.rand(1, 8, 2), -torch.rand(2),
                  torch.randn(1, 8, 1, 128), torch.randn(1, 8, 1, 128), torch.tensor([8]), exact=exact)
+    from radixserve.layers.triton_ops.delta_chunks import delta_chunks
+
+    for exact in (True, False):  # the delta rule's chunk loop at Qwen3.5's head (128 x 128), 64-token chunks
+        h, n, c, d = 1, 1, 64, 128
+        delta_chunks(torch.randn(h, d, d), torch.randn(h, n, c, d), torch.randn(h, n, c, d), torch.randn(h, n, c, d),
+                     torch.randn(h, n, c, c), torch.randn(h, n, c, d), torch.rand(h, n), exact=exact)
 
