@@ -50,8 +50,9 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
                     for w in (4, 8):
                         for v in ("", "r8", "ef+r8"):
                             out.append(GemvConfig("ew", bn, bk, w, 2, v))
-        elif m == 2:
-            out += [GemvConfig("ew", bn, 1024, w, 2, v) for bn in (2, 4) for w in (4, 8) for v in ("", "f16")]
+        elif m == 2 and family == "fp8":  # (the elementwise kernel's SiLU·mul epilogue takes one row)
+            out += [GemvConfig("ew", bn, bk, w, 2, v) for bn in (2, 4) for bk in (1024, 2048) for w in (4, 8)
+                    for v in ("", "r8", "ef+r8")]
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
             [(16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 256), (16, 512), (32, 512)]
         out += [GemvConfig("dot", bn, bk, 4, 3) for bn, bk in dots]

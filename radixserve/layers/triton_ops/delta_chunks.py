@@ -96,5 +96,5 @@ def delta_chunks(state: torch.Tensor, from_v: torch.Tensor, from_state: torch.Te
            k_to_end, last_decay, out, chunks, *_rows(from_v), *_rows(from_state), *_rows(q_decayed), *_rows(scores),
            *_rows(k_to_end), last_decay.stride(0), out.stride(0), out.stride(1),
            DK=dk, DV=dv, C=c, BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v,
-           PRECISION="ieee" if exact else "tf32", **opts)
+           PRECISION=("tf32x3" if state.is_cuda else "ieee") if exact else "tf32", **opts)
     return out

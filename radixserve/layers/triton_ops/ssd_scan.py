@@ -105,5 +105,6 @@ def ssd_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Te
            lens.to(device=x.device, dtype=torch.int32), state.stride(0), state.stride(1), state.stride(2),
            *x.stride(), dt.stride(0), dt.stride(1), *b.stride(), *c.stride(), y.stride(0), y.stride(1), y.stride(2),
            HEADS_PER_GROUP=h // g, P=p, N=n, CHUNK=chunk, BLOCK_P=block_p,
-           BLOCK_N=max(16, triton.next_power_of_2(n)), PRECISION="ieee" if exact else "tf32", **opts)
+           BLOCK_N=max(16, triton.next_power_of_2(n)),
+           PRECISION=("tf32x3" if x.is_cuda else "ieee") if exact else "tf32", **opts)
     return y
