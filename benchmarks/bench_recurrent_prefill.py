@@ -73,7 +73,7 @@ def run_batch(shape: str, seqs: int, length: int, sweep: bool, reps: int) -> lis
     paths: list[tuple[str, tuple | None, bool | None]] = [("torch chunked", None, None)]
     for exact in (False, True):
         for cfg in [None] + (SWEEP if sweep and cuda else []):
-            paths.append((f"triton {'ieee' if exact else 'tf32'} {cfg or CONFIG}", cfg, exact))
+            paths.append((f"triton {'tf32x3' if exact else 'tf32'} {cfg or CONFIG}", cfg, exact))
     rows, batch = [], f"{seqs}x{length}"
     for name, cfg, exact in paths:
         if exact is None:
@@ -119,21 +119,20 @@ def run_delta(seqs: int, length: int, sweep: bool, reps: int) -> list[dict]:
     rows = [_row("qwen3.5-9b", batch, "torch chunk loop", t, seqs * length, 0.0)]
     real = dc.CONFIG
     try:
-        for exact in (False, True):
-            for cfg in [None] + (DELTA_SWEEP if sweep and cuda else []):
-                dc.CONFIG = cfg or real
-                name = f"triton {'ieee' if exact else 'tf32'} {dc.CONFIG}"
-                set_fused_kernels(True)
-                try:
-                    got, state = delta_rule_chunked(s0, q, k, v, gate, beta, exact=exact)
-                    err = max(float((got - want).abs().max()), float((state - want_state).abs().max())) / scale
-                    t = _ms(lambda exact=exact: delta_rule_chunked(s0, q, k, v, gate, beta, exact=exact), reps)
-                except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
-                    print(f"{batch:>9} {name:<34} failed: {type(exc).__name__}: {str(exc)[:80]}")
-                    continue
-                finally:
-                    set_fused_kernels(None)
-                rows.append(_row("qwen3.5-9b", batch, name, t, seqs * length, err))
+        for cfg in [None] + (DELTA_SWEEP if sweep and cuda else []):
+            dc.CONFIG = cfg or real
+            name = f"triton {dc.CONFIG}"
+            set_fused_kernels(True)
+            try:
+                got, state = delta_rule_chunked(s0, q, k, v, gate, beta)
+                err = max(float((got - want).abs().max()), float((state - want_state).abs().max())) / scale
+                t = _ms(lambda: delta_rule_chunked(s0, q, k, v, gate, beta), reps)
+            except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
+                print(f"{batch:>9} {name:<34} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            finally:
+                set_fused_kernels(None)
+            rows.append(_row("qwen3.5-9b", batch, name, t, seqs * length, err))
     finally:
         dc.CONFIG = real
     return rows

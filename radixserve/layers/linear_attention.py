@@ -60,21 +60,20 @@ def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, chunk: int = CHUNK, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       beta: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """`delta_rule_sequences` over slices of the sequences (heads) whose temporaries fit SEQ_BUDGET."""
     seqs, length, dk = k.shape
     per_seq = 4 * (length + chunk) * (5 * dk + 5 * v.shape[-1] + 4 * chunk)  # float32 temporaries (a bound)
     step = max(1, SEQ_BUDGET // per_seq)
     if seqs <= step:
-        return delta_rule_sequences(state, q, k, v, g, beta, chunk, exact)
+        return delta_rule_sequences(state, q, k, v, g, beta, chunk)
     parts = [delta_rule_sequences(state[i:i + step], q[i:i + step], k[i:i + step], v[i:i + step], g[i:i + step],
-                                  beta[i:i + step], chunk, exact) for i in range(0, seqs, step)]
+                                  beta[i:i + step], chunk) for i in range(0, seqs, step)]
     return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
 
 
 def delta_rule_sequences(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, chunk: int = CHUNK, exact: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         beta: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over one sequence, `chunk` tokens at a time. state [H, Dk, Dv], q/k [H, T, Dk],
     v [H, T, Dv], g/beta [H, T], float32 -> (o [H, T, Dv], the final state).
 
@@ -83,7 +82,7 @@ def delta_rule_sequences(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     system (I + A) U = beta * V - (beta e^c * K) S0, solved for the two right-hand sides at once; then
     o_i = e^{c_i} S0^T q_i + sum_{j<=i} e^{c_i - c_j} (q_i . k_j) u_j and S = e^{c_last} S0 + sum_j e^{c_last - c_j}
     k_j u_j^T. Padding tokens (k = 0, beta = 0, g = 0) change nothing. On CUDA the walk over the chunks is one
-    Triton launch (`triton_ops/delta_chunks.py`; `exact`: IEEE float32 products there, else TF32)."""
+    Triton launch (`triton_ops/delta_chunks.py`)."""
     heads, length, dk = k.shape
     pad = (-length) % chunk
     if pad:
@@ -108,7 +107,7 @@ def delta_rule_sequences(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         from radixserve.layers.triton_ops.delta_chunks import delta_chunks
 
         state = state.contiguous().clone()  # (updated in place by the kernel)
-        out = delta_chunks(state, from_v, from_state, q_decayed, scores, k_to_end, cum[..., -1].exp(), exact)
+        out = delta_chunks(state, from_v, from_state, q_decayed, scores, k_to_end, cum[..., -1].exp())
         return out[:, :length], state
     outs = []
     for c in range(n):
@@ -338,7 +337,7 @@ class GatedDeltaNet(nn.Module):
                 state = state[0]
             else:
                 o, state = delta_rule_chunked(st.ssm[row], q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              gi.t(), bi.t(), exact=mixed.dtype == torch.float32)
+                                              gi.t(), bi.t())
                 o = o.transpose(0, 1)
             st.ssm[row] = state
             outs.append(o)
@@ -371,8 +370,7 @@ class GatedDeltaNet(nn.Module):
             return t.reshape(b, longest, self.hv, -1).transpose(1, 2).reshape(b * self.hv, longest, -1)
 
         state = (st.ssm[rows] * keep[:, None, None, None]).reshape(b * self.hv, self.dk, self.dv)
-        o, state = delta_rule_chunked(state, heads(q), heads(k), heads(v), padded(g), padded(beta),
-                                      exact=mixed.dtype == torch.float32)
+        o, state = delta_rule_chunked(state, heads(q), heads(k), heads(v), padded(g), padded(beta))
         st.ssm[rows] = state.reshape(b, self.hv, self.dk, self.dv)
         o = o.reshape(b, self.hv, longest, self.dv).transpose(1, 2)  # [B, T, Hv, Dv]
         return o[real].to(mixed.dtype)

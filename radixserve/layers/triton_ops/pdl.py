@@ -11,8 +11,8 @@ their own prologue). Both instructions do nothing when the kernel was not launch
 turns it off) is 1 or 2 and the device is a CUDA GPU of compute capability 9.0 or later with a Triton that has the
 instructions. Level 1 is the default because the 8B batch-1 decode graph replayed back to back (no host in the
 way, timed with CUDA events) takes 4.02 ms with it against 4.16 without, and the fp8 one 2.92 against 2.97, the
-same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there. The batch-1 decode graph
-is captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`, SMALL_GRAPH_BS)."""
+same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there. The decode graphs of up to
+16 requests are captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`, SMALL_GRAPH_BS)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,11 @@ if LEVEL not in (0, 1, 2):
     raise ValueError(f"RADIXSERVE_PDL must be 0, 1 or 2, got {LEVEL}")
 LEVEL_FROM_ENV = "RADIXSERVE_PDL" in os.environ
 # Decode graphs of at most this many requests are captured at level 2 while the level is the default 1: level 2
-# shortened the 8B batch-1 graph (fp8 weights -2.4%, bf16 -0.3 to -0.5%) and lengthened batch 64's (+0.7 to +1.0%)
-# (docs/perf-log.md, "PDL level 1 against 2"); batches in between were not compared. RADIXSERVE_PDL set to any
-# level applies to every graph.
-SMALL_GRAPH_BS = 1
+# shortened the 8B batch-1 graph (fp8 weights -2.4%, bf16 -0.3 to -0.5%; H200) and lengthened batch 64's (+0.7 to
+# +1.0%) (docs/perf-log.md, "PDL level 1 against 2"); the fp8 graphs of 2 / 4 / 8 / 16 requests replayed back to
+# back took 5.219 / 6.765 / 6.906 / 6.902 ms at level 2 against 5.297 / 6.810 / 6.910 / 6.956 at level 1 (H100,
+# 2026-12-06). RADIXSERVE_PDL set to any level applies to every graph.
+SMALL_GRAPH_BS = 16
 
 
 def set_level(level: int) -> None:
