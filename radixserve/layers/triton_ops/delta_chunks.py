@@ -56,12 +56,6 @@ def _delta_chunks_kernel(State, U, W, Qd, Scores, Kend, Last, Out, chunks,
     tl.store(s_ptrs, state, mask=mask_s)
 
 
-def _rows(t: torch.Tensor) -> tuple[int, ...]:
-    """The (head, chunk, row, column) strides of a [H, N, C, D] operand (any layout: solve_triangular's output
-    comes column-major)."""
-    return t.stride()
-
-
 # (state columns a program, warps, pipeline stages): at Qwen3.5's 128 x 128 heads and 64-token chunks a program's
 # float32 tiles take ~72 KB of shared memory in one stage (sm_90; a second stage doubles it)
 CONFIG = (32, 4, 1)
@@ -72,8 +66,8 @@ def delta_chunks(state: torch.Tensor, from_v: torch.Tensor, from_state: torch.Te
                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The chunk loop of `delta_rule_sequences`. state [H, Dk, Dv] float32 (contiguous; updated in place to the
     end state), from_v [H, N, C, Dv], from_state / q_decayed / k_to_end [H, N, C, Dk], scores [H, N, C, C],
-    last_decay [H, N] (e^{c_last} of each chunk), all float32 -> o [H, N C, Dv] float32. `config`: `CONFIG`'s
-    fields (benchmarks sweep them)."""
+    last_decay [H, N] (e^{c_last} of each chunk), all float32, any strides (solve_triangular's output comes
+    column-major) -> o [H, N C, Dv] float32. `config`: `CONFIG`'s fields (benchmarks sweep them)."""
     heads, chunks, c, dv = from_v.shape
     dk = from_state.shape[-1]
     if state.shape != (heads, dk, dv) or not state.is_contiguous() or state.dtype != torch.float32:
@@ -96,8 +90,8 @@ def delta_chunks(state: torch.Tensor, from_v: torch.Tensor, from_state: torch.Te
     last_decay = last_decay.contiguous()
     opts = dict(num_warps=warps, num_stages=stages) if state.is_cuda else {}
     launch(_delta_chunks_kernel, (heads, triton.cdiv(dv, block_v)), state, from_v, from_state, q_decayed, scores,
-           k_to_end, last_decay, out, chunks, *_rows(from_v), *_rows(from_state), *_rows(q_decayed), *_rows(scores),
-           *_rows(k_to_end), last_decay.stride(0), out.stride(0), out.stride(1),
+           k_to_end, last_decay, out, chunks, *from_v.stride(), *from_state.stride(), *q_decayed.stride(),
+           *scores.stride(), *k_to_end.stride(), last_decay.stride(0), out.stride(0), out.stride(1),
            DK=dk, DV=dv, C=c, BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v,
            PRECISION="tf32x3" if state.is_cuda else "ieee", **opts)
     return out
