@@ -212,7 +212,9 @@ def _gpu_only_products() -> None:
                torch.rand(2, 4), -torch.rand(4), torch.randn(4), 2)
     from radixserve.layers.triton_ops.ssd_scan import ssd_scan
 
-    for exact in (True, False):  # Mamba2's prefill scan at Nemotron-H's head (64 x 128), IEEE and TF32 products
+    # Mamba2's prefill scan at Nemotron-H's head (64 x 128): the products as recorded here are IEEE (CPU tensors) and
+    # TF32; a float32 model on CUDA takes TF32x3 (compiled and run on an H100, 2026-12-06)
+    for exact in (True, False):
         ssd_scan(torch.randn(1, 2, 64, 128), torch.randn(1, 8, 2, 64), torch.rand(1, 8, 2), -torch.rand(2),
                  torch.randn(1, 8, 1, 128), torch.randn(1, 8, 1, 128), torch.tensor([8]), exact=exact)
     from radixserve.layers.triton_ops.delta_chunks import delta_chunks
