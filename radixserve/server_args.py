@@ -117,7 +117,7 @@ class ServerArgs:
     piecewise_cuda_graph_max_tokens: int = _flag("An extend batch of up to this many tokens (several prompts, or a "
                                                  "chunk with the running decodes under --enable-mixed-chunk) "
                                                  "replays CUDA graphs around eager attention (one GPU, decode "
-                                                 "graphs on); 0: eager", default=512)
+                                                 "graphs on); 0: eager", default=2048)
     enable_torch_compile: bool = _flag("Compile the decode forward of batches up to --torch-compile-max-bs with "
                                        "torch.compile before capturing their CUDA graphs (start-up takes longer; "
                                        "compiled code is cached under TORCHINDUCTOR_CACHE_DIR)", default=False)

@@ -14,7 +14,10 @@ real rows, and the dense layers never mix rows, so the padding rows' values are 
 Capture: the model's forward runs once per bucket on a dummy batch under `_capturing(...)`; `RadixAttention` and
 `LogitsProcessor` hand their calls to the active capture, which ends the graph being recorded, runs the call
 eagerly, keeps its inputs (static tensors of the graph just ended) and, for attention, returns a static output
-buffer that the next graph reads. Every graph of every bucket shares one memory pool; they are replayed in the order
+buffer that the next graph reads. A model whose attention is more than one `RadixAttention` call, or chooses its
+form from the batch's lengths on the host (DeepSeek's MLA: the expanded prefill or the latent form), hands the
+whole of it to `_Capture.cut` instead: a function of per-token tensors and the ForwardBatch, run eagerly the same
+way. Every graph of every bucket shares one memory pool; they are replayed in the order
 they were captured, which is what makes that sharing safe.
 
 Compared with `PrefillGraphRunner` (one request, attention inside the graph), a replay here launches each layer's
@@ -26,7 +29,7 @@ import bisect
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,14 +49,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Piece:
-    """One captured graph and the eager call that follows it: attention of `layer` (inputs q, k, v; output copied
-    into `out`) or, for the last piece, the logits of `inputs[0]`."""
+    """One captured graph and the eager call that follows it: `call(*inputs, forward_batch)` (a layer's attention,
+    or a model's own cut; the inputs sliced to the batch's rows, the output copied into `out`) or, for the last
+    piece, the logits of `inputs[0]`."""
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor | None, ...]
-    layer: RadixAttention | None = None
-    save_kv_cache: bool = True
+    call: Callable[..., torch.Tensor] | None = None
     out: torch.Tensor | None = None
     logits: tuple[LogitsProcessor, Any] | None = None  # (the processor, the LM head)
+
+
+def _attention_call(layer: RadixAttention, save_kv_cache: bool) -> Callable[..., torch.Tensor]:
+    def call(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, fb: ForwardBatch) -> torch.Tensor:
+        return fb.attn_backend.forward(q, k, v, layer, fb, save_kv_cache)
+    return call
 
 
 class _Capture:
@@ -80,15 +89,27 @@ class _Capture:
 
     def attention(self, layer: RadixAttention, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                   forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        return self.cut(layer, _attention_call(layer, save_kv_cache), (q, k, v), forward_batch)
+
+    def cut(self, owner: object, call: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor | None, ...],
+            forward_batch: ForwardBatch) -> torch.Tensor:
+        """End the graph being recorded at `call(*inputs, forward_batch)`, which runs eagerly now and at every
+        replay; return its output in a static buffer (one per `owner`, shared by every bucket) that the next graph
+        reads. Each input's first dimension is the token's; `call` must return [tokens, ...]."""
+        global _active
         graph = self._end()
-        o = forward_batch.attn_backend.forward(q, k, v, layer, forward_batch, save_kv_cache)
-        buf = self.outs.get(id(layer))
+        active, _active = _active, None  # a RadixAttention inside `call` runs as it would outside a capture
+        try:
+            o = call(*inputs, forward_batch)
+        finally:
+            _active = active
+        buf = self.outs.get(id(owner))
         if buf is None:
-            buf = self.outs[id(layer)] = torch.empty((self.max_tokens, *o.shape[1:]), dtype=o.dtype,
+            buf = self.outs[id(owner)] = torch.empty((self.max_tokens, *o.shape[1:]), dtype=o.dtype,
                                                      device=o.device)
         out = buf[: o.shape[0]]
         out.copy_(o)
-        self.pieces.append(_Piece(graph, (q, k, v), layer=layer, save_kv_cache=save_kv_cache, out=out))
+        self.pieces.append(_Piece(graph, inputs, call=call, out=out))
         self.graph = self._begin()
         return out
 
@@ -124,11 +145,11 @@ def _capturing(capture: _Capture) -> Iterator[_Capture]:
 
 
 def piecewise_graphs_supported(model_runner: ModelRunner) -> bool:
-    """The same models as PrefillGraphRunner (one GPU, no LoRA, DP attention, embeddings or MLA), any attention
+    """One GPU, no LoRA, DP attention or embeddings (MLA models too: their attention is one cut), any attention
     backend (attention runs eagerly)."""
     args = model_runner.server_args
     return (model_runner.is_cuda and model_runner.tp_size == 1 and model_runner.lora_manager is None
-            and not model_runner.model_config.is_mla and not args.is_embedding and not args.enable_dp_attention)
+            and not args.is_embedding and not args.enable_dp_attention)
 
 
 class PiecewiseGraphRunner:
@@ -201,6 +222,5 @@ class PiecewiseGraphRunner:
             if piece.logits is not None:
                 processor, lm_head = piece.logits
                 return processor.compute(piece.inputs[0][:n], lm_head, fb)
-            q, k, v = (t[:n] if t is not None else None for t in piece.inputs)
-            piece.out[:n].copy_(fb.attn_backend.forward(q, k, v, piece.layer, fb, piece.save_kv_cache))
+            piece.out[:n].copy_(piece.call(*(t[:n] if t is not None else None for t in piece.inputs), fb))
         raise RuntimeError("the captured pieces did not end with the logits")

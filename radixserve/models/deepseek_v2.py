@@ -47,6 +47,7 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, yarn_mscale
 from radixserve.layers.triton_ops import use_fused
 from radixserve.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.model_executor.piecewise_graph_runner import active_capture
 from radixserve.models.llama import LlamaForCausalLM, LlamaMLP, check_hidden_act, load_plain, rope_params
 from radixserve.models.qwen2_moe import norm_then_moe
 
@@ -127,11 +128,21 @@ class DeepseekMLAAttention(nn.Module):
         t = first.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora_rank else first
         q = q.view(t, self.num_heads, self.nope + self.rope)
+        capture = active_capture()
+        if capture is not None:  # a piecewise CUDA graph ends here: the attention's form depends on the lengths
+            return self.o_proj(capture.cut(self, self._attend, (positions, q, kv_a), forward_batch))
+        return self.o_proj(self._attend(positions, q, kv_a, forward_batch))
+
+    def _attend(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor, forward_batch: ForwardBatch
+                ) -> torch.Tensor:
+        """Everything between the projections and o_proj: [T, H * v_head_dim] from q [T, H, nope + rope] and
+        kv_a [T, rank + rope], in the expanded form or the latent one (with the absorptions)."""
+        t = q.shape[0]
         if self._expanded_fits(q, forward_batch):
-            return self.o_proj(self._attend_expanded(positions, q, kv_a, forward_batch))
+            return self._attend_expanded(positions, q, kv_a, forward_batch)
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
-        if 0 < t <= (FUSED_PREP_TOKENS or t) and use_fused(first) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
+        if 0 < t <= (FUSED_PREP_TOKENS or t) and use_fused(q) and w_kc.dtype == q.dtype and q.stride(2) == 1 \
                 and kv_a.stride(1) == 1:
             q_full, k_full, saved = self._prep_fused(positions, q, kv_a, w_kc, forward_batch)
             o = self.attn(q_full.reshape(t, -1), k_full, k_full[:, :self.rank], forward_batch,
@@ -139,10 +150,10 @@ class DeepseekMLAAttention(nn.Module):
             from radixserve.layers.attention.triton_ops.decode_attention import is_interpreted
             from radixserve.layers.attention.triton_ops.mla_prep import mla_absorb_out
 
-            return self.o_proj(mla_absorb_out(o.view(t, self.num_heads, self.rank), w_vc, is_interpreted()))
+            return mla_absorb_out(o.view(t, self.num_heads, self.rank), w_vc, is_interpreted())
         o = self._attend_unfused(positions, q, kv_a, w_kc, forward_batch)
         o = torch.bmm(o.view(t, self.num_heads, self.rank).transpose(0, 1), w_vc.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+        return o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim)
 
     def _expanded_fits(self, q: torch.Tensor, forward_batch: ForwardBatch) -> bool:
         """A prefill (no decodes riding along) on CUDA or under the Triton interpreter, with a latent pool of the
@@ -307,7 +318,7 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if not forward_batch.forward_mode.is_idle():
+        if not (self.dp_attention and forward_batch.forward_mode.is_idle()):  # IDLE: a DP rank without requests
             projected = self.self_attn.norm_project(hidden, residual, self.input_layernorm)
             if projected is not None:  # one row: the residual add, the norm and both projections in one launch
                 first, kv_a, residual = projected
@@ -333,6 +344,7 @@ class DeepseekModel(nn.Module):
                  interleaved_rope: bool, dp_attention: bool = False) -> None:
         super().__init__()
         emb_rank, emb_size = (0, 1) if dp_attention else (tp_rank, tp_size)
+        self.dp_attention = dp_attention
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, emb_rank, emb_size)
         theta, scaling = rope_params(config)
         rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, theta, scaling,
@@ -346,7 +358,7 @@ class DeepseekModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
-        if forward_batch.forward_mode.is_idle():
+        if self.dp_attention and forward_batch.forward_mode.is_idle():
             return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -382,7 +394,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden = self.model(input_ids, positions, forward_batch)
-        if forward_batch.forward_mode.is_idle():
+        if self.dp_attention and forward_batch.forward_mode.is_idle():
             return LogitsProcessorOutput(next_token_logits=hidden.new_empty(0, self.config.vocab_size).float())
         return self.logits_processor(hidden, self.lm_head, forward_batch)
 

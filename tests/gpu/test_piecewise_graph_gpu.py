@@ -85,6 +85,37 @@ def test_piecewise_graphs_equal_eager(tmp_path) -> None:
     assert len(replays) == n
 
 
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_mla_piecewise_graphs_equal_eager(kind: str, tmp_path, monkeypatch) -> None:
+    """DeepSeek's attention is one cut (its form, expanded or latent, is chosen from each batch's lengths): the
+    replays give the eager logits, prompts of several requests taking the expanded form among them."""
+    from radixserve.models.deepseek_v2 import DeepseekMLAAttention
+
+    make_tiny_model(kind, str(tmp_path), num_hidden_layers=3)
+    eager = gpu_runner(str(tmp_path), piecewise_cuda_graph_max_tokens=0)
+    graphs = gpu_runner(str(tmp_path), piecewise_cuda_graph_max_tokens=64)
+    pw = graphs.piecewise_graph_runner
+    assert eager.piecewise_graph_runner is None and pw is not None
+    assert len(pw.pieces[16]) == 3 + 1
+    expanded: list[int] = []
+    attend = DeepseekMLAAttention._attend_expanded
+    monkeypatch.setattr(DeepseekMLAAttention, "_attend_expanded",
+                        lambda self, pos, q, kv_a, fb: (expanded.append(q.shape[0]), attend(self, pos, q, kv_a, fb))[1])
+    replays: list[int] = []
+    replay = pw.replay
+    pw.replay = lambda fb: (replays.append(fb.input_ids.shape[0]), replay(fb))[1]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    late = torch.randint(3, 250, (20,), generator=g).tolist()
+    want = steps(eager, prompts, late)
+    eager_expanded, expanded[:] = list(expanded), []
+    got = steps(graphs, prompts, late)
+    for w, o in zip(want, got, strict=True):
+        close(o, w)
+    assert replays == [31, 23]
+    assert expanded == eager_expanded and 31 in expanded  # the prefill took the expanded form, in both
+
+
 def test_scheduler_with_piecewise_graphs_gives_the_same_tokens(tmp_path) -> None:
     """A scheduler with mixed chunks of 16 tokens (several prompts, a chunked prompt with decodes riding along, prefix
     hits) serves the same greedy tokens with the piecewise graphs as without."""
