@@ -256,29 +256,46 @@ def recorded_cases(path: str) -> dict[str, tuple[Any, dict[str, str], dict[str, 
         getattr(importlib.import_module(s["module"]), s["name"]), s["signature"], s["constexprs"]) for s in specs}
 
 
+_TODO: dict[str, tuple] = {}  # the cases of this run, read by the forked workers by name
+
+
+def _one(name: str, tiles: bool) -> str | None:
+    """Compile case `name` of `_TODO`: None, or why it failed (with --tiles, also a tile past sm_90's shared
+    memory)."""
+    fn, sig, const, *opts = _TODO[name]
+    try:
+        shared = _compile(fn, sig, const, *opts).metadata.shared
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:2000]}"
+    return f"{shared} bytes of shared memory" if tiles and shared > SM90_SHARED_MAX else None
+
+
+def _compile_all(todo: dict[str, tuple], tiles: bool) -> dict[str, str | None]:
+    """Every case compiled, over as many forked processes as this machine has cores (each compile is one core's
+    work for up to tens of seconds; Triton's cache keeps the results for the next run either way)."""
+    global _TODO
+    _TODO = todo
+    names = list(todo)
+    workers = min(len(names), len(os.sched_getaffinity(0)))
+    if workers <= 1:
+        return {name: _one(name, tiles) for name in names}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return dict(zip(names, pool.map(_one, names, [tiles] * len(names)), strict=True))
+
+
 def main() -> None:
     try:
         _compile(_probe_kernel, {"X": "*fp32"}, {"BLOCK": 16})
     except Exception as e:  # no NVIDIA backend or ptxas in this install
         print(json.dumps({"probe": f"{type(e).__name__}: {e}", "results": {}}))
         return
-    results = {}
     if sys.argv[1:2] == ["--tiles"]:
-        for name, (fn, sig, const, opts) in tile_cases().items():
-            try:
-                shared = _compile(fn, sig, const, opts).metadata.shared
-                results[name] = None if shared <= SM90_SHARED_MAX else f"{shared} bytes of shared memory"
-            except Exception as e:
-                results[name] = f"{type(e).__name__}: {str(e)[:2000]}"
-        print(json.dumps({"probe": None, "results": results}))
-        return
-    todo = recorded_cases(sys.argv[2]) if sys.argv[1:2] == ["--specs"] else cases()
-    for name, (fn, sig, const) in todo.items():
-        try:
-            _compile(fn, sig, const)
-            results[name] = None
-        except Exception as e:
-            results[name] = f"{type(e).__name__}: {str(e)[:2000]}"
+        results = _compile_all(tile_cases(), tiles=True)
+    else:
+        results = _compile_all(recorded_cases(sys.argv[2]) if sys.argv[1:2] == ["--specs"] else cases(), tiles=False)
     print(json.dumps({"probe": None, "results": results}))
 
 
