@@ -116,3 +116,55 @@ def test_pieces_read_only_the_static_inputs(kind: str, tmp_path, monkeypatch) ->
 
 def test_active_capture_is_off_outside_a_capture() -> None:
     assert pgr.active_capture() is None
+
+
+def _prefix_batch(runner: Any) -> ForwardBatch:
+    """A prompt prefilled; then an EXTEND batch of a prompt on its first 8 cached tokens and a fresh prompt."""
+    from radixserve.managers.tp_worker import run_model_worker_batch
+
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 8})
+    vocab = runner.model_config.vocab_size
+    a = Req("a", torch.randint(3, 250, (12,), generator=g).tolist(), params)
+    a.init_next_round_input(None)
+    first = ScheduleBatch([a], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device, vocab)
+    first.prepare_for_extend()
+    run_model_worker_batch(runner, first.get_model_worker_batch())
+    c = Req("c", a.origin_input_ids[:8] + torch.randint(3, 250, (6,), generator=g).tolist(), params)
+    c.init_next_round_input(None)
+    c.prefix_indices = runner.req_to_token_pool.req_to_token[a.req_pool_idx, :8].to(torch.int64)
+    c.extend_input_len = len(c.fill_ids) - 8
+    d = Req("d", torch.randint(3, 250, (9,), generator=g).tolist(), params)
+    d.init_next_round_input(None)
+    batch = ScheduleBatch([c, d], runner.req_to_token_pool, runner.token_to_kv_pool, None, runner.device, vocab)
+    batch.prepare_for_extend()
+    return ForwardBatch.init_new(batch.get_model_worker_batch(), runner)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_mla_prefill_on_a_cached_prefix_is_one_cut_a_layer(kind: str, tmp_path, monkeypatch) -> None:
+    """DeepSeek's prefill takes the expanded form inside its cut (every request's keys gathered from the pool, the
+    cached prefix's among them): the pieces still read only the static inputs, and the logits are the plain
+    forward's."""
+    from radixserve.models.deepseek_v2 import DeepseekMLAAttention
+
+    make_tiny_model(kind, str(tmp_path))
+    runner = make_runner(str(tmp_path))
+    fb = _prefix_batch(runner)
+    assert fb.forward_mode == ForwardMode.EXTEND and fb.extend_prefix_lens_cpu == [8, 0]
+    calls: list[int] = []
+    attend = DeepseekMLAAttention._attend_expanded
+    monkeypatch.setattr(DeepseekMLAAttention, "_attend_expanded",
+                        lambda self, pos, q, kv_a, b: (calls.append(q.shape[0]), attend(self, pos, q, kv_a, b))[1])
+    with torch.inference_mode():
+        want = runner.model.forward(fb.input_ids, fb.positions, fb).next_token_logits.clone()
+        rec = _Recorder()
+        watched = _Watched(**{f.name: getattr(fb, f.name) for f in fields(fb)})
+        object.__setattr__(watched, "_rec", rec)
+        monkeypatch.setattr(pgr, "_active", rec)
+        got = runner.model.forward(watched.input_ids, watched.positions, watched).next_token_logits
+    layers = runner.model_config.num_hidden_layers
+    assert calls == [15] * (2 * layers)  # both forwards, every layer, the expanded form
+    assert rec.cuts == layers + 1
+    assert rec.reads <= ALLOWED, f"{kind} reads {sorted(rec.reads - ALLOWED)} between two attention calls"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
