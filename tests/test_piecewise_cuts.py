@@ -94,14 +94,9 @@ def _mixed_batch(runner: Any) -> ForwardBatch:
     return ForwardBatch.init_new(mixed.get_model_worker_batch(), runner)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2",
-                                  "deepseek_v2_lora", "deepseek_v3"])
-def test_pieces_read_only_the_static_inputs(kind: str, tmp_path, monkeypatch) -> None:
-    make_tiny_model(kind, str(tmp_path))
-    runner = make_runner(str(tmp_path))
-    fb = _mixed_batch(runner)
-    assert fb.forward_mode == ForwardMode.MIXED and fb.batch_size == 3
-    # the plain forward, then the same batch through the hooks (the KV writes repeat with the same values)
+def _check_pieces(kind: str, runner: Any, fb: ForwardBatch, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain forward of `fb`, then the same batch through the hooks (the KV writes repeat with the same
+    values): one cut a layer and one at the logits, only the static inputs read in the pieces, the same logits."""
     with torch.inference_mode():
         want = runner.model.forward(fb.input_ids, fb.positions, fb).next_token_logits.clone()
         rec = _Recorder()
@@ -112,6 +107,16 @@ def test_pieces_read_only_the_static_inputs(kind: str, tmp_path, monkeypatch) ->
     assert rec.cuts == runner.model_config.num_hidden_layers + 1
     assert rec.reads <= ALLOWED, f"{kind} reads {sorted(rec.reads - ALLOWED)} between two attention calls"
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2",
+                                  "deepseek_v2_lora", "deepseek_v3"])
+def test_pieces_read_only_the_static_inputs(kind: str, tmp_path, monkeypatch) -> None:
+    make_tiny_model(kind, str(tmp_path))
+    runner = make_runner(str(tmp_path))
+    fb = _mixed_batch(runner)
+    assert fb.forward_mode == ForwardMode.MIXED and fb.batch_size == 3
+    _check_pieces(kind, runner, fb, monkeypatch)
 
 
 def test_active_capture_is_off_outside_a_capture() -> None:
@@ -156,15 +161,5 @@ def test_mla_prefill_on_a_cached_prefix_is_one_cut_a_layer(kind: str, tmp_path, 
     attend = DeepseekMLAAttention._attend_expanded
     monkeypatch.setattr(DeepseekMLAAttention, "_attend_expanded",
                         lambda self, pos, q, kv_a, b: (calls.append(q.shape[0]), attend(self, pos, q, kv_a, b))[1])
-    with torch.inference_mode():
-        want = runner.model.forward(fb.input_ids, fb.positions, fb).next_token_logits.clone()
-        rec = _Recorder()
-        watched = _Watched(**{f.name: getattr(fb, f.name) for f in fields(fb)})
-        object.__setattr__(watched, "_rec", rec)
-        monkeypatch.setattr(pgr, "_active", rec)
-        got = runner.model.forward(watched.input_ids, watched.positions, watched).next_token_logits
-    layers = runner.model_config.num_hidden_layers
-    assert calls == [15] * (2 * layers)  # both forwards, every layer, the expanded form
-    assert rec.cuts == layers + 1
-    assert rec.reads <= ALLOWED, f"{kind} reads {sorted(rec.reads - ALLOWED)} between two attention calls"
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _check_pieces(kind, runner, fb, monkeypatch)
+    assert calls == [15] * (2 * runner.model_config.num_hidden_layers)  # both forwards, every layer, expanded

@@ -33,6 +33,20 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-3 * want.abs().max().item())
 
 
+def counted_replays(pw) -> list[int]:
+    """The token counts of the batches `pw` replays from now on, in order."""
+    replays: list[int] = []
+    replay = pw.replay
+    pw.replay = lambda fb: (replays.append(fb.input_ids.shape[0]), replay(fb))[1]
+    return replays
+
+
+def workload(g: torch.Generator) -> tuple[list[list[int]], list[int]]:
+    """Three prompts of 5, 17 and 9 tokens, and a late one of 20 (`steps`)."""
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    return prompts, torch.randint(3, 250, (20,), generator=g).tolist()
+
+
 def steps(runner, prompts: list[list[int]], late: list[int]) -> list[torch.Tensor]:
     """Prefill `prompts` together, decode twice, then run `late` as a prompt with those requests riding along as
     decodes (MIXED), then decode once more; the logits of every step."""
@@ -68,12 +82,9 @@ def test_piecewise_graphs_equal_eager(tmp_path) -> None:
     pw = graphs.piecewise_graph_runner
     assert pw is not None and pw.buckets == [16, 32, 48, 64]
     assert len(pw.pieces[16]) == 3 + 1  # one piece ending at each attention layer, one ending at the logits
-    replays: list[int] = []
-    replay = pw.replay
-    pw.replay = lambda fb: (replays.append(fb.input_ids.shape[0]), replay(fb))[1]
+    replays = counted_replays(pw)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 9)]
-    late = torch.randint(3, 250, (20,), generator=g).tolist()
+    prompts, late = workload(g)
     want, got = steps(eager, prompts, late), steps(graphs, prompts, late)
     for w, o in zip(want, got, strict=True):
         close(o, w)
@@ -101,12 +112,9 @@ def test_mla_piecewise_graphs_equal_eager(kind: str, tmp_path, monkeypatch) -> N
     attend = DeepseekMLAAttention._attend_expanded
     monkeypatch.setattr(DeepseekMLAAttention, "_attend_expanded",
                         lambda self, pos, q, kv_a, fb: (expanded.append(q.shape[0]), attend(self, pos, q, kv_a, fb))[1])
-    replays: list[int] = []
-    replay = pw.replay
-    pw.replay = lambda fb: (replays.append(fb.input_ids.shape[0]), replay(fb))[1]
+    replays = counted_replays(pw)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 9)]
-    late = torch.randint(3, 250, (20,), generator=g).tolist()
+    prompts, late = workload(g)
     want = steps(eager, prompts, late)
     eager_expanded, expanded[:] = list(expanded), []
     got = steps(graphs, prompts, late)
