@@ -110,7 +110,8 @@ class ServerArgs:
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
     cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
-                                          "256 from 70 GiB, else 160)")
+                                          "or from 70 GiB with a KV pool of 1M+ tokens; 256 from 70 GiB; else "
+                                          "160)")
     prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
                                                "CUDA graph (one GPU, with decode graphs on); 0: always eager",
                                                default=1024)

@@ -386,12 +386,16 @@ TUNED: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
     # Qwen3-30B-A3B (128 experts, 768, 2048), H200, benchmarks/bench_moe_kernels.py --sweep-large: at 128 tokens
     # 305 us a layer (92.5% of the copy bandwidth; the heuristic's pick), at 512 tokens 338 us (83.6%) against
     # the heuristic's 366 us (77.1%)
-    (128, 768, 2048): {128: MoEConfig(16, 32, 64, 128, 4, 4), 1024: MoEConfig(64, 64, 128, 64, 4, 3)},
+    # H100, --tokens 1024 2048 4096 --sweep-large --one-order: 2048 tokens as the heuristic's 64-row tile (598 us);
+    # at 4096 (256 an expert) 128-row blocks 256 wide, 905 us against the heuristic's 1,015 us
+    (128, 768, 2048): {128: MoEConfig(16, 32, 64, 128, 4, 4), 1024: MoEConfig(64, 64, 128, 64, 4, 3),
+                       4096: MoEConfig(128, 128, 256, 64, 8, 3)},
     # DeepSeek-V2-Lite (64 experts, 1408, 2048), H200, the same sweep: at 128 tokens the heuristic's pick (311 us,
     # 85.8%); at 256 tokens 328 us (81.4%) against the heuristic's 339 us; at 512 tokens (48 an expert) 365 us
-    # (73.1%) against the heuristic's 32-row blocks at 443 us (60.3%)
+    # (73.1%) against the heuristic's 32-row blocks at 443 us (60.3%). H100, 2048 tokens (192 an expert):
+    # 128-row blocks 781 us against the heuristic's 64-row 840 us (above 2,730 tokens the heuristic takes 128 rows)
     (64, 1408, 2048): {128: MoEConfig(16, 32, 64, 128, 4, 4), 256: MoEConfig(32, 64, 128, 128, 4, 3),
-                       1024: MoEConfig(64, 64, 128, 64, 4, 3)},
+                       1024: MoEConfig(64, 64, 128, 64, 4, 3), 2048: MoEConfig(128, 128, 128, 64, 8, 4)},
 }
 
 # The same for fp8 experts with fp8 activations (W8A8). Qwen3-30B-A3B, H200, benchmarks/bench_moe_kernels.py
