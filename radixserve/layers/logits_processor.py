@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +22,33 @@ if TYPE_CHECKING:
 # Rows from which a 16-bit LM head on CUDA writes float32 logits itself (measured on an H200 at 64-512 rows, where
 # the widening copy it saves costs more than the wider store; fewer rows keep the 16-bit product and the cast).
 FLOAT_LOGITS_MIN_ROWS = 64
+
+# Set while the decode CUDA graphs capture (`logits_into`): the float32 rows every batch size's logits go to.
+_logits_out: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def logits_into(buf: torch.Tensor) -> Iterator[None]:
+    """Write the logits of the forwards inside into the first rows of `buf` (float32, one row per batch row, the
+    vocabulary wide). The decode graphs share one such buffer: a graph's own logits would stay allocated in the
+    graphs' pool after its capture, the sum over the captured sizes (8.1 GiB for Llama-3.1-8B's sizes up to 512)."""
+    global _logits_out
+    if buf.dtype != torch.float32 or buf.dim() != 2:
+        raise ValueError(f"the logits buffer must be a 2-D float32 tensor; got {buf.dtype}, {buf.dim()}-D")
+    previous, _logits_out = _logits_out, buf
+    try:
+        yield
+    finally:
+        _logits_out = previous
+
+
+def _logits_rows(rows: int, width: int) -> torch.Tensor | None:
+    """The shared logits rows for a product of `rows` x `width` (`logits_into`), or None (none set, another shape, or
+    torch.compile tracing: the compiled sizes keep their own)."""
+    out = _logits_out
+    if out is None or rows > out.shape[0] or width != out.shape[1] or torch.compiler.is_compiling():
+        return None
+    return out[:rows]
 
 
 class LogitsProcessor(nn.Module):
@@ -51,7 +80,9 @@ class LogitsProcessor(nn.Module):
                     and lm_head.weight.dtype == hidden.dtype and not torch.compiler.is_compiling():
                 # float32 straight from the product's accumulator: no 16-bit logits written, read and widened
                 # (a copy of 6 bytes a logit: 0.15 ms of a DeepSeek-V2-Lite step at batch 512)
-                logits = torch.mm(hidden, lm_head.weight.T, out_dtype=torch.float32)
+                dst = _logits_rows(hidden.shape[0], lm_head.weight.shape[0])
+                logits = torch.mm(hidden, lm_head.weight.T, out_dtype=torch.float32, out=dst) if dst is not None \
+                    else torch.mm(hidden, lm_head.weight.T, out_dtype=torch.float32)
             if logits is None:
                 logits = torch.matmul(hidden, lm_head.weight.T)
         bias = getattr(lm_head, "bias", None)
@@ -60,13 +91,21 @@ class LogitsProcessor(nn.Module):
         if lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         logits = logits[:, : self.vocab_size]
-        logits = logits.float() if logits.dtype != torch.float32 else logits.contiguous()
+        dst = _logits_rows(logits.shape[0], logits.shape[1])
+        if dst is not None:  # the widening (or a copy) into the shared rows, then in place
+            if dst.data_ptr() != logits.data_ptr():
+                dst.copy_(logits)
+            logits = dst
+        elif logits.dtype != torch.float32:
+            logits = logits.float()
+        else:  # a float32 product of ours (or a view of one: a padded vocabulary): scaled in place below
+            logits = logits.contiguous()
         if self.divisor != 1.0:
-            logits = logits / self.divisor
+            logits.div_(self.divisor)
         if self.scale != 1.0:
-            logits = logits * self.scale
+            logits.mul_(self.scale)
         if self.cap is not None:
-            logits = torch.tanh(logits / self.cap) * self.cap
+            logits.div_(self.cap).tanh_().mul_(self.cap)
         return logits
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding,

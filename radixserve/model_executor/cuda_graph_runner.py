@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from radixserve.layers.logits_processor import logits_into
 from radixserve.layers.logits_processor_output import LogitsProcessorOutput
 from radixserve.layers.triton_ops import pdl
 from radixserve.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -95,6 +96,10 @@ class CudaGraphRunner:
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # batch size -> views of the five buffers
         self._out_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # every graph's float32 logits in rows of one buffer (`logits_into`; each graph's own: sum of the sizes x
+        # vocabulary x 4 bytes in the pool); the torch.compile sizes and other widths keep their own
+        self.logits_rows = torch.empty((self.max_bs, model_runner.model_config.vocab_size), dtype=torch.float32,
+                                       device=dev)
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy_ids: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -138,7 +143,7 @@ class CudaGraphRunner:
                    disable=self.model_runner.tp_rank != 0)
         start = time.perf_counter()
         compile_s = 0.0
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), logits_into(self.logits_rows):
             for bs in bar:
                 fb = self._forward_batch(bs)
                 forward = self.compiled_forward if bs in self.compile_bs else model.forward
