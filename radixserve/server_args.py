@@ -109,9 +109,9 @@ class ServerArgs:
                                           "the pure-PyTorch reference)", choices=ATTENTION_BACKENDS)
     grammar_backend: str = _flag("Structured output backend", default="xgrammar", choices=GRAMMAR_BACKENDS)
     disable_cuda_graph: bool = _flag("Run decode eagerly", default=False)
-    cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory: 512 from 120 GiB, "
-                                          "or from 70 GiB with a KV pool of 1M+ tokens; 256 from 70 GiB; else "
-                                          "160)")
+    cuda_graph_max_bs: int | None = _flag("Largest captured decode batch (default by GPU memory and the KV pool: from "
+                                          "70 GiB, 1024 or 512 where the pool holds that many requests of 1,024 "
+                                          "tokens, else 512 from 120 GiB and 256 from 70 GiB; 160 below)")
     prefill_cuda_graph_max_tokens: int = _flag("A prefill of one request with up to this many new tokens replays a "
                                                "CUDA graph (one GPU, with decode graphs on); 0: always eager",
                                                default=1024)

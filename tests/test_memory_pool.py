@@ -100,14 +100,14 @@ def test_pack_to_device_views_are_aligned() -> None:
 
 
 def test_default_decode_graph_limit_follows_the_card_and_the_pool() -> None:
-    """The decode graphs cover 512 requests on a 120 GiB+ card, and on a 70 GiB+ card whose KV pool holds 512
-    requests of 2,048 tokens (the pools an 80 GB H100 gave: DeepSeek-V2-Lite's latents 1,288,616 tokens,
-    Llama-3.1-8B's 423,330); 256 otherwise on 70 GiB+, 160 below."""
-    from radixserve.model_executor.model_runner import FULL_REQUEST_TOKENS, default_cuda_graph_max_bs
+    """On a 70 GiB+ card the decode graphs cover 1,024 or 512 requests where the KV pool holds that many of 1,024
+    tokens (the pools an 80 GB H100 gave: DeepSeek-V2-Lite's latents 1,288,616 tokens, Llama-3.1-8B's 423,330),
+    else 512 from 120 GiB and 256 from 70 GiB; 160 below 70 GiB whatever the pool."""
+    from radixserve.model_executor.model_runner import POOL_TOKENS_PER_REQUEST as per
+    from radixserve.model_executor.model_runner import default_cuda_graph_max_bs as limit
 
-    assert default_cuda_graph_max_bs(139.8) == default_cuda_graph_max_bs(139.8, 10_000) == 512
-    assert default_cuda_graph_max_bs(79.2, 1_288_616) == 512
-    assert default_cuda_graph_max_bs(79.2, 423_330) == default_cuda_graph_max_bs(79.2) == 256
-    assert default_cuda_graph_max_bs(79.2, 512 * FULL_REQUEST_TOKENS - 1) == 256
-    assert default_cuda_graph_max_bs(79.2, 512 * FULL_REQUEST_TOKENS) == 512
-    assert default_cuda_graph_max_bs(47.5, 2_000_000) == 160
+    assert limit(139.8) == limit(139.8, 10_000) == limit(139.8, 1024 * per - 1) == 512
+    assert limit(139.8, 1024 * per) == limit(79.2, 1_288_616) == 1024
+    assert limit(79.2, 423_330) == limit(79.2) == limit(79.2, 512 * per - 1) == 256
+    assert limit(79.2, 512 * per) == limit(79.2, 1024 * per - 1) == 512
+    assert limit(47.5, 2_000_000) == 160

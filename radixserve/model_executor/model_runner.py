@@ -38,16 +38,21 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 MIN_CALIBRATION_TOKENS = 32  # --calculate-kv-scales: the fewest tokens of its text one prefill may take
 
 
-FULL_REQUEST_TOKENS = 2048  # the request length a pool must hold 512 of before the graphs cover 512 by default
+POOL_TOKENS_PER_REQUEST = 1024  # what a 70 GiB+ card's KV pool must hold per request for the graphs to cover more
 
 
 def default_cuda_graph_max_bs(total_gib: float, pool_tokens: int = 0) -> int:
     """The largest captured decode batch when --cuda-graph-max-bs is not given: big cards hold the KV of many
     requests, and a decode batch above the graphs runs eagerly, host-bound (an 8B step at batch 256 launches its
-    ~12.6 ms of GPU work in 14-20 ms), so the graphs should cover every batch the pool can hold. A smaller card
-    whose KV pool (`pool_tokens`) holds 512 requests of FULL_REQUEST_TOKENS (a model with small KV, such as MLA's
-    latents) takes 512 too: DeepSeek-V2-Lite on an 80 GB card decodes 1.4x the tokens a second at 512."""
-    if total_gib >= 120 or (total_gib >= 70 and pool_tokens >= 512 * FULL_REQUEST_TOKENS):
+    ~12.6 ms of GPU work in 14-20 ms), so the graphs should cover every batch the pool can hold. On a 70 GiB+ card
+    a KV pool (`pool_tokens`) of 1,024 or 512 requests of POOL_TOKENS_PER_REQUEST takes that many (a model with
+    small KV, such as MLA's latents: DeepSeek-V2-Lite on an 80 GB H100 decodes 1.9x the tokens a second at 1,024
+    as at 256); else 512 from 120 GiB, 256 from 70 GiB, 160 below."""
+    if total_gib >= 70:
+        for bs in (1024, 512):
+            if pool_tokens >= bs * POOL_TOKENS_PER_REQUEST:
+                return bs
+    if total_gib >= 120:
         return 512
     if total_gib >= 70:
         return 256
