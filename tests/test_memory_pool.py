@@ -111,3 +111,26 @@ def test_default_decode_graph_limit_follows_the_card_and_the_pool() -> None:
     assert limit(79.2, 423_330) == limit(79.2) == limit(79.2, 512 * per - 1) == 256
     assert limit(79.2, 512 * per) == limit(79.2, 1024 * per - 1) == 512
     assert limit(47.5, 2_000_000) == 160
+
+
+def test_graph_capture_out_of_memory_names_the_flag() -> None:
+    """A graph runner that runs out of GPU memory while capturing raises a ValueError naming the flag that sized
+    its graphs and the memory fraction; a runner that fits is returned, other errors pass through unchanged."""
+    from radixserve.model_executor.model_runner import graphs_within_memory
+    from radixserve.server_args import ServerArgs
+
+    args = ServerArgs(mem_fraction_static=0.8)
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
+
+    with pytest.raises(ValueError, match=r"capturing the decode CUDA graphs ran out of GPU memory.*lower "
+                                         r"--cuda-graph-max-bs \(now 512\) or --mem-fraction-static \(now 0.8\)"):
+        graphs_within_memory("decode CUDA graphs", "--cuda-graph-max-bs (now 512)", args, oom)
+    assert graphs_within_memory("piecewise CUDA graphs", "--piecewise-cuda-graph-max-tokens", args, lambda: 7) == 7
+
+    def broken() -> None:
+        raise RuntimeError("not a memory error")
+
+    with pytest.raises(RuntimeError, match="not a memory error"):
+        graphs_within_memory("decode CUDA graphs", "--cuda-graph-max-bs", args, broken)

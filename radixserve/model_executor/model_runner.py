@@ -6,6 +6,8 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +33,7 @@ from radixserve.model_loader.loader import cover_context
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -107,6 +110,22 @@ def cpu_forward_threads(args: ServerArgs) -> int | None:
     procs = args.tp_size if args.enable_dp_attention else args.dp_size * args.tp_size  # DP attention: one world
     local_procs = max(1, procs // args.nnodes)
     return max(1, cores // local_procs)
+
+
+def graphs_within_memory(what: str, flag: str, args: ServerArgs, build: Callable[[], T]) -> T:
+    """`build()`, a graph runner capturing its graphs; running out of GPU memory there raises a ValueError that names
+    the flag sizing those graphs and the memory fraction (the KV pool takes all but 1 - that of the card first)."""
+    try:
+        return build()
+    except torch.OutOfMemoryError as e:
+        free = ""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            left, total = torch.cuda.mem_get_info()
+            free = f" ({left / 2**30:.1f} of {total / 2**30:.1f} GiB free after it)"
+        frac = args.mem_fraction_static or 0.85
+        raise ValueError(f"capturing the {what} ran out of GPU memory{free}: lower {flag} or "
+                         f"--mem-fraction-static (now {frac}), or pass --disable-cuda-graph") from e
 
 
 def check_attention_features(model: torch.nn.Module, attn_backend: object, backend: str) -> None:
@@ -216,13 +235,17 @@ class ModelRunner:
         elif self.is_cuda and not args.disable_cuda_graph:
             from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
-            self.cuda_graph_runner = CudaGraphRunner(self)
+            self.cuda_graph_runner = graphs_within_memory(
+                "decode CUDA graphs", f"--cuda-graph-max-bs (now {self.cuda_graph_max_bs})", args,
+                lambda: CudaGraphRunner(self))
         if self.cuda_graph_runner is not None and args.prefill_cuda_graph_max_tokens > 0:
             from radixserve.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graphs_supported
 
             if prefill_graphs_supported(self):
-                self.prefill_graph_runner = PrefillGraphRunner(self, self._graph_max_tokens(
-                    args.prefill_cuda_graph_max_tokens))
+                n = self._graph_max_tokens(args.prefill_cuda_graph_max_tokens)
+                self.prefill_graph_runner = graphs_within_memory(
+                    "one-request prefill CUDA graphs", f"--prefill-cuda-graph-max-tokens (now {n})", args,
+                    lambda: PrefillGraphRunner(self, n))
         if self.cuda_graph_runner is not None and args.piecewise_cuda_graph_max_tokens > 0:
             from radixserve.model_executor.piecewise_graph_runner import (
                 PiecewiseGraphRunner,
@@ -230,8 +253,10 @@ class ModelRunner:
             )
 
             if piecewise_graphs_supported(self):
-                self.piecewise_graph_runner = PiecewiseGraphRunner(self, self._graph_max_tokens(
-                    args.piecewise_cuda_graph_max_tokens))
+                n = self._graph_max_tokens(args.piecewise_cuda_graph_max_tokens)
+                self.piecewise_graph_runner = graphs_within_memory(
+                    "piecewise CUDA graphs", f"--piecewise-cuda-graph-max-tokens (now {n})", args,
+                    lambda: PiecewiseGraphRunner(self, n))
             else:
                 logger.info("piecewise CUDA graphs are not supported for this model or setup: extend batches run "
                             "eagerly")
