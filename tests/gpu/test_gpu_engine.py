@@ -225,3 +225,27 @@ def test_lm_head_float32_logits_match_the_widened_16_bit_product(rows: int) -> N
         assert (got - exact).abs().mean() < (ref - exact).abs().mean()
     else:
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+@pytest.mark.parametrize("vocab", [1000, 990])
+def test_lm_head_logits_into_shared_rows_equal_their_own(rows: int, vocab: int) -> None:
+    """Inside `logits_into` (the decode graphs' capture) a bf16 LM head's float32 logits land in the buffer's first
+    rows, equal to the processor's own tensor: the product's `out=` from FLOAT_LOGITS_MIN_ROWS rows (an unpadded
+    vocabulary), the widening copy below it or with a padded one."""
+    from types import SimpleNamespace
+
+    from radixserve.layers import logits_processor as lp
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(rows, 256, device="cuda", generator=g).to(torch.bfloat16)
+    head = SimpleNamespace(weight=torch.randn(1000, 256, device="cuda", generator=g).to(torch.bfloat16) * 0.05,
+                           tp_size=1)
+    proc = lp.LogitsProcessor(vocab, final_logit_softcapping=30.0)
+    own = proc._logits(hidden, head)
+    buf = torch.full((512, vocab), float("nan"), device="cuda")
+    with lp.logits_into(buf):
+        shared = proc._logits(hidden, head)
+    assert shared.data_ptr() == buf.data_ptr() and shared.shape == (rows, vocab)
+    torch.testing.assert_close(shared, own, rtol=0, atol=0)
+    assert buf[rows:].isnan().all()
