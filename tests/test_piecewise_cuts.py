@@ -35,12 +35,7 @@ class _Recorder:
 
     def attention(self, layer: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                   forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        self.in_piece = False
-        try:
-            return forward_batch.attn_backend.forward(q, k, v, layer, forward_batch, save_kv_cache)
-        finally:
-            self.cuts += 1
-            self.in_piece = True
+        return self.cut(layer, pgr._attention_call(layer, save_kv_cache), (q, k, v), forward_batch)
 
     def cut(self, owner: object, call: Any, inputs: tuple[torch.Tensor | None, ...],
             forward_batch: ForwardBatch) -> torch.Tensor:
