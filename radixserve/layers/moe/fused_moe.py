@@ -392,10 +392,12 @@ TUNED: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
                        4096: MoEConfig(128, 128, 256, 64, 8, 3)},
     # DeepSeek-V2-Lite (64 experts, 1408, 2048), H200, the same sweep: at 128 tokens the heuristic's pick (311 us,
     # 85.8%); at 256 tokens 328 us (81.4%) against the heuristic's 339 us; at 512 tokens (48 an expert) 365 us
-    # (73.1%) against the heuristic's 32-row blocks at 443 us (60.3%). H100, 2048 tokens (192 an expert):
-    # 128-row blocks 781 us against the heuristic's 64-row 840 us (above 2,730 tokens the heuristic takes 128 rows)
+    # (73.1%) against the heuristic's 32-row blocks at 443 us (60.3%). H100, --tokens 1024 2048 4096: 128-row
+    # blocks at 1,024 tokens (96 an expert; a decode batch of 1,024 requests) 520 us against 548, at 2,048 781 us
+    # against the heuristic's 64-row 840 us (above 2,730 tokens the heuristic takes 128 rows)
     (64, 1408, 2048): {128: MoEConfig(16, 32, 64, 128, 4, 4), 256: MoEConfig(32, 64, 128, 128, 4, 3),
-                       1024: MoEConfig(64, 64, 128, 64, 4, 3), 2048: MoEConfig(128, 128, 128, 64, 8, 4)},
+                       512: MoEConfig(64, 64, 128, 64, 4, 3), 1024: MoEConfig(128, 64, 256, 64, 8, 3),
+                       2048: MoEConfig(128, 128, 128, 64, 8, 4)},
 }
 
 # The same for fp8 experts with fp8 activations (W8A8). Qwen3-30B-A3B, H200, benchmarks/bench_moe_kernels.py
