@@ -80,9 +80,9 @@ class LogitsProcessor(nn.Module):
                     and lm_head.weight.dtype == hidden.dtype and not torch.compiler.is_compiling():
                 # float32 straight from the product's accumulator: no 16-bit logits written, read and widened
                 # (a copy of 6 bytes a logit: 0.15 ms of a DeepSeek-V2-Lite step at batch 512)
-                dst = _logits_rows(hidden.shape[0], lm_head.weight.shape[0])
-                logits = torch.mm(hidden, lm_head.weight.T, out_dtype=torch.float32, out=dst) if dst is not None \
-                    else torch.mm(hidden, lm_head.weight.T, out_dtype=torch.float32)
+                # (into the decode graphs' shared rows where they are set: `logits_into`)
+                logits = torch.mm(hidden, lm_head.weight.T, out_dtype=torch.float32,
+                                  out=_logits_rows(hidden.shape[0], lm_head.weight.shape[0]))
             if logits is None:
                 logits = torch.matmul(hidden, lm_head.weight.T)
         bias = getattr(lm_head, "bias", None)
