@@ -192,13 +192,15 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=30)
     parser.add_argument("--quantization", default=None, help="as the server's flag (e.g. fp8)")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="as the server's flag (fp8 weights)")
     parser.add_argument("--overlap-only", action="store_true", help="skip the runs without overlap")
     parser.add_argument("--result-file", default="bench_overlap.json")
     args = parser.parse_args()
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
     copy_bw = measure_copy_bandwidth("cuda")
-    extra = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    extra = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+             "quantize_lm_head": args.quantize_lm_head}
     results = []
     for bs in args.batch_size:
         for overlap in ((True,) if args.overlap_only else (False, True)):

@@ -357,6 +357,8 @@ def main() -> None:
                    "e.g. `--kernels picks`: the table's picks) and stop, so that the runs that follow find them")
     p.add_argument("--pdl-chain", type=int, default=0, help="after the sweep: this many 8B layers of fp8 GEMVs in "
                    "a chain, plain against programmatic dependent launches")
+    p.add_argument("--lm-head", action="store_true", help="also sweep the fp8 families on the LM head's shape "
+                   "(--quantize-lm-head); the 16-bit row16 family always sweeps it")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -366,7 +368,7 @@ def main() -> None:
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
     layer_shapes, lm_head, layers = SHAPE_SETS[args.shapes]
-    shapes = layer_shapes + ([lm_head] if "row16" in args.families else [])
+    shapes = layer_shapes + ([lm_head] if "row16" in args.families or args.lm_head else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
@@ -406,8 +408,8 @@ def main() -> None:
             for n, k in shapes:
                 if family.endswith("_silu") and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
-                if family != "row16" and (n, k) == lm_head:
-                    continue  # the LM head stays in 16 bits
+                if (n, k) == lm_head and family != "row16" and not (args.lm_head and family == "fp8"):
+                    continue  # the LM head: 16 bits, or fp8 rows with --lm-head
                 t = time.time()
                 rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)
                 for r in rows:

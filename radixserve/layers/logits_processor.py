@@ -65,7 +65,12 @@ class LogitsProcessor(nn.Module):
         self.scale = float(logit_scale)  # Cohere: logits * logit_scale
 
     def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
-        if hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
+        if getattr(lm_head, "weight_scale", None) is not None:  # an fp8 head (--quantize-lm-head)
+            from radixserve.layers.quantization.fp8_lm_head import fp8_head_logits
+
+            logits = fp8_head_logits(hidden, lm_head.weight, lm_head.weight_scale,
+                                     out=_logits_rows(hidden.shape[0], lm_head.weight.shape[0]))
+        elif hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
             logits = cpu_ops.linear(hidden, lm_head.weight, persistent=True)
         else:
             logits = None

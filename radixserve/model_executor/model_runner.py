@@ -293,6 +293,7 @@ class ModelRunner:
         model = get_model(self.model_config, load_format=self.server_args.load_format, dtype=self.dtype,
                           device=self.device, tp_rank=self.tp_rank, tp_size=self.tp_size,
                           seed=self.server_args.random_seed, quantization=self.server_args.quantization,
+                          quantize_lm_head=self.server_args.quantize_lm_head,
                           cover_positions=0)  # the rotary tables are extended once the pool is sized
         model.eval()
         if self.server_args.enable_dp_attention and not getattr(model, "dp_attention", False):

@@ -108,12 +108,14 @@ def get_model(
     seed: int = 42,
     quantization: str | None = None,
     cover_positions: int | None = None,
+    quantize_lm_head: bool = False,
 ) -> nn.Module:
     """The model of `model_config`, built on `device` in `dtype`, with weights from safetensors, GGUF or random
     ("dummy"). `quantization` (`--quantization`) or the checkpoint's `quantization_config` picks a method from
     `layers.quantization`. The rotary tables cover `cover_positions` positions (default the served context; 0: as
-    built, for a caller that covers them itself once it knows how long a request can be). Raises ValueError for an
-    unsupported architecture or unreadable weights."""
+    built, for a caller that covers them itself once it knows how long a request can be). `quantize_lm_head`: the
+    LM head in fp8 as well (`fp8_lm_head`; fp8 weights only). Raises ValueError for an unsupported architecture or
+    unreadable weights."""
     from radixserve.layers.quantization import apply_quantization, finish_quantization, resolve_quant_config
     from radixserve.models.registry import get_model_class
 
@@ -150,6 +152,10 @@ def get_model(
             hook = getattr(module, "after_weights_loaded", None)
             if hook is not None:
                 hook()
+        if quantize_lm_head:
+            from radixserve.layers.quantization.fp8_lm_head import quantize_lm_head as quantize_head
+
+            quantize_head(model)
     model.eval()
     if torch_device.type == "cuda":
         torch.cuda.synchronize(torch_device)

@@ -232,7 +232,8 @@ EW_FLAGS = {"", "f16", "ef", "r8"}
 def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                     bias: torch.Tensor | None = None, config: gemv_configs.GemvConfig | None = None,
                     silu_mul: bool = False, pdl_level: int | None = None,
-                    block: tuple[int, int] | list[int] | None = None) -> torch.Tensor | None:
+                    block: tuple[int, int] | list[int] | None = None, out: torch.Tensor | None = None,
+                    ) -> torch.Tensor | None:
     """x [M, K] (M <= 16, rows contiguous) times the fp8 weight w [N, K] with per-channel float32 scales ([N] or
     [N, 1]) -> [M, N] `out_dtype`; with `silu_mul`, w is [gate; up] and the result silu(gate) * up [M, N / 2]
     (the activation of a gated MLP in the GEMV's epilogue). `block` (bn, bk): the scales are block-wise
@@ -240,7 +241,8 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
     suit these kernels (M > 16, K not a multiple of 16; block-wise: more than two rows, or a [gate; up] split
     inside a row block): the caller falls back to `fp8_gemm`. `config` overrides the tuned choice (sweeps; with
     `silu_mul` the "fp8_silu" entry of the stacked N, and an "ew" tile reads block_n / 2 rows of each half).
-    `pdl_level` overrides RADIXSERVE_PDL for the elementwise kernel (`triton_ops.pdl`)."""
+    `pdl_level` overrides RADIXSERVE_PDL for the elementwise kernel (`triton_ops.pdl`). `out`: the [M, N_out]
+    `out_dtype` tensor (rows contiguous) to write, instead of a new one."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_M or k % 16 or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k or (silu_mul and n % 2):
@@ -254,7 +256,11 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         if m > (1 if silu_mul else 2) or scale.shape != (-(-n // bn), -(-k // bk)) or scale.stride(-1) != 1 \
                 or bn & (bn - 1) or bk & (bk - 1) or bk < 8 or (silu_mul and n_out % bn):
             return None
-    out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
+    elif out.shape != (m, n_out) or out.dtype != out_dtype or out.stride(-1) != 1 or out.device != x.device:
+        raise ValueError(f"fp8 GEMV: out must be a row-contiguous {out_dtype} [{m}, {n_out}] on {x.device}; got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
     if m == 0:
         return out
     cfg = config or gemv_configs.get("fp8_silu" if silu_mul else "fp8", m, n, k, x.is_cuda)
