@@ -10,6 +10,7 @@ the estimated weight time of one decode step of the model, and writes the picks 
 
     python benchmarks/sweep_gemv.py --families fp8 q4_k q8_0 --m 1 --out picks.json
     python benchmarks/sweep_gemv.py --families row16 row16_silu --m 1 --baselines --out picks.json  # only wins kept
+    python benchmarks/sweep_gemv.py --families int8 --m 1 2 4 --baselines --out picks.json  # the int8 LM head
     python benchmarks/sweep_gemv.py --families mid16 mid16_silu --m 32 64 96 128 160 256 --baselines --out picks.json
     RADIXSERVE_GEMV_CONFIGS=picks.json python benchmarks/bench_quant_gpu.py --config fp8 --batch-size 1
 """
@@ -43,14 +44,14 @@ def candidates(family: str, m: int, quick: bool) -> list[GemvConfig]:
     out: list[GemvConfig] = []
     if (family in MID_FAMILIES) != (m > 16):  # fp8_mid / mid16 take 17..256 rows, the GEMV kernels 1..16
         return out
-    if family in ("fp8", "fp8_silu"):
+    if family in ("fp8", "fp8_silu", "int8"):
         if m == 1:
             for bn in (1, 2, 4, 8):
                 for bk in (1024, 2048, 4096):
                     for w in (4, 8):
                         for v in ("", "r8", "ef+r8"):
                             out.append(GemvConfig("ew", bn, bk, w, 2, v))
-        elif m == 2 and family == "fp8":  # (the elementwise kernel's SiLU·mul epilogue takes one row)
+        elif m == 2 and family in ("fp8", "int8"):  # (the elementwise kernel's SiLU·mul epilogue takes one row)
             out += [GemvConfig("ew", bn, bk, w, 2, v) for bn in (2, 4) for bk in (1024, 2048) for w in (4, 8)
                     for v in ("", "r8", "ef+r8")]
         dots = [(16, 256), (32, 256), (16, 512), (32, 512)] if m <= 4 else \
@@ -135,6 +136,11 @@ def make_weight(family: str, n: int, k: int, seed: int):  # noqa: ANN201
 
         q, s = quantize_rows(w)
         return {"w": q, "s": s}
+    if family == "int8":
+        from radixserve.layers.quantization.lm_head_int8 import quantize_rows_int8
+
+        q, s = quantize_rows_int8(w)
+        return {"w": q, "s": s}
     if family in ("cublas", "cublas_silu", "row16", "row16_silu", "mid16", "mid16_silu"):
         return {"w": w.to(torch.bfloat16)}
     from radixserve.layers.quantization import gguf_formats as G
@@ -154,6 +160,10 @@ def call(family: str, x, fields: dict, n: int, cfg: GemvConfig | None):  # noqa:
         from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
 
         return fp8_skinny_gemv(x, fields["w"], fields["s"], x.dtype, None, cfg, silu_mul=family == "fp8_silu")
+    if family == "int8":  # the int8 LM head: float32 logits
+        from radixserve.layers.quantization.fp8_gemv import fp8_skinny_gemv
+
+        return fp8_skinny_gemv(x, fields["w"], fields["s"], torch.float32, None, cfg)
     if family == "fp8_mid":
         if cfg is None or cfg.kernel == "scaled_mm":  # what the layer runs without a table entry
             from radixserve.layers.quantization.fp8_kernels import per_token_group_quant_fp8
@@ -194,7 +204,7 @@ def reference(family: str, x, fields: dict):  # noqa: ANN001, ANN201
     import torch
 
     if family in ("fp8", "fp8_gemm", "fp8_silu", "fp8_mid", "cublas", "cublas_silu", "row16", "row16_silu",
-                  "mid16", "mid16_silu"):
+                  "mid16", "mid16_silu", "int8"):
         w = fields["w"].float() * fields["s"].view(-1, 1) if "s" in fields else fields["w"].float()
         out = x.float() @ w.t()
         if family.endswith("_silu"):
@@ -357,8 +367,6 @@ def main() -> None:
                    "e.g. `--kernels picks`: the table's picks) and stop, so that the runs that follow find them")
     p.add_argument("--pdl-chain", type=int, default=0, help="after the sweep: this many 8B layers of fp8 GEMVs in "
                    "a chain, plain against programmatic dependent launches")
-    p.add_argument("--lm-head", action="store_true", help="also sweep the fp8 families on the LM head's shape "
-                   "(--quantize-lm-head); the 16-bit row16 family always sweeps it")
     p.add_argument("--out", default=None)
     p.add_argument("--json-rows", default=None)
     args = p.parse_args()
@@ -368,7 +376,7 @@ def main() -> None:
     from radixserve.bench_one_batch import measure_copy_bandwidth
 
     layer_shapes, lm_head, layers = SHAPE_SETS[args.shapes]
-    shapes = layer_shapes + ([lm_head] if "row16" in args.families or args.lm_head else [])
+    shapes = layer_shapes + ([lm_head] if "row16" in args.families or "int8" in args.families else [])
     copy_bw = 1.0 if args.warm_only else measure_copy_bandwidth("cuda", nbytes=1 << 30, iters=10)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
     def cands(family: str, m: int) -> list[GemvConfig]:
@@ -408,8 +416,8 @@ def main() -> None:
             for n, k in shapes:
                 if family.endswith("_silu") and (n, k) != shapes[2]:
                     continue  # the gate_up shape only
-                if (n, k) == lm_head and family != "row16" and not (args.lm_head and family == "fp8"):
-                    continue  # the LM head: 16 bits, or fp8 rows with --lm-head
+                if ((n, k) == lm_head) != (family == "int8") and family != "row16":
+                    continue  # the LM head: 16-bit (row16) or int8 rows (int8), the only shape of "int8"
                 t = time.time()
                 rows = sweep_shape(family, m, n, k, cfgs, copy_bw, args.min_mb << 20)
                 for r in rows:

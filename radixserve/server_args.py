@@ -56,9 +56,9 @@ class ServerArgs:
     quantization: str | None = _flag("Weight quantization (default: the checkpoint's quantization_config; fp8 on a "
                                      "16/32-bit checkpoint quantises online; a .gguf file keeps Q8_0/Q4_K packed "
                                      "with gguf)", choices=QUANTIZATIONS)
-    quantize_lm_head: bool = _flag("With fp8 weights (--quantization fp8 or an fp8 checkpoint): the LM head in fp8 "
-                                   "too (one scale per vocabulary row; fp8 checkpoints and --quantization fp8 keep it "
-                                   "in 16 bits), half its bytes a decode step", default=False)
+    quantize_lm_head: bool = _flag("The LM head as int8 rows with one scale each, multiplied in 16 bits (quantized "
+                                   "checkpoints and --quantization keep it 16-bit): half its bytes a decode step",
+                                   default=False)
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype; fp8_e4m3 / fp8_e5m2 store K/V in 8 bits, "
                                 "scaled by the checkpoint's k_scale / v_scale or 1.0)", default="auto",
                                 choices=KV_CACHE_DTYPES)
@@ -300,8 +300,6 @@ class ServerArgs:
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype fp8_e4m3 or fp8_e5m2); "
                              f"got --kv-cache-dtype {self.kv_cache_dtype}")
-        if self.quantize_lm_head and self.quantization not in (None, "fp8", "compressed-tensors", "modelopt"):
-            raise ValueError(f"--quantize-lm-head needs fp8 weights; got --quantization {self.quantization}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}; got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:

@@ -65,11 +65,11 @@ class LogitsProcessor(nn.Module):
         self.scale = float(logit_scale)  # Cohere: logits * logit_scale
 
     def _logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
-        if getattr(lm_head, "weight_scale", None) is not None:  # an fp8 head (--quantize-lm-head)
-            from radixserve.layers.quantization.fp8_lm_head import fp8_head_logits
+        if getattr(lm_head, "weight_scale", None) is not None:  # an int8 head (--quantize-lm-head)
+            from radixserve.layers.quantization.lm_head_int8 import int8_head_logits
 
-            logits = fp8_head_logits(hidden, lm_head.weight, lm_head.weight_scale,
-                                     out=_logits_rows(hidden.shape[0], lm_head.weight.shape[0]))
+            logits = int8_head_logits(hidden, lm_head.weight, lm_head.weight_scale,
+                                      out=_logits_rows(hidden.shape[0], lm_head.weight.shape[0]))
         elif hidden.device.type == "cpu":  # on every core for a few rows (decode), as the other linears
             logits = cpu_ops.linear(hidden, lm_head.weight, persistent=True)
         else:

@@ -114,7 +114,7 @@ def get_model(
     ("dummy"). `quantization` (`--quantization`) or the checkpoint's `quantization_config` picks a method from
     `layers.quantization`. The rotary tables cover `cover_positions` positions (default the served context; 0: as
     built, for a caller that covers them itself once it knows how long a request can be). `quantize_lm_head`: the
-    LM head in fp8 as well (`fp8_lm_head`; fp8 weights only). Raises ValueError for an unsupported architecture or
+    LM head in int8 rows (`lm_head_int8`). Raises ValueError for an unsupported architecture or
     unreadable weights."""
     from radixserve.layers.quantization import apply_quantization, finish_quantization, resolve_quant_config
     from radixserve.models.registry import get_model_class
@@ -153,7 +153,7 @@ def get_model(
             if hook is not None:
                 hook()
         if quantize_lm_head:
-            from radixserve.layers.quantization.fp8_lm_head import quantize_lm_head as quantize_head
+            from radixserve.layers.quantization.lm_head_int8 import quantize_lm_head as quantize_head
 
             quantize_head(model)
     model.eval()

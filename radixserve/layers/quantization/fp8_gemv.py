@@ -242,7 +242,8 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
     inside a row block): the caller falls back to `fp8_gemm`. `config` overrides the tuned choice (sweeps; with
     `silu_mul` the "fp8_silu" entry of the stacked N, and an "ew" tile reads block_n / 2 rows of each half).
     `pdl_level` overrides RADIXSERVE_PDL for the elementwise kernel (`triton_ops.pdl`). `out`: the [M, N_out]
-    `out_dtype` tensor (rows contiguous) to write, instead of a new one."""
+    `out_dtype` tensor (rows contiguous) to write, instead of a new one. An int8 `w` (the int8 LM head,
+    `lm_head_int8`) takes the same kernels, its bytes widened by conversion."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_M or k % 16 or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k or (silu_mul and n % 2):
@@ -263,7 +264,8 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
     if m == 0:
         return out
-    cfg = config or gemv_configs.get("fp8_silu" if silu_mul else "fp8", m, n, k, x.is_cuda)
+    int8 = w.dtype == torch.int8
+    cfg = config or gemv_configs.get("fp8_silu" if silu_mul else "int8" if int8 else "fp8", m, n, k, x.is_cuda)
     if block is not None and cfg.kernel != "ew":  # the tensor-core kernel takes per-channel scales only
         cfg = gemv_configs.default("fp8", 1, x.is_cuda)
     if cfg.kernel == "ew" and (m > 2 or (silu_mul and m > 1)):  # the elementwise kernel takes one or two rows
@@ -279,7 +281,7 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         flags = set(cfg.variant.split("+"))
         if not flags <= EW_FLAGS:
             raise ValueError(f"fp8 GEMV: unknown variant {cfg.variant!r} (flags joined by '+': {sorted(EW_FLAGS)})")
-        widen = "f16" in flags
+        widen = "f16" in flags and not int8  # (an int8 weight is widened by conversion)
         groups = (0, 1, 1)  # per-channel scales: unused
         if block is not None:  # a program's rows in one row block (powers of two: the smaller divides the larger)
             block_n = min(block_n, bn)

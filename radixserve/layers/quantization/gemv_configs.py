@@ -1,4 +1,5 @@
-"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "row16" / "row16_silu" / "row16_norm":
+"""Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "int8": `fp8_gemv` on the int8 LM head
+(`lm_head_int8`), an entry for its shape only; "row16" / "row16_silu" / "row16_norm":
 `triton_ops.gemv`, the one-row 16-bit product — plain, with SiLU·mul in the epilogue, with the input RMSNorm folded
 in — for the dense models' linear layers at batch 1 (only where a sweep found it faster than cuBLAS) and the MoE /
 MLA models' attention projections; "row16_rope": `triton_ops.gemv_rope`, q/k/v with the rotary embedding and the KV
@@ -20,7 +21,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "q4_k", "q8_0", "fp8_mid", "mid16", "mid16_silu", "row16", "row16_silu",
+FAMILIES = ("fp8", "fp8_silu", "int8", "q4_k", "q8_0", "fp8_mid", "mid16", "mid16_silu", "row16", "row16_silu",
             "row16_norm", "row16_rope")
 MID_FAMILIES = ("fp8_mid", "mid16", "mid16_silu")  # keyed by the M they were swept at, not its power-of-two bucket
 
@@ -71,10 +72,10 @@ def _table() -> dict[str, GemvConfig]:
 
 def default(family: str, m: int, cuda: bool) -> GemvConfig:
     if not cuda:  # the interpreter (CPU tests): small tiles
-        if family == "fp8":
+        if family in ("fp8", "int8"):
             return GemvConfig("ew", 2, 64) if m <= 2 else GemvConfig("dot", 16, 32)
         return GemvConfig("ew", 2, 256)
-    if family == "fp8":
+    if family in ("fp8", "int8"):
         return GemvConfig("ew", 4, 1024) if m <= 2 else GemvConfig("dot", 32, 256, 4, 3)
     if family in ("row16", "row16_silu", "row16_norm"):
         return GemvConfig("ew", 4, 1024)
