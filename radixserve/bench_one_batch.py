@@ -40,17 +40,34 @@ class StaticBatch:
         if self.runner.is_cuda:
             torch.cuda.synchronize()
 
-    def prefill(self, prompts: list[list[int]], sampling: dict[str, Any] | None = None) -> tuple[ScheduleBatch, list]:
-        reqs = []
+    def prefill(self, prompts: list[list[int]], sampling: dict[str, Any] | None = None,
+                max_tokens: int | None = None) -> tuple[ScheduleBatch, list]:
+        """One extend forward for all `prompts`, or with `max_tokens` one for each run of whole prompts within that
+        many tokens (as the scheduler's prefill budget cuts them: a 160 x 512-token batch in one forward needs
+        activations beyond what a pool-filled 80 GB card leaves), merged into one batch for decode."""
+        groups: list[list[int]] = []
         for i, ids in enumerate(prompts):
-            sp = SamplingParams.from_dict(dict(sampling or {"temperature": 0, "max_new_tokens": 1 << 30}))
-            req = Req(str(i), ids, sp)
-            req.init_next_round_input(None)
-            reqs.append(req)
-        batch = ScheduleBatch(reqs, self.runner.req_to_token_pool, self.runner.token_to_kv_pool, None,
-                              self.runner.device, self.vocab)
-        batch.prepare_for_extend()
-        next_ids = self._run(batch)
+            if not groups or max_tokens is None or sum(len(prompts[j]) for j in groups[-1]) + len(ids) > max_tokens:
+                groups.append([])
+            groups[-1].append(i)
+        batch, next_ids = None, []
+        for group in groups:
+            reqs = []
+            for i in group:
+                sp = SamplingParams.from_dict(dict(sampling or {"temperature": 0, "max_new_tokens": 1 << 30}))
+                req = Req(str(i), prompts[i], sp)
+                req.init_next_round_input(None)
+                reqs.append(req)
+            part = ScheduleBatch(reqs, self.runner.req_to_token_pool, self.runner.token_to_kv_pool, None,
+                                 self.runner.device, self.vocab)
+            part.prepare_for_extend()
+            next_ids += self._run(part)
+            if batch is None:
+                batch = part
+            else:
+                batch.merge_batch(part)
+        if batch is None:
+            raise ValueError("prefill needs at least one prompt")
         return batch, next_ids
 
     def _run(self, batch: ScheduleBatch) -> list[int]:
@@ -131,7 +148,7 @@ def latency_test(runner: ModelRunner, batch_size: int, input_len: int, output_le
     sb = StaticBatch(runner)
     sb._sync()
     t0 = time.perf_counter()
-    batch, _ = sb.prefill(prompts)
+    batch, _ = sb.prefill(prompts, max_tokens=runner.server_args.max_prefill_tokens)
     sb._sync()
     prefill = time.perf_counter() - t0
     steps = []

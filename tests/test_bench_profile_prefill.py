@@ -39,3 +39,23 @@ def test_correctness_test_text_ends_at_the_end_of_sequence(embedded_model_path, 
     out = capsys.readouterr().out
     assert "=== What is the capital of France?\nThe capital of France is Paris.\n\n===" in out
     assert "user" not in out
+
+
+def test_prefill_in_runs_within_a_token_budget_decodes_the_same(tmp_path) -> None:
+    """`StaticBatch.prefill(max_tokens=...)`: whole prompts in runs within the budget (one forward each), merged
+    into one batch: the same greedy tokens as one forward for all, and every slot given back after."""
+    from radixserve.bench_one_batch import StaticBatch
+
+    make_tiny_model("llama", str(tmp_path))
+    runner = make_runner(str(tmp_path))
+    kv_free = runner.token_to_kv_pool.available_size()
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for i in range(n)] for j, n in enumerate([9, 4, 12, 3, 7])]
+    whole = StaticBatch(runner).generate(prompts, 6)
+    sb = StaticBatch(runner)
+    batch, first = sb.prefill(prompts, max_tokens=13)  # runs [9, 4], [12], [3, 7]
+    assert first == [w[0] for w in whole] and [r.rid for r in batch.reqs] == ["0", "1", "2", "3", "4"]
+    for _ in range(5):
+        sb.decode(batch)
+    assert [list(r.output_ids) for r in batch.reqs] == whole
+    sb.release(batch)
+    assert runner.token_to_kv_pool.available_size() == kv_free
