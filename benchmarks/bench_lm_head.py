@@ -1,0 +1,90 @@
+"""The LM head's product by batch rows: the 16-bit head as the LogitsProcessor runs it (the one-row GEMV or cuBLAS,
+float32 logits) against the int8 rows of `--quantize-lm-head` (`lm_head_int8.int8_head_logits`), each timed inside a
+CUDA graph over enough copies of the weight that every call reads HBM. Prints a table and writes JSON.
+
+    python benchmarks/bench_lm_head.py [--vocab 128256 --hidden 4096] [--rows 1 8 16 32 64 160 256 512 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def time_graph(fn, copies: int, reps: int = 20) -> float:  # noqa: ANN001
+    """Seconds per call of fn(i) (i cycling over the weight copies), replayed in a CUDA graph."""
+    for i in range(copies):  # compile and warm outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (reps * copies)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64, 160, 256, 512, 1024])
+    p.add_argument("--min-mb", type=int, default=2048, help="weight copies of each form: at least this many MB")
+    p.add_argument("--json", default="bench_lm_head.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_lm_head needs CUDA")
+
+    from radixserve.bench_one_batch import measure_copy_bandwidth
+    from radixserve.layers.logits_processor import LogitsProcessor
+    from radixserve.layers.quantization.lm_head_int8 import int8_head_logits, quantize_rows_int8
+    from radixserve.layers.vocab_parallel_embedding import ParallelLMHead
+
+    copy_bw = measure_copy_bandwidth("cuda")
+    n, k = args.vocab, args.hidden
+    bf16_bytes = n * k * 2
+    copies = max(2, -(-(args.min_mb << 20) // bf16_bytes))
+    heads = []
+    for i in range(copies):
+        with torch.device("cuda"):
+            head = ParallelLMHead(n, k).to(torch.bfloat16)
+        head.weight.data.normal_(0, 0.02, generator=torch.Generator(device="cuda").manual_seed(i))
+        heads.append(head)
+    int8 = [quantize_rows_int8(h.weight.data) for h in heads]
+    processor = LogitsProcessor(n)
+    rows = []
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; head {n} x {k}, "
+          f"{copies} copies")
+    print(f"{'rows':>6} {'bf16 us':>9} {'int8 us':>9} {'speed-up':>9} {'int8 GB/s':>10} {'max rel err':>12}")
+    for m in args.rows:
+        x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
+        t16 = time_graph(lambda i: processor._logits(x, heads[i]), copies)  # noqa: B023
+        t8 = time_graph(lambda i: int8_head_logits(x, *int8[i]), copies)  # noqa: B023
+        want = processor._logits(x, heads[0])
+        got = int8_head_logits(x, *int8[0])
+        err = float(((got - want).abs().amax(-1) / want.abs().amax(-1)).max())
+        rows.append({"rows": m, "bf16_us": t16 * 1e6, "int8_us": t8 * 1e6, "int8_gbs": n * k / t8 / 1e9,
+                     "max_rel_err": err})
+        r = rows[-1]
+        print(f"{m:>6} {r['bf16_us']:>9.1f} {r['int8_us']:>9.1f} {t16 / t8:>8.2f}x {r['int8_gbs']:>10.0f} "
+              f"{err:>12.2e}", flush=True)
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_bw_gbs": copy_bw / 1e9, "vocab": n, "hidden": k,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
