@@ -1,8 +1,10 @@
 """The LM head's product by batch rows: the 16-bit head as the LogitsProcessor runs it (the one-row GEMV or cuBLAS,
 float32 logits) against the int8 rows of `--quantize-lm-head` (`lm_head_int8.int8_head_logits`), each timed inside a
 CUDA graph over enough copies of the weight that every call reads HBM. Prints a table and writes JSON.
+--mid also times the W8A16 kernel of `fp8_mid` (tensor cores, the weight's rows on the MMA's long side) on the int8
+rows at 17..256 rows, with each of a few tiles (block_n x block_m x block_k, warps, stages).
 
-    python benchmarks/bench_lm_head.py [--vocab 128256 --hidden 4096] [--rows 1 8 16 32 64 160 256 512 1024]
+    python benchmarks/bench_lm_head.py [--vocab 128256 --hidden 4096] [--rows 1 8 16 32 64 160 256 512 1024] [--mid]
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+# fp8_mid W8A16 tiles tried with --mid: (block_n, block_m, block_k, num_warps, num_stages)
+MID_TILES = [(64, 16, 256, 4, 3), (64, 32, 256, 4, 3), (128, 32, 128, 4, 4), (64, 64, 128, 4, 4),
+             (128, 64, 128, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3)]
 
 
 def time_graph(fn, copies: int, reps: int = 20) -> float:  # noqa: ANN001
@@ -43,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16, 32, 64, 160, 256, 512, 1024])
     p.add_argument("--min-mb", type=int, default=2048, help="weight copies of each form: at least this many MB")
+    p.add_argument("--mid", action="store_true", help="also the fp8_mid W8A16 kernel's tiles at 17..256 rows")
     p.add_argument("--json", default="bench_lm_head.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -50,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from radixserve.bench_one_batch import measure_copy_bandwidth
     from radixserve.layers.logits_processor import LogitsProcessor
+    from radixserve.layers.quantization.fp8_mid import MAX_M, fp8_mid_mm
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.lm_head_int8 import int8_head_logits, quantize_rows_int8
     from radixserve.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -77,10 +87,22 @@ def main(argv: list[str] | None = None) -> None:
         got = int8_head_logits(x, *int8[0])
         err = float(((got - want).abs().amax(-1) / want.abs().amax(-1)).max())
         rows.append({"rows": m, "bf16_us": t16 * 1e6, "int8_us": t8 * 1e6, "int8_gbs": n * k / t8 / 1e9,
-                     "max_rel_err": err})
+                     "max_rel_err": err, "mid": {}})
         r = rows[-1]
+        mid = ""
+        for tile in MID_TILES if args.mid and 16 < m <= MAX_M else []:
+            cfg = GemvConfig("w8a16", tile[0], tile[2], tile[3], tile[4], block_m=tile[1])
+            try:
+                t = time_graph(lambda i: fp8_mid_mm(x, *int8[i], torch.float32, cfg), copies)  # noqa: B023
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit is reported, not fatal
+                print(f"  tile {tile}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            r["mid"]["x".join(map(str, tile))] = t * 1e6
+        if r["mid"]:
+            best = min(r["mid"], key=r["mid"].get)
+            mid = f"  mid best {best}: {r['mid'][best]:.1f} us"
         print(f"{m:>6} {r['bf16_us']:>9.1f} {r['int8_us']:>9.1f} {t16 / t8:>8.2f}x {r['int8_gbs']:>10.0f} "
-              f"{err:>12.2e}", flush=True)
+              f"{err:>12.2e}{mid}", flush=True)
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_bw_gbs": copy_bw / 1e9, "vocab": n, "hidden": k,
                    "rows": rows}, f, indent=1)

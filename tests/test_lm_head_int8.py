@@ -80,6 +80,22 @@ def test_larger_batches_take_the_w8a16_gemm(fused_on_cpu: None) -> None:
     torch.testing.assert_close(got, x @ _dequantised(q, s).t(), rtol=1e-4, atol=1e-4)
 
 
+def test_a_swept_middle_tile_takes_the_mid_kernel(fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """17..256 rows with an "int8_mid" entry for the shape: the W8A16 kernel of `fp8_mid` on the int8 rows."""
+    from radixserve.layers.quantization import fp8_mid, gemv_configs
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    asked, ran = [], []
+    real = fp8_mid.fp8_mid_mm
+    monkeypatch.setattr(gemv_configs, "get_mid", lambda m, n, k, family="fp8_mid": asked.append(
+        (m, n, k, family)) or GemvConfig("w8a16", 16, 32, block_m=16))
+    monkeypatch.setattr(fp8_mid, "fp8_mid_mm", lambda *a, **kw: ran.append(a[4]) or real(*a, **kw))
+    q, s, x = _head(seed=4)
+    got = int8_head_logits(x, q, s)
+    assert asked == [(20, 70, 64, "int8_mid")] and ran == [GemvConfig("w8a16", 16, 32, block_m=16)]
+    torch.testing.assert_close(got, x @ _dequantised(q, s).t(), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # (untied, tied)
 def test_model_head_quantized_tied_or_not(tmp_path, kind: str) -> None:  # noqa: ANN001
     """The loader's `quantize_lm_head`: the head's rows in int8 with one scale each; a tied head gets its own

@@ -1,11 +1,11 @@
 """Block sizes of the decode GEMV kernels (`fp8_gemv`, `gguf_kernels`; "int8": `fp8_gemv` on the int8 LM head
-(`lm_head_int8`), an entry for its shape only; "row16" / "row16_silu" / "row16_norm":
-`triton_ops.gemv`, the one-row 16-bit product — plain, with SiLU·mul in the epilogue, with the input RMSNorm folded
-in — for the dense models' linear layers at batch 1 (only where a sweep found it faster than cuBLAS) and the MoE /
-MLA models' attention projections; "row16_rope": `triton_ops.gemv_rope`, q/k/v with the rotary embedding and the KV
-store, block_n its rows per half-head run; "fp8_mid": `fp8_mid`, fp8 weights at 17..256 rows; "mid16" /
-"mid16_silu": `triton_ops.gemm_mid`, 16-bit weights at 17..256 rows, plain or gate_up with SiLU·mul), per kernel
-family, row count and weight shape.
+(`lm_head_int8`), an entry for its shape only; "int8_mid": its `fp8_mid` W8A16 tile at 17..256 rows; "row16" /
+"row16_silu" / "row16_norm": `triton_ops.gemv`, the one-row 16-bit product — plain, with SiLU·mul in the epilogue,
+with the input RMSNorm folded in — for the dense models' linear layers at batch 1 (only where a sweep found it
+faster than cuBLAS) and the MoE / MLA models' attention projections; "row16_rope": `triton_ops.gemv_rope`, q/k/v
+with the rotary embedding and the KV store, block_n its rows per half-head run; "fp8_mid": `fp8_mid`, fp8 weights at
+17..256 rows; "mid16" / "mid16_silu": `triton_ops.gemm_mid`, 16-bit weights at 17..256 rows, plain or gate_up with
+SiLU·mul), per kernel family, row count and weight shape.
 
 Chosen by `benchmarks/sweep_gemv.py` on the GPU and kept in `gemv_configs.json` beside this file, keyed
 "family/M/N/K" (M rounded up to a power of two; for the 17..256-row families the M swept, `get_mid`);
@@ -21,9 +21,10 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-FAMILIES = ("fp8", "fp8_silu", "int8", "q4_k", "q8_0", "fp8_mid", "mid16", "mid16_silu", "row16", "row16_silu",
-            "row16_norm", "row16_rope")
-MID_FAMILIES = ("fp8_mid", "mid16", "mid16_silu")  # keyed by the M they were swept at, not its power-of-two bucket
+FAMILIES = ("fp8", "fp8_silu", "int8", "int8_mid", "q4_k", "q8_0", "fp8_mid", "mid16", "mid16_silu", "row16",
+            "row16_silu", "row16_norm", "row16_rope")
+# keyed by the M they were swept at, not its power-of-two bucket
+MID_FAMILIES = ("fp8_mid", "int8_mid", "mid16", "mid16_silu")
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,8 @@ def get_mid(m: int, n: int, k: int, family: str = "fp8_mid") -> GemvConfig | Non
     """The `family` entry for an M-row product (17..256 rows) of an [N, K] weight: the entry swept at the smallest
     M >= m ("<family>/<M>/N/K", M as swept, not bucketed), else the largest swept M if m is within 1/4 of it; None
     when the table has none for the shape (the caller keeps its library product). "fp8_mid" entries' `kernel` is
-    "w8a8", "w8a16", "scaled_mm", "scaled_mm_t" or "scaled_mm_unit"; "mid16" / "mid16_silu" entries' "tn" or
-    "cublas"."""
+    "w8a8", "w8a16", "scaled_mm", "scaled_mm_t" or "scaled_mm_unit"; "int8_mid" (the int8 LM head's) "w8a16";
+    "mid16" / "mid16_silu" entries' "tn" or "cublas"."""
     rows = _mid_rows(family, n, k)
     for swept, cfg in rows:
         if m <= swept:

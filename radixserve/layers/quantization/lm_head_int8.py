@@ -12,8 +12,10 @@ input embedding gets a head of its own (the embedding keeps its 16-bit rows for 
 the product the LogitsProcessor runs for such a head, float32 logits:
 - up to 16 rows on the GPU: the decode GEMV of the fp8 layers (`fp8_gemv.fp8_skinny_gemv`, which widens int8 by
   conversion), written into the decode graphs' shared logits rows where they are set;
-- more rows: the Triton W8A16 GEMM of the fp8 layers (`fp8_kernels.fp8_gemm`, tensor cores, the int8 tile widened
-  to the activation dtype);
+- 17..256 rows where the swept table has an "int8_mid" entry: the W8A16 kernel of `fp8_mid` (tensor cores, the
+  weight's rows on the MMA's long side, so the vocabulary's rows spread over every SM);
+- otherwise: the Triton W8A16 GEMM of the fp8 layers (`fp8_kernels.fp8_gemm`, tensor cores, the int8 tile widened to
+  the activation dtype);
 - on the CPU: the dequantising reference; inside torch.compile: one opaque custom op around the above."""
 
 from __future__ import annotations
@@ -72,11 +74,18 @@ def int8_head_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Te
         return int8_head_op(hidden, weight, scale)
     if not use_fused(hidden):
         return torch.mm(hidden.float(), weight.float().t()) * scale.float()
+    from radixserve.layers.quantization import gemv_configs
     from radixserve.layers.quantization.fp8_gemv import MAX_M, fp8_skinny_gemv
     from radixserve.layers.quantization.fp8_kernels import fp8_gemm
+    from radixserve.layers.quantization.fp8_mid import MAX_M as MID_MAX_M
+    from radixserve.layers.quantization.fp8_mid import fp8_mid_mm
 
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    logits = fp8_skinny_gemv(x, weight, scale, torch.float32, out=out) if x.shape[0] <= MAX_M else None
+    m, (n, k) = x.shape[0], weight.shape
+    logits = fp8_skinny_gemv(x, weight, scale, torch.float32, out=out) if m <= MAX_M else None
+    cfg = gemv_configs.get_mid(m, n, k, "int8_mid") if logits is None and m <= MID_MAX_M else None
+    if cfg is not None:
+        logits = fp8_mid_mm(x, weight, scale, torch.float32, cfg)
     if logits is None:
         logits = fp8_gemm(x, weight, scale.view(-1, 1), 1, weight.shape[1], torch.float32)
     return logits
