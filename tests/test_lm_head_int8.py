@@ -39,11 +39,16 @@ def test_rows_round_to_the_nearest_of_255_levels() -> None:
     assert (_dequantised(q, s) - w).abs().max() <= s.max() / 2
 
 
-def test_reference_is_the_dequantised_product() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_product_is_the_dequantised_product(dtype: torch.dtype) -> None:
+    """On the CPU (kernels off): torch's int8 weight-only product, float32 logits; in bf16 within its rounding (the
+    scales and the sums in bf16)."""
     q, s, x = _head()
-    got = int8_head_logits(x, q, s)  # (the CPU, kernels off: the reference)
+    got = int8_head_logits(x.to(dtype), q, s)
     assert got.dtype == torch.float32 and got.shape == (20, 70)
-    torch.testing.assert_close(got.double(), x.double() @ _dequantised(q, s).double().t(), rtol=1e-5, atol=1e-5)
+    want = x.to(dtype).double() @ _dequantised(q, s).double().t()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * float(want.abs().max())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5 if dtype == torch.float32 else 0, atol=tol)
     with pytest.raises(ValueError, match="does not match the head"):
         int8_head_logits(x[:, :32], q, s)
     with pytest.raises(ValueError, match="does not match the head"):
