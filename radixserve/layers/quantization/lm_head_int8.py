@@ -16,9 +16,10 @@ the product the LogitsProcessor runs for such a head, float32 logits:
   weight's rows on the MMA's long side, so the vocabulary's rows spread over every SM);
 - otherwise: the Triton W8A16 GEMM of the fp8 layers (`fp8_kernels.fp8_gemm`, tensor cores, the int8 tile widened to
   the activation dtype);
-- on the CPU: torch's int8 weight-only product (`torch._weight_int8pack_mm`; in bf16 twice as fast as the 16-bit
-  head's product on SmolLM2's, in float32 slower); elsewhere the dequantising reference; inside torch.compile: one
-  opaque custom op around the above."""
+- on the CPU: torch's int8 weight-only product (`torch._weight_int8pack_mm`) for one row, or up to 32 rows in 16 bits,
+  else the head widened to the activations' dtype each call. Only bf16 decodes of up to 8 rows match or beat the
+  plain head there (1.07-1.15x on SmolLM2's); larger batches and float32 lose to it (up to 5x): the flag is for the
+  GPU, and `quantize_lm_head` says so in the log when the model is on the CPU. Inside torch.compile: one opaque custom op around the above."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-10
+# On the CPU torch's int8 weight-only kernel beats widening the head up to this many 16-bit rows, and only at one
+# float32 row (SmolLM2's head, 2 cores: bf16 2.9 / 8.5 / 36.2 ms at 1 / 8 / 32 rows against 32-35 ms widened; float32
+# 29.7 ms at 1 row, 216 at 8 against 64 widened). Against the plain head (`benchmarks/bench_lm_head.py --device cpu
+# --vocab 49152 --hidden 576 --rows 1 8 32`): bf16 1.33 / 5.86 / 27.0 ms against 1.53 / 6.30 / 7.13; float32 slower
+# at every size.
+CPU_INT8PACK_MAX_M = 32
 
 
 def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +68,9 @@ def quantize_lm_head(model: nn.Module) -> None:
     head.weight = nn.Parameter(q, requires_grad=False)
     head.weight_scale = nn.Parameter(scale, requires_grad=False)
     logger.info("LM head quantized to int8 rows: %d x %d, %.2f GB", q.shape[0], q.shape[1], q.numel() / 1e9)
+    if q.device.type == "cpu":
+        logger.warning("--quantize-lm-head on the CPU saves memory, but only bf16 decodes of a few rows are as fast "
+                       "as the plain head; larger batches and float32 are slower (the int8 rows widened each call)")
 
 
 def int8_head_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -75,10 +85,13 @@ def int8_head_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     if torch.compiler.is_compiling():
         return int8_head_op(hidden, weight, scale)
     if not use_fused(hidden):
-        if hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float16, torch.float32):
-            x = hidden.contiguous()  # torch's int8 weight-only kernel (2x the bf16 head on SmolLM2's, 20x widening)
+        m, half = hidden.shape[0], hidden.dtype in (torch.bfloat16, torch.float16)
+        if hidden.device.type == "cpu" and (m == 1 or (half and m <= CPU_INT8PACK_MAX_M)) \
+                and (half or hidden.dtype == torch.float32):
+            x = hidden.contiguous()  # torch's int8 weight-only CPU kernel
             return torch._weight_int8pack_mm(x, weight, scale.to(x.dtype)).float()
-        return torch.mm(hidden.float(), weight.float().t()) * scale.float()
+        dtype = hidden.dtype if half or hidden.dtype == torch.float32 else torch.float32
+        return (torch.mm(hidden.to(dtype), weight.to(dtype).t()) * scale.to(dtype)).float()
     from radixserve.layers.quantization import gemv_configs
     from radixserve.layers.quantization.fp8_gemv import MAX_M, fp8_skinny_gemv
     from radixserve.layers.quantization.fp8_kernels import fp8_gemm
