@@ -19,7 +19,8 @@ the product the LogitsProcessor runs for such a head, float32 logits:
 - on the CPU: torch's int8 weight-only product (`torch._weight_int8pack_mm`) for one row, or up to 32 rows in 16 bits,
   else the head widened to the activations' dtype each call. Only bf16 decodes of up to 8 rows match or beat the
   plain head there (1.07-1.15x on SmolLM2's); larger batches and float32 lose to it (up to 5x): the flag is for the
-  GPU, and `quantize_lm_head` says so in the log when the model is on the CPU. Inside torch.compile: one opaque custom op around the above."""
+  GPU, and `quantize_lm_head` says so in the log when the model is on the CPU.
+- inside torch.compile: one opaque custom op around the above."""
 
 from __future__ import annotations
 
