@@ -18,14 +18,16 @@ def make_model(kind: str, path: str, seed: int = 0, **over: Any) -> str:
     return path
 
 
-def reference_outputs(path: str, prompts: list[list[int]], sampling: dict[str, Any]) -> list[list[int]]:
-    """What one TP=1 scheduler in this process generates for each prompt (alone, no prefix cache)."""
+def reference_outputs(path: str, prompts: list[list[int]], sampling: dict[str, Any], **server_kw: Any
+                      ) -> list[list[int]]:
+    """What one TP=1 scheduler in this process generates for each prompt (alone, no prefix cache); `server_kw`: more
+    ServerArgs fields."""
     from radixserve.managers import io_struct as io
     from radixserve.managers.scheduler import Scheduler
     from radixserve.sampling.sampling_params import SamplingParams
     from radixserve.server_args import ServerArgs
 
-    kw = {k: v for k, v in SERVER_KW.items() if k != "log_level"}
+    kw = {k: v for k, v in SERVER_KW.items() if k != "log_level"} | server_kw
     sched = Scheduler(ServerArgs(model_path=path, disable_radix_cache=True, **kw), port_args={})
     outs = []
     for i, prompt in enumerate(prompts):

@@ -137,6 +137,17 @@ def test_qwen2_bias_tied_tp2_matches_tp1(tmp_path) -> None:
 
 
 @pytest.mark.integration
+def test_int8_lm_head_tied_and_padded_tp2_matches_tp1(tmp_path) -> None:
+    """--quantize-lm-head at TP=2: each rank quantises its own vocabulary rows (one scale a row, so its shard holds
+    the TP=1 head's rows), here a tied head whose last shard is padded (251 rows over two ranks)."""
+    path = make_model("qwen2", str(tmp_path), seed=4, vocab_size=251)
+    want = reference_outputs(path, PROMPTS, GREEDY, quantize_lm_head=True)
+    with Engine(model_path=path, tp_size=2, quantize_lm_head=True, **SERVER_KW) as engine:
+        got = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    assert got == want
+
+
+@pytest.mark.integration
 def test_fewer_kv_heads_than_ranks_tp2_matches_tp1(tmp_path) -> None:
     # one KV head for two ranks (replicated), and a vocabulary of 251 (the second shard is padded)
     path = make_model("llama", str(tmp_path), seed=3, num_key_value_heads=1, vocab_size=251)
