@@ -129,3 +129,8 @@ def test_model_head_quantized_tied_or_not(tmp_path, kind: str) -> None:  # noqa:
         from radixserve.layers.quantization.lm_head_int8 import quantize_lm_head
 
         quantize_lm_head(torch.nn.Linear(2, 2))
+
+
+def test_a_width_the_kernels_do_not_tile_takes_the_widened_product(fused_on_cpu: None) -> None:
+    q, s, x = _head(k=40, seed=6)  # K = 40: not a multiple of 16
+    torch.testing.assert_close(int8_head_logits(x, q, s), x @ _dequantised(q, s).t(), rtol=1e-5, atol=1e-5)

@@ -85,7 +85,7 @@ def int8_head_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Te
                          f"{tuple(weight.shape)}")
     if torch.compiler.is_compiling():
         return int8_head_op(hidden, weight, scale)
-    if not use_fused(hidden):
+    if not use_fused(hidden) or hidden.shape[1] % 16:  # (the GPU kernels take K in steps of 16)
         m, half = hidden.shape[0], hidden.dtype in (torch.bfloat16, torch.float16)
         if hidden.device.type == "cpu" and (m == 1 or (half and m <= CPU_INT8PACK_MAX_M)) \
                 and (half or hidden.dtype == torch.float32):
