@@ -192,7 +192,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=30)
     parser.add_argument("--quantization", default=None, help="as the server's flag (e.g. fp8)")
     parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--quantize-lm-head", action="store_true", help="as the server's flag (fp8 weights)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="as the server's flag (the LM head in int8 rows)")
     parser.add_argument("--overlap-only", action="store_true", help="skip the runs without overlap")
     parser.add_argument("--result-file", default="bench_overlap.json")
     args = parser.parse_args()
