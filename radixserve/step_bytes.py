@@ -51,7 +51,7 @@ def distinct_experts(runner: ModelRunner, batch_size: int, input_len: int, seed:
     sb = StaticBatch(runner)
     graphs, runner.cuda_graph_runner = runner.cuda_graph_runner, None
     try:
-        batch, _ = sb.prefill(prompts)
+        batch, _ = sb.prefill(prompts, max_tokens=runner.server_args.max_prefill_tokens)
         counts.clear()
         sb.decode(batch)
         sb.release(batch)
