@@ -1,6 +1,7 @@
 """Quantized serving on the 8B shape with dummy weights quantised online: decode latency at several batch sizes,
 bandwidth utilisation on the bytes a decode step actually reads, and memory, for one configuration per process
-(bf16, fp8, fp8_fp8kv = fp8 weights + fp8 KV, q4_k). `--summarize DIR` prints the table of every JSON there.
+(bf16, fp8, fp8_fp8kv = fp8 weights + fp8 KV, fp8_int8head = fp8 weights + the LM head in int8 rows, q4_k).
+`--summarize DIR` prints the table of every JSON there.
 
 Bytes read per decode step: every weight the step multiplies by (the layers' quantized tensors and scales, the
 norms, the LM head) plus one embedding row per sequence, plus the KV of every token attended to (in the pool's
@@ -23,6 +24,7 @@ CONFIGS = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
     "fp8_fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    "fp8_int8head": {"quantization": "fp8", "quantize_lm_head": True},
     "q4_k": {"quantization": "q4_k"},
 }
 SHAPE = "radixserve/configs/shapes/llama-3.1-8b"
@@ -32,7 +34,7 @@ def read_bytes_per_step(runner, batch_size: int, ctx: float) -> tuple[int, int]:
     """(weight bytes a decode step reads, KV bytes it reads)."""
     model = runner.model
     embed = model.model.embed_tokens.weight
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = model.lm_head is model.model.embed_tokens  # (an int8 head has rows of its own: the embedding is not read)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     row = embed.shape[1] * embed.element_size()
     weights = total - (0 if tied else embed.numel() * embed.element_size()) + batch_size * row
