@@ -47,7 +47,8 @@ class StaticBatch:
         activations beyond what a pool-filled 80 GB card leaves), merged into one batch for decode."""
         groups: list[list[int]] = []
         for i, ids in enumerate(prompts):
-            if not groups or max_tokens is None or sum(len(prompts[j]) for j in groups[-1]) + len(ids) > max_tokens:
+            if not groups or (max_tokens is not None
+                              and sum(len(prompts[j]) for j in groups[-1]) + len(ids) > max_tokens):
                 groups.append([])
             groups[-1].append(i)
         batch, next_ids = None, []

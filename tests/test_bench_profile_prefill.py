@@ -50,9 +50,19 @@ def test_prefill_in_runs_within_a_token_budget_decodes_the_same(tmp_path) -> Non
     runner = make_runner(str(tmp_path))
     kv_free = runner.token_to_kv_pool.available_size()
     prompts = [[(7 * i + 3 * j) % 200 + 5 for i in range(n)] for j, n in enumerate([9, 4, 12, 3, 7])]
-    whole = StaticBatch(runner).generate(prompts, 6)
-    sb = StaticBatch(runner)
+    forwards: list[int] = []  # the requests of each forward
+
+    def counted(sb: StaticBatch) -> StaticBatch:
+        run = sb._run
+        sb._run = lambda batch: forwards.append(len(batch.reqs)) or run(batch)  # type: ignore[method-assign]
+        return sb
+
+    whole = counted(StaticBatch(runner)).generate(prompts, 6)
+    assert forwards == [5] + [5] * 5  # one prefill forward without a budget
+    forwards.clear()
+    sb = counted(StaticBatch(runner))
     batch, first = sb.prefill(prompts, max_tokens=13)  # runs [9, 4], [12], [3, 7]
+    assert forwards == [2, 1, 2]
     assert first == [w[0] for w in whole] and [r.rid for r in batch.reqs] == ["0", "1", "2", "3", "4"]
     for _ in range(5):
         sb.decode(batch)
