@@ -28,26 +28,6 @@ MID_TILES = [(64, 16, 256, 4, 3), (64, 32, 256, 4, 3), (128, 32, 128, 4, 4), (64
              (128, 64, 128, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3)]
 
 
-def time_graph(fn, copies: int, reps: int = 20) -> float:  # noqa: ANN001
-    """Seconds per call of fn(i) (i cycling over the weight copies), replayed in a CUDA graph."""
-    for i in range(copies):  # compile and warm outside the capture
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (reps * copies)
-
-
 def time_loop(fn, copies: int, reps: int = 30) -> float:  # noqa: ANN001
     """Seconds per call of fn(i): the median of single timed calls after a few untimed ones (the CPU)."""
     for i in range(max(3, copies)):
@@ -74,7 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     dev, dtype = args.device, getattr(torch, args.dtype)
     if dev == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_lm_head --device cuda needs CUDA")
-    timer = time_graph if dev == "cuda" else time_loop
+    if dev == "cuda":  # fn(i) over every weight copy in one CUDA graph, best of 5 runs of 20 replays
+        from layer_timing import seconds_per_layer
+
+        def timer(fn, copies: int) -> float:  # noqa: ANN001
+            return seconds_per_layer(fn, copies, 20, cuda=True)
+    else:
+        timer = time_loop
 
     from radixserve.bench_one_batch import measure_copy_bandwidth
     from radixserve.layers.logits_processor import LogitsProcessor
@@ -97,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     processor = LogitsProcessor(n)
     rows = []
     name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"# {name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; head {n} x {k} ({args.dtype}), {copies} copies")
+    bw = f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; " if dev == "cuda" else ""
+    print(f"# {name}: {bw}head {n} x {k} ({args.dtype}), {copies} copies")
     print(f"{'rows':>6} {'plain us':>10} {'int8 us':>9} {'speed-up':>9} {'int8 GB/s':>10} {'max rel err':>12}")
     for m in args.rows:
         x = (torch.randn(m, k, device=dev) * 2).to(dtype)
@@ -113,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         for tile in MID_TILES if args.mid and dev == "cuda" and 16 < m <= MAX_M else []:
             cfg = GemvConfig("w8a16", tile[0], tile[2], tile[3], tile[4], block_m=tile[1])
             try:
-                t = time_graph(lambda i: fp8_mid_mm(x, *int8[i], torch.float32, cfg), copies)  # noqa: B023
+                t = timer(lambda i: fp8_mid_mm(x, *int8[i], torch.float32, cfg), copies)  # noqa: B023
             except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit is reported, not fatal
                 print(f"  tile {tile}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
