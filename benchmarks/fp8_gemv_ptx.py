@@ -1,6 +1,6 @@
 """What the fp8 decode GEMV's main loop compiles to, without a GPU: `fp8_gemv._fp8_gemv_ew_kernel` compiled for an
 sm_90 target by Triton's own compiler (16-byte aligned pointers and strides, as at run time), per-channel scales
-against block-wise ones (BLOCKS), with and without the folded RMSNorm (NORM), and the PTX of the K loop counted.
+against block-wise ones (BLOCKS), and the PTX of the K loop counted.
 
 The kernel is bound by the fp8 bytes it keeps in flight, so its loop must stay short and must not exchange values
 between threads: a layout conversion shows as shared-memory stores and barriers (or shuffles) inside the loop.
@@ -20,7 +20,7 @@ LOOP_OPS = ("ld.global", "st.shared", "ld.shared", "bar.sync", "shfl", "fma", "m
 
 
 def compile_ew(blocks: bool, block_n: int, block_k: int, two_rows: bool = False, silu_mul: bool = False,
-               red8: bool = True, num_warps: int = 4, num_stages: int = 3, arch: int = 90, norm: bool = False) -> Any:
+               red8: bool = True, num_warps: int = 4, num_stages: int = 3, arch: int = 90) -> Any:
     """`_fp8_gemv_ew_kernel` for `arch` as the decode path launches it (bf16 x, evict-first weight, no bias)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -30,14 +30,12 @@ def compile_ew(blocks: bool, block_n: int, block_k: int, two_rows: bool = False,
 
     signature = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "Bias": "*bf16", "Out": "*bf16", "M": "i32",
                  "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
-                 "out_factor": "fp32", "stride_sn": "i32", "group_n": "i32", "group_k": "i32",
-                 "Res": "*bf16", "G": "*bf16", "HOut": "*bf16", "eps": "fp32"}
+                 "out_factor": "fp32", "stride_sn": "i32", "group_n": "i32", "group_k": "i32"}
     const = dict(HAS_BIAS=False, WIDEN_F16=False, TWO_ROWS=two_rows, SILU_MUL=silu_mul, BLOCK_N=block_n,
-                 BLOCK_K=block_k, PDL=1, EVICT=True, RED8=red8, BLOCKS=blocks, NORM=norm, HAS_RES=norm)
+                 BLOCK_K=block_k, PDL=1, EVICT=True, RED8=red8, BLOCKS=blocks)
     names = list(fn.arg_names)
     sig = {**signature, **{k: "constexpr" for k in const}}
-    aligned = [names.index(n) for n in ("X", "W", "S", "Bias", "Out", "K", "stride_xm", "stride_wn", "stride_om", "Res",
-                                        "G", "HOut")]
+    aligned = [names.index(n) for n in ("X", "W", "S", "Bias", "Out", "K", "stride_xm", "stride_wn", "stride_om")]
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -68,13 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for tile in args.tiles:
         block_n, block_k = (int(v) for v in tile.split("x"))
-        for two, silu, norm in ((False, False, False), (True, False, False), (False, True, False),
-                                (False, False, True), (False, True, True)):
+        for two, silu in ((False, False), (True, False), (False, True)):
             for blocks in (False, True):
-                counts = loop_counts(compile_ew(blocks, block_n, block_k, two, silu, norm=norm).asm["ptx"])
-                rows.append({"tile": tile, "rows": 2 if two else 1, "silu_mul": silu, "norm": norm,
+                counts = loop_counts(compile_ew(blocks, block_n, block_k, two, silu).asm["ptx"])
+                rows.append({"tile": tile, "rows": 2 if two else 1, "silu_mul": silu,
                              "scales": "block" if blocks else "channel", **counts})
-    cols = ["tile", "rows", "silu_mul", "norm", "scales", "loop_instructions", *LOOP_OPS]
+    cols = ["tile", "rows", "silu_mul", "scales", "loop_instructions", *LOOP_OPS]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))

@@ -39,8 +39,7 @@ def _probe_kernel(X, BLOCK: tl.constexpr):
 
 FP8_EW = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "Bias": "*bf16", "Out": "*bf16", "M": "i32", "N": "i32",
           "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "out_factor": "fp32",
-          "stride_sn": "i32", "group_n": "i32", "group_k": "i32", "Res": "*bf16", "G": "*bf16", "HOut": "*bf16",
-          "eps": "fp32"}
+          "stride_sn": "i32", "group_n": "i32", "group_k": "i32"}
 ROPE_ARGS = {"Positions": "*i64", "Cos": "*fp32", "Sin": "*fp32", "Loc": "*i64", "stride_cache": "i32",
              "stride_kb": "i32", "stride_vb": "i32", "num_q_heads": "i32", "num_kv_heads": "i32", "k_inv": "fp32",
              "v_inv": "fp32"}
@@ -58,25 +57,18 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         out[f"fp8_ew two={two} silu={silu} r8={red8} f16={widen}"] = (
             _fp8_gemv_ew_kernel, dict(FP8_EW, W="*u8" if widen else "*fp8e4nv"),
             dict(HAS_BIAS=True, WIDEN_F16=widen, TWO_ROWS=two, SILU_MUL=silu, BLOCK_N=4, BLOCK_K=1024, PDL=1,
-                 EVICT=True, RED8=red8, BLOCKS=False, NORM=False, HAS_RES=False))
+                 EVICT=True, RED8=red8, BLOCKS=False))
         out[f"fp8_ew blocks two={two} silu={silu} r8={red8} f16={widen}"] = (
             _fp8_gemv_ew_kernel, dict(FP8_EW, W="*u8" if widen else "*fp8e4nv"),
             dict(HAS_BIAS=False, WIDEN_F16=widen, TWO_ROWS=two, SILU_MUL=silu, BLOCK_N=4, BLOCK_K=1024, PDL=1,
-                 EVICT=True, RED8=red8, BLOCKS=True, NORM=False, HAS_RES=False))
-    for silu, res in ((True, True), (False, False)):  # the input / post-attention norm folded in
-        out[f"fp8_ew norm silu={silu} res={res}"] = (
-            _fp8_gemv_ew_kernel, FP8_EW,
-            dict(HAS_BIAS=False, WIDEN_F16=False, TWO_ROWS=False, SILU_MUL=silu, BLOCK_N=8, BLOCK_K=2048, PDL=1,
-                 EVICT=True, RED8=True, BLOCKS=False, NORM=True, HAS_RES=res))
-    for red8, widen, kv, norm in ((True, False, "*fp8e4nv", False), (False, True, "*bf16", False),
-                                  (True, False, "*bf16", True)):
-        out[f"fp8_rope r8={red8} f16={widen} kv={kv} norm={norm}"] = (
+                 EVICT=True, RED8=red8, BLOCKS=True))
+    for red8, widen, kv in ((True, False, "*fp8e4nv"), (False, True, "*bf16")):
+        out[f"fp8_rope r8={red8} f16={widen} kv={kv}"] = (
             _fp8_gemv_rope_kernel,
             dict(ROPE_ARGS, X="*bf16", W="*u8" if widen else "*fp8e4nv", S="*fp32", Bias="*bf16", Out="*bf16",
-                 KBuf=kv, VBuf=kv, N="i32", K="i32", stride_wn="i32", out_factor="fp32", Res="*bf16", G="*bf16",
-                 HOut="*bf16", eps="fp32"),
+                 KBuf=kv, VBuf=kv, N="i32", K="i32", stride_wn="i32", out_factor="fp32"),
             dict(HAS_BIAS=True, STORE_KV=True, FP8_MAX=448.0 if kv == "*fp8e4nv" else 0.0, HALF=64,
-                 WIDEN_F16=widen, EVICT=True, RED8=red8, BLOCK_N=4, BLOCK_K=1024, PDL=1, NORM=norm, HAS_RES=norm))
+                 WIDEN_F16=widen, EVICT=True, RED8=red8, BLOCK_N=4, BLOCK_K=1024, PDL=1))
     row_args = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "ResOut": "*bf16", "W": "*bf16", "W2": "*bf16",
                 "Bias": "*bf16", "Out": "*bf16", "Slot": "*i32", "N1": "i32", "N": "i32", "K": "i32",
                 "stride_wn": "i32", "stride_w2n": "i32", "eps": "fp32"}

@@ -101,12 +101,12 @@ def test_linear_hooks_equal_the_unfused_products(monkeypatch: pytest.MonkeyPatch
         norm = RMSNorm(2048, 1e-6)
         norm.weight.data.normal_(1.0, 0.2, generator=g)
         x, res = torch.randn(1, 2048, generator=g), torch.randn(1, 2048, generator=g)
-        out, new_res, rotated, gated = col.normed_product(x, res, norm)
-        assert not rotated and not gated
+        out, new_res, rotated = col.normed_product(x, res, norm)
+        assert not rotated
         ref_in, ref_res = norm(x, res)
         assert torch.equal(new_res, ref_res)
         torch.testing.assert_close(out, col(ref_in), rtol=0, atol=0)
-        out, same, _, _ = col.normed_product(x, None, norm)
+        out, same, _ = col.normed_product(x, None, norm)
         assert same is x
         torch.testing.assert_close(out, col(norm(x)), rtol=0, atol=0)
         assert col.normed_product(torch.randn(2, 2048), None, norm) is None
@@ -151,7 +151,7 @@ def test_q4_k_model_decodes_the_same_tokens_with_the_fused_quantisers(tmp_path, 
         fused = StaticBatch(make_runner(str(tmp_path), quantization="q4_k")).generate([prompt], 4)[0]
         assert calls.count("q8_1_blocks_normed") == 2 * 3 and calls.count("q8_1_blocks_gated") == 3
         assert calls.count("dp4c_qkv_rope") == 3  # q/k/v rotated and k/v stored in the product's epilogue
-        monkeypatch.setattr(GGUFLinearMethod, "apply_normed", lambda *a, **kw: None)
+        monkeypatch.setattr(GGUFLinearMethod, "apply_normed", lambda *a: None)
         monkeypatch.setattr(GGUFLinearMethod, "apply_gated", lambda *a: None)
         plain = StaticBatch(make_runner(str(tmp_path), quantization="q4_k")).generate([prompt], 4)[0]
     finally:

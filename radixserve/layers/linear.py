@@ -179,17 +179,14 @@ class _LinearBase(nn.Module):
         return self._quant_product(x)
 
     def normed_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-                       rope: RopeArgs | None = None, silu_mul: bool = False) -> NormedProduct | None:
+                       rope: RopeArgs | None = None) -> NormedProduct | None:
         """This layer applied to norm(x + residual), with x + residual, where the quantization method folds the
         residual add and the RMSNorm `norm` into the launch before its product (Q4_K at one row:
-        `GGUFLinearMethod.apply_normed`, in its own launch before the product; fp8 at one row:
-        `Fp8LinearMethod.apply_normed`, inside the product's; with `rope`, q/k/v's rotation and KV store too where
-        it can, saying so in `rotated`; with `silu_mul`, a [gate; up] layer's activation too where it can, saying so
-        in `gated`); None otherwise (the caller runs the norm)."""
+        `GGUFLinearMethod.apply_normed`; with `rope`, q/k/v's rotation and KV store too where it can, saying so in
+        `rotated`); None otherwise (the caller runs the norm)."""
         if not self.folds_norm:
             return None
-        return self.quant_method.apply_normed(self, x, residual, norm.weight, norm.eps, self.bias, rope,
-                                              silu_mul=silu_mul)
+        return self.quant_method.apply_normed(self, x, residual, norm.weight, norm.eps, self.bias, rope)
 
     @property
     def folds_norm(self) -> bool:

@@ -70,10 +70,8 @@ class LlamaMLP(nn.Module):
         """(the block's output, x + residual) with `norm`'s residual add and the norm in gate_up's launch, where its
         quantization method folds them in (`normed_product`); None otherwise (the caller norms and calls the
         block, so that hooks on it fire)."""
-        fused = self.gate_up_proj.normed_product(x, residual, norm, silu_mul=type(self.act_fn) is SiluAndMul)
-        if fused is None:
-            return None
-        return (self._scaled(self.down_proj(fused.out)) if fused.gated else self._down(fused.out)), fused.residual
+        fused = self.gate_up_proj.normed_product(x, residual, norm)
+        return None if fused is None else (self._down(fused.out), fused.residual)
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = self.down_proj.gated_product(gate_up)  # the activation in down's launch where it can

@@ -22,13 +22,11 @@ if TYPE_CHECKING:
 
 
 class NormedProduct(NamedTuple):
-    """What a method's `apply_normed` returns: the product of the normed x, the new residual, whether the q/k/v
-    rotation and KV store it was asked for (a `RopeArgs`) were done in the same launch, and whether the SiLU·mul it
-    was asked for (`silu_mul`) was (`out` is then silu(gate) * up, half the layer's width)."""
+    """What a method's `apply_normed` returns: the product of the normed x, the new residual, and whether the
+    q/k/v rotation and KV store it was asked for (a `RopeArgs`) were done in the same launch."""
     out: torch.Tensor
     residual: torch.Tensor
     rotated: bool
-    gated: bool = False
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:

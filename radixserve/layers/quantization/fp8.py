@@ -33,7 +33,6 @@ from torch import nn
 
 from radixserve.layers.quantization.base import (
     LinearMethodBase,
-    NormedProduct,
     QuantizationConfig,
     QuantizeMethodBase,
     is_ignored,
@@ -56,8 +55,6 @@ FP8_GEMV_MAX_M = int(os.environ.get("RADIXSERVE_FP8_GEMV_MAX_M", "0"))
 # `fp8_gemv` (block sizes swept per shape, `gemv_configs`); RADIXSERVE_FP8_SKINNY=0 sends them to the W8A16 `fp8_gemm`
 # instead (comparisons).
 SKINNY = os.environ.get("RADIXSERVE_FP8_SKINNY", "1") != "0"
-# One row: the RMSNorm before q/k/v and gate_up inside their GEMV's launch (`Fp8LinearMethod.apply_normed`)
-FOLD_NORM = os.environ.get("RADIXSERVE_FP8_FOLD_NORM", "1") != "0"
 # Above SMALL_M and up to this many rows, per-channel products run the kernel the swept table names for the shape
 # and batch size (`fp8_mid`: a transposed W8A8 or W8A16 Triton product that keeps every SM streaming the weight),
 # where it has one; 0 turns the table off (torch._scaled_mm throughout).
@@ -304,32 +301,6 @@ class Fp8LinearMethod(LinearMethodBase):
         from radixserve.layers.quantization.fp8_gemv_rope import fp8_qkv_rope
 
         return fp8_qkv_rope(x, layer.weight, layer.weight_scale, bias, rope)
-
-    def apply_normed(self, layer: _LinearBase, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, bias: torch.Tensor | None, rope: RopeArgs | None = None,
-                     silu_mul: bool = False) -> NormedProduct | None:
-        """RMSNorm(x + residual) * weight through this layer for one row, the residual add and the norm inside the
-        elementwise GEMV's launch (`fp8_gemv.NormIn`: x + residual written by one program, the product scaled by
-        1 / rms in the epilogue); with `rope` (per-channel scales) q/k rotated and k / v stored in its epilogue too,
-        with `silu_mul` silu(gate) * up. None where that GEMV does not take the product (the caller norms first);
-        RADIXSERVE_FP8_FOLD_NORM=0 turns it off (comparisons)."""
-        if not FOLD_NORM or not SKINNY or getattr(layer, "input_scale", None) is not None or x.dim() != 2 \
-                or x.shape[0] != 1 or x.stride(-1) != 1 or not _on_gpu_kernels(x) \
-                or (residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1)):
-            return None
-        from radixserve.layers.quantization.fp8_gemv import NormIn, fp8_skinny_gemv
-        from radixserve.layers.quantization.fp8_gemv_rope import fp8_qkv_rope
-
-        h_out = None if residual is None else torch.empty_like(x)
-        norm = NormIn(residual, weight, eps, h_out)
-        new_residual = x if h_out is None else h_out
-        if rope is not None and self.block is None:
-            out = fp8_qkv_rope(x, layer.weight, layer.weight_scale, bias, rope, norm=norm)
-            if out is not None:
-                return NormedProduct(out, new_residual, True)
-        out = fp8_skinny_gemv(x, layer.weight, layer.weight_scale, x.dtype, bias, silu_mul=silu_mul,
-                              block=self.block, norm=norm)
-        return None if out is None else NormedProduct(out, new_residual, False, silu_mul)
 
     def _apply_kernels(self, layer: _LinearBase, x: torch.Tensor, bias: torch.Tensor | None, bn: int, bk: int,
                        small: bool, input_scale: torch.Tensor | None) -> torch.Tensor:

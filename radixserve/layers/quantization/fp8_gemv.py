@@ -24,8 +24,6 @@ small-batch expert kernels do (`moe/small_batch._fp8_rows`); other block-wise pr
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -120,27 +118,10 @@ def _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _normed_x(x_ptrs, r_ptrs, g_ptrs, h_ptrs, ss, dtype: tl.constexpr, HAS_RES: tl.constexpr):
-    """One K step of a normed row, as `triton_ops/norm` computes it: h = x (+ the residual, rounded to `dtype` and
-    written by program 0, as the norm's residual output), the sums of h^2 by column added to `ss`; returns
-    (h * the norm's weight as the [1, BLOCK_K] row the product takes, ss). The product is scaled by 1 / rms(h) at
-    the end instead of rounding the normed row first."""
-    h = tl.load(x_ptrs).to(tl.float32)
-    if HAS_RES:
-        h = (h + tl.load(r_ptrs).to(tl.float32)).to(dtype)
-        cols = tl.arange(0, h.shape[0])
-        tl.store(h_ptrs, h, mask=cols + tl.program_id(0) * h.shape[0] < h.shape[0])  # program 0 only
-        h = h.to(tl.float32)
-    ss += h * h
-    return (h * tl.load(g_ptrs).to(tl.float32))[None, :], ss
-
-
-@triton.jit
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor, stride_sn,
-                        group_n, group_k, Res, G, HOut, eps, HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr,
-                        TWO_ROWS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = 0, EVICT: tl.constexpr = False, RED8: tl.constexpr = False,
-                        BLOCKS: tl.constexpr = False, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
+                        group_n, group_k, HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
+                        SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
+                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False, BLOCKS: tl.constexpr = False):
     """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
     silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`.
     BLOCKS: S holds a scale per group_n rows and group_k columns (rows stride_sn apart); BLOCK_N divides group_n
@@ -149,9 +130,7 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     More fp8 bytes in flight per SM (the kernel is bound by them, not by instructions): RED8 sums each thread's
     runs of 8 products before they reach the accumulator ([BLOCK_N, BLOCK_K / 8] registers instead of [BLOCK_N,
     BLOCK_K], so larger tiles and more programs fit an SM); EVICT streams the weight past L1 (evict-first), leaving
-    it to x.
-    NORM (one row): the product of RMSNorm(x + Res) * G instead of x (`_normed_x`; HAS_RES: with Res, the sum
-    x + Res written to HOut by program 0); the row's 1 / rms multiplies the outputs in the epilogue."""
+    it to x."""
     pdl_prologue(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -161,8 +140,8 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     offs_k = (offs_k // 8) * 8 + offs_k % 8
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_rows = N * stride_wn.to(tl.int64)
-    x_ptrs = X + offs_k  # one x chunk a step, broadcast over the tile's rows (a slice of its layout: no exchange)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: the sums of (x + Res)^2 by column
+    # x read through a [BLOCK_N, BLOCK_K] pointer tile (every row the same; L1 serves the repeats): same layout too
+    x_ptrs = X + offs_k[None, :] + 0 * offs_n[:, None]
     ACC_K: tl.constexpr = BLOCK_K // 8 if RED8 else BLOCK_K
     acc0 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)  # the second row of x, or the up rows
@@ -175,29 +154,23 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
         w = _load_w(w_ptrs, mask_n, EVICT)
         u = _load_w(w_ptrs + up_rows, mask_n, EVICT) if SILU_MUL else w
         wf = _widen(w, WIDEN_F16)
-        if NORM:
-            x0, ss = _normed_x(x_ptrs, Res + k0 + offs_k, G + k0 + offs_k, HOut + k0 + offs_k, ss, X.dtype.element_ty,
-                               HAS_RES)
-        else:
-            x0 = tl.load(x_ptrs).to(tl.float32)[None, :]
+        x0 = tl.load(x_ptrs).to(tl.float32)
         if BLOCKS:
             sc = tl.load(s_ptrs + k0 // group_k)
             acc0 = _acc_blocks(acc0, wf, x0, sc, RED8)
             if TWO_ROWS:
-                acc1 = _acc_blocks(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32)[None, :], sc, RED8)
+                acc1 = _acc_blocks(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32), sc, RED8)
             if SILU_MUL:
                 acc1 = _acc_blocks(acc1, _widen(u, WIDEN_F16), x0, tl.load(s_ptrs + up_scales + k0 // group_k),
                                    RED8)
         else:
             acc0 = _acc(acc0, wf, x0, RED8)
             if TWO_ROWS:
-                acc1 = _acc(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32)[None, :], RED8)
+                acc1 = _acc(acc1, wf, tl.load(x_ptrs + stride_xm).to(tl.float32), RED8)
             if SILU_MUL:
                 acc1 = _acc(acc1, _widen(u, WIDEN_F16), x0, RED8)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if NORM:
-        out_factor = out_factor * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     out0 = _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, SILU_MUL, Out.dtype.element_ty,
                     BLOCKS)
     tl.store(Out + offs_n, out0.to(Out.dtype.element_ty), mask=mask_n)
@@ -250,27 +223,6 @@ def _fp8_gemv_dot_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stri
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
 
 
-class NormIn(NamedTuple):
-    """An RMSNorm folded into a one-row product (`fp8_skinny_gemv(norm=...)`): the residual added to x first (or
-    None), the norm's weight and eps, and where x + residual goes ([1, K] in x's dtype; None without a residual)."""
-    residual: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    h_out: torch.Tensor | None
-
-
-def _check_norm(x: torch.Tensor, norm: NormIn) -> None:
-    k = x.shape[1]
-    if x.shape[0] != 1 or norm.weight.shape != (k,) or norm.weight.stride(-1) != 1:
-        raise ValueError(f"fp8 GEMV: a folded norm takes one row of x and a [{k}] weight; got x {tuple(x.shape)}, "
-                         f"weight {tuple(norm.weight.shape)}")
-    for name, t in (("residual", norm.residual), ("h_out", norm.h_out)):
-        if (t is None) != (norm.residual is None) or (t is not None and (
-                t.shape != x.shape or t.dtype != x.dtype or t.stride(-1) != 1 or t.device != x.device)):
-            raise ValueError(f"fp8 GEMV: the folded norm's {name} must be a contiguous {x.dtype} {tuple(x.shape)} on "
-                             f"{x.device}, given with the other (residual and h_out both or neither)")
-
-
 MAX_M = 16
 # the elementwise kernel's variant flags, joined by "+": "f16" widens by moving bits, "ef" loads the weight
 # evict-first, "r8" sums runs of 8 products in the thread (`_fp8_gemv_ew_kernel`)
@@ -281,7 +233,7 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
                     bias: torch.Tensor | None = None, config: gemv_configs.GemvConfig | None = None,
                     silu_mul: bool = False, pdl_level: int | None = None,
                     block: tuple[int, int] | list[int] | None = None, out: torch.Tensor | None = None,
-                    norm: NormIn | None = None) -> torch.Tensor | None:
+                    ) -> torch.Tensor | None:
     """x [M, K] (M <= 16, rows contiguous) times the fp8 weight w [N, K] with per-channel float32 scales ([N] or
     [N, 1]) -> [M, N] `out_dtype`; with `silu_mul`, w is [gate; up] and the result silu(gate) * up [M, N / 2]
     (the activation of a gated MLP in the GEMV's epilogue). `block` (bn, bk): the scales are block-wise
@@ -291,15 +243,11 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
     `silu_mul` the "fp8_silu" entry of the stacked N, and an "ew" tile reads block_n / 2 rows of each half).
     `pdl_level` overrides RADIXSERVE_PDL for the elementwise kernel (`triton_ops.pdl`). `out`: the [M, N_out]
     `out_dtype` tensor (rows contiguous) to write, instead of a new one. An int8 `w` (the int8 LM head,
-    `lm_head_int8`) takes the same kernels, its bytes widened by conversion.
-    `norm` (one row, the elementwise kernel): the product of RMSNorm(x + residual) * weight instead of x, x +
-    residual written to `norm.h_out` (`NormIn`); None where the table's tile for the shape is not elementwise."""
+    `lm_head_int8`) takes the same kernels, its bytes widened by conversion."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_M or k % 16 or x.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[1] != k or (silu_mul and n % 2):
         return None
-    if norm is not None:
-        _check_norm(x, norm)
     n_out = n // 2 if silu_mul else n
     if block is None:
         if scale.numel() != n:
@@ -322,8 +270,6 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         cfg = gemv_configs.default("fp8", 1, x.is_cuda)
     if cfg.kernel == "ew" and (m > 2 or (silu_mul and m > 1)):  # the elementwise kernel takes one or two rows
         cfg = gemv_configs.default("fp8", 16, x.is_cuda)
-    if norm is not None and cfg.kernel != "ew":
-        return None
     block_k = cfg.block_k
     while k % block_k:
         block_k //= 2
@@ -340,14 +286,11 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         if block is not None:  # a program's rows in one row block (powers of two: the smaller divides the larger)
             block_n = min(block_n, bn)
             groups = (scale.stride(0), bn, bk)
-        res, g, h_out = (x, x, x) if norm is None else (
-            norm.residual if norm.residual is not None else x, norm.weight, norm.h_out if norm.h_out is not None else x)
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
-               out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0, *groups, res, g,
-               h_out, 0.0 if norm is None else norm.eps, HAS_BIAS=bias is not None, WIDEN_F16=widen,
-               TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k, EVICT="ef" in flags,
-               RED8="r8" in flags, BLOCKS=block is not None, NORM=norm is not None,
-               HAS_RES=norm is not None and norm.residual is not None, **opts, **pdl.launch_opts(x, pdl_level))
+               out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0, *groups,
+               HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
+               BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, BLOCKS=block is not None, **opts,
+               **pdl.launch_opts(x, pdl_level))
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
                w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,

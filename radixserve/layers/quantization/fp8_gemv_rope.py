@@ -14,16 +14,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.quantization import gemv_configs
-from radixserve.layers.quantization.fp8_gemv import (
-    EW_FLAGS,
-    NormIn,
-    _acc,
-    _check_norm,
-    _load_w,
-    _normed_x,
-    _row_out,
-    _widen,
-)
+from radixserve.layers.quantization.fp8_gemv import EW_FLAGS, _acc, _load_w, _row_out, _widen
 from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.gemv_rope import _rope_store, rope_launch_args
@@ -33,12 +24,10 @@ from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 @triton.jit
 def _fp8_gemv_rope_kernel(X, W, S, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, N, K, stride_wn, out_factor,
-                          stride_cache, stride_kb, stride_vb, num_q_heads, num_kv_heads, k_inv, v_inv, Res, G, HOut,
-                          eps, HAS_BIAS: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr,
-                          HALF: tl.constexpr, WIDEN_F16: tl.constexpr, EVICT: tl.constexpr, RED8: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
-                          NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
-    """NORM / HAS_RES: the input norm folded in, as in `_fp8_gemv_ew_kernel`."""
+                          stride_cache, stride_kb, stride_vb, num_q_heads, num_kv_heads, k_inv, v_inv,
+                          HAS_BIAS: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr, HALF: tl.constexpr,
+                          WIDEN_F16: tl.constexpr, EVICT: tl.constexpr, RED8: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     R: tl.constexpr = BLOCK_N // 2
@@ -52,22 +41,14 @@ def _fp8_gemv_rope_kernel(X, W, S, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
     offs_k = tl.arange(0, BLOCK_K)
     offs_k = (offs_k // 8) * 8 + offs_k % 8  # runs of 8 columns a thread, as in `_fp8_gemv_ew_kernel`
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = X + offs_k  # one x chunk a step, broadcast over the tile's rows
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    x_ptrs = X + offs_k[None, :] + 0 * offs_n[:, None]  # x in the weight tile's layout (L1 serves the repeats)
     ACC_K: tl.constexpr = BLOCK_K // 8 if RED8 else BLOCK_K
     acc = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
+    for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
         w = _load_w(w_ptrs, mask_n, EVICT)
-        if NORM:
-            x, ss = _normed_x(x_ptrs, Res + k0 + offs_k, G + k0 + offs_k, HOut + k0 + offs_k, ss, X.dtype.element_ty,
-                              HAS_RES)
-        else:
-            x = tl.load(x_ptrs).to(tl.float32)[None, :]
-        acc = _acc(acc, _widen(w, WIDEN_F16), x, RED8)
+        acc = _acc(acc, _widen(w, WIDEN_F16), tl.load(x_ptrs).to(tl.float32), RED8)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if NORM:
-        out_factor = out_factor * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     out = _row_out(acc, acc, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS, False, Out.dtype.element_ty)
     o1, o2 = tl.split(tl.permute(tl.reshape(out, (2, R)), (1, 0)))
     d = (pid % per_head) * R + tl.arange(0, R)
@@ -82,20 +63,18 @@ def rope_rows(cfg: gemv_configs.GemvConfig, head_dim: int) -> int:
 
 
 def fp8_qkv_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, rope: RopeArgs,
-                 config: gemv_configs.GemvConfig | None = None, norm: NormIn | None = None) -> torch.Tensor | None:
+                 config: gemv_configs.GemvConfig | None = None) -> torch.Tensor | None:
     """qkv [1, N] = x [1, K] @ (w * scale).T (+ bias) for the fp8 weight w [N, K] with per-channel scales [N], q and
     k heads rotated at `rope.positions[0]` (neox layout) and, with `rope.kv`, k and v stored at the token's slot.
     None where these kernels do not take it (the shape's tile is not the elementwise kernel's, or its rows do not
     pair the rotary halves): the caller runs the plain product and the rotary kernel. `config` overrides the table's
-    "fp8" tile (tests). `norm`: the input norm folded in (`fp8_gemv.NormIn`)."""
+    "fp8" tile (tests)."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
         raise ValueError(f"fp8_qkv_rope takes one row of x with unit stride; got {tuple(x.shape)}")
     n, k = w.shape
     if w.dim() != 2 or k != x.shape[1] or w.stride(-1) != 1 or scale.numel() != n:
         raise ValueError(f"fp8_qkv_rope: weight {tuple(w.shape)} with {scale.numel()} scales does not fit x "
                          f"{tuple(x.shape)} (per-channel scales)")
-    if norm is not None:
-        _check_norm(x, norm)
     cfg = config or gemv_configs.get("fp8", 1, n, k, x.is_cuda)
     r = rope_rows(cfg, rope.head_dim)
     if cfg.kernel != "ew" or k % 16 or r == 0:
@@ -113,14 +92,10 @@ def fp8_qkv_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     widen = "f16" in flags
     s = scale.reshape(-1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
-    res, g, h_out = (x, x, x) if norm is None else (
-        norm.residual if norm.residual is not None else x, norm.weight, norm.h_out if norm.h_out is not None else x)
     launch(_fp8_gemv_rope_kernel, (n // (2 * r),), x, w.view(torch.uint8) if widen else w, s,
            bias if bias is not None else s, out, rope.positions, rope.cos_cache, rope.sin_cache, loc, k_buf, v_buf, n,
            k, w.stride(0), 256.0 if widen else 1.0, rope.cos_cache.stride(0), skb, svb, rope.num_q_heads,
-           rope.num_kv_heads, k_inv, v_inv, res, g, h_out, 0.0 if norm is None else norm.eps,
-           HAS_BIAS=bias is not None, STORE_KV=rope.kv is not None, FP8_MAX=fmax, HALF=rope.head_dim // 2,
-           WIDEN_F16=widen, EVICT="ef" in flags, RED8="r8" in flags, BLOCK_N=2 * r, BLOCK_K=block_k,
-           NORM=norm is not None, HAS_RES=norm is not None and norm.residual is not None, **opts,
-           **pdl.launch_opts(x))
+           rope.num_kv_heads, k_inv, v_inv, HAS_BIAS=bias is not None, STORE_KV=rope.kv is not None, FP8_MAX=fmax,
+           HALF=rope.head_dim // 2, WIDEN_F16=widen, EVICT="ef" in flags, RED8="r8" in flags, BLOCK_N=2 * r,
+           BLOCK_K=block_k, **opts, **pdl.launch_opts(x))
     return out

@@ -174,12 +174,11 @@ class GGUFLinearMethod(LinearMethodBase):
         return dp4c_config(layer.output_size, k, self.fields(layer), x.is_cuda)
 
     def apply_normed(self, layer: _LinearBase, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, bias: torch.Tensor | None, rope: RopeArgs | None = None,
-                     silu_mul: bool = False) -> NormedProduct | None:
+                     eps: float, bias: torch.Tensor | None, rope: RopeArgs | None = None) -> NormedProduct | None:
         """RMSNorm(x + residual) * weight through this layer, with the norm and x's quantisation in one launch
         before dp4c (`gguf_prologue`), for one row; with `rope` (a q/k/v layer) q and k rotated and k / v stored in
         dp4c's epilogue where its tiles pair the rotary halves (`gguf_chunk_rope`). None where dp4c does not serve
-        the product. (`silu_mul` is not taken here: the activation runs in down's launch, `apply_gated`.)"""
+        the product."""
         cfg = self._dp4c(layer, x, x.shape[-1])
         if cfg is None:
             return None
