@@ -101,6 +101,34 @@ def test_a_swept_middle_tile_takes_the_mid_kernel(fused_on_cpu: None, monkeypatc
     torch.testing.assert_close(got, x @ _dequantised(q, s).t(), rtol=1e-4, atol=1e-4)
 
 
+def test_a_gemm_middle_entry_keeps_the_w8a16_gemm(fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An "int8_mid" entry whose kernel is "gemm" (the sweep found `fp8_gemm` fastest at that M): `fp8_mid` is not
+    called and the product is the reference's."""
+    from radixserve.layers.quantization import fp8_mid, gemv_configs
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+
+    ran = []
+    monkeypatch.setattr(gemv_configs, "get_mid", lambda m, n, k, family="fp8_mid": GemvConfig("gemm", 0, 0))
+    monkeypatch.setattr(fp8_mid, "fp8_mid_mm", lambda *a, **kw: ran.append(a))
+    q, s, x = _head(seed=5)
+    got = int8_head_logits(x, q, s)
+    assert ran == []
+    torch.testing.assert_close(got, x @ _dequantised(q, s).t(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_table_routes_the_8b_head_by_rows() -> None:
+    """The swept entries for Llama-3.1-8B's head (128,256 x 4,096): 2 rows on the tensor-core GEMV tile; 17..32
+    rows kept on `fp8_gemm`, 33..64 and 65..256 rows on `fp8_mid`'s W8A16 tiles; none above 320 rows."""
+    from radixserve.layers.quantization import gemv_configs
+
+    assert gemv_configs.get("int8", 2, 128256, 4096).kernel == "dot"
+    kinds = {m: gemv_configs.get_mid(m, 128256, 4096, "int8_mid") for m in (17, 32, 33, 64, 65, 160, 256, 320, 321)}
+    assert kinds[17].kernel == kinds[32].kernel == "gemm"
+    assert kinds[33].kernel == kinds[64].kernel == "w8a16" and kinds[33].block_m == 64
+    assert kinds[65].kernel == kinds[256].kernel == kinds[320].kernel == "w8a16" and kinds[160].block_m == 128
+    assert kinds[321] is None
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # (untied, tied)
 def test_model_head_quantized_tied_or_not(tmp_path, kind: str) -> None:  # noqa: ANN001
     """The loader's `quantize_lm_head`: the head's rows in int8 with one scale each; a tied head gets its own

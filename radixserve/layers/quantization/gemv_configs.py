@@ -120,7 +120,8 @@ def get_mid(m: int, n: int, k: int, family: str = "fp8_mid") -> GemvConfig | Non
     """The `family` entry for an M-row product (17..256 rows) of an [N, K] weight: the entry swept at the smallest
     M >= m ("<family>/<M>/N/K", M as swept, not bucketed), else the largest swept M if m is within 1/4 of it; None
     when the table has none for the shape (the caller keeps its library product). "fp8_mid" entries' `kernel` is
-    "w8a8", "w8a16", "scaled_mm", "scaled_mm_t" or "scaled_mm_unit"; "int8_mid" (the int8 LM head's) "w8a16";
+    "w8a8", "w8a16", "scaled_mm", "scaled_mm_t" or "scaled_mm_unit"; "int8_mid" (the int8 LM head's) "w8a16" or
+    "gemm" (the W8A16 GEMM `fp8_gemm`, which the head runs without an entry);
     "mid16" / "mid16_silu" entries' "tn" or "cublas"."""
     rows = _mid_rows(family, n, k)
     for swept, cfg in rows:

@@ -103,7 +103,7 @@ def int8_head_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     m, (n, k) = x.shape[0], weight.shape
     logits = fp8_skinny_gemv(x, weight, scale, torch.float32, out=out) if m <= MAX_M else None
     cfg = gemv_configs.get_mid(m, n, k, "int8_mid") if logits is None and m <= MID_MAX_M else None
-    if cfg is not None:
+    if cfg is not None and cfg.kernel != "gemm":  # ("gemm": the sweep found fp8_gemm fastest at that M)
         logits = fp8_mid_mm(x, weight, scale, torch.float32, cfg)
     if logits is None:
         logits = fp8_gemm(x, weight, scale.view(-1, 1), 1, weight.shape[1], torch.float32)
