@@ -12,10 +12,10 @@ input embedding gets a head of its own (the embedding keeps its 16-bit rows for 
 the product the LogitsProcessor runs for such a head, float32 logits:
 - up to 16 rows on the GPU: the decode GEMV of the fp8 layers (`fp8_gemv.fp8_skinny_gemv`, which widens int8 by
   conversion), written into the decode graphs' shared logits rows where they are set;
-- 17..256 rows where the swept table has an "int8_mid" entry: the W8A16 kernel of `fp8_mid` (tensor cores, the
-  weight's rows on the MMA's long side, so the vocabulary's rows spread over every SM);
-- otherwise: the Triton W8A16 GEMM of the fp8 layers (`fp8_kernels.fp8_gemm`, tensor cores, the int8 tile widened to
-  the activation dtype);
+- 17..256 rows where the swept table has an "int8_mid" "w8a16" entry: the W8A16 kernel of `fp8_mid` (tensor cores,
+  the weight's rows on the MMA's long side, so the vocabulary's rows spread over every SM);
+- otherwise (no entry, or a "gemm" one where the sweep found this fastest): the Triton W8A16 GEMM of the fp8 layers
+  (`fp8_kernels.fp8_gemm`, tensor cores, the int8 tile widened to the activation dtype);
 - on the CPU: torch's int8 weight-only product (`torch._weight_int8pack_mm`) for one row, or up to 32 rows in 16 bits,
   else the head widened to the activations' dtype each call. Only bf16 decodes of up to 8 rows match or beat the
   plain head there (1.07-1.15x on SmolLM2's); larger batches and float32 lose to it (up to 5x): the flag is for the
