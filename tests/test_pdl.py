@@ -42,3 +42,20 @@ def test_level_while_restores_the_level(monkeypatch: pytest.MonkeyPatch) -> None
 def test_no_pdl_on_the_cpu() -> None:
     with pdl.level_while(2):
         assert pdl.launch_opts(torch.zeros(1)) == {}
+
+
+@pytest.mark.parametrize("opts,steps,step_bytes,row_bytes,want", [
+    ({}, 1, 2048, 4096, 0),  # no PDL: no prefetch
+    ({"PDL": 1}, 0, 2048, 4096, 0),  # RADIXSERVE_PDL_PREFETCH=0
+    ({"PDL": 1}, 1, 2048, 4096, 2048),  # one K step a row
+    ({"PDL": 2}, 4, 2048, 4096, 4096),  # never past the row
+    ({"PDL": 1}, 1, 1536, 14336, 1024),  # 12 lines: down to a power of two (8)
+    ({"PDL": 1}, 2, 4096, 28672, 8192),
+    ({"PDL": 1}, 1, 64, 64, 0),  # a row shorter than a line
+])
+def test_prefetch_bytes(monkeypatch: pytest.MonkeyPatch, opts: dict, steps: int, step_bytes: int, row_bytes: int,
+                        want: int) -> None:
+    monkeypatch.setattr(pdl, "PREFETCH_STEPS", steps)
+    got = pdl.prefetch_bytes(opts, step_bytes, row_bytes)
+    assert got == want
+    assert got == 0 or (got % pdl.LINE == 0 and (got // pdl.LINE) & (got // pdl.LINE - 1) == 0 and got <= row_bytes)

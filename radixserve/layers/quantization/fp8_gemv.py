@@ -31,7 +31,7 @@ import triton.language as tl
 from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
-from radixserve.layers.triton_ops.pdl import pdl_prologue
+from radixserve.layers.triton_ops.pdl import pdl_prologue, prefetch_rows
 
 
 @triton.jit
@@ -121,7 +121,8 @@ def _row_out(acc0, acc1, S, Bias, offs_n, mask_n, N, out_factor, HAS_BIAS: tl.co
 def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, out_factor, stride_sn,
                         group_n, group_k, HAS_BIAS: tl.constexpr, WIDEN_F16: tl.constexpr, TWO_ROWS: tl.constexpr,
                         SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
-                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False, BLOCKS: tl.constexpr = False):
+                        EVICT: tl.constexpr = False, RED8: tl.constexpr = False, BLOCKS: tl.constexpr = False,
+                        PREFETCH: tl.constexpr = 0):
     """SILU_MUL: W is [gate; up] (2N rows), each program reads the gate rows n and the up rows N + n and writes
     silu(gate) * up ([M, N]); one activation row only (TWO_ROWS is off). PDL: `triton_ops.pdl`.
     BLOCKS: S holds a scale per group_n rows and group_k columns (rows stride_sn apart); BLOCK_N divides group_n
@@ -130,10 +131,13 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     More fp8 bytes in flight per SM (the kernel is bound by them, not by instructions): RED8 sums each thread's
     runs of 8 products before they reach the accumulator ([BLOCK_N, BLOCK_K / 8] registers instead of [BLOCK_N,
     BLOCK_K], so larger tiles and more programs fit an SM); EVICT streams the weight past L1 (evict-first), leaving
-    it to x."""
-    pdl_prologue(PDL)
+    it to x. PREFETCH: bytes a row of the weight to ask the L2 for before the PDL wait (`pdl.prefetch_rows`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    prefetch_rows(W, tl.minimum(offs_n, N - 1), stride_wn, PREFETCH, 128)
+    if SILU_MUL:
+        prefetch_rows(W, tl.minimum(offs_n, N - 1) + N, stride_wn, PREFETCH, 128)
+    pdl_prologue(PDL)
     # Runs of 8 contiguous columns: the fp8 bytes and the 16-bit x then get the same register layout (8 a thread),
     # so nothing is exchanged through shared memory inside the loop.
     offs_k = tl.arange(0, BLOCK_K)
@@ -286,11 +290,14 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         if block is not None:  # a program's rows in one row block (powers of two: the smaller divides the larger)
             block_n = min(block_n, bn)
             groups = (scale.stride(0), bn, bk)
+        pdl_opts = pdl.launch_opts(x, pdl_level)
+        if pdl_opts:  # (fp8 / int8: a byte an element)
+            pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, block_k, k)
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
                out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0, *groups,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
                BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, BLOCKS=block is not None, **opts,
-               **pdl.launch_opts(x, pdl_level))
+               **pdl_opts)
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
                w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,

@@ -19,7 +19,7 @@ from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.gemv_rope import _rope_store, rope_launch_args
 from radixserve.layers.triton_ops.launch import launch
-from radixserve.layers.triton_ops.pdl import pdl_prologue
+from radixserve.layers.triton_ops.pdl import pdl_prologue, prefetch_rows
 
 
 @triton.jit
@@ -27,8 +27,7 @@ def _fp8_gemv_rope_kernel(X, W, S, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
                           stride_cache, stride_kb, stride_vb, num_q_heads, num_kv_heads, k_inv, v_inv,
                           HAS_BIAS: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr, HALF: tl.constexpr,
                           WIDEN_F16: tl.constexpr, EVICT: tl.constexpr, RED8: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
-    pdl_prologue(PDL)
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     pid = tl.program_id(0)
     R: tl.constexpr = BLOCK_N // 2
     per_head = HALF // R
@@ -36,6 +35,8 @@ def _fp8_gemv_rope_kernel(X, W, S, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
     i = tl.arange(0, BLOCK_N)
     offs_n = head * (2 * HALF) + (pid % per_head) * R + i % R + (i // R) * HALF  # both runs
     mask_n = offs_n < N
+    prefetch_rows(W, tl.minimum(offs_n, N - 1), stride_wn, PREFETCH, 128)  # before the wait: `pdl.prefetch_rows`
+    pdl_prologue(PDL)
     pos = tl.load(Positions).to(tl.int64)  # before the loop: their latency hides behind the weight's
     loc = tl.load(Loc).to(tl.int64) if STORE_KV else 0
     offs_k = tl.arange(0, BLOCK_K)
@@ -92,10 +93,13 @@ def fp8_qkv_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     widen = "f16" in flags
     s = scale.reshape(-1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
+    pdl_opts = pdl.launch_opts(x)
+    if pdl_opts:
+        pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, block_k, k)
     launch(_fp8_gemv_rope_kernel, (n // (2 * r),), x, w.view(torch.uint8) if widen else w, s,
            bias if bias is not None else s, out, rope.positions, rope.cos_cache, rope.sin_cache, loc, k_buf, v_buf, n,
            k, w.stride(0), 256.0 if widen else 1.0, rope.cos_cache.stride(0), skb, svb, rope.num_q_heads,
            rope.num_kv_heads, k_inv, v_inv, HAS_BIAS=bias is not None, STORE_KV=rope.kv is not None, FP8_MAX=fmax,
            HALF=rope.head_dim // 2, WIDEN_F16=widen, EVICT="ef" in flags, RED8="r8" in flags, BLOCK_N=2 * r,
-           BLOCK_K=block_k, **opts, **pdl.launch_opts(x))
+           BLOCK_K=block_k, **opts, **pdl_opts)
     return out

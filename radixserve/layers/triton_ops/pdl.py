@@ -12,7 +12,13 @@ turns it off) is 1 or 2 and the device is a CUDA GPU of compute capability 9.0 o
 instructions. Level 1 is the default because the 8B batch-1 decode graph replayed back to back (no host in the
 way, timed with CUDA events) takes 4.02 ms with it against 4.16 without, and the fp8 one 2.92 against 2.97, the
 same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there. The decode graphs of up to
-16 requests are captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`, SMALL_GRAPH_BS)."""
+16 requests are captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`, SMALL_GRAPH_BS).
+
+The weight-streaming kernels (the one-row GEMVs) may also ask the L2 for the start of their weight rows before
+they wait (`prefetch_rows`): the weights are never written by the kernels before them, and a prefetch is only a
+hint, so this cannot change a result; what it gains is that the first bytes are on their way while the kernel
+before is still finishing. RADIXSERVE_PDL_PREFETCH is how many of the kernel's K steps a row to ask for (default
+1; 0 turns it off); only launches that take part in PDL prefetch (`prefetch_bytes`)."""
 
 from __future__ import annotations
 
@@ -46,6 +52,10 @@ LEVEL = int(os.environ.get("RADIXSERVE_PDL", "1"))
 if LEVEL not in (0, 1, 2):
     raise ValueError(f"RADIXSERVE_PDL must be 0, 1 or 2, got {LEVEL}")
 LEVEL_FROM_ENV = "RADIXSERVE_PDL" in os.environ
+PREFETCH_STEPS = int(os.environ.get("RADIXSERVE_PDL_PREFETCH", "1"))
+if PREFETCH_STEPS < 0:
+    raise ValueError(f"RADIXSERVE_PDL_PREFETCH must be >= 0, got {PREFETCH_STEPS}")
+LINE = 128  # bytes an L2 prefetch brings
 # Decode graphs of at most this many requests are captured at level 2 while the level is the default 1: level 2
 # shortened the 8B batch-1 graph (fp8 weights -2.4%, bf16 -0.3 to -0.5%; H200) and lengthened batch 64's (+0.7 to
 # +1.0%) (docs/perf-log.md, "PDL level 1 against 2"); the fp8 graphs of 2 / 4 / 8 / 16 requests replayed back to
@@ -89,6 +99,32 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def l2_prefetch(ptrs):
+    """Asks the L2 for the 128-byte lines holding `ptrs` (one address a line); a hint, with no effect on results."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(W, rows, stride_w, ROW_BYTES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """L2 prefetch of the first ROW_BYTES (a multiple of LINE) of each of W's `rows` (in bounds; rows stride_w
+    elements apart, LINE_ELEMS elements a line). Nothing when ROW_BYTES is 0."""
+    if ROW_BYTES > 0:
+        offs = tl.arange(0, ROW_BYTES // 128) * LINE_ELEMS
+        l2_prefetch(W + rows[:, None].to(tl.int64) * stride_w + offs[None, :])
+
+
+def prefetch_bytes(opts: dict[str, Any], step_bytes: int, row_bytes: int) -> int:
+    """ROW_BYTES for `prefetch_rows` in a launch with PDL options `opts` (from `launch_opts`): PREFETCH_STEPS K steps
+    of `step_bytes` a row, at most the row's `row_bytes`, rounded down to a power-of-two count of lines; 0 without
+    PDL, with the prefetch off, or for rows shorter than a line."""
+    if not opts or not PREFETCH_STEPS:
+        return 0
+    lines = min(PREFETCH_STEPS * step_bytes, row_bytes) // LINE
+    return 0 if lines < 1 else LINE * (1 << (lines.bit_length() - 1))
+
+
 @functools.lru_cache(maxsize=16)
 def _capable(device_index: int) -> bool:
     return AVAILABLE and torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -103,5 +139,5 @@ def launch_opts(t: torch.Tensor, level: int | None = None) -> dict[str, Any]:
     return {"PDL": level, "launch_pdl": True}
 
 
-__all__ = ["AVAILABLE", "LEVEL", "gdc_launch_dependents", "gdc_wait", "graph_level", "launch_opts", "level_while",
-           "pdl_prologue", "set_level"]
+__all__ = ["AVAILABLE", "LEVEL", "PREFETCH_STEPS", "gdc_launch_dependents", "gdc_wait", "graph_level", "l2_prefetch",
+           "launch_opts", "level_while", "pdl_prologue", "prefetch_bytes", "prefetch_rows", "set_level"]
