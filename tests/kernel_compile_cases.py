@@ -81,7 +81,7 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
     out["row16 norm one chunk"] = (
         _gemv_row_kernel, row_args,
         dict(HAS_W2=True, NORM=True, HAS_RES=True, HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, BLOCK_N=2,
-             BLOCK_K=2048, SLOT_ROWS=0, PDL=1, PREFETCH=0, LINE_ELEMS=64))
+             BLOCK_K=2048, SLOT_ROWS=0, PDL=1, PREFETCH=4096, LINE_ELEMS=64))
     out["row16 rope"] = (
         _gemv_rope_kernel,
         dict(ROPE_ARGS, X="*bf16", W="*bf16", Bias="*bf16", Out="*bf16", KBuf="*bf16", VBuf="*bf16", K="i32",

@@ -1,8 +1,9 @@
 """On CUDA: the one-row GEMVs that ask the L2 for the start of their weight rows before their PDL wait
 (`triton_ops/pdl.prefetch_rows`) give bit-for-bit what they give without it: the fp8 elementwise kernel (plain,
 SiLU·mul, two rows, the int8 head's weight), the fp8 and 16-bit q/k/v products with the rotation and KV store, and
-the 16-bit one-row GEMV. Each launch runs at PDL level 2 behind a long kernel, so the prefetch happens while that
-kernel still runs. Skipped without a GPU or without PDL (compute capability < 9.0)."""
+the 16-bit one-row GEMV (one weight, or two side by side with the input norm). Each launch runs at PDL level 2
+behind a long kernel, so the prefetch happens while that kernel still runs. Skipped without a GPU or without PDL
+(compute capability < 9.0)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,16 @@ def test_gemv_row(monkeypatch: pytest.MonkeyPatch, silu: bool) -> None:
     w = (torch.randn(n, k, device="cuda", generator=g) / 16).bfloat16()
     x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
     _with_and_without(monkeypatch, lambda: gemv_row(x, w, silu_mul=silu))
+
+
+def test_gemv_row_two_weights_with_the_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek's q_proj + kv_a side by side, the residual add and the input norm in the launch."""
+    from radixserve.layers.triton_ops.gemv import gemv_row_norm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k = 2048
+    w = (torch.randn(3072, k, device="cuda", generator=g) / 16).bfloat16()
+    w2 = (torch.randn(576, k, device="cuda", generator=g) / 16).bfloat16()
+    x, res = (torch.randn(1, k, device="cuda", generator=g).bfloat16() for _ in range(2))
+    nw = torch.rand(k, device="cuda", generator=g).bfloat16()
+    _with_and_without(monkeypatch, lambda: gemv_row_norm(x, w, w2=w2, norm=(res, nw, 1e-6)))

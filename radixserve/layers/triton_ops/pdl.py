@@ -110,9 +110,15 @@ def l2_prefetch(ptrs):
 def prefetch_rows(W, rows, stride_w, ROW_BYTES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     """L2 prefetch of the first ROW_BYTES (a multiple of LINE) of each of W's `rows` (in bounds; rows stride_w
     elements apart, LINE_ELEMS elements a line). Nothing when ROW_BYTES is 0."""
+    prefetch_at(W + rows.to(tl.int64) * stride_w, ROW_BYTES, LINE_ELEMS)
+
+
+@triton.jit
+def prefetch_at(row_starts, ROW_BYTES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """`prefetch_rows` for rows given by pointers to their starts (a 1-D tensor; rows of two weights side by side)."""
     if ROW_BYTES > 0:
         offs = tl.arange(0, ROW_BYTES // 128) * LINE_ELEMS
-        l2_prefetch(W + rows[:, None].to(tl.int64) * stride_w + offs[None, :])
+        l2_prefetch(row_starts[:, None] + offs[None, :])
 
 
 def prefetch_bytes(opts: dict[str, Any], step_bytes: int, row_bytes: int) -> int:
@@ -140,4 +146,5 @@ def launch_opts(t: torch.Tensor, level: int | None = None) -> dict[str, Any]:
 
 
 __all__ = ["AVAILABLE", "LEVEL", "PREFETCH_STEPS", "gdc_launch_dependents", "gdc_wait", "graph_level", "l2_prefetch",
-           "launch_opts", "level_while", "pdl_prologue", "prefetch_bytes", "prefetch_rows", "set_level"]
+           "launch_opts", "level_while", "pdl_prologue", "prefetch_at", "prefetch_bytes", "prefetch_rows",
+           "set_level"]
