@@ -57,7 +57,7 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
         out[f"fp8_ew two={two} silu={silu} r8={red8} f16={widen}"] = (
             _fp8_gemv_ew_kernel, dict(FP8_EW, W="*u8" if widen else "*fp8e4nv"),
             dict(HAS_BIAS=True, WIDEN_F16=widen, TWO_ROWS=two, SILU_MUL=silu, BLOCK_N=4, BLOCK_K=1024, PDL=1,
-                 EVICT=True, RED8=red8, BLOCKS=False, PREFETCH=1024 if red8 else 0))
+                 EVICT=True, RED8=red8, BLOCKS=False, PREFETCH=512 if red8 else 0))
         out[f"fp8_ew blocks two={two} silu={silu} r8={red8} f16={widen}"] = (
             _fp8_gemv_ew_kernel, dict(FP8_EW, W="*u8" if widen else "*fp8e4nv"),
             dict(HAS_BIAS=False, WIDEN_F16=widen, TWO_ROWS=two, SILU_MUL=silu, BLOCK_N=4, BLOCK_K=1024, PDL=1,
@@ -68,26 +68,25 @@ def cases() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
             dict(ROPE_ARGS, X="*bf16", W="*u8" if widen else "*fp8e4nv", S="*fp32", Bias="*bf16", Out="*bf16",
                  KBuf=kv, VBuf=kv, N="i32", K="i32", stride_wn="i32", out_factor="fp32"),
             dict(HAS_BIAS=True, STORE_KV=True, FP8_MAX=448.0 if kv == "*fp8e4nv" else 0.0, HALF=64,
-                 WIDEN_F16=widen, EVICT=True, RED8=red8, BLOCK_N=4, BLOCK_K=1024, PDL=1, PREFETCH=1024))
+                 WIDEN_F16=widen, EVICT=True, RED8=red8, BLOCK_N=4, BLOCK_K=1024, PDL=1, PREFETCH=512))
     row_args = {"X": "*bf16", "Res": "*bf16", "NormW": "*bf16", "ResOut": "*bf16", "W": "*bf16", "W2": "*bf16",
                 "Bias": "*bf16", "Out": "*bf16", "Slot": "*i32", "N1": "i32", "N": "i32", "K": "i32",
                 "stride_wn": "i32", "stride_w2n": "i32", "eps": "fp32"}
     out["row16 norm"] = (
         _gemv_row_kernel, row_args,
         dict(HAS_W2=False, NORM=True, HAS_RES=True, HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, BLOCK_N=4,
-             BLOCK_K=1024, SLOT_ROWS=0, PDL=1, PREFETCH=2048, LINE_ELEMS=64))
+             BLOCK_K=1024, SLOT_ROWS=0, PDL=1))
     # the MoE / MLA attention's pick: one chunk of K (the weight asked for before the statistics, no loop after),
     # two weights (DeepSeek's q_proj + kv_a)
     out["row16 norm one chunk"] = (
         _gemv_row_kernel, row_args,
         dict(HAS_W2=True, NORM=True, HAS_RES=True, HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, BLOCK_N=2,
-             BLOCK_K=2048, SLOT_ROWS=0, PDL=1, PREFETCH=4096, LINE_ELEMS=64))
+             BLOCK_K=2048, SLOT_ROWS=0, PDL=1))
     out["row16 rope"] = (
         _gemv_rope_kernel,
         dict(ROPE_ARGS, X="*bf16", W="*bf16", Bias="*bf16", Out="*bf16", KBuf="*bf16", VBuf="*bf16", K="i32",
              stride_wn="i32"),
-        dict(HAS_BIAS=True, STORE_KV=True, FP8_MAX=0.0, EVEN_K=True, HALF=64, BLOCK_N=2, BLOCK_K=2048, PDL=1,
-             PREFETCH=4096, LINE_ELEMS=64))
+        dict(HAS_BIAS=True, STORE_KV=True, FP8_MAX=0.0, EVEN_K=True, HALF=64, BLOCK_N=2, BLOCK_K=2048, PDL=1))
     return out
 
 

@@ -44,18 +44,17 @@ def test_no_pdl_on_the_cpu() -> None:
         assert pdl.launch_opts(torch.zeros(1)) == {}
 
 
-@pytest.mark.parametrize("opts,steps,step_bytes,row_bytes,want", [
-    ({}, 1, 2048, 4096, 0),  # no PDL: no prefetch
-    ({"PDL": 1}, 0, 2048, 4096, 0),  # RADIXSERVE_PDL_PREFETCH=0
-    ({"PDL": 1}, 1, 2048, 4096, 2048),  # one K step a row
-    ({"PDL": 2}, 4, 2048, 4096, 4096),  # never past the row
-    ({"PDL": 1}, 1, 1536, 14336, 1024),  # 12 lines: down to a power of two (8)
-    ({"PDL": 1}, 2, 4096, 28672, 8192),
-    ({"PDL": 1}, 1, 64, 64, 0),  # a row shorter than a line
+@pytest.mark.parametrize("opts,nbytes,row_bytes,want", [
+    ({}, 512, 4096, 0),  # no PDL: no prefetch
+    ({"PDL": 1}, 0, 4096, 0),  # RADIXSERVE_PDL_PREFETCH=0
+    ({"PDL": 2}, 512, 4096, 512),  # the default
+    ({"PDL": 1}, 8192, 4096, 4096),  # never past the row
+    ({"PDL": 1}, 1536, 14336, 1024),  # 12 lines: down to a power of two (8)
+    ({"PDL": 1}, 512, 200, 128),
+    ({"PDL": 1}, 512, 64, 0),  # a row shorter than a line
 ])
-def test_prefetch_bytes(monkeypatch: pytest.MonkeyPatch, opts: dict, steps: int, step_bytes: int, row_bytes: int,
-                        want: int) -> None:
-    monkeypatch.setattr(pdl, "PREFETCH_STEPS", steps)
-    got = pdl.prefetch_bytes(opts, step_bytes, row_bytes)
+def test_prefetch_bytes(monkeypatch: pytest.MonkeyPatch, opts: dict, nbytes: int, row_bytes: int, want: int) -> None:
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", nbytes)
+    got = pdl.prefetch_bytes(opts, row_bytes)
     assert got == want
     assert got == 0 or (got % pdl.LINE == 0 and (got // pdl.LINE) & (got // pdl.LINE - 1) == 0 and got <= row_bytes)

@@ -1,9 +1,8 @@
-"""On CUDA: the one-row GEMVs that ask the L2 for the start of their weight rows before their PDL wait
-(`triton_ops/pdl.prefetch_rows`) give bit-for-bit what they give without it: the fp8 elementwise kernel (plain,
-SiLU·mul, two rows, the int8 head's weight), the fp8 and 16-bit q/k/v products with the rotation and KV store, and
-the 16-bit one-row GEMV (one weight, or two side by side with the input norm). Each launch runs at PDL level 2
-behind a long kernel, so the prefetch happens while that kernel still runs. Skipped without a GPU or without PDL
-(compute capability < 9.0)."""
+"""On CUDA: the fp8 one-row GEMVs, which ask the L2 for the start of their weight rows before their PDL wait
+(`triton_ops/pdl.prefetch_rows`), give bit-for-bit what they give without it: the elementwise kernel (plain,
+SiLU·mul, two rows, the int8 head's weight) and the q/k/v product with the rotation and KV store. Each launch runs
+at PDL level 2 behind a long kernel, so the prefetch happens while that kernel still runs. Skipped without a GPU or
+without PDL (compute capability < 9.0)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not pdl._capabl
 def _with_and_without(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], object]) -> None:
     outs = []
     monkeypatch.setattr(pdl, "LEVEL", 2)
-    for steps in (0, 1, 4):
-        monkeypatch.setattr(pdl, "PREFETCH_STEPS", steps)
+    for nbytes in (0, 512, 4096):
+        monkeypatch.setattr(pdl, "PREFETCH_BYTES", nbytes)
         busy = torch.empty(4096, 4096, device="cuda")
         torch.mm(busy, busy)  # a kernel to overlap
         got = fn()
@@ -52,8 +51,7 @@ def test_fp8_gemv(monkeypatch: pytest.MonkeyPatch, m: int, silu: bool, int8: boo
     _with_and_without(monkeypatch, lambda: fp8_skinny_gemv(x, w, s, torch.bfloat16, config=cfg, silu_mul=silu))
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_qkv_rope(monkeypatch: pytest.MonkeyPatch, fp8: bool) -> None:
+def test_qkv_rope(monkeypatch: pytest.MonkeyPatch) -> None:
     from radixserve.layers.quantization.fp8_gemv_rope import fp8_qkv_rope
     from radixserve.layers.quantization.gemv_configs import GemvConfig
     from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
@@ -70,39 +68,9 @@ def test_qkv_rope(monkeypatch: pytest.MonkeyPatch, fp8: bool) -> None:
     def run() -> tuple[torch.Tensor, ...]:
         kb, vb = (torch.zeros(16, hk, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         kv = gemv_rope.KVDest(kb, vb, loc, 1.0, 1.0)
-        if fp8:
-            out = fp8_qkv_rope(x, w, s, None, RopeArgs(hq, hk, d, pos, cos, sin, kv),
-                               GemvConfig("ew", 4, 1024, 4, 2, "ef+r8"))
-        else:
-            out = gemv_rope.gemv_qkv_rope(x, w, None, hq, hk, d, pos, cos, sin, kv, GemvConfig("ew", 2, 2048))
+        out = fp8_qkv_rope(x, w, s, None, RopeArgs(hq, hk, d, pos, cos, sin, kv),
+                           GemvConfig("ew", 4, 1024, 4, 2, "ef+r8"))
         return out, kb, vb
 
-    if fp8:
-        w, s = _fp8(n, k, g)
-    else:
-        w = (torch.randn(n, k, device="cuda", generator=g) / 16).bfloat16()
+    w, s = _fp8(n, k, g)
     _with_and_without(monkeypatch, run)
-
-
-@pytest.mark.parametrize("silu", [False, True])
-def test_gemv_row(monkeypatch: pytest.MonkeyPatch, silu: bool) -> None:
-    from radixserve.layers.triton_ops.gemv import gemv_row
-
-    g = torch.Generator(device="cuda").manual_seed(2)
-    n, k = (2 * 768, 2048) if silu else (5120 + 8, 2048)
-    w = (torch.randn(n, k, device="cuda", generator=g) / 16).bfloat16()
-    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
-    _with_and_without(monkeypatch, lambda: gemv_row(x, w, silu_mul=silu))
-
-
-def test_gemv_row_two_weights_with_the_norm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DeepSeek's q_proj + kv_a side by side, the residual add and the input norm in the launch."""
-    from radixserve.layers.triton_ops.gemv import gemv_row_norm
-
-    g = torch.Generator(device="cuda").manual_seed(3)
-    k = 2048
-    w = (torch.randn(3072, k, device="cuda", generator=g) / 16).bfloat16()
-    w2 = (torch.randn(576, k, device="cuda", generator=g) / 16).bfloat16()
-    x, res = (torch.randn(1, k, device="cuda", generator=g).bfloat16() for _ in range(2))
-    nw = torch.rand(k, device="cuda", generator=g).bfloat16()
-    _with_and_without(monkeypatch, lambda: gemv_row_norm(x, w, w2=w2, norm=(res, nw, 1e-6)))

@@ -292,7 +292,7 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
             groups = (scale.stride(0), bn, bk)
         pdl_opts = pdl.launch_opts(x, pdl_level)
         if pdl_opts:  # (fp8 / int8: a byte an element)
-            pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, block_k, k)
+            pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, k)
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
                out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0, *groups,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,

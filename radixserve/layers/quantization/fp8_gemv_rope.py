@@ -95,7 +95,7 @@ def fp8_qkv_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     pdl_opts = pdl.launch_opts(x)
     if pdl_opts:
-        pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, block_k, k)
+        pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, k)
     launch(_fp8_gemv_rope_kernel, (n // (2 * r),), x, w.view(torch.uint8) if widen else w, s,
            bias if bias is not None else s, out, rope.positions, rope.cos_cache, rope.sin_cache, loc, k_buf, v_buf, n,
            k, w.stride(0), 256.0 if widen else 1.0, rope.cos_cache.stride(0), skb, svb, rope.num_q_heads,

@@ -38,7 +38,7 @@ import triton.language as tl
 from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.launch import launch
-from radixserve.layers.triton_ops.pdl import pdl_prologue, prefetch_at, prefetch_rows
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 
 @triton.jit
@@ -57,21 +57,10 @@ def _normed_chunk(X, Res, NormW, offs_k, mask_k, rstd, HAS_RES: tl.constexpr, NO
 def _gemv_row_kernel(X, Res, NormW, ResOut, W, W2, Bias, Out, Slot, N1, N, K, stride_wn, stride_w2n, eps,
                      HAS_W2: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SLOT_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
-                     LINE_ELEMS: tl.constexpr = 64):
-    """PREFETCH (no slots): bytes a weight row to ask the L2 for before the PDL wait (`pdl.prefetch_rows`, LINE_ELEMS
-    elements a 128-byte line)."""
+                     SLOT_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    last = tl.minimum(rows, N - 1)
-    if HAS_W2:
-        prefetch_at(tl.where(last < N1, W + last.to(tl.int64) * stride_wn,
-                             W2 + tl.maximum(last - N1, 0).to(tl.int64) * stride_w2n), PREFETCH, LINE_ELEMS)
-    else:
-        prefetch_rows(W, last, stride_wn, PREFETCH, LINE_ELEMS)
-    if SILU_MUL:
-        prefetch_rows(W, last + N, stride_wn, PREFETCH, LINE_ELEMS)
-    pdl_prologue(PDL)
     row_ok = rows < N
     if SLOT_ROWS > 0:  # rows from N1 on come in slots of SLOT_ROWS: only slot `*Slot`'s are computed (-1: none)
         slot = tl.load(Slot)
@@ -196,17 +185,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w2: tor
     res_out = torch.empty_like(x) if res is not None else None
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
     n1 = w.shape[0] if w2 is not None else (slots[1] if slots is not None else n_out)
-    pdl_opts = pdl.launch_opts(x, pdl_level)
-    if pdl_opts and slots is None:
-        size = w.element_size()
-        pdl_opts.update(PREFETCH=pdl.prefetch_bytes(pdl_opts, block_k * size, k * size), LINE_ELEMS=pdl.LINE // size)
     launch(_gemv_row_kernel, (triton.cdiv(n_out, cfg.block_n),), x, res if res is not None else x, nw,
            res_out if res_out is not None else out, w, w2 if w2 is not None else w,
            bias if bias is not None else out, out, slots[0] if slots is not None else out, n1, n_out, k,
            w.stride(0), w2.stride(0) if w2 is not None else w.stride(0), float(eps),
            HAS_W2=w2 is not None, NORM=norm is not None, HAS_RES=res is not None, HAS_BIAS=bias is not None,
            SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-           SLOT_ROWS=slots[2] if slots is not None else 0, **opts, **pdl_opts)
+           SLOT_ROWS=slots[2] if slots is not None else 0, **opts, **pdl.launch_opts(x, pdl_level))
     return out, res_out
 
 

@@ -25,7 +25,7 @@ from radixserve.layers.quantization import gemv_configs
 from radixserve.layers.triton_ops import pdl
 from radixserve.layers.triton_ops.kv_store import fp8_max, fp8_saturate
 from radixserve.layers.triton_ops.launch import launch
-from radixserve.layers.triton_ops.pdl import pdl_prologue, prefetch_rows
+from radixserve.layers.triton_ops.pdl import pdl_prologue
 
 ENABLED = os.environ.get("RADIXSERVE_GEMV_ROPE", "1") not in ("0", "")
 
@@ -83,17 +83,13 @@ def _rope_store(o1, o2, head, d, rows, Out, Cos, Sin, pos, stride_cache, loc, KB
 def _gemv_rope_kernel(X, W, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VBuf, K, stride_wn, stride_cache,
                       stride_kb, stride_vb, num_q_heads, num_kv_heads, k_inv, v_inv,
                       HAS_BIAS: tl.constexpr, STORE_KV: tl.constexpr, FP8_MAX: tl.constexpr, EVEN_K: tl.constexpr,
-                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0,
-                      PREFETCH: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64):
+                      HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     per_head = HALF // BLOCK_N
     head = pid // per_head
     d = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # positions in the head's first half
     rows = head * (2 * HALF) + d
-    # the start of both halves' weight rows asked of the L2 before the wait (`pdl.prefetch_rows`)
-    prefetch_rows(W, rows, stride_wn, PREFETCH, LINE_ELEMS)
-    prefetch_rows(W, rows + HALF, stride_wn, PREFETCH, LINE_ELEMS)
-    pdl_prologue(PDL)
     # what the epilogue needs besides the product, asked for before the loop so that its latency hides behind the
     # weight's (only cos / sin, which need the position, are loaded after it)
     pos = tl.load(Positions).to(tl.int64)
@@ -200,12 +196,8 @@ def gemv_qkv_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
     k = x.shape[1]
     block_k = min(config.block_k, triton.next_power_of_2(k))
     opts = dict(num_warps=config.num_warps, num_stages=config.num_stages) if x.is_cuda else {}
-    pdl_opts = pdl.launch_opts(x)
-    if pdl_opts:
-        size = w.element_size()
-        pdl_opts.update(PREFETCH=pdl.prefetch_bytes(pdl_opts, block_k * size, k * size), LINE_ELEMS=pdl.LINE // size)
     launch(_gemv_rope_kernel, (n // (2 * config.block_n),), x, w, bias if bias is not None else out, out, positions,
            cos_cache, sin_cache, loc, k_buf, v_buf, k, w.stride(0), cos_cache.stride(0), skb, svb, num_q_heads,
            num_kv_heads, k_inv, v_inv, HAS_BIAS=bias is not None, STORE_KV=kv is not None, FP8_MAX=fmax,
-           EVEN_K=k % block_k == 0, HALF=half, BLOCK_N=config.block_n, BLOCK_K=block_k, **opts, **pdl_opts)
+           EVEN_K=k % block_k == 0, HALF=half, BLOCK_N=config.block_n, BLOCK_K=block_k, **opts, **pdl.launch_opts(x))
     return out

@@ -14,11 +14,14 @@ way, timed with CUDA events) takes 4.02 ms with it against 4.16 without, and the
 same in two processes each (docs/PERFORMANCE.md); level 2 gained another 0.01 ms there. The decode graphs of up to
 16 requests are captured at level 2 unless RADIXSERVE_PDL is set (`graph_level`, SMALL_GRAPH_BS).
 
-The weight-streaming kernels (the one-row GEMVs) may also ask the L2 for the start of their weight rows before
-they wait (`prefetch_rows`): the weights are never written by the kernels before them, and a prefetch is only a
-hint, so this cannot change a result; what it gains is that the first bytes are on their way while the kernel
-before is still finishing. RADIXSERVE_PDL_PREFETCH is how many of the kernel's K steps a row to ask for (default
-1; 0 turns it off); only launches that take part in PDL prefetch (`prefetch_bytes`)."""
+The fp8 one-row GEMVs (`fp8_gemv`, `fp8_gemv_rope`: the fp8 and int8 weights of a batch-1 decode) also ask the
+L2 for the first RADIXSERVE_PDL_PREFETCH bytes (default 512; 0 turns it off) of each of their weight rows before
+they wait (`prefetch_rows`, `prefetch_bytes`): weights are never written by the kernels before them and a prefetch
+is only a hint, so no result can change; at level 2 a program that starts while the kernel before is finishing then
+has its first bytes on the way. The fp8 8B batch-1 decode graph took 3.019 ms with it against 3.069 without (H100;
+512 bytes a row: 3.017-3.020, 256: 3.022, 128: 3.030-3.033, the whole first K step of 1-2 KB: 3.172-3.176, too much
+asked at once). The 16-bit GEMVs gained nothing (8B) or lost (DeepSeek-V2-Lite 2.752 against 2.559 ms a step) and
+do not prefetch (docs/perf-log.md, "2026-12-06 (night)")."""
 
 from __future__ import annotations
 
@@ -52,9 +55,9 @@ LEVEL = int(os.environ.get("RADIXSERVE_PDL", "1"))
 if LEVEL not in (0, 1, 2):
     raise ValueError(f"RADIXSERVE_PDL must be 0, 1 or 2, got {LEVEL}")
 LEVEL_FROM_ENV = "RADIXSERVE_PDL" in os.environ
-PREFETCH_STEPS = int(os.environ.get("RADIXSERVE_PDL_PREFETCH", "1"))
-if PREFETCH_STEPS < 0:
-    raise ValueError(f"RADIXSERVE_PDL_PREFETCH must be >= 0, got {PREFETCH_STEPS}")
+PREFETCH_BYTES = int(os.environ.get("RADIXSERVE_PDL_PREFETCH", "512"))
+if PREFETCH_BYTES < 0:
+    raise ValueError(f"RADIXSERVE_PDL_PREFETCH must be >= 0 bytes, got {PREFETCH_BYTES}")
 LINE = 128  # bytes an L2 prefetch brings
 # Decode graphs of at most this many requests are captured at level 2 while the level is the default 1: level 2
 # shortened the 8B batch-1 graph (fp8 weights -2.4%, bf16 -0.3 to -0.5%; H200) and lengthened batch 64's (+0.7 to
@@ -110,24 +113,18 @@ def l2_prefetch(ptrs):
 def prefetch_rows(W, rows, stride_w, ROW_BYTES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     """L2 prefetch of the first ROW_BYTES (a multiple of LINE) of each of W's `rows` (in bounds; rows stride_w
     elements apart, LINE_ELEMS elements a line). Nothing when ROW_BYTES is 0."""
-    prefetch_at(W + rows.to(tl.int64) * stride_w, ROW_BYTES, LINE_ELEMS)
-
-
-@triton.jit
-def prefetch_at(row_starts, ROW_BYTES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """`prefetch_rows` for rows given by pointers to their starts (a 1-D tensor; rows of two weights side by side)."""
     if ROW_BYTES > 0:
         offs = tl.arange(0, ROW_BYTES // 128) * LINE_ELEMS
-        l2_prefetch(row_starts[:, None] + offs[None, :])
+        l2_prefetch(W + rows[:, None].to(tl.int64) * stride_w + offs[None, :])
 
 
-def prefetch_bytes(opts: dict[str, Any], step_bytes: int, row_bytes: int) -> int:
-    """ROW_BYTES for `prefetch_rows` in a launch with PDL options `opts` (from `launch_opts`): PREFETCH_STEPS K steps
-    of `step_bytes` a row, at most the row's `row_bytes`, rounded down to a power-of-two count of lines; 0 without
-    PDL, with the prefetch off, or for rows shorter than a line."""
-    if not opts or not PREFETCH_STEPS:
+def prefetch_bytes(opts: dict[str, Any], row_bytes: int) -> int:
+    """ROW_BYTES for `prefetch_rows` in a launch with PDL options `opts` (from `launch_opts`): PREFETCH_BYTES, at
+    most the row's `row_bytes`, rounded down to a power-of-two count of lines; 0 without PDL, with the prefetch
+    off, or for rows shorter than a line."""
+    if not opts or not PREFETCH_BYTES:
         return 0
-    lines = min(PREFETCH_STEPS * step_bytes, row_bytes) // LINE
+    lines = min(PREFETCH_BYTES, row_bytes) // LINE
     return 0 if lines < 1 else LINE * (1 << (lines.bit_length() - 1))
 
 
@@ -145,6 +142,5 @@ def launch_opts(t: torch.Tensor, level: int | None = None) -> dict[str, Any]:
     return {"PDL": level, "launch_pdl": True}
 
 
-__all__ = ["AVAILABLE", "LEVEL", "PREFETCH_STEPS", "gdc_launch_dependents", "gdc_wait", "graph_level", "l2_prefetch",
-           "launch_opts", "level_while", "pdl_prologue", "prefetch_at", "prefetch_bytes", "prefetch_rows",
-           "set_level"]
+__all__ = ["AVAILABLE", "LEVEL", "PREFETCH_BYTES", "gdc_launch_dependents", "gdc_wait", "graph_level", "l2_prefetch",
+           "launch_opts", "level_while", "pdl_prologue", "prefetch_bytes", "prefetch_rows", "set_level"]
