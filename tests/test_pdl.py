@@ -1,6 +1,6 @@
 """The programmatic-dependent-launch level a launch gets (`triton_ops/pdl.py`): decode graphs of a few requests at
 level 2 while the level is the default, every graph at RADIXSERVE_PDL's level where it is set, and a capture's
-level undone after it."""
+level undone after it; the bytes a row the fp8 GEMVs prefetch before their wait, and which launches pass them."""
 
 from __future__ import annotations
 
@@ -58,3 +58,35 @@ def test_prefetch_bytes(monkeypatch: pytest.MonkeyPatch, opts: dict, nbytes: int
     got = pdl.prefetch_bytes(opts, row_bytes)
     assert got == want
     assert got == 0 or (got % pdl.LINE == 0 and (got // pdl.LINE) & (got // pdl.LINE - 1) == 0 and got <= row_bytes)
+
+
+@pytest.mark.parametrize("nbytes", [512, 0])
+def test_the_fp8_gemvs_pass_the_prefetch_with_pdl(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """With PDL options for the launch (as on a Hopper GPU), the fp8 elementwise GEMV (plain and SiLU·mul) and the
+    fp8 q/k/v + rotation kernel are launched with PREFETCH = the configured bytes a row; the tensor-core GEMV and
+    launches without PDL get none. (The kernels are recorded, not run.)"""
+    from radixserve.layers.quantization import fp8_gemv, fp8_gemv_rope
+    from radixserve.layers.quantization.gemv_configs import GemvConfig
+    from radixserve.layers.quantization.gguf_chunk_rope import RopeArgs
+
+    launched: list[tuple[str, dict]] = []
+    for mod in (fp8_gemv, fp8_gemv_rope):
+        monkeypatch.setattr(mod, "launch", lambda fn, grid, *a, **kw: launched.append((fn.__name__, kw)))
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", nbytes)
+    k = 4096
+    x = torch.randn(1, k).bfloat16()
+    w = torch.randn(512, k).to(torch.float8_e4m3fn)
+    s = torch.ones(512)
+    ew = GemvConfig("ew", 4, 1024, 4, 2, "ef+r8")
+    for with_pdl in (True, False):
+        monkeypatch.setattr(pdl, "launch_opts", lambda t, level=None, on=with_pdl: {"PDL": 2, "launch_pdl": True}
+                            if on else {})
+        fp8_gemv.fp8_skinny_gemv(x, w, s, torch.bfloat16, config=ew)
+        fp8_gemv.fp8_skinny_gemv(x, w, torch.ones(512), torch.bfloat16, config=ew, silu_mul=True)
+        fp8_gemv.fp8_skinny_gemv(x, w, s, torch.bfloat16, config=GemvConfig("dot", 32, 256))
+        fp8_gemv_rope.fp8_qkv_rope(x, w, s, None, RopeArgs(2, 1, 128, torch.zeros(1, dtype=torch.long),
+                                                           torch.ones(8, 64), torch.zeros(8, 64), None), ew)
+    got = [(name, kw.get("PREFETCH")) for name, kw in launched]
+    assert got == [("_fp8_gemv_ew_kernel", nbytes), ("_fp8_gemv_ew_kernel", nbytes), ("_fp8_gemv_dot_kernel", None),
+                   ("_fp8_gemv_rope_kernel", nbytes), ("_fp8_gemv_ew_kernel", None), ("_fp8_gemv_ew_kernel", None),
+                   ("_fp8_gemv_dot_kernel", None), ("_fp8_gemv_rope_kernel", None)]
