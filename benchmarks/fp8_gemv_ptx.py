@@ -21,7 +21,8 @@ LOOP_OPS = ("ld.global", "st.shared", "ld.shared", "bar.sync", "shfl", "fma", "m
 
 def compile_ew(blocks: bool, block_n: int, block_k: int, two_rows: bool = False, silu_mul: bool = False,
                red8: bool = True, num_warps: int = 4, num_stages: int = 3, arch: int = 90) -> Any:
-    """`_fp8_gemv_ew_kernel` for `arch` as the decode path launches it (bf16 x, evict-first weight, no bias)."""
+    """`_fp8_gemv_ew_kernel` for `arch` as the decode path launches it (bf16 x, evict-first weight, no bias, the
+    weight rows' first 512 bytes prefetched before the PDL wait)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,7 +33,7 @@ def compile_ew(blocks: bool, block_n: int, block_k: int, two_rows: bool = False,
                  "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
                  "out_factor": "fp32", "stride_sn": "i32", "group_n": "i32", "group_k": "i32"}
     const = dict(HAS_BIAS=False, WIDEN_F16=False, TWO_ROWS=two_rows, SILU_MUL=silu_mul, BLOCK_N=block_n,
-                 BLOCK_K=block_k, PDL=1, EVICT=True, RED8=red8, BLOCKS=blocks)
+                 BLOCK_K=block_k, PDL=1, EVICT=True, RED8=red8, BLOCKS=blocks, PREFETCH=512)
     names = list(fn.arg_names)
     sig = {**signature, **{k: "constexpr" for k in const}}
     aligned = [names.index(n) for n in ("X", "W", "S", "Bias", "Out", "K", "stride_xm", "stride_wn", "stride_om")]
