@@ -1,8 +1,9 @@
 """On CUDA: the fp8 one-row GEMVs, which ask the L2 for the start of their weight rows before their PDL wait
 (`triton_ops/pdl.prefetch_rows`), give bit-for-bit what they give without it: the elementwise kernel (plain,
-SiLU·mul, two rows, the int8 head's weight) and the q/k/v product with the rotation and KV store. Each launch runs
-at PDL level 2 behind a long kernel, so the prefetch happens while that kernel still runs. Skipped without a GPU or
-without PDL (compute capability < 9.0)."""
+SiLU·mul, two rows, the int8 head's weight) and the q/k/v product with the rotation and KV store, each launched at
+PDL level 2 after a long matmul with 0, 512 and 4,096 bytes a row (the prefetch compiled in and run; the
+decode graphs' overlap itself is measured by the benchmarks, not here). Skipped without a GPU or without PDL
+(compute capability < 9.0)."""
 
 from __future__ import annotations
 
