@@ -79,8 +79,8 @@ def test_the_fp8_gemvs_pass_the_prefetch_with_pdl(monkeypatch: pytest.MonkeyPatc
     s = torch.ones(512)
     ew = GemvConfig("ew", 4, 1024, 4, 2, "ef+r8")
     for with_pdl in (True, False):
-        monkeypatch.setattr(pdl, "launch_opts", lambda t, level=None, on=with_pdl: {"PDL": 2, "launch_pdl": True}
-                            if on else {})
+        monkeypatch.setattr(pdl, "_takes_pdl", lambda t, on=with_pdl: on)  # (as on a Hopper GPU, or not)
+        monkeypatch.setattr(pdl, "LEVEL", 2)
         fp8_gemv.fp8_skinny_gemv(x, w, s, torch.bfloat16, config=ew)
         fp8_gemv.fp8_skinny_gemv(x, w, torch.ones(512), torch.bfloat16, config=ew, silu_mul=True)
         fp8_gemv.fp8_skinny_gemv(x, w, s, torch.bfloat16, config=GemvConfig("dot", 32, 256))

@@ -42,6 +42,7 @@ from radixserve.distributed.one_shot_common import (
     next_slot_cycle,
     slot_offset,
 )
+from radixserve.layers.triton_ops.pdl import l2_prefetch
 
 ROW_STRIDE = 8192  # elements reserved per row in the fused kernel's slots: rows up to this width are fused
 PF_LINES = 1024  # 128-byte lines each prefetching program asks the L2 for
@@ -107,12 +108,6 @@ def _push_one_shot_kernel(x_ptr, out_ptr, buf_ptrs, slots, numel, slot_numel, SE
 
 
 @triton.jit
-def _prefetch_l2(addr):
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _push_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_ptrs, slots, widths, n_rows, n_cols,
                              slot_numel, eps, pf_addr, pf_bytes, SENT: tl.constexpr, RANK: tl.constexpr,
                              WORLD: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr,
@@ -137,7 +132,7 @@ def _push_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_pt
     elif PF_LINES > 0:
         lines = (row - n_rows) * PF_LINES + tl.arange(0, PF_LINES)
         offs = tl.minimum(lines.to(tl.int64) * 128, pf_bytes - 1)
-        _prefetch_l2(pf_addr + offs)
+        l2_prefetch(pf_addr + offs)
 
 
 class PushBuffers(SymmBuffers):

@@ -134,9 +134,9 @@ def _fp8_gemv_ew_kernel(X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, strid
     it to x. PREFETCH: bytes a row of the weight to ask the L2 for before the PDL wait (`pdl.prefetch_rows`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    prefetch_rows(W, tl.minimum(offs_n, N - 1), stride_wn, PREFETCH, 128)
+    prefetch_rows(W, tl.minimum(offs_n, N - 1), stride_wn, PREFETCH)
     if SILU_MUL:
-        prefetch_rows(W, tl.minimum(offs_n, N - 1) + N, stride_wn, PREFETCH, 128)
+        prefetch_rows(W, tl.minimum(offs_n, N - 1) + N, stride_wn, PREFETCH)
     pdl_prologue(PDL)
     # Runs of 8 contiguous columns: the fp8 bytes and the 16-bit x then get the same register layout (8 a thread),
     # so nothing is exchanged through shared memory inside the loop.
@@ -290,14 +290,11 @@ def fp8_skinny_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
         if block is not None:  # a program's rows in one row block (powers of two: the smaller divides the larger)
             block_n = min(block_n, bn)
             groups = (scale.stride(0), bn, bk)
-        pdl_opts = pdl.launch_opts(x, pdl_level)
-        if pdl_opts:  # (fp8 / int8: a byte an element)
-            pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, k)
         launch(_fp8_gemv_ew_kernel, (triton.cdiv(n_out, block_n),), x, w.view(torch.uint8) if widen else w, s, b,
                out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), 256.0 if widen else 1.0, *groups,
                HAS_BIAS=bias is not None, WIDEN_F16=widen, TWO_ROWS=m == 2, SILU_MUL=silu_mul, BLOCK_N=block_n,
                BLOCK_K=block_k, EVICT="ef" in flags, RED8="r8" in flags, BLOCKS=block is not None, **opts,
-               **pdl_opts)
+               **pdl.launch_opts(x, pdl_level, prefetch_row_bytes=k))  # (fp8 / int8: a byte an element)
     else:
         launch(_fp8_gemv_dot_kernel, (triton.cdiv(n_out, cfg.block_n),), x, w, s, b, out, m, n_out, k, x.stride(0),
                w.stride(0), out.stride(0), HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32 or not x.is_cuda,

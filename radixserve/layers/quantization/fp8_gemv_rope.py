@@ -35,7 +35,7 @@ def _fp8_gemv_rope_kernel(X, W, S, Bias, Out, Positions, Cos, Sin, Loc, KBuf, VB
     i = tl.arange(0, BLOCK_N)
     offs_n = head * (2 * HALF) + (pid % per_head) * R + i % R + (i // R) * HALF  # both runs
     mask_n = offs_n < N
-    prefetch_rows(W, tl.minimum(offs_n, N - 1), stride_wn, PREFETCH, 128)  # before the wait: `pdl.prefetch_rows`
+    prefetch_rows(W, tl.minimum(offs_n, N - 1), stride_wn, PREFETCH)  # before the wait: `pdl.prefetch_rows`
     pdl_prologue(PDL)
     pos = tl.load(Positions).to(tl.int64)  # before the loop: their latency hides behind the weight's
     loc = tl.load(Loc).to(tl.int64) if STORE_KV else 0
@@ -93,13 +93,10 @@ def fp8_qkv_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     widen = "f16" in flags
     s = scale.reshape(-1)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages) if x.is_cuda else {}
-    pdl_opts = pdl.launch_opts(x)
-    if pdl_opts:
-        pdl_opts["PREFETCH"] = pdl.prefetch_bytes(pdl_opts, k)
     launch(_fp8_gemv_rope_kernel, (n // (2 * r),), x, w.view(torch.uint8) if widen else w, s,
            bias if bias is not None else s, out, rope.positions, rope.cos_cache, rope.sin_cache, loc, k_buf, v_buf, n,
            k, w.stride(0), 256.0 if widen else 1.0, rope.cos_cache.stride(0), skb, svb, rope.num_q_heads,
            rope.num_kv_heads, k_inv, v_inv, HAS_BIAS=bias is not None, STORE_KV=rope.kv is not None, FP8_MAX=fmax,
            HALF=rope.head_dim // 2, WIDEN_F16=widen, EVICT="ef" in flags, RED8="r8" in flags, BLOCK_N=2 * r,
-           BLOCK_K=block_k, **opts, **pdl_opts)
+           BLOCK_K=block_k, **opts, **pdl.launch_opts(x, prefetch_row_bytes=k))
     return out

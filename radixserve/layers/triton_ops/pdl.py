@@ -104,24 +104,25 @@ def pdl_prologue(PDL: tl.constexpr):
 
 @triton.jit
 def l2_prefetch(ptrs):
-    """Asks the L2 for the 128-byte lines holding `ptrs` (one address a line); a hint, with no effect on results."""
+    """Asks the L2 for the 128-byte lines holding `ptrs` (pointers or 64-bit addresses, one a line); a hint, with no
+    effect on results. (Also the fused all-reduce's prefetch of the next layer's weight, `push_all_reduce`.)"""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 
 @triton.jit
-def prefetch_rows(W, rows, stride_w, ROW_BYTES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """L2 prefetch of the first ROW_BYTES (a multiple of LINE) of each of W's `rows` (in bounds; rows stride_w
-    elements apart, LINE_ELEMS elements a line). Nothing when ROW_BYTES is 0."""
+def prefetch_rows(W, rows, stride_w, ROW_BYTES: tl.constexpr):
+    """L2 prefetch of the first ROW_BYTES (a multiple of LINE) of each of `rows` of W, a weight of one-byte elements
+    (fp8 / int8; rows in bounds, stride_w apart). Nothing when ROW_BYTES is 0."""
     if ROW_BYTES > 0:
-        offs = tl.arange(0, ROW_BYTES // 128) * LINE_ELEMS
+        offs = tl.arange(0, ROW_BYTES // 128) * 128
         l2_prefetch(W + rows[:, None].to(tl.int64) * stride_w + offs[None, :])
 
 
 def prefetch_bytes(opts: dict[str, Any], row_bytes: int) -> int:
-    """ROW_BYTES for `prefetch_rows` in a launch with PDL options `opts` (from `launch_opts`): PREFETCH_BYTES, at
-    most the row's `row_bytes`, rounded down to a power-of-two count of lines; 0 without PDL, with the prefetch
-    off, or for rows shorter than a line."""
+    """ROW_BYTES for `prefetch_rows` in a launch with PDL options `opts`: PREFETCH_BYTES, at most the row's
+    `row_bytes`, rounded down to a power-of-two count of lines; 0 without PDL, with the prefetch off, or for rows
+    shorter than a line."""
     if not opts or not PREFETCH_BYTES:
         return 0
     lines = min(PREFETCH_BYTES, row_bytes) // LINE
@@ -133,13 +134,24 @@ def _capable(device_index: int) -> bool:
     return AVAILABLE and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def launch_opts(t: torch.Tensor, level: int | None = None) -> dict[str, Any]:
+def _takes_pdl(t: torch.Tensor) -> bool:
+    """Whether a launch on t's device can use PDL: a CUDA GPU of compute capability 9.0 or later with a Triton that
+    has the instructions."""
+    return t.is_cuda and _capable(t.device.index if t.device.index is not None else 0)
+
+
+def launch_opts(t: torch.Tensor, level: int | None = None, prefetch_row_bytes: int | None = None
+                ) -> dict[str, Any]:
     """{"PDL": level, "launch_pdl": True} for a kernel with a PDL constexpr launched on t's device, or {} (PDL off,
-    not CUDA, an older GPU or Triton). `level` overrides RADIXSERVE_PDL."""
+    not CUDA, an older GPU or Triton). `level` overrides RADIXSERVE_PDL. `prefetch_row_bytes`: the kernel also has
+    a PREFETCH constexpr (`prefetch_rows` of a weight with rows of that many bytes), given `prefetch_bytes`."""
     level = LEVEL if level is None else level
-    if not level or not t.is_cuda or not _capable(t.device.index if t.device.index is not None else 0):
+    if not level or not _takes_pdl(t):
         return {}
-    return {"PDL": level, "launch_pdl": True}
+    opts: dict[str, Any] = {"PDL": level, "launch_pdl": True}
+    if prefetch_row_bytes is not None:
+        opts["PREFETCH"] = prefetch_bytes(opts, prefetch_row_bytes)
+    return opts
 
 
 __all__ = ["AVAILABLE", "LEVEL", "PREFETCH_BYTES", "gdc_launch_dependents", "gdc_wait", "graph_level", "l2_prefetch",
